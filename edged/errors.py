@@ -1,0 +1,99 @@
+"""One error root for the whole daemon.
+
+Every error carries a transport-neutral :class:`ErrorCode`; the HTTP, MQTT and
+shared-memory transports map that code to their own form (status code, error
+response field, completion status) and never inspect the subclass.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+
+class ErrorCode(str, enum.Enum):
+    INVALID_ARGUMENT = "invalid_argument"
+    NOT_FOUND = "not_found"
+    UNAVAILABLE = "unavailable"
+    OVERLOADED = "overloaded"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    FAILED_PRECONDITION = "failed_precondition"
+    INTERNAL = "internal"
+
+
+class EdgedError(Exception):
+    """Root of every error edged raises on purpose."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, message: str, *, code: ErrorCode | None = None, **context: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        # Structured context (model, version, key path, file...) for logs; never shown raw to clients.
+        self.context = context
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigError(EdgedError):
+    """The configuration file is missing, unreadable or invalid."""
+
+    code = ErrorCode.INVALID_ARGUMENT
+
+    def __init__(self, message: str, problems: list[str] | None = None, **context: Any) -> None:
+        super().__init__(message, **context)
+        self.problems = problems or [message]
+
+
+class ManifestError(EdgedError):
+    """A model version's manifest or files are wrong; the model is skipped, the rest still serve."""
+
+    code = ErrorCode.FAILED_PRECONDITION
+
+
+class EngineUnavailableError(EdgedError):
+    """An inference engine's library is missing or cannot run here."""
+
+    code = ErrorCode.UNAVAILABLE
+
+
+class ModelLoadError(EdgedError):
+    """An engine failed to load or warm up a model variant."""
+
+    code = ErrorCode.UNAVAILABLE
+
+
+class InvalidInputError(EdgedError):
+    """A request does not match the model's inputs (name, datatype, shape, size)."""
+
+    code = ErrorCode.INVALID_ARGUMENT
+
+
+class ModelNotFoundError(EdgedError):
+    code = ErrorCode.NOT_FOUND
+
+
+class ModelNotReadyError(EdgedError):
+    code = ErrorCode.UNAVAILABLE
+
+
+class OverloadedError(EdgedError):
+    code = ErrorCode.OVERLOADED
+
+
+class DeadlineExceededError(EdgedError):
+    code = ErrorCode.DEADLINE_EXCEEDED
+
+
+class ResourceExhaustedError(EdgedError):
+    """Admitting the work would exceed a memory or size budget."""
+
+    code = ErrorCode.RESOURCE_EXHAUSTED
+
+
+class InternalError(EdgedError):
+    code = ErrorCode.INTERNAL
