@@ -1,0 +1,1 @@
+"""Inference engines behind one small contract: load, infer on numpy arrays, describe, unload."""

@@ -1,0 +1,96 @@
+"""The engine contract every backend implements.
+
+An :class:`Engine` is one loaded model variant. ``infer`` must be safe to call
+from several threads at once: the scheduler runs ``instances.count`` worker
+threads over one engine, relying on the engines releasing the GIL.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from edged.repository.manifest import TensorSpec, Variant
+
+
+@dataclass(frozen=True)
+class EngineTensor:
+    """A tensor as the engine sees it: the full shape, batch dimension included, -1 for dynamic."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    model: str
+    version: int
+    version_dir: Path
+    variant: Variant
+    device: str = "CPU"
+    options: Mapping[str, Any] = field(default_factory=dict)
+    max_batch_size: int = 0
+    inputs: Sequence[TensorSpec] | None = None
+    threads: int = 0
+    instances: int = 1
+    cache_dir: Path | None = None
+
+    @property
+    def file(self) -> Path:
+        return self.version_dir / self.variant.file
+
+    @property
+    def label(self) -> str:
+        return f"model {self.model!r} version {self.version} ({self.variant.file})"
+
+
+class Engine(abc.ABC):
+    backend: str
+    device: str
+    precision: str
+    inputs: list[EngineTensor]
+    outputs: list[EngineTensor]
+
+    @abc.abstractmethod
+    def infer(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Run one (possibly batched) inference; returns arrays the caller owns."""
+
+    def unload(self) -> None:  # noqa: B027 - optional hook
+        """Release engine resources; the default relies on garbage collection."""
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "device": self.device,
+            "precision": self.precision,
+            "inputs": [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in self.inputs],
+            "outputs": [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in self.outputs],
+        }
+
+
+class Backend(abc.ABC):
+    """Factory for engines of one library."""
+
+    name: ClassVar[str]
+    formats: ClassVar[frozenset[str]]
+    extra: ClassVar[str]  # the pip extra or package that provides the library
+
+    @abc.abstractmethod
+    def check_available(self) -> None:
+        """Raise EngineUnavailableError, naming what to install, when the library cannot be used."""
+
+    @abc.abstractmethod
+    def load(self, request: LoadRequest) -> Engine:
+        """Load a variant; raise ModelLoadError naming the model, version and file on failure."""
+
+    def library_version(self) -> str:
+        return "unknown"
+
+    def devices(self) -> list[str]:
+        return ["CPU"]

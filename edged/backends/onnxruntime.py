@@ -1,0 +1,111 @@
+"""ONNX Runtime: runs everywhere; execution providers are chosen from an ordered list."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from edged import datatypes
+from edged.backends.base import Backend, Engine, EngineTensor, LoadRequest
+from edged.errors import EngineUnavailableError, ModelLoadError
+
+_PROVIDER_BY_DEVICE = {
+    "CPU": ["CPUExecutionProvider"],
+    "GPU": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
+    "CUDA": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+    "OPENVINO": ["OpenVINOExecutionProvider", "CPUExecutionProvider"],
+}
+
+
+def _import() -> Any:
+    try:
+        import onnxruntime
+    except ImportError as e:
+        raise EngineUnavailableError(
+            f"ONNX Runtime is not installed ({e}); install the 'onnxruntime' package "
+            "(or 'onnxruntime-gpu' on CUDA machines)") from None
+    return onnxruntime
+
+
+def _shape(dims: Sequence[Any]) -> tuple[int, ...]:
+    return tuple(d if isinstance(d, int) and d >= 0 else -1 for d in dims)
+
+
+class OnnxRuntimeEngine(Engine):
+    backend = "onnxruntime"
+
+    def __init__(self, session: Any, device: str, precision: str, providers: list[str]) -> None:
+        self._session = session
+        self.device = device
+        self.precision = precision
+        self.providers = providers
+        self.inputs = [EngineTensor(i.name, datatypes.from_engine(i.type), _shape(i.shape))
+                       for i in session.get_inputs()]
+        self.outputs = [EngineTensor(o.name, datatypes.from_engine(o.type), _shape(o.shape))
+                        for o in session.get_outputs()]
+        self._output_names = [o.name for o in self.outputs]
+        self._lock = threading.Lock()
+
+    def infer(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        names = list(outputs) if outputs else self._output_names
+        session = self._session
+        if session is None:
+            raise ModelLoadError("engine was unloaded")
+        # InferenceSession.run is thread-safe and releases the GIL during compute.
+        results = session.run(names, dict(inputs))
+        return dict(zip(names, results, strict=True))
+
+    def unload(self) -> None:
+        with self._lock:
+            self._session = None
+
+    def describe(self) -> dict[str, Any]:
+        d = super().describe()
+        d["providers"] = self.providers
+        return d
+
+
+class OnnxRuntimeBackend(Backend):
+    name = "onnxruntime"
+    formats: ClassVar[frozenset[str]] = frozenset({"onnx"})
+    extra = "onnxruntime"
+
+    def check_available(self) -> None:
+        _import()
+
+    def library_version(self) -> str:
+        return str(_import().__version__)
+
+    def devices(self) -> list[str]:
+        available = set(_import().get_available_providers())
+        return [d for d, provs in _PROVIDER_BY_DEVICE.items() if provs[0] in available]
+
+    def load(self, request: LoadRequest) -> Engine:
+        ort = _import()
+        wanted = list(request.options.get("providers") or _PROVIDER_BY_DEVICE.get(request.device.upper(), []))
+        if not wanted:
+            raise ModelLoadError(f"{request.label}: ONNX Runtime has no device {request.device!r}")
+        available = set(ort.get_available_providers())
+        providers = [p for p in wanted if p in available]
+        accelerated = [p for p in wanted if p != "CPUExecutionProvider"]
+        if accelerated and not any(p in available for p in accelerated):
+            raise ModelLoadError(
+                f"{request.label}: none of the providers {accelerated} is available in this ONNX Runtime "
+                f"(available: {sorted(available)})")
+        opts = ort.SessionOptions()
+        threads = int(request.options.get("intra_op_threads", request.threads) or 0)
+        if threads > 0:
+            opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.log_severity_level = 3
+        try:
+            session = ort.InferenceSession(str(request.file), sess_options=opts, providers=providers)
+        except Exception as e:  # ORT raises its own exception types (Fail, InvalidGraph, ...)
+            raise ModelLoadError(f"{request.label}: ONNX Runtime could not load it: {e}",
+                                 model=request.model, version=request.version) from None
+        return OnnxRuntimeEngine(session, request.device.upper(), request.variant.precision,
+                                 list(session.get_providers()))

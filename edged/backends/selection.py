@@ -1,0 +1,57 @@
+"""Which engine runs a model: the profile's preferences intersected with the model's variants."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from edged.backends.registry import get_backend
+from edged.errors import EdgedError
+from edged.repository.manifest import Variant
+
+if TYPE_CHECKING:
+    from edged.profiles import BackendPreference
+
+# Formats each backend can load natively, best first (OpenVINO and TensorRT also read ONNX).
+_FORMATS = {"onnxruntime": ("onnx",), "openvino": ("openvino", "onnx"), "tensorrt": ("tensorrt", "onnx")}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    variant: Variant
+    backend: str
+    device: str
+    precision: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.backend}/{self.device}/{self.precision} ({self.variant.file})"
+
+
+def candidates(variants: Sequence[Variant], preferences: Sequence[BackendPreference]) -> list[Candidate]:
+    """Ordered candidates: by preference, then precision order, then native format first."""
+    out: list[Candidate] = []
+    seen: set[tuple[str, str, str]] = set()
+    for pref in preferences:
+        for precision in pref.precisions:
+            for fmt in _FORMATS.get(pref.backend, ()):
+                for v in variants:
+                    if v.format != fmt or v.precision != precision:
+                        continue
+                    key = (pref.backend, pref.device, v.file)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    out.append(Candidate(v, pref.backend, pref.device, precision, dict(pref.options)))
+    return out
+
+
+def unavailable_reason(backend: str) -> str | None:
+    """Why a backend cannot be used on this machine, or None when it can."""
+    try:
+        get_backend(backend).check_available()
+    except EdgedError as e:
+        return str(e)
+    return None

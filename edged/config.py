@@ -1,0 +1,233 @@
+"""Typed daemon configuration: one TOML file, unknown keys refused.
+
+Every section the product will have exists from the start so that a config
+written today stays valid as features land. Relative paths resolve against the
+folder of the config file (or the working directory when there is none).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from edged.errors import ConfigError
+from edged.repository.manifest import format_validation_error
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_CONFIG_PATH = Path("/etc/edged/edged.toml")
+_PACKAGE_ROOT = Path(__file__).resolve().parent
+
+
+def source_checkout() -> Path | None:
+    """The repository root when edged runs from a source checkout (models/ beside the package)."""
+    root = _PACKAGE_ROOT.parent
+    return root if (root / "models").is_dir() and (root / "pyproject.toml").is_file() else None
+
+
+def bundled_models_dir() -> Path:
+    root = source_checkout()
+    return root / "models" if root else Path("/usr/share/edged/models")
+
+
+def default_state_dir() -> Path:
+    # systemd's StateDirectory= sets this; otherwise root uses the FHS place and users their XDG one.
+    if env := os.environ.get("STATE_DIRECTORY"):
+        return Path(env.split(":")[0])
+    if os.geteuid() == 0:
+        return Path("/var/lib/edged")
+    xdg = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(xdg) / "edged"
+
+
+def default_runtime_dir() -> Path:
+    if env := os.environ.get("RUNTIME_DIRECTORY"):
+        return Path(env.split(":")[0])
+    if os.geteuid() == 0:
+        return Path("/run/edged")
+    xdg = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/edged-{os.geteuid()}"
+    return Path(xdg) / "edged"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class VersionPolicy(_Section):
+    """Which versions of a model to serve: the newest N, or an explicit list."""
+
+    latest: int | None = Field(default=None, ge=1, description="serve the newest N versions")
+    specific: list[Annotated[int, Field(ge=1)]] | None = Field(default=None, description="serve exactly these")
+
+    @model_validator(mode="after")
+    def _one_of(self) -> VersionPolicy:
+        if self.latest is not None and self.specific is not None:
+            raise ValueError("set either latest or specific, not both")
+        if self.latest is None and self.specific is None:
+            self.latest = 1
+        return self
+
+    def select(self, available: list[int]) -> list[int]:
+        ordered = sorted(available)
+        if self.specific is not None:
+            return [v for v in ordered if v in set(self.specific)]
+        assert self.latest is not None
+        return ordered[-self.latest:]
+
+
+class DeviceSection(_Section):
+    id: str = Field(default_factory=socket.gethostname, description="device id used in MQTT topics and the registry")
+    state_dir: Path = Field(default_factory=default_state_dir, description="caches, staged downloads, telemetry buffer")
+    runtime_dir: Path = Field(default_factory=default_runtime_dir, description="sockets (the shm doorbell)")
+    model_repository: Path = Field(default_factory=bundled_models_dir, description="<repo>/<model>/<version>/")
+    profiles_dir: Path | None = Field(default=None, description="extra device profiles; same name overrides")
+    profile: str | None = Field(default=None, description="force a device profile by name instead of matching")
+
+    @field_validator("id")
+    @classmethod
+    def _topic_safe(cls, v: str) -> str:
+        if not v or any(c in v for c in "/+#\0") or len(v) > 128:
+            raise ValueError("must be 1-128 characters without '/', '+', '#'")
+        return v
+
+
+class ModelsSection(_Section):
+    version_policy: VersionPolicy = Field(default_factory=VersionPolicy, description="default for every model")
+    policies: dict[str, VersionPolicy] = Field(default_factory=dict, description="per-model overrides")
+    disabled: list[str] = Field(default_factory=list, description="models present in the repository but not loaded")
+
+    def policy_for(self, model: str) -> VersionPolicy:
+        return self.policies.get(model, self.version_policy)
+
+
+class HttpSection(_Section):
+    enabled: bool = True
+    listen: str = Field(default="127.0.0.1:8000", description="host:port, or a Unix socket path")
+    max_request_mb: float = Field(default=64, gt=0)
+
+
+class TlsSection(_Section):
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    insecure_skip_verify: bool = False
+
+
+class MqttSection(_Section):
+    enabled: bool = True
+    url: str = Field(default="mqtt://127.0.0.1:1883", description="mqtt:// or mqtts://host:port")
+    topic_prefix: str = "edged"
+    protocol: Literal["5", "3.1.1"] = "5"
+    username: str | None = None
+    password: str | None = None
+    tls: TlsSection | None = None
+    keepalive_s: int = Field(default=30, ge=5)
+    max_payload_mb: float = Field(default=16, gt=0)
+    bindings: list[dict[str, Any]] = Field(default_factory=list, description="stream bindings")
+
+    @field_validator("url")
+    @classmethod
+    def _scheme(cls, v: str) -> str:
+        if not v.startswith(("mqtt://", "mqtts://", "ws://", "wss://")):
+            raise ValueError("must start with mqtt://, mqtts://, ws:// or wss://")
+        return v
+
+
+class ShmSection(_Section):
+    enabled: bool = True
+    socket: Path | None = Field(default=None, description="Unix socket; default <runtime_dir>/edged.sock")
+    socket_mode: int = Field(default=0o660, description="file mode of the socket")
+    max_region_mb: float = Field(default=1024, gt=0)
+
+
+class RegistrySection(_Section):
+    enabled: bool = False
+    url: str | None = None
+    enrollment_token: str | None = None
+    public_keys: list[str] = Field(default_factory=list, description="Ed25519 release-signing keys (base64)")
+    poll_interval_s: float = Field(default=60, gt=0)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class TelemetrySection(_Section):
+    enabled: bool = True
+    interval_s: float = Field(default=60, gt=0)
+    buffer_mb: float = Field(default=16, gt=0)
+    upload: bool = True
+
+
+class LoggingSection(_Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class Config(_Section):
+    device: DeviceSection = Field(default_factory=DeviceSection)
+    models: ModelsSection = Field(default_factory=ModelsSection)
+    http: HttpSection = Field(default_factory=HttpSection)
+    mqtt: MqttSection = Field(default_factory=MqttSection)
+    shm: ShmSection = Field(default_factory=ShmSection)
+    registry: RegistrySection = Field(default_factory=RegistrySection)
+    telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
+    logging: LoggingSection = Field(default_factory=LoggingSection)
+    source: Path | None = Field(default=None, exclude=True, description="the file this came from")
+
+    @property
+    def shm_socket(self) -> Path:
+        return self.shm.socket or self.device.runtime_dir / "edged.sock"
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.device.state_dir / "cache"
+
+
+def _resolve_paths(cfg: Config, base: Path) -> Config:
+    def fix(p: Path | None) -> Path | None:
+        return None if p is None else (p if p.is_absolute() else (base / p).resolve())
+
+    d = cfg.device
+    d.state_dir, d.runtime_dir, d.model_repository = fix(d.state_dir), fix(d.runtime_dir), fix(d.model_repository)  # type: ignore[assignment]
+    d.profiles_dir = fix(d.profiles_dir)
+    cfg.shm.socket = fix(cfg.shm.socket)
+    if cfg.mqtt.tls:
+        t = cfg.mqtt.tls
+        t.ca_file, t.cert_file, t.key_file = fix(t.ca_file), fix(t.cert_file), fix(t.key_file)
+    return cfg
+
+
+def parse_config(text: str, *, source: Path | None = None) -> Config:
+    where = str(source) if source else "<config>"
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{where}: not valid TOML: {e}", [f"(file): not valid TOML: {e}"]) from None
+    try:
+        cfg = Config.model_validate(raw)
+    except ValidationError as e:
+        problems = format_validation_error(e)
+        raise ConfigError(f"{where}: {len(problems)} problem(s): " + "; ".join(problems), problems) from None
+    cfg.source = source
+    base = source.resolve().parent if source else Path.cwd()
+    return _resolve_paths(cfg, base)
+
+
+def load_config(path: Path | None) -> Config:
+    """Load ``path``; with None, the default file if it exists, else built-in defaults."""
+    if path is None:
+        if not DEFAULT_CONFIG_PATH.is_file():
+            return _resolve_paths(Config(), Path.cwd())
+        path = DEFAULT_CONFIG_PATH
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file", [f"(file): {path} does not exist"]) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read: {e}", [f"(file): cannot read: {e}"]) from None
+    return parse_config(text, source=path)

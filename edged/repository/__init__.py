@@ -1,0 +1,1 @@
+"""The on-disk model repository: ``<repo>/<model>/<version>/model.toml`` plus artifacts."""
