@@ -1,0 +1,1 @@
+"""The inference core: loaded models, the one inference service, scheduling and statistics."""

@@ -1,0 +1,189 @@
+"""Model lifecycle: load, reload and unload versions while serving, with memory admission.
+
+A new version is loaded, warmed up and checked before it gets traffic; only then
+is it published, and the version it replaces drains its in-flight requests before
+its engine is released. A version that fails to load never replaces anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import psutil
+
+from edged.config import ModelsSection
+from edged.core.models import ModelLoader, ModelState, ModelTable, ModelVersion
+from edged.core.scheduler import Scheduler
+from edged.core.stats import ModelStats
+from edged.errors import ModelNotFoundError, ResourceExhaustedError
+from edged.repository.digests import DigestCache
+from edged.repository.store import VersionEntry, list_versions, load_version, scan_repository
+
+if TYPE_CHECKING:
+    from edged.profiles import BackendPreference
+
+log = logging.getLogger(__name__)
+DRAIN_TIMEOUT_S = 30.0
+
+
+def estimate_memory_mb(entry: VersionEntry) -> float:
+    """Before loading: the manifest's figure, else twice the largest variant's files (weights + workspace)."""
+    m = entry.manifest
+    if m is None:
+        return 0.0
+    if m.memory_mb is not None:
+        return m.memory_mb
+    sizes = []
+    for v in entry.usable_variants:
+        total = 0
+        for art in [v, *v.extra_files]:
+            try:
+                total += (entry.path / art.file).stat().st_size
+            except OSError:
+                pass
+        sizes.append(total)
+    return 2.0 * max(sizes, default=0) / 1e6 + 4.0
+
+
+class ModelManager:
+    def __init__(self, repository: Path, models: ModelsSection, preferences: Sequence[BackendPreference], *,
+                 cache_dir: Path | None = None, threads: int = 0, memory_budget_mb: float = 0.0) -> None:
+        self.repository = repository
+        self.models_cfg = models
+        self.loader = ModelLoader(preferences, cache_dir=cache_dir, threads=threads)
+        self.table = ModelTable()
+        self.memory_budget_mb = memory_budget_mb
+        self.digests = DigestCache(cache_dir / "digests.json" if cache_dir else None)
+        self._lock = threading.Lock()  # one lifecycle change at a time
+        self.failed: dict[tuple[str, int], ModelVersion] = {}
+
+    # ---- admission --------------------------------------------------------------------------
+    def committed_mb(self) -> float:
+        return sum(mv.memory_mb for mv in self.table.all() if mv.state is ModelState.READY)
+
+    def _admit(self, entry: VersionEntry) -> float:
+        need = estimate_memory_mb(entry)
+        if self.memory_budget_mb > 0:
+            used = self.committed_mb()
+            if used + need > self.memory_budget_mb:
+                raise ResourceExhaustedError(
+                    f"model {entry.model!r} version {entry.version} needs about {need:.0f} MB but only "
+                    f"{max(0.0, self.memory_budget_mb - used):.0f} MB of the {self.memory_budget_mb:.0f} MB "
+                    "model budget is left", model=entry.model, version=entry.version)
+        return need
+
+    # ---- loading ----------------------------------------------------------------------------
+    def _load_entry(self, entry: VersionEntry) -> ModelVersion:
+        try:
+            estimate = self._admit(entry)
+        except ResourceExhaustedError as e:
+            mv = ModelVersion(entry.model, entry.version, entry, ModelState.UNAVAILABLE, str(e))
+            log.error("model=%s version=%s refused: %s", entry.model, entry.version, e)
+            return mv
+        rss0 = psutil.Process(os.getpid()).memory_info().rss
+        mv = self.loader.load(entry)
+        if mv.state is ModelState.READY and mv.engine is not None:
+            grown = (psutil.Process(os.getpid()).memory_info().rss - rss0) / 1e6
+            mv.memory_mb = max(estimate, grown)
+            manifest = mv.manifest
+            mv.stats = ModelStats(mv.name, mv.version, mv.candidate.backend if mv.candidate else "")
+            mv.scheduler = Scheduler(mv.name, mv.version, mv.engine, max_batch_size=manifest.max_batch_size,
+                                     batching=manifest.batching, instances=manifest.instances.count,
+                                     stats=mv.stats)
+        return mv
+
+    def load_all(self) -> list[ModelVersion]:
+        """Initial load of every selected version; broken ones are kept with their reason."""
+        with self._lock:
+            out = []
+            for entry in scan_repository(self.repository, self.models_cfg, self.digests):
+                mv = self._load_entry(entry)
+                self.table.put(mv)
+                out.append(mv)
+            self.digests.save()
+            return out
+
+    def load_model(self, name: str, versions: Sequence[int] | None = None) -> list[ModelVersion]:
+        """(Re)load a model's versions from the repository without downtime.
+
+        With ``versions`` None the config's version policy decides. New versions are
+        published only once ready; versions no longer wanted are drained and unloaded.
+        """
+        with self._lock:
+            model_dir = self.repository / name
+            if not model_dir.is_dir():
+                raise ModelNotFoundError(f"model {name!r} is not in the repository")
+            available = list_versions(model_dir)
+            wanted = list(versions) if versions is not None else self.models_cfg.policy_for(name).select(available)
+            missing = [v for v in wanted if v not in available]
+            if missing:
+                raise ModelNotFoundError(f"model {name!r} has no version(s) {missing} in the repository")
+            results = []
+            for v in wanted:
+                entry = load_version(name, v, model_dir / str(v), self.digests)
+                mv = self._load_entry(entry)
+                results.append(mv)
+                current = self.table.find(name, v)
+                if mv.state is ModelState.READY:
+                    old = self.table.put(mv)
+                    self.failed.pop((name, v), None)
+                    if old is not None and old is not mv:
+                        self._retire(old)
+                elif current is None or current.state is not ModelState.READY:
+                    self.table.put(mv)
+                else:
+                    # Keep serving the copy that works; remember why the reload failed.
+                    self.failed[(name, v)] = mv
+                    log.error("model=%s version=%s reload failed, previous copy keeps serving: %s",
+                              name, v, mv.reason)
+            ready_new = any(mv.state is ModelState.READY for mv in results)
+            if ready_new or not results:
+                for old in self.table.versions(name):
+                    if old.version not in wanted:
+                        self.table.remove(name, old.version)
+                        self._retire(old)
+            self.digests.save()
+            return results
+
+    def unload_model(self, name: str) -> None:
+        with self._lock:
+            versions = self.table.versions(name)
+            if not versions:
+                raise ModelNotFoundError(f"model {name!r} is not loaded")
+            for mv in versions:
+                self.table.remove(name, mv.version)
+                self._retire(mv)
+
+    def _retire(self, mv: ModelVersion) -> None:
+        """Drain in-flight work of a version no longer published, then free its engine."""
+        mv.state = ModelState.UNLOADING
+        if mv.scheduler is not None and not mv.scheduler.drain(DRAIN_TIMEOUT_S):
+            log.warning("model=%s version=%s did not drain within %.0fs", mv.name, mv.version, DRAIN_TIMEOUT_S)
+        if mv.engine is not None:
+            mv.engine.unload()
+            mv.engine = None
+        mv.state = ModelState.UNLOADED
+        log.info("model=%s version=%s unloaded", mv.name, mv.version)
+
+    def shutdown(self, timeout: float = DRAIN_TIMEOUT_S) -> None:
+        with self._lock:
+            for mv in self.table.all():
+                if mv.scheduler is not None:
+                    mv.scheduler.drain(timeout)
+                if mv.engine is not None:
+                    mv.engine.unload()
+                    mv.engine = None
+                mv.state = ModelState.UNLOADED
+
+    def statuses(self) -> list[dict[str, object]]:
+        out = [mv.status() for mv in self.table.all()]
+        for _key, mv in sorted(self.failed.items()):
+            s = mv.status()
+            s["state"] = "reload_failed"
+            out.append(s)
+        return out

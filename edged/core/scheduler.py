@@ -1,0 +1,273 @@
+"""Per model-version scheduler: a bounded queue, dynamic batching and ``instances.count`` workers.
+
+Each request owns a ``concurrent.futures.Future``; a failed batch fails every one
+of its requests with the same error. Workers are plain threads because the
+engines release the GIL while they compute.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edged.backends.base import Engine
+from edged.core.stats import ModelStats
+from edged.core.types import InferRequest, InferResponse
+from edged.errors import DeadlineExceededError, EdgedError, InternalError, ModelNotReadyError, OverloadedError
+from edged.repository.manifest import Batching
+
+log = logging.getLogger(__name__)
+
+# How long after seeing concurrent arrivals the batcher keeps waiting for batches to fill.
+_CONCURRENCY_MEMORY_S = 0.1
+
+
+@dataclass
+class _Item:
+    request: InferRequest
+    batch: int
+    signature: tuple[object, ...]
+    enqueued_ns: int
+    future: Future[InferResponse] = field(default_factory=Future)
+
+
+def _signature(req: InferRequest, batched: bool) -> tuple[object, ...]:
+    # Requests can share a batch when every input agrees on everything but the batch dimension.
+    return tuple((n, a.dtype.str, a.shape[1:] if batched else a.shape) for n, a in sorted(req.inputs.items()))
+
+
+class Scheduler:
+    def __init__(self, name: str, version: int, engine: Engine, *, max_batch_size: int,
+                 batching: Batching | None, instances: int, stats: ModelStats) -> None:
+        self.name, self.version = name, version
+        self.engine = engine
+        self.max_batch_size = max_batch_size
+        self.batching = batching
+        self.max_queue = batching.max_queue_size if batching else 1024
+        self.delay_ns = (batching.max_queue_delay_us * 1000) if batching else 0
+        self.preferred = sorted(batching.preferred_batch_sizes) if batching else []
+        self.stats = stats
+        self._cv = threading.Condition()
+        self._queue: collections.deque[_Item] = collections.deque()
+        self._running = True
+        self._busy = 0
+        self._concurrent_until = 0.0
+        self._workers = [
+            threading.Thread(target=self._work, name=f"edged-{name}-v{version}-{i}", daemon=True)
+            for i in range(instances)
+        ]
+        for w in self._workers:
+            w.start()
+
+    # ---- submission -------------------------------------------------------------------------
+    def submit(self, req: InferRequest, batch: int) -> Future[InferResponse]:
+        item = _Item(req, batch, _signature(req, self.max_batch_size > 0), time.monotonic_ns())
+        with self._cv:
+            if not self._running:
+                raise ModelNotReadyError(f"model {self.name!r} version {self.version} is unloading")
+            if len(self._queue) >= self.max_queue:
+                self.stats.record_failure("overloaded", total_ns=0, started=False)
+                raise OverloadedError(
+                    f"model {self.name!r} version {self.version}: queue full ({self.max_queue} requests waiting)")
+            if self._queue or self._busy >= len(self._workers):
+                self._concurrent_until = time.monotonic() + _CONCURRENCY_MEMORY_S
+            self._queue.append(item)
+            self.stats.enter()
+            self._cv.notify()
+        return item.future
+
+    def run_inline(self, req: InferRequest, batch: int) -> InferResponse:
+        """Blocking inference that runs in the caller's thread when the model is idle.
+
+        Handing a request to a worker thread and back costs tens of microseconds of
+        wake-ups; a blocking caller (a shm connection thread) skips that when nothing
+        is queued and an instance is free. Otherwise it queues like everyone else.
+        """
+        with self._cv:
+            idle = (self._running and not self._queue and self._busy < len(self._workers)
+                    and time.monotonic() >= self._concurrent_until)
+            if idle:
+                self._busy += 1
+                self.stats.enter()
+        if not idle:
+            return self.submit(req, batch).result()
+        item = _Item(req, batch, (), time.monotonic_ns())
+        try:
+            self._run([item])
+        except BaseException as e:
+            if not item.future.done():
+                item.future.set_exception(InternalError(f"internal error: {type(e).__name__}"))
+        finally:
+            with self._cv:
+                self._busy -= 1
+                if self._queue:
+                    self._cv.notify()
+        return item.future.result()
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    # ---- workers ----------------------------------------------------------------------------
+    def _take(self) -> list[_Item] | None:
+        """Block until a batch is ready; None when stopping with an empty queue."""
+        with self._cv:
+            while not self._queue:
+                if not self._running:
+                    return None
+                self._cv.wait()
+            batch = self._gather()
+            if self.delay_ns and self._should_wait(batch):
+                deadline = batch[0].enqueued_ns + self.delay_ns
+                while self._running:
+                    remaining = deadline - time.monotonic_ns()
+                    if remaining <= 0:
+                        break
+                    self._cv.wait(remaining / 1e9)
+                    batch += self._gather(batch)
+                    if not self._should_wait(batch):
+                        break
+            self._busy += 1
+            return batch
+
+    def _gather(self, have: list[_Item] | None = None) -> list[_Item]:
+        """Move compatible items from the queue into the batch (called with the lock held)."""
+        have = have or []
+        if self.max_batch_size == 0 or self.batching is None:
+            return [] if have or not self._queue else [self._queue.popleft()]
+        total = sum(i.batch for i in have)
+        sig = (have[0] if have else self._queue[0]).signature
+        taken: list[_Item] = []
+        kept: collections.deque[_Item] = collections.deque()
+        while self._queue and total < self.max_batch_size:
+            item = self._queue.popleft()
+            if item.signature == sig and total + item.batch <= self.max_batch_size:
+                taken.append(item)
+                total += item.batch
+            else:
+                kept.append(item)
+        if kept:
+            kept.extend(self._queue)
+            self._queue = kept
+        return taken
+
+    def _should_wait(self, batch: list[_Item]) -> bool:
+        total = sum(i.batch for i in batch)
+        if total >= self.max_batch_size or self.batching is None:
+            return False
+        if self.preferred and total >= self.preferred[-1]:
+            return False
+        # A serial caller never pays the queue delay: wait only when requests recently overlapped.
+        return time.monotonic() < self._concurrent_until
+
+    def _work(self) -> None:
+        while True:
+            batch = self._take()
+            if batch is None:
+                return
+            try:
+                self._run(batch)
+            except BaseException as e:  # never let a worker die: fail the batch instead
+                log.exception("model=%s version=%s worker error", self.name, self.version)
+                for item in batch:
+                    if not item.future.done():
+                        item.future.set_exception(InternalError(f"internal error: {type(e).__name__}"))
+            finally:
+                with self._cv:
+                    self._busy -= 1
+                    self._cv.notify_all()
+
+    def _run(self, batch: list[_Item]) -> None:
+        now_ns = time.monotonic_ns()
+        now = now_ns / 1e9
+        live: list[_Item] = []
+        for item in batch:
+            dl = item.request.deadline
+            if dl is not None and now > dl:
+                waited_ms = (now_ns - item.enqueued_ns) / 1e6
+                self._fail(item, DeadlineExceededError(
+                    f"model {self.name!r}: request waited {waited_ms:.1f} ms, past its deadline"))
+            elif not item.future.set_running_or_notify_cancel():
+                self.stats.record_failure("cancelled", total_ns=now_ns - item.enqueued_ns)
+            else:
+                live.append(item)
+        if not live:
+            return
+        batched = self.max_batch_size > 0
+        t0 = time.monotonic_ns()
+        if len(live) == 1:
+            inputs = dict(live[0].request.inputs)
+        else:
+            names = list(live[0].request.inputs)
+            inputs = {n: np.concatenate([i.request.inputs[n] for i in live], axis=0) for n in names}
+        wanted = self._wanted_outputs(live)
+        t1 = time.monotonic_ns()
+        try:
+            outputs = self.engine.infer(inputs, wanted)
+        except EdgedError as e:
+            for item in live:
+                self._fail(item, e)
+            return
+        except Exception as e:
+            err = InternalError(f"model {self.name!r} version {self.version}: engine failed: {e}")
+            for item in live:
+                self._fail(item, err)
+            return
+        t2 = time.monotonic_ns()
+        offset = 0
+        results: list[tuple[_Item, dict[str, np.ndarray]]] = []
+        for item in live:
+            if batched and len(live) > 1:
+                sl = slice(offset, offset + item.batch)
+                offset += item.batch
+                outs = {n: outputs[n][sl] for n in (item.request.outputs or outputs)}
+            else:
+                outs = {n: outputs[n] for n in (item.request.outputs or outputs)}
+            results.append((item, outs))
+        t3 = time.monotonic_ns()
+        total_batch = sum(i.batch for i in live)
+        self.stats.record_batch(total_batch, len(live), t1 - t0, t2 - t1, t3 - t2)
+        for item, outs in results:
+            resp = InferResponse(self.name, self.version, outs, item.request.id)
+            done_ns = time.monotonic_ns()
+            self.stats.record_success(queue_ns=now_ns - item.enqueued_ns, total_ns=done_ns - item.enqueued_ns)
+            item.future.set_result(resp)
+
+    def _wanted_outputs(self, live: list[_Item]) -> list[str] | None:
+        if any(i.request.outputs is None for i in live):
+            return None
+        names: dict[str, None] = {}
+        for i in live:
+            for n in i.request.outputs or ():
+                names[n] = None
+        return list(names)
+
+    def _fail(self, item: _Item, err: EdgedError) -> None:
+        self.stats.record_failure(err.code.value, total_ns=time.monotonic_ns() - item.enqueued_ns)
+        if not item.future.done():
+            item.future.set_exception(err)
+
+    # ---- shutdown ---------------------------------------------------------------------------
+    def drain(self, timeout: float | None = None) -> bool:
+        """Stop taking requests, finish the queued ones, stop the workers. True when all finished."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            self._running = False
+            self._cv.notify_all()
+        ok = True
+        for w in self._workers:
+            w.join(None if end is None else max(0.0, end - time.monotonic()))
+            ok = ok and not w.is_alive()
+        if not ok:
+            with self._cv:
+                leftover = list(self._queue)
+                self._queue.clear()
+            for item in leftover:
+                self._fail(item, ModelNotReadyError(f"model {self.name!r} version {self.version} was unloaded"))
+        return ok

@@ -1,0 +1,113 @@
+"""The one inference service every transport calls: look up, validate, queue, answer.
+
+Transports decode their wire format into an :class:`InferRequest`, call
+:meth:`InferenceService.submit` (or ``infer`` / ``infer_async``) and encode the
+:class:`InferResponse` or the :class:`~edged.errors.EdgedError` they get back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future
+from typing import Any
+
+from edged.core.manager import ModelManager
+from edged.core.models import ModelState, ModelVersion
+from edged.core.types import InferRequest, InferResponse
+from edged.core.validation import validate
+from edged.errors import ModelNotFoundError, ModelNotReadyError
+
+
+class InferenceService:
+    def __init__(self, manager: ModelManager) -> None:
+        self.manager = manager
+
+    # ---- lookup -----------------------------------------------------------------------------
+    def model(self, name: str, version: int | None = None) -> ModelVersion:
+        mv = self.manager.table.find(name, version)
+        if mv is None:
+            what = f"model {name!r}" + (f" version {version}" if version is not None else "")
+            raise ModelNotFoundError(f"{what} is not in the repository")
+        return mv
+
+    def ready_model(self, name: str, version: int | None = None) -> ModelVersion:
+        mv = self.model(name, version)
+        if mv.state is not ModelState.READY or mv.scheduler is None:
+            raise ModelNotReadyError(f"model {name!r} version {mv.version} is not ready ({mv.state.value})")
+        return mv
+
+    def is_ready(self, name: str, version: int | None = None) -> bool:
+        mv = self.manager.table.find(name, version)
+        return mv is not None and mv.state is ModelState.READY
+
+    # ---- inference --------------------------------------------------------------------------
+    def submit(self, req: InferRequest) -> Future[InferResponse]:
+        """Validate and queue; raises EdgedError at once for bad, unknown or overloaded requests."""
+        for attempt in range(3):
+            mv = self.ready_model(req.model, req.version)
+            batch = validate(mv, req)
+            assert mv.scheduler is not None
+            try:
+                return mv.scheduler.submit(req, batch)
+            except ModelNotReadyError:
+                # The version was swapped out between lookup and queueing; an unpinned request
+                # goes to whatever version is now current.
+                if req.version is not None or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def infer(self, req: InferRequest, timeout: float | None = None) -> InferResponse:
+        return self.submit(req).result(timeout)
+
+    def infer_blocking(self, req: InferRequest) -> InferResponse:
+        """For callers that own a thread: runs inline when the model is idle (lowest latency)."""
+        for attempt in range(3):
+            mv = self.ready_model(req.model, req.version)
+            batch = validate(mv, req)
+            assert mv.scheduler is not None
+            try:
+                return mv.scheduler.run_inline(req, batch)
+            except ModelNotReadyError:
+                if req.version is not None or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def infer_async(self, req: InferRequest) -> InferResponse:
+        return await asyncio.wrap_future(self.submit(req))
+
+    # ---- metadata ---------------------------------------------------------------------------
+    def metadata(self, name: str, version: int | None = None) -> dict[str, Any]:
+        """The v2 model metadata response, plus where the model runs."""
+        mv = self.model(name, version)
+        mbs = mv.max_batch_size
+
+        def tensors(specs: Any) -> list[dict[str, Any]]:
+            return [{"name": s.name, "datatype": s.datatype, "shape": ([-1] if mbs > 0 else []) + list(s.shape)}
+                    for s in specs]
+
+        versions = [str(v.version) for v in self.manager.table.versions(name)]
+        c = mv.candidate
+        return {
+            "name": name,
+            "versions": versions,
+            "platform": {"onnxruntime": "onnxruntime_onnx", "openvino": "openvino", "tensorrt": "tensorrt_plan"}.get(
+                c.backend if c else "", "unknown"),
+            "inputs": tensors(mv.inputs),
+            "outputs": tensors(mv.outputs),
+            "parameters": {
+                "backend": c.backend if c else None, "device": c.device if c else None,
+                "precision": c.precision if c else None, "state": mv.state.value,
+                "skipped": [{"candidate": k, "reason": r} for k, r in mv.skipped],
+            },
+        }
+
+    def statistics(self, name: str | None = None, version: int | None = None) -> list[dict[str, Any]]:
+        if name is None:
+            mvs = self.manager.table.all()
+        elif version is None:
+            mvs = self.manager.table.versions(name)
+            if not mvs:
+                raise ModelNotFoundError(f"model {name!r} is not in the repository")
+        else:
+            mvs = [self.model(name, version)]
+        return [mv.stats.to_triton() for mv in mvs if mv.stats is not None]

@@ -1,0 +1,154 @@
+"""Per model-version statistics, in the shape Triton's statistics extension reports.
+
+Durations come from ``time.monotonic_ns``; only ``last_inference`` is wall-clock
+(milliseconds since the epoch), because that is what clients display.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+# Latency buckets in seconds, shared by queue/compute/total histograms (Prometheus convention).
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...] = LATENCY_BUCKETS_S
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        out, acc = [], 0
+        for bound, c in zip([*self.buckets, float("inf")], self.counts, strict=True):
+            acc += c
+            out.append((bound, acc))
+        return out
+
+    def quantile(self, q: float) -> float:
+        """Upper bound of the bucket holding the q-quantile (coarse, but cheap and allocation-free)."""
+        if self.count == 0:
+            return 0.0
+        target = q * self.count
+        for bound, acc in self.cumulative():
+            if acc >= target:
+                return bound if bound != float("inf") else self.buckets[-1]
+        return self.buckets[-1]
+
+
+@dataclass
+class _Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, ns: int, n: int = 1) -> None:
+        self.count += n
+        self.ns += ns
+
+    def to_json(self) -> dict[str, int]:
+        return {"count": self.count, "ns": self.ns}
+
+
+@dataclass
+class _BatchStat:
+    compute_input: _Duration = field(default_factory=_Duration)
+    compute_infer: _Duration = field(default_factory=_Duration)
+    compute_output: _Duration = field(default_factory=_Duration)
+
+
+class ModelStats:
+    """Counters for one model version; every method is cheap and thread-safe."""
+
+    def __init__(self, name: str, version: int, backend: str = "") -> None:
+        self.name, self.version, self.backend = name, version, backend
+        self._lock = threading.Lock()
+        self.success = _Duration()
+        self.fail = _Duration()
+        self.queue = _Duration()
+        self.compute_input = _Duration()
+        self.compute_infer = _Duration()
+        self.compute_output = _Duration()
+        self.inference_count = 0  # samples (batch elements)
+        self.execution_count = 0  # engine runs
+        self.failures_by_code: dict[str, int] = {}
+        self.batches: dict[int, _BatchStat] = {}
+        self.in_flight = 0
+        self.last_inference_ms = 0
+        self.queue_hist = Histogram()
+        self.compute_hist = Histogram()
+        self.total_hist = Histogram()
+
+    def enter(self) -> None:
+        with self._lock:
+            self.in_flight += 1
+
+    def record_success(self, *, queue_ns: int, total_ns: int) -> None:
+        with self._lock:
+            self.in_flight -= 1
+            self.success.add(total_ns)
+            self.queue.add(queue_ns)
+            self.queue_hist.observe(queue_ns / 1e9)
+            self.total_hist.observe(total_ns / 1e9)
+
+    def record_failure(self, code: str, *, total_ns: int, started: bool = True) -> None:
+        with self._lock:
+            if started:
+                self.in_flight -= 1
+            self.fail.add(total_ns)
+            self.failures_by_code[code] = self.failures_by_code.get(code, 0) + 1
+
+    def record_batch(self, batch_size: int, requests: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
+        with self._lock:
+            self.execution_count += 1
+            self.inference_count += batch_size
+            self.compute_input.add(input_ns, requests)
+            self.compute_infer.add(infer_ns, requests)
+            self.compute_output.add(output_ns, requests)
+            b = self.batches.setdefault(batch_size, _BatchStat())
+            b.compute_input.add(input_ns)
+            b.compute_infer.add(infer_ns)
+            b.compute_output.add(output_ns)
+            self.compute_hist.observe((input_ns + infer_ns + output_ns) / 1e9)
+            self.last_inference_ms = time.time_ns() // 1_000_000
+
+    def to_triton(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "name": self.name,
+                "version": str(self.version),
+                "last_inference": self.last_inference_ms,
+                "inference_count": self.inference_count,
+                "execution_count": self.execution_count,
+                "inference_stats": {
+                    "success": self.success.to_json(),
+                    "fail": self.fail.to_json(),
+                    "queue": self.queue.to_json(),
+                    "compute_input": self.compute_input.to_json(),
+                    "compute_infer": self.compute_infer.to_json(),
+                    "compute_output": self.compute_output.to_json(),
+                    "cache_hit": {"count": 0, "ns": 0},
+                    "cache_miss": {"count": 0, "ns": 0},
+                },
+                "batch_stats": [
+                    {"batch_size": bs, "compute_input": b.compute_input.to_json(),
+                     "compute_infer": b.compute_infer.to_json(), "compute_output": b.compute_output.to_json()}
+                    for bs, b in sorted(self.batches.items())
+                ],
+                "failures_by_code": dict(self.failures_by_code),
+                "in_flight": self.in_flight,
+            }

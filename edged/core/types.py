@@ -1,0 +1,29 @@
+"""Transport-neutral request and response objects: what every transport decodes into and encodes from."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class InferRequest:
+    model: str
+    inputs: Mapping[str, np.ndarray]
+    version: int | None = None
+    outputs: list[str] | None = None  # None: all outputs
+    id: str | None = None
+    deadline: float | None = None  # time.monotonic() after which the request is dropped unstarted
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class InferResponse:
+    model: str
+    version: int
+    outputs: dict[str, np.ndarray]
+    id: str | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,62 @@
+"""Check a request against the model's declared tensors before any work is queued."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edged import datatypes
+from edged.core.models import ModelVersion
+from edged.core.types import InferRequest
+from edged.errors import InvalidInputError
+
+
+def validate(mv: ModelVersion, req: InferRequest) -> int:
+    """Raise InvalidInputError naming the tensor and what is wrong; return the batch size (1 if unbatched)."""
+    where = f"model {mv.name!r} version {mv.version}"
+    specs = {s.name: s for s in mv.inputs}
+    unknown = sorted(set(req.inputs) - set(specs))
+    if unknown:
+        raise InvalidInputError(f"{where}: unknown input(s) {unknown}; expected {sorted(specs)}")
+    missing = sorted(set(specs) - set(req.inputs))
+    if missing:
+        raise InvalidInputError(f"{where}: missing input(s) {missing}")
+    mbs = mv.max_batch_size
+    batch: int | None = None
+    for name, spec in specs.items():
+        arr = req.inputs[name]
+        if not isinstance(arr, np.ndarray):
+            raise InvalidInputError(f"{where}: input {name!r} is not a tensor")
+        got = datatypes.from_numpy(arr.dtype)
+        if got != spec.datatype:
+            raise InvalidInputError(f"{where}: input {name!r} has datatype {got}, expected {spec.datatype}")
+        shape = arr.shape
+        if mbs > 0:
+            if len(shape) != len(spec.shape) + 1:
+                raise InvalidInputError(
+                    f"{where}: input {name!r} has shape {list(shape)}, expected [batch, {_fmt(spec.shape)}] "
+                    f"with batch <= {mbs}")
+            b, dims = shape[0], shape[1:]
+            if not 1 <= b <= mbs:
+                raise InvalidInputError(f"{where}: input {name!r} batch size {b} is outside 1..{mbs}")
+            if batch is not None and b != batch:
+                raise InvalidInputError(f"{where}: inputs disagree on batch size ({batch} and {b})")
+            batch = b
+        else:
+            dims = shape
+            if len(dims) != len(spec.shape):
+                raise InvalidInputError(f"{where}: input {name!r} has shape {list(shape)}, expected {spec.shape}")
+        for i, (have, want) in enumerate(zip(dims, spec.shape, strict=True)):
+            if want not in (-1, have):
+                raise InvalidInputError(
+                    f"{where}: input {name!r} dimension {i + (1 if mbs > 0 else 0)} is {have}, expected {want} "
+                    f"(shape {list(shape)})")
+    if req.outputs is not None:
+        known = {s.name for s in mv.outputs}
+        bad = sorted(set(req.outputs) - known)
+        if bad:
+            raise InvalidInputError(f"{where}: unknown output(s) {bad}; the model has {sorted(known)}")
+    return batch or 1
+
+
+def _fmt(shape: list[int]) -> str:
+    return ", ".join(str(d) for d in shape)

@@ -1,0 +1,1 @@
+"""Wire formats shared by the transports."""

@@ -1,0 +1,267 @@
+"""Open Inference Protocol (KServe v2) request/response codec, JSON and binary tensor forms.
+
+The binary form (Triton's extension) is a JSON header followed by raw tensor
+bytes in input order; ``binary_data_size`` in each tensor's parameters says how
+many bytes belong to it. HTTP and MQTT both use this codec; only the framing of
+the header length differs (an HTTP header or an MQTT user property / prefix).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from edged import datatypes
+from edged.core.types import InferRequest, InferResponse
+from edged.errors import InvalidInputError
+
+# (region, offset, byte_size) -> a writable buffer of exactly byte_size bytes
+ShmResolver = Callable[[str, int, int], memoryview]
+
+
+@dataclass
+class OutputOptions:
+    binary: bool = False
+    shm: tuple[str, int, int] | None = None  # region, offset, byte_size
+
+
+@dataclass
+class DecodedRequest:
+    request: InferRequest
+    outputs: dict[str, OutputOptions] = field(default_factory=dict)
+    binary_default: bool = False
+
+
+def _param(params: Any, key: str, where: str, kind: type) -> Any:
+    if not isinstance(params, dict) or key not in params:
+        return None
+    value = params[key]
+    if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise InvalidInputError(f"{where}: parameter {key!r} must be a non-negative integer")
+    if kind is bool and not isinstance(value, bool):
+        raise InvalidInputError(f"{where}: parameter {key!r} must be true or false")
+    if kind is str and not isinstance(value, str):
+        raise InvalidInputError(f"{where}: parameter {key!r} must be a string")
+    return value
+
+
+def _shape(raw: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(raw, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in raw):
+        raise InvalidInputError(f"{where}: 'shape' must be a list of non-negative integers")
+    if len(raw) > 16:
+        raise InvalidInputError(f"{where}: 'shape' has more than 16 dimensions")
+    return tuple(raw)
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+        if n > 1 << 40:
+            raise InvalidInputError(f"shape {list(shape)} is too large")
+    return n
+
+
+def bytes_from_buffer(buf: memoryview | bytes, count: int, where: str) -> np.ndarray:
+    """Decode BYTES elements: each is a 4-byte little-endian length followed by the bytes."""
+    out = np.empty(count, dtype=object)
+    mv = memoryview(buf)
+    pos = 0
+    for i in range(count):
+        if pos + 4 > len(mv):
+            raise InvalidInputError(f"{where}: BYTES data ends before element {i}")
+        (n,) = struct.unpack_from("<I", mv, pos)
+        pos += 4
+        if pos + n > len(mv):
+            raise InvalidInputError(f"{where}: BYTES element {i} is longer than the data")
+        out[i] = bytes(mv[pos:pos + n])
+        pos += n
+    if pos != len(mv):
+        raise InvalidInputError(f"{where}: {len(mv) - pos} bytes left over after {count} BYTES elements")
+    return out
+
+
+def bytes_to_buffer(arr: np.ndarray) -> bytes:
+    parts = []
+    for item in arr.ravel():
+        b = item if isinstance(item, bytes) else str(item).encode()
+        parts.append(struct.pack("<I", len(b)))
+        parts.append(b)
+    return b"".join(parts)
+
+
+def _from_raw(buf: memoryview | bytes, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
+    count = _count(shape)
+    if datatype == "BYTES":
+        return bytes_from_buffer(buf, count, where).reshape(shape)
+    dtype = datatypes.to_numpy(datatype)
+    expected = count * dtype.itemsize
+    if len(buf) != expected:
+        raise InvalidInputError(
+            f"{where}: got {len(buf)} bytes of data but shape {list(shape)} of {datatype} needs {expected}")
+    # frombuffer keeps a zero-copy view; the caller owns the buffer for the request's lifetime.
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def _from_json_data(data: Any, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
+    count = _count(shape)
+    if datatype == "BYTES":
+        flat = np.asarray(data, dtype=object).ravel()
+        if flat.size != count:
+            raise InvalidInputError(f"{where}: {flat.size} elements for shape {list(shape)} ({count} needed)")
+        out = np.empty(count, dtype=object)
+        for i, item in enumerate(flat):
+            out[i] = item.encode() if isinstance(item, str) else item
+        return out.reshape(shape)
+    dtype = datatypes.to_numpy(datatype)
+    try:
+        arr = np.asarray(data, dtype=dtype)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise InvalidInputError(f"{where}: data is not a list of {datatype} values ({e})") from None
+    if arr.size != count:
+        raise InvalidInputError(f"{where}: {arr.size} elements for shape {list(shape)} ({count} needed)")
+    return arr.reshape(shape)
+
+
+def decode_request(header: Mapping[str, Any], binary: memoryview | bytes = b"", *, model: str,
+                   version: int | None, shm: ShmResolver | None = None) -> DecodedRequest:
+    """Turn a v2 request (JSON header + optional binary tail) into an InferRequest."""
+    if not isinstance(header, Mapping):
+        raise InvalidInputError("request body must be a JSON object")
+    raw_inputs = header.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise InvalidInputError("request has no 'inputs' list")
+    tail = memoryview(binary)
+    pos = 0
+    inputs: dict[str, np.ndarray] = {}
+    for i, raw in enumerate(raw_inputs):
+        if not isinstance(raw, dict):
+            raise InvalidInputError(f"inputs[{i}] must be an object")
+        name = raw.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidInputError(f"inputs[{i}] has no 'name'")
+        where = f"input {name!r}"
+        if name in inputs:
+            raise InvalidInputError(f"{where} appears twice")
+        dt = raw.get("datatype")
+        if dt not in datatypes.ALL_DATATYPES:
+            raise InvalidInputError(f"{where}: unknown datatype {dt!r}")
+        shape = _shape(raw.get("shape"), where)
+        params = raw.get("parameters") or {}
+        region = _param(params, "shared_memory_region", where, str)
+        bsize = _param(params, "binary_data_size", where, int)
+        if region is not None:
+            if shm is None:
+                raise InvalidInputError(f"{where}: shared memory is not available on this transport")
+            size = _param(params, "shared_memory_byte_size", where, int)
+            offset = _param(params, "shared_memory_offset", where, int) or 0
+            if size is None:
+                raise InvalidInputError(f"{where}: shared_memory_byte_size is required")
+            inputs[name] = _from_raw(shm(region, offset, size), dt, shape, where)
+        elif bsize is not None:
+            if pos + bsize > len(tail):
+                raise InvalidInputError(f"{where}: binary_data_size {bsize} goes past the end of the body")
+            inputs[name] = _from_raw(tail[pos:pos + bsize], dt, shape, where)
+            pos += bsize
+        elif "data" in raw:
+            inputs[name] = _from_json_data(raw["data"], dt, shape, where)
+        else:
+            raise InvalidInputError(f"{where} has no 'data', binary_data_size or shared memory parameters")
+    if pos != len(tail):
+        raise InvalidInputError(f"{len(tail) - pos} bytes of binary data are not claimed by any input")
+    req_params = header.get("parameters") or {}
+    if not isinstance(req_params, dict):
+        raise InvalidInputError("'parameters' must be an object")
+    binary_default = bool(_param(req_params, "binary_data_output", "request", bool))
+    outputs: dict[str, OutputOptions] = {}
+    raw_outputs = header.get("outputs")
+    if raw_outputs is not None:
+        if not isinstance(raw_outputs, list):
+            raise InvalidInputError("'outputs' must be a list")
+        for i, raw in enumerate(raw_outputs):
+            if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+                raise InvalidInputError(f"outputs[{i}] must be an object with a 'name'")
+            where = f"output {raw['name']!r}"
+            params = raw.get("parameters") or {}
+            opt = OutputOptions()
+            b = _param(params, "binary_data", where, bool)
+            opt.binary = binary_default if b is None else b
+            region = _param(params, "shared_memory_region", where, str)
+            if region is not None:
+                if shm is None:
+                    raise InvalidInputError(f"{where}: shared memory is not available on this transport")
+                size = _param(params, "shared_memory_byte_size", where, int)
+                if size is None:
+                    raise InvalidInputError(f"{where}: shared_memory_byte_size is required")
+                opt.shm = (region, _param(params, "shared_memory_offset", where, int) or 0, size)
+            outputs[raw["name"]] = opt
+    rid = header.get("id")
+    if rid is not None and not isinstance(rid, str):
+        raise InvalidInputError("'id' must be a string")
+    timeout_us = _param(req_params, "timeout", "request", int)
+    request = InferRequest(model=model, version=version, inputs=inputs,
+                           outputs=list(outputs) if outputs else None, id=rid,
+                           parameters={"timeout_us": timeout_us} if timeout_us else {})
+    return DecodedRequest(request, outputs, binary_default)
+
+
+def encode_response(resp: InferResponse, decoded: DecodedRequest | None = None,
+                    shm: ShmResolver | None = None) -> tuple[dict[str, Any], list[bytes]]:
+    """The v2 response header and, in order, the binary chunks that follow it."""
+    opts = decoded.outputs if decoded else {}
+    default_binary = decoded.binary_default if decoded else False
+    chunks: list[bytes] = []
+    outs = []
+    for name, arr in resp.outputs.items():
+        opt = opts.get(name, OutputOptions(binary=default_binary))
+        dt = datatypes.from_numpy(arr.dtype)
+        entry: dict[str, Any] = {"name": name, "datatype": dt, "shape": list(arr.shape)}
+        if opt.shm is not None:
+            assert shm is not None
+            region, offset, size = opt.shm
+            raw = bytes_to_buffer(arr) if dt == "BYTES" else np.ascontiguousarray(arr).tobytes()
+            if len(raw) > size:
+                raise InvalidInputError(
+                    f"output {name!r} needs {len(raw)} bytes but its shared memory slot holds {size}")
+            shm(region, offset, size)[: len(raw)] = raw
+            entry["parameters"] = {"shared_memory_region": region, "shared_memory_byte_size": len(raw)}
+            if offset:
+                entry["parameters"]["shared_memory_offset"] = offset
+        elif opt.binary:
+            raw = bytes_to_buffer(arr) if dt == "BYTES" else np.ascontiguousarray(arr).tobytes()
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            chunks.append(raw)
+        elif dt == "BYTES":
+            entry["data"] = [b.decode("utf-8", "replace") if isinstance(b, bytes) else str(b) for b in arr.ravel()]
+        else:
+            entry["data"] = np.ascontiguousarray(arr).ravel()  # orjson serialises numpy natively
+        outs.append(entry)
+    header: dict[str, Any] = {"model_name": resp.model, "model_version": str(resp.version), "outputs": outs}
+    if resp.id is not None:
+        header["id"] = resp.id
+    return header, chunks
+
+
+def dumps(obj: Any) -> bytes:
+    return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def loads(data: bytes | memoryview | str) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise InvalidInputError(f"body is not valid JSON: {e}") from None
+
+
+def response_json(resp: InferResponse) -> dict[str, Any]:
+    """The plain JSON v2 response with data as lists (for printing)."""
+    header, _ = encode_response(resp)
+    for o in header["outputs"]:
+        if isinstance(o.get("data"), np.ndarray):
+            o["data"] = o["data"].tolist()
+    return header

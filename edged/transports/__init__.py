@@ -1,0 +1,1 @@
+"""Transports only decode, call the one inference service, and encode."""

@@ -1,0 +1,96 @@
+"""The two real engines on the bundled models."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edged.backends.base import LoadRequest
+from edged.backends.onnxruntime import OnnxRuntimeBackend
+from edged.backends.openvino import OpenVinoBackend
+from edged.errors import EngineUnavailableError, ModelLoadError
+from edged.repository.manifest import parse_manifest
+from tests.conftest import MODELS
+
+DIGITS = MODELS / "digits" / "1"
+
+
+def _request(variant_file: str, device: str = "CPU", cache: Path | None = None, **options: object) -> LoadRequest:
+    manifest = parse_manifest(DIGITS / "model.toml")
+    variant = next(v for v in manifest.variants if v.file == variant_file)
+    return LoadRequest(model="digits", version=1, version_dir=DIGITS, variant=variant, device=device,
+                       options=options, max_batch_size=manifest.max_batch_size, cache_dir=cache)
+
+
+def test_onnxruntime_classifies_held_out_digits(digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    x, y = digits_holdout
+    engine = OnnxRuntimeBackend().load(_request("model.onnx"))
+    assert [t.name for t in engine.inputs] == ["pixels"]
+    assert engine.inputs[0].shape == (-1, 64)
+    out = engine.infer({"pixels": x})["probabilities"]
+    assert out.shape == (len(x), 10)
+    assert float(np.mean(out.argmax(1) == y)) >= 0.95
+
+
+def test_openvino_agrees_with_onnxruntime(tmp_path: Path, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    x, _ = digits_holdout
+    ort = OnnxRuntimeBackend().load(_request("model.onnx"))
+    ov = OpenVinoBackend().load(_request("openvino/model.xml", cache=tmp_path / "ovcache"))
+    assert ov.backend == "openvino" and ov.device == "CPU"
+    a = ort.infer({"pixels": x[:32]})["probabilities"]
+    b = ov.infer({"pixels": x[:32]})["probabilities"]
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_openvino_static_batch_reshape(tmp_path: Path, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    x, _ = digits_holdout
+    ov = OpenVinoBackend().load(_request("openvino/model.xml", static_batch=8, hint="throughput"))
+    assert ov.inputs[0].shape == (8, 64)
+    assert ov.infer({"pixels": x[:8]})["probabilities"].shape == (8, 10)
+
+
+def test_openvino_writes_its_compiled_model_cache(tmp_path: Path) -> None:
+    cache = tmp_path / "ovcache"
+    OpenVinoBackend().load(_request("openvino/model.xml", cache=cache, static_batch=4))
+    assert any(cache.iterdir()), "OpenVINO should have written a compiled blob to the cache dir"
+
+
+def test_engines_are_thread_safe(digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    x, _ = digits_holdout
+    for engine in (OnnxRuntimeBackend().load(_request("model.onnx")),
+                   OpenVinoBackend().load(_request("openvino/model.xml"))):
+        want = engine.infer({"pixels": x[:16]})["probabilities"]
+        def run(_: int, engine: object = engine) -> np.ndarray:
+            return engine.infer({"pixels": x[:16]})["probabilities"]  # type: ignore[attr-defined,no-any-return]
+
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(run, range(40)))
+        for o in outs:
+            np.testing.assert_allclose(o, want, atol=1e-6)
+
+
+def test_corrupt_file_is_a_load_error_naming_the_model(tmp_path: Path) -> None:
+    bad = tmp_path / "model.onnx"
+    bad.write_bytes(b"garbage")
+    manifest = parse_manifest(DIGITS / "model.toml")
+    req = LoadRequest(model="digits", version=7, version_dir=tmp_path, variant=manifest.variants[0])
+    with pytest.raises(ModelLoadError, match=r"model 'digits' version 7 \(model.onnx\)"):
+        OnnxRuntimeBackend().load(req)
+
+
+def test_unavailable_accelerator_provider_is_refused() -> None:
+    with pytest.raises(ModelLoadError, match="providers"):
+        OnnxRuntimeBackend().load(_request("model.onnx", device="GPU",
+                                           providers=["CUDAExecutionProvider"]))
+
+
+def test_missing_library_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Simulate a device without OpenVINO installed: the import itself fails.
+    monkeypatch.setitem(sys.modules, "openvino", None)
+    with pytest.raises(EngineUnavailableError, match=r"pip install 'edged\[openvino\]'"):
+        OpenVinoBackend().check_available()

@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from edged.config import Config, load_config, parse_config
+from edged.errors import ConfigError, ErrorCode
+from tests.conftest import EDGED
+
+
+def test_defaults_need_no_file() -> None:
+    cfg = Config()
+    assert cfg.http.listen == "127.0.0.1:8000"
+    assert cfg.mqtt.url == "mqtt://127.0.0.1:1883"
+    assert cfg.mqtt.topic_prefix == "edged"
+    assert cfg.device.id
+    assert cfg.models.policy_for("anything").select([1, 2, 3]) == [3]
+
+
+def test_every_section_exists_from_the_start() -> None:
+    cfg = parse_config("[device]\n[models]\n[http]\n[mqtt]\n[shm]\n[registry]\n[telemetry]\n[logging]\n")
+    assert cfg.registry.enabled is False
+
+
+def test_unknown_key_is_named_with_its_path() -> None:
+    with pytest.raises(ConfigError) as ei:
+        parse_config('[mqtt]\nurll = "mqtt://x"\n[http]\nlisten = 5\n')
+    assert ei.value.code is ErrorCode.INVALID_ARGUMENT
+    assert "mqtt.urll: unknown key" in ei.value.problems
+    assert any(p.startswith("http.listen:") for p in ei.value.problems)
+
+
+def test_relative_paths_resolve_against_the_config_folder(tmp_path: Path) -> None:
+    sub = tmp_path / "etc"
+    sub.mkdir()
+    f = sub / "edged.toml"
+    f.write_text('[device]\nstate_dir = "state"\nmodel_repository = "../models"\n')
+    cfg = load_config(f)
+    assert cfg.device.state_dir == sub / "state"
+    assert cfg.device.model_repository == tmp_path / "models"
+
+
+def test_version_policies() -> None:
+    cfg = parse_config("[models.version_policy]\nlatest = 2\n[models.policies.digits]\nspecific = [1, 3]\n")
+    assert cfg.models.policy_for("digits").select([1, 2, 3, 4]) == [1, 3]
+    assert cfg.models.policy_for("other").select([1, 2, 3, 4]) == [3, 4]
+    with pytest.raises(ConfigError, match="either latest or specific"):
+        parse_config("[models.version_policy]\nlatest = 2\nspecific = [1]\n")
+
+
+def test_bad_device_id_refused() -> None:
+    with pytest.raises(ConfigError, match=r"device\.id"):
+        parse_config('[device]\nid = "a/b"\n')
+
+
+def test_config_check_cli_names_the_typo(tmp_path: Path) -> None:
+    f = tmp_path / "edged.toml"
+    f.write_text('[device]\nid = "dev1"\n\n[mqtt]\ntopic_prefx = "edged"\n')
+    r = subprocess.run([*EDGED, "config", "check", str(f)], capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "mqtt.topic_prefx: unknown key" in r.stderr
+
+
+def test_config_check_cli_accepts_a_good_file(tmp_path: Path) -> None:
+    repo = tmp_path / "models"
+    repo.mkdir()
+    f = tmp_path / "edged.toml"
+    f.write_text(f'[device]\nid = "dev1"\nmodel_repository = "{repo}"\n[http]\nlisten = "127.0.0.1:9000"\n')
+    r = subprocess.run([*EDGED, "config", "check", str(f)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "OK" in r.stdout
+
+
+def test_config_check_reports_missing_tls_files(tmp_path: Path) -> None:
+    f = tmp_path / "edged.toml"
+    f.write_text(f'[device]\nmodel_repository = "{tmp_path}"\n[mqtt.tls]\nca_file = "nope/ca.pem"\n')
+    r = subprocess.run([*EDGED, "config", "check", str(f)], capture_output=True, text=True)
+    assert r.returncode == 1
+    assert "mqtt.tls.ca_file" in r.stderr

@@ -1,0 +1,255 @@
+"""The inference core: validation, dynamic batching, backpressure, deadlines, zero-downtime swaps."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edged.config import ModelsSection
+from edged.core.manager import ModelManager
+from edged.core.models import ModelState
+from edged.core.service import InferenceService
+from edged.core.types import InferRequest
+from edged.errors import (
+    DeadlineExceededError,
+    EdgedError,
+    ErrorCode,
+    InvalidInputError,
+    ModelNotFoundError,
+    OverloadedError,
+)
+from edged.profiles import BackendPreference
+from tests.conftest import MODELS
+
+MakeRepo = Callable[..., Path]
+ORT_CPU = [BackendPreference(backend="onnxruntime", device="CPU", precisions=["fp32"])]
+
+
+def _service(repo: Path, prefs: list[BackendPreference] | None = None, **kw: object) -> InferenceService:
+    manager = ModelManager(repo, ModelsSection(), prefs or ORT_CPU, **kw)  # type: ignore[arg-type]
+    manager.load_all()
+    return InferenceService(manager)
+
+
+def _set_manifest(repo: Path, model: str, version: int, old: str, new: str) -> None:
+    m = repo / model / str(version) / "model.toml"
+    text = m.read_text()
+    assert old in text
+    m.write_text(text.replace(old, new))
+
+
+@pytest.fixture
+def digits_service(model_repo: MakeRepo) -> InferenceService:
+    svc = _service(model_repo("digits"))
+    yield svc
+    svc.manager.shutdown()
+
+
+def test_validation_names_the_problem(digits_service: InferenceService) -> None:
+    svc = digits_service
+    ok = np.zeros((2, 64), np.float32)
+    cases = [
+        ({"pixel": ok}, "unknown input(s) ['pixel']"),
+        ({"pixels": ok.astype(np.float64)}, "datatype FP64, expected FP32"),
+        ({"pixels": np.zeros((2, 63), np.float32)}, "dimension 1 is 63, expected 64"),
+        ({"pixels": np.zeros((65, 64), np.float32)}, "batch size 65 is outside 1..64"),
+        ({"pixels": np.zeros((64,), np.float32)}, "expected [batch, 64]"),
+    ]
+    for inputs, message in cases:
+        with pytest.raises(InvalidInputError) as ei:
+            svc.submit(InferRequest("digits", inputs))
+        assert message in str(ei.value)
+        assert ei.value.code is ErrorCode.INVALID_ARGUMENT
+    with pytest.raises(InvalidInputError, match="unknown output"):
+        svc.submit(InferRequest("digits", {"pixels": ok}, outputs=["logits"]))
+    with pytest.raises(ModelNotFoundError):
+        svc.submit(InferRequest("nope", {"pixels": ok}))
+
+
+def test_batched_results_equal_unbatched(digits_service: InferenceService,
+                                         digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    x, _ = digits_holdout
+    svc = digits_service
+    mv = svc.ready_model("digits")
+    assert mv.engine is not None
+    reference = [mv.engine.infer({"pixels": x[i:i + 1]})["probabilities"] for i in range(64)]
+    # Many concurrent single-sample requests, so the batcher forms real batches.
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(svc.infer, InferRequest("digits", {"pixels": x[i:i + 1]}, id=str(i)))
+                   for i in range(64)]
+        results = [f.result() for f in futures]
+    for i, r in enumerate(results):
+        assert r.id == str(i)
+        np.testing.assert_allclose(r.outputs["probabilities"], reference[i], rtol=1e-5, atol=1e-6)
+    stats = svc.statistics("digits")[0]
+    assert stats["inference_stats"]["success"]["count"] >= 64
+    assert stats["inference_count"] >= 64
+
+
+def test_requests_queued_together_are_batched(model_repo: MakeRepo,
+                                              digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    x, _ = digits_holdout
+    repo = model_repo("digits")
+    _set_manifest(repo, "digits", 1, "max_queue_delay_us = 500", "max_queue_delay_us = 200000")
+    svc = _service(repo)
+    try:
+        futures = [svc.submit(InferRequest("digits", {"pixels": x[i:i + 2]})) for i in range(0, 32, 2)]
+        outs = np.concatenate([f.result(10).outputs["probabilities"] for f in futures])
+        np.testing.assert_allclose(outs, svc.ready_model("digits").engine.infer({"pixels": x[:32]})["probabilities"],
+                                   rtol=1e-5, atol=1e-6)
+        sizes = [b["batch_size"] for b in svc.statistics("digits")[0]["batch_stats"]]
+        assert max(sizes) > 2, f"expected requests to be combined, saw batch sizes {sizes}"
+    finally:
+        svc.manager.shutdown()
+
+
+def test_full_queue_refuses_at_once(model_repo: MakeRepo) -> None:
+    repo = model_repo("mobilenet")
+    _set_manifest(repo, "mobilenet", 1, "[batching]", "[batching]\nmax_queue_size = 4")
+    svc = _service(repo)
+    try:
+        img = np.random.default_rng(0).random((1, 3, 48, 192), dtype=np.float32)
+        accepted, refused = [], 0
+        t0 = time.monotonic()
+        for _ in range(200):
+            try:
+                accepted.append(svc.submit(InferRequest("mobilenet", {"image": img})))
+            except OverloadedError as e:
+                assert e.code is ErrorCode.OVERLOADED
+                refused += 1
+        elapsed = time.monotonic() - t0
+        assert refused > 0
+        assert len(accepted) < 200
+        for f in accepted:
+            f.result(30)
+        # Refusals are immediate; a generous bound only guards against queueing them.
+        assert elapsed < 5
+        assert svc.statistics("mobilenet")[0]["failures_by_code"]["overloaded"] == refused
+    finally:
+        svc.manager.shutdown()
+
+
+def test_expired_deadline_is_dropped_unrun(digits_service: InferenceService) -> None:
+    req = InferRequest("digits", {"pixels": np.zeros((1, 64), np.float32)}, deadline=time.monotonic() - 1)
+    with pytest.raises(DeadlineExceededError):
+        digits_service.infer(req, timeout=10)
+
+
+def test_failed_batch_fails_every_request_with_the_same_error(digits_service: InferenceService) -> None:
+    mv = digits_service.ready_model("digits")
+    engine = mv.engine
+    assert engine is not None
+
+    class Broken(type(engine)):  # type: ignore[misc]
+        def infer(self, inputs, outputs=None):  # type: ignore[no-untyped-def]
+            raise RuntimeError("device lost")
+
+    engine.__class__ = Broken
+    futures = [digits_service.submit(InferRequest("digits", {"pixels": np.zeros((1, 64), np.float32)}))
+               for _ in range(8)]
+    errors = []
+    for f in futures:
+        with pytest.raises(EdgedError) as ei:
+            f.result(10)
+        errors.append(str(ei.value))
+    assert len(set(errors)) == 1 and "device lost" in errors[0]
+
+
+def _add_version(repo: Path, version: int) -> None:
+    shutil.copytree(MODELS / "digits" / "1", repo / "digits" / str(version))
+
+
+def test_swap_under_load_fails_nothing(model_repo: MakeRepo, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    x, y = digits_holdout
+    repo = model_repo("digits")
+    svc = _service(repo)
+    stop = threading.Event()
+    seen: list[int] = []
+    failures: list[str] = []
+    correct: list[bool] = []
+
+    def client(k: int) -> None:
+        i = k
+        while not stop.is_set():
+            i = (i + 7) % len(x)
+            try:
+                r = svc.infer(InferRequest("digits", {"pixels": x[i:i + 1]}), timeout=10)
+                seen.append(r.version)
+                correct.append(int(r.outputs["probabilities"].argmax()) == int(y[i]))
+            except Exception as e:  # any failure is a test failure
+                failures.append(repr(e))
+
+    try:
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        _add_version(repo, 2)
+        results = svc.manager.load_model("digits")
+        assert [m.version for m in results] == [2] and results[0].state is ModelState.READY
+        time.sleep(0.3)
+        stop.set()
+        for t in threads:
+            t.join()
+    finally:
+        stop.set()
+        svc.manager.shutdown()
+    assert failures == []
+    assert np.mean(correct) >= 0.95
+    assert 1 in seen and 2 in seen
+    # once version 2 answered, version 1 never answers again
+    first_two = seen.index(2)
+    assert all(v == 2 for v in seen[first_two + 20:])
+    assert [mv.version for mv in svc.manager.table.versions("digits")] == [2]
+
+
+def test_corrupt_new_version_is_refused_and_old_keeps_serving(model_repo: MakeRepo) -> None:
+    repo = model_repo("digits")
+    svc = _service(repo)
+    try:
+        _add_version(repo, 2)
+        for f in ("model.onnx", "model.int8.onnx", "openvino/model.bin"):
+            (repo / "digits" / "2" / f).write_bytes(b"corrupt")
+        results = svc.manager.load_model("digits")
+        assert results[0].state is ModelState.UNAVAILABLE
+        r = svc.infer(InferRequest("digits", {"pixels": np.zeros((1, 64), np.float32)}), timeout=10)
+        assert r.version == 1
+    finally:
+        svc.manager.shutdown()
+
+
+def test_failed_warm_up_is_refused(model_repo: MakeRepo) -> None:
+    repo = model_repo("digits")
+    svc = _service(repo)
+    try:
+        _add_version(repo, 2)
+        # A golden check that cannot pass: the expected outputs are wrong.
+        bad = repo / "digits" / "2" / "expected.npz"
+        with np.load(bad) as d:
+            np.savez(bad, probabilities=np.zeros_like(d["probabilities"]))
+        mv = svc.manager.load_model("digits")[0]
+        assert mv.state is ModelState.UNAVAILABLE
+        assert "golden check failed" in (mv.reason or "")
+        assert svc.infer(InferRequest("digits", {"pixels": np.zeros((1, 64), np.float32)}), timeout=10).version == 1
+        statuses = {(s["name"], s["version"], s["state"]) for s in svc.manager.statuses()}
+        assert ("digits", 2, "reload_failed") in statuses or ("digits", 2, "unavailable") in statuses
+    finally:
+        svc.manager.shutdown()
+
+
+def test_memory_budget_refuses_with_a_clear_error(model_repo: MakeRepo) -> None:
+    repo = model_repo("digits", "mobilenet")
+    svc = _service(repo, memory_budget_mb=1.0)
+    try:
+        states = {mv.name: mv for mv in svc.manager.table.all()}
+        assert all(mv.state is ModelState.UNAVAILABLE for mv in states.values())
+        assert "model budget" in (states["mobilenet"].reason or "")
+    finally:
+        svc.manager.shutdown()
