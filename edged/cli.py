@@ -1,0 +1,234 @@
+"""The ``edged`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from edged import __version__
+from edged.config import Config, load_config, parse_config
+from edged.errors import ConfigError, EdgedError
+
+log = logging.getLogger("edged")
+
+
+def _add_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", type=Path, default=argparse.SUPPRESS,
+                   help="config file (default /etc/edged/edged.toml if present, else built-in defaults)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edged", description="Inference daemon for edge devices.")
+    parser.add_argument("--version", action="version", version=f"edged {__version__}")
+    _add_config(parser)
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("run", help="run the daemon in the foreground until SIGINT/SIGTERM")
+    _add_config(p)
+
+    p = sub.add_parser("detect", help="probe the hardware and show the matching device profile")
+    _add_config(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--root", type=Path, default=Path("/"), help="probe this sysroot instead of /")
+
+    p = sub.add_parser("config", help="configuration tools")
+    _add_config(p)
+    csub = p.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
+    cp = csub.add_parser("check", help="validate a config file; print every problem with its key path")
+    cp.add_argument("path", type=Path)
+    _add_config(cp)
+
+    p = sub.add_parser("models", help="model repository tools")
+    _add_config(p)
+    msub = p.add_subparsers(dest="models_command", required=True, metavar="SUBCOMMAND")
+    mp = msub.add_parser("list", help="each model version, its chosen engine and state")
+    mp.add_argument("--json", action="store_true")
+    _add_config(mp)
+
+    p = sub.add_parser("infer", help="run one inference and print the outputs")
+    _add_config(p)
+    p.add_argument("model")
+    p.add_argument("--input", "-i", type=Path, required=True,
+                   help=".npy for the model's single input, or .npz with one array per input name")
+    p.add_argument("--model-version", type=int, default=None, dest="model_version")
+    p.add_argument("--json", action="store_true", help="print exactly the v2 inference response")
+    p.add_argument("--transport", choices=["local"], default="local",
+                   help="local: load the model in this process")
+    return parser
+
+
+def _config(args: argparse.Namespace) -> Config:
+    cfg = load_config(getattr(args, "config", None))
+    return cfg
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    path: Path = args.path
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        print(f"{path}: cannot read: {e.strerror}", file=sys.stderr)
+        return 2
+    try:
+        cfg = parse_config(text, source=path)
+    except ConfigError as e:
+        for problem in e.problems:
+            print(f"{path}: {problem}", file=sys.stderr)
+        return 1
+    problems = []
+    if not cfg.device.model_repository.is_dir():
+        problems.append(f"device.model_repository: {cfg.device.model_repository} is not a folder")
+    tls = cfg.mqtt.tls
+    if tls is not None:
+        for key in ("ca_file", "cert_file", "key_file"):
+            f = getattr(tls, key)
+            if f is not None and not f.is_file():
+                problems.append(f"mqtt.tls.{key}: {f} does not exist")
+    for problem in problems:
+        print(f"{path}: {problem}", file=sys.stderr)
+    if problems:
+        return 1
+    print(f"{path}: OK")
+    return 0
+
+
+def cmd_detect(args: argparse.Namespace) -> int:
+    from edged.hardware.probe import probe
+    from edged.profiles import load_profiles, match_profile, render_detect
+
+    cfg = _config(args)
+    facts = probe(args.root, engines=args.root == Path("/"))
+    dirs = [cfg.device.profiles_dir] if cfg.device.profiles_dir else []
+    match = match_profile(facts, load_profiles(dirs))
+    print(render_detect(facts, match, as_json=args.json))
+    return 0
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    from edged.daemon import build_runtime
+
+    rt = build_runtime(_config(args))
+    try:
+        statuses = rt.manager.statuses()
+    finally:
+        rt.manager.shutdown()
+    if args.json:
+        print(json.dumps({"profile": rt.profile.name, "models": statuses}, indent=2))
+        return 0
+    rows = [("MODEL", "VERSION", "STATE", "ENGINE", "VARIANT", "REASON")]
+    for s in statuses:
+        engine = f"{s['backend']}/{s['device']}/{s['precision']}" if s["backend"] else "-"
+        rows.append((str(s["name"]), str(s["version"]), str(s["state"]), engine, str(s["variant"] or "-"),
+                     str(s["reason"] or "")))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=True)) + ("  " + r[5] if r[5] else ""))
+    for s in statuses:
+        skipped: Any = s["skipped"]
+        for sk in skipped:
+            print(f"  {s['name']} v{s['version']}: skipped {sk['candidate']}: {sk['reason']}")
+    return 0
+
+
+def _read_inputs(path: Path, specs: Any, max_batch_size: int) -> dict[str, Any]:
+    import numpy as np
+
+    from edged import datatypes
+
+    try:
+        loaded = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise EdgedError(f"{path}: cannot read as .npy/.npz: {e}") from None
+    if isinstance(loaded, np.ndarray):
+        if len(specs) != 1:
+            raise EdgedError(f"the model has {len(specs)} inputs; give an .npz with arrays named "
+                             f"{[s.name for s in specs]}")
+        arrays = {specs[0].name: loaded}
+    else:
+        with loaded:
+            arrays = {k: loaded[k] for k in loaded.files}
+    out = {}
+    for spec in specs:
+        if spec.name not in arrays:
+            continue
+        arr = arrays[spec.name]
+        want = datatypes.to_numpy(spec.datatype)
+        if arr.dtype != want and np.can_cast(arr.dtype, want, "same_kind"):
+            arr = arr.astype(want)
+        if max_batch_size > 0 and arr.ndim == len(spec.shape):
+            arr = arr[np.newaxis]  # a single sample: add the batch dimension
+        out[spec.name] = np.ascontiguousarray(arr)
+    for k, v in arrays.items():
+        out.setdefault(k, v)
+    return out
+
+
+def cmd_infer(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from edged.core.types import InferRequest
+    from edged.daemon import build_runtime
+    from edged.protocol.v2 import response_json
+
+    rt = build_runtime(_config(args), only=args.model)
+    try:
+        mv = rt.service.ready_model(args.model, args.model_version)
+        inputs = _read_inputs(args.input, mv.inputs, mv.max_batch_size)
+        resp = rt.service.infer(InferRequest(model=args.model, version=args.model_version, inputs=inputs))
+    finally:
+        rt.manager.shutdown()
+    if args.json:
+        print(json.dumps(response_json(resp)))
+        return 0
+    labels: list[str] = []
+    if mv.manifest.labels:
+        labels = (mv.entry.path / mv.manifest.labels).read_text().split("\n")
+    print(f"model {resp.model} version {resp.version} on {mv.candidate.label if mv.candidate else '?'}")
+    for name, arr in resp.outputs.items():
+        print(f"{name}: shape {list(arr.shape)} {arr.dtype}")
+        if arr.ndim == 2 and arr.dtype.kind == "f" and mv.max_batch_size > 0:
+            for i, row in enumerate(arr):
+                k = int(np.argmax(row))
+                label = f" ({labels[k]})" if k < len(labels) and labels[k] else ""
+                print(f"  [{i}] class {k}{label} score {float(row[k]):.4f}")
+        else:
+            print(np.array2string(arr, threshold=64))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from edged.daemon import run
+
+    return run(_config(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from edged.logs import setup_logging
+
+    args = build_parser().parse_args(argv)
+    level = args.log_level
+    try:
+        if args.command == "config":
+            return cmd_config_check(args)
+        cfg_level = None
+        if level is None and args.command == "run":
+            cfg_level = _config(args).logging.level
+        setup_logging(level or cfg_level or ("info" if args.command == "run" else "warning"))
+        handlers = {"run": cmd_run, "detect": cmd_detect, "infer": cmd_infer}
+        if args.command == "models":
+            return cmd_models_list(args)
+        return handlers[args.command](args)
+    except ConfigError as e:
+        for p in e.problems:
+            print(f"config: {p}", file=sys.stderr)
+        return 2
+    except EdgedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
