@@ -58,6 +58,7 @@ class Scheduler:
         self._running = True
         self._busy = 0
         self._concurrent_until = 0.0
+        self._recent_sizes: collections.deque[int] = collections.deque(maxlen=8)
         self._workers = [
             threading.Thread(target=self._work, name=f"edged-{name}-v{version}-{i}", daemon=True)
             for i in range(instances)
@@ -134,6 +135,9 @@ class Scheduler:
                     if not self._should_wait(batch):
                         break
             self._busy += 1
+            # What traffic reached: this batch plus whatever is still waiting behind it.
+            seen = sum(i.batch for i in batch) + sum(i.batch for i in self._queue)
+            self._recent_sizes.append(min(seen, self.max_batch_size or 1))
             return batch
 
     def _gather(self, have: list[_Item] | None = None) -> list[_Item]:
@@ -158,13 +162,19 @@ class Scheduler:
         return taken
 
     def _should_wait(self, batch: list[_Item]) -> bool:
+        """Wait for more only while the batch is below the size recent traffic reached.
+
+        Closed-loop callers never outnumber the batches they form, so holding a batch
+        for callers that do not exist only adds the full delay; a serial caller (recent
+        batches of one) never waits at all.
+        """
         total = sum(i.batch for i in batch)
-        if total >= self.max_batch_size or self.batching is None:
+        if self.batching is None or total >= self.max_batch_size:
             return False
-        if self.preferred and total >= self.preferred[-1]:
-            return False
-        # A serial caller never pays the queue delay: wait only when requests recently overlapped.
-        return time.monotonic() < self._concurrent_until
+        target = max(self._recent_sizes, default=1)
+        if self.preferred:
+            target = min(target, self.preferred[-1])
+        return total < target
 
     def _work(self) -> None:
         while True:
