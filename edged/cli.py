@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print exactly the v2 inference response")
     p.add_argument("--transport", choices=["local"], default="local",
                    help="local: load the model in this process")
+
+    from edged.optimize import command as optimize_command
+
+    optimize_command.register(sub)
+    _add_config(sub.choices["optimize"])
     return parser
 
 
@@ -219,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         if level is None and args.command == "run":
             cfg_level = _config(args).logging.level
         setup_logging(level or cfg_level or ("info" if args.command == "run" else "warning"))
-        handlers = {"run": cmd_run, "detect": cmd_detect, "infer": cmd_infer}
+        from edged.optimize import command as optimize_command
+
+        handlers = {"run": cmd_run, "detect": cmd_detect, "infer": cmd_infer, "optimize": optimize_command.run}
         if args.command == "models":
             return cmd_models_list(args)
         return handlers[args.command](args)
