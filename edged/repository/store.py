@@ -70,12 +70,13 @@ def verify_version(entry: VersionEntry, digests: DigestCache) -> None:
             if problem:
                 entry.bad_variants[variant.file] = problem
                 break
-        if variant.file not in entry.bad_variants and variant.calibration_cache:
-            if not (entry.path / variant.calibration_cache).is_file():
-                entry.bad_variants[variant.file] = f"calibration cache {variant.calibration_cache} is missing"
+        cache = variant.calibration_cache
+        if variant.file not in entry.bad_variants and cache and not (entry.path / cache).is_file():
+            entry.bad_variants[variant.file] = f"calibration cache {cache} is missing"
     for rel in (entry.manifest.warmup.file, entry.manifest.warmup.expected, entry.manifest.labels):
         if rel and not (entry.path / rel).is_file():
-            entry.error = f"model {entry.model!r} version {entry.version}: file {rel} named in {MANIFEST_NAME} is missing"
+            where = f"model {entry.model!r} version {entry.version}"
+            entry.error = f"{where}: file {rel} named in {MANIFEST_NAME} is missing"
             return
     if not entry.usable_variants:
         reasons = "; ".join(f"{k}: {v}" for k, v in entry.bad_variants.items())
