@@ -1,0 +1,315 @@
+"""A small synchronous KServe v2 client over HTTP/1.1 (TCP or a Unix socket) on raw sockets.
+
+It exists so that ``edged infer --transport http`` and scripts need nothing beyond
+edged's runtime dependencies (tritonclient works too, but pulls gevent). It writes
+requests with one ``sendmsg`` of [head, JSON header, tensor buffers] (no joining,
+no copies of the tensors) and parses answers with httptools: ``http.client`` spent
+more time parsing headers than the daemon spent serving. Tensors go as Triton's
+binary extension by default; ``binary=False`` sends and asks for plain JSON.
+One persistent connection; a lock makes a client safe to share between threads,
+but one client per thread is faster.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import quote
+
+import httptools
+import numpy as np
+import orjson
+
+from edged import datatypes
+from edged.errors import EdgedError, ErrorCode
+from edged.protocol.v2 import bytes_from_buffer, bytes_to_buffer
+
+_CODES = {400: ErrorCode.INVALID_ARGUMENT, 404: ErrorCode.NOT_FOUND, 409: ErrorCode.FAILED_PRECONDITION,
+          413: ErrorCode.INVALID_ARGUMENT, 504: ErrorCode.DEADLINE_EXCEEDED, 507: ErrorCode.RESOURCE_EXHAUSTED}
+_RECV = 1 << 18
+
+
+class HttpStatusError(EdgedError):
+    """The server answered with an error status; ``status`` is the HTTP code, ``code`` its ErrorCode."""
+
+    def __init__(self, status: int, message: str, code: ErrorCode) -> None:
+        super().__init__(message, code=code)
+        self.status = status
+
+
+class _ClosedError(Exception):
+    """The server closed the connection before a complete answer."""
+
+
+class Response:
+    """One parsed HTTP response (httptools callbacks fill it)."""
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.headers: dict[bytes, bytes] = {}
+        self._chunks: list[bytes] = []
+        self.body = b""
+        self.complete = False
+
+    def header(self, name: str) -> str | None:
+        v = self.headers.get(name.lower().encode())
+        return None if v is None else v.decode("latin-1")
+
+    # httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.lower()] = value
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        self.body = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+        self._chunks = []
+        self.complete = True
+
+
+def parse_url(url: str) -> tuple[str, str, int]:
+    """-> (kind, host or socket path, port): ``http://h:p``, ``h:p``, ``unix:/path`` or ``/path``."""
+    if url.startswith("unix:"):
+        return "unix", url[5:], 0
+    if url.startswith("/"):
+        return "unix", url, 0
+    rest = url.removeprefix("http://").rstrip("/")
+    if "://" in rest or "/" in rest:
+        raise EdgedError(f"unsupported URL {url!r}: use host:port, http://host:port or a Unix socket path",
+                         code=ErrorCode.INVALID_ARGUMENT)
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit() or (host.count(":") and not host.startswith("[")):
+        host, port = rest, "8000"
+    return "tcp", host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _raw(arr: np.ndarray) -> bytes | memoryview:
+    if arr.dtype == np.object_:
+        return bytes_to_buffer(arr)
+    return np.ascontiguousarray(arr).reshape(-1).data.cast("B")
+
+
+def _send_all(sock: socket.socket, chunks: list[bytes | memoryview]) -> None:
+    """sendmsg as much as the kernel takes, then finish piece by piece (large tensors go out partially)."""
+    sent = sock.sendmsg(chunks)
+    for chunk in chunks:
+        n = len(chunk)
+        if sent >= n:
+            sent -= n
+            continue
+        sock.sendall(memoryview(chunk)[sent:])
+        sent = 0
+
+
+class HttpClient:
+    def __init__(self, url: str = "127.0.0.1:8000", *, timeout: float = 60.0) -> None:
+        self.url = url
+        self.timeout = timeout
+        self._kind, self._addr, self._port = parse_url(url)
+        self._host_header = (self._addr if self._kind == "tcp" else "localhost").encode()
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    # ---- connection -------------------------------------------------------------------------
+    def _connect(self) -> socket.socket:
+        if self._kind == "unix":
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(self.timeout)
+                sock.connect(self._addr)
+            except BaseException:
+                sock.close()
+                raise
+        else:
+            sock = socket.create_connection((self._addr, self._port), timeout=self.timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # Kernel timeouts instead of Python's timeout mode, which polls before every send and recv.
+        sock.settimeout(None)
+        tv = struct.pack("ll", int(self.timeout), int(self.timeout % 1 * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        return sock
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+
+    def __enter__(self) -> HttpClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def request(self, method: str, path: str, body: Sequence[bytes | memoryview] = (),
+                headers: Mapping[str, str] | None = None) -> Response:
+        """Send one request (body given as chunks, sent without joining) and read the whole answer."""
+        chunks = [memoryview(b).cast("B") if isinstance(b, memoryview) else b for b in body]
+        length = sum(len(c) for c in chunks)
+        head = [b"%s %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n" % (
+            method.encode(), path.encode(), self._host_header, length)]
+        for k, v in (headers or {}).items():
+            head.append(f"{k}: {v}\r\n".encode("latin-1"))
+        head.append(b"\r\n")
+        message: list[bytes | memoryview] = [b"".join(head), *chunks]
+        with self._lock:
+            for attempt in (0, 1):
+                reused = self._sock is not None
+                try:
+                    if self._sock is None:
+                        self._sock = self._connect()
+                    sock = self._sock
+                    _send_all(sock, message)
+                    resp = Response()
+                    parser = httptools.HttpResponseParser(resp)
+                    while not resp.complete:
+                        data = sock.recv(_RECV)
+                        if not data:
+                            raise _ClosedError
+                        parser.feed_data(data)
+                    resp.status = parser.get_status_code()
+                    # (httptools resets its keep-alive flag once a message completes: read the header)
+                    if resp.headers.get(b"connection", b"").lower() == b"close" or \
+                            parser.get_http_version() == "1.0":
+                        self._drop()
+                    return resp
+                except (_ClosedError, BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as e:
+                    self._drop()
+                    if attempt or not reused:  # a fresh connection that fails is a real failure
+                        raise EdgedError(f"connection to edged at {self.url} failed: "
+                                         f"{e or 'closed by the server'}", code=ErrorCode.UNAVAILABLE) from None
+                except httptools.HttpParserError as e:
+                    self._drop()
+                    raise EdgedError(f"edged at {self.url} sent a malformed HTTP response: {e}",
+                                     code=ErrorCode.INTERNAL) from None
+                except (BlockingIOError, TimeoutError):
+                    self._drop()
+                    raise EdgedError(f"edged at {self.url} did not answer within {self.timeout:g} s",
+                                     code=ErrorCode.DEADLINE_EXCEEDED) from None
+                except OSError as e:
+                    self._drop()
+                    raise EdgedError(f"cannot reach edged at {self.url}: {e.strerror or e}",
+                                     code=ErrorCode.UNAVAILABLE) from None
+        raise AssertionError("unreachable")
+
+    def _drop(self) -> None:  # lock held
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _json(self, method: str, path: str, body: Any = None) -> Any:
+        chunks = [orjson.dumps(body)] if body is not None else []
+        resp = self.request(method, path, chunks, {"Content-Type": "application/json"})
+        _check(resp)
+        return orjson.loads(resp.body) if resp.body else None
+
+    # ---- API --------------------------------------------------------------------------------
+    def live(self) -> bool:
+        return self.request("GET", "/v2/health/live").status == 200
+
+    def ready(self, model: str | None = None, version: int | None = None) -> bool:
+        """Server readiness, or one model's when ``model`` is given."""
+        path = "/v2/health/ready" if model is None else _model_path(model, version) + "/ready"
+        return self.request("GET", path).status == 200
+
+    def server_metadata(self) -> dict[str, Any]:
+        out: dict[str, Any] = self._json("GET", "/v2")
+        return out
+
+    def metadata(self, model: str, version: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = self._json("GET", _model_path(model, version))
+        return out
+
+    def config(self, model: str, version: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = self._json("GET", _model_path(model, version) + "/config")
+        return out
+
+    def statistics(self, model: str | None = None) -> list[dict[str, Any]]:
+        path = "/v2/models/stats" if model is None else _model_path(model, None) + "/stats"
+        out: list[dict[str, Any]] = self._json("GET", path)["model_stats"]
+        return out
+
+    def infer(self, model: str, inputs: Mapping[str, np.ndarray], version: int | None = None,
+              binary: bool = True, *, outputs: Sequence[str] | None = None,
+              timeout_us: int | None = None) -> dict[str, np.ndarray]:
+        """Run one inference; raises :class:`HttpStatusError` (an EdgedError) when the server refuses."""
+        entries: list[dict[str, Any]] = []
+        tails: list[bytes | memoryview] = []
+        for name, value in inputs.items():
+            arr = np.asarray(value)
+            dt = datatypes.from_numpy(arr.dtype)
+            entry: dict[str, Any] = {"name": name, "datatype": dt, "shape": list(arr.shape)}
+            if binary:
+                raw = _raw(arr)
+                entry["parameters"] = {"binary_data_size": len(raw)}
+                tails.append(raw)
+            elif dt == "BYTES":
+                entry["data"] = [b.decode("utf-8") if isinstance(b, bytes) else str(b) for b in arr.ravel()]
+            else:
+                entry["data"] = np.ascontiguousarray(arr).ravel()
+            entries.append(entry)
+        header: dict[str, Any] = {"inputs": entries, "parameters": {"binary_data_output": binary}}
+        if outputs is not None:
+            header["outputs"] = [{"name": n, "parameters": {"binary_data": binary}} for n in outputs]
+        if timeout_us:
+            header["parameters"]["timeout"] = int(timeout_us)
+        hjson = orjson.dumps(header, option=orjson.OPT_SERIALIZE_NUMPY)
+        headers = {"Content-Type": "application/octet-stream" if binary else "application/json"}
+        if binary:
+            headers["Inference-Header-Content-Length"] = str(len(hjson))
+        resp = self.request("POST", _model_path(model, version) + "/infer", [hjson, *tails], headers)
+        _check(resp)
+        return decode_response(resp.body, resp.header("Inference-Header-Content-Length"))
+
+
+def _model_path(model: str, version: int | None) -> str:
+    path = "/v2/models/" + quote(model, safe="")
+    return path if version is None else f"{path}/versions/{int(version)}"
+
+
+def _check(resp: Response) -> None:
+    status = resp.status
+    if status == 200:
+        return
+    try:
+        message = str(orjson.loads(resp.body)["error"])
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        message = f"HTTP status {status}"
+    if status == 503:
+        code = ErrorCode.OVERLOADED if resp.header("Retry-After") else ErrorCode.UNAVAILABLE
+    else:
+        code = _CODES.get(status, ErrorCode.INTERNAL)
+    raise HttpStatusError(status, message, code)
+
+
+def decode_response(data: bytes, header_length: str | None) -> dict[str, np.ndarray]:
+    """Outputs of a v2 response body (JSON, or JSON header + binary tail); binary ones are read-only views."""
+    try:
+        hlen = int(header_length) if header_length is not None else len(data)
+        header = orjson.loads(memoryview(data)[:hlen])
+        out: dict[str, np.ndarray] = {}
+        pos = hlen
+        for o in header["outputs"]:
+            dt, shape = o["datatype"], tuple(o["shape"])
+            size = (o.get("parameters") or {}).get("binary_data_size")
+            if size is not None:
+                chunk = memoryview(data)[pos:pos + size]
+                pos += size
+                if dt == "BYTES":
+                    out[o["name"]] = bytes_from_buffer(chunk, int(np.prod(shape)), o["name"]).reshape(shape)
+                else:
+                    out[o["name"]] = np.frombuffer(chunk, dtype=datatypes.to_numpy(dt)).reshape(shape)
+            elif "data" in o:
+                if dt == "BYTES":
+                    arr = np.array([s.encode() if isinstance(s, str) else s for s in o["data"]], dtype=object)
+                    out[o["name"]] = arr.reshape(shape)
+                else:
+                    out[o["name"]] = np.asarray(o["data"], dtype=datatypes.to_numpy(dt)).reshape(shape)
+        return out
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise EdgedError(f"malformed inference response: {e}", code=ErrorCode.INTERNAL) from None

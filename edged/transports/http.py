@@ -1,0 +1,167 @@
+"""The HTTP transport: Open Inference Protocol (KServe v2) with Triton's extensions.
+
+The routes live in :mod:`edged.transports.http_app`; they are served by the small
+httptools server in :mod:`edged.transports.http_server` inside the daemon's own event
+loop (no thread, no signal handlers of its own: the daemon owns SIGINT/SIGTERM and
+calls :meth:`HttpTransport.stop`). The socket is bound here so that a bad or busy
+address is a typed error naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import stat
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from edged.config import Config
+from edged.core.service import InferenceService
+from edged.errors import EdgedError, ErrorCode
+from edged.transports.http_app import Scrubber, V2App
+from edged.transports.http_server import HttpServer, Limits
+from edged.transports.sysshm import SystemShmRegistry
+
+if TYPE_CHECKING:
+    from edged.transports.http_metrics import MetricsEndpoint
+
+log = logging.getLogger(__name__)
+
+UNIX_SOCKET_MODE = 0o660
+KEEP_ALIVE_S = 60  # local clients often infer every few seconds; reconnecting costs more than an idle socket
+GRACEFUL_STOP_S = 10.0
+
+
+def parse_listen(listen: str) -> tuple[str, int] | Path:
+    """``host:port`` / ``[v6]:port`` / ``:port`` -> (host, port); ``/path`` or ``unix:/path`` -> Path."""
+    if listen.startswith("unix:"):
+        return Path(listen[5:])
+    if listen.startswith("/"):
+        return Path(listen)
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise EdgedError(f"[http] listen = {listen!r}: expected host:port or a Unix socket path",
+                         code=ErrorCode.INVALID_ARGUMENT)
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return host or "0.0.0.0", int(port)
+
+
+def _bind_tcp(host: str, port: int, listen: str) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise EdgedError(f"cannot listen on {listen}: {e.strerror}", code=ErrorCode.UNAVAILABLE) from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise EdgedError(f"cannot listen on {listen}: {e.strerror or e}", code=ErrorCode.UNAVAILABLE) from None
+    return sock
+
+
+def _bind_unix(path: Path, listen: str) -> socket.socket:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() or path.is_symlink():
+            if not stat.S_ISSOCK(path.lstat().st_mode):
+                raise EdgedError(f"cannot listen on {listen}: a file that is not a socket is in the way",
+                                 code=ErrorCode.UNAVAILABLE)
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(str(path))
+            except OSError:
+                path.unlink()  # stale socket left by a process that died
+            else:
+                raise EdgedError(f"cannot listen on {listen}: another server is listening there",
+                                 code=ErrorCode.UNAVAILABLE)
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(str(path))
+            os.chmod(path, UNIX_SOCKET_MODE)
+        except BaseException:
+            sock.close()
+            raise
+    except OSError as e:
+        raise EdgedError(f"cannot listen on {listen}: {e.strerror or e}", code=ErrorCode.UNAVAILABLE) from None
+    return sock
+
+
+class HttpTransport:
+    name = "http"
+
+    def __init__(self, cfg: Config, service: InferenceService) -> None:
+        self.cfg = cfg
+        self.service = service
+        self.listen = cfg.http.listen
+        self.shm = SystemShmRegistry(int(cfg.shm.max_region_mb * 1024 * 1024))
+        scrub = Scrubber([cfg.device.model_repository, cfg.device.state_dir, cfg.device.runtime_dir,
+                          cfg.cache_dir, cfg.source.parent if cfg.source else None])
+        self.app = V2App(service, self.shm, max_body=int(cfg.http.max_request_mb * 1024 * 1024), scrub=scrub,
+                         metrics=self._metrics)
+        self._metrics_endpoint: MetricsEndpoint | None = None
+        self.limits = Limits(max_body=int(cfg.http.max_request_mb * 1024 * 1024), keep_alive_s=KEEP_ALIVE_S)
+        self._server: HttpServer | None = None
+        self._unix_path: Path | None = None
+        self.address: str = self.listen  # the real address once listening (port 0 resolved)
+
+    def _metrics(self) -> tuple[bytes, str]:
+        if self._metrics_endpoint is None:
+            from edged.transports.http_metrics import MetricsEndpoint
+
+            self._metrics_endpoint = MetricsEndpoint(self.service)
+        ep = self._metrics_endpoint
+        return ep.render(), str(ep.content_type)
+
+    @property
+    def open_connections(self) -> int:
+        return self._server.connections if self._server else 0
+
+    @property
+    def port(self) -> int | None:
+        return None if self._unix_path else int(self.address.rpartition(":")[2])
+
+    async def start(self) -> None:
+        target = parse_listen(self.listen)
+        if isinstance(target, Path):
+            sock = _bind_unix(target, self.listen)
+            self._unix_path = target
+            self.address = f"unix:{target}"
+        else:
+            sock = _bind_tcp(*target, self.listen)
+            host, port = sock.getsockname()[:2]
+            self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        sock.setblocking(False)
+        self.app.stopping = False
+        server = HttpServer(self.app.handle, self.limits)
+        try:
+            await server.start(sock)
+        except OSError as e:
+            sock.close()
+            if self._unix_path is not None:
+                with contextlib.suppress(OSError):
+                    self._unix_path.unlink()
+                self._unix_path = None
+            raise EdgedError(f"cannot listen on {self.listen}: {e.strerror or e}", code=ErrorCode.UNAVAILABLE) from None
+        self._server = server
+        log.info("HTTP (KServe v2) listening on %s", self.address)
+
+    async def stop(self) -> None:
+        self.app.stopping = True
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(GRACEFUL_STOP_S)
+        if self._unix_path is not None:
+            with contextlib.suppress(OSError):
+                self._unix_path.unlink()
+            self._unix_path = None
+        self.shm.unregister_all()
+        log.info("HTTP transport stopped")

@@ -1,0 +1,378 @@
+"""The KServe v2 / Triton HTTP API: one handler from a complete request to a complete response.
+
+Routes are matched on the raw path split at ``/`` (each segment percent-decoded on
+its own, so an encoded ``%2F`` can never create a new segment). Inference decodes
+with the shared v2 codec, queues on the one inference service and awaits the
+scheduler's future; everything else is small JSON. Every EdgedError becomes
+``{"error": ...}`` with the status its code maps to; anything unexpected is logged
+with its traceback and answered 500 ``internal error`` while the server goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+import edged
+from edged.core.models import ModelState
+from edged.core.service import InferenceService
+from edged.errors import EdgedError, ErrorCode, InvalidInputError, ModelNotFoundError
+from edged.protocol.v2 import DecodedRequest, decode_request, dumps, encode_response, loads
+from edged.repository.manifest import valid_model_name
+from edged.transports.http_config import model_config
+from edged.transports.http_server import Headers, Request, Response
+from edged.transports.sysshm import OutputStaging, SystemShmRegistry
+
+log = logging.getLogger(__name__)
+
+# Triton answers 503 for unavailable; RESOURCE_EXHAUSTED (a load that would break the memory budget,
+# too many shm regions) is 507 so that clients can tell "retry later" from "free something first".
+STATUS: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_ARGUMENT: 400,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.OVERLOADED: 503,
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+    ErrorCode.RESOURCE_EXHAUSTED: 507,
+    ErrorCode.FAILED_PRECONDITION: 409,
+    ErrorCode.INTERNAL: 500,
+}
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "statistics",
+              "system_shared_memory", "schedule_policy"]
+_JSON = [(b"content-type", b"application/json")]
+_HEAVY = 1 << 20  # bodies/outputs above this are (de)coded in a worker thread to keep the loop responsive
+
+
+class HttpError(Exception):
+    """A protocol-level failure (before any EdgedError applies): bad route, method, size, encoding."""
+
+    def __init__(self, status: int, message: str, headers: Headers | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers or []
+
+
+class Scrubber:
+    """Replaces the daemon's own directories in outgoing text: clients never learn internal paths."""
+
+    def __init__(self, paths: list[Path | None]) -> None:
+        roots = {str(p) for p in paths if p is not None and str(p) not in ("", "/", ".")}
+        self._roots = sorted(roots, key=len, reverse=True)
+        self._broots = [r.encode() for r in self._roots]
+
+    def text(self, s: str) -> str:
+        for r in self._roots:
+            if r in s:
+                s = s.replace(r, "<internal>")
+        return s
+
+    def data(self, b: bytes) -> bytes:
+        for r in self._broots:
+            if r in b:
+                b = b.replace(r, b"<internal>")
+        return b
+
+
+class V2App:
+    def __init__(self, service: InferenceService, shm: SystemShmRegistry, *, max_body: int,
+                 scrub: Scrubber, metrics: Callable[[], tuple[bytes, str]]) -> None:
+        self.service = service
+        self.shm = shm
+        self.max_body = max_body
+        self.scrub = scrub
+        self.metrics = metrics
+        self.stopping = False
+
+    # ---- entry ------------------------------------------------------------------------------
+    async def handle(self, req: Request) -> Response:
+        try:
+            return await self._dispatch(req)
+        except EdgedError as e:
+            return self._error(e)
+        except HttpError as e:
+            return e.status, _JSON + e.headers, dumps({"error": e.message})
+        except Exception:
+            log.exception("HTTP %s %r failed", req.method, req.path[:200])
+            return 500, _JSON, b'{"error":"internal error"}'
+
+    def _error(self, e: EdgedError) -> Response:
+        status = STATUS.get(e.code, 500)
+        if status >= 500 and e.code is ErrorCode.INTERNAL:
+            log.error("internal error: %s", e)
+        headers = _JSON + ([(b"retry-after", b"1")] if e.code is ErrorCode.OVERLOADED else [])
+        return status, headers, dumps({"error": self.scrub.text(str(e))})
+
+    def _json(self, obj: Any, status: int = 200, *, scrub: bool = False) -> Response:
+        data = dumps(obj)
+        return status, _JSON, self.scrub.data(data) if scrub else data
+
+    # ---- routing ----------------------------------------------------------------------------
+    async def _dispatch(self, req: Request) -> Response:
+        method = req.method
+        parts = req.path.split(b"?", 1)[0].split(b"/")
+        if len(parts) < 2 or parts[0] != b"":
+            raise HttpError(404, "not found")
+        top = parts[1]
+        if top == b"v2":
+            if len(parts) >= 4 and parts[2] == b"models":
+                return await self._models(method, [_seg(p) for p in parts[3:]], req)
+            rest = [_seg(p) for p in parts[2:]]
+            if rest in ([], [""]):
+                _allow(method, "GET")
+                return self._json({"name": "edged", "version": edged.__version__, "extensions": EXTENSIONS})
+            if rest[0] == "health" and len(rest) == 2 and rest[1] in ("live", "ready"):
+                _allow(method, "GET")
+                ok = rest[1] == "live" or self.server_ready()
+                return (200 if ok else 503), [], b""
+            if rest[0] == "repository":
+                return await self._repository(method, rest[1:], req)
+            if rest[0] == "systemsharedmemory":
+                return await self._sysshm(method, rest[1:], req)
+        elif top == b"metrics" and len(parts) == 2:
+            _allow(method, "GET")
+            body, ctype = await asyncio.to_thread(self.metrics)
+            return 200, [(b"content-type", ctype.encode())], body
+        raise HttpError(404, "not found")
+
+    def server_ready(self) -> bool:
+        """Serving and able to infer: not stopping, and some model is ready (or none is configured)."""
+        if self.stopping:
+            return False
+        mvs = self.service.manager.table.all()
+        return not mvs or any(mv.state is ModelState.READY for mv in mvs)
+
+    async def _models(self, method: str, rest: list[str], req: Request) -> Response:
+        if rest == ["stats"]:
+            _allow(method, "GET")
+            return self._json({"model_stats": self.service.statistics()})
+        model, rest = rest[0], rest[1:]
+        version: int | None = None
+        if rest and rest[0] == "versions":
+            if len(rest) < 2:
+                raise HttpError(404, "not found")
+            version = _version(rest[1])
+            rest = rest[2:]
+        action = rest[0] if len(rest) == 1 else ("" if not rest else None)
+        if action == "infer":
+            _allow(method, "POST")
+            return await self._infer(model, version, req)
+        if action == "":
+            _allow(method, "GET")
+            return self._json(self.service.metadata(model, version), scrub=True)
+        if action == "ready":
+            _allow(method, "GET")
+            self.service.model(model, version)  # 404 for unknown models
+            return (200 if self.service.is_ready(model, version) else 503), [], b""
+        if action == "config":
+            _allow(method, "GET")
+            mv = self.service.model(model, version)
+            policy = self.service.manager.models_cfg.policy_for(model)
+            return self._json(model_config(mv, policy), scrub=True)
+        if action == "stats":
+            _allow(method, "GET")
+            return self._json({"model_stats": self.service.statistics(model, version)})
+        raise HttpError(404, "not found")
+
+    # ---- inference --------------------------------------------------------------------------
+    async def _infer(self, model: str, version: int | None, req: Request) -> Response:
+        hlen_raw = None
+        for k, v in req.headers:
+            if k == b"inference-header-content-length":
+                hlen_raw = v
+        body = self._body(req)
+        if len(body) > _HEAVY:
+            decoded = await asyncio.to_thread(self._decode, body, hlen_raw, model, version)
+        else:
+            decoded = self._decode(body, hlen_raw, model, version)
+        ireq = decoded.request
+        timeout_us = ireq.parameters.get("timeout_us")
+        if timeout_us:
+            ireq.deadline = time.monotonic() + timeout_us / 1e6
+        resp = await asyncio.wrap_future(self.service.submit(ireq))
+        staging = OutputStaging(self.shm) if any(o.shm for o in decoded.outputs.values()) else None
+        big = sum(a.nbytes for a in resp.outputs.values()) > _HEAVY
+        if big or (staging is not None and _staging_is_heavy(decoded)):
+            return await asyncio.to_thread(self._encode, resp, decoded, staging)
+        return self._encode(resp, decoded, staging)
+
+    def _decode(self, body: bytes, hlen_raw: bytes | None, model: str, version: int | None) -> DecodedRequest:
+        if hlen_raw is not None:
+            try:
+                hlen = int(hlen_raw)
+            except ValueError:
+                raise InvalidInputError("Inference-Header-Content-Length is not an integer") from None
+            if not 0 <= hlen <= len(body):
+                raise InvalidInputError(
+                    f"Inference-Header-Content-Length {hlen} is outside the body ({len(body)} bytes)")
+            view = memoryview(body)
+            header, binary = loads(view[:hlen]), view[hlen:]
+        else:
+            header, binary = loads(body), memoryview(b"")
+        decoded = decode_request(header, binary, model=model, version=version, shm=self.shm.read)
+        for opt in decoded.outputs.values():
+            if opt.shm is not None:  # refuse a bad output slot before spending compute on it
+                self.shm.check(*opt.shm)
+        return decoded
+
+    def _encode(self, resp: Any, decoded: DecodedRequest, staging: OutputStaging | None) -> Response:
+        header, chunks = encode_response(resp, decoded, shm=staging)
+        if staging is not None:
+            staging.flush(header["outputs"])
+        hjson = dumps(header)
+        if not chunks:
+            return 200, _JSON, hjson
+        headers = [(b"content-type", b"application/octet-stream"),
+                   (b"inference-header-content-length", str(len(hjson)).encode())]
+        return 200, headers, b"".join([hjson, *chunks])
+
+    def _body(self, req: Request) -> bytes:
+        """The request body, decompressed when it says so (the server already bounded its raw size)."""
+        for k, v in req.headers:
+            if k == b"content-encoding":
+                enc = v.lower().strip()
+                if enc not in (b"identity", b""):
+                    return _decompress(req.body, enc, self.max_body)
+        return req.body
+
+    # ---- model repository -------------------------------------------------------------------
+    async def _repository(self, method: str, rest: list[str], req: Request) -> Response:
+        if rest == ["index"]:
+            _allow(method, "POST", "GET")
+            ready_only = _json_object(self._body(req)).get("ready", False)
+            if not isinstance(ready_only, bool):
+                raise InvalidInputError("'ready' must be true or false")
+            index = await asyncio.to_thread(self._index, ready_only)
+            return self._json(index, scrub=True)
+        if len(rest) == 3 and rest[0] == "models" and rest[2] in ("load", "unload"):
+            _allow(method, "POST")
+            name = rest[1]
+            params = _json_object(self._body(req)).get("parameters") or {}
+            if not isinstance(params, dict):
+                raise InvalidInputError("'parameters' must be an object")
+            if not valid_model_name(name):
+                raise ModelNotFoundError(f"model {name!r} is not in the repository")
+            if rest[2] == "load":
+                if set(params) - {"unload_dependents"}:
+                    raise InvalidInputError("overriding the model configuration or files on load is not supported; "
+                                            "put the model into the repository and load it by name")
+                await asyncio.to_thread(self._load, name)
+            else:
+                await asyncio.to_thread(self.service.manager.unload_model, name)
+            return self._json({})
+        raise HttpError(404, "not found")
+
+    def _index(self, ready_only: bool) -> list[dict[str, Any]]:
+        """Every model in the repository, loaded or not (Triton's index shape)."""
+        manager = self.service.manager
+        out: list[dict[str, Any]] = []
+        loaded: set[str] = set()
+        for mv in manager.table.all():
+            loaded.add(mv.name)
+            out.append({"name": mv.name, "version": str(mv.version), "state": mv.state.value.upper(),
+                        "reason": mv.reason or ""})
+        try:
+            on_disk = sorted(p.name for p in manager.repository.iterdir()
+                             if p.is_dir() and valid_model_name(p.name) and p.name not in loaded)
+        except OSError:
+            on_disk = []
+        disabled = set(manager.models_cfg.disabled)
+        for name in on_disk:
+            out.append({"name": name, "version": "", "state": "UNAVAILABLE",
+                        "reason": "disabled in the configuration" if name in disabled else "unloaded"})
+        out.sort(key=lambda e: (e["name"], e["version"]))
+        if ready_only:
+            out = [e for e in out if e["state"] == "READY"]
+        return out
+
+    def _load(self, name: str) -> None:
+        results = self.service.manager.load_model(name)
+        failed = [mv for mv in results if mv.state is not ModelState.READY]
+        if failed:
+            why = "; ".join(f"version {mv.version}: {mv.reason}" for mv in failed)
+            raise EdgedError(f"model {name!r} failed to load: {why}", code=ErrorCode.FAILED_PRECONDITION)
+
+    # ---- system shared memory ---------------------------------------------------------------
+    async def _sysshm(self, method: str, rest: list[str], req: Request) -> Response:
+        if rest == ["status"]:
+            _allow(method, "GET", "POST")
+            return self._json(self.shm.status())
+        if rest == ["unregister"]:
+            _allow(method, "POST")
+            self.shm.unregister_all()
+            return self._json({})
+        if len(rest) == 3 and rest[0] == "region":
+            name, action = rest[1], rest[2]
+            if action == "status":
+                _allow(method, "GET", "POST")
+                return self._json(self.shm.status(name))
+            if action == "register":
+                _allow(method, "POST")
+                body = _json_object(self._body(req))
+                self.shm.register(name, body.get("key"), body.get("offset", 0), body.get("byte_size"))
+                return self._json({})
+            if action == "unregister":
+                _allow(method, "POST")
+                self.shm.unregister(name)
+                return self._json({})
+        raise HttpError(404, "not found")
+
+
+def _staging_is_heavy(decoded: DecodedRequest) -> bool:
+    return sum(o.shm[2] for o in decoded.outputs.values() if o.shm) > _HEAVY
+
+
+def _seg(raw: bytes) -> str:
+    try:
+        s = raw.decode("utf-8")
+        return unquote(s, errors="strict") if "%" in s else s
+    except UnicodeDecodeError:
+        raise HttpError(400, "request path is not valid UTF-8") from None
+
+
+def _allow(method: str, *allowed: str) -> None:
+    if method not in allowed and not (method == "HEAD" and "GET" in allowed):
+        raise HttpError(405, f"method {method} is not allowed here",
+                        [(b"allow", ", ".join(allowed).encode())])
+
+
+def _version(raw: str) -> int:
+    if not raw.isdigit() or len(raw) > 18:
+        raise InvalidInputError(f"model version {raw!r} is not a positive integer")
+    return int(raw)
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    if not body.strip():
+        return {}
+    obj = loads(body)
+    if not isinstance(obj, dict):
+        raise InvalidInputError("request body must be a JSON object")
+    return obj
+
+
+def _too_large(limit: int) -> HttpError:
+    return HttpError(413, f"request body is larger than {limit} bytes ([http] max_request_mb)",
+                     [(b"connection", b"close")])
+
+
+def _decompress(body: bytes, encoding: bytes, limit: int) -> bytes:
+    """gzip/deflate request bodies (tritonclient's request_compression_algorithm), bounded by the limit."""
+    if encoding == b"gzip":
+        d = zlib.decompressobj(wbits=31)
+    elif encoding == b"deflate":
+        d = zlib.decompressobj(wbits=15)
+    else:
+        raise HttpError(415, f"unsupported Content-Encoding {encoding.decode('latin-1')!r} "
+                             "(identity, gzip and deflate are)")
+    try:
+        out = d.decompress(body, limit + 1)
+    except zlib.error:
+        raise InvalidInputError("request body is not valid compressed data") from None
+    if len(out) > limit or d.unconsumed_tail:
+        raise _too_large(limit)
+    return out

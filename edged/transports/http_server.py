@@ -1,0 +1,359 @@
+"""A small HTTP/1.1 server on asyncio + httptools, made for one job: request in, whole response out.
+
+Why not uvicorn: measured on the bundled models, an ASGI server writes the status
+line and headers and then the body as two ``send`` calls and wraps every request in
+ASGI dictionaries; together that was most of the transport's latency budget. This
+server hands a complete request (method, raw path, headers, body) to one handler
+coroutine and writes ``head + body`` in one call.
+
+What it still does for robustness: keep-alive and pipelining (responses in request
+order, reading paused while too many requests wait), ``Expect: 100-continue``,
+header and body size limits (431 / 413 and close, before the body is read),
+per-request read timeouts and keep-alive idle timeouts (slow or idle clients cannot
+hold a connection forever), a connection limit, write back-pressure, and a graceful
+stop that finishes in-flight requests before closing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from email.utils import formatdate
+from http import HTTPStatus
+
+import httptools
+import orjson
+
+log = logging.getLogger(__name__)
+
+Headers = list[tuple[bytes, bytes]]
+Response = tuple[int, Headers, bytes]
+
+
+@dataclass
+class Request:
+    method: str
+    path: bytes  # raw target, query string included, not percent-decoded
+    headers: Headers  # names lower-cased
+    body: bytes
+    keep_alive: bool = True
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass
+class Limits:
+    max_body: int = 64 * 1024 * 1024
+    max_header_bytes: int = 64 * 1024
+    keep_alive_s: float = 60.0  # idle connection lifetime between requests
+    request_timeout_s: float = 60.0  # from the first byte of a request to its last
+    max_pipelined: int = 32  # queued requests per connection before reading pauses
+    max_connections: int = 1000
+    write_high_water: int = 4 * 1024 * 1024
+
+
+_REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+_ONE_WRITE = 256 * 1024  # bodies up to this are copied into one buffer with the head: one send, not two
+
+
+class _Date:
+    """The Date header, formatted once a second (RFC 9110 asks servers with a clock to send it)."""
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._value = b""
+
+    def get(self) -> bytes:
+        now = int(time.time())
+        if now != self._second:
+            self._second = now
+            self._value = formatdate(now, usegmt=True).encode()
+        return self._value
+
+
+_DATE = _Date()
+
+
+def render_head(status: int, headers: Headers, length: int, close: bool) -> bytes:
+    parts = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))]
+    for k, v in headers:
+        parts += (k, b": ", v, b"\r\n")
+    parts.append(b"content-length: %d\r\ndate: %s\r\n" % (length, _DATE.get()))
+    if close:
+        parts.append(b"connection: close\r\n")
+    parts.append(b"\r\n")
+    return b"".join(parts)
+
+
+def error_response(status: int, message: str) -> Response:
+    return status, [(b"content-type", b"application/json")], orjson.dumps({"error": message})
+
+
+@dataclass
+class _State:
+    connections: set[HttpConnection] = field(default_factory=set)
+    stopping: bool = False
+
+
+class HttpConnection(asyncio.Protocol):
+    def __init__(self, handler: Handler, limits: Limits, state: _State) -> None:
+        self.handler = handler
+        self.limits = limits
+        self.state = state
+        self.loop = asyncio.get_running_loop()
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.queue: collections.deque[Request] = collections.deque()
+        self.task: asyncio.Task[None] | None = None
+        self.since = time.monotonic()  # start of the current request, or of idleness (for the sweep)
+        self.closing = False  # no new requests: answer what is queued, then close
+        self._finish_current = False
+        self._final: Response | None = None  # a protocol-level refusal to send after the queued answers
+        self.paused = False
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self._reset_message()
+
+    def _reset_message(self) -> None:
+        self._url: list[bytes] = []
+        self._headers: Headers = []
+        self._header_bytes = 0
+        self._body: list[bytes] = []
+        self._body_size = 0
+        self._keep_alive = True
+        self._in_message = False
+        self._discard = False  # the request was refused already; ignore the rest of it
+
+    # ---- connection lifecycle ---------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.state.connections.add(self)
+        if len(self.state.connections) > self.limits.max_connections or self.state.stopping:
+            self._refuse(503, "too many connections" if not self.state.stopping else "server is stopping")
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:  # pragma: no cover
+                pass
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.state.connections.discard(self)
+        self.closing = True
+        self.queue.clear()
+        self._writable.set()
+        self.transport = None
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    def check_timeouts(self, now: float) -> None:
+        """Called by the server's once-a-second sweep (cheaper than a timer per request)."""
+        if self.transport is None:
+            return
+        if self._in_message:
+            if now - self.since > self.limits.request_timeout_s and not self._discard:
+                self._refuse(408, "request not received in time")
+        elif self.task is None and not self.queue and now - self.since > self.limits.keep_alive_s:
+            self.transport.close()  # idle keep-alive connection
+
+    def shutdown(self) -> None:
+        """Graceful stop: close now when idle, else after the request in progress is answered."""
+        self._finish_current = self._in_message  # a request half received still gets its answer
+        self.closing = True
+        if self.task is None and not self._in_message and self.transport is not None:
+            self.transport.close()
+
+    # ---- parsing ----------------------------------------------------------------------------
+    def data_received(self, data: bytes) -> None:
+        if self._discard or (self.closing and not self._in_message):
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # No protocol upgrades here: answer the request as plain HTTP, then close.
+            self.closing = True
+        except httptools.HttpParserError as e:
+            if not self._discard:
+                self._refuse(400, f"malformed HTTP request: {e}")
+
+    def on_message_begin(self) -> None:
+        self._reset_message()
+        self._in_message = True
+        self.since = time.monotonic()
+
+    def on_url(self, url: bytes) -> None:
+        self._url.append(url)
+        self._header_bytes += len(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name.lower(), value))
+        self._header_bytes += len(name) + len(value) + 4
+        if self._header_bytes > self.limits.max_header_bytes and not self._discard:
+            self._refuse(431, "request headers are too large")
+
+    def on_headers_complete(self) -> None:
+        if self._discard:
+            return
+        self._keep_alive = self.parser.should_keep_alive()
+        expect = False
+        for k, v in self._headers:
+            if k == b"content-length":
+                try:
+                    declared = int(v)
+                except ValueError:
+                    declared = 0
+                if declared > self.limits.max_body:
+                    self._too_large()
+                    return
+            elif k == b"expect" and v.lower() == b"100-continue":
+                expect = True
+        if expect and self.transport is not None:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        if self._discard:
+            return
+        self._body_size += len(body)
+        if self._body_size > self.limits.max_body:
+            self._too_large()
+            return
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        self._in_message = False
+        if self._discard or (self.closing and not self._finish_current):
+            return
+        self._finish_current = False
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        method = self.parser.get_method().decode("ascii", "replace")
+        self.queue.append(Request(method, b"".join(self._url), self._headers, body, self._keep_alive))
+        self._body = []
+        if not self._keep_alive:
+            self.closing = True  # read nothing more; this is the last request
+        if len(self.queue) >= self.limits.max_pipelined and self.transport is not None and not self.paused:
+            self.transport.pause_reading()
+            self.paused = True
+        if self.task is None:
+            self.task = self.loop.create_task(self._serve())
+
+    def _too_large(self) -> None:
+        self._refuse(413, f"request body is larger than {self.limits.max_body} bytes ([http] max_request_mb)")
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer an error at the protocol level (after what is already queued) and close."""
+        self._discard = True
+        self.closing = True
+        if self.transport is None:
+            return
+        self.transport.pause_reading()
+        st, headers, body = error_response(status, message)
+        if self.task is None:
+            self._write(st, headers, body, close=True)
+            self.transport.close()
+        else:
+            # Requests already queued are answered first; the refusal is the last response here.
+            self._final = (st, headers, body)
+
+    # ---- serving ----------------------------------------------------------------------------
+    async def _serve(self) -> None:
+        try:
+            while self.queue:
+                req = self.queue.popleft()
+                if self.paused and len(self.queue) < self.limits.max_pipelined // 2 and self.transport is not None \
+                        and not self.closing:
+                    self.transport.resume_reading()
+                    self.paused = False
+                try:
+                    status, headers, body = await self.handler(req)
+                except Exception:  # the handler answers its own errors; this is a last resort
+                    log.exception("HTTP handler failed")
+                    status, headers, body = error_response(500, "internal error")
+                if self.transport is None:
+                    return
+                last = self.closing and not self.queue and self._final is None
+                self._write(status, headers, body, close=last, head_only=req.method == "HEAD")
+                if not self._writable.is_set():
+                    await self._writable.wait()
+            if self._final is not None and self.transport is not None:
+                self._write(*self._final, close=True)
+                self._final = None
+        finally:
+            self.task = None
+            if self.transport is not None and not self._in_message:
+                if self.closing:
+                    self.transport.close()
+                else:
+                    self.since = time.monotonic()
+
+    def _write(self, status: int, headers: Headers, body: bytes, *, close: bool, head_only: bool = False) -> None:
+        assert self.transport is not None
+        head = render_head(status, headers, len(body), close)
+        if head_only or not body:
+            self.transport.write(head)
+        elif len(body) <= _ONE_WRITE:
+            self.transport.write(head + body)
+        else:
+            self.transport.write(head)
+            self.transport.write(body)
+
+
+class HttpServer:
+    """Serves ``handler`` on an already bound, listening socket."""
+
+    def __init__(self, handler: Handler, limits: Limits | None = None) -> None:
+        self.handler = handler
+        self.limits = limits or Limits()
+        self._state = _State()
+        self._server: asyncio.AbstractServer | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    async def start(self, sock: socket.socket, backlog: int = 512) -> None:
+        loop = asyncio.get_running_loop()
+        self._state.stopping = False
+        self._server = await loop.create_server(
+            lambda: HttpConnection(self.handler, self.limits, self._state), sock=sock, backlog=backlog)
+        self._sweep()
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        for conn in list(self._state.connections):
+            conn.check_timeouts(now)
+        interval = min(1.0, self.limits.keep_alive_s / 2, self.limits.request_timeout_s / 2)
+        self._sweeper = asyncio.get_running_loop().call_later(interval, self._sweep)
+
+    @property
+    def connections(self) -> int:
+        return len(self._state.connections)
+
+    async def stop(self, timeout: float) -> None:
+        """Stop accepting, let in-flight requests finish (up to ``timeout``), then close everything."""
+        self._state.stopping = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._state.connections):
+            conn.shutdown()
+        deadline = time.monotonic() + timeout
+        while self._state.connections and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        for conn in list(self._state.connections):
+            if conn.transport is not None:
+                conn.transport.abort()
+            if conn.task is not None:
+                conn.task.cancel()
+        self._state.connections.clear()
+        self._server = None
