@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     optimize_command.register(sub)
     _add_config(sub.choices["optimize"])
+
+    from edged import status as status_command
+
+    status_command.register(sub)
+    _add_config(sub.choices["status"])
     return parser
 
 
@@ -224,9 +229,11 @@ def main(argv: list[str] | None = None) -> int:
         if level is None and args.command == "run":
             cfg_level = _config(args).logging.level
         setup_logging(level or cfg_level or ("info" if args.command == "run" else "warning"))
+        from edged import status as status_command
         from edged.optimize import command as optimize_command
 
-        handlers = {"run": cmd_run, "detect": cmd_detect, "infer": cmd_infer, "optimize": optimize_command.run}
+        handlers = {"run": cmd_run, "detect": cmd_detect, "infer": cmd_infer, "optimize": optimize_command.run,
+                    "status": status_command.run}
         if args.command == "models":
             return cmd_models_list(args)
         return handlers[args.command](args)

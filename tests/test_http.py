@@ -206,7 +206,7 @@ def test_statistics_and_metrics(srv: Served, triton: th.InferenceServerClient,
     status, headers, body = raw_http(srv.url, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
     assert status == 200 and headers["content-type"].startswith("text/plain")
     text = body.decode()
-    assert 'edged_inference_request_success_total{model="digits",version="1"}' in text
+    assert 'edged_inference_request_success_total{backend="onnxruntime",model="digits",version="1"}' in text
     assert 'edged_model_ready{model="mobilenet",version="1"} 1.0' in text
     assert "process_resident_memory_bytes" in text
 

@@ -1,0 +1,290 @@
+"""The telemetry agent: sample on a timer, publish over MQTT, buffer for upload, keep the status file fresh.
+
+All of it runs in two threads of its own (sampling, uploading): device reads, SQLite and
+HTTP all block, and the event loop must stay free for the transports. ``start`` and
+``stop`` are coroutines for the daemon; neither blocks the loop.
+
+Cadence: the status snapshot every ``min(interval_s, 10)`` seconds; a telemetry sample
+every ``[telemetry] interval_s``. Each keeps its own previous reading, so both windows
+are exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from edged import __version__
+from edged.config import Config
+from edged.core.service import InferenceService
+from edged.errors import EdgedError
+from edged.telemetry import message, prometheus
+from edged.telemetry.buffer import BufferStats, TelemetryBuffer
+from edged.telemetry.device import DeviceSampler
+from edged.telemetry.models import Key, ModelCounters, ModelMetrics, ModelSnapshot
+from edged.telemetry.readings import DeviceReading
+from edged.telemetry.snapshot import (
+    STATUS_FILE,
+    BufferStatus,
+    ModelStatus,
+    StatusSnapshot,
+    TelemetryStatus,
+    UploadStatus,
+    write_snapshot,
+)
+from edged.telemetry.upload import Uploader, UploadSettings, UploadStats
+from edged.telemetry.wire import TelemetrySample
+
+log = logging.getLogger(__name__)
+
+STATUS_INTERVAL_S = 10.0
+BUFFER_FILE = "telemetry/buffer.db"
+Publish = Callable[[str, bytes], None]
+
+
+class _Window:
+    """The previous reading of one consumer (telemetry or status), to difference against."""
+
+    def __init__(self) -> None:
+        self.device: DeviceReading | None = None
+        self.models: dict[Key, ModelCounters] = {}
+
+    def advance(self, device: DeviceReading, snaps: list[ModelSnapshot]) -> tuple[DeviceReading | None,
+                                                                                  dict[Key, ModelCounters]]:
+        prev = (self.device, self.models)
+        self.device, self.models = device, {s.key: s.counters for s in snaps}
+        return prev
+
+
+class TelemetryAgent:
+    def __init__(self, cfg: Config, service: InferenceService, *, publish: Publish | None = None,
+                 profile: str | None = None, sampler: DeviceSampler | None = None,
+                 upload: UploadSettings | None = None, status_interval_s: float | None = None) -> None:
+        """``publish(topic, payload)`` sends over MQTT (any thread); ``upload`` overrides what cfg says."""
+        self.cfg = cfg
+        self.service = service
+        self.publish = publish
+        self.profile = profile
+        self.enabled = cfg.telemetry.enabled
+        self.interval_s = cfg.telemetry.interval_s
+        self.status_interval_s = status_interval_s or min(self.interval_s, STATUS_INTERVAL_S)
+        self.topic = f"{cfg.mqtt.topic_prefix}/{cfg.device.id}/telemetry"
+        self.status_path = cfg.device.runtime_dir / STATUS_FILE
+        self.buffer_path = cfg.device.state_dir / BUFFER_FILE
+        self.upload_settings = upload if upload is not None else UploadSettings.from_config(cfg)
+        self.run_id = uuid.uuid4().hex
+        self.sampler = sampler or DeviceSampler(cfg.device.state_dir)
+        self.models = ModelMetrics(service)
+        self.buffer: TelemetryBuffer | None = None
+        self.uploader: Uploader | None = None
+        self.samples_total = 0
+        self.publish_failures = 0
+        self._seq = 0  # used only when nothing is buffered
+        self._started_wall = time.time()
+        self._started_mono = time.monotonic()
+        self._sample_lock = threading.Lock()
+        self._telemetry_window = _Window()
+        self._status_window = _Window()
+        self._stop = threading.Event()
+        self._wake_upload = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._last_publish_error: str | None = None
+        self._failing: set[str] = set()
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await asyncio.to_thread(self._open)
+        self._threads = [threading.Thread(target=self._loop, name="edged-telemetry", daemon=True)]
+        if self.uploader is not None:
+            self._threads.append(threading.Thread(target=self.uploader.run, args=(self._stop, self._wake_upload),
+                                                  name="edged-telemetry-upload", daemon=True))
+        for t in self._threads:
+            t.start()
+
+    def _open(self) -> None:
+        """Telemetry trouble never stops the daemon: without a buffer or uploader it still samples and publishes."""
+        if self.enabled and self.upload_settings is not None:
+            self.buffer = self._open_buffer()
+            if self.buffer is not None:
+                try:
+                    self.uploader = Uploader(self.upload_settings, self.buffer)
+                except EdgedError as e:
+                    log.error("telemetry upload disabled: %s (samples are kept in the buffer)", e)
+        prometheus.renderer_for(self.service, self.sampler).collector.telemetry = self
+        baseline = self.sampler.read(0)
+        snaps = self.models.snapshot()
+        self._telemetry_window.advance(baseline, snaps)
+        self._status_window.advance(baseline, snaps)
+        self._guard("status snapshot", self.write_status)
+
+    def _open_buffer(self) -> TelemetryBuffer | None:
+        capacity = int(self.cfg.telemetry.buffer_mb * (1 << 20))
+        try:
+            return TelemetryBuffer(self.buffer_path, capacity)
+        except sqlite3.DatabaseError as e:
+            if isinstance(e, sqlite3.OperationalError):  # locked, unwritable: not the file's fault
+                log.error("telemetry buffer %s unusable (%s): samples will not be kept for upload",
+                          self.buffer_path, e)
+                return None
+            aside = self.buffer_path.with_name(f"{self.buffer_path.name}.corrupt-{int(time.time())}")
+            log.error("telemetry buffer %s is damaged (%s); moved to %s, starting a new one", self.buffer_path, e,
+                      aside.name)
+            for suffix in ("", "-wal", "-shm"):
+                with contextlib.suppress(OSError):
+                    os.replace(f"{self.buffer_path}{suffix}", f"{aside}{suffix}")
+            try:
+                return TelemetryBuffer(self.buffer_path, capacity)
+            except (sqlite3.Error, OSError) as e2:
+                log.error("telemetry buffer unusable (%s): samples will not be kept for upload", e2)
+                return None
+        except OSError as e:
+            log.error("telemetry buffer %s unusable (%s): samples will not be kept for upload", self.buffer_path, e)
+            return None
+
+    async def stop(self) -> None:
+        self._stop.set()
+        self._wake_upload.set()
+        await asyncio.to_thread(self._close)
+
+    def _close(self) -> None:
+        for t in self._threads:
+            t.join()
+        self._threads = []
+        if self.enabled:
+            # A last window up to the stop, so a restart loses no counts (it waits in the buffer).
+            self._guard("final telemetry sample", self.sample_now)
+        with contextlib.suppress(OSError):
+            self.write_status(state="stopped")
+        renderer = prometheus.renderer_for(self.service)
+        if renderer.collector.telemetry is self:
+            renderer.collector.telemetry = None
+        if self.buffer is not None:
+            self.buffer.close()
+            self.buffer = None
+        self.sampler.close()
+
+    def _loop(self) -> None:
+        next_status = time.monotonic() + self.status_interval_s
+        next_sample = time.monotonic() + self.interval_s
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if self.enabled and now >= next_sample:
+                next_sample = max(next_sample + self.interval_s, now)
+                self._guard("telemetry sample", self.sample_now)
+            if now >= next_status:
+                next_status = max(next_status + self.status_interval_s, now)
+                self._guard("status snapshot", self.write_status)
+            targets = [next_status] + ([next_sample] if self.enabled else [])
+            self._stop.wait(max(0.0, min(targets) - time.monotonic()))
+
+    def _guard(self, what: str, fn: Callable[[], object]) -> None:
+        """Run one periodic job; a failure is logged once per kind of failure, and the loop goes on."""
+        try:
+            fn()
+        except Exception as e:
+            key = f"{what}: {type(e).__name__}"
+            if key not in self._failing:
+                self._failing.add(key)
+                log.exception("%s failed (logged once; retried every interval)", what)
+        else:
+            self._failing = {k for k in self._failing if not k.startswith(what)}
+
+    # ---- telemetry samples ----------------------------------------------------------------------
+    def sample_now(self) -> TelemetrySample:
+        """Take one sample now: publish it and buffer it for upload. Blocking; returns what was sent."""
+        with self._sample_lock:
+            reading = self.sampler.read(0)
+            snaps = self.models.snapshot()
+            prev_dev, prev_models = self._telemetry_window.advance(reading, snaps)
+            window = reading.monotonic - prev_dev.monotonic if prev_dev is not None else 0.0
+            sample = TelemetrySample(
+                device=self.cfg.device.id, run=self.run_id, t=round(reading.wall_time, 3),
+                window_s=round(max(window, 0.0), 3), uptime_s=round(reading.monotonic - self._started_mono, 3),
+                profile=self.profile, system=message.system_window(reading, prev_dev),
+                models=message.model_windows(snaps, prev_models))
+            if self.buffer is not None:
+                sample.seq = self.buffer.next_seq()
+                body = sample.model_dump_json(exclude_none=True).encode()
+                dropped = self.buffer.append(sample.seq, body, reading.wall_time)
+                if dropped:
+                    log.debug("telemetry buffer full: dropped the %d oldest sample(s)", dropped)
+            else:
+                self._seq += 1
+                sample.seq = self._seq
+                body = sample.model_dump_json(exclude_none=True).encode()
+            self.samples_total += 1
+            if self.publish is not None:
+                try:
+                    self.publish(self.topic, body)
+                    self._last_publish_error = None
+                except Exception as e:  # the broker being away must not stop buffering and upload
+                    self.publish_failures += 1
+                    if self._last_publish_error is None:
+                        log.warning("telemetry not published on MQTT: %s", e)
+                    self._last_publish_error = str(e)
+            return sample
+
+    def upload_now(self) -> None:
+        """Cut the uploader's wait short (after a burst of samples, or in tests)."""
+        self._wake_upload.set()
+
+    def buffer_stats(self) -> BufferStats | None:
+        b = self.buffer
+        return b.stats() if b is not None else None
+
+    def upload_stats(self) -> UploadStats | None:
+        u = self.uploader
+        return u.stats() if u is not None else None
+
+    # ---- status snapshot ------------------------------------------------------------------------
+    def status(self, state: str = "running") -> StatusSnapshot:
+        reading = self.sampler.read(0)
+        snaps = self.models.snapshot()
+        prev_dev, prev_models = self._status_window.advance(reading, snaps)
+        window = reading.monotonic - prev_dev.monotonic if prev_dev is not None else 0.0
+        by_key = {s.key: s for s in snaps}
+        models = []
+        for v in self.models.versions():
+            ms = ModelStatus(model=v.model, version=v.version, state=v.state, reason=v.reason, backend=v.backend,
+                             device=v.device, precision=v.precision)
+            snap = by_key.get((v.model, v.version, v.backend))
+            if snap is not None:
+                w = message.model_window(snap, prev_models.get(snap.key))
+                if window > 0:
+                    ms.requests_per_s = round((w.success + w.failure_count) / window, 3)
+                    ms.errors_per_s = round(w.failure_count / window, 3)
+                ms.p50_s, ms.p99_s, ms.in_flight = w.p50_s, w.p99_s, snap.in_flight
+                ms.success_total, ms.failures_total = snap.counters.success, snap.counters.failures
+            models.append(ms)
+        tel = TelemetryStatus(enabled=self.enabled, interval_s=self.interval_s, samples_total=self.samples_total,
+                              mqtt=self.publish is not None)
+        if (b := self.buffer_stats()) is not None:
+            tel.buffer = BufferStatus(samples=b.samples, bytes=b.bytes, capacity_bytes=b.capacity_bytes,
+                                      dropped_total=b.dropped_total, oldest_t=b.oldest_t)
+        if (u := self.upload_stats()) is not None:
+            tel.upload = UploadStatus(state=u.state, uploaded_total=u.uploaded_total, failures_total=u.failures_total,
+                                      rejected_total=u.rejected_total, last_success_wall=u.last_success_wall,
+                                      last_error=u.last_error)
+        notes = list(reading.notes)
+        if self._last_publish_error:
+            notes.append(f"telemetry not published on MQTT: {self._last_publish_error}")
+        return StatusSnapshot(
+            state=state, pid=os.getpid(), device=self.cfg.device.id, profile=self.profile,
+            edged_version=__version__, started_at=self._started_wall, written_at=time.time(),
+            interval_s=self.status_interval_s, window_s=round(window, 3),
+            system=message.system_window(reading, prev_dev), models=models, telemetry=tel, notes=notes)
+
+    def write_status(self, state: str = "running") -> None:
+        write_snapshot(self.status_path, self.status(state))
+
+
+def status_path(cfg: Config) -> Path:
+    return cfg.device.runtime_dir / STATUS_FILE

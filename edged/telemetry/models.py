@@ -1,0 +1,220 @@
+"""Model metrics from the scheduler's statistics, kept monotonic across model reloads.
+
+Each loaded model version owns a :class:`~edged.core.stats.ModelStats`. Reloading a
+version (same number, new files or a new engine) publishes a new ModelVersion with a
+fresh ModelStats, which would reset its counters to zero. :class:`ModelMetrics` notices
+the new object and carries the old one's totals forward, so every
+(model, version, backend) series only ever goes up while the process runs. A replaced
+object still draining requests is read until it is idle, then folded in for good.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from edged.core.models import ModelState, ModelVersion
+from edged.core.service import InferenceService
+from edged.core.stats import LATENCY_BUCKETS_S, Histogram, ModelStats
+
+Key = tuple[str, int, str]  # model, version, backend
+
+
+@dataclass
+class HistCounts:
+    """Per-bucket counts (not cumulative; the last is +Inf) and the sum of observed values."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
+    total: float = 0.0
+
+    @classmethod
+    def of(cls, h: Histogram) -> HistCounts:
+        return cls(list(h.counts), h.total)
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def plus(self, o: HistCounts) -> HistCounts:
+        return HistCounts([a + b for a, b in zip(self.counts, o.counts, strict=True)], self.total + o.total)
+
+    def minus(self, o: HistCounts) -> HistCounts:
+        return HistCounts([a - b for a, b in zip(self.counts, o.counts, strict=True)], self.total - o.total)
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        out, acc = [], 0
+        for bound, c in zip([*LATENCY_BUCKETS_S, float("inf")], self.counts, strict=True):
+            acc += c
+            out.append((bound, acc))
+        return out
+
+    def quantile(self, q: float) -> float | None:
+        """Linear interpolation inside the bucket holding the q-quantile (as Prometheus does); None when empty."""
+        n = self.count
+        if n == 0:
+            return None
+        target = q * n
+        lower, below = 0.0, 0
+        for bound, acc in self.cumulative():
+            if acc >= target and acc > below:
+                if bound == float("inf"):
+                    return LATENCY_BUCKETS_S[-1]
+                return lower + (bound - lower) * (target - below) / (acc - below)
+            lower, below = bound, acc
+        return LATENCY_BUCKETS_S[-1]
+
+
+K = TypeVar("K", str, int)
+
+
+def _add(a: dict[K, int], b: dict[K, int], sign: int) -> dict[K, int]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out.get(k, 0) + sign * v
+    return {k: v for k, v in out.items() if v}
+
+
+@dataclass
+class ModelCounters:
+    """Everything cumulative about one model version (counts, seconds, histograms)."""
+
+    success: int = 0
+    failures_by_code: dict[str, int] = field(default_factory=dict)
+    inferences: int = 0  # batch elements computed
+    executions: int = 0  # engine runs
+    success_s: float = 0.0
+    queue_s: float = 0.0
+    compute_input_s: float = 0.0
+    compute_infer_s: float = 0.0
+    compute_output_s: float = 0.0
+    batches: dict[int, int] = field(default_factory=dict)  # engine runs per batch size
+    latency: HistCounts = field(default_factory=HistCounts)  # end to end, successful requests
+    queue: HistCounts = field(default_factory=HistCounts)
+    compute: HistCounts = field(default_factory=HistCounts)  # per engine run
+
+    @property
+    def failures(self) -> int:
+        return sum(self.failures_by_code.values())
+
+    @classmethod
+    def read(cls, st: ModelStats) -> tuple[ModelCounters, int]:
+        """A consistent copy of ``st`` (under its lock) and its in-flight count."""
+        with st._lock:
+            c = cls(
+                success=st.success.count, failures_by_code=dict(st.failures_by_code),
+                inferences=st.inference_count, executions=st.execution_count,
+                success_s=st.success.ns / 1e9, queue_s=st.queue.ns / 1e9,
+                compute_input_s=st.compute_input.ns / 1e9, compute_infer_s=st.compute_infer.ns / 1e9,
+                compute_output_s=st.compute_output.ns / 1e9,
+                batches={bs: b.compute_infer.count for bs, b in st.batches.items()},
+                latency=HistCounts.of(st.total_hist), queue=HistCounts.of(st.queue_hist),
+                compute=HistCounts.of(st.compute_hist))
+            return c, st.in_flight
+
+    def _combine(self, o: ModelCounters, sign: int) -> ModelCounters:
+        def h(a: HistCounts, b: HistCounts) -> HistCounts:
+            return a.plus(b) if sign > 0 else a.minus(b)
+
+        return ModelCounters(
+            success=self.success + sign * o.success,
+            failures_by_code=_add(self.failures_by_code, o.failures_by_code, sign),
+            inferences=self.inferences + sign * o.inferences, executions=self.executions + sign * o.executions,
+            success_s=self.success_s + sign * o.success_s, queue_s=self.queue_s + sign * o.queue_s,
+            compute_input_s=self.compute_input_s + sign * o.compute_input_s,
+            compute_infer_s=self.compute_infer_s + sign * o.compute_infer_s,
+            compute_output_s=self.compute_output_s + sign * o.compute_output_s,
+            batches=_add(self.batches, o.batches, sign),
+            latency=h(self.latency, o.latency), queue=h(self.queue, o.queue), compute=h(self.compute, o.compute))
+
+    def plus(self, o: ModelCounters) -> ModelCounters:
+        return self._combine(o, 1)
+
+    def minus(self, o: ModelCounters) -> ModelCounters:
+        """The window between an earlier copy ``o`` and this one."""
+        return self._combine(o, -1)
+
+
+@dataclass
+class ModelSnapshot:
+    model: str
+    version: int
+    backend: str
+    device: str
+    precision: str
+    counters: ModelCounters
+    in_flight: int
+
+    @property
+    def key(self) -> Key:
+        return (self.model, self.version, self.backend)
+
+
+@dataclass
+class VersionState:
+    """What every known version looks like now, loaded or not (for ready gauges and ``edged status``)."""
+
+    model: str
+    version: int
+    state: str
+    reason: str | None
+    backend: str
+    device: str
+    precision: str
+
+
+@dataclass
+class _Track:
+    current: ModelStats
+    retired: list[ModelStats] = field(default_factory=list)  # replaced, maybe still draining
+    base: ModelCounters = field(default_factory=ModelCounters)  # folded-in totals of idle replaced objects
+
+
+class ModelMetrics:
+    """Reads every loaded version's statistics; one instance per consumer, kept for the process lifetime."""
+
+    def __init__(self, service: InferenceService) -> None:
+        self.service = service
+        self._lock = threading.Lock()
+        self._tracks: dict[Key, _Track] = {}
+
+    def snapshot(self) -> list[ModelSnapshot]:
+        out = []
+        with self._lock:
+            for mv in self.service.manager.table.all():
+                st = mv.stats
+                if st is None:
+                    continue
+                key = (mv.name, mv.version, st.backend)
+                tr = self._tracks.get(key)
+                if tr is None:
+                    tr = self._tracks[key] = _Track(current=st)
+                elif tr.current is not st:
+                    tr.retired.append(tr.current)
+                    tr.current = st
+                total, in_flight = ModelCounters.read(st)
+                total = total.plus(tr.base)
+                still: list[ModelStats] = []
+                for old in tr.retired:
+                    counts, busy = ModelCounters.read(old)
+                    if busy > 0:
+                        still.append(old)
+                        in_flight += busy
+                        total = total.plus(counts)
+                    else:
+                        tr.base = tr.base.plus(counts)
+                        total = total.plus(counts)
+                tr.retired = still
+                c = mv.candidate
+                out.append(ModelSnapshot(mv.name, mv.version, st.backend, c.device if c else "",
+                                         c.precision if c else "", total, in_flight))
+        return out
+
+    def versions(self) -> list[VersionState]:
+        return [_state(mv) for mv in self.service.manager.table.all()]
+
+
+def _state(mv: ModelVersion) -> VersionState:
+    c = mv.candidate
+    return VersionState(mv.name, mv.version, mv.state.value, mv.reason if mv.state is not ModelState.READY else None,
+                        c.backend if c else "", c.device if c else "", c.precision if c else "")

@@ -1,0 +1,97 @@
+"""The status snapshot the telemetry agent writes to ``<runtime_dir>/status.json`` for ``edged status``.
+
+Written atomically (temp file + rename) every few seconds while the daemon runs, and once
+more with ``state = "stopped"`` when it stops, so a reader never sees half a file and can
+tell a stopped daemon (state), a hung one (age) and a crashed one (pid gone) apart.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from edged.fsutil import atomic_write_bytes
+from edged.telemetry.wire import SystemWindow
+
+STATUS_FILE = "status.json"
+
+
+class _Snap(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ModelStatus(_Snap):
+    model: str
+    version: int
+    state: str
+    reason: str | None = None
+    backend: str = ""
+    device: str = ""
+    precision: str = ""
+    requests_per_s: float | None = None  # successes + failures over the window
+    errors_per_s: float | None = None
+    p50_s: float | None = None  # over the window
+    p99_s: float | None = None
+    in_flight: int = 0
+    success_total: int = 0
+    failures_total: int = 0
+
+
+class BufferStatus(_Snap):
+    samples: int
+    bytes: int
+    capacity_bytes: int
+    dropped_total: int
+    oldest_t: float | None = None
+
+
+class UploadStatus(_Snap):
+    state: str
+    uploaded_total: int
+    failures_total: int
+    rejected_total: int
+    last_success_wall: float | None = None
+    last_error: str | None = None
+
+
+class TelemetryStatus(_Snap):
+    enabled: bool
+    interval_s: float
+    samples_total: int = 0
+    mqtt: bool = False
+    buffer: BufferStatus | None = None
+    upload: UploadStatus | None = None
+
+
+class StatusSnapshot(_Snap):
+    v: int = 1
+    state: str = Field(description="running | stopped")
+    pid: int
+    device: str
+    profile: str | None = None
+    edged_version: str = ""
+    started_at: float
+    written_at: float
+    interval_s: float = Field(description="how often the file is rewritten")
+    window_s: float = 0.0
+    system: SystemWindow = Field(default_factory=SystemWindow)
+    models: list[ModelStatus] = Field(default_factory=list)
+    telemetry: TelemetryStatus | None = None
+    notes: list[str] = Field(default_factory=list)
+
+
+def write_snapshot(path: Path, snap: StatusSnapshot) -> None:
+    atomic_write_bytes(path, snap.model_dump_json(exclude_none=True).encode(), mode=0o644)
+
+
+def read_snapshot(path: Path) -> StatusSnapshot | None:
+    """None when there is no file; a garbled one raises ValueError with the reason."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        return StatusSnapshot.model_validate_json(data)
+    except ValidationError as e:
+        raise ValueError(f"{path.name} is not a status snapshot ({e.error_count()} problem(s))") from None

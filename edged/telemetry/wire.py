@@ -1,0 +1,130 @@
+"""The telemetry message and the upload contract between a device and the registry (pydantic only).
+
+One :class:`TelemetrySample` is published on ``<prefix>/<device>/telemetry`` every
+``[telemetry] interval_s`` and kept in the device's buffer; the uploader POSTs them in
+order as an :class:`UploadBatch`. Counts in a sample cover its window (``window_s``
+seconds since the previous sample of the same ``run``), so the registry sums windows
+instead of differencing counters that restart with the daemon.
+
+Unknown fields are ignored rather than refused: a device newer than its registry must
+still get its telemetry stored, or the samples would sit in its buffer until dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from edged.core.stats import LATENCY_BUCKETS_S
+
+SCHEMA_VERSION = 1
+INGEST_PATH = "/api/v1/device/telemetry"
+MAX_BATCH_ITEMS = 1000
+
+Count = Annotated[int, Field(ge=0)]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Hist(_Wire):
+    """A latency histogram over ``latency_buckets_s`` (counts per bucket, the last one +Inf)."""
+
+    counts: list[Count] = Field(default_factory=list, max_length=64,
+                                description="per bucket, not cumulative; trailing empty buckets left out")
+    sum_s: float = 0.0
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+
+class ModelWindow(_Wire):
+    model: str = Field(max_length=128)
+    version: int
+    backend: str = Field(default="", max_length=64)
+    success: Count = 0
+    failures: dict[str, Count] = Field(default_factory=dict, description="failed requests by error code")
+    inferences: Count = Field(default=0, description="batch elements computed")
+    executions: Count = Field(default=0, description="engine runs")
+    batch_sizes: dict[int, Count] = Field(default_factory=dict, description="engine runs per batch size")
+    in_flight: Count = Field(default=0, description="queued or running at the end of the window")
+    latency: Hist = Field(default_factory=Hist, description="end to end, successful requests")
+    queue: Hist = Field(default_factory=Hist)
+    compute: Hist = Field(default_factory=Hist, description="per engine run")
+    p50_s: float | None = None
+    p99_s: float | None = None
+
+    @property
+    def failure_count(self) -> int:
+        return sum(self.failures.values())
+
+
+class Accelerator(_Wire):
+    name: str = Field(max_length=128)
+    kind: str = Field(max_length=32)
+    utilization: float | None = None
+    freq_hz: float | None = None
+    max_freq_hz: float | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    power_w: float | None = None
+    temperature_c: float | None = None
+
+
+class Rail(_Wire):
+    name: str = Field(max_length=128)
+    voltage_v: float | None = None
+    current_a: float | None = None
+    power_w: float | None = None
+
+
+class SystemWindow(_Wire):
+    cpu_count: int = 1
+    cpu_utilization: float | None = Field(default=None, description="0..1, all cores, over the window")
+    load1: float | None = None
+    memory_total: int | None = None
+    memory_used: int | None = None
+    swap_total: int | None = None
+    swap_used: int | None = None
+    disk_total: int | None = Field(default=None, description="the filesystem of the state dir")
+    disk_free: int | None = None
+    process_rss: int | None = None
+    process_threads: int | None = None
+    process_cpu_cores: float | None = Field(default=None, description="cores the daemon used over the window")
+    temperatures_c: dict[str, float] = Field(default_factory=dict)
+    accelerators: list[Accelerator] = Field(default_factory=list)
+    rails: list[Rail] = Field(default_factory=list)
+    emc_freq_hz: float | None = None
+    emc_utilization: float | None = None
+
+
+class TelemetrySample(_Wire):
+    v: int = SCHEMA_VERSION
+    device: str = Field(max_length=128)
+    seq: int = Field(default=0, ge=0, description="the device buffer's sequence number (0: not buffered)")
+    run: str = Field(max_length=64, description="random per daemon start: windows never span two runs")
+    t: float = Field(description="device wall clock at the end of the window, Unix seconds")
+    window_s: float = Field(ge=0, description="monotonic seconds this sample covers")
+    uptime_s: float = Field(ge=0, description="seconds since the daemon started")
+    profile: str | None = None
+    latency_buckets_s: list[float] = Field(default_factory=lambda: list(LATENCY_BUCKETS_S), max_length=64)
+    system: SystemWindow = Field(default_factory=SystemWindow)
+    models: list[ModelWindow] = Field(default_factory=list, max_length=1000)
+
+
+class UploadBatch(_Wire):
+    buffer_id: str = Field(min_length=1, max_length=64,
+                           description="identity of the device's buffer file: seq restarts with a new one")
+    dropped: Count = Field(default=0, description="samples the device dropped (buffer full) since its last "
+                                                  "acknowledged batch")
+    dropped_total: Count = Field(default=0, description="all samples ever dropped from this buffer")
+    items: list[TelemetrySample] = Field(default_factory=list, max_length=MAX_BATCH_ITEMS)
+
+
+class UploadAck(_Wire):
+    accepted: Count
+    duplicates: Count = 0
+    last_seq: int = 0
