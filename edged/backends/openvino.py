@@ -61,10 +61,13 @@ class OpenVinoEngine(Engine):
 
     def infer(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         names = list(outputs) if outputs else list(self._out_ports)
+        compiled = self._compiled
+        if compiled is None:
+            raise ModelLoadError("engine was unloaded")
         try:
             req = self._pool.get_nowait()
         except queue.Empty:
-            req = self._compiled.create_infer_request()
+            req = compiled.create_infer_request()
         try:
             req.infer(dict(inputs))
             return {n: np.array(req.get_tensor(self._out_ports[n]).data, copy=True) for n in names}

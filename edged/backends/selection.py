@@ -30,17 +30,33 @@ class Candidate:
         return f"{self.backend}/{self.device}/{self.precision} ({self.variant.file})"
 
 
+def can_run_at(backend: str, variant: Variant, precision: str) -> bool:
+    """Whether ``backend`` can run ``variant`` at ``precision``.
+
+    Every backend runs a variant at its own precision. TensorRT also builds an
+    engine from an FP32 ONNX file at a lower precision: FP16 always, INT8 only with
+    the calibration cache that ships with the variant (an INT8 ONNX file carries
+    its own quantization and builds as INT8 directly).
+    """
+    if variant.precision == precision:
+        return True
+    if backend == "tensorrt" and variant.format == "onnx" and variant.precision == "fp32":
+        return precision == "fp16" or (precision == "int8" and variant.calibration_cache is not None)
+    return False
+
+
 def candidates(variants: Sequence[Variant], preferences: Sequence[BackendPreference]) -> list[Candidate]:
-    """Ordered candidates: by preference, then precision order, then native format first."""
+    """Ordered candidates: by preference, then precision order, then native format, then a file's own precision."""
     out: list[Candidate] = []
-    seen: set[tuple[str, str, str]] = set()
+    seen: set[tuple[str, str, str, str]] = set()
     for pref in preferences:
         for precision in pref.precisions:
             for fmt in _FORMATS.get(pref.backend, ()):
-                for v in variants:
-                    if v.format != fmt or v.precision != precision:
-                        continue
-                    key = (pref.backend, pref.device, v.file)
+                matching = [v for v in variants if v.format == fmt and can_run_at(pref.backend, v, precision)]
+                # A file made at the wanted precision beats one converted on the device.
+                matching.sort(key=lambda v: v.precision != precision)
+                for v in matching:
+                    key = (pref.backend, pref.device, v.file, precision)
                     if key in seen:
                         continue
                     seen.add(key)

@@ -52,10 +52,11 @@ def estimate_memory_mb(entry: VersionEntry) -> float:
 
 class ModelManager:
     def __init__(self, repository: Path, models: ModelsSection, preferences: Sequence[BackendPreference], *,
-                 cache_dir: Path | None = None, threads: int = 0, memory_budget_mb: float = 0.0) -> None:
+                 cache_dir: Path | None = None, threads: int = 0, memory_budget_mb: float = 0.0,
+                 select: str = "first") -> None:
         self.repository = repository
         self.models_cfg = models
-        self.loader = ModelLoader(preferences, cache_dir=cache_dir, threads=threads)
+        self.loader = ModelLoader(preferences, cache_dir=cache_dir, threads=threads, select=select)
         self.table = ModelTable()
         self.memory_budget_mb = memory_budget_mb
         self.digests = DigestCache(cache_dir / "digests.json" if cache_dir else None)

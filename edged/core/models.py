@@ -1,4 +1,14 @@
-"""Loaded model versions: engine choice with fallback, I/O auto-complete, warm-up and state."""
+"""Loaded model versions: engine choice with fallback or by measurement, I/O auto-complete, warm-up, state.
+
+For each version the loader intersects the manifest's variants with the profile's
+preferences and the engines that work here. With ``select = "first"`` it loads the
+first candidate that loads and warms up, falling back down the list and keeping the
+reason for every candidate it skipped. With ``select = "benchmark"`` it loads every
+candidate, times them on the device (:mod:`edged.backends.benchmark`), keeps the
+fastest and remembers the result. A candidate whose engine must be built first
+(TensorRT from ONNX) is built in the background while the version serves through
+the next candidate, then switched in (:mod:`edged.core.upgrade`).
+"""
 
 from __future__ import annotations
 
@@ -15,10 +25,23 @@ import numpy as np
 
 from edged import datatypes
 from edged.backends.base import Engine, EngineTensor, LoadRequest
+from edged.backends.benchmark import (
+    BenchmarkResult,
+    BenchmarkSettings,
+    CandidateTiming,
+    SelectionMemory,
+    batch_sizes_for,
+    choose,
+    measure,
+    selection_key,
+)
+from edged.backends.build import EngineBuild, EngineBuildRequiredError
+from edged.backends.enginecache import EngineCache, EngineCacheKey, variant_digest
 from edged.backends.registry import get_backend
 from edged.backends.selection import Candidate, candidates, unavailable_reason
 from edged.core.scheduler import Scheduler
 from edged.core.stats import ModelStats
+from edged.core.upgrade import EngineUpgrade, SwappableEngine
 from edged.errors import EdgedError, ModelLoadError
 from edged.repository.manifest import ModelManifest, TensorSpec
 from edged.repository.store import VersionEntry
@@ -27,6 +50,8 @@ if TYPE_CHECKING:
     from edged.profiles import BackendPreference
 
 log = logging.getLogger(__name__)
+
+SELECT_MODES = ("first", "benchmark")
 
 
 class ModelState(str, enum.Enum):
@@ -55,6 +80,8 @@ class ModelVersion:
     memory_mb: float = 0.0
     scheduler: Scheduler | None = None
     stats: ModelStats | None = None
+    benchmark: BenchmarkResult | None = None  # set when the profile selects by measurement
+    upgrade: EngineUpgrade | None = None  # set while/after a better engine is built in the background
 
     @property
     def manifest(self) -> ModelManifest:
@@ -67,7 +94,7 @@ class ModelVersion:
 
     def status(self) -> dict[str, Any]:
         c = self.candidate
-        return {
+        out: dict[str, Any] = {
             "name": self.name,
             "version": self.version,
             "state": self.state.value,
@@ -76,15 +103,24 @@ class ModelVersion:
             "device": c.device if c else None,
             "precision": c.precision if c else None,
             "variant": c.variant.file if c else None,
-            "skipped": [{"candidate": k, "reason": r} for k, r in self.skipped],
+            "skipped": [{"candidate": k, "reason": r} for k, r in list(self.skipped)],
         }
+        if self.benchmark is not None:
+            b = self.benchmark
+            out["benchmark"] = [{"candidate": t.candidate, "throughput_per_s": round(t.throughput_per_s, 1),
+                                 "batches": {str(k): round(v, 1) for k, v in t.batches.items()},
+                                 "latency_ms": round(t.latency_ms, 3), "chosen": t.candidate == b.chosen,
+                                 "source": b.source} for t in list(b.timings)]
+        if self.upgrade is not None:
+            out["upgrade"] = self.upgrade.status()
+        return out
 
 
 def _io_from_engine(tensors: Sequence[EngineTensor], max_batch_size: int) -> list[TensorSpec]:
     specs = []
     for t in tensors:
         shape = list(t.shape[1:] if max_batch_size > 0 else t.shape)
-        specs.append(TensorSpec(name=t.name, datatype=t.datatype, shape=shape))  # type: ignore[arg-type]
+        specs.append(TensorSpec(name=t.name, datatype=t.datatype, shape=shape))
     return specs
 
 
@@ -105,61 +141,86 @@ def _check_io(kind: str, declared: Sequence[TensorSpec], engine: Sequence[Engine
                                  f"{'excluded' if mbs > 0 else 'included'})")
 
 
-def sample_inputs(mv: ModelVersion) -> dict[str, np.ndarray]:
+def sample_inputs(mv: ModelVersion, inputs: Sequence[TensorSpec] | None = None) -> dict[str, np.ndarray]:
     """Warm-up inputs: the manifest's sample file, else deterministic data shaped like the inputs."""
+    specs = list(inputs) if inputs is not None else mv.inputs
     wf = mv.manifest.warmup.file
     if wf:
         with np.load(mv.entry.path / wf) as data:
-            return {spec.name: np.ascontiguousarray(data[spec.name]) for spec in mv.inputs}
+            return {spec.name: np.ascontiguousarray(data[spec.name]) for spec in specs}
     rng = np.random.default_rng(0)
     out = {}
-    for spec in mv.inputs:
+    for spec in specs:
         shape = [d if d > 0 else 1 for d in spec.shape]
         if mv.max_batch_size > 0:
             shape = [1, *shape]
         dtype = datatypes.to_numpy(spec.datatype)
         if dtype.kind == "f":
             out[spec.name] = rng.random(shape).astype(dtype)
-        elif dtype.kind in "iu":
-            out[spec.name] = np.zeros(shape, dtype=dtype)
         else:
             out[spec.name] = np.zeros(shape, dtype=dtype)
     return out
 
 
-def warm_up(mv: ModelVersion, engine: Engine) -> None:
-    """One inference before any traffic; with ``warmup.expected`` a golden check against known outputs."""
+def warm_up(mv: ModelVersion, engine: Engine, *, inputs: Sequence[TensorSpec] | None = None,
+            precision: str | None = None) -> None:
+    """One inference before any traffic; with ``warmup.expected`` a golden check against known outputs.
+
+    ``inputs``/``precision`` describe the candidate being checked when it is not (yet)
+    the version's own, e.g. an engine built in the background for a version already serving.
+    """
     try:
-        inputs = sample_inputs(mv)
+        sample = sample_inputs(mv, inputs)
     except (OSError, KeyError, ValueError) as e:
         raise ModelLoadError(f"warm-up input {mv.manifest.warmup.file} is unusable: {e}") from None
     try:
-        result = engine.infer(inputs)
+        result = engine.infer(sample)
     except Exception as e:
         raise ModelLoadError(f"warm-up inference failed: {e}") from None
     expected_file = mv.manifest.warmup.expected
     if not expected_file:
         return
     w = mv.manifest.warmup
+    if precision is None:
+        precision = mv.candidate.precision if mv.candidate else "fp32"
     with np.load(mv.entry.path / expected_file) as expected:
         for name in expected.files:
             if name not in result:
                 raise ModelLoadError(f"golden check: output {name!r} missing")
             got, want = result[name], expected[name]
-            tol = max(w.atol, 0.05) if mv.candidate and mv.candidate.precision != "fp32" else w.atol
+            tol = max(w.atol, 0.05) if precision != "fp32" else w.atol
             if got.shape != want.shape or not np.allclose(got, want, rtol=w.rtol, atol=tol):
                 err = float(np.max(np.abs(got.astype(np.float64) - want))) if got.shape == want.shape else -1.0
                 raise ModelLoadError(f"golden check failed for output {name!r}: max abs error {err:.3g} "
                                      f"(shape {list(got.shape)} vs {list(want.shape)})")
 
 
-class ModelLoader:
-    """Loads a version with the first candidate that works, remembering why others were skipped."""
+@dataclass
+class _Opened:
+    """A candidate engine that loaded, passed the I/O check and warmed up."""
 
-    def __init__(self, preferences: Sequence[BackendPreference], *, cache_dir: Path | None, threads: int = 0) -> None:
+    cand: Candidate
+    engine: Engine
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+
+
+_Attempt = tuple[_Opened | None, EngineBuildRequiredError | None, str | None]
+
+
+class ModelLoader:
+    """Loads a version with the best candidate that works, remembering why others were skipped."""
+
+    def __init__(self, preferences: Sequence[BackendPreference], *, cache_dir: Path | None, threads: int = 0,
+                 select: str = "first", benchmark: BenchmarkSettings | None = None) -> None:
+        if select not in SELECT_MODES:
+            raise ValueError(f"select must be one of {SELECT_MODES}, not {select!r}")
         self.preferences = list(preferences)
         self.cache_dir = cache_dir
         self.threads = threads
+        self.select = select
+        self.benchmark_settings = benchmark or BenchmarkSettings()
+        self.memory = SelectionMemory(cache_dir / "select") if cache_dir else None
 
     def load(self, entry: VersionEntry) -> ModelVersion:
         mv = ModelVersion(entry.model, entry.version, entry)
@@ -176,35 +237,151 @@ class ModelLoader:
             mv.reason = f"no variant ({', '.join(formats)}) matches the device profile's engines"
             log.error("model=%s version=%s unavailable: %s", mv.name, mv.version, mv.reason)
             return mv
-        for cand in cands:
-            why = unavailable_reason(cand.backend)
-            if why is None:
-                try:
-                    self._try(mv, cand)
-                except EdgedError as e:
-                    why = str(e)
-                except Exception as e:  # an engine bug must not take the daemon down
-                    why = f"unexpected {type(e).__name__}: {e}"
-            if why is None:
-                mv.state = ModelState.READY
-                mv.load_seconds = time.monotonic() - t0
-                log.info("model=%s version=%s ready on %s in %.2fs", mv.name, mv.version, cand.label, mv.load_seconds)
-                return mv
-            mv.skipped.append((cand.label, why))
-            log.warning("model=%s version=%s candidate %s failed: %s", mv.name, mv.version, cand.label, why)
-        mv.state = ModelState.UNAVAILABLE
-        mv.reason = "every candidate engine failed: " + "; ".join(f"{k}: {r}" for k, r in mv.skipped[-len(cands):])
+        skipped_before = len(mv.skipped)
+        if self.select == "benchmark" and len(cands) > 1:
+            ok = self._load_benchmark(mv, cands)
+        else:
+            ok = self._load_first(mv, cands)
+        if ok:
+            mv.state = ModelState.READY
+            mv.load_seconds = time.monotonic() - t0
+            assert mv.candidate is not None
+            log.info("model=%s version=%s ready on %s in %.2fs", mv.name, mv.version, mv.candidate.label,
+                     mv.load_seconds)
+        else:
+            mv.state = ModelState.UNAVAILABLE
+            mv.reason = "every candidate engine failed: " + "; ".join(
+                f"{k}: {r}" for k, r in mv.skipped[skipped_before:])
         return mv
 
-    def _try(self, mv: ModelVersion, cand: Candidate) -> None:
+    # ---- strategies -------------------------------------------------------------------------
+    def _load_first(self, mv: ModelVersion, cands: Sequence[Candidate]) -> bool:
+        pending: list[tuple[Candidate, EngineBuildRequiredError]] = []
+        for cand in cands:
+            opened, build, why = self._attempt(mv, cand)
+            if opened is not None:
+                self._adopt(mv, opened)
+                self._start_upgrade(mv, pending, judge=False)
+                return True
+            if build is not None:
+                log.info("model=%s version=%s %s needs a build; trying the next candidate meanwhile",
+                         mv.name, mv.version, cand.label)
+                pending.append((cand, build))
+            else:
+                self._skip(mv, cand, why or "failed")
+        return self._build_now(mv, pending)
+
+    def _load_benchmark(self, mv: ModelVersion, cands: Sequence[Candidate]) -> bool:
         manifest = mv.manifest
-        req = LoadRequest(
-            model=mv.name, version=mv.version, version_dir=mv.entry.path, variant=cand.variant,
-            device=cand.device, options=cand.options, max_batch_size=manifest.max_batch_size,
-            inputs=manifest.inputs, threads=self.threads, instances=manifest.instances.count,
-            cache_dir=(self.cache_dir / cand.backend) if self.cache_dir else None,
-        )
-        engine = get_backend(cand.backend).load(req)
+        sizes = batch_sizes_for(manifest)
+        libraries = {c.backend: _library_version(c.backend) for c in cands}
+        key = selection_key(mv.name, mv.version, cands, libraries, threads=self.threads, batch_sizes=sizes)
+        tried: set[str] = set()
+        load_failures: list[tuple[str, str]] = []
+        remembered = self.memory.load(mv.name, mv.version, key) if self.memory else None
+        if remembered is not None and remembered.complete:
+            winner = next((c for c in cands if c.label == remembered.chosen), None)
+            if winner is not None:
+                opened, build, why = self._attempt(mv, winner)
+                if opened is not None:
+                    self._adopt(mv, opened)
+                    mv.benchmark = remembered
+                    self._explain_remembered(mv, cands, remembered)
+                    return True
+                if build is None:  # it no longer loads: measure what does
+                    tried.add(winner.label)
+                    self._skip(mv, winner, why or "failed")
+                    load_failures.append((winner.label, why or "failed"))
+        loaded: list[_Opened] = []
+        pending: list[tuple[Candidate, EngineBuildRequiredError]] = []
+        for cand in cands:
+            if cand.label in tried:
+                continue
+            opened, build, why = self._attempt(mv, cand)
+            if opened is not None:
+                loaded.append(opened)
+            elif build is not None:
+                pending.append((cand, build))
+            else:
+                self._skip(mv, cand, why or "failed")
+                load_failures.append((cand.label, why or "failed"))
+        if not loaded:
+            return self._build_now(mv, pending)
+        t0 = time.monotonic()
+        timings, failures = measure([(o.cand, o.engine) for o in loaded], sample_inputs(mv, loaded[0].inputs),
+                                    sizes, batched=manifest.max_batch_size > 0, settings=self.benchmark_settings)
+        for label, why in failures:
+            self._skip_label(mv, label, why)
+        if not timings:
+            for o in loaded:
+                o.engine.unload()
+            return self._build_now(mv, pending)
+        best = choose(timings, self.benchmark_settings.margin)
+        winner_opened = next(o for o in loaded if o.cand.label == best.candidate)
+        for o in loaded:
+            if o is not winner_opened:
+                o.engine.unload()
+        for t in timings:
+            if t is not best:
+                self._skip_label(mv, t.candidate, _slower(t, best))
+        self._adopt(mv, winner_opened)
+        mv.benchmark = BenchmarkResult(key=key, chosen=best.candidate, timings=timings, batch_sizes=sizes,
+                                       seconds=time.monotonic() - t0, complete=not pending and not failures,
+                                       failures=load_failures + failures)
+        log.info("model=%s version=%s benchmark: %s", mv.name, mv.version,
+                 ", ".join(f"{t.candidate} {t.throughput_per_s:.0f}/s" for t in timings))
+        if self.memory is not None and mv.benchmark.complete:
+            self.memory.save(mv.name, mv.version, mv.benchmark)
+        self._start_upgrade(mv, pending, judge=True)
+        return True
+
+    def _explain_remembered(self, mv: ModelVersion, cands: Sequence[Candidate], result: BenchmarkResult) -> None:
+        """Why the other candidates are not serving, from the measurement being reused."""
+        best = result.timing(result.chosen)
+        failed = dict(result.failures)
+        for cand in cands:
+            if cand.label == result.chosen:
+                continue
+            t = result.timing(cand.label)
+            if t is not None and best is not None:
+                self._skip(mv, cand, _slower(t, best) + " (remembered from the last measurement)")
+            else:
+                why = failed.get(cand.label) or unavailable_reason(cand.backend) or "not measured"
+                self._skip(mv, cand, f"{why} (remembered from the last measurement)")
+
+    def _build_now(self, mv: ModelVersion, pending: Sequence[tuple[Candidate, EngineBuildRequiredError]]) -> bool:
+        """Nothing else can serve: build the pending engines in this thread, best first."""
+        for cand, p in pending:
+            try:
+                engine = EngineBuild(cand.label, p.builder).run()
+                self._adopt(mv, self._check(mv, cand, engine))
+                return True
+            except EdgedError as e:
+                self._skip(mv, cand, str(e))
+        return False
+
+    # ---- one candidate ------------------------------------------------------------------------
+    def _attempt(self, mv: ModelVersion, cand: Candidate) -> _Attempt:
+        """(engine, None, None) when it loaded; (None, build, None) when it must be built; else the reason."""
+        why = unavailable_reason(cand.backend)
+        if why is not None:
+            return None, None, why
+        try:
+            return self._open(mv, cand), None, None
+        except EngineBuildRequiredError as p:
+            return None, p, None
+        except EdgedError as e:
+            return None, None, str(e)
+        except Exception as e:  # an engine bug must not take the daemon down
+            return None, None, f"unexpected {type(e).__name__}: {e}"
+
+    def _open(self, mv: ModelVersion, cand: Candidate) -> _Opened:
+        engine = get_backend(cand.backend).load(self._request(mv, cand))
+        return self._check(mv, cand, engine)
+
+    def _check(self, mv: ModelVersion, cand: Candidate, engine: Engine) -> _Opened:
+        """I/O against the manifest, then warm-up and golden check; releases the engine on failure."""
+        manifest = mv.manifest
         try:
             mbs = manifest.max_batch_size
             if manifest.inputs is not None:
@@ -213,17 +390,112 @@ class ModelLoader:
                 _check_io("output", manifest.outputs, engine.outputs, mbs)
             inputs = list(manifest.inputs) if manifest.inputs is not None else _io_from_engine(engine.inputs, mbs)
             outputs = list(manifest.outputs) if manifest.outputs is not None else _io_from_engine(engine.outputs, mbs)
-            prev = (mv.inputs, mv.outputs, mv.candidate)
-            mv.inputs, mv.outputs, mv.candidate = inputs, outputs, cand
-            try:
-                warm_up(mv, engine)
-            except BaseException:
-                mv.inputs, mv.outputs, mv.candidate = prev
-                raise
+            warm_up(mv, engine, inputs=inputs, precision=cand.precision)
         except BaseException:
             engine.unload()
             raise
-        mv.engine = engine
+        return _Opened(cand, engine, inputs, outputs)
+
+    def _request(self, mv: ModelVersion, cand: Candidate) -> LoadRequest:
+        manifest = mv.manifest
+        options = dict(cand.options)
+        if cand.backend == "tensorrt":
+            # TensorRT builds from ONNX at the candidate's precision, with its batch profile.
+            options["precision"] = cand.precision
+            preferred = manifest.batching.preferred_batch_sizes if manifest.batching else []
+            options.setdefault("opt_batch_size", max(preferred) if preferred else 1)
+        return LoadRequest(
+            model=mv.name, version=mv.version, version_dir=mv.entry.path, variant=cand.variant,
+            device=cand.device, options=options, max_batch_size=manifest.max_batch_size,
+            inputs=manifest.inputs, threads=self.threads, instances=manifest.instances.count,
+            cache_dir=self._cache_dir_for(mv, cand, options),
+        )
+
+    def _cache_dir_for(self, mv: ModelVersion, cand: Candidate, options: dict[str, Any]) -> Path | None:
+        if self.cache_dir is None:
+            return None
+        if cand.backend != "openvino":
+            return self.cache_dir / cand.backend
+        # OpenVINO writes its own blobs into CACHE_DIR; a folder per key means an OpenVINO upgrade or a
+        # changed model never meets a blob compiled for something else.
+        key = EngineCacheKey(
+            model=mv.name, version=mv.version, backend="openvino", variant=cand.variant.file,
+            model_digest=variant_digest(cand.variant),
+            library_versions={"openvino": _library_version("openvino")}, device=cand.device,
+            precision=cand.precision, shape_profile=f"static_batch={options.get('static_batch') or 'dynamic'}",
+            options={k: str(v) for k, v in sorted(options.items())})
+        try:
+            return EngineCache(self.cache_dir / "openvino").dir_for(key)
+        except OSError as e:
+            log.warning("model=%s version=%s: OpenVINO cache unavailable (%s); compiling without it",
+                        mv.name, mv.version, e)
+            return None
+
+    def _adopt(self, mv: ModelVersion, opened: _Opened) -> None:
+        mv.inputs, mv.outputs, mv.candidate, mv.engine = opened.inputs, opened.outputs, opened.cand, opened.engine
+
+    def _skip(self, mv: ModelVersion, cand: Candidate, why: str) -> None:
+        self._skip_label(mv, cand.label, why)
+
+    def _skip_label(self, mv: ModelVersion, label: str, why: str) -> None:
+        mv.skipped.append((label, why))
+        log.warning("model=%s version=%s candidate %s skipped: %s", mv.name, mv.version, label, why)
+
+    # ---- background builds ------------------------------------------------------------------
+    def _start_upgrade(self, mv: ModelVersion, pending: Sequence[tuple[Candidate, EngineBuildRequiredError]], *,
+                       judge: bool) -> None:
+        """Serve now through ``mv.engine``; build the better candidates behind it and switch when one is ready."""
+        if not pending or mv.engine is None:
+            return
+        proxy = SwappableEngine(mv.engine)
+        mv.engine = proxy
+
+        def prepare(cand: Candidate, engine: Engine) -> None:
+            opened = self._check(mv, cand, engine)
+            if opened.inputs != mv.inputs or opened.outputs != mv.outputs:
+                engine.unload()
+                raise ModelLoadError(f"{cand.label} has other inputs/outputs than the engine serving now")
+
+        def switched(cand: Candidate) -> None:
+            mv.candidate = cand
+            if mv.stats is not None:
+                mv.stats.backend = cand.backend
+
+        def faster(cand: Candidate, engine: Engine) -> bool:
+            assert mv.candidate is not None and mv.benchmark is not None
+            sizes = mv.benchmark.batch_sizes
+            # The built candidate comes first in the profile, so it wins ties.
+            timings, failures = measure([(cand, engine), (mv.candidate, proxy.current)], sample_inputs(mv),
+                                        sizes, batched=mv.max_batch_size > 0, settings=self.benchmark_settings)
+            new = next((t for t in timings if t.candidate == cand.label), None)
+            if new is None:
+                raise ModelLoadError(failures[0][1] if failures else "not measured")
+            mv.benchmark.timings = [t for t in mv.benchmark.timings if t.candidate != cand.label] + [new]
+            if new is choose(timings, self.benchmark_settings.margin):
+                mv.benchmark.chosen = cand.label
+                return True
+            return False
+
+        builds = [(cand, EngineBuild(cand.label, p.builder)) for cand, p in pending]
+        mv.upgrade = EngineUpgrade(f"model={mv.name} version={mv.version}", proxy, builds, prepare=prepare,
+                                   on_switch=switched, on_failure=lambda c, why: self._skip(mv, c, why),
+                                   judge=faster if judge else None)
+        mv.upgrade.start()
+
+
+def _slower(t: CandidateTiming, best: CandidateTiming) -> str:
+    if t.throughput_per_s > best.throughput_per_s:
+        return (f"as fast as {best.candidate} within measurement noise ({t.throughput_per_s:.0f}/s vs "
+                f"{best.throughput_per_s:.0f}/s); the profile lists that one first")
+    return (f"measured slower here: {t.throughput_per_s:.0f}/s vs {best.throughput_per_s:.0f}/s "
+            f"for {best.candidate}")
+
+
+def _library_version(backend: str) -> str:
+    try:
+        return get_backend(backend).library_version()
+    except EdgedError as e:
+        return f"unavailable ({e.code.value})"
 
 
 class ModelTable:

@@ -86,6 +86,7 @@ class InferenceService:
                     for s in specs]
 
         versions = [str(v.version) for v in self.manager.table.versions(name)]
+        status = mv.status()
         c = mv.candidate
         return {
             "name": name,
@@ -98,6 +99,8 @@ class InferenceService:
                 "backend": c.backend if c else None, "device": c.device if c else None,
                 "precision": c.precision if c else None, "state": mv.state.value,
                 "skipped": [{"candidate": k, "reason": r} for k, r in mv.skipped],
+                "benchmark": status.get("benchmark"),
+                "upgrade": status.get("upgrade"),
             },
         }
 

@@ -1,0 +1,293 @@
+"""Choosing an engine by timing the candidates on this device (a profile's ``select = "benchmark"``).
+
+Which engine is fastest depends on the model and the machine: OpenVINO beats ONNX
+Runtime by a wide margin on some CNNs and loses badly on tiny MLPs, and INT8 can be
+slower than FP32 on CPUs without fast int8 paths. So the loader times every
+candidate it could load, on the device, for a short bounded time and keeps the
+fastest. Rounds are interleaved (every candidate once per round, rotating the
+order) and a candidate's speed is taken from the fast end of its per-call times
+(:func:`fast_call_s`), so load from other processes on a small shared machine
+slows a few calls, not one candidate's result.
+
+The score is the geometric mean of samples per second at batch 1 (latency-bound
+callers) and at the model's preferred batch size (what the dynamic batcher builds
+under load). The result is remembered on disk, keyed by the variant digests, the
+engine library versions, the candidate list and options, the thread setting and
+the device's facts: any change re-measures on the next load.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edged.backends.base import Engine
+from edged.backends.enginecache import variant_digest
+from edged.backends.selection import Candidate
+from edged.fsutil import atomic_write_text
+from edged.repository.manifest import ModelManifest, Variant
+
+log = logging.getLogger(__name__)
+
+_KEY_CHARS = 16
+
+
+@dataclass(frozen=True)
+class BenchmarkSettings:
+    """Bounds on how long first load may spend measuring."""
+
+    time_per_candidate_s: float = 0.6
+    total_s: float = 3.0
+    rounds: int = 4
+    min_iterations: int = 2
+    margin: float = 0.03  # scores this close count as equal: the profile's order decides
+    quantile: float = 0.1  # of per-call time, see fast_call_s
+
+
+@dataclass
+class CandidateTiming:
+    candidate: str
+    backend: str
+    device: str
+    precision: str
+    variant: str
+    batches: dict[int, float]  # batch size -> samples per second (from the fast end of per-call times)
+    throughput_per_s: float  # the score: geometric mean over ``batches``
+    latency_ms: float  # mean time of one batch-1 call (or of one call for unbatched models)
+    iterations: int
+    seed_throughput_per_s: float | None = None  # what `edged optimize` recorded, if anything
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["batches"] = {str(b): round(v, 3) for b, v in self.batches.items()}
+        d["throughput_per_s"] = round(self.throughput_per_s, 3)
+        d["latency_ms"] = round(self.latency_ms, 4)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CandidateTiming:
+        data = dict(d)
+        data["batches"] = {int(b): float(v) for b, v in dict(d["batches"]).items()}
+        return cls(**data)
+
+
+@dataclass
+class BenchmarkResult:
+    key: str
+    chosen: str
+    timings: list[CandidateTiming]
+    batch_sizes: list[int]
+    seconds: float = 0.0
+    complete: bool = True  # False when a candidate could not be measured yet (engine still building)
+    source: str = "measured"  # or "remembered"
+    failures: list[tuple[str, str]] = field(default_factory=list)
+
+    def timing(self, label: str) -> CandidateTiming | None:
+        return next((t for t in self.timings if t.candidate == label), None)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "chosen": self.chosen, "batch_sizes": self.batch_sizes,
+                "seconds": round(self.seconds, 3), "complete": self.complete, "source": self.source,
+                "timings": [t.as_dict() for t in self.timings],
+                "failures": [{"candidate": c, "reason": r} for c, r in self.failures]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> BenchmarkResult:
+        return cls(key=str(d["key"]), chosen=str(d["chosen"]),
+                   timings=[CandidateTiming.from_dict(t) for t in d["timings"]],
+                   batch_sizes=[int(b) for b in d["batch_sizes"]], seconds=float(d.get("seconds", 0.0)),
+                   complete=bool(d.get("complete", True)), source=str(d.get("source", "measured")),
+                   failures=[(str(f["candidate"]), str(f["reason"])) for f in d.get("failures", [])])
+
+
+# ---- what to measure ------------------------------------------------------------------------
+def batch_sizes_for(manifest: ModelManifest) -> list[int]:
+    """Batch 1, plus the largest preferred batch the dynamic batcher aims for (when it batches at all)."""
+    if manifest.max_batch_size <= 0 or manifest.batching is None:
+        return [1]
+    preferred = manifest.batching.preferred_batch_sizes
+    big = max(preferred) if preferred else min(8, manifest.max_batch_size)
+    return [1] if big <= 1 else [1, big]
+
+
+def inputs_for_batch(sample: Mapping[str, np.ndarray], batch: int, batched: bool) -> dict[str, np.ndarray]:
+    """The first sample row repeated ``batch`` times (or the sample itself for an unbatched model)."""
+    if not batched:
+        return dict(sample)
+    return {n: np.ascontiguousarray(np.repeat(a[:1], batch, axis=0)) for n, a in sample.items()}
+
+
+def seed_throughput(variant: Variant) -> float | None:
+    """The best throughput `edged optimize` recorded for the variant, to order measurement."""
+    rates = [t.throughput_per_s for t in variant.timings]
+    return max(rates) if rates else None
+
+
+# ---- measuring ------------------------------------------------------------------------------
+def _slice(engine: Engine, inputs: Mapping[str, np.ndarray], seconds: float, min_iterations: int) -> list[float]:
+    """Per-call durations for ``seconds`` (at least ``min_iterations`` calls)."""
+    # Untimed lead-in: the previous engine's worker threads may still be spinning and this one's
+    # may be parked; a fifth of the slice lets both settle (at least one call re-warms the caches).
+    t0 = time.perf_counter()
+    while True:
+        engine.infer(inputs)
+        if time.perf_counter() - t0 >= seconds / 5:
+            break
+    durations: list[float] = []
+    end = time.perf_counter() + seconds
+    while True:
+        t0 = time.perf_counter()
+        engine.infer(inputs)
+        t1 = time.perf_counter()
+        durations.append(t1 - t0)
+        if t1 >= end and len(durations) >= min_iterations:
+            return durations
+
+
+def fast_call_s(durations: Sequence[float], quantile: float) -> float:
+    """A low quantile of per-call time: what the engine does when nothing else holds the CPU.
+
+    Other processes only ever make a call slower, so on a busy device the fast end of
+    the distribution compares engines far more reliably than the mean does.
+    """
+    ordered = sorted(durations)
+    return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
+
+
+def measure(engines: Sequence[tuple[Candidate, Engine]], sample: Mapping[str, np.ndarray], batch_sizes: Sequence[int],
+            *, batched: bool, settings: BenchmarkSettings | None = None,
+            ) -> tuple[list[CandidateTiming], list[tuple[str, str]]]:
+    """Time every engine in interleaved rounds; returns (timings, [(candidate, why it failed)])."""
+    settings = settings or BenchmarkSettings()
+    inputs = {b: inputs_for_batch(sample, b, batched) for b in batch_sizes}
+    per_candidate = min(settings.time_per_candidate_s, settings.total_s / max(1, len(engines)))
+    slice_s = per_candidate / (max(1, settings.rounds) * len(batch_sizes))
+    calls: dict[str, dict[int, list[float]]] = {c.label: {b: [] for b in batch_sizes} for c, _ in engines}
+    failed: dict[str, str] = {}
+    started = time.monotonic()
+    live = list(engines)
+    for r in range(max(1, settings.rounds)):
+        order = live[r % len(live):] + live[:r % len(live)] if live else []
+        for cand, engine in order:
+            for b in batch_sizes:
+                try:
+                    calls[cand.label][b] += _slice(engine, inputs[b], slice_s, settings.min_iterations)
+                except Exception as e:  # an engine that cannot run the sample loses, it does not crash the load
+                    failed[cand.label] = f"failed while being measured: {e}"
+                    break
+        live = [(c, e) for c, e in live if c.label not in failed]
+        if time.monotonic() - started > settings.total_s:
+            break  # the cap holds even for slow engines; every candidate got at least one round
+    best = {label: {b: b / fast_call_s(d, settings.quantile) for b, d in per_batch.items()}
+            for label, per_batch in calls.items() if label not in failed}
+    iterations = {label: sum(len(d) for d in per_batch.values()) for label, per_batch in calls.items()}
+    timings = []
+    for cand, _ in engines:
+        if cand.label in failed:
+            continue
+        rates = best[cand.label]
+        score = math.exp(sum(math.log(max(v, 1e-12)) for v in rates.values()) / len(rates))
+        one = rates[batch_sizes[0]]
+        timings.append(CandidateTiming(
+            candidate=cand.label, backend=cand.backend, device=cand.device, precision=cand.precision,
+            variant=cand.variant.file, batches=dict(rates), throughput_per_s=score,
+            latency_ms=1000.0 * batch_sizes[0] / one, iterations=iterations[cand.label],
+            seed_throughput_per_s=seed_throughput(cand.variant)))
+    return timings, sorted(failed.items())
+
+
+def fastest(timings: Sequence[CandidateTiming]) -> CandidateTiming:
+    """The highest score; equal scores keep the profile's order."""
+    return max(timings, key=lambda t: t.throughput_per_s)
+
+
+def choose(timings: Sequence[CandidateTiming], margin: float = 0.03) -> CandidateTiming:
+    """The first candidate, in the profile's order, within ``margin`` of the fastest.
+
+    Differences of a few percent are within the noise of a short measurement on a
+    busy device; the profile's order then decides, so the choice does not flip
+    between restarts.
+    """
+    top = fastest(timings).throughput_per_s
+    return next(t for t in timings if t.throughput_per_s >= (1.0 - margin) * top)
+
+
+# ---- what the result depends on -------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def device_fingerprint() -> dict[str, Any]:
+    """The facts that change engine speed: CPU model and ISA, GPUs, Jetson release."""
+    try:
+        from edged.hardware.probe import probe
+        f = probe(Path("/"), engines=False)
+    except Exception as e:  # the probe is best effort; a fingerprint without it still works
+        log.warning("benchmark: hardware probe failed (%s); keying on the CPU count only", e)
+        import os
+        return {"cpu.cores": os.cpu_count()}
+    return {
+        "cpu": [f.cpu.arch, f.cpu.vendor, f.cpu.model, f.cpu.cores, sorted(f.cpu.flags)],
+        "nvidia_gpu": [f.nvidia_gpu.name, f.nvidia_gpu.compute_capability, f.nvidia_gpu.driver_version],
+        "jetson": [f.jetson.module, f.jetson.l4t],
+        "intel": [f.intel_gpu.device_id, f.intel_npu.device_id],
+    }
+
+
+def selection_key(model: str, version: int, cands: Sequence[Candidate], library_versions: Mapping[str, str], *,
+                  threads: int, batch_sizes: Sequence[int], fingerprint: Mapping[str, Any] | None = None) -> str:
+    doc = {
+        "model": model, "version": version, "threads": threads, "batch_sizes": list(batch_sizes),
+        "device": dict(fingerprint if fingerprint is not None else device_fingerprint()),
+        "candidates": [{"label": c.label, "digest": variant_digest(c.variant), "options": c.options,
+                        "library": library_versions.get(c.backend, "")} for c in cands],
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class SelectionMemory:
+    """Benchmark results under ``<cache_dir>/select/<model>-<version>-<key>.json``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def path(self, model: str, version: int, key: str) -> Path:
+        return self.root / f"{model}-{version}-{key[:_KEY_CHARS]}.json"
+
+    def load(self, model: str, version: int, key: str) -> BenchmarkResult | None:
+        path = self.path(model, version, key)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            result = BenchmarkResult.from_dict(data)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("benchmark memory %s is unreadable (%s); measuring again", path.name, e)
+            return None
+        if result.key != key:
+            return None
+        result.source = "remembered"
+        return result
+
+    def save(self, model: str, version: int, result: BenchmarkResult) -> None:
+        path = self.path(model, version, result.key)
+        try:
+            atomic_write_text(path, json.dumps(result.as_dict(), indent=1) + "\n")
+        except OSError as e:
+            log.warning("cannot remember the benchmark result for %s version %s: %s", model, version, e)
+            return
+        stale = re.compile(re.escape(f"{model}-{version}-") + rf"[0-9a-f]{{{_KEY_CHARS}}}\.json$")
+        for other in self.root.iterdir():
+            if other != path and stale.match(other.name):
+                try:
+                    other.unlink()
+                except OSError:
+                    pass
