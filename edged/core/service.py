@@ -8,14 +8,18 @@ Transports decode their wire format into an :class:`InferRequest`, call
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 from edged.core.manager import ModelManager
 from edged.core.models import ModelState, ModelVersion
+from edged.core.scheduler import Scheduler
 from edged.core.types import InferRequest, InferResponse
 from edged.core.validation import validate
 from edged.errors import ModelNotFoundError, ModelNotReadyError
+
+T = TypeVar("T")
 
 
 class InferenceService:
@@ -41,36 +45,33 @@ class InferenceService:
         return mv is not None and mv.state is ModelState.READY
 
     # ---- inference --------------------------------------------------------------------------
-    def submit(self, req: InferRequest) -> Future[InferResponse]:
-        """Validate and queue; raises EdgedError at once for bad, unknown or overloaded requests."""
+    def _dispatch(self, req: InferRequest, run: Callable[[Scheduler, InferRequest, int], T]) -> T:
+        """Look up, validate and hand to the model's scheduler.
+
+        A version swapped out between lookup and queueing refuses with ModelNotReadyError;
+        an unpinned request then goes to whatever version is current.
+        """
         for attempt in range(3):
             mv = self.ready_model(req.model, req.version)
             batch = validate(mv, req)
             assert mv.scheduler is not None
             try:
-                return mv.scheduler.submit(req, batch)
+                return run(mv.scheduler, req, batch)
             except ModelNotReadyError:
-                # The version was swapped out between lookup and queueing; an unpinned request
-                # goes to whatever version is now current.
                 if req.version is not None or attempt == 2:
                     raise
         raise AssertionError("unreachable")
+
+    def submit(self, req: InferRequest) -> Future[InferResponse]:
+        """Validate and queue; raises EdgedError at once for bad, unknown or overloaded requests."""
+        return self._dispatch(req, Scheduler.submit)
 
     def infer(self, req: InferRequest, timeout: float | None = None) -> InferResponse:
         return self.submit(req).result(timeout)
 
     def infer_blocking(self, req: InferRequest) -> InferResponse:
         """For callers that own a thread: runs inline when the model is idle (lowest latency)."""
-        for attempt in range(3):
-            mv = self.ready_model(req.model, req.version)
-            batch = validate(mv, req)
-            assert mv.scheduler is not None
-            try:
-                return mv.scheduler.run_inline(req, batch)
-            except ModelNotReadyError:
-                if req.version is not None or attempt == 2:
-                    raise
-        raise AssertionError("unreachable")
+        return self._dispatch(req, Scheduler.run_inline)
 
     async def infer_async(self, req: InferRequest) -> InferResponse:
         return await asyncio.wrap_future(self.submit(req))
