@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from edged.errors import ConfigError
 from edged.repository.manifest import format_validation_error
+from edged.transports.mqtt_bindings import StreamBinding
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -131,7 +132,15 @@ class MqttSection(_Section):
     tls: TlsSection | None = None
     keepalive_s: int = Field(default=30, ge=5)
     max_payload_mb: float = Field(default=16, gt=0)
-    bindings: list[dict[str, Any]] = Field(default_factory=list, description="stream bindings")
+    client_id: str | None = Field(default=None, description="default edged-<device id>; stable so a restart "
+                                  "resumes its session")
+    qos: Literal[0, 1] = Field(default=1, description="QoS of request subscriptions and status messages")
+    clean_start: bool = Field(default=True, description="false: persistent session; QoS 1 requests queue at "
+                              "the broker while edged is away")
+    session_expiry_s: int = Field(default=0, ge=0, description="MQTT 5 session expiry when clean_start = false")
+    reconnect_min_s: float = Field(default=0.5, gt=0)
+    reconnect_max_s: float = Field(default=30, gt=0)
+    bindings: list[StreamBinding] = Field(default_factory=list, description="stream bindings: topic -> model -> topic")
 
     @field_validator("url")
     @classmethod

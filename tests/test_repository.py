@@ -41,7 +41,7 @@ def test_wrong_datatype_is_reported(model_repo: MakeRepo) -> None:
     m = repo / "digits" / "1" / "model.toml"
     m.write_text(m.read_text().replace('datatype = "FP32"', 'datatype = "FLOAT"', 1))
     e = _entries(repo)[("digits", 1)]
-    assert "inputs.0.datatype" in e.error  # type: ignore[attr-defined]
+    assert "inputs[0].datatype" in e.error  # type: ignore[attr-defined]
 
 
 def test_digest_mismatch_skips_only_that_variant(model_repo: MakeRepo) -> None:
@@ -82,7 +82,7 @@ def test_path_escape_in_manifest_is_refused(model_repo: MakeRepo) -> None:
     m = repo / "digits" / "1" / "model.toml"
     m.write_text(m.read_text().replace('file = "model.onnx"', 'file = "../../../etc/passwd"'))
     e = _entries(repo)[("digits", 1)]
-    assert "variants.0.file" in e.error  # type: ignore[attr-defined]
+    assert "variants[0].file" in e.error  # type: ignore[attr-defined]
 
 
 def test_digest_cache_rehashes_changed_files(tmp_path: Path) -> None:

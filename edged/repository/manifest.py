@@ -122,7 +122,7 @@ def format_validation_error(err: ValidationError) -> list[str]:
     """One ``key.path: message`` line per pydantic problem."""
     out = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e["loc"]).lstrip(".") or "(top level)"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key"

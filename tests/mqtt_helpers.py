@@ -1,0 +1,225 @@
+"""A real mosquitto for tests and benchmarks: free loopback port, generated config, optional TLS.
+
+Also a small paho test client that collects what it receives, and a test CA made
+with the ``openssl`` command (server and client certificates signed by it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+MOSQUITTO = "/usr/sbin/mosquitto"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class TestCA:
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_test_ca(folder: Path) -> TestCA:
+    """A throwaway CA, a server certificate for 127.0.0.1/localhost and a client certificate."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+             "-subj", "/CN=edged test CA", "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=folder)
+    for name, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n"),
+                      ("client", "extendedKeyUsage=clientAuth\n")):
+        (folder / f"{name}.ext").write_text(ext)
+        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN=edged test {name}",
+                 cwd=folder)
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext", cwd=folder)
+    return TestCA(folder / "ca.crt", folder / "server.crt", folder / "server.key",
+                  folder / "client.crt", folder / "client.key")
+
+
+class Broker:
+    """One mosquitto process on 127.0.0.1; ``restart`` keeps the same ports."""
+
+    def __init__(self, workdir: Path, *, ca: TestCA | None = None, passwords: dict[str, str] | None = None,
+                 nodelay: bool = False) -> None:
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.ca = ca
+        self.tls_port = free_port() if ca else None
+        self.passwords = passwords
+        self.nodelay = nodelay  # set_tcp_nodelay: without it the broker's small writes can wait 40 ms for an ACK
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = workdir / "mosquitto.log"
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    def _config(self) -> str:
+        lines = ["per_listener_settings true", "persistence false", "user root",
+                 f"set_tcp_nodelay {'true' if self.nodelay else 'false'}", f"listener {self.port} 127.0.0.1"]
+        if self.passwords:
+            pw = self.workdir / "passwords"
+            pw.write_text("")
+            for user, password in self.passwords.items():
+                subprocess.run(["mosquitto_passwd", "-b", str(pw), user, password], check=True, capture_output=True)
+            lines += ["allow_anonymous false", f"password_file {pw}"]
+        else:
+            lines.append("allow_anonymous true")
+        if self.ca:
+            lines += [f"listener {self.tls_port} 127.0.0.1", "allow_anonymous true",
+                      f"cafile {self.ca.ca}", f"certfile {self.ca.server_cert}", f"keyfile {self.ca.server_key}",
+                      "require_certificate true"]
+        return "\n".join(lines) + "\n"
+
+    def start(self) -> Broker:
+        conf = self.workdir / "mosquitto.conf"
+        conf.write_text(self._config())
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        ports = [self.port] + ([self.tls_port] if self.tls_port else [])
+        for port in ports:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"mosquitto exited: {self.log.read_text()[-2000:]}")
+                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError("mosquitto did not start listening")
+                time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@contextlib.contextmanager
+def running_broker(workdir: Path, **kw: Any) -> Iterator[Broker]:
+    broker = Broker(workdir, **kw).start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+def publish_properties(**values: Any) -> Properties:
+    props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+    for k, v in values.items():
+        setattr(props, k, v)
+    return props
+
+
+class TestClient:
+    """A paho client that records every message it receives, for assertions."""
+
+    __test__ = False  # not a pytest class
+
+    def __init__(self, port: int, *, v5: bool = True, tls: dict[str, Any] | None = None,
+                 client_id: str | None = None) -> None:
+        self.v5 = v5
+        self.messages: queue.Queue[mqtt.MQTTMessage] = queue.Queue()
+        self.connected = threading.Event()
+        self.failed = threading.Event()
+        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id or f"test-{uuid.uuid4().hex[:8]}",
+                                  protocol=mqtt.MQTTv5 if v5 else mqtt.MQTTv311)
+        if tls:
+            self.client.tls_set(**tls)
+        self.client.on_connect = self._on_connect
+        self.client.on_message = lambda c, u, m: self.messages.put(m)
+        self.client.on_connect_fail = lambda c, u: self.failed.set()
+        self.client.on_disconnect = lambda c, u, f, r, p: self.failed.set()
+        self.client.connect_async("127.0.0.1", port, keepalive=30)
+        self.client.loop_start()
+
+    def _on_connect(self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
+        (self.failed if reason.is_failure else self.connected).set()
+
+    def wait_connected(self, timeout: float = 10) -> TestClient:
+        assert self.connected.wait(timeout), "test client did not connect"
+        return self
+
+    def subscribe(self, topic: str, qos: int = 1) -> None:
+        done = threading.Event()
+        self.client.on_subscribe = lambda *a: done.set()
+        self.client.subscribe(topic, qos)
+        assert done.wait(10), f"no SUBACK for {topic}"
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, **props: Any) -> None:
+        properties = publish_properties(**props) if props else None
+        info = self.client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
+        if qos:
+            info.wait_for_publish(10)
+
+    def get(self, timeout: float = 10, where: Callable[[mqtt.MQTTMessage], bool] | None = None) -> mqtt.MQTTMessage:
+        """The next message (matching ``where``); others are discarded."""
+        end = time.monotonic() + timeout
+        while True:
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError("no matching MQTT message arrived")
+            try:
+                msg = self.messages.get(timeout=remaining)
+            except queue.Empty:
+                raise AssertionError("no matching MQTT message arrived") from None
+            if where is None or where(msg):
+                return msg
+
+    def drain(self, quiet: float = 0.2) -> list[mqtt.MQTTMessage]:
+        out = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                out.append(self.messages.get(timeout=quiet))
+        return out
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+def user_properties(msg: mqtt.MQTTMessage) -> dict[str, str]:
+    return dict(getattr(msg.properties, "UserProperty", None) or [])
+
+
+def process_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
