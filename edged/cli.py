@@ -57,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=".npy for the model's single input, or .npz with one array per input name")
     p.add_argument("--model-version", type=int, default=None, dest="model_version")
     p.add_argument("--json", action="store_true", help="print exactly the v2 inference response")
-    p.add_argument("--transport", choices=["local"], default="local",
-                   help="local: load the model in this process")
+    p.add_argument("--transport", choices=["local", "shm", "http", "mqtt"], default="local",
+                   help="local: load the model in this process; shm, http, mqtt: ask the running daemon "
+                        "(addresses from the config)")
 
     from edged.optimize import command as optimize_command
 
@@ -178,36 +179,63 @@ def _read_inputs(path: Path, specs: Any, max_batch_size: int) -> dict[str, Any]:
     return out
 
 
-def cmd_infer(args: argparse.Namespace) -> int:
+def _print_outputs(resp: Any, where: str, max_batch_size: int, labels: list[str]) -> None:
     import numpy as np
 
-    from edged.core.types import InferRequest
-    from edged.daemon import build_runtime
-    from edged.protocol.v2 import response_json
-
-    rt = build_runtime(_config(args), only=args.model)
-    try:
-        mv = rt.service.ready_model(args.model, args.model_version)
-        inputs = _read_inputs(args.input, mv.inputs, mv.max_batch_size)
-        resp = rt.service.infer(InferRequest(model=args.model, version=args.model_version, inputs=inputs))
-    finally:
-        rt.manager.shutdown()
-    if args.json:
-        print(json.dumps(response_json(resp)))
-        return 0
-    labels: list[str] = []
-    if mv.manifest.labels:
-        labels = (mv.entry.path / mv.manifest.labels).read_text().split("\n")
-    print(f"model {resp.model} version {resp.version} on {mv.candidate.label if mv.candidate else '?'}")
+    print(f"model {resp.model} version {resp.version} {where}")
     for name, arr in resp.outputs.items():
         print(f"{name}: shape {list(arr.shape)} {arr.dtype}")
-        if arr.ndim == 2 and arr.dtype.kind == "f" and mv.max_batch_size > 0:
+        if arr.ndim == 2 and arr.dtype.kind == "f" and max_batch_size > 0:
             for i, row in enumerate(arr):
                 k = int(np.argmax(row))
                 label = f" ({labels[k]})" if k < len(labels) and labels[k] else ""
                 print(f"  [{i}] class {k}{label} score {float(row[k]):.4f}")
         else:
             print(np.array2string(arr, threshold=64))
+
+
+def _infer_remote(args: argparse.Namespace) -> tuple[Any, int]:
+    from edged.client.oneshot import RemoteModel, specs_from_metadata
+    from edged.core.types import InferResponse
+
+    remote = RemoteModel(_config(args), args.transport)
+    try:
+        meta = remote.metadata(args.model, args.model_version)
+        specs, mbs = specs_from_metadata(meta)
+        inputs = _read_inputs(args.input, specs, mbs)
+        outputs = remote.infer(args.model, inputs, args.model_version)
+    finally:
+        remote.close()
+    version = meta.get("version") or (meta.get("versions") or ["0"])[-1]
+    return InferResponse(args.model, int(args.model_version or version), outputs), mbs
+
+
+def cmd_infer(args: argparse.Namespace) -> int:
+    from edged.core.types import InferRequest
+    from edged.protocol.v2 import response_json
+
+    labels: list[str] = []
+    if args.transport != "local":
+        resp, mbs = _infer_remote(args)
+        where = f"via {args.transport}"
+    else:
+        from edged.daemon import build_runtime
+
+        rt = build_runtime(_config(args), only=args.model)
+        try:
+            mv = rt.service.ready_model(args.model, args.model_version)
+            inputs = _read_inputs(args.input, mv.inputs, mv.max_batch_size)
+            resp = rt.service.infer(InferRequest(model=args.model, version=args.model_version, inputs=inputs))
+        finally:
+            rt.manager.shutdown()
+        mbs = mv.max_batch_size
+        where = f"on {mv.candidate.label if mv.candidate else '?'}"
+        if mv.manifest.labels:
+            labels = (mv.entry.path / mv.manifest.labels).read_text().split("\n")
+    if args.json:
+        print(json.dumps(response_json(resp)))
+    else:
+        _print_outputs(resp, where, mbs, labels)
     return 0
 
 
