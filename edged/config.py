@@ -154,7 +154,9 @@ class ShmSection(_Section):
     enabled: bool = True
     socket: Path | None = Field(default=None, description="Unix socket; default <runtime_dir>/edged.sock")
     socket_mode: int = Field(default=0o660, description="file mode of the socket")
-    max_region_mb: float = Field(default=1024, gt=0)
+    max_region_mb: float = Field(default=1024, gt=0, description="shared memory one client may map")
+    max_segments: int = Field(default=128, ge=1, description="segments one client may register")
+    max_inflight: int = Field(default=64, ge=1, description="requests one client may have in flight")
 
 
 class RegistrySection(_Section):

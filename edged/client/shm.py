@@ -1,0 +1,536 @@
+"""Python client for edged's shared-memory fast path (sync :class:`ShmClient`, asyncio :class:`AsyncShmClient`).
+
+Why use it: tensors are written once into memory the daemon maps too, and only a
+small descriptor crosses the socket, so a local program pays tens of
+microseconds per request instead of milliseconds of HTTP/JSON. Example::
+
+    from edged.client.shm import ShmClient
+
+    with ShmClient() as c:                      # $EDGED_SHM_SOCKET or /run/edged/edged.sock
+        out = c.infer("digits", {"pixels": x})  # x: float32 [batch, 64]; outputs are copies
+
+    # zero copy: fill the shared buffer in place, read outputs as views
+    with ShmClient() as c:
+        img = c.input_buffer("mobilenet", "image", (1, 3, 48, 192))
+        camera.read_into(img)
+        out = c.infer("mobilenet", {"image": img}, copy=False)  # views, valid until the next call
+
+The wire protocol is described in :mod:`edged.transports.shm_protocol`.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import os
+import socket
+import threading
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import orjson
+
+from edged import datatypes
+from edged.client.shm_memory import (
+    ClientSegment,
+    ModelInfo,
+    PackedInputs,
+    Slot,
+    create_segment,
+    encode_request,
+    find_segment,
+    plan_inputs,
+    read_outputs,
+)
+from edged.errors import EdgedError, ErrorCode, InvalidInputError
+from edged.transports import shm_protocol as p
+
+__all__ = ["AsyncShmClient", "ShmClient", "default_socket"]
+
+_Key = tuple[str, int]
+
+
+def default_socket(path: str | os.PathLike[str] | None = None) -> str:
+    return os.fspath(path) if path is not None else os.environ.get(p.SOCKET_ENV) or p.DEFAULT_SOCKET
+
+
+def _unavailable(path: str, e: OSError) -> EdgedError:
+    return EdgedError(f"cannot connect to edged's shared-memory socket {path}: {e.strerror or e} "
+                      f"(is the daemon running, and may this user use the socket?)", code=ErrorCode.UNAVAILABLE)
+
+
+def _closed() -> EdgedError:
+    return EdgedError("edged closed the shared-memory connection", code=ErrorCode.UNAVAILABLE)
+
+
+def _fds_message(fd: int) -> list[tuple[int, int, bytes]]:
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())]
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _check(status: int, body: memoryview | bytes) -> None:
+    if status:
+        needed, message = p.decode_error(body)
+        raise p.error_from_status(status, message, needed)
+
+
+def _dtype(info: ModelInfo | None, name: str, dtype: Any) -> np.dtype[Any]:
+    if dtype is not None:
+        dt: np.dtype[Any] = np.dtype(dtype)
+        return dt
+    if info is None or name not in info.inputs:
+        raise InvalidInputError(f"unknown input {name!r}; pass dtype=")
+    return datatypes.to_numpy(info.inputs[name][0])
+
+
+class _State:
+    """Bookkeeping both clients share: segments, slots, model metadata, named input buffers."""
+
+    def __init__(self) -> None:
+        self.segments: dict[int, ClientSegment] = {}
+        self.models: dict[_Key, ModelInfo] = {}
+        self.buffers: dict[tuple[str, int, str], ClientSegment] = {}
+        self.closed = False
+
+    def drop_all(self) -> None:
+        for seg in self.segments.values():
+            seg.close()
+        self.segments.clear()
+        self.buffers.clear()
+
+
+class ShmClient:
+    """Blocking client; one request at a time per client (use one per thread, or :class:`AsyncShmClient`)."""
+
+    def __init__(self, socket_path: str | os.PathLike[str] | None = None) -> None:
+        self.socket_path = default_socket(socket_path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.connect(self.socket_path)
+        except OSError as e:
+            sock.close()
+            raise _unavailable(self.socket_path, e) from None
+        self._sock = sock
+        self._buf = bytearray(p.MAX_MESSAGE)
+        self._view = memoryview(self._buf)
+        self._rid = 0
+        self._lock = threading.RLock()
+        self._st = _State()
+        self._slots: dict[_Key, Slot] = {}
+        try:
+            status, _, body = self._call(p.header(p.HELLO, self._next()) + p.U32.pack(p.PROTOCOL_VERSION))
+            _check(status, body)
+        except BaseException:
+            sock.close()
+            raise
+        self.server: dict[str, Any] = orjson.loads(bytes(body))
+
+    # ---- plumbing ---------------------------------------------------------------------------
+    def _next(self) -> int:
+        self._rid += 1
+        return self._rid
+
+    def _call(self, msg: bytes, fd: int = -1) -> tuple[int, int, memoryview]:
+        """Send one request and wait for its reply (status, count, body view valid until the next call)."""
+        if self._st.closed:
+            raise EdgedError("the client is closed", code=ErrorCode.FAILED_PRECONDITION)
+        rid = p.HEADER.unpack_from(msg)[3]
+        sock = self._sock
+        try:
+            if fd >= 0:
+                sock.sendmsg([msg], _fds_message(fd))
+            else:
+                sock.send(msg)
+            while True:
+                n = sock.recv_into(self._buf)
+                if n == 0:
+                    raise _closed()
+                _, status, count, got = p.HEADER.unpack_from(self._buf)
+                if got == rid:
+                    return status, count, self._view[p.HEADER.size:n]
+        except OSError as e:
+            raise EdgedError(f"shared-memory connection failed: {e.strerror or e}",
+                             code=ErrorCode.UNAVAILABLE) from None
+
+    def _register(self, size: int) -> ClientSegment:
+        fd, seg = create_segment(size)
+        try:
+            status, _, body = self._call(p.header(p.REGISTER, self._next()) + p.U64.pack(seg.size), fd)
+        finally:
+            os.close(fd)
+        if status:
+            seg.close()
+            _check(status, body)
+        (seg.id,) = p.U32.unpack_from(body)
+        self._st.segments[seg.id] = seg
+        return seg
+
+    def _unregister(self, seg: ClientSegment) -> None:
+        self._st.segments.pop(seg.id, None)
+        with contextlib.suppress(EdgedError):
+            status, _, body = self._call(p.header(p.UNREGISTER, self._next()) + p.U32.pack(seg.id))
+            _check(status, body)
+        seg.close()
+
+    def _info(self, model: str, version: int | None) -> ModelInfo:
+        key = (model, version or 0)
+        info = self._st.models.get(key)
+        if info is None:
+            info = ModelInfo.from_metadata(self._metadata(model, version))
+            self._st.models[key] = info
+        return info
+
+    def _metadata(self, model: str, version: int | None) -> dict[str, Any]:
+        nb = model.encode()
+        status, _, body = self._call(p.header(p.METADATA, self._next()) + p.META_BODY.pack(version or 0, len(nb)) + nb)
+        _check(status, body)
+        meta: dict[str, Any] = orjson.loads(bytes(body))
+        return meta
+
+    def _slot(self, key: _Key, in_need: int, out_need: int) -> Slot:
+        slot = self._slots.get(key)
+        if slot is not None and slot.fits(in_need, out_need):
+            return slot
+        if slot is not None:
+            in_need, out_need = max(in_need, slot.in_cap), max(out_need, slot.out_cap)
+            del self._slots[key]
+            self._unregister(slot.segment)
+        size, out_off, out_cap = Slot.layout(in_need, out_need)
+        slot = Slot(self._register(size), out_off, out_off, out_cap)
+        self._slots[key] = slot
+        return slot
+
+    # ---- public API -------------------------------------------------------------------------
+    def metadata(self, model: str, version: int | None = None) -> dict[str, Any]:
+        """The daemon's v2 model metadata (plus ``max_batch_size`` and the serving ``version``)."""
+        with self._lock:
+            return self._metadata(model, version)
+
+    def infer(self, model: str, inputs: Mapping[str, Any], version: int | None = None, *,
+              outputs: list[str] | None = None, timeout: float | None = None,
+              copy: bool = True) -> dict[str, np.ndarray]:
+        """Run one request. Inputs already in this client's shared memory are not copied.
+
+        ``copy=False`` returns views on the shared output area: no copy, but they are
+        overwritten by the next call for the same model and version.
+        ``timeout`` (seconds) is enforced by the daemon: the request is dropped if it
+        has not started by then.
+        """
+        with self._lock:
+            key = (model, version or 0)
+            info = self._info(model, version)
+            packed = plan_inputs(self._st.segments, inputs)
+            for _attempt in range(3):
+                slot = self._slot(key, packed.staged_bytes, info.output_bytes(inputs))
+                msg = encode_request(self._next(), model, version, slot, packed, outputs=outputs, timeout=timeout)
+                try:
+                    status, count, body = self._call(msg)
+                except BaseException:
+                    # Interrupted or disconnected: the daemon may still write into this slot, so the
+                    # next call gets a fresh one (the old segment is released with the connection).
+                    self._slots.pop(key, None)
+                    raise
+                if not status:
+                    return read_outputs(slot, count, body, copy)
+                needed, message = p.decode_error(body)
+                if not needed or needed <= info.output_hint:
+                    raise p.error_from_status(status, message, needed)
+                info.output_hint = needed  # the output area was too small: grow it and retry
+            raise p.error_from_status(status, message, needed)
+
+    def tensor(self, shape: tuple[int, ...] | list[int], dtype: Any = np.float32) -> np.ndarray:
+        """A new array in its own shared segment; passing it (or a contiguous part) to infer copies nothing."""
+        dt = np.dtype(dtype)
+        shp = tuple(int(d) for d in shape)
+        with self._lock:
+            seg = self._register(max(1, int(np.prod(shp, dtype=np.int64)) * dt.itemsize))
+            return seg.view(dt, shp, 0)
+
+    def input_buffer(self, model: str, name: str, shape: tuple[int, ...] | list[int], dtype: Any = None,
+                     version: int | None = None) -> np.ndarray:
+        """A shared array for one input of one model, reused across calls (grown when a bigger shape is asked)."""
+        with self._lock:
+            info = self._info(model, version)
+            dt = _dtype(info, name, dtype)
+            shp = tuple(int(d) for d in shape)
+            nbytes = int(np.prod(shp, dtype=np.int64)) * dt.itemsize
+            key = (model, version or 0, name)
+            seg = self._st.buffers.get(key)
+            if seg is None or seg.size < nbytes:
+                if seg is not None:
+                    self._unregister(seg)
+                seg = self._register(max(1, nbytes))
+                self._st.buffers[key] = seg
+            return seg.view(dt, shp, 0)
+
+    def release(self, arr: np.ndarray) -> None:
+        """Give back the segment of an array from :meth:`tensor` (the array stays readable locally)."""
+        with self._lock:
+            hit = find_segment(self._st.segments, arr)
+            if hit is None:
+                raise InvalidInputError("the array is not in this client's shared memory")
+            if any(s.segment is hit[0] for s in self._slots.values()):
+                raise InvalidInputError("the array belongs to a request slot, not to a tensor() buffer")
+            for k, seg in list(self._st.buffers.items()):
+                if seg is hit[0]:
+                    del self._st.buffers[k]
+            self._unregister(hit[0])
+
+    def close(self) -> None:
+        """Disconnect; the daemon releases everything this client registered."""
+        with self._lock:
+            if self._st.closed:
+                return
+            self._st.closed = True
+            self._sock.close()
+            self._slots.clear()
+            self._st.drop_all()
+
+    def __enter__(self) -> ShmClient:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+class AsyncShmClient:
+    """asyncio client: many concurrent ``await infer(...)`` calls are pipelined on one connection.
+
+    Each call in flight uses its own slot (segments are pooled and reused); outputs
+    are always returned as copies, since slots are shared between calls.
+    """
+
+    def __init__(self, socket_path: str | os.PathLike[str] | None = None) -> None:
+        self.socket_path = default_socket(socket_path)
+        self.server: dict[str, Any] = {}
+        self._sock: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: dict[int, asyncio.Future[tuple[int, int, bytes]]] = {}
+        self._rid = 0
+        self._buf = bytearray(p.MAX_MESSAGE)
+        self._st = _State()
+        self._free: dict[_Key, list[Slot]] = {}
+        self._orphans: dict[int, tuple[_Key, Slot]] = {}  # slots of cancelled calls, until their reply
+        self._sem: asyncio.Semaphore | None = None
+        self._info_locks: dict[_Key, asyncio.Lock] = {}
+
+    async def connect(self) -> AsyncShmClient:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, self.socket_path)
+        except OSError as e:
+            sock.close()
+            raise _unavailable(self.socket_path, e) from None
+        self._sock, self._loop = sock, loop
+        loop.add_reader(sock.fileno(), self._on_readable)
+        try:
+            status, _, body = await self._call(p.HELLO, p.U32.pack(p.PROTOCOL_VERSION))
+            _check(status, body)
+        except BaseException:
+            await self.close()
+            raise
+        self.server = orjson.loads(body)
+        self._sem = asyncio.Semaphore(int(self.server.get("max_inflight", 64)))
+        return self
+
+    async def __aenter__(self) -> AsyncShmClient:
+        return await self.connect()
+
+    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+    # ---- plumbing ---------------------------------------------------------------------------
+    def _on_readable(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        while True:
+            try:
+                n = sock.recv_into(self._buf)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                n = 0
+            if n == 0:
+                self._fail_all(_closed())
+                return
+            if n < p.HEADER.size:
+                continue
+            _, status, count, rid = p.HEADER.unpack_from(self._buf)
+            fut = self._pending.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result((status, count, bytes(self._buf[p.HEADER.size:n])))
+            elif (orphan := self._orphans.pop(rid, None)) is not None:
+                self._free.setdefault(orphan[0], []).append(orphan[1])
+
+    def _fail_all(self, err: EdgedError) -> None:
+        if self._sock is not None and self._loop is not None:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._sock.fileno())
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._st.closed = True
+
+    async def _call(self, kind: int, body: bytes, fd: int = -1) -> tuple[int, int, bytes]:
+        if self._st.closed or self._sock is None or self._loop is None:
+            raise EdgedError("the client is closed", code=ErrorCode.FAILED_PRECONDITION)
+        self._rid += 1
+        rid = self._rid
+        fut: asyncio.Future[tuple[int, int, bytes]] = self._loop.create_future()
+        self._pending[rid] = fut
+        msg = p.header(kind, rid) + body
+        try:
+            await self._send(msg, fd)
+        except BaseException:
+            self._pending.pop(rid, None)
+            raise
+        return await fut
+
+    async def _send(self, msg: bytes, fd: int) -> None:
+        sock, loop = self._sock, self._loop
+        assert sock is not None and loop is not None
+        while True:
+            try:
+                if fd >= 0:
+                    sock.sendmsg([msg], _fds_message(fd))
+                else:
+                    sock.send(msg)
+                return
+            except (BlockingIOError, InterruptedError):
+                ready: asyncio.Future[None] = loop.create_future()
+                loop.add_writer(sock.fileno(), _wake, ready)
+                try:
+                    await ready
+                finally:
+                    loop.remove_writer(sock.fileno())
+            except OSError as e:
+                raise EdgedError(f"shared-memory connection failed: {e.strerror or e}",
+                                 code=ErrorCode.UNAVAILABLE) from None
+
+    async def _register(self, size: int) -> ClientSegment:
+        fd, seg = create_segment(size)
+        try:
+            status, _, body = await self._call(p.REGISTER, p.U64.pack(seg.size), fd)
+        finally:
+            os.close(fd)
+        if status:
+            seg.close()
+            _check(status, body)
+        (seg.id,) = p.U32.unpack_from(body)
+        self._st.segments[seg.id] = seg
+        return seg
+
+    async def _unregister(self, seg: ClientSegment) -> None:
+        self._st.segments.pop(seg.id, None)
+        with contextlib.suppress(EdgedError):
+            status, _, body = await self._call(p.UNREGISTER, p.U32.pack(seg.id))
+            _check(status, body)
+        seg.close()
+
+    async def _info(self, model: str, version: int | None) -> ModelInfo:
+        key = (model, version or 0)
+        info = self._st.models.get(key)
+        if info is not None:
+            return info
+        async with self._info_locks.setdefault(key, asyncio.Lock()):
+            info = self._st.models.get(key)
+            if info is None:
+                info = ModelInfo.from_metadata(await self.metadata(model, version))
+                self._st.models[key] = info
+            return info
+
+    async def _take_slot(self, key: _Key, in_need: int, out_need: int) -> Slot:
+        free = self._free.setdefault(key, [])
+        while free:
+            slot = free.pop()
+            if slot.fits(in_need, out_need):
+                return slot
+            in_need, out_need = max(in_need, slot.in_cap), max(out_need, slot.out_cap)
+            await self._unregister(slot.segment)
+        size, out_off, out_cap = Slot.layout(in_need, out_need)
+        return Slot(await self._register(size), out_off, out_off, out_cap)
+
+    # ---- public API -------------------------------------------------------------------------
+    async def metadata(self, model: str, version: int | None = None) -> dict[str, Any]:
+        nb = model.encode()
+        status, _, body = await self._call(p.METADATA, p.META_BODY.pack(version or 0, len(nb)) + nb)
+        _check(status, body)
+        meta: dict[str, Any] = orjson.loads(body)
+        return meta
+
+    async def infer(self, model: str, inputs: Mapping[str, Any], version: int | None = None, *,
+                    outputs: list[str] | None = None, timeout: float | None = None) -> dict[str, np.ndarray]:
+        """Run one request; call it concurrently (gather, tasks) to pipeline. Outputs are copies."""
+        assert self._sem is not None, "call connect() (or use 'async with') first"
+        async with self._sem:
+            key = (model, version or 0)
+            info = await self._info(model, version)
+            packed: PackedInputs = plan_inputs(self._st.segments, inputs)
+            slot: Slot | None = await self._take_slot(key, packed.staged_bytes, info.output_bytes(inputs))
+            try:
+                for _attempt in range(3):
+                    assert slot is not None
+                    if not slot.fits(packed.staged_bytes, info.output_bytes(inputs)):
+                        old, slot = slot, None
+                        await self._unregister(old.segment)
+                        slot = await self._take_slot(key, packed.staged_bytes, info.output_bytes(inputs))
+                    self._rid += 1
+                    rid = self._rid
+                    # Tell the daemon to queue (batch) this request when others of ours are in flight.
+                    msg = encode_request(rid, model, version, slot, packed, outputs=outputs, timeout=timeout,
+                                         queue=bool(self._pending))
+                    assert self._loop is not None
+                    fut: asyncio.Future[tuple[int, int, bytes]] = self._loop.create_future()
+                    self._pending[rid] = fut
+                    try:
+                        await self._send(msg, -1)
+                    except BaseException:
+                        self._pending.pop(rid, None)
+                        raise
+                    try:
+                        status, count, body = await fut
+                    except asyncio.CancelledError:
+                        # The daemon may still read this slot's inputs and write its outputs: the slot
+                        # goes back to the pool only when that late completion has arrived.
+                        self._orphans[rid] = (key, slot)
+                        slot = None
+                        raise
+                    if not status:
+                        return read_outputs(slot, count, body, True)
+                    needed, message = p.decode_error(body)
+                    if not needed or needed <= info.output_hint:
+                        raise p.error_from_status(status, message, needed)
+                    info.output_hint = needed
+                raise p.error_from_status(status, message, needed)
+            finally:
+                if slot is not None and not self._st.closed:
+                    self._free.setdefault(key, []).append(slot)
+
+    async def tensor(self, shape: tuple[int, ...] | list[int], dtype: Any = np.float32) -> np.ndarray:
+        """A new array in its own shared segment; passing it to infer copies nothing."""
+        dt = np.dtype(dtype)
+        shp = tuple(int(d) for d in shape)
+        seg = await self._register(max(1, int(np.prod(shp, dtype=np.int64)) * dt.itemsize))
+        return seg.view(dt, shp, 0)
+
+    async def close(self) -> None:
+        if self._st.closed and self._sock is None:
+            return
+        self._fail_all(_closed())
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._free.clear()
+        self._orphans.clear()
+        self._st.drop_all()
