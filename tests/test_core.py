@@ -253,3 +253,21 @@ def test_memory_budget_refuses_with_a_clear_error(model_repo: MakeRepo) -> None:
         assert "model budget" in (states["mobilenet"].reason or "")
     finally:
         svc.manager.shutdown()
+
+
+def test_inline_path_matches_the_queued_path(digits_service: InferenceService,
+                                             digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    x, _ = digits_holdout
+    svc = digits_service
+    for i in range(8):
+        req = InferRequest("digits", {"pixels": x[i:i + 2]}, id=f"r{i}")
+        a, b = svc.infer_blocking(req), svc.infer(req, timeout=10)
+        assert a.id == b.id == f"r{i}" and a.version == b.version == 1
+        np.testing.assert_allclose(a.outputs["probabilities"], b.outputs["probabilities"], rtol=1e-6)
+    only = svc.infer_blocking(InferRequest("digits", {"pixels": x[:1]}, outputs=["probabilities"]))
+    assert list(only.outputs) == ["probabilities"]
+    with pytest.raises(DeadlineExceededError):
+        svc.infer_blocking(InferRequest("digits", {"pixels": x[:1]}, deadline=time.monotonic() - 1))
+    stats = svc.statistics("digits")[0]
+    assert stats["failures_by_code"]["deadline_exceeded"] == 1
+    assert stats["in_flight"] == 0

@@ -98,18 +98,25 @@ class Scheduler:
                 self.stats.enter()
         if not idle:
             return self.submit(req, batch).result()
-        item = _Item(req, batch, (), time.monotonic_ns())
+        start_ns = time.monotonic_ns()
         try:
-            self._run([item])
-        except BaseException as e:
-            if not item.future.done():
-                item.future.set_exception(InternalError(f"internal error: {type(e).__name__}"))
+            if req.deadline is not None and time.monotonic() > req.deadline:
+                raise DeadlineExceededError(f"model {self.name!r}: request arrived past its deadline")
+            (outs,) = self._compute([(req, batch)])
+            resp = InferResponse(self.name, self.version, outs, req.id)
+            self.stats.record_success(queue_ns=0, total_ns=time.monotonic_ns() - start_ns)
+            return resp
+        except EdgedError as e:
+            self.stats.record_failure(e.code.value, total_ns=time.monotonic_ns() - start_ns)
+            raise
+        except BaseException:
+            self.stats.record_failure("internal", total_ns=time.monotonic_ns() - start_ns)
+            raise
         finally:
             with self._cv:
                 self._busy -= 1
                 if self._queue:
                     self._cv.notify()
-        return item.future.result()
 
     @property
     def queued(self) -> int:
@@ -209,52 +216,59 @@ class Scheduler:
                 live.append(item)
         if not live:
             return
-        batched = self.max_batch_size > 0
-        t0 = time.monotonic_ns()
-        if len(live) == 1:
-            inputs = dict(live[0].request.inputs)
-        else:
-            names = list(live[0].request.inputs)
-            inputs = {n: np.concatenate([i.request.inputs[n] for i in live], axis=0) for n in names}
-        wanted = self._wanted_outputs(live)
-        t1 = time.monotonic_ns()
         try:
-            outputs = self.engine.infer(inputs, wanted)
+            results = self._compute([(i.request, i.batch) for i in live])
         except EdgedError as e:
             for item in live:
                 self._fail(item, e)
             return
-        except Exception as e:
-            err = InternalError(f"model {self.name!r} version {self.version}: engine failed: {e}")
-            for item in live:
-                self._fail(item, err)
-            return
-        t2 = time.monotonic_ns()
-        offset = 0
-        results: list[tuple[_Item, dict[str, np.ndarray]]] = []
-        for item in live:
-            if batched and len(live) > 1:
-                sl = slice(offset, offset + item.batch)
-                offset += item.batch
-                outs = {n: outputs[n][sl] for n in (item.request.outputs or outputs)}
-            else:
-                outs = {n: outputs[n] for n in (item.request.outputs or outputs)}
-            results.append((item, outs))
-        t3 = time.monotonic_ns()
-        total_batch = sum(i.batch for i in live)
-        self.stats.record_batch(total_batch, len(live), t1 - t0, t2 - t1, t3 - t2)
-        for item, outs in results:
+        for item, outs in zip(live, results, strict=True):
             resp = InferResponse(self.name, self.version, outs, item.request.id)
             done_ns = time.monotonic_ns()
             self.stats.record_success(queue_ns=now_ns - item.enqueued_ns, total_ns=done_ns - item.enqueued_ns)
             item.future.set_result(resp)
 
-    def _wanted_outputs(self, live: list[_Item]) -> list[str] | None:
-        if any(i.request.outputs is None for i in live):
+    def _compute(self, reqs: list[tuple[InferRequest, int]]) -> list[dict[str, np.ndarray]]:
+        """Concatenate along the batch dimension, run the engine once, split the outputs back.
+
+        Raises one EdgedError for the whole batch: every request in it fails the same way.
+        """
+        t0 = time.monotonic_ns()
+        if len(reqs) == 1:
+            inputs = dict(reqs[0][0].inputs)
+        else:
+            names = list(reqs[0][0].inputs)
+            inputs = {n: np.concatenate([r.inputs[n] for r, _ in reqs], axis=0) for n in names}
+        wanted = self._wanted_outputs([r for r, _ in reqs])
+        t1 = time.monotonic_ns()
+        try:
+            outputs = self.engine.infer(inputs, wanted)
+        except EdgedError:
+            raise
+        except Exception as e:
+            raise InternalError(f"model {self.name!r} version {self.version}: engine failed: {e}") from None
+        t2 = time.monotonic_ns()
+        results: list[dict[str, np.ndarray]] = []
+        if len(reqs) == 1:
+            r = reqs[0][0]
+            results.append(outputs if r.outputs is None else {n: outputs[n] for n in r.outputs})
+        else:
+            offset = 0
+            for r, b in reqs:
+                sl = slice(offset, offset + b)
+                offset += b
+                results.append({n: outputs[n][sl] for n in (r.outputs or outputs)})
+        t3 = time.monotonic_ns()
+        self.stats.record_batch(sum(b for _, b in reqs), len(reqs), t1 - t0, t2 - t1, t3 - t2)
+        return results
+
+    @staticmethod
+    def _wanted_outputs(reqs: list[InferRequest]) -> list[str] | None:
+        if any(r.outputs is None for r in reqs):
             return None
         names: dict[str, None] = {}
-        for i in live:
-            for n in i.request.outputs or ():
+        for r in reqs:
+            for n in r.outputs or ():
                 names[n] = None
         return list(names)
 
