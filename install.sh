@@ -1,23 +1,29 @@
 #!/usr/bin/env bash
 # Set up edged.
 #   ./install.sh --dev     a development environment in ./.venv (package + test and lint tools)
-#   ./install.sh           (as root) install the daemon for real: /opt/edged, /etc/edged, systemd unit
-#   ./install.sh --uninstall   (as root) remove what the real install added (config and state are kept)
+#   ./install.sh           (as root) install the daemon for real: the edged user, /opt/edged, /etc/edged,
+#                          /var/lib/edged, the systemd unit; enabled and started when systemd runs
+#       --wheelhouse DIR   install offline from DIR (packaging/build-deb.sh --wheelhouse DIR makes one)
+#       --with-mosquitto   also install the mosquitto broker (Debian package)
+#   ./install.sh --uninstall [--purge]   (as root) remove what the install added; config, state and
+#                          the user stay unless --purge
 # Debian packages the project needs are installed when missing and we are root; otherwise we say
-# exactly what to install.
+# exactly what to install. Running the system install again changes nothing that is already right.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 mode=system
 with_mosquitto=0
+purge=0
 wheelhouse=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dev) mode=dev ;;
     --uninstall) mode=uninstall ;;
+    --purge) purge=1 ;;
     --with-mosquitto) with_mosquitto=1 ;;
     --wheelhouse) wheelhouse=$2; shift ;;
-    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "install.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -27,8 +33,12 @@ say() { printf 'install.sh: %s\n' "$*" >&2; }
 is_root() { [ "$(id -u)" -eq 0 ]; }
 
 # Debian packages: the broker and its clients for the MQTT transport and tests, headers for
-# systemd-python, a compiler for wheels that build from source, and Python's venv module.
-deb_packages=(mosquitto mosquitto-clients libsystemd-dev pkg-config gcc python3-dev python3-venv)
+# systemd-python, a compiler for wheels that build from source, Python's venv module, and for the
+# systemd and packaging tests: systemd (systemd-analyze, sysusers, tmpfiles), systemd-container
+# (systemd-nspawn boots the packaged service under a real systemd), mmdebstrap (a
+# throwaway Debian root), lintian and shellcheck; postgresql for the registry tests.
+deb_packages=(mosquitto mosquitto-clients libsystemd-dev pkg-config gcc python3-dev python3-venv
+  systemd systemd-container mmdebstrap lintian shellcheck postgresql)
 
 missing_debs() {
   local p out=()
@@ -86,7 +96,7 @@ if [ "$mode" = dev ]; then
   extras=dev,openvino
   # systemd-python compiles against libsystemd; add it only where the headers exist.
   if pkg-config --exists libsystemd 2>/dev/null; then extras="$extras,systemd"; fi
-  pip_install "$here/.venv" -e "$here[$extras]"
+  pip_install "$here/.venv" -e "${here}[$extras]"
   say "development environment ready: $here/.venv (run .venv/bin/edged run, or .venv/bin/python -m pytest)"
   exit 0
 fi
@@ -97,37 +107,100 @@ if ! is_root; then
 fi
 
 prefix=/opt/edged
+share=/usr/share/edged
+setup=(sh "$here/packaging/edged-setup")
+unit=/etc/systemd/system/edged.service
+systemd_running() { command -v systemctl >/dev/null && [ -d /run/systemd/system ]; }
+
+# put SRC DEST MODE: install a file only when its content or mode differs (a second run touches nothing).
+put() {
+  if [ -f "$2" ] && cmp -s "$1" "$2" && [ "$(stat -c %a "$2")" = "$3" ]; then return 1; fi
+  install -D -m "$3" "$1" "$2"
+}
+
+# sync_tree SRC DEST: replace DEST by a copy of SRC only when they differ.
+sync_tree() {
+  if [ -d "$2" ] && diff -r -q "$1" "$2" >/dev/null 2>&1; then return 0; fi
+  rm -rf "$2.new" && cp -R "$1" "$2.new"
+  find "$2.new" -name __pycache__ -type d -prune -exec rm -rf {} +
+  chmod -R u=rwX,go=rX "$2.new"
+  rm -rf "$2" && mv "$2.new" "$2"
+}
+
 if [ "$mode" = uninstall ]; then
-  if command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
+  if systemd_running; then
     systemctl disable --now edged.service 2>/dev/null || true
   fi
-  rm -f /etc/systemd/system/edged.service /usr/local/bin/edged
-  rm -rf "$prefix" /usr/share/edged
-  say "removed edged (kept /etc/edged and /var/lib/edged)"
+  "${setup[@]}" remove-dropin
+  rm -f "$unit" /usr/local/bin/edged /etc/sysusers.d/edged.conf /etc/tmpfiles.d/edged.conf
+  for d in /etc/sysusers.d /etc/tmpfiles.d; do  # made by the install unless a package owns them
+    if [ -d "$d" ] && ! dpkg-query -S "$d" >/dev/null 2>&1; then rmdir "$d" 2>/dev/null || true; fi
+  done
+  systemd_running && systemctl daemon-reload
+  rm -rf "$prefix" "$share"
+  if [ "$purge" = 1 ]; then
+    rm -rf /etc/edged /var/lib/edged /run/edged
+    "${setup[@]}" remove-user
+    say "removed edged, its configuration, state and user"
+  else
+    say "removed edged (kept /etc/edged, /var/lib/edged and the edged user; --purge removes them)"
+  fi
   exit 0
 fi
 
-pkgs=(python3-venv)
+pkgs=()
+[ -z "$wheelhouse" ] && pkgs+=(python3-venv)  # pip from PyPI needs ensurepip; a wheelhouse brings pip
 [ "$with_mosquitto" = 1 ] && pkgs+=(mosquitto)
-ensure_debs "${pkgs[@]}"
+[ ${#pkgs[@]} -gt 0 ] && ensure_debs "${pkgs[@]}"
 py=$(pick_python)
-[ -x "$prefix/bin/python" ] || "$py" -m venv "$prefix"
-pip_install "$prefix" --upgrade "$here[openvino]"
-ln -sf "$prefix/bin/edged" /usr/local/bin/edged
-install -d -m 0755 /usr/share/edged
-rm -rf /usr/share/edged/models.new && cp -r "$here/models" /usr/share/edged/models.new
-rm -rf /usr/share/edged/models && mv /usr/share/edged/models.new /usr/share/edged/models
-rm -rf /usr/share/edged/device_profiles && cp -r "$here/device_profiles" /usr/share/edged/device_profiles
-install -d -m 0755 /etc/edged
+
+"${setup[@]}" user "$here/packaging/sysusers.d/edged.conf"
+"${setup[@]}" dirs "$here/packaging/tmpfiles.d/edged.conf"
+
+if [ -n "$wheelhouse" ]; then
+  wheelhouse=$(cd "$wheelhouse" && pwd)
+  version=$("$py" -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["project"]["version"])' \
+    "$here/pyproject.toml" 2>/dev/null || sed -n 's/^version = "\(.*\)"/\1/p' "$here/pyproject.toml")
+  reqs=$(mktemp)
+  trap 'rm -f "$reqs"' EXIT
+  echo "edged==$version" >"$reqs"
+  ls "$wheelhouse"/openvino-*.whl >/dev/null 2>&1 && echo "openvino>=2024.0" >>"$reqs"
+  "${setup[@]}" venv "$prefix" "$reqs" "$wheelhouse"
+else
+  # From PyPI: the stamp is the source itself, so an unchanged checkout is not reinstalled.
+  stamp=$( (cd "$here" && "$py" --version && find pyproject.toml edged -name '*.py' -o -name '*.toml' -o -name py.typed |
+    LC_ALL=C sort | xargs sha256sum) | sha256sum | cut -d' ' -f1)
+  if [ ! -f "$prefix/.edged-stamp" ] || [ "$(cat "$prefix/.edged-stamp")" != "$stamp" ]; then
+    rm -rf "$prefix"
+    "$py" -m venv --system-site-packages "$prefix"
+    pip_install "$prefix" --ignore-installed "${here}[openvino]"
+    echo "$stamp" >"$prefix/.edged-stamp"
+  fi
+fi
+[ "$(readlink /usr/local/bin/edged 2>/dev/null || true)" = "$prefix/bin/edged" ] || ln -sfn "$prefix/bin/edged" /usr/local/bin/edged
+
+install -d -m 0755 "$share" "$share/systemd"
+sync_tree "$here/models" "$share/models"
+sync_tree "$here/device_profiles" "$share/device_profiles"
+sync_tree "$here/packaging/systemd/dropins" "$share/systemd/dropins"
+
+# The config template is copied once and never overwritten: /etc/edged/edged.toml is the admin's.
 if [ ! -e /etc/edged/edged.toml ]; then
+  install -d -m 0755 /etc/edged
   install -m 0644 "$here/packaging/edged.toml" /etc/edged/edged.toml
 fi
-install -d -m 0750 /var/lib/edged
-if [ -f "$here/packaging/systemd/edged.service" ] && [ -d /run/systemd/system ]; then
-  install -m 0644 "$here/packaging/systemd/edged.service" /etc/systemd/system/edged.service
-  systemctl daemon-reload
-  systemctl enable --now edged.service
-  say "edged installed and started: systemctl status edged"
+
+changed=0
+put "$here/packaging/systemd/edged.service" "$unit" 644 && changed=1
+put "$here/packaging/sysusers.d/edged.conf" /etc/sysusers.d/edged.conf 644 || true
+put "$here/packaging/tmpfiles.d/edged.conf" /etc/tmpfiles.d/edged.conf 644 || true
+"${setup[@]}" dropin "$prefix" "$share/systemd/dropins"
+
+if systemd_running; then
+  [ "$changed" = 1 ] && systemctl daemon-reload
+  systemctl is-enabled --quiet edged.service 2>/dev/null || systemctl enable edged.service
+  systemctl is-active --quiet edged.service || systemctl start edged.service
+  say "edged installed and running: systemctl status edged"
 else
-  say "edged installed in $prefix; systemd is not running here, start it with: edged run"
+  say "edged installed in $prefix; systemd is not running here, start it with: sudo -u edged edged run"
 fi

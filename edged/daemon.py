@@ -1,7 +1,9 @@
-"""The daemon's start and stop order.
+"""The daemon's start and stop order, and what it tells systemd along the way.
 
-probe hardware -> match a device profile -> load the model repository -> start
-transports -> serve until SIGINT/SIGTERM -> stop transports -> drain models.
+probe hardware -> match a device profile -> load the model repository -> self-test every
+ready version -> start transports -> READY=1 -> serve (WATCHDOG=1 while an end-to-end probe
+passes; SIGHUP reloads the config) -> SIGTERM: STOPPING=1 -> finish in-flight requests
+(bounded) -> stop transports -> release engines -> exit 0.
 """
 
 from __future__ import annotations
@@ -14,17 +16,27 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from edged.config import Config
+from edged.config import Config, load_config
 from edged.core.manager import ModelManager
-from edged.core.models import ModelState
+from edged.core.models import ModelState, ModelVersion
 from edged.core.service import InferenceService
-from edged.errors import ConfigError
+from edged.errors import ConfigError, EdgedError
 from edged.hardware.facts import HardwareFacts
 from edged.hardware.probe import probe
+from edged.logs import log_fields, set_level
 from edged.profiles import DeviceProfile, ProfileMatch, load_profiles, match_profile
+from edged.repository.store import list_versions
+from edged.systemd.health import Prober, self_test
+from edged.systemd.notify import Notifier, watchdog_interval
 from edged.transports.base import Transport
 
 log = logging.getLogger(__name__)
+
+STOP_DRAIN_S = 20.0  # in-flight requests get this long after SIGTERM; the unit's TimeoutStopSec is 30
+SELF_TEST_TIMEOUT_S = 60.0
+STATUS_INTERVAL_S = 10.0
+# Config sections that only take effect at start; SIGHUP applies [models] and [logging] live.
+RESTART_SECTIONS = ("device", "http", "mqtt", "shm", "registry", "telemetry")
 
 
 @dataclass
@@ -62,7 +74,8 @@ def build_runtime(cfg: Config, *, load: bool = True, only: str | None = None) ->
     with contextlib.suppress(OSError):
         cache_dir.mkdir(parents=True, exist_ok=True)
     manager = ModelManager(cfg.device.model_repository, cfg.models, profile.backends, cache_dir=cache_dir,
-                           threads=profile.threads, memory_budget_mb=profile.effective_memory_budget_mb(facts))
+                           threads=profile.threads, memory_budget_mb=profile.effective_memory_budget_mb(facts),
+                           select=profile.select)
     if load:
         if only is not None:
             manager.load_model(only)
@@ -71,15 +84,40 @@ def build_runtime(cfg: Config, *, load: bool = True, only: str | None = None) ->
     return Runtime(cfg, facts, match, manager, InferenceService(manager))
 
 
+def _ready(mvs: list[ModelVersion]) -> list[ModelVersion]:
+    return [mv for mv in mvs if mv.state is ModelState.READY]
+
+
+def _log_crash(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("%s stopped: no more watchdog pings, systemd will restart edged", task.get_name(),
+                  exc_info=task.exception())
+
+
+def _in_flight(rt: Runtime) -> int:
+    """Requests queued or running (stats count both, the inline fast path included)."""
+    return sum(mv.stats.in_flight for mv in rt.manager.table.all() if mv.stats is not None)
+
+
 class Daemon:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, *, notifier: Notifier | None = None) -> None:
         self.cfg = cfg
         self.runtime: Runtime | None = None
         self.transports: list[Transport] = []
+        self.notifier = notifier or Notifier()
         self._stop = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._reload_requested = False
+        self._tasks: list[asyncio.Task[None]] = []
 
+    # ---- signals ------------------------------------------------------------------------------
     def request_stop(self) -> None:
         self._stop.set()
+        self._wake.set()
+
+    def request_reload(self) -> None:
+        self._reload_requested = True
+        self._wake.set()
 
     def _make_transports(self, rt: Runtime) -> list[Transport]:
         # Transports are imported only when enabled: their libraries cost start-up time and memory.
@@ -96,30 +134,218 @@ class Daemon:
             out.append(MqttTransport(cfg, rt.service, rt.profile.name))
         return out
 
+    # ---- lifecycle ----------------------------------------------------------------------------
     async def serve(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.request_stop)
+        loop.add_signal_handler(signal.SIGHUP, self.request_reload)
+        try:
+            if await self._start():
+                await self._serve_until_stopped()
+            await self._shutdown(drain=True)
+        except BaseException as e:
+            self.notifier.status(f"failed: {e}" if isinstance(e, EdgedError) else f"failed: {type(e).__name__}")
+            await self._shutdown(drain=False)
+            raise
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+            self.notifier.close()
+        return 0
+
+    async def _start(self) -> bool:
+        """Everything before READY=1; False when a stop was asked for on the way."""
         t0 = time.monotonic()
+        n = self.notifier
         log.info("edged starting: repository %s, state %s", self.cfg.device.model_repository, self.cfg.device.state_dir)
+        if n.enabled:
+            wd = watchdog_interval()
+            log.info("service manager notifications via %s; watchdog %s", n.backend,
+                     f"{wd:g}s (pinged every {wd / 2:g}s while every model answers a probe)" if wd else "off")
+        n.status("probing hardware and loading models")
         self.runtime = rt = await asyncio.to_thread(build_runtime, self.cfg)
-        ready = [mv for mv in rt.manager.table.all() if mv.state is ModelState.READY]
-        broken = [mv for mv in rt.manager.table.all() if mv.state is not ModelState.READY]
+        if self._stop.is_set():
+            return False
+        ready = _ready(rt.manager.table.all())
+        n.status(f"self-test of {len(ready)} model version(s) on profile {rt.profile.name}")
+        failed = await asyncio.to_thread(self_test, rt.service, ready, SELF_TEST_TIMEOUT_S)
+        if self._stop.is_set():
+            return False
+        n.status("starting transports")
         for t in self._make_transports(rt):
             await t.start()
             self.transports.append(t)
-        log.info("edged ready in %.2fs: %d model version(s) serving, %d unavailable, profile %s",
-                 time.monotonic() - t0, len(ready), len(broken), rt.profile.name)
-        await self._stop.wait()
-        log.info("edged stopping")
+        all_mvs = rt.manager.table.all()
+        log.info("edged ready in %.2fs: %d model version(s) serving, %d unavailable (%d failed the self-test), "
+                 "profile %s", time.monotonic() - t0, len(_ready(all_mvs)), len(all_mvs) - len(_ready(all_mvs)),
+                 len(failed), rt.profile.name)
+        n.ready(self.status_text())
+        return True
+
+    async def _serve_until_stopped(self) -> None:
+        if self.notifier.enabled:
+            task = asyncio.create_task(self._heartbeat(), name="edged-heartbeat")
+            task.add_done_callback(_log_crash)
+            self._tasks.append(task)
+        while not self._stop.is_set():
+            await self._wake.wait()
+            self._wake.clear()
+            if self._reload_requested and not self._stop.is_set():
+                self._reload_requested = False
+                await self._reload()
+
+    async def _shutdown(self, *, drain: bool) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        rt = self.runtime
+        if drain:
+            in_flight = self.in_flight()
+            log.info("edged stopping: finishing %d in-flight request(s) (at most %.0fs)", in_flight, STOP_DRAIN_S)
+            self.notifier.stopping(f"stopping: finishing {in_flight} in-flight request(s)")
+        drained = True
+        if rt is not None:
+            # Queues first, while the transports still run, so answers to in-flight requests still go out;
+            # new requests are refused (UNAVAILABLE) from here on.
+            drained = await asyncio.to_thread(self._drain_all, rt, STOP_DRAIN_S if drain else 0.0)
+            if drain and not drained:
+                log.warning("some requests did not finish within %.0fs; they were failed", STOP_DRAIN_S)
         for t in reversed(self.transports):
             try:
                 await t.stop()
             except Exception:
                 log.exception("transport %s did not stop cleanly", t.name)
-        await asyncio.to_thread(rt.manager.shutdown)
-        log.info("edged stopped")
-        return 0
+        self.transports.clear()
+        if rt is not None and drained:
+            await asyncio.to_thread(rt.manager.shutdown, 0.0)
+        self.runtime = None
+        if drain:
+            log.info("edged stopped")
+
+    @staticmethod
+    def _drain_all(rt: Runtime, budget_s: float) -> bool:
+        end = time.monotonic() + budget_s
+        ok = True
+        for mv in rt.manager.table.all():
+            if mv.scheduler is not None:
+                ok = mv.scheduler.drain(max(0.0, end - time.monotonic())) and ok
+        # Requests a transport runs inline on its own thread are not in any queue: wait for those too.
+        while _in_flight(rt) and time.monotonic() < end:
+            time.sleep(0.01)
+        return ok and not _in_flight(rt)
+
+    # ---- status and watchdog ------------------------------------------------------------------
+    def in_flight(self) -> int:
+        rt = self.runtime
+        if rt is None:
+            return 0
+        return _in_flight(rt)
+
+    def status_text(self) -> str:
+        rt = self.runtime
+        if rt is None:
+            return "starting"
+        mvs = rt.manager.table.all()
+        ready = _ready(mvs)
+        text = f"serving {len(ready)} model version(s)"
+        if len(mvs) > len(ready):
+            text += f" ({len(mvs) - len(ready)} unavailable)"
+        names = ", ".join(t.name for t in self.transports)
+        return f"{text} on profile {rt.profile.name}; transports: {names or 'none'}"
+
+    async def _heartbeat(self) -> None:
+        """WATCHDOG=1 every half interval while the end-to-end probe passes; STATUS= when it changes.
+
+        Runs on the event loop: if the loop hangs, the pings stop without any help.
+        """
+        assert self.runtime is not None
+        interval = watchdog_interval()
+        period = interval / 2 if interval else STATUS_INTERVAL_S
+        prober = Prober(self.runtime.service)
+        last_status, healthy = self.status_text(), True
+        while True:
+            t0 = time.monotonic()
+            if interval:
+                result = await prober.probe(timeout=period * 0.8)
+                if result.ok:
+                    self.notifier.watchdog()
+                    if not healthy:
+                        log.info("watchdog: every model answers its probe again; pinging resumed")
+                else:
+                    problems = "; ".join(f"{m} v{v}: {why}" for (m, v), why in sorted(result.problems.items()))
+                    if healthy:
+                        log.error("watchdog: not pinging systemd (it restarts edged after %.0fs without a ping): %s",
+                                  interval, problems)
+                    self.notifier.status(f"unhealthy: {problems}")
+                    last_status = ""
+                healthy = result.ok
+            text = self.status_text()
+            if healthy and text != last_status:
+                self.notifier.status(text)
+                last_status = text
+            await asyncio.sleep(max(0.0, period - (time.monotonic() - t0)))
+
+    # ---- reload -------------------------------------------------------------------------------
+    async def _reload(self) -> None:
+        """SIGHUP: re-read the config, apply [logging] and [models] live, say what needs a restart."""
+        n = self.notifier
+        source = self.cfg.source
+        n.reloading(f"reloading {source}" if source else "reloading")
+        try:
+            if source is None:
+                log.warning("SIGHUP: edged runs on built-in defaults (no config file); nothing to reload")
+                return
+            log.info("SIGHUP: reloading %s", source)
+            try:
+                new = await asyncio.to_thread(load_config, source)
+            except ConfigError as e:
+                log.error("reload refused, the running configuration stays: %s", "; ".join(e.problems))
+                return
+            old = self.cfg
+            for section in RESTART_SECTIONS:
+                if getattr(old, section).model_dump() != getattr(new, section).model_dump():
+                    log.warning("config [%s] changed: that needs a restart (systemctl restart edged)", section)
+            if new.logging != old.logging:
+                set_level(new.logging.level)
+                log.info("logging level is now %s", new.logging.level)
+            self.cfg = old.model_copy(update={"models": new.models, "logging": new.logging})
+            rt = self.runtime
+            if rt is not None:
+                rt.config = self.cfg
+                await asyncio.to_thread(self._reload_models, rt, new)
+        finally:
+            n.ready(self.status_text())
+
+    @staticmethod
+    def _reload_models(rt: Runtime, new: Config) -> None:
+        """Load what the new [models] section and the repository select; unload what they no longer do."""
+        manager = rt.manager
+        manager.models_cfg = new.models
+        repo = manager.repository
+        on_disk = sorted(p.name for p in repo.iterdir() if p.is_dir() and not p.name.startswith(".")) \
+            if repo.is_dir() else []
+        wanted_names = [m for m in on_disk if m not in new.models.disabled]
+        for name in manager.table.names():
+            if name not in wanted_names:
+                log.info("model %s: unloading, disabled or gone from the repository", name, extra=log_fields(name))
+                manager.unload_model(name)
+        for name in wanted_names:
+            wanted = new.models.policy_for(name).select(list_versions(repo / name))
+            current = sorted(mv.version for mv in manager.table.versions(name))
+            if wanted == current and all(mv.state is ModelState.READY for mv in manager.table.versions(name)):
+                continue
+            log.info("model %s: loading version(s) %s (was %s)", name, ",".join(map(str, wanted)) or "-",
+                     ",".join(map(str, current)) or "-", extra=log_fields(name))
+            try:
+                loaded = manager.load_model(name)
+            except EdgedError as e:
+                log.error("model %s: reload failed: %s", name, e, extra=log_fields(name))
+                continue
+            self_test(rt.service, _ready(loaded), SELF_TEST_TIMEOUT_S)
 
 
 def run(cfg: Config) -> int:

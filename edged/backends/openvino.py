@@ -22,7 +22,8 @@ def _import() -> Any:
         import openvino
     except ImportError as e:
         raise EngineUnavailableError(
-            f"OpenVINO is not installed ({e}); install it with: pip install 'edged[openvino]'") from None
+            f"OpenVINO is not installed ({e}); install it with: pip install 'edged[openvino]' "
+            "(Debian package: apt install edged-openvino)") from None
     return openvino
 
 

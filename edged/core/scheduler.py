@@ -126,8 +126,9 @@ class Scheduler:
     def _take(self) -> list[_Item] | None:
         """Block until a batch is ready; None when stopping with an empty queue."""
         with self._cv:
-            while not self._queue:
-                if not self._running:
+            # An inline caller holds an instance slot too: never run more than instances.count at once.
+            while not self._queue or self._busy >= len(self._workers):
+                if not self._running and not self._queue:
                     return None
                 self._cv.wait()
             batch = self._gather()
