@@ -166,11 +166,29 @@ class RegistrySection(_Section):
     public_keys: list[str] = Field(default_factory=list, description="Ed25519 release-signing keys (base64)")
     poll_interval_s: float = Field(default=60, gt=0)
     labels: dict[str, str] = Field(default_factory=dict)
+    trial_s: float = Field(default=60, ge=0, description="how long a new version is watched before it is committed")
+    trial_min_requests: int = Field(default=20, ge=1, description="below this, error rate and p99 are not judged")
+    trial_max_error_rate: float = Field(default=0.01, ge=0, le=1,
+                                        description="allowed increase over the previous version's error rate")
+    trial_max_p99_ratio: float = Field(default=3.0, gt=1, description="allowed p99 as a multiple of the previous one's")
+    trial_p99_floor_ms: float = Field(default=10.0, ge=0, description="a p99 below this never fails a trial")
+    crash_loop_restarts: int = Field(default=3, ge=2, description="N starts within crash_loop_window_s after an "
+                                                                  "activation: serve the last-known-good")
+    crash_loop_window_s: float = Field(default=600, gt=0)
+    max_download_mb: float = Field(default=2048, gt=0, description="a bigger release is refused before downloading")
+    request_timeout_s: float = Field(default=30, gt=0)
+    retry_max_s: float = Field(default=300, gt=0, description="back-off cap while the registry is unreachable")
+    download_chunk_kb: int = Field(default=256, ge=1, le=65536)
+    ca_file: Path | None = Field(default=None, description="CA bundle for an https registry (default: system)")
+    mqtt_nudge: bool = Field(default=False, description="poll at once on <prefix>/fleet/sync-nudge and "
+                                                        "<prefix>/<device>/sync-nudge")
+    facts_interval_s: float = Field(default=300, gt=0)
 
 
 class TelemetrySection(_Section):
     enabled: bool = True
     interval_s: float = Field(default=60, gt=0)
+    upload_interval_s: float = Field(default=60, gt=0, description="how often buffered samples go to the registry")
     buffer_mb: float = Field(default=16, gt=0)
     upload: bool = True
 
@@ -207,6 +225,7 @@ def _resolve_paths(cfg: Config, base: Path) -> Config:
     d.state_dir, d.runtime_dir, d.model_repository = fix(d.state_dir), fix(d.runtime_dir), fix(d.model_repository)  # type: ignore[assignment]
     d.profiles_dir = fix(d.profiles_dir)
     cfg.shm.socket = fix(cfg.shm.socket)
+    cfg.registry.ca_file = fix(cfg.registry.ca_file)
     if cfg.mqtt.tls:
         t = cfg.mqtt.tls
         t.ca_file, t.cert_file, t.key_file = fix(t.ca_file), fix(t.cert_file), fix(t.key_file)

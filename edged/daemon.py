@@ -13,8 +13,10 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from edged.config import Config, load_config
 from edged.core.manager import ModelManager
@@ -29,6 +31,9 @@ from edged.repository.store import list_versions
 from edged.systemd.health import Prober, self_test
 from edged.systemd.notify import Notifier, watchdog_interval
 from edged.transports.base import Transport
+
+if TYPE_CHECKING:
+    from edged.telemetry.agent import TelemetryAgent
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +114,7 @@ class Daemon:
         self._wake = asyncio.Event()
         self._reload_requested = False
         self._tasks: list[asyncio.Task[None]] = []
+        self.telemetry: TelemetryAgent | None = None
 
     # ---- signals ------------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -132,6 +138,9 @@ class Daemon:
         if cfg.mqtt.enabled:
             from edged.transports.mqtt import MqttTransport
             out.append(MqttTransport(cfg, rt.service, rt.profile.name))
+        if cfg.registry.enabled:
+            from edged.sync.agent import SyncAgent
+            out.append(SyncAgent(cfg, rt.service))
         return out
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -164,6 +173,11 @@ class Daemon:
             log.info("service manager notifications via %s; watchdog %s", n.backend,
                      f"{wd:g}s (pinged every {wd / 2:g}s while every model answers a probe)" if wd else "off")
         n.status("probing hardware and loading models")
+        if self.cfg.registry.enabled:
+            # Crash-loop check and version pins must come before any model loads: a version that
+            # crashes while loading would otherwise be loaded again on every start.
+            from edged.sync.boot import prepare_boot
+            await asyncio.to_thread(prepare_boot, self.cfg)
         self.runtime = rt = await asyncio.to_thread(build_runtime, self.cfg)
         if self._stop.is_set():
             return False
@@ -176,12 +190,26 @@ class Daemon:
         for t in self._make_transports(rt):
             await t.start()
             self.transports.append(t)
+        if self.cfg.telemetry.enabled:
+            await self._start_telemetry(rt)
         all_mvs = rt.manager.table.all()
         log.info("edged ready in %.2fs: %d model version(s) serving, %d unavailable (%d failed the self-test), "
                  "profile %s", time.monotonic() - t0, len(_ready(all_mvs)), len(all_mvs) - len(_ready(all_mvs)),
                  len(failed), rt.profile.name)
         n.ready(self.status_text())
         return True
+
+    async def _start_telemetry(self, rt: Runtime) -> None:
+        """Metrics sampling, the MQTT telemetry message, upload, and the status file `edged status` reads."""
+        from edged.telemetry.agent import TelemetryAgent
+
+        mqtt = next((t for t in self.transports if t.name == "mqtt"), None)
+        publish: Callable[[str, bytes], None] | None = None
+        if mqtt is not None:
+            def publish(topic: str, payload: bytes, _m: Any = mqtt) -> None:
+                _m.publish(topic, payload, qos=0)
+        self.telemetry = TelemetryAgent(self.cfg, rt.service, publish=publish, profile=rt.profile.name)
+        await self.telemetry.start()
 
     async def _serve_until_stopped(self) -> None:
         if self.notifier.enabled:
@@ -214,6 +242,12 @@ class Daemon:
             drained = await asyncio.to_thread(self._drain_all, rt, STOP_DRAIN_S if drain else 0.0)
             if drain and not drained:
                 log.warning("some requests did not finish within %.0fs; they were failed", STOP_DRAIN_S)
+        if self.telemetry is not None:
+            try:
+                await self.telemetry.stop()  # before the transports: its last message still goes out
+            except Exception:
+                log.exception("telemetry did not stop cleanly")
+            self.telemetry = None
         for t in reversed(self.transports):
             try:
                 await t.stop()
@@ -305,6 +339,10 @@ class Daemon:
             except ConfigError as e:
                 log.error("reload refused, the running configuration stays: %s", "; ".join(e.problems))
                 return
+            if new.registry.enabled:
+                # Keep the versions sync has pinned; the file's policy could revive a rolled-back one.
+                from edged.sync.boot import repin
+                await asyncio.to_thread(repin, new)
             old = self.cfg
             for section in RESTART_SECTIONS:
                 if getattr(old, section).model_dump() != getattr(new, section).model_dump():

@@ -1,0 +1,3 @@
+from edged.registry.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,367 @@
+"""The ``edged-registry`` command: run the server, and publish to / inspect a running one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from edged import __version__
+from edged.errors import ConfigError, EdgedError
+
+URL_ENV = "EDGED_REGISTRY_URL"
+TOKEN_ENV = "EDGED_REGISTRY_TOKEN"
+DEFAULT_URL = "http://127.0.0.1:8700"
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw]?)$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> float:
+    m = _DURATION.match(text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number with s, m, h, d or w (e.g. 90d)")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def parse_label(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected key=value")
+    return key, value
+
+
+def _client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=os.environ.get(URL_ENV, DEFAULT_URL), help=f"registry URL (env {URL_ENV})")
+    p.add_argument("--token-file", type=Path, default=None,
+                   help=f"file holding the admin token (else env {TOKEN_ENV})")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", type=Path, default=None, help="registry TOML file ([registry] table)")
+    p.add_argument("--data-dir", type=Path, default=None)
+    p.add_argument("--database-url", default=None, help="sqlite:///path or postgresql://user@host/db")
+    p.add_argument("--blob-dir", type=Path, default=None)
+    p.add_argument("--admin-token-file", type=Path, default=None)
+    p.add_argument("--public-key", action="append", default=None, dest="public_keys",
+                   help="trusted release key (base64); repeatable")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edged-registry", description="Central model registry for edged devices.")
+    parser.add_argument("--version", action="version", version=f"edged-registry {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="run the registry HTTP API")
+    _server_args(p)
+    p.add_argument("--listen", default=None, help="host:port (default 127.0.0.1:8700)")
+    p.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+
+    p = sub.add_parser("migrate", help="upgrade the database schema to the newest version")
+    _server_args(p)
+
+    p = sub.add_parser("keygen", help="create an Ed25519 release-signing key pair")
+    p.add_argument("--out", type=Path, required=True, help="private key file (PEM, mode 0600); .pub beside it")
+
+    p = sub.add_parser("push", help="upload a model version folder (model.toml and its files)")
+    _client_args(p)
+    p.add_argument("folder", type=Path, help="<model>/<version> folder")
+    p.add_argument("--model", default=None, help="default: the parent folder's name")
+    p.add_argument("--model-version", type=int, default=None, dest="model_version",
+                   help="default: the folder's name")
+
+    p = sub.add_parser("release", help="sign a release of a pushed version with your key and publish it")
+    _client_args(p)
+    p.add_argument("model")
+    p.add_argument("model_version", type=int, metavar="VERSION")
+    p.add_argument("--key", type=Path, required=True, help="your private signing key (never sent)")
+    p.add_argument("--expires", type=parse_duration, default=parse_duration("90d"), help="validity (default 90d)")
+    p.add_argument("--label", type=parse_label, action="append", default=[], help="target devices with key=value")
+    p.add_argument("--device", action="append", default=[], help="target only these device ids")
+    p.add_argument("--notes", default="")
+    p.add_argument("--number", type=int, default=None, help="release number (default: the next one)")
+    p.add_argument("--check-folder", type=Path, default=None,
+                   help="refuse to sign unless this local folder matches the pushed version")
+
+    p = sub.add_parser("revoke", help="withdraw a release (devices are not told to go back: release again)")
+    _client_args(p)
+    p.add_argument("model")
+    p.add_argument("release", type=int)
+
+    p = sub.add_parser("releases", help="list a model's releases")
+    _client_args(p)
+    p.add_argument("model")
+
+    p = sub.add_parser("models", help="list models and versions")
+    _client_args(p)
+
+    p = sub.add_parser("devices", help="list enrolled devices and what they run")
+    _client_args(p)
+    p.add_argument("--label", type=parse_label, action="append", default=[], help="filter by key=value")
+
+    p = sub.add_parser("device", help="one device with its recent events")
+    _client_args(p)
+    p.add_argument("device_id")
+    p.add_argument("--events", type=int, default=50)
+
+    p = sub.add_parser("status", help="per release: how many devices are in which step")
+    _client_args(p)
+    p.add_argument("model", nargs="?", default=None)
+
+    p = sub.add_parser("enroll-token", help="create an enrollment token for [registry] enrollment_token")
+    _client_args(p)
+    p.add_argument("--uses", type=int, default=1, help="devices that may enroll with it (default 1)")
+    p.add_argument("--ttl", type=parse_duration, default=parse_duration("24h"))
+    p.add_argument("--label", type=parse_label, action="append", default=[], help="label given to those devices")
+
+    p = sub.add_parser("label", help="set (key=value) or remove (key=) admin labels of a device")
+    _client_args(p)
+    p.add_argument("device_id")
+    p.add_argument("labels", type=parse_label, nargs="+")
+
+    p = sub.add_parser("pin", help="pin one device to a release of a model ('none' unpins)")
+    _client_args(p)
+    p.add_argument("device_id")
+    p.add_argument("model")
+    p.add_argument("release")
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    from edged.registry.settings import load_settings
+
+    overrides = {k: getattr(args, k, None) for k in ("data_dir", "database_url", "blob_dir", "admin_token_file",
+                                                    "public_keys", "listen", "log_level")}
+    return load_settings(args.config, overrides)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from edged.logs import setup_logging
+    from edged.registry.api import create_app
+    from edged.transports.http import parse_listen
+
+    settings = _settings(args)
+    setup_logging(settings.log_level)
+    if settings.log_level != "debug":
+        logging.getLogger("alembic").setLevel(logging.WARNING)
+    app = create_app(settings)
+    where = parse_listen(settings.listen)
+    # log_config=None: uvicorn logs through our root handler, one format for everything.
+    common: dict[str, Any] = {"log_level": settings.log_level, "access_log": False, "log_config": None}
+    if isinstance(where, Path):
+        uvicorn.run(app, uds=str(where), **common)
+    else:
+        uvicorn.run(app, host=where[0], port=where[1], **common)
+    return 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from edged.registry.db import make_engine
+    from edged.registry.migrate import current_revision, upgrade
+
+    settings = _settings(args)
+    engine = make_engine(settings.db_url)
+    upgrade(engine)
+    print(f"schema at revision {current_revision(engine)}")
+    return 0
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from edged.fsutil import atomic_write_bytes, atomic_write_text
+    from edged.registry.release import generate_private_key, private_key_pem, public_key_b64
+
+    out: Path = args.out
+    if out.exists():
+        print(f"{out} exists; refusing to overwrite a signing key", file=sys.stderr)
+        return 1
+    key = generate_private_key()
+    atomic_write_bytes(out, private_key_pem(key), mode=0o600)
+    pub = public_key_b64(key)
+    atomic_write_text(out.with_name(out.name + ".pub"), pub + "\n")
+    print(pub)
+    return 0
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from edged.registry.client import RegistryClient
+
+    if args.token_file is not None:
+        token = args.token_file.read_text(encoding="utf-8").strip()
+    else:
+        token = os.environ.get(TOKEN_ENV, "")
+    if not token:
+        raise ConfigError(f"no admin token: give --token-file or set {TOKEN_ENV}")
+    return RegistryClient(args.url, token)
+
+
+def _print(args: argparse.Namespace, obj: Any, text: Callable[[], str]) -> None:
+    from pydantic import BaseModel
+
+    if args.json:
+        data = [o.model_dump(mode="json") for o in obj] if isinstance(obj, list) else (
+            obj.model_dump(mode="json") if isinstance(obj, BaseModel) else obj)
+        print(json.dumps(data, indent=2))
+    else:
+        print(text())
+
+
+def _table(rows: Sequence[tuple[str, ...]]) -> str:
+    if not rows:
+        return ""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    folder: Path = args.folder.resolve()
+    model = args.model or folder.parent.name
+    version = args.model_version if args.model_version is not None else int(folder.name) if folder.name.isdigit() \
+        else None
+    if version is None:
+        raise ConfigError(f"{folder.name!r} is not a version number; give --model-version")
+    with _client(args) as c:
+        info = c.push_folder(folder, model, version)
+    _print(args, info, lambda: f"model {model} version {version}: {len(info.files)} files, {info.total_size} bytes"
+           + (" (created)" if info.created else " (already there, identical)"))
+    return 0
+
+
+def cmd_release(args: argparse.Namespace) -> int:
+    from edged.registry.release import TargetSelector, load_private_key
+
+    key = load_private_key(args.key)
+    selector = TargetSelector(labels=dict(args.label), devices=list(args.device))
+    with _client(args) as c:
+        info = c.release(key, args.model, args.model_version, expires_in_s=args.expires, selector=selector,
+                         notes=args.notes, number=args.number, check_folder=args.check_folder)
+    _print(args, info, lambda: f"release {info.release} of model {info.model}: version {info.version}, "
+           f"signed by key {info.key_id}, expires at {info.expires_at}")
+    return 0
+
+
+def cmd_revoke(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        info = c.revoke(args.model, args.release)
+    _print(args, info, lambda: f"release {info.release} of model {info.model} revoked")
+    return 0
+
+
+def cmd_releases(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        rels = c.releases(args.model)
+    rows = [("RELEASE", "VERSION", "KEY", "EXPIRES", "SELECTOR", "REVOKED")]
+    rows += [(str(r.release), str(r.version), r.key_id, str(r.expires_at),
+              json.dumps(r.selector.model_dump(), separators=(",", ":")), "yes" if r.revoked else "")
+             for r in rels]
+    _print(args, rels, lambda: _table(rows))
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        models = c.models()
+    rows = [("MODEL", "VERSIONS", "LATEST RELEASE")]
+    rows += [(m.name, ",".join(map(str, m.versions)), str(m.latest_release or "-")) for m in models]
+    _print(args, models, lambda: _table(rows))
+    return 0
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        devs = c.devices(dict(args.label))
+    rows = [("DEVICE", "MODEL", "STATE", "VERSION", "RELEASE", "REASON")]
+    for d in devs:
+        if not d.models:
+            rows.append((d.device_id, "-", "-", "-", "-", ""))
+        for m in d.models:
+            rows.append((d.device_id, m.model, m.state or "-", str(m.version or "-"), str(m.release or "-"),
+                         (m.reason or "")[:80]))
+    _print(args, devs, lambda: _table(rows))
+    return 0
+
+
+def cmd_device(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        d = c.device(args.device_id, args.events)
+
+    def text() -> str:
+        lines = [f"device {d.device_id}  labels {json.dumps(d.labels)}  last seen {d.last_seen_at}"]
+        lines += [f"  {m.model}: {m.state} version {m.version} release {m.release} {m.reason or ''}" for m in d.models]
+        lines += [f"  #{e.seq} {e.model} {e.step} v{e.version} r{e.release} {e.reason or ''}" for e in d.events]
+        return "\n".join(lines)
+
+    _print(args, d, text)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        st = c.status(args.model)
+
+    def text() -> str:
+        lines = [f"{st.devices} device(s)"]
+        for m in st.models:
+            lines.append(f"model {m.model}")
+            for r in m.releases:
+                counts = ", ".join(f"{k} {v}" for k, v in sorted(r.devices.items())) or "no reports"
+                lines.append(f"  release {r.release} (version {r.version}{', revoked' if r.revoked else ''}): "
+                             f"{counts}")
+        return "\n".join(lines)
+
+    _print(args, st, text)
+    return 0
+
+
+def cmd_enroll_token(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        tok = c.enrollment_token(args.uses, args.ttl, dict(args.label))
+    _print(args, tok, lambda: tok.token)
+    return 0
+
+
+def cmd_label(args: argparse.Namespace) -> int:
+    labels: dict[str, str | None] = {k: (v or None) for k, v in args.labels}
+    with _client(args) as c:
+        d = c.set_labels(args.device_id, labels)
+    _print(args, d, lambda: f"device {d.device_id} labels {json.dumps(d.labels)}")
+    return 0
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    release = None if args.release.lower() == "none" else int(args.release)
+    with _client(args) as c:
+        d = c.pin(args.device_id, args.model, release)
+    _print(args, d, lambda: f"device {d.device_id}: model {args.model} pinned to {release or 'nothing'}")
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "serve": cmd_serve, "migrate": cmd_migrate, "keygen": cmd_keygen, "push": cmd_push, "release": cmd_release,
+    "revoke": cmd_revoke, "releases": cmd_releases, "models": cmd_models, "devices": cmd_devices,
+    "device": cmd_device, "status": cmd_status, "enroll-token": cmd_enroll_token, "label": cmd_label,
+    "pin": cmd_pin,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as e:
+        for p in e.problems:
+            print(f"config: {p}", file=sys.stderr)
+        return 2
+    except EdgedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,207 @@
+"""Operator-side client of the registry API (used by ``edged-registry``): push folders, sign releases.
+
+Signing happens here, on the operator's machine, with their private key; the registry
+only ever sees the signed envelope.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import TypeAdapter
+
+from edged.errors import EdgedError, ErrorCode
+from edged.registry.release import FileEntry, ReleaseManifest, TargetSelector, sign_release
+from edged.registry.wire import (
+    API_PREFIX,
+    DeviceInfo,
+    EnrollmentTokenRequest,
+    EnrollmentTokenResponse,
+    LabelsUpdate,
+    MissingBlobsResponse,
+    ModelInfo,
+    NextRelease,
+    PinRequest,
+    PushVersionRequest,
+    RegistryStatus,
+    ReleaseInfo,
+    VersionInfo,
+)
+
+if TYPE_CHECKING:
+    import httpx
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+CHUNK = 1 << 20
+
+
+class RegistryClientError(EdgedError):
+    def __init__(self, message: str, status: int = 0, code: ErrorCode = ErrorCode.UNAVAILABLE) -> None:
+        super().__init__(message, code=code)
+        self.status = status
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def folder_files(folder: Path) -> list[tuple[FileEntry, Path]]:
+    """Every regular file under a version folder (hidden names skipped), with its digest and size."""
+    if not folder.is_dir():
+        raise RegistryClientError(f"{folder} is not a folder", code=ErrorCode.INVALID_ARGUMENT)
+    out = []
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder)
+        if any(part.startswith(".") for part in rel.parts):
+            continue
+        if p.is_symlink():
+            raise RegistryClientError(f"{p}: symbolic links are not pushed; copy the file in",
+                                      code=ErrorCode.INVALID_ARGUMENT)
+        if p.is_file():
+            out.append((FileEntry(path=rel.as_posix(), sha256=sha256_file(p), size=p.stat().st_size), p))
+    return out
+
+
+class RegistryClient:
+    def __init__(self, url: str, token: str, *, timeout: float = 60.0) -> None:
+        import httpx
+
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"},
+                                  timeout=httpx.Timeout(timeout, connect=10.0))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> RegistryClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        import httpx
+
+        try:
+            r = self._http.request(method, API_PREFIX + path, **kw)
+        except httpx.HTTPError as e:
+            raise RegistryClientError(f"registry at {self.url} unreachable: {e}") from None
+        if r.status_code >= 400:
+            try:
+                err = r.json()["error"]
+                msg, code = err["message"], err["code"]
+            except Exception:
+                msg, code = r.text[:500], ""
+            kind = {400: ErrorCode.INVALID_ARGUMENT, 401: ErrorCode.INVALID_ARGUMENT, 404: ErrorCode.NOT_FOUND,
+                    409: ErrorCode.FAILED_PRECONDITION}.get(r.status_code, ErrorCode.UNAVAILABLE)
+            raise RegistryClientError(f"registry refused ({r.status_code} {code}): {msg}", r.status_code, kind)
+        return r
+
+    # ---- publishing -------------------------------------------------------------------------
+    def upload_blob(self, path: Path, entry: FileEntry) -> None:
+        def body() -> Iterator[bytes]:
+            with path.open("rb") as f:
+                while chunk := f.read(CHUNK):
+                    yield chunk
+
+        self._call("PUT", f"/blobs/{entry.sha256}", content=body(),
+                   headers={"Content-Length": str(entry.size), "Content-Type": "application/octet-stream"})
+
+    def missing(self, shas: list[str]) -> list[str]:
+        r = self._call("POST", "/blobs/missing", json={"sha256": shas})
+        return MissingBlobsResponse.model_validate_json(r.content).missing
+
+    def push_folder(self, folder: Path, model: str, version: int) -> VersionInfo:
+        """Upload the files the registry lacks, then create the version (idempotent)."""
+        files = folder_files(folder)
+        missing = set(self.missing([e.sha256 for e, _ in files]))
+        for entry, path in files:
+            if entry.sha256 in missing:
+                self.upload_blob(path, entry)
+                missing.discard(entry.sha256)
+        req = PushVersionRequest(files=[e for e, _ in files])
+        r = self._call("PUT", f"/models/{model}/versions/{version}", content=req.model_dump_json(),
+                       headers={"Content-Type": "application/json"})
+        return VersionInfo.model_validate_json(r.content)
+
+    def version(self, model: str, version: int) -> VersionInfo:
+        return VersionInfo.model_validate_json(self._call("GET", f"/models/{model}/versions/{version}").content)
+
+    def next_release(self, model: str) -> int:
+        return NextRelease.model_validate_json(self._call("GET", f"/models/{model}/next-release").content).release
+
+    def release(self, key: Ed25519PrivateKey, model: str, version: int, *, expires_in_s: float,
+                selector: TargetSelector | None = None, notes: str = "", number: int | None = None,
+                check_folder: Path | None = None) -> ReleaseInfo:
+        """Build the manifest from the pushed version, sign it here, upload it; retries a number race."""
+        info = self.version(model, version)
+        if check_folder is not None:
+            local = sorted((e for e, _ in folder_files(check_folder)), key=lambda e: e.path)
+            if local != sorted(info.files, key=lambda e: e.path):
+                raise RegistryClientError(f"{check_folder} differs from model {model!r} version {version} in the "
+                                          "registry; refusing to sign", code=ErrorCode.FAILED_PRECONDITION)
+        for _attempt in range(5):
+            n = number if number is not None else self.next_release(model)
+            now = int(time.time())
+            manifest = ReleaseManifest(model=model, version=version, release=n, issued_at=now,
+                                       expires_at=now + int(expires_in_s), selector=selector or TargetSelector(),
+                                       files=info.files, notes=notes)
+            signed = sign_release(manifest, key)
+            try:
+                r = self._call("POST", "/releases", content=signed.model_dump_json(),
+                               headers={"Content-Type": "application/json"})
+            except RegistryClientError as e:
+                if e.status == 409 and number is None:
+                    continue  # someone released concurrently: take the next number and sign again
+                raise
+            return ReleaseInfo.model_validate_json(r.content)
+        raise RegistryClientError("could not get a release number after 5 attempts (concurrent releases?)")
+
+    def revoke(self, model: str, number: int) -> ReleaseInfo:
+        return ReleaseInfo.model_validate_json(self._call("POST", f"/models/{model}/releases/{number}/revoke").content)
+
+    def releases(self, model: str) -> list[ReleaseInfo]:
+        r = self._call("GET", f"/models/{model}/releases")
+        return TypeAdapter(list[ReleaseInfo]).validate_json(r.content)
+
+    def models(self) -> list[ModelInfo]:
+        return TypeAdapter(list[ModelInfo]).validate_json(self._call("GET", "/models").content)
+
+    # ---- fleet ------------------------------------------------------------------------------
+    def enrollment_token(self, uses: int = 1, ttl_s: float = 86400, labels: dict[str, str] | None = None
+                         ) -> EnrollmentTokenResponse:
+        req = EnrollmentTokenRequest(uses=uses, ttl_s=ttl_s, labels=labels or {})
+        r = self._call("POST", "/enrollment-tokens", content=req.model_dump_json(),
+                       headers={"Content-Type": "application/json"})
+        return EnrollmentTokenResponse.model_validate_json(r.content)
+
+    def devices(self, labels: dict[str, str] | None = None) -> list[DeviceInfo]:
+        params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        return TypeAdapter(list[DeviceInfo]).validate_json(self._call("GET", "/devices", params=params).content)
+
+    def device(self, device_id: str, events: int = 50) -> DeviceInfo:
+        r = self._call("GET", f"/devices/{device_id}", params={"events": events})
+        return DeviceInfo.model_validate_json(r.content)
+
+    def set_labels(self, device_id: str, labels: dict[str, str | None]) -> DeviceInfo:
+        r = self._call("PATCH", f"/devices/{device_id}/labels", content=LabelsUpdate(labels=labels).model_dump_json(),
+                       headers={"Content-Type": "application/json"})
+        return DeviceInfo.model_validate_json(r.content)
+
+    def pin(self, device_id: str, model: str, release: int | None) -> DeviceInfo:
+        r = self._call("PUT", f"/devices/{device_id}/models/{model}/pin",
+                       content=PinRequest(release=release).model_dump_json(),
+                       headers={"Content-Type": "application/json"})
+        return DeviceInfo.model_validate_json(r.content)
+
+    def status(self, model: str | None = None) -> RegistryStatus:
+        r = self._call("GET", "/status", params={"model": model} if model else None)
+        return RegistryStatus.model_validate_json(r.content)

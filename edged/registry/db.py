@@ -1,0 +1,197 @@
+"""The registry's tables (SQLAlchemy 2) and engine set-up for SQLite (embedded, WAL) and PostgreSQL.
+
+Times are Unix seconds in double-precision columns: portable across both databases and
+free of time-zone handling. The schema itself is created and evolved by the Alembic
+migrations in ``edged/registry/migrations``; these classes must match them (a test checks).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Double,
+    Engine,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def now() -> float:
+    return time.time()
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class ModelRow(Base):
+    __tablename__ = "models"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    created_at: Mapped[float] = mapped_column(Double, default=now)
+
+
+class BlobRow(Base):
+    """One content-addressed file in the blob store."""
+
+    __tablename__ = "blobs"
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[float] = mapped_column(Double, default=now)
+
+
+class VersionRow(Base):
+    """An immutable model version: its ``model.toml`` and the files it is made of."""
+
+    __tablename__ = "model_versions"
+    __table_args__ = (UniqueConstraint("model_id", "version", name="uq_model_versions_model_version"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    version: Mapped[int] = mapped_column(Integer)
+    manifest_toml: Mapped[str] = mapped_column(Text)
+    total_size: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[float] = mapped_column(Double, default=now)
+
+
+class VersionFileRow(Base):
+    __tablename__ = "version_files"
+    __table_args__ = (UniqueConstraint("version_id", "path", name="uq_version_files_version_path"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    version_id: Mapped[int] = mapped_column(ForeignKey("model_versions.id", ondelete="CASCADE"), index=True)
+    path: Mapped[str] = mapped_column(String(512))
+    sha256: Mapped[str] = mapped_column(ForeignKey("blobs.sha256"), index=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+
+
+class ReleaseRow(Base):
+    """A signed release envelope as the operator uploaded it, plus indexed copies of its fields."""
+
+    __tablename__ = "releases"
+    __table_args__ = (UniqueConstraint("model_id", "number", name="uq_releases_model_number"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    number: Mapped[int] = mapped_column(Integer)
+    version_id: Mapped[int] = mapped_column(ForeignKey("model_versions.id"))
+    manifest_b64: Mapped[str] = mapped_column(Text)
+    signature: Mapped[str] = mapped_column(String(128))
+    key_id: Mapped[str] = mapped_column(String(32))
+    selector: Mapped[dict[str, Any]] = mapped_column(JSON)
+    issued_at: Mapped[int] = mapped_column(BigInteger)
+    expires_at: Mapped[int] = mapped_column(BigInteger)
+    notes: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[float] = mapped_column(Double, default=now)
+    revoked_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+
+
+class DeviceRow(Base):
+    __tablename__ = "devices"
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    credential_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # as the device reports them
+    admin_labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # set by operators; win on conflict
+    facts: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    serving: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    enrolled_at: Mapped[float] = mapped_column(Double, default=now)
+    last_seen_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+
+    def effective_labels(self) -> dict[str, str]:
+        return {**self.labels, **self.admin_labels}
+
+
+class EnrollmentTokenRow(Base):
+    __tablename__ = "enrollment_tokens"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    uses_left: Mapped[int] = mapped_column(Integer)
+    labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[float] = mapped_column(Double, default=now)
+    expires_at: Mapped[float] = mapped_column(Double)
+
+
+class DeviceModelRow(Base):
+    """Per device and model: the pinned desired release (if any) and the last reported state."""
+
+    __tablename__ = "device_models"
+    device_id: Mapped[str] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"), primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"), primary_key=True)
+    pinned_release_id: Mapped[int | None] = mapped_column(ForeignKey("releases.id", ondelete="SET NULL"),
+                                                          nullable=True)
+    state: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    release_number: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    updated_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    last_seq: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class DeviceEventRow(Base):
+    __tablename__ = "device_events"
+    __table_args__ = (UniqueConstraint("device_id", "seq", name="uq_device_events_device_seq"),
+                      Index("ix_device_events_device_id_id", "device_id", "id"))
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
+    device_id: Mapped[str] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"))
+    seq: Mapped[int] = mapped_column(BigInteger)
+    model: Mapped[str] = mapped_column(String(128))
+    step: Mapped[str] = mapped_column(String(32))
+    version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    release_number: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    detail: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    device_time: Mapped[float] = mapped_column(Double)
+    received_at: Mapped[float] = mapped_column(Double, default=now)
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    dbapi_conn.isolation_level = None  # we issue BEGIN ourselves (see _sqlite_begin)
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes, fast commits
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA busy_timeout=10000")
+    cur.close()
+
+
+def _sqlite_begin(conn: Any) -> None:
+    # Take the write lock up front: a deferred transaction that reads and then writes fails at
+    # once with SQLITE_BUSY when another process committed in between, instead of waiting.
+    conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def make_engine(url: str, *, echo: bool = False) -> Engine:
+    """An engine for ``sqlite:///path`` or ``postgresql+psycopg://...``."""
+    if url.startswith("sqlite"):
+        engine = create_engine(url, echo=echo, connect_args={"check_same_thread": False, "timeout": 10})
+        event.listen(engine, "connect", _sqlite_pragmas)
+        event.listen(engine, "begin", _sqlite_begin)
+        return engine
+    if url.startswith("postgresql://"):
+        url = "postgresql+psycopg://" + url[len("postgresql://"):]
+    return create_engine(url, echo=echo, pool_pre_ping=True, pool_size=10, max_overflow=20)
+
+
+def make_sessionmaker(engine: Engine) -> sessionmaker[Any]:
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+# The telemetry tables share this metadata, so Alembic and the schema check see them (created by 0002_telemetry).
+from edged.telemetry import registry_tables as _telemetry_tables  # noqa: E402, F401

@@ -1,0 +1,541 @@
+"""Registry operations on a database session, independent of HTTP.
+
+The API layer authenticates and maps :class:`RegistryError` to status codes; everything
+that decides what is stored or served lives here so that the CLI, the API and the
+fleet-rollout code share one implementation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from edged.errors import EdgedError, ErrorCode
+from edged.registry.auth import DEVICE_PREFIX, ENROLL_PREFIX, new_token, same_hash, token_hash
+from edged.registry.blobs import BlobStore
+from edged.registry.db import (
+    BlobRow,
+    DeviceEventRow,
+    DeviceModelRow,
+    DeviceRow,
+    EnrollmentTokenRow,
+    ModelRow,
+    ReleaseRow,
+    VersionFileRow,
+    VersionRow,
+)
+from edged.registry.release import FileEntry, ReleaseError, SignedRelease, TargetSelector, verify_release
+from edged.registry.wire import (
+    DesiredModel,
+    DesiredState,
+    DeviceFactsUpdate,
+    DeviceInfo,
+    DeviceModelInfo,
+    EnrollmentTokenRequest,
+    EnrollmentTokenResponse,
+    EnrollRequest,
+    EnrollResponse,
+    EventInfo,
+    ModelInfo,
+    ModelStatus,
+    RegistryStatus,
+    ReleaseInfo,
+    ReleaseStatus,
+    ReportEvent,
+    VersionInfo,
+)
+from edged.repository.manifest import MANIFEST_NAME, ModelManifest, format_validation_error, valid_model_name
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+MAX_MANIFEST_TOML = 1 << 20
+LAST_SEEN_RESOLUTION_S = 15.0  # don't write a row on every poll of a large fleet
+
+
+class RegistryError(EdgedError):
+    """A request the registry refuses; ``status`` is the HTTP status the API answers with."""
+
+    def __init__(self, message: str, status: int, code: ErrorCode) -> None:
+        super().__init__(message, code=code)
+        self.status = status
+
+
+def not_found(what: str) -> RegistryError:
+    return RegistryError(f"{what} not found", 404, ErrorCode.NOT_FOUND)
+
+
+def invalid(message: str) -> RegistryError:
+    return RegistryError(message, 400, ErrorCode.INVALID_ARGUMENT)
+
+
+def conflict(message: str) -> RegistryError:
+    return RegistryError(message, 409, ErrorCode.FAILED_PRECONDITION)
+
+
+# ---- models, versions and blobs -----------------------------------------------------------------
+def get_model(s: Session, name: str) -> ModelRow:
+    row = s.scalar(select(ModelRow).where(ModelRow.name == name))
+    if row is None:
+        raise not_found(f"model {name!r}")
+    return row
+
+
+def ensure_model(s: Session, name: str) -> ModelRow:
+    if not valid_model_name(name):
+        raise invalid(f"{name!r} is not a valid model name")
+    row = s.scalar(select(ModelRow).where(ModelRow.name == name))
+    if row is None:
+        try:
+            with s.begin_nested():
+                row = ModelRow(name=name)
+                s.add(row)
+        except IntegrityError:  # created concurrently by another registry process
+            row = s.scalar(select(ModelRow).where(ModelRow.name == name))
+            assert row is not None
+    return row
+
+
+def missing_blobs(s: Session, store: BlobStore, shas: Iterable[str]) -> list[str]:
+    wanted = sorted(set(shas))
+    for sha in wanted:
+        store.path(sha)  # validates the format
+    known = set(s.scalars(select(BlobRow.sha256).where(BlobRow.sha256.in_(wanted))).all()) if wanted else set()
+    return [sha for sha in wanted if sha not in known or not store.exists(sha)]
+
+
+def record_blob(s: Session, sha256: str, size: int) -> None:
+    if s.get(BlobRow, sha256) is not None:
+        return
+    try:
+        with s.begin_nested():
+            s.add(BlobRow(sha256=sha256, size=size))
+    except IntegrityError:
+        pass  # the same content was uploaded concurrently
+
+
+def _version_files(s: Session, version_id: int) -> list[FileEntry]:
+    rows = s.scalars(select(VersionFileRow).where(VersionFileRow.version_id == version_id)
+                     .order_by(VersionFileRow.path)).all()
+    return [FileEntry(path=r.path, sha256=r.sha256, size=r.size) for r in rows]
+
+
+def _version_info(s: Session, model: str, row: VersionRow, created: bool = False) -> VersionInfo:
+    return VersionInfo(model=model, version=row.version, files=_version_files(s, row.id), total_size=row.total_size,
+                       created_at=row.created_at, created=created)
+
+
+def _check_manifest(toml_text: str, files: dict[str, FileEntry]) -> None:
+    """The version's model.toml must parse and every file it names must be pushed with the same digest."""
+    try:
+        manifest = ModelManifest.model_validate(tomllib.loads(toml_text))
+    except tomllib.TOMLDecodeError as e:
+        raise invalid(f"{MANIFEST_NAME} is not valid TOML: {e}") from None
+    except ValidationError as e:
+        raise invalid(f"{MANIFEST_NAME}: " + "; ".join(format_validation_error(e))) from None
+    for variant in manifest.variants:
+        for art in [variant, *variant.extra_files]:
+            f = files.get(art.file)
+            if f is None:
+                raise invalid(f"{MANIFEST_NAME} names {art.file}, which is not among the pushed files")
+            if f.sha256 != art.sha256:
+                raise invalid(f"{art.file}: sha256 in {MANIFEST_NAME} differs from the pushed file")
+    named = [manifest.warmup.file, manifest.warmup.expected, manifest.labels,
+             *(v.calibration_cache for v in manifest.variants)]
+    for rel in named:
+        if rel and rel not in files:
+            raise invalid(f"{MANIFEST_NAME} names {rel}, which is not among the pushed files")
+
+
+def push_version(s: Session, store: BlobStore, model: str, version: int, files: list[FileEntry]) -> VersionInfo:
+    """Create an immutable version from already-uploaded blobs; pushing identical content again is a no-op."""
+    if version < 1:
+        raise invalid("versions are integers >= 1")
+    by_path = {f.path: f for f in files}
+    if len(by_path) != len(files):
+        raise invalid("files has duplicate paths")
+    if MANIFEST_NAME not in by_path:
+        raise invalid(f"a version needs its {MANIFEST_NAME}")
+    missing = missing_blobs(s, store, (f.sha256 for f in files))
+    if missing:
+        raise conflict(f"{len(missing)} blob(s) not uploaded yet, first {missing[0]}")
+    for f in files:
+        size = store.size(f.sha256)
+        if size != f.size:
+            raise invalid(f"{f.path}: size {f.size} given, the stored blob has {size}")
+    mf = by_path[MANIFEST_NAME]
+    if mf.size > MAX_MANIFEST_TOML:
+        raise invalid(f"{MANIFEST_NAME} is too large")
+    toml_text = store.path(mf.sha256).read_text(encoding="utf-8", errors="replace")
+    _check_manifest(toml_text, by_path)
+    m = ensure_model(s, model)
+    existing = s.scalar(select(VersionRow).where(VersionRow.model_id == m.id, VersionRow.version == version))
+    if existing is not None:
+        if sorted(_version_files(s, existing.id), key=lambda f: f.path) != sorted(files, key=lambda f: f.path):
+            raise conflict(f"model {model!r} version {version} exists with different files; versions are "
+                           "immutable, push a new version number")
+        return _version_info(s, model, existing)
+    row = VersionRow(model_id=m.id, version=version, manifest_toml=toml_text, total_size=sum(f.size for f in files))
+    try:
+        with s.begin_nested():
+            s.add(row)
+            s.flush()
+            for f in files:
+                s.add(VersionFileRow(version_id=row.id, path=f.path, sha256=f.sha256, size=f.size))
+    except IntegrityError:
+        raise conflict(f"model {model!r} version {version} was pushed concurrently") from None
+    return _version_info(s, model, row, created=True)
+
+
+def get_version(s: Session, model: str, version: int) -> VersionInfo:
+    m = get_model(s, model)
+    row = s.scalar(select(VersionRow).where(VersionRow.model_id == m.id, VersionRow.version == version))
+    if row is None:
+        raise not_found(f"model {model!r} version {version}")
+    return _version_info(s, model, row)
+
+
+def list_models(s: Session) -> list[ModelInfo]:
+    out = []
+    for m in s.scalars(select(ModelRow).order_by(ModelRow.name)).all():
+        versions = list(s.scalars(select(VersionRow.version).where(VersionRow.model_id == m.id)
+                                  .order_by(VersionRow.version)).all())
+        latest = s.scalar(select(func.max(ReleaseRow.number)).where(ReleaseRow.model_id == m.id))
+        out.append(ModelInfo(name=m.name, versions=versions, latest_release=latest))
+    return out
+
+
+# ---- releases -----------------------------------------------------------------------------------
+def next_release_number(s: Session, model: str) -> int:
+    m = s.scalar(select(ModelRow).where(ModelRow.name == model))
+    if m is None:
+        return 1
+    top = s.scalar(select(func.max(ReleaseRow.number)).where(ReleaseRow.model_id == m.id))
+    return (top or 0) + 1
+
+
+def _release_info(s: Session, r: ReleaseRow, model: str | None = None, with_signed: bool = False) -> ReleaseInfo:
+    if model is None:
+        model = s.get_one(ModelRow, r.model_id).name
+    version = s.get_one(VersionRow, r.version_id).version
+    return ReleaseInfo(model=model, release=r.number, version=version, key_id=r.key_id,
+                       selector=TargetSelector.model_validate(r.selector), issued_at=r.issued_at,
+                       expires_at=r.expires_at, created_at=r.created_at, revoked=r.revoked_at is not None,
+                       notes=r.notes, signed=_signed(r) if with_signed else None)
+
+
+def _signed(r: ReleaseRow) -> SignedRelease:
+    return SignedRelease(manifest=r.manifest_b64, signature=r.signature, key_id=r.key_id)
+
+
+def create_release(s: Session, signed: SignedRelease, public_keys: list[str]) -> ReleaseInfo:
+    """Store an operator-signed release after checking it as strictly as a device would."""
+    try:
+        manifest = verify_release(signed, public_keys)
+    except ReleaseError as e:
+        raise invalid(str(e)) from None
+    if manifest.expires_at <= time.time():
+        raise invalid("the release has already expired")
+    m = get_model(s, manifest.model)
+    vrow = s.scalar(select(VersionRow).where(VersionRow.model_id == m.id, VersionRow.version == manifest.version))
+    if vrow is None:
+        raise not_found(f"model {manifest.model!r} version {manifest.version}")
+    stored = sorted(_version_files(s, vrow.id), key=lambda f: f.path)
+    if sorted(manifest.files, key=lambda f: f.path) != stored:
+        raise invalid("the release's file list differs from the pushed version's files")
+    top = s.scalar(select(func.max(ReleaseRow.number)).where(ReleaseRow.model_id == m.id)) or 0
+    if manifest.release <= top:
+        raise conflict(f"release number {manifest.release} is not above the latest ({top}) for model "
+                       f"{manifest.model!r}; sign it again with {top + 1}")
+    row = ReleaseRow(model_id=m.id, number=manifest.release, version_id=vrow.id, manifest_b64=signed.manifest,
+                     signature=signed.signature, key_id=signed.key_id,
+                     selector=manifest.selector.model_dump(mode="json"), issued_at=manifest.issued_at,
+                     expires_at=manifest.expires_at, notes=manifest.notes)
+    try:
+        with s.begin_nested():
+            s.add(row)
+    except IntegrityError:
+        raise conflict(f"release number {manifest.release} was taken concurrently; sign it again") from None
+    return _release_info(s, row, manifest.model)
+
+
+def list_releases(s: Session, model: str, with_signed: bool = False) -> list[ReleaseInfo]:
+    m = get_model(s, model)
+    rows = s.scalars(select(ReleaseRow).where(ReleaseRow.model_id == m.id).order_by(ReleaseRow.number)).all()
+    return [_release_info(s, r, model, with_signed) for r in rows]
+
+
+def revoke_release(s: Session, model: str, number: int) -> ReleaseInfo:
+    m = get_model(s, model)
+    row = s.scalar(select(ReleaseRow).where(ReleaseRow.model_id == m.id, ReleaseRow.number == number))
+    if row is None:
+        raise not_found(f"release {number} of model {model!r}")
+    if row.revoked_at is None:
+        row.revoked_at = time.time()
+    return _release_info(s, row, model)
+
+
+# ---- enrollment ---------------------------------------------------------------------------------
+def create_enrollment_token(s: Session, req: EnrollmentTokenRequest) -> EnrollmentTokenResponse:
+    token = new_token(ENROLL_PREFIX)
+    expires = time.time() + req.ttl_s
+    s.add(EnrollmentTokenRow(token_hash=token_hash(token), uses_left=req.uses, labels=dict(req.labels),
+                             expires_at=expires))
+    return EnrollmentTokenResponse(token=token, uses=req.uses, expires_at=expires)
+
+
+def enroll(s: Session, req: EnrollRequest) -> EnrollResponse:
+    """Spend one use of an enrollment token and issue a fresh per-device credential.
+
+    Enrolling an existing id again (a device that lost its state) replaces its credential.
+    """
+    h = token_hash(req.token)
+    tok = s.scalar(select(EnrollmentTokenRow).where(EnrollmentTokenRow.token_hash == h))
+    refused = RegistryError("enrollment token is invalid, used up or expired", 401, ErrorCode.INVALID_ARGUMENT)
+    if tok is None or not same_hash(tok.token_hash, h) or tok.expires_at <= time.time():
+        raise refused
+    # Conditional decrement: two devices racing for the last use cannot both win.
+    spent = s.execute(update(EnrollmentTokenRow).where(EnrollmentTokenRow.id == tok.id,
+                                                       EnrollmentTokenRow.uses_left > 0)
+                      .values(uses_left=EnrollmentTokenRow.uses_left - 1))
+    if getattr(spent, "rowcount", 0) != 1:
+        raise refused
+    credential = new_token(DEVICE_PREFIX)
+    labels = {**req.labels}
+    admin_labels = dict(tok.labels)
+    dev = s.get(DeviceRow, req.device_id)
+    if dev is None:
+        s.add(DeviceRow(id=req.device_id, credential_hash=token_hash(credential), labels=labels,
+                        admin_labels=admin_labels, facts=dict(req.facts), serving=[], last_seen_at=time.time()))
+    else:
+        dev.credential_hash = token_hash(credential)
+        dev.labels = labels
+        dev.admin_labels = {**dev.admin_labels, **admin_labels}
+        dev.facts = dict(req.facts)
+        dev.last_seen_at = time.time()
+    return EnrollResponse(device_id=req.device_id, credential=credential)
+
+
+def device_for_credential(s: Session, credential: str) -> DeviceRow | None:
+    h = token_hash(credential)
+    dev = s.scalar(select(DeviceRow).where(DeviceRow.credential_hash == h))
+    if dev is None or not same_hash(dev.credential_hash, h):
+        return None
+    return dev
+
+
+def touch(dev: DeviceRow) -> None:
+    t = time.time()
+    if dev.last_seen_at is None or t - dev.last_seen_at >= LAST_SEEN_RESOLUTION_S:
+        dev.last_seen_at = t
+
+
+# ---- desired state ------------------------------------------------------------------------------
+def desired_releases(s: Session, dev: DeviceRow) -> list[tuple[str, ReleaseRow]]:
+    """Per model: the device's pinned release, else the highest unrevoked release whose selector matches.
+
+    Expired releases are still served: the device refuses them and says so in its
+    report, which tells the operator to sign again instead of silently falling back.
+    """
+    labels = dev.effective_labels()
+    rows = s.execute(select(ReleaseRow, ModelRow.name).join(ModelRow, ModelRow.id == ReleaseRow.model_id)
+                     .where(ReleaseRow.revoked_at.is_(None))
+                     .order_by(ModelRow.name, ReleaseRow.number.desc())).all()
+    chosen: dict[str, ReleaseRow] = {}
+    ids: dict[int, str] = {}
+    for r, name in rows:
+        ids[r.model_id] = name
+        if name not in chosen and TargetSelector.model_validate(r.selector).matches(dev.id, labels):
+            chosen[name] = r
+    pins = s.scalars(select(DeviceModelRow).where(DeviceModelRow.device_id == dev.id,
+                                                  DeviceModelRow.pinned_release_id.is_not(None))).all()
+    for pin in pins:
+        assert pin.pinned_release_id is not None
+        pr = s.get(ReleaseRow, pin.pinned_release_id)
+        if pr is not None and pr.revoked_at is None:
+            chosen[ids.get(pr.model_id) or s.get_one(ModelRow, pr.model_id).name] = pr
+    return sorted(chosen.items())
+
+
+def desired_state(s: Session, dev: DeviceRow) -> tuple[DesiredState, str]:
+    """The desired state and its ETag (a digest of exactly the bytes served)."""
+    models = []
+    for name, r in desired_releases(s, dev):
+        version = s.get_one(VersionRow, r.version_id).version
+        models.append(DesiredModel(model=name, version=version, release=r.number, signed=_signed(r)))
+    state = DesiredState(device_id=dev.id, models=models)
+    etag = '"' + hashlib.sha256(state.model_dump_json().encode()).hexdigest()[:32] + '"'
+    return state, etag
+
+
+def blob_allowed(s: Session, dev: DeviceRow, sha256: str) -> bool:
+    """A device may download only files of the releases it is meant to install."""
+    version_ids = [r.version_id for _, r in desired_releases(s, dev)]
+    if not version_ids:
+        return False
+    hit = s.scalar(select(VersionFileRow.id).where(VersionFileRow.version_id.in_(version_ids),
+                                                   VersionFileRow.sha256 == sha256).limit(1))
+    return hit is not None
+
+
+# ---- reports ------------------------------------------------------------------------------------
+def record_reports(s: Session, dev: DeviceRow, events: list[ReportEvent]) -> int:
+    """Store new events (repeats of a sequence number are ignored) and update per-model state."""
+    if not events:
+        return 0
+    seqs = [e.seq for e in events]
+    seen = set(s.scalars(select(DeviceEventRow.seq).where(DeviceEventRow.device_id == dev.id,
+                                                          DeviceEventRow.seq.in_(seqs))).all())
+    models = {m.name: m.id for m in s.scalars(select(ModelRow).where(
+        ModelRow.name.in_({e.model for e in events}))).all()}
+    t = time.time()
+    try:
+        with s.begin_nested():
+            accepted = _add_events(s, dev, events, seen, models, t=t)
+    except IntegrityError:
+        return 0  # the same batch arrived twice at once (a retry racing the original): nothing new
+    dev.last_seen_at = t
+    return accepted
+
+
+def _add_events(s: Session, dev: DeviceRow, events: list[ReportEvent], seen: set[int], models: dict[str, int], *,
+                t: float) -> int:
+    accepted = 0
+    for e in sorted(events, key=lambda e: e.seq):
+        if e.seq in seen:
+            continue
+        seen.add(e.seq)
+        accepted += 1
+        s.add(DeviceEventRow(device_id=dev.id, seq=e.seq, model=e.model, step=e.step, version=e.version,
+                             release_number=e.release, reason=e.reason, detail=_json_safe(e.detail),
+                             device_time=e.at, received_at=t))
+        model_id = models.get(e.model)
+        if model_id is None:
+            continue
+        dm = s.get(DeviceModelRow, (dev.id, model_id))
+        if dm is None:
+            dm = DeviceModelRow(device_id=dev.id, model_id=model_id, last_seq=0)
+            s.add(dm)
+        if e.seq > dm.last_seq:
+            dm.last_seq, dm.state, dm.version, dm.release_number = e.seq, e.step, e.version, e.release
+            dm.reason, dm.updated_at = e.reason, t
+    s.flush()
+    return accepted
+
+
+def _json_safe(d: dict[str, Any]) -> dict[str, Any]:
+    data = orjson.dumps(d, default=str)
+    if len(data) > 16384:
+        return {"truncated": True}
+    out: dict[str, Any] = orjson.loads(data)
+    return out
+
+
+def update_facts(s: Session, dev: DeviceRow, upd: DeviceFactsUpdate) -> None:
+    dev.labels = dict(upd.labels)
+    dev.facts = _json_safe(upd.facts)
+    dev.serving = [m.model_dump(mode="json") for m in upd.serving]
+    dev.last_seen_at = time.time()
+
+
+# ---- devices (admin) ----------------------------------------------------------------------------
+def _device_models(s: Session, dev_id: str) -> list[DeviceModelInfo]:
+    rows = s.execute(select(DeviceModelRow, ModelRow.name).join(ModelRow, ModelRow.id == DeviceModelRow.model_id)
+                     .where(DeviceModelRow.device_id == dev_id).order_by(ModelRow.name)).all()
+    out = []
+    for dm, name in rows:
+        pinned = s.get(ReleaseRow, dm.pinned_release_id).number if dm.pinned_release_id else None  # type: ignore[union-attr]
+        out.append(DeviceModelInfo(model=name, state=dm.state, version=dm.version, release=dm.release_number,
+                                   reason=dm.reason, updated_at=dm.updated_at, pinned_release=pinned))
+    return out
+
+
+def _device_info(s: Session, dev: DeviceRow, events: int = 0) -> DeviceInfo:
+    info = DeviceInfo(device_id=dev.id, labels=dev.effective_labels(), facts=dev.facts, enrolled_at=dev.enrolled_at,
+                      last_seen_at=dev.last_seen_at, models=_device_models(s, dev.id))
+    if events:
+        q = (select(DeviceEventRow).where(DeviceEventRow.device_id == dev.id)
+             .order_by(DeviceEventRow.seq.desc()).limit(events))
+        info.events = [EventInfo(seq=e.seq, model=e.model, step=e.step, version=e.version,
+                                 release=e.release_number, reason=e.reason, detail=e.detail, at=e.device_time,
+                                 received_at=e.received_at) for e in reversed(s.scalars(q).all())]
+    return info
+
+
+def list_devices(s: Session, label: dict[str, str] | None = None) -> list[DeviceInfo]:
+    devs = s.scalars(select(DeviceRow).order_by(DeviceRow.id)).all()
+    sel = TargetSelector(labels=label or {})
+    return [_device_info(s, d) for d in devs if sel.matches(d.id, d.effective_labels())]
+
+
+def get_device(s: Session, device_id: str, events: int = 50) -> DeviceInfo:
+    dev = s.get(DeviceRow, device_id)
+    if dev is None:
+        raise not_found(f"device {device_id!r}")
+    return _device_info(s, dev, events)
+
+
+def set_admin_labels(s: Session, device_id: str, labels: dict[str, str | None]) -> DeviceInfo:
+    dev = s.get(DeviceRow, device_id)
+    if dev is None:
+        raise not_found(f"device {device_id!r}")
+    merged = dict(dev.admin_labels)
+    for k, v in labels.items():
+        if v is None:
+            merged.pop(k, None)
+        else:
+            merged[k] = v
+    dev.admin_labels = merged
+    return _device_info(s, dev)
+
+
+def pin_release(s: Session, device_id: str, model: str, number: int | None) -> DeviceInfo:
+    dev = s.get(DeviceRow, device_id)
+    if dev is None:
+        raise not_found(f"device {device_id!r}")
+    m = get_model(s, model)
+    rid = None
+    if number is not None:
+        r = s.scalar(select(ReleaseRow).where(ReleaseRow.model_id == m.id, ReleaseRow.number == number))
+        if r is None:
+            raise not_found(f"release {number} of model {model!r}")
+        rid = r.id
+    dm = s.get(DeviceModelRow, (device_id, m.id))
+    if dm is None:
+        dm = DeviceModelRow(device_id=device_id, model_id=m.id, last_seq=0)
+        s.add(dm)
+    dm.pinned_release_id = rid
+    s.flush()
+    return _device_info(s, dev)
+
+
+def registry_status(s: Session, model: str | None = None) -> RegistryStatus:
+    total = s.scalar(select(func.count()).select_from(DeviceRow)) or 0
+    models = [get_model(s, model)] if model else list(s.scalars(select(ModelRow).order_by(ModelRow.name)).all())
+    out = []
+    for m in models:
+        counts: dict[int, dict[str, int]] = {}
+        for number, state, n in s.execute(
+                select(DeviceModelRow.release_number, DeviceModelRow.state, func.count())
+                .where(DeviceModelRow.model_id == m.id, DeviceModelRow.state.is_not(None))
+                .group_by(DeviceModelRow.release_number, DeviceModelRow.state)).all():
+            if number is not None and state is not None:
+                counts.setdefault(number, {})[state] = n
+        rels = []
+        for r in s.scalars(select(ReleaseRow).where(ReleaseRow.model_id == m.id).order_by(ReleaseRow.number)).all():
+            rels.append(ReleaseStatus(release=r.number, version=s.get_one(VersionRow, r.version_id).version,
+                                      revoked=r.revoked_at is not None, expires_at=r.expires_at,
+                                      devices=counts.get(r.number, {})))
+        out.append(ModelStatus(model=m.name, releases=rels))
+    return RegistryStatus(devices=total, models=out)

@@ -1,0 +1,97 @@
+"""Registry server settings: a TOML file (``[registry]`` table) plus environment and command-line overrides.
+
+The admin token is read from a file or the environment and kept only as its hash. The
+operator's signing key is never here: only public keys, used to refuse uploads that
+were not signed by a trusted operator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from edged.errors import ConfigError
+from edged.registry.release import ReleaseError, decode_public_key
+from edged.repository.manifest import format_validation_error
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ADMIN_TOKEN_ENV = "EDGED_REGISTRY_ADMIN_TOKEN"
+MIN_TOKEN_LEN = 16
+
+
+class RegistrySettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    listen: str = Field(default="127.0.0.1:8700", description="host:port")
+    data_dir: Path = Field(default=Path("/var/lib/edged-registry"), description="blobs and the SQLite database")
+    database_url: str | None = Field(default=None, description="default: sqlite:///<data_dir>/registry.db")
+    blob_dir: Path | None = Field(default=None, description="default: <data_dir>/blobs; shared by all processes")
+    admin_token_file: Path | None = Field(default=None, description=f"else the {ADMIN_TOKEN_ENV} variable")
+    public_keys: list[str] = Field(default_factory=list, description="trusted Ed25519 release keys (base64)")
+    max_upload_mb: float = Field(default=4096, gt=0)
+    migrate: bool = Field(default=True, description="upgrade the schema at start")
+    nudge_mqtt_url: str | None = Field(default=None, description="publish a nudge here when a release is made")
+    nudge_topic_prefix: str = "edged"
+    log_level: str = "info"
+
+    @property
+    def db_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.data_dir / 'registry.db'}"
+
+    @property
+    def blobs(self) -> Path:
+        return self.blob_dir or self.data_dir / "blobs"
+
+    def admin_token_hash(self) -> str:
+        """sha256 of the admin token; a missing or short token is a config error (never a default)."""
+        token: str | None
+        if self.admin_token_file is not None:
+            try:
+                token = self.admin_token_file.read_text(encoding="utf-8").strip()
+            except OSError as e:
+                raise ConfigError(f"admin_token_file: cannot read {self.admin_token_file}: {e.strerror}") from None
+        else:
+            token = os.environ.get(ADMIN_TOKEN_ENV)
+        if not token or len(token) < MIN_TOKEN_LEN:
+            raise ConfigError(f"an admin token of at least {MIN_TOKEN_LEN} characters is required "
+                              f"(admin_token_file or {ADMIN_TOKEN_ENV})")
+        return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+    def check_keys(self) -> None:
+        if not self.public_keys:
+            raise ConfigError("public_keys: at least one trusted release-signing key is required "
+                              "(`edged-registry keygen` prints one)")
+        for i, k in enumerate(self.public_keys):
+            try:
+                decode_public_key(k)
+            except ReleaseError as e:
+                raise ConfigError(f"public_keys[{i}]: {e}") from None
+
+
+def load_settings(path: Path | None, overrides: dict[str, Any] | None = None) -> RegistrySettings:
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            doc = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"{path}: cannot read: {e}") from None
+        raw = dict(doc.get("registry", doc))
+        base = path.resolve().parent
+        for key in ("data_dir", "blob_dir", "admin_token_file"):
+            if key in raw and not Path(raw[key]).is_absolute():
+                raw[key] = str(base / raw[key])
+    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return RegistrySettings.model_validate(raw)
+    except ValidationError as e:
+        problems = format_validation_error(e)
+        raise ConfigError(f"{path or 'registry settings'}: " + "; ".join(problems), problems) from None

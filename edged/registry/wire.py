@@ -1,0 +1,239 @@
+"""JSON bodies of the registry API, shared by the server, the CLI and devices.
+
+Devices import this module, so it depends on pydantic only.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from edged.registry.release import FileEntry, SignedRelease, TargetSelector
+
+API_PREFIX = "/api/v1"
+DEVICE_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9_.\-/]{1,63}$")
+
+# Every step a device reports; the order is the happy path.
+Step = Literal["downloading", "verifying", "prepared", "active-trial", "committed", "rolled-back", "failed"]
+STEPS: tuple[str, ...] = ("downloading", "verifying", "prepared", "active-trial", "committed", "rolled-back", "failed")
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _check_labels(v: dict[str, str]) -> dict[str, str]:
+    if len(v) > 64:
+        raise ValueError("at most 64 labels")
+    for k, val in v.items():
+        if not LABEL_KEY_RE.match(k) or len(val) > 256:
+            raise ValueError(f"label {k!r}: keys are 1-63 of [A-Za-z0-9_.-/], values at most 256 characters")
+    return v
+
+
+class ErrorBody(_Wire):
+    code: str
+    message: str
+
+
+class ErrorResponse(_Wire):
+    error: ErrorBody
+
+
+# ---- devices ------------------------------------------------------------------------------------
+class EnrollRequest(_Wire):
+    token: str = Field(max_length=256)
+    device_id: str
+    labels: dict[str, str] = Field(default_factory=dict)
+    facts: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("device_id")
+    @classmethod
+    def _id(cls, v: str) -> str:
+        if not DEVICE_ID_RE.match(v):
+            raise ValueError("must be 1-128 of [A-Za-z0-9_.:-]")
+        return v
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_labels(v)
+
+
+class EnrollResponse(_Wire):
+    device_id: str
+    credential: str = Field(description="per-device bearer token; shown once, stored hashed")
+
+
+class DesiredModel(_Wire):
+    model: str
+    version: int = Field(description="unsigned copy for display; devices trust only the signed manifest")
+    release: int
+    signed: SignedRelease
+
+
+class DesiredState(_Wire):
+    device_id: str
+    models: list[DesiredModel]
+
+
+class ReportEvent(_Wire):
+    seq: int = Field(ge=1, description="per device, increasing; the registry ignores repeats")
+    model: str = Field(max_length=128)
+    step: Step
+    version: int | None = None
+    release: int | None = None
+    reason: str | None = Field(default=None, max_length=4096)
+    detail: dict[str, Any] = Field(default_factory=dict)
+    at: float = Field(description="device wall clock, Unix seconds (informational: edge clocks jump)")
+
+
+class ServingModel(_Wire):
+    model: str
+    version: int | None = None
+    release: int | None = None
+    state: str = Field(default="", description="committed | active-trial | local")
+
+
+class ReportBatch(_Wire):
+    events: list[ReportEvent] = Field(default_factory=list, max_length=1000)
+
+
+class DeviceFactsUpdate(_Wire):
+    labels: dict[str, str] = Field(default_factory=dict)
+    facts: dict[str, Any] = Field(default_factory=dict)
+    serving: list[ServingModel] = Field(default_factory=list)
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_labels(v)
+
+
+class Accepted(_Wire):
+    accepted: int
+
+
+# ---- admin --------------------------------------------------------------------------------------
+class MissingBlobsRequest(_Wire):
+    sha256: list[str] = Field(max_length=10000)
+
+
+class MissingBlobsResponse(_Wire):
+    missing: list[str]
+
+
+class PushVersionRequest(_Wire):
+    files: list[FileEntry] = Field(min_length=1, max_length=10000)
+
+
+class VersionInfo(_Wire):
+    model: str
+    version: int
+    files: list[FileEntry]
+    total_size: int
+    created_at: float
+    created: bool = Field(default=False, description="true when this call created it")
+
+
+class ModelInfo(_Wire):
+    name: str
+    versions: list[int]
+    latest_release: int | None
+
+
+class ReleaseInfo(_Wire):
+    model: str
+    release: int
+    version: int
+    key_id: str
+    selector: TargetSelector
+    issued_at: int
+    expires_at: int
+    created_at: float
+    revoked: bool
+    notes: str = ""
+    signed: SignedRelease | None = None
+
+
+class NextRelease(_Wire):
+    model: str
+    release: int = Field(description="the lowest number the registry will accept next")
+
+
+class EnrollmentTokenRequest(_Wire):
+    uses: int = Field(default=1, ge=1, le=1_000_000)
+    ttl_s: float = Field(default=86400.0, gt=0)
+    labels: dict[str, str] = Field(default_factory=dict, description="given to every device enrolling with it")
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_labels(v)
+
+
+class EnrollmentTokenResponse(_Wire):
+    token: str
+    uses: int
+    expires_at: float
+
+
+class DeviceModelInfo(_Wire):
+    model: str
+    state: str | None
+    version: int | None
+    release: int | None
+    reason: str | None
+    updated_at: float | None
+    pinned_release: int | None = None
+
+
+class EventInfo(_Wire):
+    seq: int
+    model: str
+    step: str
+    version: int | None
+    release: int | None
+    reason: str | None
+    detail: dict[str, Any]
+    at: float
+    received_at: float
+
+
+class DeviceInfo(_Wire):
+    device_id: str
+    labels: dict[str, str]
+    facts: dict[str, Any]
+    enrolled_at: float
+    last_seen_at: float | None
+    models: list[DeviceModelInfo]
+    events: list[EventInfo] = Field(default_factory=list)
+
+
+class LabelsUpdate(_Wire):
+    labels: dict[str, str | None] = Field(description="admin labels to set; null removes one")
+
+
+class PinRequest(_Wire):
+    release: int | None = Field(description="pin this device to a release of the model; null unpins")
+
+
+class ReleaseStatus(_Wire):
+    release: int
+    version: int
+    revoked: bool
+    expires_at: int
+    devices: dict[str, int] = Field(description="device count per last reported step for this release")
+
+
+class ModelStatus(_Wire):
+    model: str
+    releases: list[ReleaseStatus]
+
+
+class RegistryStatus(_Wire):
+    devices: int
+    models: list[ModelStatus]

@@ -1,0 +1,1 @@
+"""The device side of the registry: poll, download, verify, prepare, activate, trial, commit or roll back."""

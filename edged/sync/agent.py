@@ -1,0 +1,176 @@
+"""The sync agent: the daemon's link to the registry, started and stopped like a transport.
+
+It polls the registry for the device's desired state (with ETag, every
+``poll_interval_s`` with +-20% jitter, sooner after an MQTT nudge), and hands each model
+to the :class:`~edged.sync.updater.Updater`. All blocking work (HTTP, hashing, loading
+models, trials) runs in a worker thread, one cycle at a time, never on the event loop.
+Offline, it keeps serving what it has and retries with exponential back-off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import threading
+import time
+from typing import Any
+
+from edged.config import Config
+from edged.core.service import InferenceService
+from edged.errors import EdgedError
+from edged.sync.boot import prepare_boot
+from edged.sync.client import DeviceClient
+from edged.sync.http import RegistryHttp, StoppedError, SyncHttpError, TransferError
+from edged.sync.settings import SyncSettings
+from edged.sync.state import RISKY_STEPS, StateStore
+from edged.sync.updater import Updater
+
+log = logging.getLogger(__name__)
+STOP_WAIT_S = 30.0
+
+
+class SyncAgent:
+    name = "sync"
+
+    def __init__(self, cfg: Config, service: InferenceService, *, settings: SyncSettings | None = None) -> None:
+        self.cfg = cfg
+        self.service = service
+        self.settings = settings or SyncSettings.from_config(cfg)
+        self._stop = threading.Event()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._nudge: Any = None
+        self._store = StateStore(self.settings.sync_dir)
+        self.updater: Updater | None = None
+        self.client: DeviceClient | None = None
+        self.cycles = 0
+        self._facts_at = 0.0
+
+    async def start(self) -> None:
+        s = self.settings
+        await asyncio.to_thread(prepare_boot, self.cfg, s)  # no-op when the daemon already ran it before loading
+        state = await asyncio.to_thread(self._store.load)
+        http = RegistryHttp(s.url, timeout=s.request_timeout_s, ca_file=s.ca_file)
+        self.client = DeviceClient(s, http, self._store, state)
+        self.client.start()
+        self.updater = Updater(self.cfg, self.service, s, store=self._store, state=state, client=self.client, http=http,
+                               stop=self._stop)
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._run(), name="edged-sync")
+        if s.mqtt_nudge and self.cfg.mqtt.enabled:
+            from edged.sync.nudge import NudgeListener
+
+            loop = asyncio.get_running_loop()
+
+            def nudged() -> None:
+                loop.call_soon_threadsafe(self.nudge)
+
+            self._nudge = NudgeListener(self.cfg, nudged)
+            self._nudge.start()
+        log.info("sync agent started: registry %s, device %s, poll every %gs", s.url, s.device_id,
+                 s.poll_interval_s)
+
+    def nudge(self) -> None:
+        """Poll soon (called on the event loop)."""
+        if self._wake is not None:
+            self._wake.set()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._wake is not None:
+            self._wake.set()
+        await asyncio.to_thread(self._mark_clean_stop)
+        if self._nudge is not None:
+            await asyncio.to_thread(self._nudge.stop)
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), STOP_WAIT_S)
+            except asyncio.TimeoutError:
+                log.warning("sync worker still busy after %.0fs; leaving it", STOP_WAIT_S)
+            except asyncio.CancelledError:
+                pass
+        if self.client is not None:
+            await asyncio.to_thread(self.client.stop)
+            self.client.http.close()
+
+    def _mark_clean_stop(self) -> None:
+        """An orderly stop during a trial is not a crash: the next start must not count it."""
+        with self._store.lock:
+            if self.updater is None:
+                return
+            changed = False
+            for ms in self.updater.state.models.values():
+                if ms.pending is not None and ms.pending.step in RISKY_STEPS:
+                    ms.pending.clean_stop = True
+                    changed = True
+            if changed:
+                self._store.save(self.updater.state)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    async def _run(self) -> None:
+        assert self.updater is not None and self._wake is not None
+        try:
+            await asyncio.to_thread(self.updater.recover)
+        except Exception:
+            log.exception("sync recovery failed; continuing with polling")
+        # A fleet that powers up together should not poll in lockstep.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), random.uniform(0, min(self.settings.poll_interval_s, 5.0)))
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                await asyncio.to_thread(self._cycle)
+                failures = 0
+                delay = self.settings.poll_interval_s * random.uniform(0.8, 1.2)
+            except StoppedError:
+                break
+            except (SyncHttpError, TransferError) as e:
+                failures += 1
+                delay = self._backoff(failures)
+                log.warning("registry not reachable (%s); keeping the current versions, retry in %.1fs", e, delay)
+            except EdgedError as e:
+                failures += 1
+                delay = self._backoff(failures)
+                log.error("sync cycle failed: %s; retry in %.1fs", e, delay)
+            except Exception:
+                failures += 1
+                delay = self._backoff(failures)
+                log.exception("sync cycle failed; retry in %.1fs", delay)
+            self.cycles += 1
+            if self._stop.is_set():
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), delay)
+            if self._wake.is_set() and not self._stop.is_set():
+                self._wake.clear()
+                await asyncio.sleep(random.uniform(0, min(1.0, self.settings.poll_interval_s)))
+
+    def _backoff(self, failures: int) -> float:
+        base = min(self.settings.retry_max_s, max(1.0, min(self.settings.poll_interval_s, 5.0)) * 2.0 ** (failures - 1))
+        return float(base * random.uniform(0.5, 1.0))
+
+    def _cycle(self) -> None:
+        assert self.client is not None and self.updater is not None
+        c, u = self.client, self.updater
+        c.credential()
+        c.flush()
+        desired = c.poll()
+        changed = desired is not None
+        for dm in (c.desired.models if c.desired is not None else []):
+            if self._stop.is_set():
+                raise StoppedError("stopping")
+            try:
+                u.process(dm)
+            except (SyncHttpError, StoppedError):
+                raise
+            except Exception as e:
+                log.exception("model=%s update failed", dm.model)
+                with contextlib.suppress(Exception):
+                    c.report(dm.model, "failed", version=dm.version, release=dm.release,
+                             reason=f"internal error: {type(e).__name__}")
+        if changed or time.monotonic() - self._facts_at > self.settings.facts_interval_s:
+            c.send_facts(u.serving())
+            self._facts_at = time.monotonic()
+        c.flush()

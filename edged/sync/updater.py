@@ -1,0 +1,441 @@
+"""One model's update, step by step: verify, download, prepare, install, activate, trial, commit or roll back.
+
+Each step is recorded in the sync state before the next begins, so a process killed at
+any instant resumes where it was (downloads resume; a trial restarts; a half-done
+rollback completes). Nothing reaches the repository before the release's signature,
+number, expiry, sizes and digests have all been checked, and nothing is served before
+the version loaded, warmed up and passed its golden check. Runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Any
+
+from edged.config import Config, VersionPolicy
+from edged.core.models import ModelState
+from edged.core.service import InferenceService
+from edged.errors import EdgedError
+from edged.registry.release import ReleaseManifest
+from edged.registry.wire import DesiredModel, ServingModel
+from edged.repository.digests import DigestCache
+from edged.repository.store import load_version
+from edged.sync.client import DeviceClient
+from edged.sync.download import fetch_release
+from edged.sync.faults import fault_point
+from edged.sync.http import RegistryHttp, StoppedError, SyncHttpError, TransferError
+from edged.sync.repo import DeviceRepo, folder_matches
+from edged.sync.settings import SyncSettings
+from edged.sync.state import ModelSync, Pending, PendingStep, Refusal, StateStore, SyncState, VersionRef
+from edged.sync.trial import SETTLE_FRACTION, SETTLE_MAX_S, Sample, baseline, judge, sample
+from edged.sync.verify import RefusedError, check_release
+
+log = logging.getLogger(__name__)
+KEEP_REFUSALS = 20
+TRIAL_TICK_S = 0.25
+
+
+class Updater:
+    def __init__(self, cfg: Config, service: InferenceService, settings: SyncSettings, *, store: StateStore,
+                 state: SyncState, client: DeviceClient, http: RegistryHttp, stop: threading.Event) -> None:
+        self.cfg, self.service, self.s = cfg, service, settings
+        self.store, self.state, self.client, self.http = store, state, client, http
+        self.repo = DeviceRepo(settings.repository)
+        self.stop = stop
+        self.baselines: dict[str, Sample | None] = {}
+        self.run_up: dict[str, Sample | None] = {}  # the previous version's statistics when the update began
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _save(self) -> None:
+        with self.store.lock:
+            self.store.save(self.state)
+
+    def _ms(self, model: str) -> ModelSync:
+        with self.store.lock:
+            return self.state.model(model)
+
+    def _pin(self, model: str, version: int | None) -> None:
+        """Make the live version policy (the ModelManager's, replaced on SIGHUP) name exactly this version."""
+        models = self.service.manager.models_cfg
+        if version is None:
+            if model not in models.disabled:
+                models.disabled.append(model)
+            return
+        models.policies[model] = VersionPolicy(specific=[version])
+        if model in models.disabled:
+            models.disabled.remove(model)
+
+    def _loaded(self, model: str) -> list[int]:
+        return [mv.version for mv in self.service.manager.table.versions(model) if mv.state is ModelState.READY]
+
+    def _ensure_serving(self, model: str, version: int | None) -> None:
+        self._pin(model, version)
+        if version is None:
+            if self.service.manager.table.versions(model):
+                with contextlib.suppress(EdgedError):
+                    self.service.manager.unload_model(model)
+            return
+        if self._loaded(model) == [version] and len(self.service.manager.table.versions(model)) == 1:
+            return
+        if not self.repo.version_dir(model, version).is_dir():
+            log.error("model=%s version %d should serve but is not in the repository", model, version)
+            return
+        results = self.service.manager.load_model(model, [version])
+        if not results or results[0].state is not ModelState.READY:
+            log.error("model=%s version %d failed to load: %s", model, version, results[0].reason if results else "?")
+
+    def serving(self) -> list[ServingModel]:
+        out = []
+        with self.store.lock:
+            for name, ms in sorted(self.state.models.items()):
+                p = ms.pending
+                if p is not None and p.step == "trial":
+                    out.append(ServingModel(model=name, version=p.version, release=p.release, state="active-trial"))
+                elif ms.current is not None:
+                    out.append(ServingModel(model=name, version=ms.current.version, release=ms.current.release,
+                                            state="committed" if ms.current.release else "local"))
+        return out
+
+    # ---- start-up ---------------------------------------------------------------------------
+    def recover(self) -> None:
+        """After a start: serve the pinned versions, finish local steps of interrupted updates, tidy up."""
+        with self.store.lock:
+            models = list(self.state.models.items())
+        keep_staging = set()
+        for model, ms in models:
+            p = ms.pending
+            if p is not None and p.step in ("download", "prepare", "install"):
+                keep_staging.add(self.repo.staging_dir(model, p.version, p.release))
+        self.repo.clean_staging(keep_staging)
+        for model, ms in models:
+            p = ms.pending
+            if p is not None and p.step == "trial":
+                self._ensure_serving(model, p.version)
+            elif ms.current is not None:
+                self._ensure_serving(model, ms.current.version)
+            elif p is not None and p.step in ("install", "activate", "rollback"):
+                self._ensure_serving(model, None)
+            self._collect_garbage(model)
+        for model, ms in models:
+            p = ms.pending
+            if p is None:
+                continue
+            if p.step == "rollback":
+                self._rollback(model, p.reason or "interrupted rollback")
+            elif p.step in ("prepare", "install", "activate", "trial"):
+                try:
+                    manifest = check_release(p.signed, model=model, public_keys=self.s.public_keys,
+                                             highest=p.release, device_id=self.s.device_id,
+                                             max_bytes=self.s.max_download_bytes)
+                except RefusedError as e:
+                    if p.step in ("prepare", "install"):
+                        self._abandon(model)
+                        self._refuse(model, p.release, p.version, str(e), permanent=True)
+                        continue
+                    manifest = p.signed.unverified()  # already activated: finish the trial, expiry no longer matters
+                self._advance(model, manifest)
+
+    # ---- one desired model ------------------------------------------------------------------
+    def process(self, dm: DesiredModel) -> None:
+        model = dm.model
+        ms = self._ms(model)
+        self._adopt(model, ms)
+        p = ms.pending
+        if p is not None and p.step not in ("download", "prepare", "install"):
+            return  # activated: recover() finishes it at start, otherwise it ran to its end already
+        if p is not None and p.release != dm.release:
+            log.info("model=%s release %d superseded by %d before activation", model, p.release, dm.release)
+            self._abandon(model)
+            p = None
+        if p is None:
+            if ms.current is not None and ms.current.release == dm.release:
+                return
+            if dm.release in ms.rejected:
+                return
+        refusal = ms.refused.get(dm.release)
+        if refusal is not None and time.time() < refusal.retry_at:
+            return
+        try:
+            manifest = check_release(dm.signed, model=model, public_keys=self.s.public_keys,
+                                     highest=ms.highest_release, device_id=self.s.device_id,
+                                     max_bytes=self.s.max_download_bytes)
+        except RefusedError as e:
+            if p is not None:
+                self._abandon(model)
+            self._refuse(model, dm.release, dm.version, str(e), permanent=e.permanent)
+            return
+        if p is None:
+            if self._already_serving(model, ms, manifest):
+                return
+            with self.store.lock:
+                ms.highest_release = max(ms.highest_release, manifest.release)
+                ms.pending = Pending(release=manifest.release, version=manifest.version, step="download",
+                                     signed=dm.signed)
+                self.store.save(self.state)
+            self.run_up[model] = sample(self.service, model, ms.current.version) if ms.current else None
+        self._advance(model, manifest)
+
+    def _adopt(self, model: str, ms: ModelSync) -> None:
+        """A model first seen by sync but already served from the repository: that version is the current one."""
+        if ms.current is not None or ms.pending is not None:
+            return
+        ready = self._loaded(model)
+        if ready:
+            with self.store.lock:
+                ms.current = VersionRef(version=max(ready), release=0)
+                self.store.save(self.state)
+            self._pin(model, max(ready))
+
+    def _already_serving(self, model: str, ms: ModelSync, m: ReleaseManifest) -> bool:
+        cur = ms.current
+        if cur is None or cur.version != m.version or m.version not in self._loaded(model):
+            return False
+        if not folder_matches(self.repo.version_dir(model, m.version), m.files):
+            return False
+        with self.store.lock:
+            ms.highest_release = max(ms.highest_release, m.release)
+            ms.current = VersionRef(version=m.version, release=m.release)
+            ms.refused.pop(m.release, None)
+            self.store.save(self.state)
+        self.client.report(model, "committed", version=m.version, release=m.release,
+                           detail={"note": "this version was already serving"})
+        return True
+
+    # ---- the steps --------------------------------------------------------------------------
+    def _advance(self, model: str, m: ReleaseManifest) -> None:
+        ms = self._ms(model)
+        p = ms.pending
+        assert p is not None
+        staged = self.repo.staging_dir(model, m.version, m.release)
+        if p.step == "download" and not self._download(model, m, staged):
+            return
+        if p.step == "prepare" and not self._prepare(model, m, staged):
+            return
+        if p.step == "install":
+            try:
+                self.repo.install(model, m.version, staged, m.files)
+            except FileNotFoundError:
+                self._set_step(model, "download")  # the staged copy is gone and the repository has no good one
+                return
+            with self.store.lock:
+                if m.version not in ms.installed:
+                    ms.installed.append(m.version)
+                p.step = "activate"
+                self.store.save(self.state)
+            fault_point("install.renamed")
+        if p.step == "activate" and not self._activate(model, m):
+            return
+        if p.step == "trial":
+            self._trial(model, m)
+
+    def _download(self, model: str, m: ReleaseManifest, staged: Any) -> bool:
+        if folder_matches(self.repo.version_dir(model, m.version), m.files):
+            # e.g. going back to the last-known-good by a new release: the files are already here
+            self.client.report(model, "verifying", version=m.version, release=m.release,
+                               detail={"downloaded_bytes": 0, "note": "already in the repository"})
+            self._set_step(model, "prepare")
+            return True
+        self.client.report(model, "downloading", version=m.version, release=m.release,
+                           detail={"bytes": m.total_size, "files": len(m.files)})
+        try:
+            stats = fetch_release(self.http, self.client.credential(), m, staged,
+                                  chunk=self.s.download_chunk_kb * 1024, should_stop=self.stop.is_set)
+        except StoppedError:
+            return False
+        except TransferError as e:
+            self._refuse(model, m.release, m.version, f"download refused: {e}")
+            return False
+        except SyncHttpError as e:
+            if e.status in (403, 404):
+                self._refuse(model, m.release, m.version, f"download refused by the registry: {e}")
+                return False
+            raise
+        self.client.report(model, "verifying", version=m.version, release=m.release,
+                           detail={"downloaded_bytes": stats.bytes, "resumed_files": stats.resumed_files})
+        self.repo.seal(staged)
+        fault_point("verify.done")
+        self._set_step(model, "prepare")
+        return True
+
+    def _set_step(self, model: str, step: PendingStep) -> None:
+        with self.store.lock:
+            ms = self.state.model(model)
+            assert ms.pending is not None
+            ms.pending.step = step
+            ms.refused.pop(ms.pending.release, None)
+            self.store.save(self.state)
+
+    def _prepare(self, model: str, m: ReleaseManifest, staged: Any) -> bool:
+        """Load, warm up and golden-check the staged copy for this device's profile, then let it go."""
+        if folder_matches(staged, m.files):
+            where = staged
+        elif folder_matches(self.repo.version_dir(model, m.version), m.files):
+            where = self.repo.version_dir(model, m.version)
+        else:
+            self._set_step(model, "download")  # staged files damaged (e.g. power loss): fetch again
+            return False
+        entry = load_version(model, m.version, where, DigestCache(None))
+        reason = entry.error
+        label = None
+        if reason is None:
+            mv = self.service.manager.loader.load(entry)
+            if mv.upgrade is not None:
+                # A better engine is being built (e.g. TensorRT): let it finish now, so its cache is warm
+                # when the version is activated, unless the agent is asked to stop.
+                while not mv.upgrade.wait(1.0) and not self.stop.is_set():
+                    pass
+                mv.upgrade.cancel()
+            if mv.state is ModelState.READY and mv.engine is not None:
+                label = mv.candidate.label if mv.candidate else None
+                mv.engine.unload()
+                mv.engine = None
+            else:
+                reason = mv.reason or "did not load"
+        if reason is not None:
+            self._rollback(model, f"prepare failed: {reason}")
+            return False
+        fault_point("prepare.done")
+        self._set_step(model, "install")
+        self.client.report(model, "prepared", version=m.version, release=m.release, detail={"engine": label})
+        return True
+
+    def _activate(self, model: str, m: ReleaseManifest) -> bool:
+        ms = self._ms(model)
+        cur = ms.current
+        at_switch = sample(self.service, model, cur.version) if cur is not None else None
+        self.baselines[model] = baseline(self.run_up.pop(model, None), at_switch, self.s)
+        fault_point("activate.before")
+        self._pin(model, m.version)
+        results = self.service.manager.load_model(model, [m.version])
+        mv = results[0] if results else None
+        if mv is None or mv.state is not ModelState.READY:
+            self._rollback(model, f"activation failed: {mv.reason if mv else 'not loaded'}")
+            return False
+        fault_point("activate.loaded")
+        with self.store.lock:
+            p = ms.pending
+            assert p is not None
+            p.step = "trial"
+            self.store.save(self.state)
+        self.client.report(model, "active-trial", version=m.version, release=m.release,
+                           detail={"engine": mv.candidate.label if mv.candidate else None, "trial_s": self.s.trial_s})
+        return True
+
+    def _trial(self, model: str, m: ReleaseManifest) -> None:
+        fault_point("trial.start")
+        base = self.baselines.get(model)
+        start = time.monotonic()
+        end = start + self.s.trial_s
+        settle_at = start + min(SETTLE_MAX_S, self.s.trial_s * SETTLE_FRACTION)
+        settled: Sample | None = None
+        new: Sample | None = None
+        while True:
+            if self.stop.is_set():
+                return  # the next start continues the trial
+            new = sample(self.service, model, m.version)
+            if new is None:
+                self._rollback(model, f"trial failed: version {m.version} is no longer loaded")
+                return
+            now = time.monotonic()
+            if settled is None and now >= settle_at:
+                settled = new
+            left = end - now
+            reason = judge(new, base, self.s, final=left <= 0, latency=new.since(settled) if settled else None)
+            if reason is not None:
+                self._rollback(model, f"trial failed: {reason}")
+                return
+            if left <= 0:
+                break
+            self.stop.wait(min(TRIAL_TICK_S, left))
+            fault_point("trial.tick")
+        self._commit(model, m, new)
+
+    def _commit(self, model: str, m: ReleaseManifest, trial: Sample | None) -> None:
+        fault_point("commit.before")
+        ms = self._ms(model)
+        with self.store.lock:
+            ms.lkg = ms.current
+            ms.current = VersionRef(version=m.version, release=m.release)
+            ms.pending = None
+            self.store.save(self.state)
+        fault_point("commit.saved")
+        self._collect_garbage(model)
+        detail: dict[str, Any] = {}
+        if trial is not None:
+            detail = {"requests": trial.total, "errors": trial.errors, "p99_ms": trial.p99_s * 1000}
+        self.baselines.pop(model, None)
+        self.client.report(model, "committed", version=m.version, release=m.release, detail=detail)
+
+    def _rollback(self, model: str, reason: str) -> None:
+        """Serve the committed version again, drop the new one, never retry this release."""
+        ms = self._ms(model)
+        with self.store.lock:
+            p = ms.pending
+            assert p is not None
+            p.step, p.reason = "rollback", reason
+            self.store.save(self.state)
+        fault_point("rollback.before")
+        self._ensure_serving(model, ms.current.version if ms.current else None)
+        fault_point("rollback.loaded")
+        keep = {r.version for r in (ms.current, ms.lkg) if r is not None}
+        if p.version not in keep:
+            self.repo.remove(model, p.version)
+        self.repo.drop_staging(self.repo.staging_dir(model, p.version, p.release))
+        with self.store.lock:
+            if p.version in ms.installed and p.version not in keep:
+                ms.installed.remove(p.version)
+            ms.rejected[p.release] = reason
+            _trim(ms.rejected)
+            ms.pending = None
+            self.store.save(self.state)
+        self.client.report(model, "rolled-back", version=p.version, release=p.release, reason=reason,
+                           detail={"serving": ms.current.version if ms.current else None})
+
+    def _abandon(self, model: str) -> None:
+        """Drop an update that has not been activated (superseded, expired, refused)."""
+        ms = self._ms(model)
+        p = ms.pending
+        if p is None:
+            return
+        self.repo.drop_staging(self.repo.staging_dir(model, p.version, p.release))
+        keep = {r.version for r in (ms.current, ms.lkg) if r is not None}
+        if p.step in ("install", "activate") and p.version not in keep:
+            self.repo.remove(model, p.version)
+        with self.store.lock:
+            if p.version in ms.installed and p.version not in keep:
+                ms.installed.remove(p.version)
+            ms.pending = None
+            self.store.save(self.state)
+
+    def _refuse(self, model: str, release: int, version: int | None, reason: str, *, permanent: bool = False) -> None:
+        ms = self._ms(model)
+        with self.store.lock:
+            if permanent:
+                ms.rejected[release] = reason
+                _trim(ms.rejected)
+            else:
+                prev = ms.refused.get(release)
+                count = prev.count + 1 if prev else 1
+                delay = min(self.s.retry_max_s, max(1.0, min(self.s.poll_interval_s, 10.0)) * 2 ** (count - 1))
+                ms.refused[release] = Refusal(reason=reason, count=count, retry_at=time.time() + delay)
+                _trim(ms.refused)
+            self.store.save(self.state)
+        self.client.report(model, "failed", version=version, release=release, reason=reason)
+
+    def _collect_garbage(self, model: str) -> None:
+        """Delete versions this agent installed that are neither current, last-known-good nor pending."""
+        ms = self._ms(model)
+        keep = ms.keep()
+        for v in [v for v in ms.installed if v not in keep]:
+            self.repo.remove(model, v)
+            with self.store.lock:
+                ms.installed.remove(v)
+                self.store.save(self.state)
+
+
+def _trim(d: dict[int, Any]) -> None:
+    for k in sorted(d)[:-KEEP_REFUSALS]:
+        del d[k]
