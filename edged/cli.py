@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     status_command.register(sub)
     _add_config(sub.choices["status"])
+
+    from edged.perf import command as perf_command
+
+    perf_command.register(sub)
+    _add_config(sub.choices["perf"])
     return parser
 
 
@@ -259,9 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(level or cfg_level or ("info" if args.command == "run" else "warning"))
         from edged import status as status_command
         from edged.optimize import command as optimize_command
+        from edged.perf import command as perf_command
 
         handlers = {"run": cmd_run, "detect": cmd_detect, "infer": cmd_infer, "optimize": optimize_command.run,
-                    "status": status_command.run}
+                    "status": status_command.run, "perf": perf_command.run}
         if args.command == "models":
             return cmd_models_list(args)
         return handlers[args.command](args)

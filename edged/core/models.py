@@ -491,7 +491,23 @@ def _slower(t: CandidateTiming, best: CandidateTiming) -> str:
             f"for {best.candidate}")
 
 
+_DISTRIBUTIONS = {
+    "onnxruntime": ("onnxruntime", "onnxruntime-gpu", "onnxruntime-openvino", "onnxruntime-directml"),
+    "openvino": ("openvino",),
+    "tensorrt": ("tensorrt", "tensorrt-cu12", "tensorrt-cu11"),
+}
+
+
 def _library_version(backend: str) -> str:
+    """The engine library's version, read from package metadata so that keying a cache does not
+    import (and keep in memory) an engine that may never run here."""
+    from importlib import metadata
+
+    for dist in _DISTRIBUTIONS.get(backend, ()):
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            continue
     try:
         return get_backend(backend).library_version()
     except EdgedError as e:

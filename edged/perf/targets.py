@@ -1,0 +1,146 @@
+"""One ``Target`` per transport: how to learn the model's inputs and how each load thread sends a request.
+
+Every load thread gets its own connection (its own ``Caller``): that is how
+independent local programs load a daemon, and it keeps the clients' locks out of
+the measurement.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from edged.errors import EdgedError, ErrorCode
+from edged.perf.inputs import ModelInfo
+
+Caller = Callable[[Mapping[str, np.ndarray]], object]
+
+
+@dataclass
+class Connection:
+    call: Caller
+    close: Callable[[], None]
+
+
+class Target(abc.ABC):
+    transport: str
+    address: str
+
+    def __init__(self, model: str, version: int | None, timeout: float) -> None:
+        self.model, self.version, self.timeout = model, version, timeout
+
+    @abc.abstractmethod
+    def model_info(self) -> ModelInfo:
+        """The model's inputs as the daemon describes them (raises NOT_FOUND/UNAVAILABLE EdgedErrors)."""
+
+    @abc.abstractmethod
+    def connect(self) -> Connection:
+        """A new connection for one load thread."""
+
+
+class HttpTarget(Target):
+    transport = "http"
+
+    def __init__(self, url: str, model: str, version: int | None, timeout: float, *, binary: bool = True) -> None:
+        super().__init__(model, version, timeout)
+        self.address, self.binary = url, binary
+
+    def model_info(self) -> ModelInfo:
+        from edged.client.http import HttpClient
+
+        with HttpClient(self.address, timeout=self.timeout) as c:
+            meta = c.metadata(self.model, self.version)
+            mbs = c.config(self.model, self.version).get("max_batch_size")
+        return ModelInfo.from_metadata(meta, None if mbs is None else int(mbs))
+
+    def connect(self) -> Connection:
+        from edged.client.http import HttpClient
+
+        c = HttpClient(self.address, timeout=self.timeout)
+        model, version, binary = self.model, self.version, self.binary
+
+        def call(inputs: Mapping[str, np.ndarray]) -> object:
+            return c.infer(model, inputs, version, binary)
+
+        return Connection(call, c.close)
+
+
+class ShmTarget(Target):
+    transport = "shm"
+
+    def __init__(self, socket_path: str, model: str, version: int | None, timeout: float) -> None:
+        super().__init__(model, version, timeout)
+        self.address = socket_path
+
+    def model_info(self) -> ModelInfo:
+        from edged.client.shm import ShmClient
+
+        with ShmClient(self.address) as c:
+            return ModelInfo.from_metadata(c.metadata(self.model, self.version))
+
+    def connect(self) -> Connection:
+        from edged.client.shm import ShmClient
+
+        c = ShmClient(self.address)
+        model, version, timeout = self.model, self.version, self.timeout
+
+        def call(inputs: Mapping[str, np.ndarray]) -> object:
+            return c.infer(model, inputs, version, timeout=timeout)
+
+        return Connection(call, c.close)
+
+
+@dataclass(frozen=True)
+class MqttSettings:
+    url: str
+    device_id: str
+    topic_prefix: str = "edged"
+    protocol: Literal["5", "3.1.1"] = "5"
+    username: str | None = None
+    password: str | None = None
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+
+class MqttTarget(Target):
+    transport = "mqtt"
+
+    def __init__(self, settings: MqttSettings, model: str, version: int | None, timeout: float, *,
+                 binary: bool = True) -> None:
+        super().__init__(model, version, timeout)
+        self.settings, self.binary = settings, binary
+        self.address = f"{settings.url} device {settings.device_id}"
+
+    def _client(self) -> Any:
+        from edged.client.mqtt import MqttClient
+
+        s = self.settings
+        return MqttClient(s.url, s.device_id, s.topic_prefix, protocol=s.protocol, binary=self.binary,
+                          username=s.username, password=s.password, ca_file=s.ca_file, cert_file=s.cert_file,
+                          key_file=s.key_file, connect_timeout=self.timeout)
+
+    def model_info(self) -> ModelInfo:
+        c = self._client()
+        try:
+            status = c.model_status(self.model, timeout=min(self.timeout, 10.0))
+        finally:
+            c.close()
+        if status.get("state") != "ready":
+            raise EdgedError(f"model {self.model!r} is {status.get('state')!r} on device "
+                             f"{self.settings.device_id!r}: {status.get('reason') or 'no reason given'}",
+                             code=ErrorCode.UNAVAILABLE)
+        return ModelInfo.from_metadata(status)
+
+    def connect(self) -> Connection:
+        c = self._client()
+        model, version, timeout = self.model, self.version, self.timeout
+
+        def call(inputs: Mapping[str, np.ndarray]) -> object:
+            return c.infer(model, inputs, version, timeout=timeout)
+
+        return Connection(call, c.close)
