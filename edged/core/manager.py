@@ -62,6 +62,7 @@ class ModelManager:
         self.digests = DigestCache(cache_dir / "digests.json" if cache_dir else None)
         self._lock = threading.Lock()  # one lifecycle change at a time
         self.failed: dict[tuple[str, int], ModelVersion] = {}
+        self._failed_lock = threading.Lock()  # statuses() must not wait for a slow load
 
     # ---- admission --------------------------------------------------------------------------
     def committed_mb(self) -> float:
@@ -132,14 +133,16 @@ class ModelManager:
                 current = self.table.find(name, v)
                 if mv.state is ModelState.READY:
                     old = self.table.put(mv)
-                    self.failed.pop((name, v), None)
+                    with self._failed_lock:
+                        self.failed.pop((name, v), None)
                     if old is not None and old is not mv:
                         self._retire(old)
                 elif current is None or current.state is not ModelState.READY:
                     self.table.put(mv)
                 else:
                     # Keep serving the copy that works; remember why the reload failed.
-                    self.failed[(name, v)] = mv
+                    with self._failed_lock:
+                        self.failed[(name, v)] = mv
                     log.error("model=%s version=%s reload failed, previous copy keeps serving: %s",
                               name, v, mv.reason)
             ready_new = any(mv.state is ModelState.READY for mv in results)
@@ -183,7 +186,9 @@ class ModelManager:
 
     def statuses(self) -> list[dict[str, object]]:
         out = [mv.status() for mv in self.table.all()]
-        for _key, mv in sorted(self.failed.items()):
+        with self._failed_lock:  # load_model changes `failed` from other threads
+            failed = sorted(self.failed.items())
+        for _key, mv in failed:
             s = mv.status()
             s["state"] = "reload_failed"
             out.append(s)
