@@ -202,7 +202,7 @@ def main() -> int:
     try:
         for name in ("digits", "mobilenet"):
             shutil.copytree(ROOT / "models" / name, tmp / "models" / name)
-        from tests.mqtt_helpers import free_port
+        from tests.netutil import free_port
 
         http_port = free_port()  # only to read the daemon's own engine timings at the end
         cfg_path = tmp / "edged.toml"

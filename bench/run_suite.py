@@ -50,7 +50,8 @@ from edged.client.shm import AsyncShmClient, ShmClient  # noqa: E402
 from edged.config import load_config  # noqa: E402
 from edged.core.types import InferRequest  # noqa: E402
 from edged.daemon import Runtime, build_runtime  # noqa: E402
-from tests.mqtt_helpers import Broker, free_port  # noqa: E402
+from tests.mqtt_helpers import Broker  # noqa: E402
+from tests.netutil import free_port  # noqa: E402
 
 MODEL = "mobilenet"
 DEVICE = "bench"

@@ -99,12 +99,13 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     problems = []
     if not cfg.device.model_repository.is_dir():
         problems.append(f"device.model_repository: {cfg.device.model_repository} is not a folder")
-    tls = cfg.mqtt.tls
-    if tls is not None:
-        for key in ("ca_file", "cert_file", "key_file"):
-            f = getattr(tls, key)
-            if f is not None and not f.is_file():
-                problems.append(f"mqtt.tls.{key}: {f} does not exist")
+    # The broker address and TLS files, checked exactly as the MQTT transport checks them at start.
+    from edged.transports.mqtt_connection import MqttOptions
+
+    try:
+        MqttOptions.from_config(cfg)
+    except ConfigError as e:
+        problems += e.problems
     for problem in problems:
         print(f"{path}: {problem}", file=sys.stderr)
     if problems:

@@ -190,8 +190,8 @@ class Daemon:
         for t in self._make_transports(rt):
             await t.start()
             self.transports.append(t)
-        if self.cfg.telemetry.enabled:
-            await self._start_telemetry(rt)
+        # Always: with [telemetry] enabled = false the agent still keeps the status file `edged status` reads.
+        await self._start_telemetry(rt)
         all_mvs = rt.manager.table.all()
         log.info("edged ready in %.2fs: %d model version(s) serving, %d unavailable (%d failed the self-test), "
                  "profile %s", time.monotonic() - t0, len(_ready(all_mvs)), len(all_mvs) - len(_ready(all_mvs)),
@@ -204,10 +204,10 @@ class Daemon:
         from edged.telemetry.agent import TelemetryAgent
 
         mqtt = next((t for t in self.transports if t.name == "mqtt"), None)
-        publish: Callable[[str, bytes], None] | None = None
+        publish: Callable[[str, bytes], bool] | None = None
         if mqtt is not None:
-            def publish(topic: str, payload: bytes, _m: Any = mqtt) -> None:
-                _m.publish(topic, payload, qos=0)
+            def publish(topic: str, payload: bytes, _m: Any = mqtt) -> bool:
+                return bool(_m.publish(topic, payload, qos=0))
         self.telemetry = TelemetryAgent(self.cfg, rt.service, publish=publish, profile=rt.profile.name)
         await self.telemetry.start()
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from edged.config import Config, load_config
-from edged.telemetry.snapshot import STATUS_FILE, StatusSnapshot, read_snapshot
+from edged.telemetry.snapshot import STATUS_FILE, StatusFileError, StatusSnapshot, read_snapshot, snapshot_age
 
 STALE_INTERVALS = 3  # a snapshot older than this many rewrite intervals (plus slack) means the daemon is stuck
 STALE_SLACK_S = 5.0
@@ -47,7 +47,7 @@ def _pid_alive(pid: int) -> bool:
 
 def liveness(snap: StatusSnapshot, now: float) -> tuple[str, bool]:
     """(description, running) for a snapshot read at wall time ``now``."""
-    age = now - snap.written_at
+    age = snapshot_age(snap, now)
     if snap.state == "stopped":
         return f"stopped {_ago(age)}", False
     if not _pid_alive(snap.pid):
@@ -136,9 +136,10 @@ _UPLOAD_STATES = {"sent": "ok", "empty": "ok", "retry smaller": "ok", "idle": "s
 
 def render(snap: StatusSnapshot, updates: dict[str, str], now: float) -> str:
     what, _running = liveness(snap, now)
+    age = snapshot_age(snap, now)
     lines = [f"edged {snap.edged_version} on {snap.device}: {what}, pid {snap.pid}, "
              f"up {_duration(snap.written_at - snap.started_at)}, profile {snap.profile or '?'}",
-             f"snapshot {_ago(now - snap.written_at)} (rewritten every {snap.interval_s:g} s; rates over the last "
+             f"snapshot {_ago(age)} (rewritten every {snap.interval_s:g} s; rates over the last "
              f"{snap.window_s:.0f} s)", ""]
     sy = snap.system
     mem = f"memory {_bytes(sy.memory_used)} / {_bytes(sy.memory_total)}"
@@ -196,7 +197,8 @@ def render(snap: StatusSnapshot, updates: dict[str, str], now: float) -> str:
                              f"{b.dropped_total} dropped")
             if tel.upload is not None:
                 u = tel.upload
-                last = _ago(now - u.last_success_wall) if u.last_success_wall else "never"
+                # Both wall times come from the daemon's clock: their difference plus the file's age.
+                last = _ago(age + snap.written_at - u.last_success_wall) if u.last_success_wall else "never"
                 up = f"upload {_UPLOAD_STATES.get(u.state, u.state)}, last acknowledged {last}"
                 if u.state in ("not enrolled", "refused", "unreachable") and u.last_error:
                     up += f" ({u.last_error[:80]})"
@@ -215,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     updates = update_states(cfg)
     try:
         snap = read_snapshot(path)
-    except (OSError, ValueError) as e:
+    except (OSError, StatusFileError) as e:
         print(f"edged status: cannot read {path}: {e}", file=sys.stderr)
         return EXIT_ERROR
     now = time.time()

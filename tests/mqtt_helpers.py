@@ -25,13 +25,9 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from tests.netutil import free_port
+
 MOSQUITTO = "/usr/sbin/mosquitto"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -141,6 +137,107 @@ def running_broker(workdir: Path, **kw: Any) -> Iterator[Broker]:
         yield broker
     finally:
         broker.stop()
+
+
+class RefusingBroker:
+    """A minimal MQTT 3.1.1/5 server that accepts the connection and refuses every subscription.
+
+    mosquitto's ACLs grant a forbidden subscription and then silently withhold its messages, so
+    a refused SUBACK (what other brokers send for an ACL denial) needs this stand-in. It records
+    the PUBLISH packets it receives as ``(topic, payload)``.
+    """
+
+    def __init__(self) -> None:
+        self._srv = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._srv.getsockname()[1])
+        self.url = f"mqtt://127.0.0.1:{self.port}"
+        self.published: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self._srv.accept()
+                self._conns.append(conn)
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _read(conn: socket.socket, n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            chunk = conn.recv(n - len(buf))
+            if not chunk:
+                raise EOFError
+            buf += chunk
+        return buf
+
+    @staticmethod
+    def _varint(data: bytes, pos: int) -> tuple[int, int]:
+        value = shift = 0
+        while True:
+            b = data[pos]
+            pos += 1
+            value |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80:
+                return value, pos
+
+    def _serve(self, conn: socket.socket) -> None:
+        v5 = False
+        with contextlib.suppress(OSError, EOFError), conn:
+            while True:
+                first = self._read(conn, 1)[0]
+                length = shift = 0
+                while True:
+                    b = self._read(conn, 1)[0]
+                    length |= (b & 0x7F) << shift
+                    shift += 7
+                    if not b & 0x80:
+                        break
+                body = self._read(conn, length)
+                kind = first >> 4
+                if kind == 1:  # CONNECT: protocol name, then the level byte
+                    name_len = int.from_bytes(body[:2], "big")
+                    v5 = body[2 + name_len] == 5
+                    conn.sendall(b"\x20\x03\x00\x00\x00" if v5 else b"\x20\x02\x00\x00")
+                elif kind == 8:  # SUBSCRIBE: refuse each filter (0x87 not authorized / 0x80 failure)
+                    pos = 2
+                    if v5:
+                        plen, pos = self._varint(body, pos)
+                        pos += plen
+                    count = 0
+                    while pos < len(body):
+                        pos += 2 + int.from_bytes(body[pos:pos + 2], "big") + 1
+                        count += 1
+                    codes = (b"\x87" if v5 else b"\x80") * count
+                    reply = body[:2] + (b"\x00" if v5 else b"") + codes
+                    conn.sendall(bytes([0x90, len(reply)]) + reply)
+                elif kind == 3:  # PUBLISH: record it, acknowledge QoS 1
+                    tlen = int.from_bytes(body[:2], "big")
+                    topic = body[2:2 + tlen].decode()
+                    pos = 2 + tlen
+                    pid = b""
+                    if (first >> 1) & 3:
+                        pid = body[pos:pos + 2]
+                        pos += 2
+                    if v5:
+                        plen, pos = self._varint(body, pos)
+                        pos += plen
+                    self.published.put((topic, body[pos:]))
+                    if pid:
+                        conn.sendall(b"\x40\x02" + pid)
+                elif kind == 12:  # PINGREQ
+                    conn.sendall(b"\xd0\x00")
+                elif kind == 14:  # DISCONNECT
+                    return
+
+    def close(self) -> None:
+        self._srv.close()
+        for c in self._conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+            c.close()
 
 
 def publish_properties(**values: Any) -> Properties:

@@ -79,3 +79,13 @@ def test_config_check_reports_missing_tls_files(tmp_path: Path) -> None:
     r = subprocess.run([*EDGED, "config", "check", str(f)], capture_output=True, text=True)
     assert r.returncode == 1
     assert "mqtt.tls.ca_file" in r.stderr
+
+
+def test_config_check_refuses_a_key_without_a_certificate(tmp_path: Path) -> None:
+    key = tmp_path / "client.key"
+    key.write_text("not really a key\n")
+    f = tmp_path / "edged.toml"
+    f.write_text(f'[device]\nmodel_repository = "{tmp_path}"\n[mqtt.tls]\nkey_file = "{key}"\n')
+    r = subprocess.run([*EDGED, "config", "check", str(f)], capture_output=True, text=True)
+    assert r.returncode == 1
+    assert "mqtt.tls.key_file: set without cert_file" in r.stderr

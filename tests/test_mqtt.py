@@ -20,21 +20,22 @@ from typing import Any
 import numpy as np
 import pytest
 
+from edged.backoff import Backoff
 from edged.client.mqtt import MqttClient, MqttServerError
 from edged.config import ModelsSection, parse_config
 from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
 from edged.core.types import InferRequest
-from edged.errors import ConfigError, DeadlineExceededError, ErrorCode
+from edged.errors import ConfigError, DeadlineExceededError, EdgedError, ErrorCode
 from edged.profiles import BackendPreference
 from edged.protocol.v2 import dumps
 from edged.transports import mqtt_codec as codec
 from edged.transports.mqtt import MqttTransport
 from edged.transports.mqtt_bindings import BindingBuffer, Item, validate_bindings
-from edged.transports.mqtt_connection import Backoff, MqttOptions
+from edged.transports.mqtt_connection import MqttOptions
 from edged.transports.mqtt_dedup import RecentKeys
 from tests.conftest import EDGED, MODELS
-from tests.mqtt_helpers import Broker, TestClient, make_test_ca, process_fds, user_properties
+from tests.mqtt_helpers import Broker, RefusingBroker, TestClient, make_test_ca, process_fds, user_properties
 
 ORT_CPU = [BackendPreference(backend="onnxruntime", device="CPU", precisions=["fp32"])]
 
@@ -605,11 +606,38 @@ def test_username_password(tmp_path: Path, transports: Callable[..., MqttTranspo
         end = time.monotonic() + 10
         while bad._backoff.attempts < 3 and time.monotonic() < end:
             time.sleep(0.05)
+        assert bad._backoff.attempts >= 3, "the refused client did not retry"
         assert not bad.ready.is_set()
         refused = [r for r in caplog.records if "refused" in r.getMessage()]
         assert len(refused) == 1
     finally:
         broker.stop()
+
+
+@pytest.mark.parametrize("protocol", ["5", "3.1.1"])
+def test_refused_request_subscription_is_reported(transports: Callable[..., MqttTransport],
+                                                  caplog: pytest.LogCaptureFixture, protocol: str) -> None:
+    broker = RefusingBroker()
+    try:
+        caplog.set_level(logging.INFO, logger="edged.transports.mqtt")
+        t = transports(broker.url, f'protocol = "{protocol}"', ready=False)
+        with pytest.raises(EdgedError) as e:
+            t.wait_ready(10)
+        assert e.value.code is ErrorCode.FAILED_PRECONDITION and "infer/+" in e.value.message
+        assert not t.ready.is_set() and t.link.up
+        assert t.link.subscription_error is not None
+        refused = [r for r in caplog.records if "refused the request subscription" in r.getMessage()]
+        assert len(refused) == 1
+        # The retained device status says why no request will be served.
+        end = time.monotonic() + 10
+        status: dict[str, Any] = {}
+        while "error" not in status and time.monotonic() < end:
+            topic, payload = broker.published.get(timeout=max(0.01, end - time.monotonic()))
+            if topic == "edged/dev/status":
+                status = json.loads(payload)
+        assert status["state"] == "online" and "refused" in status["error"]
+    finally:
+        broker.close()
 
 
 # ---- the client helper ------------------------------------------------------------------------

@@ -29,7 +29,8 @@ from edged.perf.plot import latency_throughput_png, nice_step
 from edged.perf.ranges import concurrency_levels, rate_levels
 from edged.perf.report import CSV_COLUMNS
 from tests.conftest import EDGED, MODELS, REPO_ROOT
-from tests.mqtt_helpers import Broker, free_port
+from tests.mqtt_helpers import Broker
+from tests.netutil import free_port
 
 TRANSPORTS = ("http", "shm", "mqtt")
 FAST = ["-p", "300", "-r", "3", "-s", "100"]  # short windows; stability within 100% so three windows do

@@ -410,11 +410,17 @@ def test_many_clients_at_once(served: Served, tmp_path: Path, digits_holdout: tu
             errors.append(e)
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    out, _ = proc.communicate(timeout=120)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a client thread did not finish"
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # a failure above must not leave the client process behind
+            proc.kill()
+            proc.wait(10)
     assert not errors, errors
     assert proc.returncode == 0 and out.strip() == "ok"
     assert max(seen_clients) >= 2

@@ -232,15 +232,31 @@ def test_registry_bounds_property(offset: object, size: object) -> None:
         seg.close()
 
 
+def _fds_on(file: tuple[int, int]) -> set[int]:
+    """This process's descriptors open on the file with this (st_dev, st_ino)."""
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            st = os.stat(f"/proc/self/fd/{name}")  # follows the link to the open file
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == file:
+            out.add(int(name))
+    return out
+
+
 def test_registry_unregister_waits_for_users(segment: Segment) -> None:
     reg = SystemShmRegistry(MB)
     reg.register("r", segment.key, 0, 4096)
     fd = reg._regions["r"].fd
+    st = os.fstat(fd)
+    region_file = (st.st_dev, st.st_ino)
     with reg._use("r", 0, 16):
         assert reg.unregister("r")
-        os.fstat(fd)  # still open while in use
-    with pytest.raises(OSError):
-        os.fstat(fd)
+        assert fd in _fds_on(region_file)  # still open while in use
+    # Closed once the last user is done. Checked by identity: another thread may already have been
+    # given the same descriptor number for some other file.
+    assert fd not in _fds_on(region_file)
     with pytest.raises(InvalidInputError, match="not registered"):
         reg.read("r", 0, 16)
     with pytest.raises(EdgedError):

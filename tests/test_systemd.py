@@ -30,6 +30,7 @@ from edged.logs import bind, log_fields, setup_logging
 from edged.systemd.journal import JournalHandler, encode_native, running_under_journal
 from edged.systemd.notify import Notifier, watchdog_interval
 from tests.conftest import EDGED, REPO_ROOT
+from tests.netutil import free_port
 from tests.systemd_helpers import (
     NotifyListener,
     make_nan_model,
@@ -271,12 +272,6 @@ def test_ready_only_after_the_self_test_then_reload_and_clean_stop(
     assert not any("WATCHDOG" in m.fields for m in listener.snapshot()[stopping:])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _infer_spin(port: int, n: int, out: dict[str, object]) -> None:
     body = json.dumps({"inputs": [{"name": "n", "datatype": "INT64", "shape": [1], "data": [n]}]}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/spin/infer", data=body,
@@ -289,12 +284,29 @@ def _infer_spin(port: int, n: int, out: dict[str, object]) -> None:
     out["done_at"] = time.monotonic()
 
 
+def _wait_in_flight(port: int, model: str, client: threading.Thread, timeout: float = 30) -> None:
+    """Until the daemon's statistics show the client's request in flight.
+
+    The watchdog probe also passes through the model, but an idle engine answers it in
+    milliseconds: in flight on three polls in a row (0.1 s and more) is the client's request.
+    """
+    deadline = time.monotonic() + timeout
+    seen = 0
+    while seen < 3:
+        assert client.is_alive(), "the request finished before it was seen in flight"
+        assert time.monotonic() < deadline, f"no request in flight on {model} after {timeout:.0f} s"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/{model}/stats", timeout=10) as resp:
+            stats = json.loads(resp.read())["model_stats"]
+        seen = seen + 1 if sum(int(s.get("in_flight", 0)) for s in stats) >= 1 else 0
+        time.sleep(0.05)
+
+
 def test_watchdog_pings_stop_while_inference_hangs_and_sigterm_finishes_in_flight_requests(
         tmp_path: Path, model_repo: Callable[..., Path], listener: NotifyListener) -> None:
     pytest.importorskip("edged.transports.http", reason="the HTTP transport carries the client's request")
     repo = model_repo("digits")
     make_spin_model(repo)
-    port = _free_port()
+    port = free_port()
     cfg = _config(tmp_path, repo, f'[http]\nlisten = "127.0.0.1:{port}"\n[mqtt]\nenabled = false\n'
                                   '[shm]\nenabled = false\n')
     interval = 1.0
@@ -340,7 +352,7 @@ def test_watchdog_pings_stop_while_inference_hangs_and_sigterm_finishes_in_fligh
         n = max(1000, int(n * 3.0 / (done_at - hang_at)))
         t = threading.Thread(target=_infer_spin, args=(port, n, second), daemon=True)
         t.start()
-        time.sleep(1.0)
+        _wait_in_flight(port, "spin", t)
         before_term = len(listener.snapshot())
         proc.send_signal(signal.SIGTERM)
         listener.wait_for("STOPPING", "1", after=before_term, timeout=10)

@@ -406,9 +406,18 @@ def test_buffer_keeps_everything_committed_when_the_process_is_killed(tmp_path: 
     path = tmp_path / "buffer.db"
     proc = subprocess.Popen([sys.executable, "-c", _CRASH, str(path)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, cwd=Path(__file__).parent.parent)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == b"written"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(10)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"written"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:  # a failed assertion above must not leave the writer running
+            proc.kill()
+            proc.wait(10)
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
+    assert proc.returncode == -signal.SIGKILL
     b = TelemetryBuffer(path, 1 << 20)
     assert [s for s, _ in b.peek(100, 1 << 20).items] == list(range(1, 51))
     b.close()
@@ -542,6 +551,28 @@ def test_status_says_when_the_daemon_is_gone(write_config: Callable[..., Path], 
     assert status.run(argparse.Namespace(config=cfg_path, json=False)) == status.EXIT_ERROR
 
 
+def test_status_age_survives_a_wall_clock_step() -> None:
+    """Within one boot the age comes from the monotonic clock, whatever the wall clock did."""
+    from edged import status
+    from edged.telemetry.snapshot import StatusSnapshot, boot_id, snapshot_age
+
+    boot = boot_id()
+    if boot is None:
+        pytest.skip("no kernel boot id here")
+    now, mono = time.time(), time.monotonic()
+    # Written a second ago; the wall clock was then stepped back an hour (an NTP correction).
+    fresh = StatusSnapshot(state="running", pid=os.getpid(), device="d", started_at=now + 3600,
+                           written_at=now + 3599, written_mono=mono - 1, boot_id=boot, interval_s=10)
+    assert 1 <= snapshot_age(fresh, now) < 60
+    assert status.liveness(fresh, now) == ("running", True)
+    # Written five minutes ago by a daemon that hangs since; the wall clock jumped forward meanwhile.
+    hung = fresh.model_copy(update={"written_at": now - 1, "written_mono": mono - 300})
+    assert "not responding" in status.liveness(hung, now)[0]
+    # Another boot: the monotonic values mean nothing, wall time decides.
+    other = hung.model_copy(update={"boot_id": "another-boot"})
+    assert status.liveness(other, now) == ("running", True)
+
+
 def test_agent_keeps_sampling_when_mqtt_publish_fails(model_repo: Callable[..., Path],
                                                       write_config: Callable[..., Path]) -> None:
     repo = model_repo("digits")
@@ -563,6 +594,28 @@ def test_agent_keeps_sampling_when_mqtt_publish_fails(model_repo: Callable[..., 
         assert sum(m.success for m in s1.models + s2.models) == 3
         text = families(render_metrics(svc).decode())
         assert value(text, "edged_telemetry_publish_failures", "edged_telemetry_publish_failures_total") == 2
+    finally:
+        asyncio.run(agent.stop())
+        mgr.shutdown()
+
+
+def test_publish_returning_false_counts_as_a_failure(model_repo: Callable[..., Path],
+                                                     write_config: Callable[..., Path]) -> None:
+    # The daemon's publish wraps MqttTransport.publish, which returns False while the broker is away.
+    repo = model_repo("digits")
+    mgr, svc = make_service(repo)
+    cfg = load_config(write_config(repo))
+    results = [False, True, None]
+    agent = TelemetryAgent(cfg, svc, publish=lambda topic, payload: results.pop(0))
+    try:
+        asyncio.run(agent.start())
+        agent.sample_now()
+        assert agent.publish_failures == 1
+        assert any("not published on MQTT" in n for n in agent.status().notes)
+        agent.sample_now()
+        agent.sample_now()  # None (a publish that returns nothing) is taken as sent
+        assert agent.publish_failures == 1 and agent.samples_total == 3
+        assert not any("not published on MQTT" in n for n in agent.status().notes)
     finally:
         asyncio.run(agent.stop())
         mgr.shutdown()

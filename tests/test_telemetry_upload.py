@@ -39,18 +39,13 @@ from edged.telemetry.buffer import BufferStats, TelemetryBuffer
 from edged.telemetry.prometheus import render_metrics
 from edged.telemetry.upload import Outcome, Uploader, UploadSettings, UploadStats
 from edged.telemetry.wire import INGEST_PATH, Hist, ModelWindow, TelemetrySample
+from tests.netutil import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CPU = [BackendPreference(backend="onnxruntime", device="CPU", precisions=["fp32"])]
 ADMIN = "edga_test-admin-token-0123456789"
 DEVICE = "test-device"
 WAIT_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(cond: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
@@ -305,10 +300,44 @@ def test_refusals_and_outages_keep_the_samples(tmp_path: Path) -> None:
     assert up.upload_once() is Outcome.EMPTY
     buf.append(buf.next_seq(), sample(4))
     assert up.upload_once() is Outcome.UNREACHABLE and buf.stats().samples == 1
-    other, obuf = _uploader(tmp_path / "other", "http://127.0.0.1:9", 1, enrolled=False)
+    other, obuf = _uploader(tmp_path / "other", f"http://127.0.0.1:{free_port()}", 1, enrolled=False)  # bound, closed
     assert other.upload_once() is Outcome.NOT_ENROLLED
     buf.close()
     obuf.close()
+
+
+def test_stop_does_not_wait_for_an_upload_stuck_on_the_registry(
+        tmp_path: Path, model_repo: Callable[..., Path], write_config: Callable[..., Path],
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A registry that takes the connection and never answers: the agent's stop gives up on the upload."""
+    from edged.telemetry import agent as agent_module
+
+    monkeypatch.setattr(agent_module, "STOP_JOIN_S", 0.5)
+    hole = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel does), never answers
+    url = f"http://127.0.0.1:{hole.getsockname()[1]}"
+    repo = model_repo("digits")
+    cfg = load_config(write_config(repo))
+    enroll_locally(cfg, url, "edgd_x")
+    settings = UploadSettings(url=url, state_dir=cfg.device.state_dir, interval_s=0.05, timeout_s=120)
+    mgr, svc = make_service(repo)
+    agent = TelemetryAgent(cfg, svc, upload=settings)
+    try:
+        asyncio.run(agent.start())
+        agent.sample_now()
+        agent.upload_now()
+        conn, _ = hole.accept()  # the upload is now waiting for an answer that never comes
+        with caplog.at_level("WARNING", logger="edged.telemetry.agent"):
+            asyncio.run(agent.stop())
+        assert any("did not finish" in r.getMessage() and "upload" in r.getMessage() for r in caplog.records)
+        assert agent.buffer is not None and agent.buffer.stats().samples >= 1  # kept for the next start
+        hole.close()  # a retry is refused at once
+        conn.close()  # the upload now fails and its thread ends: then the buffer can be closed
+        wait_until(lambda: not any(t.name == "edged-telemetry-upload" for t in threading.enumerate()),
+                   "the upload thread to end")
+        agent.buffer.close()
+    finally:
+        hole.close()
+        mgr.shutdown()
 
 
 # ---- outage + daemon restart, end to end ---------------------------------------------------------------

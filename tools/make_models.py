@@ -24,7 +24,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import re
@@ -53,6 +52,11 @@ from sklearn.datasets import load_digits
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.model_selection import train_test_split
 from sklearn.neural_network import MLPClassifier
+
+from edged.fsutil import publish_dir
+from edged.optimize.writer import to_toml
+from edged.repository.digests import sha256_file
+from edged.repository.manifest import parse_manifest
 
 F32 = npt.NDArray[np.float32]
 I64 = npt.NDArray[np.int64]
@@ -88,14 +92,6 @@ def digits_split() -> tuple[F32, F32, I64, I64]:
     return x_train, x_test, y_train, y_test
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def ort_run(path: Path, feeds: dict[str, F32]) -> F32:
     """First output of an ONNX model on CPU (one thread: the numbers must not depend on the host)."""
     so = ort.SessionOptions()
@@ -125,56 +121,6 @@ def save_onnx(model: onnx.ModelProto, path: Path) -> None:
 
 def accuracy(probs: F32, y: I64) -> float:
     return float(np.mean(np.argmax(probs, axis=1) == y))
-
-
-# --------------------------------------------------------------------------- TOML
-
-
-_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if not np.isfinite(v):
-            raise ValueError(f"cannot write {v} to a manifest")
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)  # a JSON string is a valid TOML basic string
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"no TOML form for {type(v).__name__}")
-
-
-def _is_table_array(v: Any) -> bool:
-    return isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v)
-
-
-def to_toml(doc: dict[str, Any], prefix: str = "") -> str:
-    """Serialise nested dicts/lists the way the manifests are written by hand.
-
-    Only what manifests need: bare keys, scalars, flat arrays, tables and
-    arrays of tables (possibly nested).  Key order is kept.
-    """
-    lines: list[str] = []
-    for key, v in doc.items():
-        if not _BARE_KEY.match(key):
-            raise ValueError(f"key {key!r} would need quoting")
-        if v is not None and not isinstance(v, dict) and not _is_table_array(v):
-            lines.append(f"{key} = {_toml_value(v)}")
-    for key, v in doc.items():
-        path = f"{prefix}{key}"
-        if isinstance(v, dict):
-            lines.append(f"\n[{path}]")
-            lines.append(to_toml(v, path + ".").rstrip("\n"))
-        elif _is_table_array(v):
-            for item in v:
-                lines.append(f"\n[[{path}]]")
-                lines.append(to_toml(item, path + ".").rstrip("\n"))
-    return "\n".join(x for x in lines if x) + "\n"
 
 
 # --------------------------------------------------------------------------- files
@@ -238,8 +184,6 @@ def write_version(out: Path, name: str, build: Callable[[Path], dict[str, Any]])
     A failed build (or a quality bar not met) leaves the previous version untouched;
     a daemon watching the repository never sees a half-written version folder.
     """
-    from edged.repository.manifest import parse_manifest
-
     model_dir = out / name
     model_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".1.new-", dir=model_dir))
@@ -247,15 +191,7 @@ def write_version(out: Path, name: str, build: Callable[[Path], dict[str, Any]])
         tmp.chmod(0o755)
         summary = build(tmp)
         parse_manifest(tmp / "model.toml", model=name, version=1)
-        final = model_dir / "1"
-        old: Path | None = None
-        if final.exists():
-            old = Path(tempfile.mkdtemp(prefix=".1.old-", dir=model_dir))
-            old.rmdir()
-            final.rename(old)
-        tmp.rename(final)
-        if old is not None:
-            shutil.rmtree(old)
+        publish_dir(tmp, model_dir / "1")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

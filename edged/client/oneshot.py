@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from edged.client.connect import MqttSettings, http_address_of, shm_address_of
 from edged.config import Config
 from edged.errors import EdgedError
 from edged.repository.manifest import TensorSpec
@@ -24,13 +25,6 @@ def specs_from_metadata(meta: Mapping[str, Any]) -> tuple[list[TensorSpec], int]
     return specs, (1 if batched else 0)
 
 
-def _http_address(listen: str) -> str:
-    host, _, port = listen.rpartition(":")
-    if listen.startswith(("/", "unix:")) or not host:
-        return listen
-    return f"127.0.0.1:{port}" if host in ("0.0.0.0", "::", "[::]") else listen
-
-
 class RemoteModel:
     """Metadata and inference over one transport; each client is imported only when used."""
 
@@ -39,18 +33,12 @@ class RemoteModel:
         self._client: Any
         if transport == "http":
             from edged.client.http import HttpClient
-            self._client = HttpClient(_http_address(cfg.http.listen))
+            self._client = HttpClient(http_address_of(cfg))
         elif transport == "shm":
             from edged.client.shm import ShmClient
-            self._client = ShmClient(cfg.shm_socket)
+            self._client = ShmClient(shm_address_of(cfg))
         elif transport == "mqtt":
-            from edged.client.mqtt import MqttClient
-            tls = cfg.mqtt.tls
-            self._client = MqttClient(
-                cfg.mqtt.url, cfg.device.id, cfg.mqtt.topic_prefix, protocol=cfg.mqtt.protocol,
-                username=cfg.mqtt.username, password=cfg.mqtt.password,
-                ca_file=tls.ca_file if tls else None, cert_file=tls.cert_file if tls else None,
-                key_file=tls.key_file if tls else None)
+            self._client = MqttSettings.from_config(cfg).client()
         else:
             raise EdgedError(f"unknown transport {transport!r}")
 

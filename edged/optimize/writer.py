@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from edged.fsutil import fsync_dir
+from edged.fsutil import publish_dir
 from edged.optimize.errors import OptimizeInputError, VersionExistsError
 from edged.repository.manifest import ModelManifest, parse_manifest, valid_model_name
 
@@ -102,30 +100,8 @@ def stage(out: Path) -> Path:
     return tmp
 
 
-def _fsync_tree(root: Path) -> None:
-    for path in sorted(root.rglob("*"), reverse=True):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        elif path.is_dir():
-            fsync_dir(path)
-    fsync_dir(root)
-
-
 def publish(tmp: Path, out: Path, *, name: str, version: int, force: bool) -> None:
     """Validate the staged manifest, then rename the staged folder to ``out`` (replacing it with ``force``)."""
     parse_manifest(tmp / "model.toml", model=name, version=version)
-    _fsync_tree(tmp)
-    old: Path | None = None
-    if out.exists():
-        check_target(out, force=force)
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        old.rmdir()
-        out.rename(old)
-    tmp.rename(out)
-    fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    check_target(out, force=force)
+    publish_dir(tmp, out)

@@ -98,27 +98,22 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 def _target(args: argparse.Namespace, cfg: Any) -> Any:
+    from edged.client import connect
     from edged.perf import targets
 
     binary = args.input_tensor_format == "binary"
     if args.transport == "http":
-        return targets.HttpTarget(args.url or cfg.http.listen, args.model, args.model_version, args.request_timeout,
-                                  binary=binary)
+        return targets.HttpTarget(args.url or connect.http_address_of(cfg), args.model, args.model_version,
+                                  args.request_timeout, binary=binary)
     if args.transport == "shm":
         if args.input_tensor_format != "binary":
             from edged.errors import InvalidInputError
 
             raise InvalidInputError("--input-tensor-format json applies to http and mqtt, not shm")
-        return targets.ShmTarget(args.url or str(cfg.shm_socket), args.model, args.model_version,
+        return targets.ShmTarget(args.url or connect.shm_address_of(cfg), args.model, args.model_version,
                                  args.request_timeout)
-    m = cfg.mqtt
-    tls = m.tls
-    settings = targets.MqttSettings(
-        url=args.url or m.url, device_id=args.device_id or cfg.device.id,
-        topic_prefix=args.topic_prefix or m.topic_prefix, protocol=m.protocol, username=m.username,
-        password=m.password, ca_file=str(tls.ca_file) if tls and tls.ca_file else None,
-        cert_file=str(tls.cert_file) if tls and tls.cert_file else None,
-        key_file=str(tls.key_file) if tls and tls.key_file else None)
+    settings = connect.MqttSettings.from_config(cfg, url=args.url, device_id=args.device_id,
+                                                topic_prefix=args.topic_prefix)
     return targets.MqttTarget(settings, args.model, args.model_version, args.request_timeout, binary=binary)
 
 
@@ -130,7 +125,9 @@ def _stats_reader(args: argparse.Namespace, cfg: Any, target: Any) -> Any:
     elif args.http_url and args.http_url.lower() != "none":
         url, why = args.http_url, ""
     elif args.http_url is None and cfg.http.enabled:
-        url, why = cfg.http.listen, ""
+        from edged.client.connect import http_address_of
+
+        url, why = http_address_of(cfg), ""
     else:
         url, why = None, "no HTTP endpoint to read /v2/models/{m}/stats from (pass --http-url HOST:PORT)"
     reader = StatsReader(url, args.model, args.model_version, unavailable_reason=why)

@@ -10,10 +10,11 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
+from edged.client.connect import MqttSettings
 from edged.errors import EdgedError, ErrorCode
 from edged.perf.inputs import ModelInfo
 
@@ -94,19 +95,6 @@ class ShmTarget(Target):
         return Connection(call, c.close)
 
 
-@dataclass(frozen=True)
-class MqttSettings:
-    url: str
-    device_id: str
-    topic_prefix: str = "edged"
-    protocol: Literal["5", "3.1.1"] = "5"
-    username: str | None = None
-    password: str | None = None
-    ca_file: str | None = None
-    cert_file: str | None = None
-    key_file: str | None = None
-
-
 class MqttTarget(Target):
     transport = "mqtt"
 
@@ -117,12 +105,7 @@ class MqttTarget(Target):
         self.address = f"{settings.url} device {settings.device_id}"
 
     def _client(self) -> Any:
-        from edged.client.mqtt import MqttClient
-
-        s = self.settings
-        return MqttClient(s.url, s.device_id, s.topic_prefix, protocol=s.protocol, binary=self.binary,
-                          username=s.username, password=s.password, ca_file=s.ca_file, cert_file=s.cert_file,
-                          key_file=s.key_file, connect_timeout=self.timeout)
+        return self.settings.client(binary=self.binary, connect_timeout=self.timeout)
 
     def model_info(self) -> ModelInfo:
         c = self._client()

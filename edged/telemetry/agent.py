@@ -38,6 +38,7 @@ from edged.telemetry.snapshot import (
     StatusSnapshot,
     TelemetryStatus,
     UploadStatus,
+    boot_id,
     write_snapshot,
 )
 from edged.telemetry.upload import Uploader, UploadSettings, UploadStats
@@ -47,7 +48,11 @@ log = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 10.0
 BUFFER_FILE = "telemetry/buffer.db"
-Publish = Callable[[str, bytes], None]
+# The agent's threads get this long to finish at stop: an upload blocked on a slow registry must
+# not hold the daemon past systemd's stop timeout (the buffer keeps what was not acknowledged).
+STOP_JOIN_S = 5.0
+# publish(topic, payload): False (or an exception) means not sent; None is taken as sent.
+Publish = Callable[[str, bytes], bool | None]
 
 
 class _Window:
@@ -68,7 +73,8 @@ class TelemetryAgent:
     def __init__(self, cfg: Config, service: InferenceService, *, publish: Publish | None = None,
                  profile: str | None = None, sampler: DeviceSampler | None = None,
                  upload: UploadSettings | None = None, status_interval_s: float | None = None) -> None:
-        """``publish(topic, payload)`` sends over MQTT (any thread); ``upload`` overrides what cfg says."""
+        """``publish(topic, payload)`` sends over MQTT (any thread) and returns False when it could not;
+        ``upload`` overrides what cfg says."""
         self.cfg = cfg
         self.service = service
         self.publish = publish
@@ -90,6 +96,7 @@ class TelemetryAgent:
         self._seq = 0  # used only when nothing is buffered
         self._started_wall = time.time()
         self._started_mono = time.monotonic()
+        self._boot_id = boot_id()
         self._sample_lock = threading.Lock()
         self._telemetry_window = _Window()
         self._status_window = _Window()
@@ -155,21 +162,31 @@ class TelemetryAgent:
         await asyncio.to_thread(self._close)
 
     def _close(self) -> None:
+        end = time.monotonic() + STOP_JOIN_S
         for t in self._threads:
-            t.join()
+            t.join(max(0.0, end - time.monotonic()))
+        stuck = [t for t in self._threads if t.is_alive()]
+        sampling_done = not (self._threads and self._threads[0] in stuck)  # else it may hold the sample lock
         self._threads = []
-        if self.enabled:
-            # A last window up to the stop, so a restart loses no counts (it waits in the buffer).
-            self._guard("final telemetry sample", self.sample_now)
-        with contextlib.suppress(OSError):
-            self.write_status(state="stopped")
+        if stuck:
+            # Daemon threads: they end with the process. The buffer stays open for them; SQLite's
+            # journal keeps it consistent, and unacknowledged samples are uploaded after the restart.
+            log.warning("telemetry: %s did not finish within %.0f s of the stop; not waiting for it",
+                        " and ".join(t.name for t in stuck), STOP_JOIN_S)
+        if sampling_done:
+            if self.enabled:
+                # A last window up to the stop, so a restart loses no counts (it waits in the buffer).
+                self._guard("final telemetry sample", self.sample_now)
+            with contextlib.suppress(OSError):
+                self.write_status(state="stopped")
         renderer = prometheus.renderer_for(self.service)
         if renderer.collector.telemetry is self:
             renderer.collector.telemetry = None
-        if self.buffer is not None:
+        if self.buffer is not None and not stuck:
             self.buffer.close()
             self.buffer = None
-        self.sampler.close()
+        if sampling_done:
+            self.sampler.close()
 
     def _loop(self) -> None:
         next_status = time.monotonic() + self.status_interval_s
@@ -223,13 +240,17 @@ class TelemetryAgent:
             self.samples_total += 1
             if self.publish is not None:
                 try:
-                    self.publish(self.topic, body)
-                    self._last_publish_error = None
+                    sent = self.publish(self.topic, body)
+                    error = None if sent is not False else "not connected to the broker, or its send queue is full"
                 except Exception as e:  # the broker being away must not stop buffering and upload
+                    error = str(e) or type(e).__name__
+                if error is None:
+                    self._last_publish_error = None
+                else:
                     self.publish_failures += 1
                     if self._last_publish_error is None:
-                        log.warning("telemetry not published on MQTT: %s", e)
-                    self._last_publish_error = str(e)
+                        log.warning("telemetry not published on MQTT: %s", error)
+                    self._last_publish_error = error
             return sample
 
     def upload_now(self) -> None:
@@ -279,6 +300,7 @@ class TelemetryAgent:
         return StatusSnapshot(
             state=state, pid=os.getpid(), device=self.cfg.device.id, profile=self.profile,
             edged_version=__version__, started_at=self._started_wall, written_at=time.time(),
+            written_mono=time.monotonic(), boot_id=self._boot_id,
             interval_s=self.status_interval_s, window_s=round(window, 3),
             system=message.system_window(reading, prev_dev), models=models, telemetry=tel, notes=notes)
 

@@ -3,18 +3,39 @@
 Written atomically (temp file + rename) every few seconds while the daemon runs, and once
 more with ``state = "stopped"`` when it stops, so a reader never sees half a file and can
 tell a stopped daemon (state), a hung one (age) and a crashed one (pid gone) apart.
+
+The age is measured on CLOCK_MONOTONIC, which every process of one boot shares, when the
+reader runs in the boot that wrote the file (same kernel boot id); wall time, which NTP or
+an RTC-less board's first sync can step by hours, is only the fallback.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from edged.errors import EdgedError, ErrorCode
 from edged.fsutil import atomic_write_bytes
 from edged.telemetry.wire import SystemWindow
 
 STATUS_FILE = "status.json"
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+class StatusFileError(EdgedError):
+    """The status file exists but is not a status snapshot (garbled, or another program's)."""
+
+    code = ErrorCode.FAILED_PRECONDITION
+
+
+def boot_id() -> str | None:
+    """This boot's id (Linux), or None where the kernel does not offer one."""
+    try:
+        return BOOT_ID.read_text().strip() or None
+    except OSError:
+        return None
 
 
 class _Snap(BaseModel):
@@ -72,7 +93,9 @@ class StatusSnapshot(_Snap):
     profile: str | None = None
     edged_version: str = ""
     started_at: float
-    written_at: float
+    written_at: float = Field(description="wall time, for people; see written_mono for ages")
+    written_mono: float | None = Field(default=None, description="time.monotonic() when written")
+    boot_id: str | None = Field(default=None, description="the kernel boot id written_mono belongs to")
     interval_s: float = Field(description="how often the file is rewritten")
     window_s: float = 0.0
     system: SystemWindow = Field(default_factory=SystemWindow)
@@ -81,12 +104,19 @@ class StatusSnapshot(_Snap):
     notes: list[str] = Field(default_factory=list)
 
 
+def snapshot_age(snap: StatusSnapshot, now_wall: float) -> float:
+    """Seconds since the snapshot was written: monotonic within the same boot, else by wall clocks."""
+    if snap.written_mono is not None and snap.boot_id is not None and snap.boot_id == boot_id():
+        return time.monotonic() - snap.written_mono
+    return now_wall - snap.written_at
+
+
 def write_snapshot(path: Path, snap: StatusSnapshot) -> None:
     atomic_write_bytes(path, snap.model_dump_json(exclude_none=True).encode(), mode=0o644)
 
 
 def read_snapshot(path: Path) -> StatusSnapshot | None:
-    """None when there is no file; a garbled one raises ValueError with the reason."""
+    """None when there is no file; a garbled one raises StatusFileError with the reason."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -94,4 +124,4 @@ def read_snapshot(path: Path) -> StatusSnapshot | None:
     try:
         return StatusSnapshot.model_validate_json(data)
     except ValidationError as e:
-        raise ValueError(f"{path.name} is not a status snapshot ({e.error_count()} problem(s))") from None
+        raise StatusFileError(f"{path.name} is not a status snapshot ({e.error_count()} problem(s))") from None

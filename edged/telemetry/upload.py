@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import random
 import threading
 import time
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from edged.backoff import Backoff
 from edged.config import Config
 from edged.errors import EdgedError
 from edged.telemetry.buffer import Pending, TelemetryBuffer
@@ -28,7 +28,7 @@ from edged.telemetry.wire import INGEST_PATH, MAX_BATCH_ITEMS, UploadAck
 
 log = logging.getLogger(__name__)
 
-# Defaults of optional [telemetry] / [registry] keys (read with getattr: the config may not define them yet).
+# The defaults of [telemetry] upload_interval_s and [registry] request_timeout_s / retry_max_s.
 DEFAULT_UPLOAD_INTERVAL_S = 60.0
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_RETRY_MAX_S = 300.0
@@ -65,12 +65,8 @@ class UploadSettings:
         tel, reg = cfg.telemetry, cfg.registry
         if not (tel.enabled and tel.upload and reg.enabled and reg.url):
             return None
-        ca = getattr(reg, "ca_file", None)
-        return cls(url=reg.url.rstrip("/"), state_dir=cfg.device.state_dir,
-                   interval_s=float(getattr(tel, "upload_interval_s", DEFAULT_UPLOAD_INTERVAL_S)),
-                   timeout_s=float(getattr(reg, "request_timeout_s", DEFAULT_TIMEOUT_S)),
-                   max_backoff_s=float(getattr(reg, "retry_max_s", DEFAULT_RETRY_MAX_S)),
-                   ca_file=Path(ca) if ca else None)
+        return cls(url=reg.url.rstrip("/"), state_dir=cfg.device.state_dir, interval_s=tel.upload_interval_s,
+                   timeout_s=reg.request_timeout_s, max_backoff_s=reg.retry_max_s, ca_file=reg.ca_file)
 
 
 @dataclass(frozen=True)
@@ -82,22 +78,6 @@ class UploadStats:
     rejected_total: int
     last_success_wall: float | None
     last_error: str | None
-
-
-class Backoff:
-    """Capped exponential back-off with equal jitter, so a fleet coming back online does not stampede."""
-
-    def __init__(self, min_s: float, max_s: float) -> None:
-        self.min_s, self.max_s = min_s, max_s
-        self.attempts = 0
-
-    def next_delay(self) -> float:
-        base = min(self.max_s, self.min_s * 2.0 ** min(self.attempts, 30))
-        self.attempts += 1
-        return base / 2 + random.uniform(0, base / 2)
-
-    def reset(self) -> None:
-        self.attempts = 0
 
 
 def batch_body(p: Pending) -> bytes:

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 from edged.config import Config
 from edged.core.service import InferenceService
 from edged.errors import EdgedError, ErrorCode
-from edged.transports.http_app import Scrubber, V2App
+from edged.protocol.redact import Scrubber
+from edged.transports.http_app import V2App
 from edged.transports.http_server import HttpServer, Limits
 from edged.transports.sysshm import SystemShmRegistry
 
@@ -103,8 +104,7 @@ class HttpTransport:
         self.service = service
         self.listen = cfg.http.listen
         self.shm = SystemShmRegistry(int(cfg.shm.max_region_mb * 1024 * 1024))
-        scrub = Scrubber([cfg.device.model_repository, cfg.device.state_dir, cfg.device.runtime_dir,
-                          cfg.cache_dir, cfg.source.parent if cfg.source else None])
+        scrub = Scrubber.for_config(cfg)
         self.app = V2App(service, self.shm, max_body=int(cfg.http.max_request_mb * 1024 * 1024), scrub=scrub,
                          metrics=self._metrics)
         self._metrics_endpoint: MetricsEndpoint | None = None

@@ -15,7 +15,6 @@ import logging
 import time
 import zlib
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
@@ -23,6 +22,7 @@ import edged
 from edged.core.models import ModelState
 from edged.core.service import InferenceService
 from edged.errors import EdgedError, ErrorCode, InvalidInputError, ModelNotFoundError
+from edged.protocol.redact import Scrubber
 from edged.protocol.v2 import DecodedRequest, decode_request, dumps, encode_response, loads
 from edged.repository.manifest import valid_model_name
 from edged.transports.http_config import model_config
@@ -55,27 +55,6 @@ class HttpError(Exception):
     def __init__(self, status: int, message: str, headers: Headers | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.headers = status, message, headers or []
-
-
-class Scrubber:
-    """Replaces the daemon's own directories in outgoing text: clients never learn internal paths."""
-
-    def __init__(self, paths: list[Path | None]) -> None:
-        roots = {str(p) for p in paths if p is not None and str(p) not in ("", "/", ".")}
-        self._roots = sorted(roots, key=len, reverse=True)
-        self._broots = [r.encode() for r in self._roots]
-
-    def text(self, s: str) -> str:
-        for r in self._roots:
-            if r in s:
-                s = s.replace(r, "<internal>")
-        return s
-
-    def data(self, b: bytes) -> bytes:
-        for r in self._broots:
-            if r in b:
-                b = b.replace(r, b"<internal>")
-        return b
 
 
 class V2App:
@@ -184,7 +163,7 @@ class V2App:
         for k, v in req.headers:
             if k == b"inference-header-content-length":
                 hlen_raw = v
-        body = self._body(req)
+        body = await self._body(req)
         if len(body) > _HEAVY:
             decoded = await asyncio.to_thread(self._decode, body, hlen_raw, model, version)
         else:
@@ -230,20 +209,25 @@ class V2App:
                    (b"inference-header-content-length", str(len(hjson)).encode())]
         return 200, headers, b"".join([hjson, *chunks])
 
-    def _body(self, req: Request) -> bytes:
-        """The request body, decompressed when it says so (the server already bounded its raw size)."""
+    async def _body(self, req: Request) -> bytes:
+        """The request body, decompressed when it says so (the server already bounded its raw size).
+
+        Inflating up to ``max_body`` bytes takes milliseconds or more: it runs in a worker thread.
+        """
         for k, v in req.headers:
             if k == b"content-encoding":
                 enc = v.lower().strip()
                 if enc not in (b"identity", b""):
-                    return _decompress(req.body, enc, self.max_body)
+                    if enc not in (b"gzip", b"deflate"):
+                        raise _unsupported_encoding(enc)
+                    return await asyncio.to_thread(_decompress, req.body, enc, self.max_body)
         return req.body
 
     # ---- model repository -------------------------------------------------------------------
     async def _repository(self, method: str, rest: list[str], req: Request) -> Response:
         if rest == ["index"]:
             _allow(method, "POST", "GET")
-            ready_only = _json_object(self._body(req)).get("ready", False)
+            ready_only = _json_object(await self._body(req)).get("ready", False)
             if not isinstance(ready_only, bool):
                 raise InvalidInputError("'ready' must be true or false")
             index = await asyncio.to_thread(self._index, ready_only)
@@ -251,7 +235,7 @@ class V2App:
         if len(rest) == 3 and rest[0] == "models" and rest[2] in ("load", "unload"):
             _allow(method, "POST")
             name = rest[1]
-            params = _json_object(self._body(req)).get("parameters") or {}
+            params = _json_object(await self._body(req)).get("parameters") or {}
             if not isinstance(params, dict):
                 raise InvalidInputError("'parameters' must be an object")
             if not valid_model_name(name):
@@ -312,7 +296,7 @@ class V2App:
                 return self._json(self.shm.status(name))
             if action == "register":
                 _allow(method, "POST")
-                body = _json_object(self._body(req))
+                body = _json_object(await self._body(req))
                 self.shm.register(name, body.get("key"), body.get("offset", 0), body.get("byte_size"))
                 return self._json({})
             if action == "unregister":
@@ -360,6 +344,11 @@ def _too_large(limit: int) -> HttpError:
                      [(b"connection", b"close")])
 
 
+def _unsupported_encoding(encoding: bytes) -> HttpError:
+    return HttpError(415, f"unsupported Content-Encoding {encoding.decode('latin-1')!r} "
+                          "(identity, gzip and deflate are)")
+
+
 def _decompress(body: bytes, encoding: bytes, limit: int) -> bytes:
     """gzip/deflate request bodies (tritonclient's request_compression_algorithm), bounded by the limit."""
     if encoding == b"gzip":
@@ -367,8 +356,7 @@ def _decompress(body: bytes, encoding: bytes, limit: int) -> bytes:
     elif encoding == b"deflate":
         d = zlib.decompressobj(wbits=15)
     else:
-        raise HttpError(415, f"unsupported Content-Encoding {encoding.decode('latin-1')!r} "
-                             "(identity, gzip and deflate are)")
+        raise _unsupported_encoding(encoding)
     try:
         out = d.decompress(body, limit + 1)
     except zlib.error:

@@ -25,18 +25,21 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
+from edged.backoff import Backoff
 from edged.config import Config
 from edged.core.service import InferenceService
 from edged.core.types import InferRequest, InferResponse
 from edged.errors import (
     DeadlineExceededError,
     EdgedError,
+    ErrorCode,
     InternalError,
     InvalidInputError,
     ModelNotReadyError,
     OverloadedError,
     ResourceExhaustedError,
 )
+from edged.protocol.redact import Scrubber
 from edged.protocol.v2 import DecodedRequest, decode_request, dumps, encode_response, loads
 from edged.transports import mqtt_codec as codec
 from edged.transports.mqtt_bindings import (
@@ -48,7 +51,7 @@ from edged.transports.mqtt_bindings import (
     validate_bindings,
 )
 from edged.transports.mqtt_codec import Form, Topics
-from edged.transports.mqtt_connection import Backoff, LinkState, MqttOptions, connect_properties, make_client
+from edged.transports.mqtt_connection import LinkState, MqttOptions, connect_properties, make_client
 from edged.transports.mqtt_dedup import RecentKeys
 from edged.transports.mqtt_properties import publish_properties
 from edged.transports.mqtt_status import device_offline, device_online, model_statuses
@@ -102,7 +105,9 @@ class MqttTransport:
         self.prefix = cfg.mqtt.topic_prefix
         self.topics = Topics(self.prefix, self.device)
         self.link = LinkState(self.options.url)
-        self.ready = threading.Event()  # connected and subscribed
+        self.scrub = Scrubber.for_config(cfg)  # model reasons and errors name files under these
+        self.ready = threading.Event()  # connected and subscribed to every request filter
+        self._settled = threading.Event()  # the broker answered the subscriptions (granted or refused)
         self.counters: collections.Counter[str] = collections.Counter()
         self._counter_lock = threading.Lock()
         self._recent = RecentKeys()
@@ -120,6 +125,7 @@ class MqttTransport:
         ]
         self._stopping = False
         self._sub_mid: int | None = None
+        self._sub_topics: list[str] = []
         self._status_lock = threading.Lock()
         self._published_models: dict[str, bytes] = {}
         self._watch_stop = threading.Event()
@@ -191,8 +197,19 @@ class MqttTransport:
         log.info("MQTT transport stopped (%s)", self._summary())
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until connected and subscribed (tests, tools)."""
-        return self.ready.wait(timeout)
+        """Block until connected and subscribed (tests, tools); False on timeout.
+
+        Raises FAILED_PRECONDITION when the broker refused a request subscription: waiting longer
+        would not help, the broker's ACL (or the topic prefix) has to change.
+        """
+        if not self._settled.wait(timeout):
+            return False
+        if self.ready.is_set():
+            return True
+        error = self.link.subscription_error
+        if error is not None:
+            raise EdgedError(error, code=ErrorCode.FAILED_PRECONDITION)
+        return False
 
     @property
     def inflight(self) -> int:
@@ -216,6 +233,7 @@ class MqttTransport:
             self.link.set_up()
             subs = [(f, self.options.qos) for f in self.topics.infer_filters]
             subs += [(b.topic, b.qos) for b in self.bindings]
+            self._sub_topics = [f for f, _ in subs]
             _, self._sub_mid = client.subscribe(subs)
             self.publish_status(force=True)
         except Exception:
@@ -224,17 +242,34 @@ class MqttTransport:
     def _on_subscribe(self, client: mqtt.Client, userdata: Any, mid: int, reasons: list[ReasonCode],
                       properties: Properties | None) -> None:
         try:
-            failed = [str(r) for r in reasons if r.is_failure]
-            if failed:
-                log.error("MQTT broker refused subscription(s): %s", ", ".join(failed))
-            if mid == self._sub_mid:
+            if mid != self._sub_mid:
+                return
+            n_infer = len(self.topics.infer_filters)  # subscribed first, then the bindings' topics
+            infer_refused = []
+            for i, (topic, r) in enumerate(zip(self._sub_topics, reasons, strict=False)):
+                if not r.is_failure:
+                    continue
+                if i < n_infer:
+                    infer_refused.append(f"{topic!r} ({r})")
+                else:
+                    self._warn(f"binding-sub-{topic}", f"the broker refused the stream binding's subscription "
+                               f"{topic!r} ({r})")
+            if infer_refused:
+                self.ready.clear()
+                self.link.set_subscriptions("the broker refused the request subscription(s) "
+                                            + ", ".join(infer_refused))
+                self.publish_status(force=True)  # the retained device status carries the error
+            else:
+                self.link.set_subscriptions(None)
                 self.ready.set()
+            self._settled.set()
         except Exception:
             log.exception("MQTT on_subscribe handler failed")
 
     def _on_connect_fail(self, client: mqtt.Client, userdata: Any) -> None:
         try:
             self.ready.clear()
+            self._settled.clear()
             self.link.set_down("cannot reach the broker")
             self._set_retry_delay(client)
         except Exception:
@@ -244,6 +279,7 @@ class MqttTransport:
                        properties: Properties | None) -> None:
         try:
             self.ready.clear()
+            self._settled.clear()
             if self._stopping:
                 self.link.set_down("stopped", retrying=False)
                 return
@@ -455,8 +491,9 @@ class MqttTransport:
             self._drop(topic, f"{err.code.value}: {err}")
             return
         try:
-            form, payload, hlen = codec.frame(reply.form, codec.error_header(err, reply.request_id), [],
-                                              properties=self.options.v5)
+            header = codec.error_header(err, reply.request_id)
+            header["error"] = self.scrub.text(header["error"])
+            form, payload, hlen = codec.frame(reply.form, header, [], properties=self.options.v5)
             self._send(reply, payload, form, hlen, error=err.code.value)
         except Exception:
             log.exception("MQTT error reply failed")
@@ -511,7 +548,7 @@ class MqttTransport:
         return payload, hlen if form is Form.BINARY_PROPERTY else None
 
     def _binding_error(self, b: StreamBinding, item: Item, err: EdgedError) -> bytes:
-        return dumps({"error": err.message, "code": err.code.value, "model_name": b.model,
+        return dumps({"error": self.scrub.text(err.message), "code": err.code.value, "model_name": b.model,
                       "input_topic": item.topic, "timestamp": item.received_at})
 
     def _publish_plain(self, topic: str, payload: bytes, qos: int, hlen: int | None) -> None:
@@ -550,12 +587,13 @@ class MqttTransport:
                 io[name] = self.service.metadata(name)
             except EdgedError:
                 pass  # unloaded meanwhile
-        docs = {name: dumps(doc) for name, doc in model_statuses(statuses, io).items()}
+        docs = {name: self.scrub.data(dumps(doc)) for name, doc in model_statuses(statuses, io).items()}
         qos = self.options.qos
         with self._status_lock:
             if not force and docs == self._published_models:
                 return
-            client.publish(self.topics.status, device_online(self.device, self.profile_name, statuses),
+            client.publish(self.topics.status, device_online(self.device, self.profile_name, statuses,
+                                                             error=self.link.subscription_error),
                            qos=qos, retain=True)
             for name, doc in docs.items():
                 if force or self._published_models.get(name) != doc:

@@ -9,7 +9,6 @@ change instead of once per retry.
 from __future__ import annotations
 
 import logging
-import random
 import socket
 import ssl
 import threading
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
-from edged.config import Config, MqttSection
+from edged.config import Config
 from edged.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -66,8 +65,6 @@ class MqttOptions:
             raise ConfigError(f"mqtt.url: {m.url!r} has an invalid port", ["mqtt.url: invalid port"]) from None
         if not parts.hostname:
             raise ConfigError(f"mqtt.url: {m.url!r} has no host", ["mqtt.url: no host"])
-        # Keys the lead is adding to MqttSection; until then the defaults apply.
-        extra = _extra(m)
         opts = cls(
             url=f"{scheme}://{parts.hostname}:{port}", host=parts.hostname, port=port,
             transport="websockets" if scheme in ("ws", "wss") else "tcp", ws_path=parts.path or "/mqtt",
@@ -76,10 +73,10 @@ class MqttOptions:
             key_file=m.tls.key_file if m.tls else None, insecure=bool(m.tls and m.tls.insecure_skip_verify),
             username=m.username if m.username is not None else parts.username,
             password=m.password if m.password is not None else parts.password,
-            v5=m.protocol == "5", client_id=extra["client_id"] or f"edged-{cfg.device.id}",
-            keepalive_s=m.keepalive_s, qos=extra["qos"], clean_start=extra["clean_start"],
-            session_expiry_s=extra["session_expiry_s"], reconnect_min_s=extra["reconnect_min_s"],
-            reconnect_max_s=max(extra["reconnect_max_s"], extra["reconnect_min_s"]),
+            v5=m.protocol == "5", client_id=m.client_id or f"edged-{cfg.device.id}",
+            keepalive_s=m.keepalive_s, qos=m.qos, clean_start=m.clean_start,
+            session_expiry_s=m.session_expiry_s, reconnect_min_s=m.reconnect_min_s,
+            reconnect_max_s=max(m.reconnect_max_s, m.reconnect_min_s),
             max_payload_bytes=int(m.max_payload_mb * 1024 * 1024),
         )
         opts.check_files()
@@ -95,16 +92,6 @@ class MqttOptions:
             problems.append("mqtt.tls.key_file: set without cert_file")
         if problems:
             raise ConfigError("MQTT TLS configuration: " + "; ".join(problems), problems)
-
-
-_EXTRA_DEFAULTS: dict[str, Any] = {
-    "client_id": None, "qos": 1, "clean_start": True, "session_expiry_s": 0,
-    "reconnect_min_s": 0.5, "reconnect_max_s": 30.0,
-}
-
-
-def _extra(m: MqttSection) -> dict[str, Any]:
-    return {k: getattr(m, k, default) for k, default in _EXTRA_DEFAULTS.items()}
 
 
 def make_client(opts: MqttOptions, *, will_topic: str, will_payload: bytes) -> mqtt.Client:
@@ -164,23 +151,6 @@ def connect_properties(opts: MqttOptions) -> Any:
     return props
 
 
-class Backoff:
-    """Capped exponential backoff with "equal jitter": half fixed, half random."""
-
-    def __init__(self, min_s: float, max_s: float, rng: random.Random | None = None) -> None:
-        self.min_s, self.max_s = min_s, max_s
-        self.attempts = 0
-        self._rng = rng or random.Random()
-
-    def next_delay(self) -> float:
-        base = min(self.max_s, self.min_s * float(2 ** min(self.attempts, 30)))
-        self.attempts += 1
-        return base / 2 + float(self._rng.uniform(0, base / 2))
-
-    def reset(self) -> None:
-        self.attempts = 0
-
-
 class LinkState:
     """Whether the broker is reachable, logged once per change rather than once per retry."""
 
@@ -190,6 +160,9 @@ class LinkState:
         self._lock = threading.Lock()
         self.changes = 0
         self.connected = threading.Event()
+        # Why the broker refused the request subscriptions (ACL, bad filter), None when it granted them.
+        self.subscription_error: str | None = None
+        self._logged_refusal: str | None = None
 
     @property
     def up(self) -> bool:
@@ -204,6 +177,17 @@ class LinkState:
         self.connected.set()
         if changed:
             log.info("MQTT broker %s connected", self.url)
+
+    def set_subscriptions(self, error: str | None) -> None:
+        """Record the outcome of subscribing; a refusal is logged once, not on every reconnect."""
+        self.subscription_error = error
+        if error is None:
+            if self._logged_refusal is not None:
+                log.info("MQTT broker %s now grants the subscriptions", self.url)
+            self._logged_refusal = None
+        elif error != self._logged_refusal:
+            self._logged_refusal = error
+            log.error("MQTT broker %s: %s; no requests will arrive until this is fixed", self.url, error)
 
     def set_down(self, reason: str, *, retrying: bool = True) -> None:
         self.connected.clear()

@@ -24,10 +24,15 @@ def device_offline(device: str, reason: str) -> bytes:
     return dumps({"state": "offline", "device": device, "reason": reason, "version": __version__})
 
 
-def device_online(device: str, profile: str, models: Iterable[Mapping[str, Any]]) -> bytes:
+def device_online(device: str, profile: str, models: Iterable[Mapping[str, Any]], *,
+                  error: str | None = None) -> bytes:
+    """``error``: why requests cannot arrive although the daemon is connected (a refused subscription)."""
     summary = [{"name": m["name"], "version": m["version"], "state": m["state"]} for m in models]
-    return dumps({"state": "online", "device": device, "profile": profile, "models": summary,
-                  "version": __version__, "since": _now()})
+    doc: dict[str, Any] = {"state": "online", "device": device, "profile": profile, "models": summary,
+                           "version": __version__, "since": _now()}
+    if error is not None:
+        doc["error"] = error
+    return dumps(doc)
 
 
 def model_statuses(statuses: Iterable[Mapping[str, Any]],

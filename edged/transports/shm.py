@@ -26,6 +26,7 @@ from typing import Any
 from edged.config import Config
 from edged.core.service import InferenceService
 from edged.errors import EdgedError, ErrorCode
+from edged.protocol.redact import Scrubber
 from edged.transports.shm_conn import Connection, Limits
 from edged.transports.shm_segments import clean_stale_shm, fds_needed
 
@@ -45,12 +46,10 @@ class ShmTransport:
         self.mode = cfg.shm.socket_mode
         self.max_clients = max_clients
         self.stop_grace_s = stop_grace_s
+        self.scrub = Scrubber.for_config(cfg)
         shm = cfg.shm
-        # max_segments / max_inflight are read when the config grows them; defaults otherwise.
-        self.limits = limits or Limits(
-            max_segments=int(getattr(shm, "max_segments", Limits.max_segments)),
-            max_mapped_bytes=int(shm.max_region_mb * 2**20),
-            max_inflight=int(getattr(shm, "max_inflight", Limits.max_inflight)))
+        self.limits = limits or Limits(max_segments=shm.max_segments, max_mapped_bytes=int(shm.max_region_mb * 2**20),
+                                       max_inflight=shm.max_inflight)
         self._listener: socket.socket | None = None
         self._inode: tuple[int, int] | None = None
         self._wake_r = self._wake_w = -1
@@ -199,7 +198,8 @@ class ShmTransport:
                             pid, uid, len(self._conns))
                 conn.close()
                 return
-            c = Connection(conn, (pid, uid, gid), service=self.service, limits=self.limits, on_closed=self._closed)
+            c = Connection(conn, (pid, uid, gid), service=self.service, limits=self.limits, on_closed=self._closed,
+                           scrub=self.scrub)
             self._conns[c] = None
         log.info("shm client connected: pid=%d uid=%d gid=%d (%s)", pid, uid, gid, _comm(pid))
         c.start()

@@ -40,6 +40,7 @@ from edged.errors import (
     OverloadedError,
     ResourceExhaustedError,
 )
+from edged.protocol.redact import Scrubber
 from edged.transports import shm_protocol as p
 from edged.transports.shm_segments import Segment, SegmentError, check_range, map_segment
 
@@ -86,8 +87,9 @@ def _take_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
 
 class Connection:
     def __init__(self, sock: socket.socket, creds: tuple[int, int, int], *, service: InferenceService,
-                 limits: Limits, on_closed: Callable[[Connection], None]) -> None:
+                 limits: Limits, on_closed: Callable[[Connection], None], scrub: Scrubber | None = None) -> None:
         self.sock = sock
+        self.scrub = scrub or Scrubber()  # model reasons and errors can name internal files
         self.pid, self.uid, self.gid = creds
         self.service = service
         self.limits = limits
@@ -207,7 +209,8 @@ class Connection:
             else:
                 raise p.ProtocolError(f"unknown message kind {kind}")
         except EdgedError as e:
-            self._send(p.encode_error(kind & 0x7F, rid, e.code, e.message, e.context.get("needed_bytes", 0)))
+            self._send(p.encode_error(kind & 0x7F, rid, e.code, self.scrub.text(e.message),
+                                      e.context.get("needed_bytes", 0)))
         except Exception:
             log.exception("shm client pid=%d: failed to handle message kind %d", self.pid, kind)
             self._send(p.encode_error(kind & 0x7F, rid, ErrorCode.INTERNAL, "internal error"))
@@ -289,7 +292,7 @@ class Connection:
         mv = self.service.model(name, version or None)
         meta["max_batch_size"] = mv.max_batch_size
         meta["version"] = mv.version
-        self._send(p.header(p.METADATA | p.REPLY, rid) + orjson.dumps(meta))
+        self._send(p.header(p.METADATA | p.REPLY, rid) + self.scrub.data(orjson.dumps(meta)))
 
     # ---- inference --------------------------------------------------------------------------
     def _plan(self, body: memoryview) -> _Plan:
@@ -382,9 +385,10 @@ class Connection:
                 msg = self._write_outputs(rid, plan, resp)
             else:
                 assert err is not None
-                msg = p.encode_error(p.INFER, rid, err.code, err.message, err.context.get("needed_bytes", 0))
+                msg = p.encode_error(p.INFER, rid, err.code, self.scrub.text(err.message),
+                                     err.context.get("needed_bytes", 0))
         except EdgedError as e:
-            msg = p.encode_error(p.INFER, rid, e.code, e.message, e.context.get("needed_bytes", 0))
+            msg = p.encode_error(p.INFER, rid, e.code, self.scrub.text(e.message), e.context.get("needed_bytes", 0))
         except Exception:
             log.exception("shm client pid=%d: writing outputs failed", self.pid)
             msg = p.encode_error(p.INFER, rid, ErrorCode.INTERNAL, "internal error while writing outputs")
