@@ -26,13 +26,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from edged import __version__
 from edged.errors import ErrorCode
-from edged.registry import service
-from edged.registry.auth import is_admin
-from edged.registry.blobs import SHA256_RE, BlobError, BlobStore
-from edged.registry.db import DeviceRow, make_engine, make_sessionmaker
+from edged.registry import desired as desired_state
+from edged.registry import rollouts, service
+from edged.registry.auth import bearer_token, is_admin, token_hash
+from edged.registry.blobs import SHA256_RE, BlobError, BlobStore, SmallBlobCache
+from edged.registry.db import DeviceRow, make_engine, make_sessionmaker, readonly
+from edged.registry.evaluator import Evaluator, tick
+from edged.registry.lastseen import LastSeen
 from edged.registry.migrate import upgrade
 from edged.registry.nudge import Nudger
 from edged.registry.release import SignedRelease
+from edged.registry.rollout_wire import RolloutAction, RolloutCreate, RolloutInfo, RolloutStatus
 from edged.registry.service import RegistryError
 from edged.registry.settings import RegistrySettings
 from edged.registry.wire import (
@@ -57,6 +61,7 @@ from edged.registry.wire import (
     ReportBatch,
     VersionInfo,
 )
+from edged.registry.writer import ReportWriter
 
 log = logging.getLogger(__name__)
 MAX_JSON_BYTES = 8 << 20
@@ -117,14 +122,32 @@ def create_app(settings: RegistrySettings) -> FastAPI:
     if settings.migrate:
         upgrade(engine)
     sessions = make_sessionmaker(engine)
+    ro_engine = readonly(engine)
+    read_sessions = make_sessionmaker(ro_engine)
+    snapshots = desired_state.SnapshotCache()
+    last_seen = LastSeen(engine, flush_s=settings.last_seen_flush_s)
+    report_writer = ReportWriter(engine)
     store = BlobStore(settings.blobs)
+    blob_cache = SmallBlobCache(store)
     store.root.mkdir(parents=True, exist_ok=True)
     nudger = Nudger(settings.nudge_mqtt_url, settings.nudge_topic_prefix) if settings.nudge_mqtt_url else None
     max_upload = int(settings.max_upload_mb * (1 << 20))
 
+    def rollout_changed(changes: dict[int, str]) -> None:
+        for rid, what in changes.items():
+            nudge({"rollout": rid, "change": what})
+
+    evaluator = Evaluator(sessions, settings.rollout_tick_s, on_change=rollout_changed, read_sessions=read_sessions)
+
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        last_seen.start()
+        report_writer.start()
+        evaluator.start()
         yield
+        await asyncio.to_thread(evaluator.stop)
+        await asyncio.to_thread(report_writer.stop)
+        await asyncio.to_thread(last_seen.stop)
         if nudger is not None:
             nudger.close()
         engine.dispose()
@@ -138,6 +161,12 @@ def create_app(settings: RegistrySettings) -> FastAPI:
         with sessions() as s, s.begin():
             yield s
 
+    @contextlib.contextmanager
+    def rtx() -> Iterator[Session]:
+        """For reads only: on SQLite it does not wait for, or hold, the write lock."""
+        with read_sessions() as s, s.begin():
+            yield s
+
     def _cred(auth: HTTPAuthorizationCredentials | None) -> str:
         return f"Bearer {auth.credentials}" if auth is not None else ""
 
@@ -146,6 +175,26 @@ def create_app(settings: RegistrySettings) -> FastAPI:
             raise RegistryError("an admin token is required", 401, ErrorCode.INVALID_ARGUMENT)
 
     admin = Depends(require_admin)
+
+    def unauthorized() -> RegistryError:
+        return RegistryError("a valid device credential is required", 401, ErrorCode.INVALID_ARGUMENT)
+
+    def authenticate(conn: Any, request: Request) -> desired_state.DeviceView:
+        token = bearer_token(request.headers.get("authorization"))
+        view, _rev = desired_state.lookup_credential(conn, token_hash(token)) if token else (None, 0)
+        if view is None:
+            raise unauthorized()
+        return view
+
+    def decide(conn: Any, request: Request) -> desired_state.Desired:
+        """The hot path of a large fleet: one read-only query, the cached snapshot, no write."""
+        token = bearer_token(request.headers.get("authorization"))
+        view, rev = desired_state.lookup_credential(conn, token_hash(token)) if token else (None, 0)
+        if view is None:
+            raise unauthorized()
+        out = desired_state.decide(snapshots.get(conn, rev), view)
+        last_seen.note(view.id, view.last_seen_at)
+        return out
 
     def device_of(s: Session, auth: HTTPAuthorizationCredentials | None) -> DeviceRow:
         dev = service.device_for_credential(s, auth.credentials) if auth is not None else None
@@ -199,52 +248,75 @@ def create_app(settings: RegistrySettings) -> FastAPI:
         return out
 
     @app.get(f"{API_PREFIX}/device/desired-state", tags=["device"], response_model=DesiredState,
-             responses={304: {"description": "unchanged since the ETag in If-None-Match"}})
-    def desired(auth: Bearer, if_none_match: Annotated[str | None, Header()] = None) -> Response:
-        with tx() as s:
-            dev = device_of(s, auth)
-            service.touch(dev)
-            state, etag = service.desired_state(s, dev)
+             responses={304: {"description": "unchanged since the ETag in If-None-Match"}},
+             openapi_extra={"security": [{"HTTPBearer": []}], "parameters": [
+                 {"name": "If-None-Match", "in": "header", "required": False, "schema": {"type": "string"}}]})
+    async def desired(request: Request) -> Response:
+        # Runs on the event loop: one short read-only query, no thread hand-off (see the module docstring).
+        with ro_engine.connect() as conn:
+            d = decide(conn, request)
+        etag = d.etag()
         headers = {"ETag": etag, "Cache-Control": "no-cache"}
+        if_none_match = request.headers.get("if-none-match")
         if if_none_match is not None and etag in [t.strip() for t in if_none_match.split(",")]:
             return Response(status_code=304, headers=headers)
-        return Response(state.model_dump_json(), media_type="application/json", headers=headers)
+        return Response(d.body(), media_type="application/json", headers=headers)
 
-    @app.post(f"{API_PREFIX}/device/reports", tags=["device"], response_model=Accepted)
-    def reports(batch: ReportBatch, auth: Bearer) -> Accepted:
-        with tx() as s:
-            dev = device_of(s, auth)
-            n = service.record_reports(s, dev, batch.events)
+    @app.post(f"{API_PREFIX}/device/reports", tags=["device"], response_model=Accepted,
+              openapi_extra={"security": [{"HTTPBearer": []}]})
+    async def reports(batch: ReportBatch, request: Request) -> Accepted:
+        with ro_engine.connect() as conn:
+            view = authenticate(conn, request)
+        last_seen.note(view.id, view.last_seen_at)
+        n = await asyncio.wrap_future(report_writer.submit(view.id, batch.events))
         return Accepted(accepted=n)
 
-    @app.put(f"{API_PREFIX}/device/facts", tags=["device"], response_model=Accepted)
-    def facts(upd: DeviceFactsUpdate, auth: Bearer) -> Accepted:
-        with tx() as s:
-            service.update_facts(s, device_of(s, auth), upd)
+    @app.put(f"{API_PREFIX}/device/facts", tags=["device"], response_model=Accepted,
+             openapi_extra={"security": [{"HTTPBearer": []}]})
+    async def facts(upd: DeviceFactsUpdate, request: Request) -> Accepted:
+        # Devices resend their facts periodically; most of the time nothing changed and nothing is written.
+        with read_sessions() as s:
+            view = authenticate(s.connection(), request)
+            dev = s.get_one(DeviceRow, view.id)
+            if not service.facts_changed(dev, upd):
+                last_seen.note(dev.id, dev.last_seen_at)
+                return Accepted(accepted=0)
+
+        def write() -> None:
+            with tx() as s:
+                service.update_facts(s, s.get_one(DeviceRow, view.id), upd)
+
+        await asyncio.to_thread(write)
         return Accepted(accepted=1)
 
     @app.get(f"{API_PREFIX}/blobs/{{sha256}}", tags=["device", "admin"],
              responses={200: {"content": {"application/octet-stream": {}}}, 206: {"description": "a byte range"}})
-    def get_blob(sha256: str, auth: Bearer) -> Response:
+    async def get_blob(sha256: str, auth: Bearer, request: Request) -> Response:
         if not SHA256_RE.match(sha256):
             raise service.invalid("not a lower-case hex sha256")
         if not is_admin(_cred(auth), admin_hash):
-            with tx() as s:
-                dev = device_of(s, auth)
-                if not service.blob_allowed(s, dev, sha256):
+            with ro_engine.connect() as conn:
+                if not desired_state.blob_allowed(conn, decide(conn, request), sha256, snapshots):
                     raise RegistryError("this file is not part of a release for this device", 403,
                                         ErrorCode.NOT_FOUND)
+        headers = {"ETag": f'"{sha256}"', "Cache-Control": "private, max-age=31536000, immutable",
+                   "Accept-Ranges": "bytes"}
+        if "range" not in request.headers:
+            data = blob_cache.get(sha256)
+            if data is None:
+                data = await asyncio.to_thread(blob_cache.load, sha256)
+            if data is not None:
+                return Response(data, media_type="application/octet-stream", headers=headers)
         path = store.path(sha256)
-        if not path.is_file():
+        if not await asyncio.to_thread(path.is_file):
             raise service.not_found("blob")
         # Starlette answers Range / If-Range itself (206, 416); the digest is the strong ETag.
-        return FileResponse(path, media_type="application/octet-stream",
-                            headers={"ETag": f'"{sha256}"', "Cache-Control": "private, max-age=31536000, immutable"})
+        return FileResponse(path, media_type="application/octet-stream", headers=headers)
 
     # ---- publishing (admin) -------------------------------------------------------------------
     @app.post(f"{API_PREFIX}/blobs/missing", tags=["admin"], response_model=MissingBlobsResponse, dependencies=[admin])
     def blobs_missing(req: MissingBlobsRequest) -> MissingBlobsResponse:
-        with tx() as s:
+        with rtx() as s:
             return MissingBlobsResponse(missing=service.missing_blobs(s, store, req.sha256))
 
     @app.put(f"{API_PREFIX}/blobs/{{sha256}}", tags=["admin"], dependencies=[admin], status_code=201)
@@ -288,25 +360,25 @@ def create_app(settings: RegistrySettings) -> FastAPI:
 
     @app.get(f"{API_PREFIX}/models", tags=["admin"], response_model=list[ModelInfo], dependencies=[admin])
     def models() -> list[ModelInfo]:
-        with tx() as s:
+        with rtx() as s:
             return service.list_models(s)
 
     @app.get(f"{API_PREFIX}/models/{{model}}/versions/{{version}}", tags=["admin"], response_model=VersionInfo,
              dependencies=[admin])
     def get_version(model: str, version: int) -> VersionInfo:
-        with tx() as s:
+        with rtx() as s:
             return service.get_version(s, model, version)
 
     @app.get(f"{API_PREFIX}/models/{{model}}/releases", tags=["admin"], response_model=list[ReleaseInfo],
              dependencies=[admin])
     def releases(model: str, signed: bool = False) -> list[ReleaseInfo]:
-        with tx() as s:
+        with rtx() as s:
             return service.list_releases(s, model, signed)
 
     @app.get(f"{API_PREFIX}/models/{{model}}/next-release", tags=["admin"], response_model=NextRelease,
              dependencies=[admin])
     def next_release(model: str) -> NextRelease:
-        with tx() as s:
+        with rtx() as s:
             return NextRelease(model=model, release=service.next_release_number(s, model))
 
     @app.post(f"{API_PREFIX}/releases", tags=["admin"], response_model=ReleaseInfo, status_code=201,
@@ -337,12 +409,12 @@ def create_app(settings: RegistrySettings) -> FastAPI:
     @app.get(f"{API_PREFIX}/devices", tags=["admin"], response_model=list[DeviceInfo], dependencies=[admin])
     def devices(label: Annotated[list[str] | None, Query()] = None) -> list[DeviceInfo]:
         wanted = dict(item.split("=", 1) for item in label or [] if "=" in item)
-        with tx() as s:
+        with rtx() as s:
             return service.list_devices(s, wanted)
 
     @app.get(f"{API_PREFIX}/devices/{{device_id}}", tags=["admin"], response_model=DeviceInfo, dependencies=[admin])
     def device(device_id: str, events: int = 50) -> DeviceInfo:
-        with tx() as s:
+        with rtx() as s:
             return service.get_device(s, device_id, max(0, min(events, 1000)))
 
     @app.patch(f"{API_PREFIX}/devices/{{device_id}}/labels", tags=["admin"], response_model=DeviceInfo,
@@ -359,7 +431,46 @@ def create_app(settings: RegistrySettings) -> FastAPI:
 
     @app.get(f"{API_PREFIX}/status", tags=["admin"], response_model=RegistryStatus, dependencies=[admin])
     def status(model: str | None = None) -> RegistryStatus:
-        with tx() as s:
+        with rtx() as s:
             return service.registry_status(s, model)
+
+    # ---- rollouts (admin) ---------------------------------------------------------------------
+    @app.post(f"{API_PREFIX}/rollouts", tags=["admin", "rollouts"], response_model=RolloutInfo, status_code=201,
+              dependencies=[admin])
+    def create_rollout(req: RolloutCreate) -> RolloutInfo:
+        with tx() as s:
+            info = rollouts.create_rollout(s, req, settings.public_keys)
+        log.info("rollout %d of model %s release %d (version %d) started: %d step(s), %d device(s) in the first",
+                 info.id, info.model, info.release, info.version, len(info.steps), info.members)
+        nudge({"model": info.model, "release": info.release, "rollout": info.id})
+        return info
+
+    @app.get(f"{API_PREFIX}/rollouts", tags=["admin", "rollouts"], response_model=list[RolloutInfo],
+             dependencies=[admin])
+    def list_rollouts(model: str | None = None, state: str | None = None) -> list[RolloutInfo]:
+        with rtx() as s:
+            return rollouts.list_rollouts(s, model, state)
+
+    @app.get(f"{API_PREFIX}/rollouts/{{rollout_id}}", tags=["admin", "rollouts"], response_model=RolloutStatus,
+             dependencies=[admin])
+    def rollout_status(rollout_id: int) -> RolloutStatus:
+        with rtx() as s:
+            return rollouts.rollout_status(s, rollout_id)
+
+    @app.post(f"{API_PREFIX}/rollouts/evaluate", tags=["admin", "rollouts"], dependencies=[admin])
+    def evaluate_rollouts() -> dict[str, str]:
+        """Evaluate every running rollout now (the registry also does it every ``rollout_tick_s``)."""
+        changes = tick(sessions, read_sessions=read_sessions)
+        rollout_changed(changes)
+        return {str(k): v for k, v in changes.items()}
+
+    @app.post(f"{API_PREFIX}/rollouts/{{rollout_id}}/{{action}}", tags=["admin", "rollouts"],
+              response_model=RolloutInfo, dependencies=[admin])
+    def rollout_action(rollout_id: int, action: str, req: RolloutAction | None = None) -> RolloutInfo:
+        with tx() as s:
+            info = rollouts.act(s, rollout_id, action, req.reason if req else "")
+        log.info("rollout %d: %s by an operator (now %s)", rollout_id, action, info.state)
+        nudge({"rollout": rollout_id, "change": info.state})
+        return info
 
     return app

@@ -8,11 +8,13 @@ the folder (e.g. over NFS): identical content lands at the identical name.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import os
 import re
 import tempfile
+import threading
 from pathlib import Path
 from typing import BinaryIO
 
@@ -84,3 +86,42 @@ class BlobWriter:
             self._file.close()
         with contextlib.suppress(FileNotFoundError):
             self.tmp.unlink()
+
+
+class SmallBlobCache:
+    """Recently served small blobs, in memory: content-addressed, so never stale.
+
+    When a step of a rollout starts, every device in it fetches the same few files within
+    seconds; serving them from memory spares a file open and read per request.
+    """
+
+    def __init__(self, store: BlobStore, *, max_file: int = 1 << 20, max_total: int = 64 << 20) -> None:
+        self.store, self.max_file, self.max_total = store, max_file, max_total
+        self._data: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._total = 0
+        self._lock = threading.Lock()
+
+    def get(self, sha256: str) -> bytes | None:
+        with self._lock:
+            data = self._data.get(sha256)
+            if data is not None:
+                self._data.move_to_end(sha256)
+            return data
+
+    def load(self, sha256: str) -> bytes | None:
+        """Read a small blob from disk into the cache (blocking); None when absent or too big to cache."""
+        path = self.store.path(sha256)
+        try:
+            if path.stat().st_size > self.max_file:
+                return None
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        with self._lock:
+            if sha256 not in self._data:
+                self._data[sha256] = data
+                self._total += len(data)
+                while self._total > self.max_total and self._data:
+                    _, old = self._data.popitem(last=False)
+                    self._total -= len(old)
+        return data

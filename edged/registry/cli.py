@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     _server_args(p)
     p.add_argument("--listen", default=None, help="host:port (default 127.0.0.1:8700)")
     p.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+    p.add_argument("--rollout-tick", type=parse_duration, default=None, dest="rollout_tick_s",
+                   help="how often running rollouts are evaluated (default 2s)")
 
     p = sub.add_parser("migrate", help="upgrade the database schema to the newest version")
     _server_args(p)
@@ -129,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("device_id")
     p.add_argument("model")
     p.add_argument("release")
+
+    from edged.registry import rollout_cli, simulate
+
+    rollout_cli.add_parser(sub, _client_args, parse_duration, parse_label)
+    simulate.add_parser(sub)
     return parser
 
 
@@ -136,7 +143,7 @@ def _settings(args: argparse.Namespace) -> Any:
     from edged.registry.settings import load_settings
 
     overrides = {k: getattr(args, k, None) for k in ("data_dir", "database_url", "blob_dir", "admin_token_file",
-                                                    "public_keys", "listen", "log_level")}
+                                                    "public_keys", "listen", "log_level", "rollout_tick_s")}
     return load_settings(args.config, overrides)
 
 
@@ -344,11 +351,23 @@ def cmd_pin(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from edged.registry import rollout_cli
+
+    return rollout_cli.run(args, lambda: _client(args), parse_duration, _print)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from edged.registry import simulate
+
+    return simulate.run(args)
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "serve": cmd_serve, "migrate": cmd_migrate, "keygen": cmd_keygen, "push": cmd_push, "release": cmd_release,
     "revoke": cmd_revoke, "releases": cmd_releases, "models": cmd_models, "devices": cmd_devices,
     "device": cmd_device, "status": cmd_status, "enroll-token": cmd_enroll_token, "label": cmd_label,
-    "pin": cmd_pin,
+    "pin": cmd_pin, "rollout": cmd_rollout, "simulate": cmd_simulate,
 }
 
 

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import TypeAdapter
 
 from edged.errors import EdgedError, ErrorCode
-from edged.registry.release import FileEntry, ReleaseManifest, TargetSelector, sign_release
+from edged.registry.release import FileEntry, ReleaseManifest, SignedRelease, TargetSelector, sign_release
+from edged.registry.rollout_wire import RolloutAction, RolloutCreate, RolloutInfo, RolloutStatus
 from edged.registry.wire import (
     API_PREFIX,
     DeviceInfo,
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 CHUNK = 1 << 20
+_T = TypeVar("_T")
 
 
 class RegistryClientError(EdgedError):
@@ -144,26 +146,39 @@ class RegistryClient:
         """Build the manifest from the pushed version, sign it here, upload it; retries a number race."""
         info = self.version(model, version)
         if check_folder is not None:
-            local = sorted((e for e, _ in folder_files(check_folder)), key=lambda e: e.path)
-            if local != sorted(info.files, key=lambda e: e.path):
-                raise RegistryClientError(f"{check_folder} differs from model {model!r} version {version} in the "
-                                          "registry; refusing to sign", code=ErrorCode.FAILED_PRECONDITION)
+            self._check_folder(check_folder, info)
+        def post(signed: SignedRelease) -> ReleaseInfo:
+            r = self._call("POST", "/releases", content=signed.model_dump_json(),
+                           headers={"Content-Type": "application/json"})
+            return ReleaseInfo.model_validate_json(r.content)
+
+        return self._sign_and_post(key, info, expires_in_s=expires_in_s, selector=selector, notes=notes,
+                                   number=number, post=post)
+
+    def _sign_and_post(self, key: Ed25519PrivateKey, info: VersionInfo, *, expires_in_s: float,
+                       selector: TargetSelector | None, notes: str, number: int | None,
+                       post: Callable[[SignedRelease], _T]) -> _T:
+        """Sign a manifest of the pushed version with the next number and post it; retries a number race."""
         for _attempt in range(5):
-            n = number if number is not None else self.next_release(model)
+            n = number if number is not None else self.next_release(info.model)
             now = int(time.time())
-            manifest = ReleaseManifest(model=model, version=version, release=n, issued_at=now,
+            manifest = ReleaseManifest(model=info.model, version=info.version, release=n, issued_at=now,
                                        expires_at=now + int(expires_in_s), selector=selector or TargetSelector(),
                                        files=info.files, notes=notes)
-            signed = sign_release(manifest, key)
             try:
-                r = self._call("POST", "/releases", content=signed.model_dump_json(),
-                               headers={"Content-Type": "application/json"})
+                return post(sign_release(manifest, key))
             except RegistryClientError as e:
-                if e.status == 409 and number is None:
+                if e.status == 409 and number is None and "release number" in str(e):
                     continue  # someone released concurrently: take the next number and sign again
                 raise
-            return ReleaseInfo.model_validate_json(r.content)
         raise RegistryClientError("could not get a release number after 5 attempts (concurrent releases?)")
+
+    @staticmethod
+    def _check_folder(folder: Path, info: VersionInfo) -> None:
+        local = sorted((e for e, _ in folder_files(folder)), key=lambda e: e.path)
+        if local != sorted(info.files, key=lambda e: e.path):
+            raise RegistryClientError(f"{folder} differs from model {info.model!r} version {info.version} in the "
+                                      "registry; refusing to sign", code=ErrorCode.FAILED_PRECONDITION)
 
     def revoke(self, model: str, number: int) -> ReleaseInfo:
         return ReleaseInfo.model_validate_json(self._call("POST", f"/models/{model}/releases/{number}/revoke").content)
@@ -205,3 +220,42 @@ class RegistryClient:
     def status(self, model: str | None = None) -> RegistryStatus:
         r = self._call("GET", "/status", params={"model": model} if model else None)
         return RegistryStatus.model_validate_json(r.content)
+
+    # ---- rollouts ---------------------------------------------------------------------------
+    def create_rollout(self, req: RolloutCreate) -> RolloutInfo:
+        r = self._call("POST", "/rollouts", content=req.model_dump_json(), headers={"Content-Type": "application/json"})
+        return RolloutInfo.model_validate_json(r.content)
+
+    def release_with_rollout(self, key: Ed25519PrivateKey, model: str, version: int, spec: RolloutCreate, *,
+                             expires_in_s: float, selector: TargetSelector | None = None, notes: str = "",
+                             number: int | None = None, check_folder: Path | None = None) -> RolloutInfo:
+        """Sign a new release of a pushed version here and start its rollout with it, in one request.
+
+        ``spec`` gives target, steps and gates; its ``release``/``signed`` are replaced.
+        """
+        info = self.version(model, version)
+        if check_folder is not None:
+            self._check_folder(check_folder, info)
+
+        def post(signed: SignedRelease) -> RolloutInfo:
+            return self.create_rollout(spec.model_copy(update={"model": model, "release": None, "signed": signed}))
+
+        return self._sign_and_post(key, info, expires_in_s=expires_in_s, selector=selector, notes=notes,
+                                   number=number, post=post)
+
+    def rollouts(self, model: str | None = None, state: str | None = None) -> list[RolloutInfo]:
+        params = {k: v for k, v in (("model", model), ("state", state)) if v is not None}
+        return TypeAdapter(list[RolloutInfo]).validate_json(self._call("GET", "/rollouts", params=params).content)
+
+    def rollout(self, rollout_id: int) -> RolloutStatus:
+        return RolloutStatus.model_validate_json(self._call("GET", f"/rollouts/{rollout_id}").content)
+
+    def rollout_action(self, rollout_id: int, action: str, reason: str = "") -> RolloutInfo:
+        r = self._call("POST", f"/rollouts/{rollout_id}/{action}",
+                       content=RolloutAction(reason=reason).model_dump_json(),
+                       headers={"Content-Type": "application/json"})
+        return RolloutInfo.model_validate_json(r.content)
+
+    def evaluate_rollouts(self) -> dict[str, str]:
+        out: dict[str, str] = self._call("POST", "/rollouts/evaluate").json()
+        return out

@@ -7,6 +7,8 @@ migrations in ``edged/registry/migrations``; these classes must match them (a te
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from typing import Any
 
@@ -131,6 +133,7 @@ class DeviceModelRow(Base):
     """Per device and model: the pinned desired release (if any) and the last reported state."""
 
     __tablename__ = "device_models"
+    __table_args__ = (Index("ix_device_models_model_id_release_number", "model_id", "release_number"),)
     device_id: Mapped[str] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"), primary_key=True)
     model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"), primary_key=True)
     pinned_release_id: Mapped[int | None] = mapped_column(ForeignKey("releases.id", ondelete="SET NULL"),
@@ -161,8 +164,55 @@ class DeviceEventRow(Base):
     received_at: Mapped[float] = mapped_column(Double, default=now)
 
 
+class RolloutRow(Base):
+    """A release going out to a target in steps, with health gates (see :mod:`edged.registry.rollouts`).
+
+    ``cutoffs`` holds, per step reached, the stable-hash rank under which a device is a member
+    (percent steps) or null (group steps); it only grows, so no device flips out of a rollout.
+    """
+
+    __tablename__ = "rollouts"
+    __table_args__ = (Index("ix_rollouts_model_id_state", "model_id", "state"),
+                      Index("ix_rollouts_release_id", "release_id"))
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    release_id: Mapped[int] = mapped_column(ForeignKey("releases.id", ondelete="CASCADE"))
+    state: Mapped[str] = mapped_column(String(16))
+    target: Mapped[dict[str, Any]] = mapped_column(JSON)
+    steps: Mapped[list[Any]] = mapped_column(JSON)
+    gates: Mapped[dict[str, Any]] = mapped_column(JSON)
+    salt: Mapped[str] = mapped_column(String(64))
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    cutoffs: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    step_members: Mapped[int] = mapped_column(Integer, default=0)
+    step_started_at: Mapped[float] = mapped_column(Double)
+    step_ready_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    baseline_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    gate_state: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    notes: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[float] = mapped_column(Double, default=now)
+    updated_at: Mapped[float] = mapped_column(Double, default=now)
+    finished_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+
+
+class RegistryMetaRow(Base):
+    """One row: ``revision`` grows with every change to releases or rollouts.
+
+    Each process caches what every device poll needs (releases, rollouts) and reloads it
+    only when this number moved, so a poll costs one indexed query however large the fleet.
+    """
+
+    __tablename__ = "registry_meta"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    revision: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+READONLY = "edged_readonly"
+
+
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
-    dbapi_conn.isolation_level = None  # we issue BEGIN ourselves (see _sqlite_begin)
+    dbapi_conn.isolation_level = None  # we issue BEGIN ourselves (see _WriteGate.begin)
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes, fast commits
@@ -171,22 +221,71 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
-def _sqlite_begin(conn: Any) -> None:
-    # Take the write lock up front: a deferred transaction that reads and then writes fails at
-    # once with SQLITE_BUSY when another process committed in between, instead of waiting.
-    conn.exec_driver_sql("BEGIN IMMEDIATE")
+class _WriteGate:
+    """One writer at a time per process, queued on a Python lock instead of SQLite's busy handler.
+
+    SQLite's busy handler sleeps in growing steps (up to 100 ms) while another connection holds
+    the write lock, so under many concurrent writers the lock sits idle between them and
+    throughput collapses. Queuing writers of this process on a lock hands it over at once;
+    ``BEGIN IMMEDIATE`` then waits only for other processes.
+    """
+
+    KEY = "edged_write_gate"
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+
+    def begin(self, conn: Any) -> None:
+        # Take the write lock up front: a deferred transaction that reads and then writes fails at
+        # once with SQLITE_BUSY when another process committed in between, instead of waiting.
+        # Read-only work (device polls) runs on ``readonly(engine)`` and never takes it: in WAL
+        # mode readers neither wait for nor block the writer.
+        if conn.get_execution_options().get(READONLY):
+            conn.exec_driver_sql("BEGIN")
+            return
+        self.lock.acquire()
+        conn.info[self.KEY] = conn.info.get(self.KEY, 0) + 1
+        try:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+        except BaseException:
+            self.end(conn)
+            raise
+
+    def end(self, conn: Any) -> None:
+        self._release(conn.info)
+
+    def checkin(self, _dbapi_conn: Any, record: Any) -> None:
+        self._release(record.info)  # a connection returned without commit or rollback (should not happen)
+
+    def _release(self, info: dict[str, Any]) -> None:
+        n = info.pop(self.KEY, 0)
+        try:
+            for _ in range(n):
+                self.lock.release()
+        except RuntimeError:  # released from another thread than the one that began: never expected
+            logging.getLogger(__name__).error("SQLite write gate released by a foreign thread")
 
 
 def make_engine(url: str, *, echo: bool = False) -> Engine:
     """An engine for ``sqlite:///path`` or ``postgresql+psycopg://...``."""
     if url.startswith("sqlite"):
-        engine = create_engine(url, echo=echo, connect_args={"check_same_thread": False, "timeout": 10})
+        engine = create_engine(url, echo=echo, connect_args={"check_same_thread": False, "timeout": 10},
+                               pool_size=16, max_overflow=48)
         event.listen(engine, "connect", _sqlite_pragmas)
-        event.listen(engine, "begin", _sqlite_begin)
+        gate = _WriteGate()
+        event.listen(engine, "begin", gate.begin)
+        event.listen(engine, "commit", gate.end)
+        event.listen(engine, "rollback", gate.end)
+        event.listen(engine.pool, "checkin", gate.checkin)
         return engine
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url[len("postgresql://"):]
     return create_engine(url, echo=echo, pool_pre_ping=True, pool_size=10, max_overflow=20)
+
+
+def readonly(engine: Engine) -> Engine:
+    """The same engine and pool for transactions that only read (SQLite: no write lock)."""
+    return engine.execution_options(**{READONLY: True})
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Any]:

@@ -7,7 +7,6 @@ fleet-rollout code share one implementation.
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import time
 from collections.abc import Iterable
@@ -17,9 +16,10 @@ import orjson
 from pydantic import ValidationError
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from edged.errors import EdgedError, ErrorCode
+from edged.registry import desired
 from edged.registry.auth import DEVICE_PREFIX, ENROLL_PREFIX, new_token, same_hash, token_hash
 from edged.registry.blobs import BlobStore
 from edged.registry.db import (
@@ -29,13 +29,13 @@ from edged.registry.db import (
     DeviceRow,
     EnrollmentTokenRow,
     ModelRow,
+    RegistryMetaRow,
     ReleaseRow,
     VersionFileRow,
     VersionRow,
 )
 from edged.registry.release import FileEntry, ReleaseError, SignedRelease, TargetSelector, verify_release
 from edged.registry.wire import (
-    DesiredModel,
     DesiredState,
     DeviceFactsUpdate,
     DeviceInfo,
@@ -50,7 +50,6 @@ from edged.registry.wire import (
     RegistryStatus,
     ReleaseInfo,
     ReleaseStatus,
-    ReportEvent,
     VersionInfo,
 )
 from edged.repository.manifest import MANIFEST_NAME, ModelManifest, format_validation_error, valid_model_name
@@ -61,7 +60,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 MAX_MANIFEST_TOML = 1 << 20
-LAST_SEEN_RESOLUTION_S = 15.0  # don't write a row on every poll of a large fleet
+LAST_SEEN_RESOLUTION_S = 60.0  # don't write a row on every poll of a large fleet
 
 
 class RegistryError(EdgedError):
@@ -267,6 +266,7 @@ def create_release(s: Session, signed: SignedRelease, public_keys: list[str]) ->
             s.add(row)
     except IntegrityError:
         raise conflict(f"release number {manifest.release} was taken concurrently; sign it again") from None
+    bump_revision(s)
     return _release_info(s, row, manifest.model)
 
 
@@ -283,6 +283,7 @@ def revoke_release(s: Session, model: str, number: int) -> ReleaseInfo:
         raise not_found(f"release {number} of model {model!r}")
     if row.revoked_at is None:
         row.revoked_at = time.time()
+        bump_revision(s)
     return _release_info(s, row, model)
 
 
@@ -342,99 +343,33 @@ def touch(dev: DeviceRow) -> None:
 
 
 # ---- desired state ------------------------------------------------------------------------------
-def desired_releases(s: Session, dev: DeviceRow) -> list[tuple[str, ReleaseRow]]:
-    """Per model: the device's pinned release, else the highest unrevoked release whose selector matches.
-
-    Expired releases are still served: the device refuses them and says so in its
-    report, which tells the operator to sign again instead of silently falling back.
-    """
-    labels = dev.effective_labels()
-    rows = s.execute(select(ReleaseRow, ModelRow.name).join(ModelRow, ModelRow.id == ReleaseRow.model_id)
-                     .where(ReleaseRow.revoked_at.is_(None))
-                     .order_by(ModelRow.name, ReleaseRow.number.desc())).all()
-    chosen: dict[str, ReleaseRow] = {}
-    ids: dict[int, str] = {}
-    for r, name in rows:
-        ids[r.model_id] = name
-        if name not in chosen and TargetSelector.model_validate(r.selector).matches(dev.id, labels):
-            chosen[name] = r
-    pins = s.scalars(select(DeviceModelRow).where(DeviceModelRow.device_id == dev.id,
-                                                  DeviceModelRow.pinned_release_id.is_not(None))).all()
-    for pin in pins:
-        assert pin.pinned_release_id is not None
-        pr = s.get(ReleaseRow, pin.pinned_release_id)
-        if pr is not None and pr.revoked_at is None:
-            chosen[ids.get(pr.model_id) or s.get_one(ModelRow, pr.model_id).name] = pr
-    return sorted(chosen.items())
+def bump_revision(s: Session) -> None:
+    """Tell every registry process that releases or rollouts changed (their cached snapshot is stale)."""
+    s.execute(update(RegistryMetaRow).where(RegistryMetaRow.id == 1).values(revision=RegistryMetaRow.revision + 1))
 
 
 def desired_state(s: Session, dev: DeviceRow) -> tuple[DesiredState, str]:
-    """The desired state and its ETag (a digest of exactly the bytes served)."""
-    models = []
-    for name, r in desired_releases(s, dev):
-        version = s.get_one(VersionRow, r.version_id).version
-        models.append(DesiredModel(model=name, version=version, release=r.number, signed=_signed(r)))
-    state = DesiredState(device_id=dev.id, models=models)
-    etag = '"' + hashlib.sha256(state.model_dump_json().encode()).hexdigest()[:32] + '"'
-    return state, etag
+    """The desired state and its ETag, without the per-process cache (the API's poll path uses one)."""
+    conn = s.connection()
+    view, _rev = desired.lookup_device(conn, dev.id)
+    if view is None:
+        raise not_found(f"device {dev.id!r}")
+    d = desired.decide(desired.load_snapshot(conn), view)
+    return DesiredState.model_validate_json(d.body()), d.etag()
 
 
 def blob_allowed(s: Session, dev: DeviceRow, sha256: str) -> bool:
     """A device may download only files of the releases it is meant to install."""
-    version_ids = [r.version_id for _, r in desired_releases(s, dev)]
-    if not version_ids:
+    conn = s.connection()
+    view, _rev = desired.lookup_device(conn, dev.id)
+    if view is None:
         return False
-    hit = s.scalar(select(VersionFileRow.id).where(VersionFileRow.version_id.in_(version_ids),
-                                                   VersionFileRow.sha256 == sha256).limit(1))
-    return hit is not None
+    return desired.blob_allowed(conn, desired.decide(desired.load_snapshot(conn), view), sha256)
 
 
-# ---- reports ------------------------------------------------------------------------------------
-def record_reports(s: Session, dev: DeviceRow, events: list[ReportEvent]) -> int:
-    """Store new events (repeats of a sequence number are ignored) and update per-model state."""
-    if not events:
-        return 0
-    seqs = [e.seq for e in events]
-    seen = set(s.scalars(select(DeviceEventRow.seq).where(DeviceEventRow.device_id == dev.id,
-                                                          DeviceEventRow.seq.in_(seqs))).all())
-    models = {m.name: m.id for m in s.scalars(select(ModelRow).where(
-        ModelRow.name.in_({e.model for e in events}))).all()}
-    t = time.time()
-    try:
-        with s.begin_nested():
-            accepted = _add_events(s, dev, events, seen, models, t=t)
-    except IntegrityError:
-        return 0  # the same batch arrived twice at once (a retry racing the original): nothing new
-    dev.last_seen_at = t
-    return accepted
-
-
-def _add_events(s: Session, dev: DeviceRow, events: list[ReportEvent], seen: set[int], models: dict[str, int], *,
-                t: float) -> int:
-    accepted = 0
-    for e in sorted(events, key=lambda e: e.seq):
-        if e.seq in seen:
-            continue
-        seen.add(e.seq)
-        accepted += 1
-        s.add(DeviceEventRow(device_id=dev.id, seq=e.seq, model=e.model, step=e.step, version=e.version,
-                             release_number=e.release, reason=e.reason, detail=_json_safe(e.detail),
-                             device_time=e.at, received_at=t))
-        model_id = models.get(e.model)
-        if model_id is None:
-            continue
-        dm = s.get(DeviceModelRow, (dev.id, model_id))
-        if dm is None:
-            dm = DeviceModelRow(device_id=dev.id, model_id=model_id, last_seq=0)
-            s.add(dm)
-        if e.seq > dm.last_seq:
-            dm.last_seq, dm.state, dm.version, dm.release_number = e.seq, e.step, e.version, e.release
-            dm.reason, dm.updated_at = e.reason, t
-    s.flush()
-    return accepted
-
-
-def _json_safe(d: dict[str, Any]) -> dict[str, Any]:
+# ---- reports (stored by edged.registry.writer) --------------------------------------------------
+def json_safe(d: dict[str, Any]) -> dict[str, Any]:
+    """JSON with anything unusual stringified, at most 16 KiB (else a marker)."""
     data = orjson.dumps(d, default=str)
     if len(data) > 16384:
         return {"truncated": True}
@@ -442,28 +377,53 @@ def _json_safe(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def update_facts(s: Session, dev: DeviceRow, upd: DeviceFactsUpdate) -> None:
-    dev.labels = dict(upd.labels)
-    dev.facts = _json_safe(upd.facts)
-    dev.serving = [m.model_dump(mode="json") for m in upd.serving]
-    dev.last_seen_at = time.time()
+def facts_changed(dev: DeviceRow, upd: DeviceFactsUpdate) -> bool:
+    return (dev.labels != dict(upd.labels) or dev.facts != json_safe(upd.facts)
+            or dev.serving != [m.model_dump(mode="json") for m in upd.serving])
+
+
+def update_facts(s: Session, dev: DeviceRow, upd: DeviceFactsUpdate) -> bool:
+    """Store what the device says about itself; writes only what changed (devices resend it periodically)."""
+    labels, facts = dict(upd.labels), json_safe(upd.facts)
+    serving = [m.model_dump(mode="json") for m in upd.serving]
+    changed = False
+    if dev.labels != labels:
+        dev.labels, changed = labels, True
+    if dev.facts != facts:
+        dev.facts, changed = facts, True
+    if dev.serving != serving:
+        dev.serving, changed = serving, True
+    if changed:
+        dev.last_seen_at = time.time()
+    return changed
 
 
 # ---- devices (admin) ----------------------------------------------------------------------------
-def _device_models(s: Session, dev_id: str) -> list[DeviceModelInfo]:
-    rows = s.execute(select(DeviceModelRow, ModelRow.name).join(ModelRow, ModelRow.id == DeviceModelRow.model_id)
-                     .where(DeviceModelRow.device_id == dev_id).order_by(ModelRow.name)).all()
-    out = []
-    for dm, name in rows:
-        pinned = s.get(ReleaseRow, dm.pinned_release_id).number if dm.pinned_release_id else None  # type: ignore[union-attr]
-        out.append(DeviceModelInfo(model=name, state=dm.state, version=dm.version, release=dm.release_number,
-                                   reason=dm.reason, updated_at=dm.updated_at, pinned_release=pinned))
+def _device_models(s: Session, dev_ids: list[str]) -> dict[str, list[DeviceModelInfo]]:
+    """Per device, its per-model rows: one query for any number of devices."""
+    out: dict[str, list[DeviceModelInfo]] = {d: [] for d in dev_ids}
+    if not dev_ids:
+        return out
+    pinned = aliased(ReleaseRow)
+    q = (select(DeviceModelRow, ModelRow.name, pinned.number)
+         .join(ModelRow, ModelRow.id == DeviceModelRow.model_id)
+         .outerjoin(pinned, pinned.id == DeviceModelRow.pinned_release_id)
+         .order_by(DeviceModelRow.device_id, ModelRow.name))
+    # a fleet-wide listing reads every row once instead of binding thousands of ids
+    q = q.where(DeviceModelRow.device_id.in_(dev_ids)) if len(dev_ids) <= 500 else q
+    for dm, name, pin_number in s.execute(q).all():
+        rows = out.get(dm.device_id)
+        if rows is not None:
+            rows.append(DeviceModelInfo(model=name, state=dm.state, version=dm.version, release=dm.release_number,
+                                        reason=dm.reason, updated_at=dm.updated_at, pinned_release=pin_number))
     return out
 
 
-def _device_info(s: Session, dev: DeviceRow, events: int = 0) -> DeviceInfo:
+def _device_info(s: Session, dev: DeviceRow, events: int = 0,
+                 models: list[DeviceModelInfo] | None = None) -> DeviceInfo:
     info = DeviceInfo(device_id=dev.id, labels=dev.effective_labels(), facts=dev.facts, enrolled_at=dev.enrolled_at,
-                      last_seen_at=dev.last_seen_at, models=_device_models(s, dev.id))
+                      last_seen_at=dev.last_seen_at,
+                      models=models if models is not None else _device_models(s, [dev.id])[dev.id])
     if events:
         q = (select(DeviceEventRow).where(DeviceEventRow.device_id == dev.id)
              .order_by(DeviceEventRow.seq.desc()).limit(events))
@@ -474,9 +434,12 @@ def _device_info(s: Session, dev: DeviceRow, events: int = 0) -> DeviceInfo:
 
 
 def list_devices(s: Session, label: dict[str, str] | None = None) -> list[DeviceInfo]:
+    """Every device (matching ``label``) with its models: two queries whatever the fleet size."""
     devs = s.scalars(select(DeviceRow).order_by(DeviceRow.id)).all()
     sel = TargetSelector(labels=label or {})
-    return [_device_info(s, d) for d in devs if sel.matches(d.id, d.effective_labels())]
+    devs = [d for d in devs if sel.matches(d.id, d.effective_labels())]
+    models = _device_models(s, [d.id for d in devs])
+    return [_device_info(s, d, models=models[d.id]) for d in devs]
 
 
 def get_device(s: Session, device_id: str, events: int = 50) -> DeviceInfo:
@@ -533,9 +496,10 @@ def registry_status(s: Session, model: str | None = None) -> RegistryStatus:
             if number is not None and state is not None:
                 counts.setdefault(number, {})[state] = n
         rels = []
-        for r in s.scalars(select(ReleaseRow).where(ReleaseRow.model_id == m.id).order_by(ReleaseRow.number)).all():
-            rels.append(ReleaseStatus(release=r.number, version=s.get_one(VersionRow, r.version_id).version,
-                                      revoked=r.revoked_at is not None, expires_at=r.expires_at,
-                                      devices=counts.get(r.number, {})))
+        for r, version in s.execute(select(ReleaseRow, VersionRow.version)
+                                    .join(VersionRow, VersionRow.id == ReleaseRow.version_id)
+                                    .where(ReleaseRow.model_id == m.id).order_by(ReleaseRow.number)).all():
+            rels.append(ReleaseStatus(release=r.number, version=version, revoked=r.revoked_at is not None,
+                                      expires_at=r.expires_at, devices=counts.get(r.number, {})))
         out.append(ModelStatus(model=m.name, releases=rels))
     return RegistryStatus(devices=total, models=out)

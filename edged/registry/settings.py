@@ -41,6 +41,8 @@ class RegistrySettings(BaseModel):
     migrate: bool = Field(default=True, description="upgrade the schema at start")
     nudge_mqtt_url: str | None = Field(default=None, description="publish a nudge here when a release is made")
     nudge_topic_prefix: str = "edged"
+    rollout_tick_s: float = Field(default=2.0, gt=0, description="how often running rollouts are evaluated")
+    last_seen_flush_s: float = Field(default=5.0, gt=0, description="how often batched last-seen times are written")
     log_level: str = "info"
 
     @property

@@ -75,9 +75,23 @@ class DesiredModel(_Wire):
     signed: SignedRelease
 
 
+class RevertModel(_Wire):
+    """Releases of a model the device must not run: a rollout of them was halted or rolled back.
+
+    A device running one returns to its last-known-good; one that never had it never
+    installs it. Unsigned on purpose: it can only send a device back to a version that
+    device committed itself, never to anything new.
+    """
+
+    model: str
+    releases: list[int]
+    reason: str = ""
+
+
 class DesiredState(_Wire):
     device_id: str
     models: list[DesiredModel]
+    revert: list[RevertModel] = Field(default_factory=list)
 
 
 class ReportEvent(_Wire):

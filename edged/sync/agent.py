@@ -31,6 +31,23 @@ log = logging.getLogger(__name__)
 STOP_WAIT_S = 30.0
 
 
+def device_facts(cfg: Config) -> dict[str, Any]:
+    """The device profile and the hardware facts rollouts may target (scalars only, dotted keys)."""
+    from pathlib import Path
+
+    from edged.daemon import choose_profile
+    from edged.hardware.probe import probe
+
+    try:
+        facts = probe(Path("/"), engines=False)
+        profile = choose_profile(cfg, facts).profile.name
+    except Exception as e:  # facts help targeting; never stop syncing over them
+        log.warning("hardware facts for the registry unavailable: %s", e)
+        return {}
+    flat = {k: v for k, v in facts.flat().items() if isinstance(v, (str, int, float, bool)) and k != "root"}
+    return {"profile": profile, **flat}
+
+
 class SyncAgent:
     name = "sync"
 
@@ -57,6 +74,8 @@ class SyncAgent:
         self.client.start()
         self.updater = Updater(self.cfg, self.service, s, store=self._store, state=state, client=self.client, http=http,
                                stop=self._stop)
+        self.updater.revert_check = self._revert_check
+        self.client.extra_facts = await asyncio.to_thread(device_facts, self.cfg)
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._run(), name="edged-sync")
         if s.mqtt_nudge and self.cfg.mqtt.enabled:
@@ -147,6 +166,19 @@ class SyncAgent:
                 self._wake.clear()
                 await asyncio.sleep(random.uniform(0, min(1.0, self.settings.poll_interval_s)))
 
+    def _revert_check(self, model: str, release: int) -> str | None:
+        """Called during a trial: has the registry halted this release's rollout meanwhile?"""
+        assert self.client is not None
+        try:
+            self.client.poll()
+        except (SyncHttpError, TransferError) as e:
+            log.debug("poll during the trial failed: %s", e)
+            return None
+        for rv in self.client.desired.revert if self.client.desired is not None else []:
+            if rv.model == model and release in rv.releases:
+                return rv.reason or "rollout stopped"
+        return None
+
     def _backoff(self, failures: int) -> float:
         base = min(self.settings.retry_max_s, max(1.0, min(self.settings.poll_interval_s, 5.0)) * 2.0 ** (failures - 1))
         return float(base * random.uniform(0.5, 1.0))
@@ -158,6 +190,13 @@ class SyncAgent:
         c.flush()
         desired = c.poll()
         changed = desired is not None
+        for rv in (c.desired.revert if c.desired is not None else []):
+            try:
+                u.revert(rv.model, rv.releases, rv.reason)
+            except (SyncHttpError, StoppedError):
+                raise
+            except Exception:
+                log.exception("model=%s returning to the last-known-good failed", rv.model)
         for dm in (c.desired.models if c.desired is not None else []):
             if self._stop.is_set():
                 raise StoppedError("stopping")

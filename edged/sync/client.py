@@ -56,6 +56,7 @@ class DeviceClient:
         self._kick = threading.Event()
         self._stopping = threading.Event()
         self._flusher: threading.Thread | None = None
+        self.extra_facts: dict[str, Any] = {}  # device profile and hardware facts, for rollout targets
 
     # ---- background sending -----------------------------------------------------------------
     def start(self) -> None:
@@ -181,7 +182,7 @@ class DeviceClient:
 
     # ---- facts ------------------------------------------------------------------------------
     def facts(self) -> dict[str, Any]:
-        return {"edged_version": __version__, "hostname": socket.gethostname()}
+        return {**self.extra_facts, "edged_version": __version__, "hostname": socket.gethostname()}
 
     def send_facts(self, serving: list[ServingModel]) -> None:
         upd = DeviceFactsUpdate(labels=self.s.labels, facts=self.facts(), serving=serving)

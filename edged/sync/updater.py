@@ -13,6 +13,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from edged.config import Config, VersionPolicy
@@ -23,19 +24,21 @@ from edged.registry.release import ReleaseManifest
 from edged.registry.wire import DesiredModel, ServingModel
 from edged.repository.digests import DigestCache
 from edged.repository.store import load_version
+from edged.sync import plan
 from edged.sync.client import DeviceClient
 from edged.sync.download import fetch_release
 from edged.sync.faults import fault_point
 from edged.sync.http import RegistryHttp, StoppedError, SyncHttpError, TransferError
 from edged.sync.repo import DeviceRepo, folder_matches
 from edged.sync.settings import SyncSettings
-from edged.sync.state import ModelSync, Pending, PendingStep, Refusal, StateStore, SyncState, VersionRef
+from edged.sync.state import ModelSync, Pending, PendingStep, StateStore, SyncState, VersionRef
 from edged.sync.trial import SETTLE_FRACTION, SETTLE_MAX_S, Sample, baseline, judge, sample
 from edged.sync.verify import RefusedError, check_release
 
 log = logging.getLogger(__name__)
 KEEP_REFUSALS = 20
 TRIAL_TICK_S = 0.25
+REVERT_PREFIX = "the registry asked to return to the last-known-good"
 
 
 class Updater:
@@ -47,6 +50,9 @@ class Updater:
         self.stop = stop
         self.baselines: dict[str, Sample | None] = {}
         self.run_up: dict[str, Sample | None] = {}  # the previous version's statistics when the update began
+        # During a trial: asks the registry whether this release must be reverted (reason) or not (None).
+        self.revert_check: Callable[[str, int], str | None] | None = None
+        self._unrevertable: set[tuple[str, int]] = set()
 
     # ---- helpers ----------------------------------------------------------------------------
     def _save(self) -> None:
@@ -143,21 +149,14 @@ class Updater:
         model = dm.model
         ms = self._ms(model)
         self._adopt(model, ms)
-        p = ms.pending
-        if p is not None and p.step not in ("download", "prepare", "install"):
-            return  # activated: recover() finishes it at start, otherwise it ran to its end already
-        if p is not None and p.release != dm.release:
-            log.info("model=%s release %d superseded by %d before activation", model, p.release, dm.release)
+        verdict = plan.decide(ms, dm.release, time.time())
+        if verdict.abandon:
+            assert ms.pending is not None
+            log.info("model=%s release %d superseded by %d before activation", model, ms.pending.release, dm.release)
             self._abandon(model)
-            p = None
-        if p is None:
-            if ms.current is not None and ms.current.release == dm.release:
-                return
-            if dm.release in ms.rejected:
-                return
-        refusal = ms.refused.get(dm.release)
-        if refusal is not None and time.time() < refusal.retry_at:
+        if verdict.action == "idle":
             return
+        p = ms.pending
         try:
             manifest = check_release(dm.signed, model=model, public_keys=self.s.public_keys,
                                      highest=ms.highest_release, device_id=self.s.device_id,
@@ -332,6 +331,7 @@ class Updater:
         settle_at = start + min(SETTLE_MAX_S, self.s.trial_s * SETTLE_FRACTION)
         settled: Sample | None = None
         new: Sample | None = None
+        next_check = start + max(self.s.poll_interval_s, TRIAL_TICK_S)
         while True:
             if self.stop.is_set():
                 return  # the next start continues the trial
@@ -349,6 +349,12 @@ class Updater:
                 return
             if left <= 0:
                 break
+            if self.revert_check is not None and now >= next_check:
+                next_check = now + max(self.s.poll_interval_s, TRIAL_TICK_S)
+                why = self.revert_check(model, m.release)
+                if why is not None:
+                    self._rollback(model, f"{REVERT_PREFIX}: {why}")
+                    return
             self.stop.wait(min(TRIAL_TICK_S, left))
             fault_point("trial.tick")
         self._commit(model, m, new)
@@ -394,6 +400,57 @@ class Updater:
         self.client.report(model, "rolled-back", version=p.version, release=p.release, reason=reason,
                            detail={"serving": ms.current.version if ms.current else None})
 
+    # ---- instructions from the registry ---------------------------------------------------------
+    def revert(self, model: str, releases: list[int], reason: str) -> None:
+        """Stop running, or never install, releases whose rollout the registry halted or rolled back."""
+        ms = self._ms(model)
+        action, release = plan.revert_action(ms, releases)
+        why = f"{REVERT_PREFIX}: {reason or 'rollout stopped'}"
+        if action == "none" or release is None:
+            return
+        if action == "forget":
+            with self.store.lock:
+                for r in releases:
+                    ms.rejected.setdefault(r, why)
+                _trim(ms.rejected)
+                self.store.save(self.state)
+            return
+        if action == "abandon":
+            p = ms.pending
+            assert p is not None
+            self._abandon(model)
+            with self.store.lock:
+                ms.rejected[release] = why
+                _trim(ms.rejected)
+                self.client.report(model, "rolled-back", version=p.version, release=release, reason=why,
+                                   detail={"serving": ms.current.version if ms.current else None, "step": p.step})
+            return
+        if action == "rollback":
+            self._rollback(model, why)
+            return
+        lkg = ms.lkg
+        if action == "to-lkg" and lkg is not None and self.repo.version_dir(model, lkg.version).is_dir():
+            self._to_last_known_good(model, why)
+            return
+        if (model, release) not in self._unrevertable:
+            self._unrevertable.add((model, release))
+            self.client.report(model, "failed", version=ms.current.version if ms.current else None, release=release,
+                               reason=f"{why}; but no last-known-good version is kept here, so it keeps serving")
+
+    def _to_last_known_good(self, model: str, why: str) -> None:
+        """A committed release must go: serve the last-known-good again (state and report saved together)."""
+        ms = self._ms(model)
+        cur, lkg = ms.current, ms.lkg
+        assert cur is not None and lkg is not None
+        with self.store.lock:
+            ms.rejected[cur.release] = why
+            _trim(ms.rejected)
+            ms.current, ms.lkg = lkg, None
+            self.client.report(model, "rolled-back", version=cur.version, release=cur.release, reason=why,
+                               detail={"serving": lkg.version, "from": "committed"})  # saves the state too
+        self._ensure_serving(model, lkg.version)
+        self._collect_garbage(model)
+
     def _abandon(self, model: str) -> None:
         """Drop an update that has not been activated (superseded, expired, refused)."""
         ms = self._ms(model)
@@ -417,10 +474,9 @@ class Updater:
                 ms.rejected[release] = reason
                 _trim(ms.rejected)
             else:
-                prev = ms.refused.get(release)
-                count = prev.count + 1 if prev else 1
-                delay = min(self.s.retry_max_s, max(1.0, min(self.s.poll_interval_s, 10.0)) * 2 ** (count - 1))
-                ms.refused[release] = Refusal(reason=reason, count=count, retry_at=time.time() + delay)
+                ms.refused[release] = plan.next_refusal(ms.refused.get(release), reason, time.time(),
+                                                        poll_interval_s=self.s.poll_interval_s,
+                                                        retry_max_s=self.s.retry_max_s)
                 _trim(ms.refused)
             self.store.save(self.state)
         self.client.report(model, "failed", version=version, release=release, reason=reason)

@@ -1,0 +1,121 @@
+"""Moves running rollouts on and halts unhealthy ones; every registry process runs one.
+
+Each evaluation locks the rollout's row (PostgreSQL: ``FOR UPDATE SKIP LOCKED``, so with
+several processes one evaluates while the others skip it; SQLite: the write transaction
+serialises), re-reads it, and decides from the database alone, so any process may do it
+and a restart loses nothing. Times are wall-clock seconds because several processes
+compare them; a step's soak time counts from the moment it had enough committed devices.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from edged.registry.db import ModelRow, ReleaseRow, RolloutRow, VersionRow
+from edged.registry.gates import Side, accumulate, crossed, halt_reason, needed_reports, readings, release_counts
+from edged.registry.release import TargetSelector
+from edged.registry.rollout_wire import Gates, StepSpec
+from edged.registry.rollouts import enter_step, recount
+from edged.registry.service import bump_revision
+
+log = logging.getLogger(__name__)
+
+
+def evaluate(s: Session, ro: RolloutRow, now: float | None = None) -> str | None:
+    """One evaluation of a running rollout; returns what changed ("halted", "step 2", "completed") or None."""
+    if ro.state != "running":
+        return None
+    t = time.time() if now is None else now
+    rel = s.get_one(ReleaseRow, ro.release_id)
+    model = s.get_one(ModelRow, ro.model_id).name
+    selector = TargetSelector.model_validate(rel.selector)
+    gates = Gates.model_validate(ro.gates)
+    spec = StepSpec.model_validate(ro.steps[ro.step])
+    if ro.step_members < max(1, spec.min_devices):
+        recount(s, ro, selector)
+    counts = release_counts(s, ro.model_id, rel.number)
+    new, base = Side.load(None), Side.load(None)
+    if gates.max_error_rate is not None or gates.max_p99_ratio is not None:
+        new, base = accumulate(s, ro, model, s.get_one(VersionRow, rel.version_id).version)
+    rs = readings(gates, counts, ro.step_members, new, base)
+    bad = crossed(rs)
+    if bad:
+        ro.state, ro.reason, ro.updated_at, ro.finished_at = "halted", halt_reason(bad), t, t
+        bump_revision(s)
+        log.warning("rollout %d (model %s release %d) halted in step %d: %s", ro.id, model, rel.number,
+                    ro.step + 1, ro.reason)
+        return "halted"
+    members = ro.step_members
+    if ro.step_ready_at is None:
+        required = min(max(1, spec.min_devices), members)
+        if members > 0 and counts.committed >= required and counts.finished >= needed_reports(gates, members):
+            ro.step_ready_at = t
+            ro.updated_at = t
+    if ro.step_ready_at is None or t - ro.step_ready_at < spec.soak_s:
+        return None
+    if ro.step + 1 >= len(ro.steps):
+        ro.state, ro.step, ro.reason, ro.updated_at, ro.finished_at = "completed", len(ro.steps), None, t, t
+        bump_revision(s)
+        log.info("rollout %d (model %s release %d) completed", ro.id, model, rel.number)
+        return "completed"
+    enter_step(s, ro, ro.step + 1, t, selector)
+    bump_revision(s)
+    log.info("rollout %d (model %s release %d): step %d of %d, %d device(s)", ro.id, model, rel.number,
+             ro.step + 1, len(ro.steps), ro.step_members)
+    return f"step {ro.step + 1}"
+
+
+def tick(sessions: sessionmaker[Session], now: float | None = None, *,
+         read_sessions: sessionmaker[Session] | None = None) -> dict[int, str]:
+    """Evaluate every running rollout once, each in its own transaction."""
+    with (read_sessions or sessions)() as s:
+        ids = list(s.scalars(select(RolloutRow.id).where(RolloutRow.state == "running")))
+    out: dict[int, str] = {}
+    for rid in ids:
+        with sessions() as s, s.begin():
+            ro = s.scalar(select(RolloutRow).where(RolloutRow.id == rid, RolloutRow.state == "running")
+                          .with_for_update(skip_locked=True))
+            if ro is None:
+                continue  # finished meanwhile, or another process is evaluating it
+            what = evaluate(s, ro, now)
+            if what is not None:
+                out[rid] = what
+    return out
+
+
+class Evaluator:
+    """A thread that calls :func:`tick` every ``interval_s`` while anything might be running."""
+
+    def __init__(self, sessions: sessionmaker[Session], interval_s: float,
+                 on_change: Callable[[dict[int, str]], None] | None = None,
+                 read_sessions: sessionmaker[Session] | None = None) -> None:
+        self.sessions, self.interval_s, self.on_change = sessions, interval_s, on_change
+        self.read_sessions = read_sessions
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.ticks = 0
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="registry-rollouts", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(30)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                changed = tick(self.sessions, read_sessions=self.read_sessions)
+                self.ticks += 1
+                if changed and self.on_change is not None:
+                    self.on_change(changed)
+            except Exception:
+                log.exception("rollout evaluation failed; trying again in %.1fs", self.interval_s)

@@ -1,0 +1,166 @@
+"""Health gates of a rollout, read from device reports and uploaded telemetry.
+
+Reports: the per-device, per-model row holds each device's last step for the rollout's
+release; one grouped count gives how many finished (committed, rolled back, failed).
+Telemetry: the new version's and the previous version's windows uploaded since the
+rollout began are added up incrementally (a watermark on the row id), so an evaluation
+reads only what arrived since the last one, however long the rollout runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from edged.core.stats import LATENCY_BUCKETS_S
+from edged.registry.db import DeviceModelRow, RolloutRow
+from edged.registry.rollout_wire import GateReading, Gates
+from edged.telemetry.models import HistCounts
+from edged.telemetry.registry_tables import TelemetryModelRow
+
+# Failures the client caused or that only say the queue was full: not the model's fault (as on the device).
+NOT_MODEL_ERRORS = frozenset({"invalid_argument", "overloaded", "cancelled"})
+TELEMETRY_BATCH = 20_000
+_BUCKETS = len(LATENCY_BUCKETS_S) + 1
+
+
+@dataclass
+class Counts:
+    by_state: dict[str, int]
+
+    def n(self, *states: str) -> int:
+        return sum(self.by_state.get(s, 0) for s in states)
+
+    @property
+    def committed(self) -> int:
+        return self.n("committed")
+
+    @property
+    def failures(self) -> int:
+        return self.n("rolled-back", "failed")
+
+    @property
+    def finished(self) -> int:
+        return self.n("committed", "rolled-back", "failed")
+
+
+def release_counts(s: Session, model_id: int, release: int) -> Counts:
+    rows = s.execute(select(DeviceModelRow.state, func.count()).where(
+        DeviceModelRow.model_id == model_id, DeviceModelRow.release_number == release,
+        DeviceModelRow.state.is_not(None)).group_by(DeviceModelRow.state)).all()
+    return Counts({str(st): int(n) for st, n in rows})
+
+
+# ---- telemetry, incrementally -------------------------------------------------------------------
+@dataclass
+class Side:
+    ok: int = 0
+    errors: int = 0
+    hist: HistCounts | None = None
+
+    @classmethod
+    def load(cls, d: dict[str, Any] | None) -> Side:
+        if not d:
+            return cls(hist=HistCounts())
+        counts = [int(c) for c in d.get("hist", [])][:_BUCKETS]
+        return cls(int(d.get("ok", 0)), int(d.get("errors", 0)),
+                   HistCounts(counts + [0] * (_BUCKETS - len(counts)), float(d.get("sum", 0.0))))
+
+    def dump(self) -> dict[str, Any]:
+        h = self.hist or HistCounts()
+        return {"ok": self.ok, "errors": self.errors, "hist": list(h.counts), "sum": h.total}
+
+    @property
+    def total(self) -> int:
+        return self.ok + self.errors
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / self.total if self.total else 0.0
+
+    def p99_s(self) -> float | None:
+        return (self.hist or HistCounts()).quantile(0.99)
+
+
+def telemetry_watermark(s: Session) -> int:
+    return int(s.scalar(select(func.max(TelemetryModelRow.id))) or 0)
+
+
+def accumulate(s: Session, ro: RolloutRow, model: str, new_version: int) -> tuple[Side, Side]:
+    """Add the telemetry uploaded since the last evaluation; returns (new version, previous version)."""
+    st = dict(ro.gate_state or {})
+    new, base = Side.load(st.get("new")), Side.load(st.get("base"))
+    mark = int(st.get("watermark", 0))
+    versions = [new_version] + ([ro.baseline_version] if ro.baseline_version is not None else [])
+    rows = s.execute(select(TelemetryModelRow.id, TelemetryModelRow.version, TelemetryModelRow.success,
+                            TelemetryModelRow.failures_by_code, TelemetryModelRow.latency_counts,
+                            TelemetryModelRow.latency_sum_s)
+                     .where(TelemetryModelRow.model == model, TelemetryModelRow.id > mark,
+                            TelemetryModelRow.version.in_(versions))
+                     .order_by(TelemetryModelRow.id).limit(TELEMETRY_BATCH)).all()
+    if not rows:
+        return new, base
+    for r in rows:
+        side = new if r.version == new_version else base
+        side.ok += int(r.success)
+        side.errors += sum(int(n) for code, n in (r.failures_by_code or {}).items() if code not in NOT_MODEL_ERRORS)
+        counts = [int(c) for c in (r.latency_counts or [])][:_BUCKETS]
+        side.hist = (side.hist or HistCounts()).plus(HistCounts(counts + [0] * (_BUCKETS - len(counts)),
+                                                                float(r.latency_sum_s or 0.0)))
+        mark = max(mark, int(r.id))
+    ro.gate_state = {**st, "watermark": mark, "new": new.dump(), "base": base.dump()}
+    return new, base
+
+
+# ---- judging --------------------------------------------------------------------------------------
+def needed_reports(gates: Gates, members: int) -> int:
+    """Devices that must have finished: the gate's minimum, or every member when there are fewer."""
+    return max(1, min(gates.min_reporting, members)) if members > 0 else gates.min_reporting
+
+
+def readings(gates: Gates, counts: Counts, members: int, new: Side, base: Side) -> list[GateReading]:
+    out = []
+    need = needed_reports(gates, members)
+    fin = counts.finished
+    out.append(GateReading(gate="min_reporting", value=float(fin), limit=float(need), judged=True, ok=fin >= need,
+                           detail=f"{fin} device(s) finished the update, {need} needed"))
+    if gates.max_failure_rate is not None:
+        rate = counts.failures / fin if fin else None
+        judged = fin >= need
+        ok = not judged or rate is None or rate <= gates.max_failure_rate
+        out.append(GateReading(gate="failure_rate", value=rate, limit=gates.max_failure_rate, judged=judged, ok=ok,
+                               detail=f"{counts.failures} of {fin} finished device(s) rolled back or failed"))
+    if gates.max_error_rate is not None:
+        judged = new.total >= gates.min_requests
+        base_rate = base.error_rate if base.total >= gates.min_requests else 0.0
+        excess = new.error_rate - base_rate if judged else None
+        ok = excess is None or excess <= gates.max_error_rate
+        out.append(GateReading(gate="error_rate", value=excess, limit=gates.max_error_rate, judged=judged, ok=ok,
+                               detail=f"new version {new.error_rate:.2%} over {new.total} requests, previous "
+                                      f"{base.error_rate:.2%} over {base.total}"))
+    if gates.max_p99_ratio is not None:
+        p_new, p_base = new.p99_s(), base.p99_s()
+        judged = (new.ok >= gates.min_requests and base.ok >= gates.min_requests and p_new is not None
+                  and p_base is not None and p_base > 0)
+        ratio = p_new / p_base if judged and p_new is not None and p_base else None
+        limit_s = max((p_base or 0.0) * gates.max_p99_ratio, gates.p99_floor_ms / 1000.0)
+        ok = not judged or p_new is None or p_new <= limit_s
+        out.append(GateReading(gate="p99_ratio", value=ratio, limit=gates.max_p99_ratio, judged=judged, ok=ok,
+                               detail=(f"p99 {p_new * 1000:.1f} ms over {new.ok} requests, previous "
+                                       f"{p_base * 1000:.1f} ms over {base.ok}" if judged and p_new and p_base else
+                                       f"{new.ok} and {base.ok} requests so far, {gates.min_requests} needed")))
+    return out
+
+
+def crossed(rs: list[GateReading]) -> list[GateReading]:
+    """Gates that halt: judged and not ok (the reporting minimum only holds a step back)."""
+    return [g for g in rs if g.judged and not g.ok and g.gate != "min_reporting"]
+
+
+def halt_reason(bad: list[GateReading]) -> str:
+    return "health gate crossed: " + "; ".join(
+        f"{g.gate} {g.value:.3g} > {g.limit:.3g} ({g.detail})" if g.value is not None and g.limit is not None
+        else f"{g.gate} ({g.detail})" for g in bad)

@@ -1,0 +1,244 @@
+"""``edged-registry rollout create|status|list|pause|resume|abort|rollback|evaluate``.
+
+Steps are written as a comma-separated list: ``1%`` (a share of the target, stable
+hashing), ``label:ring=canary`` or ``label:site=a+hw=orin`` (an explicit group),
+``devices:cam-1+cam-2``; each may end with ``/min=N`` and ``/soak=DURATION``, which
+override ``--min-devices`` and ``--soak`` for that step. Example::
+
+    edged-registry rollout create digits 3 --key op.key --steps "devices:lab-1,1%/min=5,10%,50%,100%" \\
+        --soak 15m --target-profile 'jetson-orin*' --target-label site=plant-4 --max-p99-ratio 1.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from edged.errors import ConfigError
+from edged.registry.rollout_wire import PROGRESS, Gates, RolloutCreate, RolloutInfo, RolloutStatus, StepSpec
+from edged.registry.targets import RolloutTarget
+
+TERMINAL = ("halted", "aborted", "rolled-back", "completed")
+HEADINGS = {"pending": "PENDING", "updating": "UPDATING", "in_trial": "IN TRIAL", "committed": "COMMITTED",
+            "rolled_back": "ROLLED BACK", "failed": "FAILED"}
+
+
+def _pairs(items: list[str], what: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{what} {item!r}: expected key=value")
+        out[key] = value
+    return out
+
+
+def parse_steps(text: str, *, soak_s: float, min_devices: int, duration: Callable[[str], float]) -> list[StepSpec]:
+    steps = []
+    for raw in (s.strip() for s in text.split(",")):
+        if not raw:
+            continue
+        head, *opts = raw.split("/")
+        kw: dict[str, Any] = {"soak_s": soak_s, "min_devices": min_devices}
+        for opt in opts:
+            key, _, value = opt.partition("=")
+            if key == "min" and value.isdigit():
+                kw["min_devices"] = int(value)
+            elif key == "soak":
+                kw["soak_s"] = duration(value)
+            else:
+                raise ConfigError(f"step {raw!r}: options are /min=N and /soak=DURATION")
+        if head.endswith("%"):
+            try:
+                kw["percent"] = float(head[:-1])
+            except ValueError:
+                raise ConfigError(f"step {raw!r}: {head!r} is not a percentage") from None
+        elif head.startswith("label:"):
+            kw["group"] = RolloutTarget(labels=_pairs(head[6:].split("+"), f"step {raw!r}"))
+        elif head.startswith("devices:"):
+            kw["group"] = RolloutTarget(devices=[d for d in head[8:].split("+") if d])
+        else:
+            raise ConfigError(f"step {raw!r}: expected N%, label:key=value[+key=value] or devices:id[+id]")
+        steps.append(StepSpec(**kw))
+    if not steps:
+        raise ConfigError("--steps: at least one step")
+    return steps
+
+
+def _rate(text: str) -> float | None:
+    return None if text.lower() in ("none", "off", "") else float(text)
+
+
+def add_parser(sub: Any, client_args: Callable[[argparse.ArgumentParser], None],
+               duration: Callable[[str], float], label: Callable[[str], tuple[str, str]]) -> None:
+    ro = sub.add_parser("rollout", help="roll a release out in steps with health gates")
+    rsub = ro.add_subparsers(dest="rollout_command", required=True, metavar="ACTION")
+
+    p = rsub.add_parser("create", help="sign a release of a pushed version and start its rollout "
+                                       "(or roll out an existing release with --release)")
+    client_args(p)
+    p.add_argument("model")
+    p.add_argument("model_version", type=int, nargs="?", default=None, metavar="VERSION")
+    p.add_argument("--key", type=Path, default=None, help="your private signing key (never sent)")
+    p.add_argument("--release", type=int, default=None, help="roll out this existing release instead of signing")
+    p.add_argument("--steps", default="1%,10%,50%,100%", help="default 1%%,10%%,50%%,100%% (see the module help)")
+    p.add_argument("--soak", type=duration, default=duration("10m"), help="soak time per step (default 10m)")
+    p.add_argument("--min-devices", type=int, default=1, help="per step (default 1)")
+    p.add_argument("--target-label", type=label, action="append", default=[], help="key=value (globs allowed)")
+    p.add_argument("--target-fact", type=label, action="append", default=[],
+                   help="reported fact=value, e.g. jetson.module='*Orin Nano*'")
+    p.add_argument("--target-profile", action="append", default=[], help="device profile name (globs allowed)")
+    p.add_argument("--target-device", action="append", default=[], help="only these device ids")
+    p.add_argument("--max-failure-rate", type=_rate, default=0.1, help="default 0.1; 'none' disables")
+    p.add_argument("--max-error-rate", type=_rate, default=None, help="telemetry, over the previous version")
+    p.add_argument("--max-p99-ratio", type=_rate, default=None, help="telemetry, against the previous version")
+    p.add_argument("--p99-floor-ms", type=float, default=10.0)
+    p.add_argument("--min-reporting", type=int, default=3)
+    p.add_argument("--min-requests", type=int, default=200)
+    p.add_argument("--salt", default=None, help="stable-hash salt (default: the model name)")
+    p.add_argument("--baseline-version", type=int, default=None)
+    p.add_argument("--notes", default="")
+    p.add_argument("--expires", type=duration, default=duration("90d"), help="release validity (default 90d)")
+    p.add_argument("--label", type=label, action="append", default=[], help="signed selector, as for release")
+    p.add_argument("--device", action="append", default=[], help="signed selector, as for release")
+    p.add_argument("--number", type=int, default=None, help="release number (default: the next one)")
+
+    p = rsub.add_parser("status", help="progress per step and the health gates")
+    client_args(p)
+    p.add_argument("rollout_id", type=int, nargs="?", default=None, help="default: the model's latest rollout")
+    p.add_argument("--model", default=None)
+    p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                   help="refresh until the rollout ends")
+
+    p = rsub.add_parser("list", help="rollouts, newest last")
+    client_args(p)
+    p.add_argument("--model", default=None)
+    p.add_argument("--state", default=None)
+
+    for action, text in (("pause", "stop taking new steps (members keep updating)"),
+                         ("resume", "continue a paused rollout"),
+                         ("abort", "stop: no device starts the release any more; those running it keep it"),
+                         ("rollback", "stop and tell every member to return to its last-known-good")):
+        p = rsub.add_parser(action, help=text)
+        client_args(p)
+        p.add_argument("rollout_id", type=int)
+        p.add_argument("--reason", default="")
+
+    p = rsub.add_parser("evaluate", help="evaluate running rollouts now instead of at the next tick")
+    client_args(p)
+
+
+def build_spec(args: argparse.Namespace, duration: Callable[[str], float]) -> RolloutCreate:
+    target = RolloutTarget(labels=dict(args.target_label), facts=dict(args.target_fact),
+                           profiles=list(args.target_profile), devices=list(args.target_device))
+    gates = Gates(max_failure_rate=args.max_failure_rate, max_error_rate=args.max_error_rate,
+                  max_p99_ratio=args.max_p99_ratio, p99_floor_ms=args.p99_floor_ms,
+                  min_reporting=args.min_reporting, min_requests=args.min_requests)
+    steps = parse_steps(args.steps, soak_s=args.soak, min_devices=args.min_devices, duration=duration)
+    # Without --release the client signs a new release and puts it in ``signed`` (release 0 is a placeholder).
+    return RolloutCreate(model=args.model, release=args.release if args.release is not None else 0, target=target,
+                         steps=steps, gates=gates, salt=args.salt, baseline_version=args.baseline_version,
+                         notes=args.notes)
+
+
+# ---- display --------------------------------------------------------------------------------------
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def _ago(t: float | None) -> str:
+    if t is None:
+        return "-"
+    s = max(0.0, time.time() - t)
+    return f"{s:.0f}s ago" if s < 120 else f"{s / 60:.0f}m ago" if s < 7200 else f"{s / 3600:.1f}h ago"
+
+
+def format_info(r: RolloutInfo) -> str:
+    step = f"step {min(r.step + 1, len(r.steps))}/{len(r.steps)}"
+    return (f"rollout {r.id}  model {r.model}  release {r.release} (version {r.version})  {r.state}  {step}"
+            + (f"  - {r.reason}" if r.reason and r.state != "running" else ""))
+
+
+def format_status(st: RolloutStatus) -> str:
+    r = st.rollout
+    lines = [format_info(r),
+             f"target: {r.target.describe()} ({st.targeted} device(s)); gates: {r.gates.describe()}; "
+             f"started {_ago(r.created_at)}"]
+    rows: list[tuple[str, ...]] = [("STEP", "SELECT", "SOAK", "STATUS", "DEVICES", *(HEADINGS[p] for p in PROGRESS))]
+    for sp in st.steps:
+        status: str = sp.status
+        if sp.status == "current" and st.soak_left_s is not None:
+            status = f"soaking, {st.soak_left_s:.0f}s left"
+        elif sp.status == "current" and r.state == "running":
+            status = "updating"
+        elif sp.status == "current":
+            status = r.state
+        rows.append((str(sp.index + 1), sp.select, f"{sp.soak_s:g}s", status, str(sp.members),
+                     *(str(sp.counts.get(p, 0)) for p in PROGRESS)))
+    rows.append(("", "total", "", "", str(sum(st.totals.values())), *(str(st.totals.get(p, 0)) for p in PROGRESS)))
+    lines.append(_table(rows))
+    for g in st.gates:
+        mark = "ok" if g.ok else ("CROSSED" if g.gate != "min_reporting" else "waiting")
+        if not g.judged:
+            mark = "not judged yet"
+        value = "-" if g.value is None else f"{g.value:.3g}"
+        limit = "-" if g.limit is None else f"{g.limit:.3g}"
+        lines.append(f"gate {g.gate}: {value} (limit {limit}) {mark}: {g.detail}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace, client: Callable[[], Any], duration: Callable[[str], float],
+        emit: Callable[[argparse.Namespace, Any, Callable[[], str]], None]) -> int:
+    cmd = args.rollout_command
+    with client() as c:
+        if cmd == "create":
+            spec = build_spec(args, duration)
+            if args.release is not None:
+                info = c.create_rollout(spec)
+            else:
+                if args.model_version is None or args.key is None:
+                    raise ConfigError("rollout create: give VERSION and --key (sign a new release), or --release N")
+                from edged.registry.release import TargetSelector, load_private_key
+
+                info = c.release_with_rollout(load_private_key(args.key), args.model, args.model_version, spec,
+                                              expires_in_s=args.expires, number=args.number, notes=args.notes,
+                                              selector=TargetSelector(labels=dict(args.label),
+                                                                      devices=list(args.device)))
+            emit(args, info, lambda: format_info(info) + f"\n{info.members} device(s) in the first step")
+            return 0
+        if cmd == "list":
+            items = c.rollouts(args.model, args.state)
+            emit(args, items, lambda: "\n".join(format_info(r) for r in items) or "no rollouts")
+            return 0
+        if cmd == "evaluate":
+            changes = c.evaluate_rollouts()
+            emit(args, changes, lambda: json.dumps(changes) if changes else "no change")
+            return 0
+        if cmd == "status":
+            rid = args.rollout_id
+            if rid is None:
+                items = c.rollouts(args.model)
+                if not items:
+                    raise ConfigError("no rollouts" + (f" of model {args.model!r}" if args.model else ""))
+                rid = items[-1].id
+            while True:
+                st = c.rollout(rid)
+                if args.watch is not None and not args.json:
+                    print("\033[2J\033[H", end="")
+                shown = format_status(st)
+
+                def text(shown: str = shown) -> str:
+                    return shown
+
+                emit(args, st, text)
+                if args.watch is None or st.rollout.state in TERMINAL:
+                    return 0
+                time.sleep(args.watch)
+        info = c.rollout_action(args.rollout_id, cmd, args.reason)
+        emit(args, info, lambda: format_info(info))
+        return 0

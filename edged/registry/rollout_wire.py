@@ -1,0 +1,156 @@
+"""JSON bodies of the rollout API (operators only; devices never see these)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from edged.registry.release import SignedRelease
+from edged.registry.targets import RolloutTarget
+
+RolloutState = Literal["running", "paused", "halted", "aborted", "rolled-back", "completed"]
+ACTIVE_STATES: frozenset[str] = frozenset({"running", "paused"})
+# Members of a rollout in these states are told to return to their last-known-good.
+REVERT_STATES: frozenset[str] = frozenset({"halted", "rolled-back"})
+# Per-device progress, from the device's last report for the rollout's release.
+PROGRESS = ("pending", "updating", "in_trial", "committed", "rolled_back", "failed")
+STEP_PROGRESS = {"downloading": "updating", "verifying": "updating", "prepared": "updating",
+                 "active-trial": "in_trial", "committed": "committed", "rolled-back": "rolled_back",
+                 "failed": "failed"}
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StepSpec(_Wire):
+    """One step: a share of the target (stable hashing) or an explicit group within it."""
+
+    percent: float | None = Field(default=None, gt=0, le=100, description="share of the targeted devices")
+    group: RolloutTarget | None = Field(default=None, description="an explicit device group within the target")
+    min_devices: int = Field(default=1, ge=0, le=1_000_000,
+                             description="the step includes at least this many devices, and at least this many "
+                                         "must have committed before its soak time starts")
+    soak_s: float = Field(default=0.0, ge=0, le=30 * 86400,
+                          description="how long the step runs healthy before the next one starts")
+
+    @model_validator(mode="after")
+    def _one(self) -> StepSpec:
+        if (self.percent is None) == (self.group is None):
+            raise ValueError("a step has either percent or group")
+        return self
+
+    def describe(self) -> str:
+        sel = f"{self.percent:g}%" if self.percent is not None else (
+            self.group.describe() if self.group is not None else "?")
+        return sel + (f" (min {self.min_devices})" if self.min_devices > 1 else "")
+
+
+class Gates(_Wire):
+    """Health gates, judged by the registry on every evaluation; crossing one halts the rollout."""
+
+    max_failure_rate: float | None = Field(default=0.1, ge=0, le=1,
+                                           description="(rolled back + failed) / devices that finished the update")
+    max_error_rate: float | None = Field(default=None, ge=0, le=1,
+                                         description="telemetry: allowed error-rate increase over the previous "
+                                                     "version")
+    max_p99_ratio: float | None = Field(default=None, gt=0,
+                                        description="telemetry: allowed p99 latency as a multiple of the previous "
+                                                    "version's")
+    p99_floor_ms: float = Field(default=10.0, ge=0, description="a p99 below this never crosses the latency gate")
+    min_reporting: int = Field(default=3, ge=1, description="devices that must have finished before the failure "
+                                                           "rate is judged and before a step may complete")
+    min_requests: int = Field(default=200, ge=1, description="requests each side needs before telemetry gates "
+                                                            "are judged")
+
+    def describe(self) -> str:
+        out = []
+        if self.max_failure_rate is not None:
+            out.append(f"failure rate <= {self.max_failure_rate:.0%}")
+        if self.max_error_rate is not None:
+            out.append(f"error rate <= previous + {self.max_error_rate:.1%}")
+        if self.max_p99_ratio is not None:
+            out.append(f"p99 <= {self.max_p99_ratio:g}x previous")
+        out.append(f"min {self.min_reporting} reporting")
+        return ", ".join(out)
+
+
+class RolloutCreate(_Wire):
+    model: str = Field(max_length=128)
+    release: int | None = Field(default=None, description="an existing release of the model")
+    signed: SignedRelease | None = Field(default=None, description="or a new signed release, created with the "
+                                                                   "rollout so no device sees it ungated")
+    target: RolloutTarget = Field(default_factory=RolloutTarget)
+    steps: list[StepSpec] = Field(min_length=1, max_length=100)
+    gates: Gates = Field(default_factory=Gates)
+    salt: str | None = Field(default=None, max_length=64, description="stable-hash salt (default: the model name, "
+                                                                      "so a model's canaries stay the same)")
+    baseline_version: int | None = Field(default=None, description="the version telemetry gates compare against "
+                                                                   "(default: the release the fleet runs now)")
+    notes: str = Field(default="", max_length=4096)
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutCreate:
+        if (self.release is None) == (self.signed is None):
+            raise ValueError("give either release (an existing one) or signed (a new one)")
+        last = 0.0
+        for i, s in enumerate(self.steps):
+            if s.percent is not None:
+                if s.percent < last:
+                    raise ValueError(f"steps[{i}]: percent steps must not shrink ({s.percent:g} after {last:g})")
+                last = s.percent
+        return self
+
+
+class RolloutAction(_Wire):
+    reason: str = Field(default="", max_length=1000)
+
+
+class RolloutInfo(_Wire):
+    id: int
+    model: str
+    release: int
+    version: int
+    state: RolloutState
+    step: int = Field(description="index of the current step (== len(steps) when completed)")
+    steps: list[StepSpec]
+    target: RolloutTarget
+    gates: Gates
+    salt: str
+    baseline_version: int | None
+    reason: str | None
+    members: int = Field(description="devices in the rollout up to the current step, when it started")
+    step_started_at: float
+    step_ready_at: float | None
+    created_at: float
+    updated_at: float
+    finished_at: float | None
+    notes: str = ""
+
+
+class StepProgress(_Wire):
+    index: int
+    select: str
+    soak_s: float
+    status: Literal["done", "current", "waiting"]
+    members: int = Field(description="devices this step added")
+    counts: dict[str, int] = Field(description="pending, updating, in_trial, committed, rolled_back, failed")
+
+
+class GateReading(_Wire):
+    gate: str
+    value: float | None
+    limit: float | None
+    judged: bool
+    ok: bool
+    detail: str = ""
+
+
+class RolloutStatus(_Wire):
+    rollout: RolloutInfo
+    targeted: int = Field(description="enrolled devices the target matches")
+    totals: dict[str, int]
+    steps: list[StepProgress]
+    gates: list[GateReading]
+    soak_left_s: float | None

@@ -1,0 +1,266 @@
+"""Rollouts: a release going to a target in steps, its progress, and the operator's controls.
+
+A rollout gates its release: the release is offered only to the rollout's members (see
+:mod:`edged.registry.desired`). Steps admit devices by stable hashing (percent steps) or
+by an explicit group; :mod:`edged.registry.evaluator` moves a running rollout on when a
+step has enough committed devices and its soak time passed with every health gate
+(:mod:`edged.registry.gates`) green, and halts it when a gate is crossed; the members of
+a halted or rolled-back rollout are told to return to their last-known-good. Every change
+that alters what devices are offered bumps the registry revision.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from edged.registry.db import (
+    DeviceModelRow,
+    DeviceRow,
+    ModelRow,
+    ReleaseRow,
+    RolloutRow,
+    VersionRow,
+)
+from edged.registry.gates import Counts, Side, readings, release_counts, telemetry_watermark
+from edged.registry.release import TargetSelector
+from edged.registry.rollout_wire import (
+    ACTIVE_STATES,
+    PROGRESS,
+    STEP_PROGRESS,
+    Gates,
+    RolloutCreate,
+    RolloutInfo,
+    RolloutStatus,
+    StepProgress,
+    StepSpec,
+)
+from edged.registry.service import bump_revision, conflict, create_release, get_model, invalid, not_found
+from edged.registry.targets import Membership, RolloutTarget, percent_cutoff, rank, selector_matches
+
+ACTIONS = ("pause", "resume", "abort", "rollback")
+
+
+# ---- devices a rollout is for -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Candidate:
+    id: str
+    labels: dict[str, Any]
+    facts: dict[str, Any]
+
+
+def targeted(s: Session, ro: RolloutRow, selector: TargetSelector) -> list[Candidate]:
+    """Enrolled devices the rollout's target and its release's signed selector both select (O(fleet))."""
+    target = RolloutTarget.model_validate(ro.target)
+    out = []
+    rows = s.execute(select(DeviceRow.id, DeviceRow.labels, DeviceRow.admin_labels, DeviceRow.facts)
+                     .order_by(DeviceRow.id)).all()
+    for r in rows:
+        labels = {**(r.labels or {}), **(r.admin_labels or {})}
+        facts = r.facts or {}
+        if selector_matches(selector, r.id, labels) and target.matches(r.id, labels, facts):
+            out.append(Candidate(r.id, labels, facts))
+    return out
+
+
+def membership(ro: RolloutRow, step: int | None = None) -> Membership:
+    return Membership.of(RolloutTarget.model_validate(ro.target), ro.salt, list(ro.steps), list(ro.cutoffs),
+                         ro.step if step is None else step)
+
+
+def enter_step(s: Session, ro: RolloutRow, k: int, now: float, selector: TargetSelector, *,
+               devices: list[Candidate] | None = None) -> None:
+    """Start step ``k``: fix its rank cutoff (percent steps) and count the members so far."""
+    devices = targeted(s, ro, selector) if devices is None else devices
+    spec = StepSpec.model_validate(ro.steps[k])
+    cutoffs = list(ro.cutoffs)[:k] + [None] * max(0, k - len(ro.cutoffs))
+    if spec.percent is not None:
+        earlier = max([c for c in cutoffs if c is not None], default=-1.0)
+        previous = cutoffs[k] if k < len(ro.cutoffs) and ro.cutoffs[k] is not None else -1.0
+        cut = percent_cutoff([rank(ro.salt, d.id) for d in devices], spec.percent, spec.min_devices)
+        cutoffs.append(max(cut, earlier, previous))
+    else:
+        cutoffs.append(None)
+    ro.cutoffs = cutoffs
+    ro.step = k
+    members = membership(ro, k)
+    ro.step_members = sum(1 for d in devices if members.member(d.id, d.labels, d.facts))
+    ro.step_started_at = now
+    ro.step_ready_at = None
+    ro.updated_at = now
+
+
+def recount(s: Session, ro: RolloutRow, selector: TargetSelector) -> None:
+    """A step short of devices (a small or growing fleet): place devices that enrolled since it began."""
+    started, ready = ro.step_started_at, ro.step_ready_at
+    enter_step(s, ro, ro.step, ro.step_started_at, selector)
+    ro.step_started_at, ro.step_ready_at = started, ready
+
+
+# ---- create ---------------------------------------------------------------------------------------
+def _release_row(s: Session, model_id: int, number: int) -> ReleaseRow:
+    row = s.scalar(select(ReleaseRow).where(ReleaseRow.model_id == model_id, ReleaseRow.number == number))
+    if row is None:
+        raise not_found(f"release {number}")
+    return row
+
+
+def _latest_rollouts(s: Session, model_id: int) -> dict[int, RolloutRow]:
+    out: dict[int, RolloutRow] = {}
+    for ro in s.scalars(select(RolloutRow).where(RolloutRow.model_id == model_id).order_by(RolloutRow.id)):
+        out[ro.release_id] = ro
+    return out
+
+
+def default_baseline(s: Session, model_id: int, below: int) -> int | None:
+    """The version of the newest release below ``below`` that the whole fleet may run (no rollout, or completed)."""
+    latest = _latest_rollouts(s, model_id)
+    for r in s.scalars(select(ReleaseRow).where(ReleaseRow.model_id == model_id, ReleaseRow.number < below,
+                                                ReleaseRow.revoked_at.is_(None)).order_by(ReleaseRow.number.desc())):
+        ro = latest.get(r.id)
+        if ro is None or ro.state == "completed":
+            return s.get_one(VersionRow, r.version_id).version
+    return None
+
+
+def create_rollout(s: Session, req: RolloutCreate, public_keys: list[str]) -> RolloutInfo:
+    m = get_model(s, req.model)
+    active = s.scalar(select(RolloutRow).where(RolloutRow.model_id == m.id, RolloutRow.state.in_(ACTIVE_STATES)))
+    if active is not None:
+        raise conflict(f"rollout {active.id} of model {req.model!r} is {active.state}; abort it or let it finish "
+                       "first")
+    if req.signed is not None:
+        info = create_release(s, req.signed, public_keys)
+        if info.model != req.model:
+            raise invalid(f"the signed release is for model {info.model!r}, not {req.model!r}")
+        number = info.release
+    else:
+        assert req.release is not None
+        number = req.release
+    rel = _release_row(s, m.id, number)
+    if rel.revoked_at is not None:
+        raise conflict(f"release {number} of model {req.model!r} is revoked")
+    now = time.time()
+    baseline = req.baseline_version if req.baseline_version is not None else default_baseline(s, m.id, number)
+    ro = RolloutRow(model_id=m.id, release_id=rel.id, state="running", target=req.target.model_dump(mode="json"),
+                    steps=[st.model_dump(mode="json") for st in req.steps], gates=req.gates.model_dump(mode="json"),
+                    salt=req.salt or req.model, step=0, cutoffs=[], step_members=0, step_started_at=now,
+                    baseline_version=baseline, gate_state={"watermark": telemetry_watermark(s)}, notes=req.notes,
+                    created_at=now, updated_at=now)
+    enter_step(s, ro, 0, now, TargetSelector.model_validate(rel.selector))
+    s.add(ro)
+    s.flush()
+    bump_revision(s)
+    return rollout_info(s, ro)
+
+
+# ---- read -----------------------------------------------------------------------------------------
+def get_rollout(s: Session, rollout_id: int, *, lock: bool = False) -> RolloutRow:
+    q = select(RolloutRow).where(RolloutRow.id == rollout_id)
+    ro = s.scalar(q.with_for_update() if lock else q)
+    if ro is None:
+        raise not_found(f"rollout {rollout_id}")
+    return ro
+
+
+def rollout_info(s: Session, ro: RolloutRow) -> RolloutInfo:
+    row = s.execute(select(ModelRow.name, ReleaseRow.number, VersionRow.version)
+                    .join(ReleaseRow, ReleaseRow.model_id == ModelRow.id)
+                    .join(VersionRow, VersionRow.id == ReleaseRow.version_id)
+                    .where(ReleaseRow.id == ro.release_id)).one()
+    return RolloutInfo(id=ro.id, model=row.name, release=row.number, version=row.version, state=ro.state,
+                       step=ro.step, steps=[StepSpec.model_validate(x) for x in ro.steps],
+                       target=RolloutTarget.model_validate(ro.target), gates=Gates.model_validate(ro.gates),
+                       salt=ro.salt, baseline_version=ro.baseline_version, reason=ro.reason,
+                       members=ro.step_members, step_started_at=ro.step_started_at, step_ready_at=ro.step_ready_at,
+                       created_at=ro.created_at, updated_at=ro.updated_at, finished_at=ro.finished_at, notes=ro.notes)
+
+
+def list_rollouts(s: Session, model: str | None = None, state: str | None = None) -> list[RolloutInfo]:
+    q = select(RolloutRow).order_by(RolloutRow.id)
+    if model is not None:
+        q = q.where(RolloutRow.model_id == get_model(s, model).id)
+    if state is not None:
+        q = q.where(RolloutRow.state == state)
+    return [rollout_info(s, ro) for ro in s.scalars(q)]
+
+
+def rollout_status(s: Session, rollout_id: int) -> RolloutStatus:
+    """Progress per step (O(fleet): an operator's query, not a device's) and the gate readings."""
+    ro = get_rollout(s, rollout_id)
+    info = rollout_info(s, ro)
+    rel = s.get_one(ReleaseRow, ro.release_id)
+    devices = targeted(s, ro, TargetSelector.model_validate(rel.selector))
+    reported = {d: (st, n) for d, st, n in s.execute(
+        select(DeviceModelRow.device_id, DeviceModelRow.state, DeviceModelRow.release_number)
+        .where(DeviceModelRow.model_id == ro.model_id))}
+    last = min(ro.step, len(ro.steps) - 1)
+    members = [membership(ro, k) for k in range(last + 1)]
+    per_step = [dict.fromkeys(PROGRESS, 0) for _ in ro.steps]
+    for d in devices:
+        joined = next((k for k, mem in enumerate(members) if mem.member(d.id, d.labels, d.facts)), None)
+        if joined is None:
+            continue
+        st, number = reported.get(d.id, (None, None))
+        where = STEP_PROGRESS.get(st or "", "pending") if number == info.release else "pending"
+        per_step[joined][where] += 1
+    steps = []
+    for k, spec in enumerate(info.steps):
+        status = "done" if k < ro.step else ("current" if k == ro.step and ro.state != "completed" else "waiting")
+        if ro.state == "completed":
+            status = "done"
+        steps.append(StepProgress(index=k, select=spec.describe(), soak_s=spec.soak_s, status=status,
+                                  members=sum(per_step[k].values()), counts=per_step[k]))
+    totals = {p: sum(x[p] for x in per_step) for p in PROGRESS}
+    counts = release_counts(s, ro.model_id, info.release)
+    acc = ro.gate_state or {}
+    gate_readings = readings(info.gates, counts, ro.step_members, Side.load(acc.get("new")),
+                             Side.load(acc.get("base")))
+    soak_left = None
+    if ro.state in ACTIVE_STATES and ro.step_ready_at is not None and ro.step < len(ro.steps):
+        soak_left = max(0.0, info.steps[ro.step].soak_s - (time.time() - ro.step_ready_at))
+    return RolloutStatus(rollout=info, targeted=len(devices), totals=totals, steps=steps, gates=gate_readings,
+                         soak_left_s=soak_left)
+
+
+def release_counts_for(s: Session, ro: RolloutRow) -> Counts:
+    return release_counts(s, ro.model_id, s.get_one(ReleaseRow, ro.release_id).number)
+
+
+# ---- the operator's controls ----------------------------------------------------------------------
+_ALLOWED = {
+    "pause": {"running"},
+    "resume": {"paused"},
+    "abort": {"running", "paused"},
+    "rollback": {"running", "paused", "halted", "aborted", "completed"},
+}
+_RESULT = {"pause": "paused", "resume": "running", "abort": "aborted", "rollback": "rolled-back"}
+
+
+def act(s: Session, rollout_id: int, action: str, reason: str = "") -> RolloutInfo:
+    if action not in _ALLOWED:
+        raise invalid(f"unknown action {action!r} (known: {', '.join(ACTIONS)})")
+    ro = get_rollout(s, rollout_id, lock=True)
+    if ro.state not in _ALLOWED[action]:
+        hint = " (a halted rollout stays halted: release a fixed version in a new rollout)" \
+            if action == "resume" and ro.state == "halted" else ""
+        raise conflict(f"rollout {rollout_id} is {ro.state}; cannot {action} it{hint}")
+    if action == "resume":
+        active = s.scalar(select(RolloutRow).where(RolloutRow.model_id == ro.model_id, RolloutRow.id != ro.id,
+                                                   RolloutRow.state.in_(ACTIVE_STATES)))
+        if active is not None:
+            raise conflict(f"rollout {active.id} of the same model is {active.state}")
+    now = time.time()
+    ro.state = _RESULT[action]
+    ro.reason = reason or f"{action} by an operator"
+    ro.updated_at = now
+    if ro.state in ("aborted", "rolled-back"):
+        ro.finished_at = now
+    if action == "resume":
+        ro.finished_at = None
+    bump_revision(s)
+    return rollout_info(s, ro)

@@ -1,0 +1,78 @@
+"""Helpers for the rollout tests: devices that speak the registry's device API over HTTP, and telemetry."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import httpx
+
+from edged.telemetry.wire import INGEST_PATH
+
+
+class ApiDevice:
+    """An enrolled device driven by the test: polls, reports steps, uploads telemetry (no engine)."""
+
+    def __init__(self, url: str, device_id: str, credential: str) -> None:
+        self.url, self.id, self.credential = url, device_id, credential
+        self.seq = 0
+        self.run = uuid.uuid4().hex[:12]
+        self.tseq = 0
+
+    @classmethod
+    def enroll(cls, url: str, token: str, device_id: str, labels: dict[str, str] | None = None,
+               facts: dict[str, Any] | None = None) -> ApiDevice:
+        r = httpx.post(f"{url}/api/v1/enroll", json={"token": token, "device_id": device_id,
+                                                     "labels": labels or {}, "facts": facts or {}})
+        assert r.status_code == 200, r.text
+        return cls(url, device_id, str(r.json()["credential"]))
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.credential}"}
+
+    def poll(self, etag: str | None = None) -> httpx.Response:
+        h = dict(self.auth)
+        if etag:
+            h["If-None-Match"] = etag
+        return httpx.get(f"{self.url}/api/v1/device/desired-state", headers=h)
+
+    def desired(self) -> dict[str, Any]:
+        r = self.poll()
+        assert r.status_code == 200, r.text
+        out: dict[str, Any] = r.json()
+        return out
+
+    def release(self, model: str) -> int | None:
+        return next((m["release"] for m in self.desired()["models"] if m["model"] == model), None)
+
+    def reverts(self, model: str) -> list[int]:
+        return next((list(v["releases"]) for v in self.desired()["revert"] if v["model"] == model), [])
+
+    def report(self, model: str, step: str, release: int, version: int | None = None,
+               reason: str | None = None) -> None:
+        self.seq += 1
+        r = httpx.post(f"{self.url}/api/v1/device/reports", headers=self.auth, json={"events": [
+            {"seq": self.seq, "model": model, "step": step, "version": version, "release": release,
+             "reason": reason, "at": time.time()}]})
+        assert r.status_code == 200, r.text
+
+    def blob(self, sha256: str) -> int:
+        return httpx.get(f"{self.url}/api/v1/blobs/{sha256}", headers=self.auth).status_code
+
+    def telemetry(self, model: str, version: int, *, ok: int, errors: int = 0, latency_s: float = 0.004) -> None:
+        """One window of traffic: ``ok`` requests at about ``latency_s`` and ``errors`` failures."""
+        from edged.core.stats import LATENCY_BUCKETS_S
+
+        counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
+        counts[next((i for i, b in enumerate(LATENCY_BUCKETS_S) if latency_s <= b), len(LATENCY_BUCKETS_S))] = ok
+        self.tseq += 1
+        window = {"model": model, "version": version, "backend": "test", "success": ok,
+                  "failures": {"internal": errors} if errors else {},
+                  "latency": {"counts": counts, "sum_s": ok * latency_s}}
+        sample = {"device": self.id, "seq": self.tseq, "run": self.run, "t": time.time(), "window_s": 10.0,
+                  "uptime_s": 10.0, "models": [window]}
+        r = httpx.post(f"{self.url}{INGEST_PATH}", headers=self.auth,
+                       json={"buffer_id": self.run, "items": [sample]})
+        assert r.status_code == 200, r.text

@@ -1,0 +1,340 @@
+"""Fleet rollouts against a real registry process (SQLite and PostgreSQL), devices driven over its HTTP API.
+
+Evaluations are triggered with ``POST /rollouts/evaluate`` (the server's own tick is set to
+an hour) so every step of a rollout is deterministic. The real daemons following a rollout
+are in ``test_rollout_daemons.py``; the poll path's query count in ``test_rollout_scale.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edged.registry.rollout_wire import Gates, RolloutCreate, StepSpec
+from edged.registry.targets import Membership, RolloutTarget, percent_cutoff, rank
+from tests.registry_helpers import Keys, PgCluster, RegistryServer, make_version, pg_bin
+from tests.rollout_helpers import ApiDevice
+
+_n = itertools.count(1)
+
+
+# ---- targets and stable hashing (no server) -------------------------------------------------------
+def test_targets_match_labels_facts_profiles_and_globs() -> None:
+    t = RolloutTarget(labels={"site": "a"}, facts={"jetson.module": "*Orin Nano*"}, profiles=["jetson-*"])
+    facts = {"profile": "jetson-orin-nano", "jetson.module": "NVIDIA Jetson Orin Nano 8GB", "jetson.present": True}
+    assert t.matches("d1", {"site": "a"}, facts)
+    assert not t.matches("d1", {"site": "b"}, facts)
+    assert not t.matches("d1", {"site": "a"}, {**facts, "profile": "x86-64-cpu"})
+    assert not t.matches("d1", {"site": "a"}, {"profile": "jetson-orin-nano"})  # the fact is missing
+    assert RolloutTarget(facts={"jetson.present": "true"}).matches("d", {}, facts)
+    assert RolloutTarget(devices=["d2"]).matches("d2", {}, {}) and not RolloutTarget(devices=["d2"]).matches("d1", {},
+                                                                                                            {})
+    assert RolloutTarget().matches("anything", {}, {})
+
+
+def test_steps_pick_members_stably_and_only_grow() -> None:
+    ids = [f"dev-{i}" for i in range(1000)]
+    assert [rank("m", d) for d in ids] == [rank("m", d) for d in ids]
+    assert rank("m", "dev-1") != rank("other-salt", "dev-1")
+    ranks = [rank("m", d) for d in ids]
+    assert sum(r <= percent_cutoff(ranks, 1, 1) for r in ranks) == 10
+    assert sum(r <= percent_cutoff(ranks, 1, 25) for r in ranks) == 25  # the step's minimum device count
+    assert percent_cutoff(ranks, 100, 1) == 1.0
+    steps: list[dict[str, Any]] = [{"percent": 1}, {"group": {"labels": {"ring": "lab"}}}, {"percent": 10},
+                                   {"percent": 100}]
+    cutoffs = [percent_cutoff(ranks, 1, 1), None, percent_cutoff(ranks, 10, 1), 1.0]
+    labels = {d: ({"ring": "lab"} if i % 97 == 0 else {}) for i, d in enumerate(ids)}
+    before: set[str] = set()
+    for k in range(len(steps)):
+        m = Membership.of(RolloutTarget(), "m", steps, cutoffs, k)
+        now = {d for d in ids if m.member(d, labels[d], {})}
+        assert before <= now, f"a device left the rollout at step {k}"
+        before = now
+    assert len(before) == 1000
+    # a device enrolling later falls in or out by its own rank, the same on every evaluation
+    late = Membership.of(RolloutTarget(), "m", steps, cutoffs, 0)
+    assert late.member("late-device", {}, {}) == (rank("m", "late-device") <= cutoffs[0])
+
+
+def test_rollout_request_validation() -> None:
+    with pytest.raises(ValueError, match="either release"):
+        RolloutCreate(model="m", steps=[StepSpec(percent=10)])
+    with pytest.raises(ValueError, match="must not shrink"):
+        RolloutCreate(model="m", release=1, steps=[StepSpec(percent=50), StepSpec(percent=10)])
+    with pytest.raises(ValueError, match="either percent or group"):
+        StepSpec()
+
+
+# ---- a registry with devices ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pg() -> Iterator[PgCluster | None]:
+    if pg_bin() is None:
+        yield None
+        return
+    cluster = PgCluster()
+    try:
+        cluster.start()
+    except Exception as e:
+        cluster.stop()
+        pytest.skip(f"could not start a PostgreSQL cluster: {e}")
+    yield cluster
+    cluster.stop()
+
+
+@dataclass
+class Env:
+    backend: str
+    tmp: Path
+    keys: Keys
+    server: RegistryServer
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    tmp = tmp_path_factory.mktemp(f"rollout-{request.param}")
+    db_url = None
+    if request.param == "postgresql":
+        cluster = request.getfixturevalue("pg")
+        if cluster is None:
+            pytest.skip("PostgreSQL is not installed; the SQLite run covers the rest")
+        db_url = cluster.new_database()
+    keys = Keys.make(tmp)
+    server = RegistryServer(tmp, [keys.public], database_url=db_url, extra_args=["--rollout-tick", "1h"]).start()
+    yield Env(request.param, tmp, keys, server)
+    server.stop()
+
+
+@dataclass
+class Fleet:
+    env: Env
+    model: str
+    client: Any
+    devices: dict[str, ApiDevice]
+    r1: int
+
+    def rollout(self, version: int, steps: list[StepSpec], gates: Gates | None = None,
+                target: RolloutTarget | None = None) -> Any:
+        # the server is shared by the tests: a rollout targets this fleet's devices only
+        mine = RolloutTarget(labels={"fleet": self.model})
+        target = mine if target is None else target.model_copy(update={"labels": {**target.labels, **mine.labels}})
+        spec = RolloutCreate(model=self.model, release=0, steps=steps, gates=gates or Gates(min_reporting=1),
+                             target=target)
+        return self.client.release_with_rollout(self.env.keys.load(), self.model, version, spec, expires_in_s=3600)
+
+    def evaluate(self) -> dict[str, str]:
+        out: dict[str, str] = self.client.evaluate_rollouts()
+        return out
+
+    def releases(self) -> dict[str, int | None]:
+        return {d: dev.release(self.model) for d, dev in self.devices.items()}
+
+    def on(self, release: int) -> set[str]:
+        return {d for d, r in self.releases().items() if r == release}
+
+    def blob(self, version: int) -> str:
+        return str(next(f.sha256 for f in self.client.version(self.model, version).files if f.path == "labels.txt"))
+
+
+def make_fleet(env: Env, layout: dict[str, tuple[dict[str, str], dict[str, Any]]], versions: int = 2) -> Fleet:
+    """Push ``versions`` versions, release version 1 to everyone, enroll the devices of ``layout``."""
+    model = f"m{next(_n)}"
+    client = env.server.client()
+    for v in range(1, versions + 1):
+        client.push_folder(make_version(env.tmp / "pub" / model / str(v), salt=f"{model}-{v}"), model, v)
+    r1 = client.release(env.keys.load(), model, 1, expires_in_s=3600).release
+    token = client.enrollment_token(uses=len(layout)).token
+    devices = {f"{model}-{name}": ApiDevice.enroll(env.url, token, f"{model}-{name}", {**labels, "fleet": model},
+                                                   facts)
+               for name, (labels, facts) in layout.items()}
+    return Fleet(env, model, client, devices, r1)
+
+
+def plain(n: int) -> dict[str, tuple[dict[str, str], dict[str, Any]]]:
+    return {f"d{i}": ({}, {"profile": "x86-64-cpu"}) for i in range(n)}
+
+
+def test_targeted_steps_progress_and_complete(env: Env) -> None:
+    layout = {f"a{i}": ({"site": "a"}, {"profile": "jetson-orin-nano" if i % 2 == 0 else "x86-64-cpu"})
+              for i in range(10)}
+    layout.update({f"b{i}": ({"site": "b"}, {"profile": "jetson-orin-nano"}) for i in range(4)})
+    f = make_fleet(env, layout)
+    m = f.model
+    targeted = {f"{m}-a{i}" for i in range(0, 10, 2)}
+    first = f"{m}-a4"
+    etags = {d: dev.poll().headers["etag"] for d, dev in f.devices.items()}
+    ro = f.rollout(2, [StepSpec(group=RolloutTarget(devices=[first])), StepSpec(percent=40), StepSpec(percent=100)],
+                   target=RolloutTarget(labels={"site": "a"}, profiles=["jetson-*"]))
+    r2 = ro.release
+    assert (ro.state, ro.step, ro.members) == ("running", 0, 1)
+    assert f.on(r2) == {first}
+    assert f.on(f.r1) == set(f.devices) - {first}
+    # devices outside the step may not fetch the new files; the member may
+    sha = f.blob(2)
+    assert f.devices[first].blob(sha) == 200
+    assert {f.devices[d].blob(sha) for d in f.devices if d != first} == {403}
+    # unchanged decisions answer 304 to the old ETag; the member's changed
+    for d, dev in f.devices.items():
+        assert dev.poll(etags[d]).status_code == (200 if d == first else 304)
+    assert f.evaluate() == {}  # nobody committed yet: the step is not ready
+    f.devices[first].report(m, "downloading", r2, 2)
+    st = f.client.rollout(ro.id)
+    assert st.steps[0].counts["updating"] == 1 and st.targeted == 5
+    f.devices[first].report(m, "committed", r2, 2)
+    assert f.evaluate() == {str(ro.id): "step 2"}
+    step2 = f.on(r2)
+    assert first in step2 and step2 <= targeted and len(step2) >= 2
+    for d in step2 - {first}:
+        f.devices[d].report(m, "committed", r2, 2)
+    assert f.evaluate() == {str(ro.id): "step 3"}
+    assert f.on(r2) == targeted
+    st = f.client.rollout(ro.id)
+    assert [s.status for s in st.steps] == ["done", "done", "current"]
+    assert st.steps[2].counts["pending"] == len(targeted - step2)
+    for d in targeted - step2:
+        f.devices[d].report(m, "committed", r2, 2)
+    assert f.evaluate() == {str(ro.id): "completed"}
+    st = f.client.rollout(ro.id)
+    assert st.rollout.state == "completed" and st.totals["committed"] == 5
+    assert f.on(f.r1) == set(f.devices) - targeted
+    # a completed rollout still covers its whole target, also devices that enroll later
+    token = f.client.enrollment_token().token
+    late = ApiDevice.enroll(env.url, token, f"{m}-late", {"site": "a", "fleet": m}, {"profile": "jetson-xavier"})
+    assert late.release(m) == r2
+    f.client.close()
+
+
+def test_failure_gate_halts_and_members_return_to_last_known_good(env: Env) -> None:
+    f = make_fleet(env, plain(6))
+    m = f.model
+    ro = f.rollout(2, [StepSpec(percent=50), StepSpec(percent=100)],
+                   gates=Gates(max_failure_rate=0.2, min_reporting=2))
+    members = f.on(ro.release)
+    assert len(members) == 3
+    a, b, c = sorted(members)
+    f.devices[a].report(m, "rolled-back", ro.release, 2, "trial failed: error rate 20%")
+    assert f.evaluate() == {}  # one finished device is below the minimum of two
+    f.devices[b].report(m, "committed", ro.release, 2)
+    assert f.evaluate() == {str(ro.id): "halted"}
+    st = f.client.rollout(ro.id)
+    assert st.rollout.state == "halted" and "failure_rate" in (st.rollout.reason or "")
+    assert next(g for g in st.gates if g.gate == "failure_rate").ok is False
+    # members (b committed it, c never started) are told to revert; the lower release is offered again
+    for d in members:
+        assert f.devices[d].reverts(m) == [ro.release]
+        assert f.devices[d].release(m) == f.r1
+    for d in set(f.devices) - members:
+        assert f.devices[d].reverts(m) == [] and f.devices[d].release(m) == f.r1
+    assert f.devices[c].blob(f.blob(2)) == 403
+    with pytest.raises(Exception, match="halted"):
+        f.client.rollout_action(ro.id, "resume")
+    out = f.env.server.cli("rollout", "status", str(ro.id)).stdout
+    assert "halted" in out and "ROLLED BACK" in out and "failure_rate" in out
+    f.client.close()
+
+
+def test_operator_pause_resume_abort_and_rollback(env: Env) -> None:
+    f = make_fleet(env, plain(6), versions=3)
+    m = f.model
+    ro = f.rollout(2, [StepSpec(percent=34), StepSpec(percent=100)])
+    step1 = f.on(ro.release)
+    with pytest.raises(Exception, match="running"):
+        f.rollout(3, [StepSpec(percent=100)])  # one active rollout per model
+    assert f.client.rollout_action(ro.id, "pause", "looking at a dashboard").state == "paused"
+    for d in step1:
+        f.devices[d].report(m, "committed", ro.release, 2)
+    assert f.evaluate() == {}  # paused: no step is taken
+    assert f.on(ro.release) == step1  # but the members keep it
+    assert f.client.rollout_action(ro.id, "resume").state == "running"
+    assert f.evaluate() == {str(ro.id): "step 2"}
+    assert f.on(ro.release) == set(f.devices)
+    # abort: devices that activated it keep it, the others never start it
+    started = sorted(set(f.devices) - step1)[0]
+    f.devices[started].report(m, "active-trial", ro.release, 2)
+    assert f.client.rollout_action(ro.id, "abort").state == "aborted"
+    assert f.on(ro.release) == step1 | {started}
+    assert f.on(f.r1) == set(f.devices) - step1 - {started}
+    # roll back by hand: every member returns to its last-known-good
+    assert f.client.rollout_action(ro.id, "rollback", "customer complaint").state == "rolled-back"
+    assert all(dev.reverts(m) == [ro.release] for dev in f.devices.values())
+    assert f.on(f.r1) == set(f.devices)
+    with pytest.raises(Exception, match="rolled-back"):
+        f.client.rollout_action(ro.id, "pause")
+    # the model is free for the next rollout, whose members still remember to stay off release 2
+    ro3 = f.rollout(3, [StepSpec(percent=100)])
+    assert f.on(ro3.release) == set(f.devices)
+    assert all(dev.reverts(m) == [] for dev in f.devices.values())  # release 3 is above it: nothing to revert
+    f.client.close()
+
+
+def test_telemetry_gates_compare_with_the_previous_version(env: Env) -> None:
+    f = make_fleet(env, plain(4))
+    m = f.model
+    ro = f.rollout(2, [StepSpec(percent=50), StepSpec(percent=100)],
+                   gates=Gates(max_failure_rate=None, max_p99_ratio=2.0, min_requests=100, min_reporting=1))
+    members = sorted(f.on(ro.release))
+    others = sorted(set(f.devices) - set(members))
+    f.devices[others[0]].telemetry(m, 1, ok=500, latency_s=0.004)
+    f.devices[members[0]].telemetry(m, 2, ok=50, latency_s=0.2)
+    assert f.evaluate() == {}  # 50 requests of the new version: not judged yet
+    st = f.client.rollout(ro.id)
+    assert next(g for g in st.gates if g.gate == "p99_ratio").judged is False
+    f.devices[members[0]].telemetry(m, 2, ok=500, latency_s=0.2)
+    assert f.evaluate() == {str(ro.id): "halted"}
+    reason = f.client.rollout(ro.id).rollout.reason or ""
+    assert "p99_ratio" in reason
+    # the error-rate gate, on another model
+    g = make_fleet(env, plain(4))
+    ro = g.rollout(2, [StepSpec(percent=50), StepSpec(percent=100)],
+                   gates=Gates(max_failure_rate=None, max_error_rate=0.05, min_requests=100, min_reporting=1))
+    member = sorted(g.on(ro.release))[0]
+    other = sorted(set(g.devices) - g.on(ro.release))[0]
+    g.devices[other].telemetry(g.model, 1, ok=1000, errors=2)
+    g.devices[member].telemetry(g.model, 2, ok=450, errors=50)
+    assert g.evaluate() == {str(ro.id): "halted"}
+    assert "error_rate" in (g.client.rollout(ro.id).rollout.reason or "")
+    f.client.close()
+    g.client.close()
+
+
+def test_cli_create_status_and_controls(env: Env) -> None:
+    f = make_fleet(env, plain(5))
+    m = f.model
+    srv = env.server
+    folder = env.tmp / "pub" / m / "2"
+    out = srv.cli("rollout", "create", m, "2", "--key", str(env.keys.path), "--steps",
+                  f"devices:{m}-d0/soak=0,60%/min=2,100%", "--soak", "5m", "--min-reporting", "1",
+                  "--target-label", f"fleet={m}",
+                  "--max-p99-ratio", "1.5", "--target-profile", "x86-*", "--notes", "cli test", "--json").stdout
+    info = json.loads(out)
+    assert info["steps"][0]["group"]["devices"] == [f"{m}-d0"] and info["steps"][0]["soak_s"] == 0
+    assert info["steps"][1] == {"percent": 60.0, "group": None, "min_devices": 2, "soak_s": 300.0}
+    assert info["gates"]["max_p99_ratio"] == 1.5 and info["target"]["profiles"] == ["x86-*"]
+    assert f.on(info["release"]) == {f"{m}-d0"}
+    text = srv.cli("rollout", "status", "--model", m).stdout
+    for heading in ("STEP", "SELECT", "PENDING", "UPDATING", "IN TRIAL", "COMMITTED", "ROLLED BACK", "FAILED"):
+        assert heading in text
+    assert f"rollout {info['id']}" in text and "running" in text
+    assert "paused" in srv.cli("rollout", "pause", str(info["id"]), "--reason", "lunch").stdout
+    listed = json.loads(srv.cli("rollout", "list", "--model", m, "--json").stdout)
+    assert [r["state"] for r in listed] == ["paused"]
+    assert "running" in srv.cli("rollout", "resume", str(info["id"])).stdout
+    assert "aborted" in srv.cli("rollout", "abort", str(info["id"])).stdout
+    bad = srv.cli("rollout", "resume", str(info["id"]), check=False)
+    assert bad.returncode == 1 and "aborted" in bad.stderr
+    assert "rolled-back" in srv.cli("rollout", "rollback", str(info["id"])).stdout
+    # roll out an existing release (here: one made without a rollout, so already live)
+    assert folder.is_dir()
+    r = srv.cli("rollout", "create", m, "--release", str(f.r1), "--steps", "100%", "--target-label", f"fleet={m}",
+                "--json")
+    assert json.loads(r.stdout)["release"] == f.r1
+    f.client.close()
