@@ -4,7 +4,15 @@ Three callers, three kinds of credential in ``Authorization: Bearer``: operators
 token) publish; devices (their per-device credential) read only their own desired state and
 the files of the releases meant for them, and write only their own reports; anyone may
 enroll with a valid enrollment token. The app holds no state of its own, so several
-processes may serve one PostgreSQL database and one shared blob folder.
+processes may serve one PostgreSQL database and one shared blob folder (what it caches —
+the release snapshot, small blobs, model ids — is checked against the database or
+immutable).
+
+A fleet's traffic is polls, then reports and downloads when a rollout step starts. Those
+endpoints run on the event loop: one short read-only query each (the write lock is never
+involved), then the cached snapshot; reports are handed to one writer thread that commits
+many per transaction (:mod:`edged.registry.writer`). The operators' endpoints run in the
+thread pool. Rollouts are evaluated by a background thread (:mod:`edged.registry.evaluator`).
 """
 
 from __future__ import annotations

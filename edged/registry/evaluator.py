@@ -21,10 +21,11 @@ from edged.registry.db import ModelRow, ReleaseRow, RolloutRow, VersionRow
 from edged.registry.gates import Side, accumulate, crossed, halt_reason, needed_reports, readings, release_counts
 from edged.registry.release import TargetSelector
 from edged.registry.rollout_wire import Gates, StepSpec
-from edged.registry.rollouts import enter_step, recount
+from edged.registry.rollouts import enter_step, recount, step_base
 from edged.registry.service import bump_revision
 
 log = logging.getLogger(__name__)
+RECOUNT_S = 15.0  # a step short of devices looks for newly enrolled ones this often
 
 
 def evaluate(s: Session, ro: RolloutRow, now: float | None = None) -> str | None:
@@ -37,8 +38,10 @@ def evaluate(s: Session, ro: RolloutRow, now: float | None = None) -> str | None
     selector = TargetSelector.model_validate(rel.selector)
     gates = Gates.model_validate(ro.gates)
     spec = StepSpec.model_validate(ro.steps[ro.step])
-    if ro.step_members < max(1, spec.min_devices):
-        recount(s, ro, selector)
+    last = float((ro.gate_state or {}).get("recounted_at", 0.0))
+    if ro.step_members < max(1, spec.min_devices) and t - last >= RECOUNT_S:
+        recount(s, ro, selector)  # O(fleet): at most every RECOUNT_S
+        ro.gate_state = {**ro.gate_state, "recounted_at": t}
     counts = release_counts(s, ro.model_id, rel.number)
     new, base = Side.load(None), Side.load(None)
     if gates.max_error_rate is not None or gates.max_p99_ratio is not None:
@@ -53,8 +56,11 @@ def evaluate(s: Session, ro: RolloutRow, now: float | None = None) -> str | None
         return "halted"
     members = ro.step_members
     if ro.step_ready_at is None:
-        required = min(max(1, spec.min_devices), members)
-        if members > 0 and counts.committed >= required and counts.finished >= needed_reports(gates, members):
+        base_members, base_committed = step_base(ro)
+        # enough of the step's own devices committed (all of them when there are fewer than min_devices)
+        required = min(max(1, spec.min_devices), max(0, members - base_members))
+        if (members > 0 and counts.committed >= base_committed + required
+                and counts.finished >= needed_reports(gates, members)):
             ro.step_ready_at = t
             ro.updated_at = t
     if ro.step_ready_at is None or t - ro.step_ready_at < spec.soak_s:
@@ -64,7 +70,7 @@ def evaluate(s: Session, ro: RolloutRow, now: float | None = None) -> str | None
         bump_revision(s)
         log.info("rollout %d (model %s release %d) completed", ro.id, model, rel.number)
         return "completed"
-    enter_step(s, ro, ro.step + 1, t, selector)
+    enter_step(s, ro, ro.step + 1, t, selector, committed=counts.committed)
     bump_revision(s)
     log.info("rollout %d (model %s release %d): step %d of %d, %d device(s)", ro.id, model, rel.number,
              ro.step + 1, len(ro.steps), ro.step_members)

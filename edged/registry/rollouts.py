@@ -73,9 +73,15 @@ def membership(ro: RolloutRow, step: int | None = None) -> Membership:
 
 
 def enter_step(s: Session, ro: RolloutRow, k: int, now: float, selector: TargetSelector, *,
-               devices: list[Candidate] | None = None) -> None:
-    """Start step ``k``: fix its rank cutoff (percent steps) and count the members so far."""
+               committed: int, devices: list[Candidate] | None = None) -> None:
+    """Start step ``k``: fix its rank cutoff (percent steps) and count the members so far.
+
+    ``committed``: devices that committed the release before this step; the step is ready
+    when enough of its own devices committed on top of them.
+    """
     devices = targeted(s, ro, selector) if devices is None else devices
+    ro.gate_state = {**(ro.gate_state or {}), "step_base": {"members": ro.step_members if k else 0,
+                                                            "committed": committed}}
     spec = StepSpec.model_validate(ro.steps[k])
     cutoffs = list(ro.cutoffs)[:k] + [None] * max(0, k - len(ro.cutoffs))
     if spec.percent is not None:
@@ -96,9 +102,16 @@ def enter_step(s: Session, ro: RolloutRow, k: int, now: float, selector: TargetS
 
 def recount(s: Session, ro: RolloutRow, selector: TargetSelector) -> None:
     """A step short of devices (a small or growing fleet): place devices that enrolled since it began."""
-    started, ready = ro.step_started_at, ro.step_ready_at
-    enter_step(s, ro, ro.step, ro.step_started_at, selector)
+    started, ready, base = ro.step_started_at, ro.step_ready_at, step_base(ro)
+    enter_step(s, ro, ro.step, ro.step_started_at, selector, committed=base[1])
+    ro.gate_state = {**ro.gate_state, "step_base": {"members": base[0], "committed": base[1]}}
     ro.step_started_at, ro.step_ready_at = started, ready
+
+
+def step_base(ro: RolloutRow) -> tuple[int, int]:
+    """(members, committed devices) when the current step began."""
+    b = (ro.gate_state or {}).get("step_base") or {}
+    return int(b.get("members", 0)), int(b.get("committed", 0))
 
 
 # ---- create ---------------------------------------------------------------------------------------
@@ -151,7 +164,8 @@ def create_rollout(s: Session, req: RolloutCreate, public_keys: list[str]) -> Ro
                     salt=req.salt or req.model, step=0, cutoffs=[], step_members=0, step_started_at=now,
                     baseline_version=baseline, gate_state={"watermark": telemetry_watermark(s)}, notes=req.notes,
                     created_at=now, updated_at=now)
-    enter_step(s, ro, 0, now, TargetSelector.model_validate(rel.selector))
+    enter_step(s, ro, 0, now, TargetSelector.model_validate(rel.selector),
+               committed=release_counts(s, m.id, number).committed)
     s.add(ro)
     s.flush()
     bump_revision(s)

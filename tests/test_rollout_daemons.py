@@ -1,0 +1,157 @@
+"""A rollout across six real daemons (``edged run`` processes) and one registry process.
+
+A good version goes through every step to 100 %; a broken one (its golden check fails)
+halts in its first step, its canaries roll back by themselves, and the devices outside
+the canary step never download it; rolling the good rollout back by hand sends every
+daemon back to its last-known-good version.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edged.registry.rollout_wire import Gates, RolloutCreate, StepSpec
+from edged.registry.targets import RolloutTarget
+from tests.conftest import EDGED
+from tests.registry_helpers import DaemonProcess, Keys, RegistryServer, device_toml, free_port, make_version, wait_for
+
+MODEL = "digits"
+N = 6
+FLEET = {"fleet": "rollout-test"}
+
+
+class EdgedRun(DaemonProcess):
+    """The daemon exactly as installed: ``edged run --config``."""
+
+    def start(self, extra_env: dict[str, str] | None = None) -> EdgedRun:
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen([*EDGED, "run", "--config", str(self.config_path)], stdout=log,
+                                         stderr=subprocess.STDOUT)
+        return self
+
+
+@dataclass
+class World:
+    tmp: Path
+    keys: Keys
+    server: RegistryServer
+    client: Any
+    daemons: dict[str, EdgedRun]
+    repos: dict[str, Path]
+
+    def events(self, device: str) -> list[Any]:
+        return list(self.client.device(device, events=500).events)
+
+    def serving(self) -> dict[str, list[int]]:
+        return {d: p.versions(MODEL) for d, p in self.daemons.items()}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    tmp = tmp_path_factory.mktemp("rollout-daemons")
+    keys = Keys.make(tmp)
+    server = RegistryServer(tmp, [keys.public], extra_args=["--rollout-tick", "0.2s"]).start()
+    client = server.client()
+    pub = tmp / "pub"
+    make_version(pub / "1", salt="v1")
+    client.push_folder(make_version(pub / "2", salt="v2"), MODEL, 2)
+    client.push_folder(make_version(pub / "3", salt="v3", golden_fail=True), MODEL, 3)
+    token = client.enrollment_token(uses=N).token
+    daemons, repos = {}, {}
+    for i in range(N):
+        dev, home = f"dev-{i}", tmp / f"dev-{i}"
+        repo = home / "repo"
+        shutil.copytree(pub / "1", repo / MODEL / "1")  # every device serves version 1 before the rollouts
+        port = free_port()
+        cfg = device_toml(home, repo, server.url, [keys.public], token=token, device_id=dev, http_port=port,
+                          poll_s=0.2, labels=FLEET)
+        cfg.write_text(cfg.read_text() + "trial_s = 1.0\nretry_max_s = 2.0\nfacts_interval_s = 5.0\n")
+        daemons[dev] = EdgedRun(cfg, port, home / "daemon.log")
+        repos[dev] = repo
+    try:
+        for d in daemons.values():
+            d.start()
+        for d in daemons.values():
+            d.wait_http(90)
+        wait_for(lambda: len(client.devices(FLEET)) == N, 60, 0.2, "every daemon enrolled")
+        yield World(tmp, keys, server, client, daemons, repos)
+    finally:
+        for d in daemons.values():
+            d.stop()
+        client.close()
+        server.stop()
+
+
+def rollout(w: World, version: int, steps: list[StepSpec], gates: Gates) -> Any:
+    spec = RolloutCreate(model=MODEL, release=0, steps=steps, gates=gates, target=RolloutTarget(labels=FLEET))
+    return w.client.release_with_rollout(w.keys.load(), MODEL, version, spec, expires_in_s=3600)
+
+
+def committed(w: World, release: int) -> set[str]:
+    return {d.device_id for d in w.client.devices(FLEET)
+            if any(m.model == MODEL and m.release == release and m.state == "committed" for m in d.models)}
+
+
+def test_rollouts_across_real_daemons(world: World) -> None:
+    w = world
+    assert all(v == [1] for v in w.serving().values()), w.serving()
+    # -- a good version: every step, then 100 %
+    good = rollout(w, 2, [StepSpec(group=RolloutTarget(devices=["dev-0"]), soak_s=0.5),
+                          StepSpec(percent=50, soak_s=0.5), StepSpec(percent=100)],
+                   Gates(max_failure_rate=0.0, min_reporting=1))
+    seen_steps: list[tuple[int, int]] = []  # (step index, devices committed when it was first seen)
+
+    def done() -> bool:
+        st = w.client.rollout(good.id)
+        if not seen_steps or seen_steps[-1][0] != st.rollout.step:
+            seen_steps.append((st.rollout.step, st.totals["committed"]))
+        assert st.rollout.state in ("running", "completed"), st.rollout.reason
+        return st.rollout.state == "completed" and st.totals["committed"] == N
+
+    wait_for(done, 120, 0.1, "the good release committed on every daemon")
+    steps = [s for s, _ in seen_steps]
+    assert steps == sorted(steps) and steps[0] == 0 and steps[-1] == 3, seen_steps
+    assert dict(seen_steps).get(1, 1) >= 1  # the canary had committed before the next step began
+    assert committed(w, good.release) == set(w.daemons)
+    assert all(v == [2] for v in w.serving().values()), w.serving()
+    st = w.client.rollout(good.id)
+    assert next(s.members for s in st.steps) == 1 and sum(s.members for s in st.steps) == N
+
+    # -- a broken version: halted in its first step, canaries roll back by themselves
+    bad = rollout(w, 3, [StepSpec(percent=20, min_devices=2, soak_s=0.5), StepSpec(percent=100)],
+                  Gates(max_failure_rate=0.1, min_reporting=2))
+    assert bad.members == 2
+    wait_for(lambda: w.client.rollout(bad.id).rollout.state == "halted", 60, 0.1, "the broken rollout to halt")
+    st = w.client.rollout(bad.id)
+    assert st.rollout.step == 0 and "failure_rate" in (st.rollout.reason or "")
+    assert st.totals["rolled_back"] == 2 and st.steps[1].members == 0
+    canaries = {d for d in w.daemons if any(e.release == bad.release for e in w.events(d))}
+    assert len(canaries) == 2
+    time.sleep(2.0)  # ten more polls of every daemon: nobody else may touch the release
+    for d in w.daemons:
+        mine = [e for e in w.events(d) if e.release == bad.release]
+        if d in canaries:
+            outcome = [e for e in mine if e.step == "rolled-back"]
+            assert outcome and "prepare failed" in (outcome[0].reason or ""), mine
+        else:
+            assert mine == [], f"{d} reported {[(e.step, e.reason) for e in mine]} for the halted release"
+            assert not (w.repos[d] / MODEL / "3").exists()
+            assert not any((w.repos[d] / ".staging").glob(f"{MODEL}/3-*"))
+    assert all(v == [2] for v in w.serving().values()), w.serving()
+
+    # -- rolling the good release back by hand: every daemon returns to its last-known-good (version 1)
+    w.client.rollout_action(good.id, "rollback", "operator test")
+    wait_for(lambda: all(v == [1] for v in w.serving().values()), 60, 0.1, "every daemon back on version 1")
+    for d in w.daemons:
+        back = [e for e in w.events(d) if e.release == good.release and e.step == "rolled-back"]
+        assert back and "last-known-good" in (back[-1].reason or "") and back[-1].detail.get("serving") == 1
+    for d in w.daemons.values():
+        assert d.alive()
