@@ -135,6 +135,12 @@ class MqttSection(_Section):
     client_id: str | None = Field(default=None, description="default edged-<device id>; stable so a restart "
                                   "resumes its session")
     qos: Literal[0, 1] = Field(default=1, description="QoS of request subscriptions and status messages")
+    reply_qos: Literal[0, 1, "request"] = Field(
+        default=0, description="QoS of inference replies: 0 (at most once, no extra round trip), 1, or "
+        "'request' (the request's QoS, at most 1)")
+    max_pending_replies: int = Field(
+        default=1000, ge=16, le=100_000, description="requests being computed plus replies not yet taken by the "
+        "broker; beyond it requests are answered 'overloaded'")
     clean_start: bool = Field(default=True, description="false: persistent session; QoS 1 requests queue at "
                               "the broker while edged is away")
     session_expiry_s: int = Field(default=0, ge=0, description="MQTT 5 session expiry when clean_start = false")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -65,7 +66,7 @@ class Broker:
     """One mosquitto process on 127.0.0.1; ``restart`` keeps the same ports."""
 
     def __init__(self, workdir: Path, *, ca: TestCA | None = None, passwords: dict[str, str] | None = None,
-                 nodelay: bool = False) -> None:
+                 nodelay: bool = False, stock: bool = False) -> None:
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -73,6 +74,9 @@ class Broker:
         self.tls_port = free_port() if ca else None
         self.passwords = passwords
         self.nodelay = nodelay  # set_tcp_nodelay: without it the broker's small writes can wait 40 ms for an ACK
+        # stock: Debian's mosquitto.conf as shipped (its conf.d empty), only moved to a free loopback port;
+        # allow_anonymous stands in for the local-only mode mosquitto 2 enters when no listener is set.
+        self.stock = stock
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = workdir / "mosquitto.log"
 
@@ -81,6 +85,8 @@ class Broker:
         return f"mqtt://127.0.0.1:{self.port}"
 
     def _config(self) -> str:
+        if self.stock:
+            return f"persistence false\nlistener {self.port} 127.0.0.1\nallow_anonymous true\n"
         lines = ["per_listener_settings true", "persistence false", "user root",
                  f"set_tcp_nodelay {'true' if self.nodelay else 'false'}", f"listener {self.port} 127.0.0.1"]
         if self.passwords:
@@ -320,3 +326,183 @@ def user_properties(msg: mqtt.MQTTMessage) -> dict[str, str]:
 
 def process_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+# ---- request/reply drivers for the stall measurements (tests and bench/mqtt_stall.py) ------------
+DIGIT = [0, 0, 5, 13, 9, 1, 0, 0, 0, 0, 13, 15, 10, 15, 5, 0, 0, 3, 15, 2, 0, 11, 8, 0, 0, 4, 12, 0, 0, 8, 8, 0,
+         0, 5, 8, 0, 0, 9, 8, 0, 0, 4, 11, 0, 1, 12, 7, 0, 0, 2, 14, 5, 10, 12, 0, 0, 0, 0, 6, 13, 10, 0, 0, 0]
+
+
+def digits_json(request_id: str, reply_to: str) -> bytes:
+    """A one-line v2 JSON request for ``digits`` addressed the MQTT 3.1.1 way (works on any client)."""
+    return (f'{{"id":"{request_id}","reply_to":"{reply_to}","inputs":[{{"name":"pixels","datatype":"FP32",'
+            f'"shape":[1,64],"data":{DIGIT}}}]}}').replace(" ", "").encode()
+
+
+@dataclass
+class LoopResult:
+    """A closed loop at concurrency 1: how many round trips fit in the time, and their latencies (ms)."""
+
+    done: int
+    seconds: float
+    latencies_ms: list[float]
+    errors: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.done / self.seconds if self.seconds else 0.0
+
+    @property
+    def p50_ms(self) -> float:
+        s = sorted(self.latencies_ms)
+        return s[len(s) // 2] if s else float("nan")
+
+
+def closed_loop(call: Callable[[int], bool], seconds: float, *, warmup: int = 5) -> LoopResult:
+    """Run ``call(i)`` (one round trip; False for an error reply) back to back for ``seconds``."""
+    for i in range(warmup):
+        call(-1 - i)
+    lat: list[float] = []
+    errors = 0
+    start = time.monotonic()
+    end = start + seconds
+    i = 0
+    while time.monotonic() < end:
+        t0 = time.perf_counter()
+        if not call(i):
+            errors += 1
+        lat.append((time.perf_counter() - t0) * 1e3)
+        i += 1
+    return LoopResult(i, time.monotonic() - start, lat, errors)
+
+
+class PahoRequester:
+    """What a user writes with plain paho: one connection, default socket options, MQTT 5 Response Topic
+    and Correlation Data, requests at ``qos``, the reply topic subscribed at ``reply_qos``."""
+
+    def __init__(self, port: int, infer_topic: str, *, qos: int, reply_qos: int) -> None:
+        self.topic, self.qos = infer_topic, qos
+        self.reply_topic = f"replies/paho-{uuid.uuid4().hex[:8]}"
+        self.replies: queue.Queue[mqtt.MQTTMessage] = queue.Queue()
+        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+        self.client.on_message = lambda c, u, m: self.replies.put(m)
+        subscribed = threading.Event()
+        self.client.on_subscribe = lambda *a: subscribed.set()
+        self.client.connect("127.0.0.1", port, keepalive=30)
+        self.client.loop_start()
+        self.client.subscribe(self.reply_topic, reply_qos)
+        assert subscribed.wait(10), "no SUBACK"
+        x = digits_json("0", self.reply_topic)
+        self.payload = x
+
+    def __call__(self, i: int) -> bool:
+        corr = str(i).encode() + uuid.uuid4().bytes
+        self.client.publish(self.topic, self.payload, qos=self.qos,
+                            properties=publish_properties(ResponseTopic=self.reply_topic, CorrelationData=corr))
+        while True:
+            msg = self.replies.get(timeout=10)
+            if getattr(msg.properties, "CorrelationData", None) == corr:
+                return b'"error"' not in msg.payload
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+class MosquittoCliRequester:
+    """``mosquitto_pub -l`` (one request per stdin line) and ``mosquitto_sub`` (one reply per stdout line):
+    two connections, the tools' default socket options."""
+
+    def __init__(self, port: int, infer_topic: str, *, qos: int, reply_qos: int) -> None:
+        self.reply_topic = f"replies/cli-{uuid.uuid4().hex[:8]}"
+        common = ["-h", "127.0.0.1", "-p", str(port), "-V", "mqttv5"]
+        self.sub = subprocess.Popen(["mosquitto_sub", *common, "-q", str(reply_qos), "-t", self.reply_topic],
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        time.sleep(0.3)  # mosquitto_sub has no "subscribed" signal: give it its SUBACK
+        self.pub = subprocess.Popen(["mosquitto_pub", *common, "-q", str(qos), "-t", infer_topic, "-l"],
+                                    stdin=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.run = uuid.uuid4().hex[:8]
+
+    def __call__(self, i: int) -> bool:
+        assert self.pub.stdin is not None and self.sub.stdout is not None
+        rid = f"{self.run}-{i}"
+        self.pub.stdin.write(digits_json(rid, self.reply_topic) + b"\n")
+        self.pub.stdin.flush()
+        while True:
+            line = self.sub.stdout.readline()
+            if not line:
+                raise AssertionError("mosquitto_sub exited")
+            if f'"id":"{rid}"'.encode() in line:
+                return b'"error"' not in line
+
+    def close(self) -> None:
+        for p in (self.pub, self.sub):
+            with contextlib.suppress(OSError):
+                if p.stdin:
+                    p.stdin.close()
+            p.terminate()
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+
+
+class EdgedRun:
+    """A real ``edged run`` (MQTT only, the bundled ``digits``) in its own process, serving once started."""
+
+    def __init__(self, tmp: Path, broker: Broker, device: str, extra_mqtt: str = "", *, timeout: float = 120) -> None:
+        from tests.conftest import EDGED, MODELS, REPO_ROOT
+
+        tmp.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(MODELS / "digits", tmp / "models" / "digits", dirs_exist_ok=True)
+        self.config = tmp / "edged.toml"
+        self.runtime_dir = tmp / "run"
+        self.config.write_text(f"""
+[device]
+id = "{device}"
+state_dir = "{tmp / 'state'}"
+runtime_dir = "{self.runtime_dir}"
+model_repository = "{tmp / 'models'}"
+profile = "generic"
+[http]
+enabled = false
+[shm]
+enabled = false
+[telemetry]
+interval_s = 1
+[mqtt]
+url = "{broker.url}"
+{extra_mqtt}
+""")
+        self.log = tmp / "edged.log"
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen([*EDGED, "run", "--config", str(self.config)], cwd=REPO_ROOT,
+                                         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                                         stdout=out, stderr=subprocess.STDOUT)
+        self._wait_serving(broker, device, timeout)
+
+    def _wait_serving(self, broker: Broker, device: str, timeout: float) -> None:
+        import numpy as np
+
+        from edged.client.mqtt import MqttClient
+
+        end = time.monotonic() + timeout
+        with MqttClient(broker.url, device) as c:
+            while True:
+                try:
+                    c.infer("digits", {"pixels": np.asarray([DIGIT], np.float32)}, timeout=1)
+                    return
+                except Exception:
+                    if self.proc.poll() is not None or time.monotonic() > end:
+                        self.stop()
+                        raise RuntimeError(f"edged run did not serve: {self.log.read_text()[-3000:]}") from None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)

@@ -35,11 +35,12 @@ class MqttClient:
     def __init__(self, url: str = "mqtt://127.0.0.1:1883", device_id: str = "", topic_prefix: str = "edged", *,
                  protocol: Literal["5", "3.1.1"] = "5", binary: bool = True, username: str | None = None,
                  password: str | None = None, ca_file: Path | str | None = None, cert_file: Path | str | None = None,
-                 key_file: Path | str | None = None, connect_timeout: float = 10.0) -> None:
+                 key_file: Path | str | None = None, connect_timeout: float = 10.0, qos: int = 1,
+                 reply_qos: int = 1) -> None:
         import paho.mqtt.client as mqtt
         from paho.mqtt.enums import CallbackAPIVersion
 
-        from edged.transports.mqtt_connection import no_delay
+        from edged.transports.mqtt_connection import no_delay, quick_ack
 
         if not device_id:
             raise EdgedError("MqttClient needs the daemon's device id", code=ErrorCode.INVALID_ARGUMENT)
@@ -51,6 +52,9 @@ class MqttClient:
         self.base = f"{topic_prefix.rstrip('/')}/{device_id}"
         self.v5 = protocol == "5"
         self.binary = binary
+        if qos not in (0, 1, 2) or reply_qos not in (0, 1, 2):
+            raise EdgedError("MQTT QoS must be 0, 1 or 2", code=ErrorCode.INVALID_ARGUMENT)
+        self.qos, self.reply_qos = qos, reply_qos
         client_id = f"edged-client-{uuid.uuid4().hex[:12]}"
         self.reply_topic = f"{topic_prefix.rstrip('/')}/clients/{client_id}/reply"
         self._pending: dict[str, Future[tuple[dict[str, Any], memoryview]]] = {}
@@ -72,6 +76,8 @@ class MqttClient:
         self._client.on_connect = self._on_connect
         self._client.on_subscribe = self._on_subscribe
         self._client.on_message = self._on_message
+        # Our ACK for the broker's PUBACK must not wait 40 ms: the reply is queued behind that PUBACK.
+        self._client.on_publish = lambda client, *_: quick_ack(client)
         port = parts.port or _PORTS[parts.scheme]
         try:
             self._client.connect(parts.hostname, port, keepalive=30)
@@ -96,7 +102,7 @@ class MqttClient:
                 self._ready.set_exception(EdgedError(f"the MQTT broker refused the connection: {reason}",
                                                      code=ErrorCode.UNAVAILABLE))
             return
-        client.subscribe(self.reply_topic, qos=1)
+        client.subscribe(self.reply_topic, qos=self.reply_qos)
 
     def _on_subscribe(self, client: Any, userdata: Any, mid: int, reasons: Any, props: Any) -> None:
         if not self._ready.done():
@@ -104,6 +110,9 @@ class MqttClient:
 
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
         from edged.transports import mqtt_codec as codec
+        from edged.transports.mqtt_connection import quick_ack
+
+        quick_ack(client)
 
         if msg.topic != self.reply_topic:  # a retained status asked for by model_status()
             with self._lock:
@@ -153,7 +162,7 @@ class MqttClient:
             self._pending[corr] = fut
         topic = f"{self.base}/infer/{model}" + (f"/{version}" if version is not None else "")
         try:
-            info = self._client.publish(topic, payload, qos=1, properties=props)
+            info = self._client.publish(topic, payload, qos=self.qos, properties=props)
             if info.rc != self._mqtt.MQTT_ERR_SUCCESS:
                 raise EdgedError(f"cannot publish to the MQTT broker at {self.url}: "
                                  f"{self._mqtt.error_string(info.rc)}", code=ErrorCode.UNAVAILABLE)

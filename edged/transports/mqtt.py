@@ -51,7 +51,7 @@ from edged.transports.mqtt_bindings import (
     validate_bindings,
 )
 from edged.transports.mqtt_codec import Form, Topics
-from edged.transports.mqtt_connection import LinkState, MqttOptions, connect_properties, make_client
+from edged.transports.mqtt_connection import LinkState, MqttOptions, connect_properties, make_client, quick_ack
 from edged.transports.mqtt_dedup import RecentKeys
 from edged.transports.mqtt_properties import publish_properties
 from edged.transports.mqtt_status import device_offline, device_online, model_statuses
@@ -143,6 +143,7 @@ class MqttTransport:
         client.on_disconnect = self._on_disconnect
         client.on_subscribe = self._on_subscribe
         client.on_message = self._on_message
+        client.on_publish = self._on_publish
         self._client = client
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edged-mqtt-decode")
         for w in self._workers:
@@ -295,7 +296,12 @@ class MqttTransport:
         client.reconnect_delay_set(cast(int, delay), cast(int, delay))
 
     # ---- messages -------------------------------------------------------------------------
+    def _on_publish(self, client: mqtt.Client, userdata: Any, mid: int, reason: ReasonCode,
+                    properties: Properties | None) -> None:
+        quick_ack(client)  # the broker's PUBACK: do not let its next write wait for our delayed ACK
+
     def _on_message(self, client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
+        quick_ack(client)
         try:
             topic = msg.topic
             if topic.startswith(self.topics.infer_root):
@@ -323,9 +329,13 @@ class MqttTransport:
             header_length = None
         w.offer(Item(topic, msg.payload, header_length, time.time(), _deadline(props)))
 
+    def _reply_qos(self, request_qos: int) -> int:
+        policy = self.options.reply_qos
+        return min(request_qos, 1) if policy == "request" else policy
+
     def _on_request(self, msg: mqtt.MQTTMessage, topic: str) -> None:
         props = msg.properties if self.options.v5 else None
-        inc = _Incoming(topic=topic, payload=msg.payload, qos=min(msg.qos, 1),
+        inc = _Incoming(topic=topic, payload=msg.payload, qos=self._reply_qos(msg.qos),
                         response_topic=getattr(props, "ResponseTopic", None) if props else None,
                         correlation=getattr(props, "CorrelationData", None) if props else None,
                         header_length=_user_property(props, codec.HEADER_LENGTH_PROPERTY),

@@ -46,6 +46,8 @@ class MqttOptions:
     client_id: str
     keepalive_s: int
     qos: int
+    reply_qos: int | Literal["request"]
+    max_pending_replies: int
     clean_start: bool
     session_expiry_s: int
     reconnect_min_s: float
@@ -74,7 +76,8 @@ class MqttOptions:
             username=m.username if m.username is not None else parts.username,
             password=m.password if m.password is not None else parts.password,
             v5=m.protocol == "5", client_id=m.client_id or f"edged-{cfg.device.id}",
-            keepalive_s=m.keepalive_s, qos=m.qos, clean_start=m.clean_start,
+            keepalive_s=m.keepalive_s, qos=m.qos, reply_qos=m.reply_qos,
+            max_pending_replies=m.max_pending_replies, clean_start=m.clean_start,
             session_expiry_s=m.session_expiry_s, reconnect_min_s=m.reconnect_min_s,
             reconnect_max_s=max(m.reconnect_max_s, m.reconnect_min_s),
             max_payload_bytes=int(m.max_payload_mb * 1024 * 1024),
@@ -136,6 +139,27 @@ def no_delay(client: Any, userdata: Any, sock: Any) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     except (OSError, AttributeError):
         pass  # not a TCP socket (websockets wrapper, Unix socket)
+
+
+def quick_ack(client: Any) -> None:
+    """Acknowledge what was just read at once instead of after Linux's delayed-ACK timer (~40 ms).
+
+    mosquitto (without ``set_tcp_nodelay``) holds its next write to us behind Nagle's algorithm until
+    we ACK its last one; when that last one was a PUBACK or a message we do not answer with data of
+    our own, our kernel waits for its timer and every request or reply behind it waits too. Linux
+    forgets TCP_QUICKACK after a while, so this is re-armed from the callbacks that follow each read;
+    setting it also sends an ACK that is already pending.
+    """
+    sock = client.socket()
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, _TCP_QUICKACK, 1)
+    except (OSError, AttributeError):
+        pass  # not TCP (websockets wrapper) or not Linux
+
+
+_TCP_QUICKACK = getattr(socket, "TCP_QUICKACK", 12)
 
 
 def connect_properties(opts: MqttOptions) -> Any:
