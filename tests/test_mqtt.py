@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import gc
@@ -45,6 +46,7 @@ from tests.mqtt_helpers import (
     closed_loop,
     make_test_ca,
     process_fds,
+    publish_properties,
     user_properties,
 )
 
@@ -780,3 +782,46 @@ def test_stock_broker_mosquitto_cli_has_no_stall(stock: tuple[Broker, EdgedRun],
         _rate(cli, floor)
     finally:
         cli.close()
+
+
+# ---- overload: a flood gets a reply for every request -----------------------------------------------
+@pytest.mark.parametrize("reply_qos", [1, 0])
+def test_qos1_flood_gets_a_reply_for_every_request(tmp_path: Path, transports: Callable[..., MqttTransport],
+                                                   digits: Digits, reply_qos: int) -> None:
+    broker = Broker(tmp_path / "flood-broker", nodelay=True).start()
+    try:
+        t = transports(broker.url, max_pending_replies=16, reply_qos=reply_qos)
+        c = TestClient(broker.port).wait_connected()
+        c.subscribe("replies/flood", qos=1)
+        n = 1000  # mosquitto queues at most 1000 QoS 1 messages per client (max_queued_messages): no broker drops
+        x = digits.x[:1]
+        body = _json_request(x)
+        for i in range(n):  # as fast as paho takes them: no waiting for PUBACKs
+            props = publish_properties(ResponseTopic="replies/flood", CorrelationData=str(i).encode())
+            assert c.client.publish("edged/dev/infer/digits", body, qos=1, properties=props).rc == 0
+        answers: dict[int, str] = {}
+        end = time.monotonic() + 60
+        while len(answers) < n and time.monotonic() < end:
+            try:
+                msg = c.messages.get(timeout=max(0.1, end - time.monotonic()))
+            except Exception:
+                break
+            i = int(msg.properties.CorrelationData)  # type: ignore[union-attr]
+            assert i not in answers, f"request {i} got two replies"
+            doc = json.loads(msg.payload)
+            answers[i] = doc.get("code", "answer")
+            if "code" not in doc:
+                assert np.allclose(np.asarray(doc["outputs"][0]["data"], np.float32), digits.expected(x).ravel(),
+                                   atol=1e-5)
+        c.close()
+        kinds = collections.Counter(answers.values())
+        print(f"{n} requests at QoS 1 -> {dict(kinds)} (replies at QoS {reply_qos}); counters {dict(t.counters)}")
+        assert len(answers) == n, f"{n - len(answers)} requests got no reply: {dict(kinds)}"
+        assert set(kinds) <= {"answer", "overloaded"}
+        assert kinds["overloaded"] > 0, "the flood never reached max_pending_replies: the test proves nothing"
+        assert t.counters["requests"] == n
+        assert t.counters["overloaded"] == kinds["overloaded"]
+        assert t.counters["replies_dropped"] == 0
+        assert t.backlog() == 0
+    finally:
+        broker.stop()

@@ -62,6 +62,9 @@ INLINE_HEADER_BYTES = 64 * 1024  # larger JSON is decoded off paho's thread
 MAX_PENDING_DECODES = 32
 PENDING_DECODE_PAYLOADS = 4  # bytes waiting for the decode pool stay under 4 x max_payload_mb
 STOP_GRACE_S = 2.0
+# Room for 'overloaded' refusals (small, QoS 0) beyond max_pending_replies: paho reads a burst of requests
+# before it writes their refusals. Only a broker that stops reading fills it; then replies are dropped.
+REFUSAL_RESERVE = 1024
 STATUS_POLL_S = 2.0
 
 
@@ -118,6 +121,9 @@ class MqttTransport:
         self._pool: ThreadPoolExecutor | None = None
         self._pending_decodes = 0
         self._pending_bytes = 0
+        # Replies handed to paho that the broker has not taken yet (QoS 0: not yet written; QoS 1: no PUBACK).
+        self._unsent: collections.deque[mqtt.MQTTMessageInfo] = collections.deque()
+        self._unsent_lock = threading.Lock()
         self._workers = [
             BindingWorker(i, b, render=self._render_output, process=self._process_binding,
                           error_payload=self._binding_error, publish=self._publish_plain)
@@ -232,6 +238,8 @@ class MqttTransport:
                 return
             self._backoff.reset()
             self.link.set_up()
+            with self._unsent_lock:
+                self._unsent.clear()  # paho resends its QoS 1 ones; QoS 0 ones were lost with the connection
             subs = [(f, self.options.qos) for f in self.topics.infer_filters]
             subs += [(b.topic, b.qos) for b in self.bindings]
             self._sub_topics = [f for f, _ in subs]
@@ -344,6 +352,14 @@ class MqttTransport:
         if self._stopping:
             self._process(inc, reject=ModelNotReadyError("the daemon is shutting down"))
             return
+        if self.backlog() >= self.options.max_pending_replies:
+            # Refuse while there is still room to say so: the refusal is a small reply, the answer may not be.
+            self._count("overloaded")
+            self._warn("overloaded", f"{self.backlog()} requests and replies pending (max_pending_replies "
+                       f"{self.options.max_pending_replies}): answering 'overloaded'")
+            self._process(inc, reject=OverloadedError(
+                "too many requests are waiting for their replies; retry later"))
+            return
         size = len(inc.payload)
         if size > self.options.max_payload_bytes:
             self._count("oversized")
@@ -403,7 +419,8 @@ class MqttTransport:
                 form = Form.BINARY_PROPERTY if inc.header_length is not None else (
                     Form.BINARY_PREFIX if inc.payload[:1] == b"\0" else Form.JSON)
                 reply = _Reply(inc.response_topic, inc.correlation, None, form, inc.qos, inc.deadline)
-                if self._duplicate(inc.topic, reply):
+                # A refused request is not remembered: its retry (same correlation) deserves an answer.
+                if reject is None and self._duplicate(inc.topic, reply):
                     return
             if reject is not None:
                 if reply is None:
@@ -411,8 +428,10 @@ class MqttTransport:
                     if reply is None:
                         self._drop(inc.topic, f"{reject.code.value}: {reject}")
                         return
-                    if self._duplicate(inc.topic, reply):
-                        return
+                if reject.code is ErrorCode.OVERLOADED:
+                    # Refusals must leave faster than requests arrive: QoS 0 does not wait in paho's
+                    # in-flight window behind the QoS 1 replies that caused the overload.
+                    reply.qos = 0
                 raise reject
             model, version = self.topics.parse_infer(inc.topic)
             parts = inc.parts or codec.split(inc.payload, codec.header_length_property(inc.header_length))
@@ -454,10 +473,10 @@ class MqttTransport:
         future.add_done_callback(partial(self._finish, decoded, reply))
 
     def _reply_from_small_header(self, inc: _Incoming) -> _Reply | None:
-        """For a rejected 3.1.1 request: the reply address, if reading it is cheap (a binary-form header)."""
+        """For a rejected 3.1.1 request: the reply address, if reading it is cheap (a small header)."""
         try:
             form, head, _ = codec.split(inc.payload, codec.header_length_property(inc.header_length))
-            if form is Form.JSON or len(head) > INLINE_HEADER_BYTES:
+            if len(head) > INLINE_HEADER_BYTES:
                 return None
             header = loads(head)
             if not isinstance(header, dict):
@@ -508,9 +527,22 @@ class MqttTransport:
         except Exception:
             log.exception("MQTT error reply failed")
 
+    def backlog(self) -> int:
+        """Requests being decoded or computed plus replies the broker has not taken yet."""
+        with self._unsent_lock:
+            unsent = self._unsent
+            while unsent and unsent[0].is_published():
+                unsent.popleft()
+            waiting = len(unsent)
+        return waiting + self._inflight + self._pending_decodes
+
     def _send(self, reply: _Reply, payload: bytes, form: Form, hlen: int | None, error: str | None = None) -> None:
         client = self._client
         if client is None:
+            return
+        if self.backlog() >= self.options.max_pending_replies + REFUSAL_RESERVE:
+            # Even the refusals are not leaving (a stuck broker): drop, count, never grow without bound.
+            self._reply_dropped(reply, "the broker is not taking replies fast enough")
             return
         props = None
         if self.options.v5:
@@ -526,8 +558,15 @@ class MqttTransport:
                 user=users)
         info = client.publish(reply.topic, payload, qos=reply.qos, properties=props)
         if info.rc != mqtt.MQTT_ERR_SUCCESS:
-            self._count("replies_lost")
-            self._warn("reply-lost", f"a reply to {reply.topic!r} could not be sent ({mqtt.error_string(info.rc)})")
+            self._reply_dropped(reply, mqtt.error_string(info.rc))
+            return
+        with self._unsent_lock:
+            self._unsent.append(info)
+
+    def _reply_dropped(self, reply: _Reply, why: str) -> None:
+        self._count("replies_dropped")
+        self._warn("reply-dropped", f"a reply to {reply.topic!r} was dropped ({why}); "
+                   f"{self.counters['replies_dropped']} so far")
 
     def _drop(self, topic: str, why: str) -> None:
         self._count("dropped")

@@ -111,8 +111,10 @@ def make_client(opts: MqttOptions, *, will_topic: str, will_payload: bytes) -> m
     # An exception escaping one of our callbacks must never end paho's network thread.
     client.suppress_exceptions = True
     # paho's own logger is left off: it reports every failed retry at ERROR level.
-    # QoS 1 replies published while the broker is away wait in paho's queue; keep it bounded.
-    client.max_queued_messages_set(1000)
+    # QoS 1 messages published while the broker is away wait in paho's queue; keep it bounded. The transport
+    # bounds replies itself (max_pending_replies, see MqttTransport.backlog) so that a full queue never
+    # refuses one; the rest is for status, telemetry and stream binding outputs.
+    client.max_queued_messages_set(opts.max_pending_replies + 1024)
     client.will_set(will_topic, will_payload, qos=1, retain=True)
     client.on_socket_open = no_delay
     if opts.transport == "websockets":
