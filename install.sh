@@ -36,9 +36,10 @@ is_root() { [ "$(id -u)" -eq 0 ]; }
 # systemd-python, a compiler for wheels that build from source, Python's venv module, and for the
 # systemd and packaging tests: systemd (systemd-analyze, sysusers, tmpfiles), systemd-container
 # (systemd-nspawn boots the packaged service under a real systemd), mmdebstrap (a
-# throwaway Debian root), lintian and shellcheck; postgresql for the registry tests.
+# throwaway Debian root), lintian and shellcheck; postgresql for the registry tests; libb64-0d for
+# Triton's perf_analyzer (tests/perf_analyzer.py).
 deb_packages=(mosquitto mosquitto-clients libsystemd-dev pkg-config gcc python3-dev python3-venv
-  systemd systemd-container mmdebstrap lintian shellcheck postgresql)
+  systemd systemd-container mmdebstrap lintian shellcheck postgresql libb64-0d)
 
 missing_debs() {
   local p out=()

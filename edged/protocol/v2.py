@@ -20,8 +20,11 @@ from edged import datatypes
 from edged.core.types import InferRequest, InferResponse
 from edged.errors import InvalidInputError
 
-# (region, offset, byte_size) -> a writable buffer of exactly byte_size bytes
+# (region, offset, byte_size) -> the byte_size bytes of an input slot
 ShmResolver = Callable[[str, int, int], memoryview]
+# (region, offset, slot byte_size, bytes used) -> a writable buffer of exactly `used` bytes at the
+# output slot's start, after checking the slot lies inside the region
+ShmWriter = Callable[[str, int, int, int], memoryview]
 
 
 @dataclass
@@ -211,7 +214,7 @@ def decode_request(header: Mapping[str, Any], binary: memoryview | bytes = b"", 
 
 
 def encode_response(resp: InferResponse, decoded: DecodedRequest | None = None,
-                    shm: ShmResolver | None = None) -> tuple[dict[str, Any], list[bytes]]:
+                    shm: ShmWriter | None = None) -> tuple[dict[str, Any], list[bytes]]:
     """The v2 response header and, in order, the binary chunks that follow it."""
     opts = decoded.outputs if decoded else {}
     default_binary = decoded.binary_default if decoded else False
@@ -228,10 +231,10 @@ def encode_response(resp: InferResponse, decoded: DecodedRequest | None = None,
             if len(raw) > size:
                 raise InvalidInputError(
                     f"output {name!r} needs {len(raw)} bytes but its shared memory slot holds {size}")
-            shm(region, offset, size)[: len(raw)] = raw
-            entry["parameters"] = {"shared_memory_region": region, "shared_memory_byte_size": len(raw)}
-            if offset:
-                entry["parameters"]["shared_memory_offset"] = offset
+            shm(region, offset, size, len(raw))[:] = raw
+            # Triton describes an output written to shared memory by name, datatype and shape only:
+            # its C++ client reads any "parameters" object as a binary-output description and
+            # requires binary_data_size in it.
         elif opt.binary:
             raw = bytes_to_buffer(arr) if dt == "BYTES" else np.ascontiguousarray(arr).tobytes()
             entry["parameters"] = {"binary_data_size": len(raw)}

@@ -112,6 +112,8 @@ class V2App:
                 return await self._repository(method, rest[1:], req)
             if rest[0] == "systemsharedmemory":
                 return await self._sysshm(method, rest[1:], req)
+            if rest[0] == "cudasharedmemory":
+                return self._cudashm(method, rest[1:])
         elif top == b"metrics" and len(parts) == 2:
             _allow(method, "GET")
             body, ctype = await asyncio.to_thread(self.metrics)
@@ -201,7 +203,7 @@ class V2App:
     def _encode(self, resp: Any, decoded: DecodedRequest, staging: OutputStaging | None) -> Response:
         header, chunks = encode_response(resp, decoded, shm=staging)
         if staging is not None:
-            staging.flush(header["outputs"])
+            staging.flush()
         hjson = dumps(header)
         if not chunks:
             return 200, _JSON, hjson
@@ -303,6 +305,26 @@ class V2App:
                 _allow(method, "POST")
                 self.shm.unregister(name)
                 return self._json({})
+        raise HttpError(404, "not found")
+
+
+    def _cudashm(self, method: str, rest: list[str]) -> Response:
+        """No CUDA shared memory here; answered as a Triton without GPU regions answers.
+
+        Triton clients (perf_analyzer among them) unregister every CUDA region on exit and treat a
+        failure as an error, so status is empty and unregistering nothing succeeds.
+        """
+        if rest == ["status"] or (len(rest) == 3 and rest[0] == "region" and rest[2] == "status"):
+            _allow(method, "GET", "POST")
+            if len(rest) == 3:
+                raise HttpError(400, f"unable to find cuda shared memory region: {rest[1]!r}")
+            return self._json([])
+        if rest == ["unregister"] or (len(rest) == 3 and rest[0] == "region" and rest[2] == "unregister"):
+            _allow(method, "POST")
+            return self._json({})
+        if len(rest) == 3 and rest[0] == "region" and rest[2] == "register":
+            _allow(method, "POST")
+            raise HttpError(400, "CUDA shared memory is not supported by this server; use system shared memory")
         raise HttpError(404, "not found")
 
 

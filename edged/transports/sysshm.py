@@ -256,33 +256,25 @@ class OutputStaging:
     """Collects output bytes for shm slices so they are written with pwrite after encoding.
 
     The v2 codec writes an output into the buffer a resolver returns; this resolver
-    hands out private buffers and :meth:`flush` copies only the bytes actually used
-    (the encoded header says how many) into the client's segment.
+    hands out private buffers of exactly the bytes used and :meth:`flush` copies them
+    into the client's segment.
     """
 
     def __init__(self, registry: SystemShmRegistry) -> None:
         self.registry = registry
         self.buffers: dict[tuple[str, int], memoryview] = {}
 
-    def __call__(self, region: str, offset: int, byte_size: int) -> memoryview:
+    def __call__(self, region: str, offset: int, byte_size: int, used: int) -> memoryview:
         self.registry.check(region, offset, byte_size)
-        if byte_size < _BOUNCE_LIMIT:
-            view = memoryview(bytearray(byte_size))
+        if used < _BOUNCE_LIMIT:
+            view = memoryview(bytearray(used))
         else:
             import mmap  # anonymous memory: pages only exist once written
 
-            view = memoryview(mmap.mmap(-1, byte_size))
+            view = memoryview(mmap.mmap(-1, max(used, 1)))[:used]
         self.buffers[(region, offset)] = view
         return view
 
-    def flush(self, outputs: list[dict[str, Any]]) -> None:
-        for out in outputs:
-            p = out.get("parameters") or {}
-            region = p.get("shared_memory_region")
-            if region is None:
-                continue
-            offset = p.get("shared_memory_offset", 0)
-            view = self.buffers.get((region, offset))
-            if view is None:  # pragma: no cover - the codec always asks before it reports a slot
-                raise EdgedError("output staging lost a buffer")
-            self.registry.write(region, offset, view[: p["shared_memory_byte_size"]])
+    def flush(self) -> None:
+        for (region, offset), view in self.buffers.items():
+            self.registry.write(region, offset, view)

@@ -1,0 +1,96 @@
+"""Triton's own C++ client against the daemon: perf_analyzer, and the response fields it reads.
+
+perf_analyzer is fetched from its public wheel (tests/perf_analyzer.py) and skipped with the
+reason when it cannot be had; the second group asserts, without the binary, the exact response
+fields Triton's C++ HTTP client requires.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+
+from edged.client.http import HttpClient
+from tests import perf_analyzer
+from tests.http_helpers import Segment, Served, copy_models, served
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    tmp = tmp_path_factory.mktemp("perf_analyzer")
+    with served(copy_models(tmp / "models", "digits"), tmp) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def pa() -> perf_analyzer.PerfAnalyzer:
+    try:
+        return perf_analyzer.get()
+    except perf_analyzer.UnavailableError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("shm", [[], ["--shared-memory", "system", "--output-shared-memory-size", "4096"]],
+                         ids=["http", "system-shm"])
+def test_perf_analyzer_runs_against_the_daemon(srv: Served, pa: perf_analyzer.PerfAnalyzer, shm: list[str]) -> None:
+    r = pa.run("-m", "digits", "-u", srv.url.removeprefix("http://"), "-i", "http", "-b", "4",
+               "--concurrency-range", "1", "--measurement-mode", "count_windows",
+               "--measurement-request-count", "30", "-s", "50", *shm)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-2000:]
+    assert "Throughput:" in out and "error" not in out.lower() and "Unable" not in out, out[-2000:]
+    stats = srv.service.statistics()
+    assert any(s["name"] == "digits" and s["inference_stats"]["success"]["count"] > 0 for s in stats)
+
+
+def _infer(c: HttpClient, outputs: list[dict[str, object]], x: np.ndarray) -> tuple[int, dict[str, object], bytes]:
+    header = orjson.dumps({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": list(x.shape),
+                                       "parameters": {"binary_data_size": x.nbytes}}], "outputs": outputs})
+    r = c.request("POST", "/v2/models/digits/infer", [header, x.tobytes()],
+                  {"Inference-Header-Content-Length": str(len(header))})
+    hlen = int(r.header("inference-header-content-length") or len(r.body))
+    return r.status, orjson.loads(r.body[:hlen]), r.body[hlen:]
+
+
+def test_output_fields_are_exactly_what_the_cpp_client_reads(srv: Served, tmp_path: Path) -> None:
+    x = np.arange(2 * 64, dtype=np.float32).reshape(2, 64) % 17
+    tag = uuid.uuid4().hex[:10]
+    seg = Segment(f"/pa_out_{tag}", 4096)
+    try:
+        with HttpClient(srv.url) as c:
+            r = c.request("POST", f"/v2/systemsharedmemory/region/out_{tag}/register",
+                          [orjson.dumps({"key": seg.key, "offset": 0, "byte_size": 4096})])
+            assert r.status == 200, r.body
+            # Written to system shared memory: name, datatype, shape and nothing else (a
+            # "parameters" object would be read as a binary output needing binary_data_size).
+            status, head, tail = _infer(c, [{"name": "probabilities", "parameters": {
+                "shared_memory_region": f"out_{tag}", "shared_memory_offset": 64,
+                "shared_memory_byte_size": 1024}}], x)
+            assert status == 200, head
+            assert head["outputs"] == [{"name": "probabilities", "datatype": "FP32", "shape": [2, 10]}]
+            assert tail == b""
+            in_shm = np.frombuffer(seg.read(80, 64), np.float32).reshape(2, 10)
+            # Binary: exactly binary_data_size, matching the bytes that follow.
+            status, head, tail = _infer(c, [{"name": "probabilities", "parameters": {"binary_data": True}}], x)
+            assert status == 200
+            assert head["outputs"] == [{"name": "probabilities", "datatype": "FP32", "shape": [2, 10],
+                                        "parameters": {"binary_data_size": 80}}]
+            np.testing.assert_array_equal(np.frombuffer(tail, np.float32).reshape(2, 10), in_shm)
+            assert abs(in_shm.sum() - 2.0) < 1e-4
+            # CUDA shared memory: none here; the client's exit-time cleanup must still succeed.
+            assert c.request("POST", "/v2/cudasharedmemory/unregister").status == 200
+            r = c.request("GET", "/v2/cudasharedmemory/status")
+            assert r.status == 200 and orjson.loads(r.body) == []
+            r = c.request("POST", "/v2/cudasharedmemory/region/x/register",
+                          [b'{"raw_handle":{"b64":""},"device_id":0,"byte_size":16}'])
+            assert r.status == 400 and "not supported" in orjson.loads(r.body)["error"]
+            c.request("POST", "/v2/systemsharedmemory/unregister")
+    finally:
+        seg.close()
