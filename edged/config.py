@@ -115,6 +115,18 @@ class HttpSection(_Section):
     max_request_mb: float = Field(default=64, gt=0)
 
 
+class ControlSection(_Section):
+    """Who may change the daemon's state locally (see edged/transports/authority.py and the README)."""
+
+    model_control: Literal["none", "explicit"] = Field(
+        default="explicit", description="none: repository load/unload are refused for everyone; explicit: "
+        "allowed with the management authority (token, or a trusted Unix-socket peer)")
+    token: str | None = Field(default=None, min_length=16, description="management credential, sent as "
+                              "'Authorization: Bearer <token>'; unset: no credential is accepted")
+    unix_uids: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=list, description="Unix-socket peers trusted besides root and the daemon's own user")
+
+
 class TlsSection(_Section):
     ca_file: Path | None = None
     cert_file: Path | None = None
@@ -163,6 +175,10 @@ class ShmSection(_Section):
     max_region_mb: float = Field(default=1024, gt=0, description="shared memory one client may map")
     max_segments: int = Field(default=128, ge=1, description="segments one client may register")
     max_inflight: int = Field(default=64, ge=1, description="requests one client may have in flight")
+    system_shm_prefix: str | None = Field(
+        default=None, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,63}$",
+        description="over TCP, system shared memory may only be registered (with the management token) for "
+        "/dev/shm segments named with this prefix and owned by the daemon's user; unset: off over TCP")
 
 
 class RegistrySection(_Section):
@@ -209,6 +225,7 @@ class Config(_Section):
     http: HttpSection = Field(default_factory=HttpSection)
     mqtt: MqttSection = Field(default_factory=MqttSection)
     shm: ShmSection = Field(default_factory=ShmSection)
+    control: ControlSection = Field(default_factory=ControlSection)
     registry: RegistrySection = Field(default_factory=RegistrySection)
     telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
     logging: LoggingSection = Field(default_factory=LoggingSection)

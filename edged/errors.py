@@ -20,6 +20,8 @@ class ErrorCode(str, enum.Enum):
     RESOURCE_EXHAUSTED = "resource_exhausted"
     FAILED_PRECONDITION = "failed_precondition"
     INTERNAL = "internal"
+    UNAUTHENTICATED = "unauthenticated"  # no (valid) credential for an action that needs one
+    PERMISSION_DENIED = "permission_denied"  # known caller, or disabled action: not allowed
 
 
 class EdgedError(Exception):
@@ -93,6 +95,18 @@ class ResourceExhaustedError(EdgedError):
     """Admitting the work would exceed a memory or size budget."""
 
     code = ErrorCode.RESOURCE_EXHAUSTED
+
+
+class UnauthenticatedError(EdgedError):
+    """A state-changing action came without the management credential (or a trusted peer)."""
+
+    code = ErrorCode.UNAUTHENTICATED
+
+
+class PermissionDeniedError(EdgedError):
+    """The caller is known but may not do this (or the action is disabled by configuration)."""
+
+    code = ErrorCode.PERMISSION_DENIED
 
 
 class InternalError(EdgedError):

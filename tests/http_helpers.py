@@ -20,6 +20,8 @@ from edged.transports.http import HttpTransport
 
 T = TypeVar("T")
 MODELS = Path(__file__).resolve().parent.parent / "models"
+TOKEN = "test-management-token-0123456789"  # [control] token of every Served unless told otherwise
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 ORT = [BackendPreference(backend="onnxruntime", device="CPU", precisions=["fp32"])]
 
 
@@ -33,12 +35,14 @@ def copy_models(repo: Path, *names: str) -> Path:
 class Served:
     """ModelManager + InferenceService + HttpTransport; ``url`` is where it listens.
 
-    ``extra`` TOML lines continue the ``[http]`` section (or open sections of their own).
+    ``extra`` TOML lines continue the ``[http]`` section (or open sections of their own); ``token``
+    is the management credential (None: none configured, the default of a real daemon).
     """
 
     def __init__(self, repo: Path, tmp: Path, *, listen: str = "127.0.0.1:0", extra: str = "",
-                 load: bool = True) -> None:
-        text = textwrap.dedent(f"""
+                 load: bool = True, token: str | None = TOKEN) -> None:
+        control = f'[control]\ntoken = "{token}"\n' if token else ""
+        text = control + textwrap.dedent(f"""
             [device]
             id = "http-test"
             state_dir = "{tmp / 'state'}"

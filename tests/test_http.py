@@ -22,7 +22,7 @@ from edged.client.http import HttpClient, HttpStatusError
 from edged.core.types import InferRequest
 from edged.errors import EdgedError, ErrorCode, OverloadedError
 from edged.transports.http import parse_listen
-from tests.http_helpers import Served, copy_models, served
+from tests.http_helpers import AUTH, Served, copy_models, served
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,7 +30,8 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     tmp = tmp_path_factory.mktemp("http")
-    with served(copy_models(tmp / "models", "digits", "mobilenet"), tmp) as s:
+    with served(copy_models(tmp / "models", "digits", "mobilenet"), tmp,
+                extra='[shm]\nsystem_shm_prefix = "httptest_"\n') as s:
         yield s
 
 
@@ -157,39 +158,39 @@ def test_tritonclient_system_shared_memory(srv: Served, triton: th.InferenceServ
     out_h = tshm.create_shared_memory_region(f"out_{tag}", f"/httptest_out_{tag}", out_bytes)
     try:
         tshm.set_shared_memory_region(in_h, [batch])
-        triton.register_system_shared_memory(f"in_{tag}", f"/httptest_in_{tag}", batch.nbytes)
-        triton.register_system_shared_memory(f"out_{tag}", f"/httptest_out_{tag}", out_bytes)
-        status = triton.get_system_shared_memory_status()
+        triton.register_system_shared_memory(f"in_{tag}", f"/httptest_in_{tag}", batch.nbytes, headers=AUTH)
+        triton.register_system_shared_memory(f"out_{tag}", f"/httptest_out_{tag}", out_bytes, headers=AUTH)
+        status = triton.get_system_shared_memory_status(headers=AUTH)
         names = {r["name"] for r in status}
         assert {f"in_{tag}", f"out_{tag}"} <= names
-        one = triton.get_system_shared_memory_status(f"in_{tag}")
+        one = triton.get_system_shared_memory_status(f"in_{tag}", headers=AUTH)
         assert one[0]["byte_size"] == batch.nbytes
 
         inp = th.InferInput("pixels", [16, 64], "FP32")
         inp.set_shared_memory(f"in_{tag}", batch.nbytes)
         out = th.InferRequestedOutput("probabilities", binary_data=True)
         out.set_shared_memory(f"out_{tag}", out_bytes)
-        result = triton.infer("digits", [inp], outputs=[out])
+        result = triton.infer("digits", [inp], outputs=[out], headers=AUTH)
         # Described as Triton does: name, datatype and shape, no parameters, no data.
         assert result.get_output("probabilities") == {"name": "probabilities", "datatype": "FP32", "shape": [16, 10]}
         got = tshm.get_contents_as_numpy(out_h, np.float32, [16, 10])
         np.testing.assert_allclose(got, in_process(srv, "digits", batch), rtol=1e-5, atol=1e-6)
 
         # An input at an offset inside a larger region, JSON output.
-        triton.unregister_system_shared_memory(f"in_{tag}")
+        triton.unregister_system_shared_memory(f"in_{tag}", headers=AUTH)
         with pytest.raises(InferenceServerException) as e:
-            triton.infer("digits", [inp], outputs=[out])
+            triton.infer("digits", [inp], outputs=[out], headers=AUTH)
         assert e.value.status() == "400" and "not registered" in e.value.message()
-        triton.register_system_shared_memory(f"in_{tag}", f"/httptest_in_{tag}", batch.nbytes)
+        triton.register_system_shared_memory(f"in_{tag}", f"/httptest_in_{tag}", batch.nbytes, headers=AUTH)
         inp2 = th.InferInput("pixels", [1, 64], "FP32")
         inp2.set_shared_memory(f"in_{tag}", 64 * 4, offset=5 * 64 * 4)
-        single = triton.infer("digits", [inp2]).as_numpy("probabilities")
+        single = triton.infer("digits", [inp2], headers=AUTH).as_numpy("probabilities")
         np.testing.assert_allclose(single, in_process(srv, "digits", batch[5:6]), rtol=1e-5, atol=1e-6)
     finally:
-        triton.unregister_system_shared_memory()
+        triton.unregister_system_shared_memory(headers=AUTH)
         tshm.destroy_shared_memory_region(in_h)
         tshm.destroy_shared_memory_region(out_h)
-    assert triton.get_system_shared_memory_status() == []
+    assert triton.get_system_shared_memory_status(headers=AUTH) == []
 
 
 def test_statistics_and_metrics(srv: Served, triton: th.InferenceServerClient,
@@ -300,7 +301,7 @@ def test_routes_methods_and_statuses(srv: Served) -> None:
         assert c.request("DELETE", "/v2/health/live").status == 405
         r = c.request("GET", "/v2/models/%2E%2E%2Fetc/config")
         assert r.status == 404 and orjson.loads(r.body)["error"]
-        assert c.request("POST", "/v2/repository/models/..%2F..%2Fetc/load", [b"{}"]).status == 404
+        assert c.request("POST", "/v2/repository/models/..%2F..%2Fetc/load", [b"{}"], AUTH).status == 404
 
 
 def test_deadline_from_timeout_parameter_is_504(srv: Served) -> None:
@@ -373,7 +374,7 @@ def test_errors_never_show_internal_paths(tmp_path: Path) -> None:
             c.request("POST", "/v2/repository/index", [b"{}"]).body,
             c.request("GET", "/v2/models/broken").body,
             c.request("GET", "/v2/models/broken/config").body,
-            c.request("POST", "/v2/repository/models/broken/load", [b"{}"]).body,
+            c.request("POST", "/v2/repository/models/broken/load", [b"{}"], AUTH).body,
             c.request("POST", "/v2/models/broken/infer",
                       [b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[1]}]}']).body,
         ]
@@ -391,20 +392,29 @@ def test_repository_load_unload(tmp_path: Path) -> None:
     with served(repo, tmp_path) as s:
         t = th.InferenceServerClient(s.url)
         try:
-            t.unload_model("mobilenet")
+            # without the management credential: refused, and nothing changes
+            for kw, status in (({}, "401"), ({"headers": {"Authorization": "Bearer wrong-token-0123456789"}}, "403")):
+                with pytest.raises(InferenceServerException) as e:
+                    t.unload_model("mobilenet", **kw)
+                assert e.value.status() == status and "management" in e.value.message()
+                with pytest.raises(InferenceServerException) as e:
+                    t.load_model("mobilenet", **kw)
+                assert e.value.status() == status
+            assert t.is_model_ready("mobilenet")
+            t.unload_model("mobilenet", headers=AUTH)
             assert not t.is_model_ready("mobilenet")
             index = {e["name"]: e for e in t.get_model_repository_index()}
             assert index["mobilenet"]["state"] == "UNAVAILABLE" and index["digits"]["state"] == "READY"
             with pytest.raises(InferenceServerException) as e:
-                t.unload_model("mobilenet")
+                t.unload_model("mobilenet", headers=AUTH)
             assert e.value.status() == "404"
-            t.load_model("mobilenet")
+            t.load_model("mobilenet", headers=AUTH)
             assert t.is_model_ready("mobilenet")
             with pytest.raises(InferenceServerException) as e:
-                t.load_model("digits", config='{"max_batch_size": 2}')
+                t.load_model("digits", config='{"max_batch_size": 2}', headers=AUTH)
             assert e.value.status() == "400" and "not supported" in e.value.message()
             with pytest.raises(InferenceServerException) as e:
-                t.load_model("absent")
+                t.load_model("absent", headers=AUTH)
             assert e.value.status() == "404"
         finally:
             t.close()

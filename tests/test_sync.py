@@ -380,6 +380,46 @@ def test_errors_under_live_traffic_roll_back(case: Case) -> None:
         dev.stop()
 
 
+def test_local_unload_during_trial_needs_authority_and_is_never_a_failed_release(case: Case) -> None:
+    """The attack: an unauthenticated local unload during a trial used to reject a healthy release for good."""
+    import asyncio
+
+    from edged.client.http import HttpClient
+    from edged.transports.http import HttpTransport
+    from tests.http_helpers import AUTH
+
+    dev = at_v1(case, trial_s=2.0)
+    cfg = dev.cfg.model_copy(deep=True)
+    cfg.http.listen = "127.0.0.1:0"
+    cfg.control.token = AUTH["Authorization"].split()[1]
+    http = HttpTransport(cfg, dev.service)
+    asyncio.run_coroutine_threadsafe(http.start(), dev.loop).result(10)
+    unload = f"/v2/repository/models/{case.model}/unload"
+    try:
+        case.push(2)
+        r2 = case.release(2)
+        case.event("active-trial", r2)
+        with HttpClient(http.address) as c:
+            r = c.request("POST", unload, [b"{}"])
+            assert r.status == 401 and dev.serving(case.model) == [2]
+            assert c.request("POST", unload, [b"{}"], {"Authorization": "Bearer not-the-token-at-all"}).status == 403
+            assert dev.serving(case.model) == [2]
+            # with the authority the operator may unload; the trial pauses instead of failing
+            assert c.request("POST", unload, [b"{}"], AUTH).status == 200
+            assert dev.serving(case.model) == []
+            time.sleep(2.5)  # longer than the whole trial
+            ms = dev.state().models[case.model]
+            assert ms.pending is not None and ms.pending.step == "trial" and r2 not in ms.rejected
+            assert c.request("POST", f"/v2/repository/models/{case.model}/load", [b"{}"], AUTH).status == 200
+        wait_for(lambda: committed(dev, case.model, r2), 30, 0.05, "release 2 committed after the reload")
+        case.event("committed", r2)
+        assert not [e for e in case.events() if e.release == r2 and e.step == "rolled-back"]
+        assert dev.serving(case.model) == [2]
+    finally:
+        asyncio.run_coroutine_threadsafe(http.stop(), dev.loop).result(30)
+        dev.stop()
+
+
 # ---- offline and restarts --------------------------------------------------------------------------
 def test_offline_keeps_serving_then_updates(case: Case, tmp_path: Path) -> None:
     keys = case.world.keys

@@ -20,12 +20,13 @@ from hypothesis import strategies as st
 from edged.client.http import HttpClient
 from edged.core.types import InferRequest
 from edged.errors import EdgedError, InvalidInputError
-from edged.transports.sysshm import SystemShmRegistry, check_key
-from tests.http_helpers import Segment, Served, copy_models, served
+from edged.transports.sysshm import ShmCaller, SystemShmRegistry, check_key
+from tests.http_helpers import TOKEN, Segment, Served, copy_models, served
 
 pytestmark = pytest.mark.timeout(180)
 
 MB = 1024 * 1024
+ME = ShmCaller("token")  # a TCP caller holding the management credential
 BIG = [2**63 - 1, 2**63, 2**64 - 32, 2**64 - 1, 2**64, 2**70, -1, -(2**63), -(2**64) + 32]
 
 
@@ -43,13 +44,14 @@ def segment() -> Iterator[Segment]:
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     tmp = tmp_path_factory.mktemp("sysshm")
-    with served(copy_models(tmp / "models", "digits"), tmp, extra="[shm]\nmax_region_mb = 1\n") as s:
+    extra = '[shm]\nmax_region_mb = 1\nsystem_shm_prefix = "shmtest_"\n'
+    with served(copy_models(tmp / "models", "digits"), tmp, extra=extra) as s:
         yield s
 
 
 @pytest.fixture
 def client(srv: Served) -> Iterator[HttpClient]:
-    with HttpClient(srv.url) as c:
+    with HttpClient(srv.url, token=TOKEN) as c:
         yield c
         c.request("POST", "/v2/systemsharedmemory/unregister")
 
@@ -190,7 +192,7 @@ def test_random_offsets_and_sizes_are_refused_without_crashing(srv: Served, offs
                                                                output: bool) -> None:
     seg = Segment(f"/shmtest_{tag()}", 4096)
     try:
-        with HttpClient(srv.url) as c:
+        with HttpClient(srv.url, token=TOKEN) as c:
             assert register(c, "p", seg.key, 4096)[0] == 200
             try:
                 if output:
@@ -216,15 +218,15 @@ def test_random_offsets_and_sizes_are_refused_without_crashing(srv: Served, offs
        size=st.one_of(st.integers(), st.sampled_from(BIG), st.none(), st.floats()))
 def test_registry_bounds_property(offset: object, size: object) -> None:
     seg = Segment(f"/shmtest_{tag()}", 1024)
-    reg = SystemShmRegistry(1 * MB)
+    reg = SystemShmRegistry(1 * MB, tcp_prefix="shmtest_")
     try:
-        reg.register("r", seg.key, 0, 1024)
+        reg.register(ME, "r", seg.key, 0, 1024)
         ok = (isinstance(offset, int) and isinstance(size, int) and not isinstance(size, bool)
               and offset >= 0 and size >= 0 and offset + size <= 1024)
         try:
-            data = reg.read("r", offset, size)
+            data = reg.read(ME.scope, "r", offset, size)
             assert ok and len(data) == size
-            reg.write("r", offset, bytes(data))
+            reg.write(ME.scope, "r", offset, bytes(data))
         except InvalidInputError:
             assert not ok
     finally:
@@ -246,32 +248,32 @@ def _fds_on(file: tuple[int, int]) -> set[int]:
 
 
 def test_registry_unregister_waits_for_users(segment: Segment) -> None:
-    reg = SystemShmRegistry(MB)
-    reg.register("r", segment.key, 0, 4096)
-    fd = reg._regions["r"].fd
+    reg = SystemShmRegistry(MB, tcp_prefix="shmtest_")
+    reg.register(ME, "r", segment.key, 0, 4096)
+    fd = reg._regions[(ME.scope, "r")].fd
     st = os.fstat(fd)
     region_file = (st.st_dev, st.st_ino)
-    with reg._use("r", 0, 16):
-        assert reg.unregister("r")
+    with reg._use(ME.scope, "r", 0, 16):
+        assert reg.unregister(ME.scope, "r")
         assert fd in _fds_on(region_file)  # still open while in use
     # Closed once the last user is done. Checked by identity: another thread may already have been
     # given the same descriptor number for some other file.
     assert fd not in _fds_on(region_file)
     with pytest.raises(InvalidInputError, match="not registered"):
-        reg.read("r", 0, 16)
+        reg.read(ME.scope, "r", 0, 16)
     with pytest.raises(EdgedError):
-        reg.status("r")
-    assert not reg.unregister("r")
+        reg.status(ME.scope, "r")
+    assert not reg.unregister(ME.scope, "r")
 
 
 def test_registry_limits_region_count() -> None:
     segs = [Segment(f"/shmtest_{tag()}", 64) for _ in range(3)]
-    reg = SystemShmRegistry(MB, max_regions=2)
+    reg = SystemShmRegistry(MB, max_regions=2, tcp_prefix="shmtest_")
     try:
-        reg.register("a", segs[0].key, 0, 64)
-        reg.register("b", segs[1].key, 0, 64)
+        reg.register(ME, "a", segs[0].key, 0, 64)
+        reg.register(ME, "b", segs[1].key, 0, 64)
         with pytest.raises(EdgedError) as e:
-            reg.register("c", segs[2].key, 0, 64)
+            reg.register(ME, "c", segs[2].key, 0, 64)
         assert e.value.code.value == "resource_exhausted"
         assert len(reg) == 2
     finally:

@@ -27,7 +27,8 @@ from edged import datatypes
 from edged.errors import EdgedError, ErrorCode
 from edged.protocol.v2 import bytes_from_buffer, bytes_to_buffer
 
-_CODES = {400: ErrorCode.INVALID_ARGUMENT, 404: ErrorCode.NOT_FOUND, 409: ErrorCode.FAILED_PRECONDITION,
+_CODES = {400: ErrorCode.INVALID_ARGUMENT, 401: ErrorCode.UNAUTHENTICATED, 403: ErrorCode.PERMISSION_DENIED,
+          404: ErrorCode.NOT_FOUND, 409: ErrorCode.FAILED_PRECONDITION,
           413: ErrorCode.INVALID_ARGUMENT, 504: ErrorCode.DEADLINE_EXCEEDED, 507: ErrorCode.RESOURCE_EXHAUSTED}
 _RECV = 1 << 18
 
@@ -106,9 +107,11 @@ def _send_all(sock: socket.socket, chunks: list[bytes | memoryview]) -> None:
 
 
 class HttpClient:
-    def __init__(self, url: str = "127.0.0.1:8000", *, timeout: float = 60.0) -> None:
+    def __init__(self, url: str = "127.0.0.1:8000", *, timeout: float = 60.0, token: str | None = None) -> None:
+        """``token``: the management credential ([control] token), sent with every request."""
         self.url = url
         self.timeout = timeout
+        self._auth = b"" if token is None else b"Authorization: Bearer %s\r\n" % token.encode("latin-1")
         self._kind, self._addr, self._port = parse_url(url)
         self._host_header = (self._addr if self._kind == "tcp" else "localhost").encode()
         self._sock: socket.socket | None = None
@@ -152,7 +155,7 @@ class HttpClient:
         chunks = [memoryview(b).cast("B") if isinstance(b, memoryview) else b for b in body]
         length = sum(len(c) for c in chunks)
         head = [b"%s %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n" % (
-            method.encode(), path.encode(), self._host_header, length)]
+            method.encode(), path.encode(), self._host_header, length), self._auth]
         for k, v in (headers or {}).items():
             head.append(f"{k}: {v}\r\n".encode("latin-1"))
         head.append(b"\r\n")

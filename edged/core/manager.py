@@ -63,6 +63,8 @@ class ModelManager:
         self._lock = threading.Lock()  # one lifecycle change at a time
         self.failed: dict[tuple[str, int], ModelVersion] = {}
         self._failed_lock = threading.Lock()  # statuses() must not wait for a slow load
+        # Models an operator unloaded through a management API: the updater pauses a trial instead of failing it.
+        self.operator_unloaded: set[str] = set()
 
     # ---- admission --------------------------------------------------------------------------
     def committed_mb(self) -> float:
@@ -121,6 +123,7 @@ class ModelManager:
             if not model_dir.is_dir():
                 raise ModelNotFoundError(f"model {name!r} is not in the repository")
             available = list_versions(model_dir)
+            self.operator_unloaded.discard(name)
             wanted = list(versions) if versions is not None else self.models_cfg.policy_for(name).select(available)
             missing = [v for v in wanted if v not in available]
             if missing:
@@ -154,11 +157,13 @@ class ModelManager:
             self.digests.save()
             return results
 
-    def unload_model(self, name: str) -> None:
+    def unload_model(self, name: str, *, by_operator: bool = False) -> None:
         with self._lock:
             versions = self.table.versions(name)
             if not versions:
                 raise ModelNotFoundError(f"model {name!r} is not loaded")
+            if by_operator:
+                self.operator_unloaded.add(name)
             for mv in versions:
                 self.table.remove(name, mv.version)
                 self._retire(mv)

@@ -332,30 +332,44 @@ class Updater:
         settled: Sample | None = None
         new: Sample | None = None
         next_check = start + max(self.s.poll_interval_s, TRIAL_TICK_S)
+        paused = False
+        left = end - start
         while True:
             if self.stop.is_set():
                 return  # the next start continues the trial
             new = sample(self.service, model, m.version)
-            if new is None:
-                self._rollback(model, f"trial failed: version {m.version} is no longer loaded")
-                return
             now = time.monotonic()
-            if settled is None and now >= settle_at:
-                settled = new
-            left = end - now
-            reason = judge(new, base, self.s, final=left <= 0, latency=new.since(settled) if settled else None)
-            if reason is not None:
-                self._rollback(model, f"trial failed: {reason}")
-                return
-            if left <= 0:
-                break
+            if new is None:
+                if model not in self.service.manager.operator_unloaded:
+                    self._rollback(model, f"trial failed: version {m.version} is no longer loaded")
+                    return
+                if not paused:  # an operator's choice is not the release's failure: nothing is reported
+                    log.warning("model=%s trial of version %d paused: an operator unloaded the model; the trial "
+                                "starts over once it is loaded again", model, m.version)
+                    paused = True
+            else:
+                if paused:
+                    log.info("model=%s loaded again: the trial of version %d starts over", model, m.version)
+                    paused, settled = False, None
+                    start = now
+                    end = start + self.s.trial_s
+                    settle_at = start + min(SETTLE_MAX_S, self.s.trial_s * SETTLE_FRACTION)
+                if settled is None and now >= settle_at:
+                    settled = new
+                left = end - now
+                reason = judge(new, base, self.s, final=left <= 0, latency=new.since(settled) if settled else None)
+                if reason is not None:
+                    self._rollback(model, f"trial failed: {reason}")
+                    return
+                if left <= 0:
+                    break
             if self.revert_check is not None and now >= next_check:
                 next_check = now + max(self.s.poll_interval_s, TRIAL_TICK_S)
                 why = self.revert_check(model, m.release)
                 if why is not None:
                     self._rollback(model, f"{REVERT_PREFIX}: {why}")
                     return
-            self.stop.wait(min(TRIAL_TICK_S, left))
+            self.stop.wait(TRIAL_TICK_S if paused else min(TRIAL_TICK_S, left))
             fault_point("trial.tick")
         self._commit(model, m, new)
 

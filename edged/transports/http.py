@@ -21,6 +21,7 @@ from edged.config import Config
 from edged.core.service import InferenceService
 from edged.errors import EdgedError, ErrorCode
 from edged.protocol.redact import Scrubber
+from edged.transports.authority import Authority
 from edged.transports.http_app import V2App
 from edged.transports.http_server import HttpServer, Limits
 from edged.transports.sysshm import SystemShmRegistry
@@ -103,10 +104,11 @@ class HttpTransport:
         self.cfg = cfg
         self.service = service
         self.listen = cfg.http.listen
-        self.shm = SystemShmRegistry(int(cfg.shm.max_region_mb * 1024 * 1024))
+        self.shm = SystemShmRegistry(int(cfg.shm.max_region_mb * 1024 * 1024), tcp_prefix=cfg.shm.system_shm_prefix)
         scrub = Scrubber.for_config(cfg)
+        self.authority = Authority(cfg.control)
         self.app = V2App(service, self.shm, max_body=int(cfg.http.max_request_mb * 1024 * 1024), scrub=scrub,
-                         metrics=self._metrics)
+                         metrics=self._metrics, authority=self.authority)
         self._metrics_endpoint: MetricsEndpoint | None = None
         self.limits = Limits(max_body=int(cfg.http.max_request_mb * 1024 * 1024), keep_alive_s=KEEP_ALIVE_S)
         self._server: HttpServer | None = None

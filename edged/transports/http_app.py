@@ -11,6 +11,7 @@ with its traceback and answered 500 ``internal error`` while the server goes on.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import zlib
@@ -25,9 +26,10 @@ from edged.errors import EdgedError, ErrorCode, InvalidInputError, ModelNotFound
 from edged.protocol.redact import Scrubber
 from edged.protocol.v2 import DecodedRequest, decode_request, dumps, encode_response, loads
 from edged.repository.manifest import valid_model_name
+from edged.transports.authority import LOAD, UNLOAD, Authority, Peer, bearer
 from edged.transports.http_config import model_config
 from edged.transports.http_server import Headers, Request, Response
-from edged.transports.sysshm import OutputStaging, SystemShmRegistry
+from edged.transports.sysshm import OutputStaging, ShmCaller, ShmView, SystemShmRegistry
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,8 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.RESOURCE_EXHAUSTED: 507,
     ErrorCode.FAILED_PRECONDITION: 409,
     ErrorCode.INTERNAL: 500,
+    ErrorCode.UNAUTHENTICATED: 401,
+    ErrorCode.PERMISSION_DENIED: 403,
 }
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "statistics",
               "system_shared_memory", "schedule_policy"]
@@ -59,9 +63,10 @@ class HttpError(Exception):
 
 class V2App:
     def __init__(self, service: InferenceService, shm: SystemShmRegistry, *, max_body: int,
-                 scrub: Scrubber, metrics: Callable[[], tuple[bytes, str]]) -> None:
+                 scrub: Scrubber, metrics: Callable[[], tuple[bytes, str]], authority: Authority) -> None:
         self.service = service
         self.shm = shm
+        self.authority = authority
         self.max_body = max_body
         self.scrub = scrub
         self.metrics = metrics
@@ -84,6 +89,8 @@ class V2App:
         if status >= 500 and e.code is ErrorCode.INTERNAL:
             log.error("internal error: %s", e)
         headers = _JSON + ([(b"retry-after", b"1")] if e.code is ErrorCode.OVERLOADED else [])
+        if e.code is ErrorCode.UNAUTHENTICATED:
+            headers = [*headers, (b"www-authenticate", b'Bearer realm="edged"')]
         return status, headers, dumps({"error": self.scrub.text(str(e))})
 
     def _json(self, obj: Any, status: int = 200, *, scrub: bool = False) -> Response:
@@ -166,22 +173,24 @@ class V2App:
             if k == b"inference-header-content-length":
                 hlen_raw = v
         body = await self._body(req)
+        shm = self._shm_view(req)
         if len(body) > _HEAVY:
-            decoded = await asyncio.to_thread(self._decode, body, hlen_raw, model, version)
+            decoded = await asyncio.to_thread(self._decode, body, hlen_raw, model, version, shm)
         else:
-            decoded = self._decode(body, hlen_raw, model, version)
+            decoded = self._decode(body, hlen_raw, model, version, shm)
         ireq = decoded.request
         timeout_us = ireq.parameters.get("timeout_us")
         if timeout_us:
             ireq.deadline = time.monotonic() + timeout_us / 1e6
         resp = await asyncio.wrap_future(self.service.submit(ireq))
-        staging = OutputStaging(self.shm) if any(o.shm for o in decoded.outputs.values()) else None
+        staging = OutputStaging(shm) if any(o.shm for o in decoded.outputs.values()) else None
         big = sum(a.nbytes for a in resp.outputs.values()) > _HEAVY
         if big or (staging is not None and _staging_is_heavy(decoded)):
             return await asyncio.to_thread(self._encode, resp, decoded, staging)
         return self._encode(resp, decoded, staging)
 
-    def _decode(self, body: bytes, hlen_raw: bytes | None, model: str, version: int | None) -> DecodedRequest:
+    def _decode(self, body: bytes, hlen_raw: bytes | None, model: str, version: int | None,
+                shm: ShmView) -> DecodedRequest:
         if hlen_raw is not None:
             try:
                 hlen = int(hlen_raw)
@@ -194,10 +203,10 @@ class V2App:
             header, binary = loads(view[:hlen]), view[hlen:]
         else:
             header, binary = loads(body), memoryview(b"")
-        decoded = decode_request(header, binary, model=model, version=version, shm=self.shm.read)
+        decoded = decode_request(header, binary, model=model, version=version, shm=shm.read)
         for opt in decoded.outputs.values():
             if opt.shm is not None:  # refuse a bad output slot before spending compute on it
-                self.shm.check(*opt.shm)
+                shm.check(*opt.shm, write=True)
         return decoded
 
     def _encode(self, resp: Any, decoded: DecodedRequest, staging: OutputStaging | None) -> Response:
@@ -240,6 +249,7 @@ class V2App:
             params = _json_object(await self._body(req)).get("parameters") or {}
             if not isinstance(params, dict):
                 raise InvalidInputError("'parameters' must be an object")
+            self.authority.require(_peer(req), LOAD if rest[2] == "load" else UNLOAD)
             if not valid_model_name(name):
                 raise ModelNotFoundError(f"model {name!r} is not in the repository")
             if rest[2] == "load":
@@ -248,7 +258,7 @@ class V2App:
                                             "put the model into the repository and load it by name")
                 await asyncio.to_thread(self._load, name)
             else:
-                await asyncio.to_thread(self.service.manager.unload_model, name)
+                await asyncio.to_thread(self.service.manager.unload_model, name, by_operator=True)
             return self._json({})
         raise HttpError(404, "not found")
 
@@ -284,28 +294,38 @@ class V2App:
 
     # ---- system shared memory ---------------------------------------------------------------
     async def _sysshm(self, method: str, rest: list[str], req: Request) -> Response:
+        """Triton's system shared memory API; every caller sees only the regions it registered itself."""
+        peer = _peer(req)
         if rest == ["status"]:
             _allow(method, "GET", "POST")
-            return self._json(self.shm.status())
+            return self._json(self.shm.status(self._shm_scope(peer)))
         if rest == ["unregister"]:
             _allow(method, "POST")
-            self.shm.unregister_all()
+            self.shm.unregister_all(self._shm_scope(peer))
             return self._json({})
         if len(rest) == 3 and rest[0] == "region":
             name, action = rest[1], rest[2]
             if action == "status":
                 _allow(method, "GET", "POST")
-                return self._json(self.shm.status(name))
+                return self._json(self.shm.status(self._shm_scope(peer), name))
             if action == "register":
                 _allow(method, "POST")
+                caller = ShmCaller(self._shm_scope(peer), peer.uid, peer.gid)
                 body = _json_object(await self._body(req))
-                self.shm.register(name, body.get("key"), body.get("offset", 0), body.get("byte_size"))
+                self.shm.register(caller, name, body.get("key"), body.get("offset", 0), body.get("byte_size"))
                 return self._json({})
             if action == "unregister":
                 _allow(method, "POST")
-                self.shm.unregister(name)
+                self.shm.unregister(self._shm_scope(peer), name)
                 return self._json({})
         raise HttpError(404, "not found")
+
+    def _shm_scope(self, peer: Peer) -> str:
+        return self.authority.scope(peer, "use system shared memory")
+
+    def _shm_view(self, req: Request) -> ShmView:
+        """The caller's regions; a TCP caller without the credential has none (references fail as unknown)."""
+        return self.shm.view(self.authority.known_scope(_peer(req)) or "")  # "": nobody registers there
 
 
     def _cudashm(self, method: str, rest: list[str]) -> Response:
@@ -330,6 +350,14 @@ class V2App:
 
 def _staging_is_heavy(decoded: DecodedRequest) -> bool:
     return sum(o.shm[2] for o in decoded.outputs.values() if o.shm) > _HEAVY
+
+
+def _peer(req: Request) -> Peer:
+    """The connection's peer plus the credential this request presents."""
+    for k, v in req.headers:
+        if k == b"authorization":
+            return dataclasses.replace(req.peer, credential=bearer(v))
+    return req.peer
 
 
 def _seg(raw: bytes) -> str:

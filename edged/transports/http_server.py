@@ -29,6 +29,8 @@ from http import HTTPStatus
 import httptools
 import orjson
 
+from edged.transports.authority import Peer, socket_peer
+
 log = logging.getLogger(__name__)
 
 Headers = list[tuple[bytes, bytes]]
@@ -42,6 +44,7 @@ class Request:
     headers: Headers  # names lower-cased
     body: bytes
     keep_alive: bool = True
+    peer: Peer = field(default_factory=Peer)  # who is connected (kernel credentials on a Unix socket)
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -109,6 +112,7 @@ class HttpConnection(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
+        self.peer = Peer()
         self.queue: collections.deque[Request] = collections.deque()
         self.task: asyncio.Task[None] | None = None
         self.since = time.monotonic()  # start of the current request, or of idleness (for the sweep)
@@ -139,6 +143,7 @@ class HttpConnection(asyncio.Protocol):
             self._refuse(503, "too many connections" if not self.state.stopping else "server is stopping")
             return
         sock = transport.get_extra_info("socket")
+        self.peer = socket_peer(sock)
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -238,7 +243,7 @@ class HttpConnection(asyncio.Protocol):
         self._finish_current = False
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         method = self.parser.get_method().decode("ascii", "replace")
-        self.queue.append(Request(method, b"".join(self._url), self._headers, body, self._keep_alive))
+        self.queue.append(Request(method, b"".join(self._url), self._headers, body, self._keep_alive, self.peer))
         self._body = []
         if not self._keep_alive:
             self.closing = True  # read nothing more; this is the last request

@@ -78,7 +78,9 @@ from edged.errors import (
     ModelNotFoundError,
     ModelNotReadyError,
     OverloadedError,
+    PermissionDeniedError,
     ResourceExhaustedError,
+    UnauthenticatedError,
 )
 
 PROTOCOL_VERSION = 1
@@ -107,6 +109,7 @@ _DIMS = [struct.Struct(f"<{n}q") for n in range(MAX_DIMS + 1)]
 STATUS_CODES: tuple[ErrorCode | None, ...] = (
     None, ErrorCode.INVALID_ARGUMENT, ErrorCode.NOT_FOUND, ErrorCode.UNAVAILABLE, ErrorCode.OVERLOADED,
     ErrorCode.DEADLINE_EXCEEDED, ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.FAILED_PRECONDITION, ErrorCode.INTERNAL,
+    ErrorCode.UNAUTHENTICATED, ErrorCode.PERMISSION_DENIED,  # appended: the wire values above never move
 )
 STATUS_OF: dict[ErrorCode, int] = {c: i for i, c in enumerate(STATUS_CODES) if c is not None}
 
@@ -123,7 +126,8 @@ _ERROR_TYPES: dict[ErrorCode, type[EdgedError]] = {
     ErrorCode.INVALID_ARGUMENT: InvalidInputError, ErrorCode.NOT_FOUND: ModelNotFoundError,
     ErrorCode.UNAVAILABLE: ModelNotReadyError, ErrorCode.OVERLOADED: OverloadedError,
     ErrorCode.DEADLINE_EXCEEDED: DeadlineExceededError, ErrorCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
-    ErrorCode.INTERNAL: InternalError,
+    ErrorCode.INTERNAL: InternalError, ErrorCode.UNAUTHENTICATED: UnauthenticatedError,
+    ErrorCode.PERMISSION_DENIED: PermissionDeniedError,
 }
 
 

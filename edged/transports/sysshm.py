@@ -14,6 +14,12 @@ file at least ``offset + byte_size`` long (fstat), ``byte_size`` is bounded by
 the registered window (Python integers cannot overflow; values beyond 2**63 are
 refused before they reach a system call). Errors name the client's region name,
 never the key or any path.
+
+The daemon must never lend its own rights: a caller on a Unix socket may only register
+a segment its own uid (and groups) could open, read (and write, for outputs), and over
+TCP only segments named with ``[shm] system_shm_prefix`` and owned by the daemon's user
+are accepted, from the management-token holder. Regions live in the registering
+caller's scope: status, unregister and inference references only see their own.
 """
 
 from __future__ import annotations
@@ -30,13 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edged.errors import EdgedError, ErrorCode, InvalidInputError, ResourceExhaustedError
+from edged.errors import EdgedError, ErrorCode, InvalidInputError, PermissionDeniedError, ResourceExhaustedError
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 RESERVED_PREFIX = "edged"  # the daemon's own segments (shm transport); clients may not register them
-MAX_REGIONS = 256  # each holds a file descriptor
+MAX_REGIONS = 256  # per caller; each holds a file descriptor
+_ALL_SCOPES = 4  # all callers together hold at most this many times MAX_REGIONS
 _MAX_OFF = (1 << 63) - 1  # off_t
 _KEY_RE = re.compile(r"^/?([A-Za-z0-9_][A-Za-z0-9_.\-]{0,254})$")
 _NAME_RE = re.compile(r"^[^\x00-\x1f\x7f/\\]{1,256}$")
@@ -73,6 +80,37 @@ def _int(value: object, what: str, *, minimum: int) -> int:
     return value
 
 
+@dataclass(frozen=True)
+class ShmCaller:
+    """Who registers or uses regions: its scope, and on a Unix socket its kernel-reported uid and gid."""
+
+    scope: str
+    uid: int | None = None
+    gid: int | None = None
+
+
+def _groups(uid: int, gid: int) -> set[int]:
+    import pwd
+
+    try:
+        return set(os.getgrouplist(pwd.getpwuid(uid).pw_name, gid))
+    except (KeyError, OSError):
+        return {gid}
+
+
+def _may(st: os.stat_result, uid: int, gid: int, want: int) -> bool:
+    """Would ``uid`` (primary group ``gid``) get ``want`` (R_OK|W_OK bits: 4, 2) on this file by its mode?"""
+    if uid == 0:
+        return True
+    if st.st_uid == uid:
+        bits = (st.st_mode >> 6) & 7
+    elif st.st_gid in _groups(uid, gid):
+        bits = (st.st_mode >> 3) & 7
+    else:
+        bits = st.st_mode & 7
+    return bits & want == want
+
+
 @dataclass
 class Region:
     name: str
@@ -80,6 +118,7 @@ class Region:
     offset: int  # where the registered window starts in the segment
     byte_size: int
     fd: int
+    writable: bool = True
     users: int = 0
     closed: bool = False
 
@@ -95,45 +134,67 @@ class SystemShmRegistry:
     never closed (and its number reused) under a concurrent pread.
     """
 
-    def __init__(self, max_region_bytes: int, *, shm_dir: Path = SHM_DIR, max_regions: int = MAX_REGIONS) -> None:
+    def __init__(self, max_region_bytes: int, *, shm_dir: Path = SHM_DIR, max_regions: int = MAX_REGIONS,
+                 tcp_prefix: str | None = None, daemon_uid: int | None = None) -> None:
         self.max_region_bytes = max_region_bytes
         self.shm_dir = shm_dir
         self.max_regions = max_regions
+        self.tcp_prefix = tcp_prefix
+        self.daemon_uid = os.geteuid() if daemon_uid is None else daemon_uid
         self._lock = threading.Lock()
-        self._regions: dict[str, Region] = {}
+        self._regions: dict[tuple[str, str], Region] = {}  # (caller scope, region name)
 
     # ---- registration -----------------------------------------------------------------------
-    def register(self, name: object, key: object, offset: object, byte_size: object) -> None:
+    def register(self, caller: ShmCaller, name: object, key: object, offset: object, byte_size: object) -> None:
         name = check_name(name)
         fname = check_key(key)
         assert isinstance(key, str)
+        if caller.uid is None and (self.tcp_prefix is None or not fname.startswith(self.tcp_prefix)):
+            raise PermissionDeniedError(
+                f"region {name!r}: over TCP only segments named with [shm] system_shm_prefix may be registered"
+                + ("" if self.tcp_prefix else " (unset: system shared memory over TCP is off)"))
         off = _int(offset, "offset", minimum=0)
         size = _int(byte_size, "byte_size", minimum=1)
         if size > self.max_region_bytes:
             raise InvalidInputError(f"region {name!r}: byte_size {size} is larger than the {self.max_region_bytes} "
                                     "bytes allowed ([shm] max_region_mb)")
+        ident = (caller.scope, name)
         with self._lock:
-            if name in self._regions:
+            if ident in self._regions:
                 raise InvalidInputError(f"shared memory region {name!r} is already registered")
-            if len(self._regions) >= self.max_regions:
-                raise ResourceExhaustedError(f"cannot register region {name!r}: {self.max_regions} regions are "
+            mine = sum(1 for s, _ in self._regions if s == caller.scope)
+            if mine >= self.max_regions or len(self._regions) >= self.max_regions * _ALL_SCOPES:
+                raise ResourceExhaustedError(f"cannot register region {name!r}: {mine} regions are "
                                              "already registered")
         fd = self._open(name, fname)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise InvalidInputError(f"region {name!r}: the key does not name a shared memory segment")
+            writable = self._allowed(caller, name, st)
             if st.st_size < off + size:
                 raise InvalidInputError(f"region {name!r}: offset {off} + byte_size {size} is larger than the "
                                         f"segment ({st.st_size} bytes)")
             with self._lock:
-                if name in self._regions:
+                if ident in self._regions:
                     raise InvalidInputError(f"shared memory region {name!r} is already registered")
-                self._regions[name] = Region(name, key, off, size, fd)
+                self._regions[ident] = Region(name, key, off, size, fd, writable)
         except BaseException:
             os.close(fd)
             raise
         log.info("system shared memory region %r registered (%d bytes)", name, size)
+
+    def _allowed(self, caller: ShmCaller, name: str, st: os.stat_result) -> bool:
+        """Refuse what the caller could not open itself; True when it may also be written (outputs)."""
+        if caller.uid is None:  # TCP: only the daemon user's own segments (never lend root's rights)
+            if st.st_uid != self.daemon_uid:
+                raise PermissionDeniedError(f"region {name!r}: over TCP only segments owned by the daemon's "
+                                            "user may be registered")
+            return True
+        gid = caller.gid if caller.gid is not None else -1
+        if not _may(st, caller.uid, gid, 4):
+            raise PermissionDeniedError(f"region {name!r}: uid {caller.uid} may not read that segment itself")
+        return _may(st, caller.uid, gid, 2)
 
     def _open(self, name: str, fname: str) -> int:
         flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
@@ -150,35 +211,36 @@ class SystemShmRegistry:
                 raise ResourceExhaustedError(f"region {name!r}: out of file descriptors") from None
             raise InvalidInputError(f"region {name!r}: cannot open the segment ({os.strerror(e.errno or 0)})") from None
 
-    def unregister(self, name: str) -> bool:
-        """Forget a region; unknown names are not an error (Triton's clients unregister blindly)."""
+    def unregister(self, scope: str, name: str) -> bool:
+        """Forget one of the caller's regions; unknown names are not an error (Triton's clients unregister blindly)."""
         with self._lock:
-            region = self._regions.pop(name, None)
+            region = self._regions.pop((scope, name), None)
             if region is None:
                 return False
             self._retire(region)
         log.info("system shared memory region %r unregistered", name)
         return True
 
-    def unregister_all(self) -> None:
+    def unregister_all(self, scope: str | None = None) -> None:
+        """Forget the caller's regions (``scope``), or everyone's (None: the transport stops)."""
         with self._lock:
-            regions = list(self._regions.values())
-            self._regions.clear()
-            for r in regions:
-                self._retire(r)
+            idents = [i for i in self._regions if scope is None or i[0] == scope]
+            for i in idents:
+                self._retire(self._regions.pop(i))
 
-    close = unregister_all
+    def close(self) -> None:
+        self.unregister_all()
 
     def _retire(self, region: Region) -> None:  # lock held
         region.closed = True
         if region.users == 0:
             os.close(region.fd)
 
-    def status(self, name: str | None = None) -> list[dict[str, Any]]:
+    def status(self, scope: str, name: str | None = None) -> list[dict[str, Any]]:
         with self._lock:
             if name is None:
-                return [r.status() for r in self._regions.values()]
-            region = self._regions.get(name)
+                return [r.status() for (s, _), r in self._regions.items() if s == scope]
+            region = self._regions.get((scope, name))
             if region is None:
                 raise EdgedError(f"shared memory region {name!r} is not registered", code=ErrorCode.NOT_FOUND)
             return [region.status()]
@@ -188,16 +250,19 @@ class SystemShmRegistry:
 
     # ---- access -----------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _use(self, name: object, offset: object, byte_size: object) -> Iterator[tuple[int, int, int]]:
+    def _use(self, scope: str, name: object, offset: object, byte_size: object, *,
+             write: bool = False) -> Iterator[tuple[int, int, int]]:
         """Yield (fd, absolute offset, size) for a checked slice, keeping the descriptor open."""
         if not isinstance(name, str):
             raise InvalidInputError("'shared_memory_region' must be a string")
         off = _int(offset, "shared_memory_offset", minimum=0)
         size = _int(byte_size, "shared_memory_byte_size", minimum=0)
         with self._lock:
-            region = self._regions.get(name)
+            region = self._regions.get((scope, name))
             if region is None:
                 raise InvalidInputError(f"shared memory region {name!r} is not registered")
+            if write and not region.writable:
+                raise InvalidInputError(f"shared memory region {name!r}: its registrant may not write the segment")
             if off > region.byte_size or size > region.byte_size - off:
                 raise InvalidInputError(f"shared memory region {name!r}: offset {off} + byte_size {size} is "
                                         f"outside the region ({region.byte_size} bytes)")
@@ -210,9 +275,9 @@ class SystemShmRegistry:
                 if region.closed and region.users == 0:
                     os.close(region.fd)
 
-    def read(self, name: object, offset: object, byte_size: object) -> memoryview:
+    def read(self, scope: str, name: object, offset: object, byte_size: object) -> memoryview:
         """A private copy of the slice (never a live mapping: the owner may truncate it any time)."""
-        with self._use(name, offset, byte_size) as (fd, pos, size):
+        with self._use(scope, name, offset, byte_size) as (fd, pos, size):
             buf = bytearray(size)
             view = memoryview(buf)
             done = 0
@@ -228,10 +293,10 @@ class SystemShmRegistry:
                 done += n
             return view
 
-    def write(self, name: object, offset: object, data: bytes | bytearray | memoryview) -> None:
+    def write(self, scope: str, name: object, offset: object, data: bytes | bytearray | memoryview) -> None:
         """Write ``data`` at ``offset``; refused when the owner shrank the segment below the slice."""
         data = memoryview(data).cast("B")
-        with self._use(name, offset, len(data)) as (fd, pos, size):
+        with self._use(scope, name, offset, len(data), write=True) as (fd, pos, size):
             try:
                 if os.fstat(fd).st_size < pos + size:
                     raise InvalidInputError(f"shared memory region {name!r} is shorter than registered: "
@@ -246,10 +311,30 @@ class SystemShmRegistry:
                 raise InvalidInputError(f"shared memory region {name!r} cannot be written "
                                         f"({os.strerror(e.errno or 0)})") from None
 
-    def check(self, name: object, offset: object, byte_size: object) -> None:
+    def check(self, scope: str, name: object, offset: object, byte_size: object, *, write: bool = False) -> None:
         """Validate a slice without touching it (outputs are checked before inference)."""
-        with self._use(name, offset, byte_size):
+        with self._use(scope, name, offset, byte_size, write=write):
             pass
+
+    def view(self, scope: str) -> ShmView:
+        return ShmView(self, scope)
+
+
+@dataclass(frozen=True)
+class ShmView:
+    """One caller's regions: what a request may read and write (the codec's resolver)."""
+
+    registry: SystemShmRegistry
+    scope: str
+
+    def read(self, name: object, offset: object, byte_size: object) -> memoryview:
+        return self.registry.read(self.scope, name, offset, byte_size)
+
+    def write(self, name: object, offset: object, data: bytes | bytearray | memoryview) -> None:
+        self.registry.write(self.scope, name, offset, data)
+
+    def check(self, name: object, offset: object, byte_size: object, *, write: bool = False) -> None:
+        self.registry.check(self.scope, name, offset, byte_size, write=write)
 
 
 class OutputStaging:
@@ -260,12 +345,12 @@ class OutputStaging:
     into the client's segment.
     """
 
-    def __init__(self, registry: SystemShmRegistry) -> None:
+    def __init__(self, registry: ShmView) -> None:
         self.registry = registry
         self.buffers: dict[tuple[str, int], memoryview] = {}
 
     def __call__(self, region: str, offset: int, byte_size: int, used: int) -> memoryview:
-        self.registry.check(region, offset, byte_size)
+        self.registry.check(region, offset, byte_size, write=True)
         if used < _BOUNCE_LIMIT:
             view = memoryview(bytearray(used))
         else:

@@ -1,0 +1,211 @@
+"""Issue #20 as an attacker on the same device: other users, other processes, hostile local clients.
+
+"Another user" is a real process under another uid (``setpriv`` to nobody, 65534; CI runs as
+root). Its code uses the standard library only and runs with the system interpreter in
+isolated mode, so it never needs to read this checkout.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+
+from edged.client.http import HttpClient
+from tests.http_helpers import AUTH, TOKEN, Segment, Served, copy_models, served
+
+pytestmark = pytest.mark.timeout(120)
+
+NOBODY = 65534
+_PY = os.path.realpath(sys.executable)
+
+
+def _can_switch_uid() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (CI runs as root) to act as another uid"
+    if shutil.which("setpriv") is None:
+        return "setpriv (util-linux) is not installed"
+    return None
+
+
+needs_other_uid = pytest.mark.skipif(_can_switch_uid() is not None, reason=str(_can_switch_uid()))
+
+
+def as_other_user(code: str, *args: str, uid: int = NOBODY) -> subprocess.CompletedProcess[str]:
+    """Run stdlib-only ``code`` as ``uid`` (its own group, no supplementary groups)."""
+    return subprocess.run(
+        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", _PY, "-I", "-c",
+         textwrap.dedent(code), *args], capture_output=True, text=True, timeout=60, check=False)
+
+
+# A minimal HTTP/1.1 client over a Unix socket: prints "<status> <body>" for each request given as
+# METHOD PATH BODY triples on the command line.
+UNIX_HTTP = """
+    import socket, sys
+    path = sys.argv[1]
+    args = sys.argv[2:]
+    for i in range(0, len(args), 3):
+        method, target, body = args[i], args[i + 1], args[i + 2].encode()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        s.sendall(b"%s %s HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\nContent-Length: %d\\r\\n\\r\\n"
+                  % (method.encode(), target.encode(), len(body)) + body)
+        data = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        head, _, rest = data.partition(b"\\r\\n\\r\\n")
+        print(head.split(b" ")[1].decode(), rest.decode())
+"""
+
+
+def unix_http(sock: Path, *requests: tuple[str, str, str]) -> list[tuple[int, str]]:
+    flat = [x for r in requests for x in r]
+    out = as_other_user(UNIX_HTTP, str(sock), *flat)
+    assert out.returncode == 0, out.stderr
+    return [(int(line.split(" ", 1)[0]), line.split(" ", 1)[1]) for line in out.stdout.splitlines()]
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A folder other users can reach (the attack needs a socket they can connect to)."""
+    d = Path(tempfile.mkdtemp(prefix="edged-sec-", dir="/tmp"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def unix_srv(tmp_path: Path, open_dir: Path) -> Iterator[Served]:
+    """The HTTP transport on a Unix socket everyone may connect to: only peer credentials protect it."""
+    sock = open_dir / "http.sock"
+    with served(copy_models(tmp_path / "models", "digits"), tmp_path, listen=f"unix:{sock}", token=None) as s:
+        sock.chmod(0o666)
+        yield s
+
+
+# ---- item 6: management authority -----------------------------------------------------------------
+def test_default_config_refuses_unload_over_tcp(tmp_path: Path) -> None:
+    """Out of the box (no token) a TCP client cannot unload or load anything; inference goes on."""
+    with served(copy_models(tmp_path / "models", "digits"), tmp_path, token=None) as s, HttpClient(s.url) as c:
+        for action in ("unload", "load"):
+            r = c.request("POST", f"/v2/repository/models/digits/{action}", [b"{}"])
+            assert r.status == 401 and b"management authority" in r.body
+            assert r.header("www-authenticate") is not None
+        r = c.request("POST", "/v2/repository/models/digits/unload", [b"{}"], AUTH)  # no token configured
+        assert r.status == 403
+        assert s.service.is_ready("digits")
+
+
+def test_model_control_none_refuses_even_the_token_holder(tmp_path: Path) -> None:
+    extra = '[control]\nmodel_control = "none"\n'
+    with served(copy_models(tmp_path / "models", "digits"), tmp_path, token=None, extra=extra) as s, \
+            HttpClient(s.url) as c:
+        r = c.request("POST", "/v2/repository/models/digits/unload", [b"{}"], AUTH)
+        assert r.status == 403 and b"model_control" in r.body
+        assert s.service.is_ready("digits")
+
+
+@needs_other_uid
+def test_unix_socket_peer_credentials_decide(unix_srv: Served) -> None:
+    """On a Unix socket the kernel says who is asking: another user is refused, the daemon's own user may."""
+    sock = Path(unix_srv.url[5:])
+    got = unix_http(sock, ("POST", "/v2/repository/models/digits/unload", "{}"), ("GET", "/v2/health/ready", ""))
+    assert got[0][0] == 403 and f"uid {NOBODY} is not trusted" in got[0][1]
+    assert got[1][0] == 200  # inference and reads stay open to it
+    assert unix_srv.service.is_ready("digits")
+    with HttpClient(str(sock)) as c:  # this process runs as the daemon's user
+        assert c.request("POST", "/v2/repository/models/digits/unload", [b"{}"]).status == 200
+    assert not unix_srv.service.is_ready("digits")
+
+
+# ---- item 7: system shared memory acts with the caller's rights, not the daemon's ----------------
+REGISTER = '{{"key": "{key}", "offset": 0, "byte_size": 64}}'
+
+
+@needs_other_uid
+def test_other_user_cannot_register_a_segment_it_cannot_open(unix_srv: Served) -> None:
+    sock = Path(unix_srv.url[5:])
+    tag = uuid.uuid4().hex[:8]
+    root_seg = Segment(f"/sectest_root_{tag}", 4096)  # root's 0600 segment
+    root_seg.write(b"S" * 64)
+    own_key = f"/sectest_nobody_{tag}"
+    try:
+        # root registers its own region through the same socket: the other user must not see or drop it
+        with HttpClient(str(sock)) as c:
+            r = c.request("POST", "/v2/systemsharedmemory/region/mine/register",
+                          [REGISTER.format(key=root_seg.key).encode()])
+            assert r.status == 200, r.body
+        made = as_other_user(f"""
+            import os
+            fd = os.open("/dev/shm/{own_key[1:]}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.ftruncate(fd, 4096)
+        """)
+        assert made.returncode == 0, made.stderr
+        got = unix_http(
+            sock,
+            ("POST", "/v2/systemsharedmemory/region/steal/register", REGISTER.format(key=root_seg.key)),
+            ("POST", "/v2/systemsharedmemory/region/own/register", REGISTER.format(key=own_key)),
+            ("GET", "/v2/systemsharedmemory/status", ""),
+            ("GET", "/v2/systemsharedmemory/region/mine/status", ""),
+            ("POST", "/v2/systemsharedmemory/region/mine/unregister", ""),
+            ("POST", "/v2/systemsharedmemory/unregister", ""),
+        )
+        assert got[0][0] == 403 and "may not read that segment" in got[0][1] and "sectest" not in got[0][1]
+        assert got[1][0] == 200, got[1]
+        assert [x["name"] for x in orjson.loads(got[2][1])] == ["own"]  # only its own
+        assert got[3][0] == 404
+        with HttpClient(str(sock)) as c:
+            status = orjson.loads(c.request("GET", "/v2/systemsharedmemory/status").body)
+            assert [x["name"] for x in status] == ["mine"]  # survived the other user's unregister calls
+            c.request("POST", "/v2/systemsharedmemory/unregister")
+        assert root_seg.read(64) == b"S" * 64
+    finally:
+        root_seg.close()
+        Path("/dev/shm", own_key[1:]).unlink(missing_ok=True)
+
+
+def test_tcp_registration_is_off_by_default_and_bounded_by_prefix_and_owner(tmp_path: Path) -> None:
+    tag = uuid.uuid4().hex[:8]
+    plain = Segment(f"/sectest_{tag}", 4096)
+    prefixed = Segment(f"/sectest-shm_{tag}", 4096)
+    try:
+        with served(copy_models(tmp_path / "models", "digits"), tmp_path / "off") as s, \
+                HttpClient(s.url, token=TOKEN) as c:
+            r = c.request("POST", "/v2/systemsharedmemory/region/a/register", [REGISTER.format(key=plain.key).encode()])
+            assert r.status == 403 and b"off" in r.body
+        extra = '[shm]\nsystem_shm_prefix = "sectest-shm_"\n'
+        with served(copy_models(tmp_path / "models2", "digits"), tmp_path / "on", extra=extra) as s:
+            with HttpClient(s.url) as anon:  # no credential: nothing to register, nothing to see
+                r = anon.request("POST", "/v2/systemsharedmemory/region/a/register",
+                                 [REGISTER.format(key=prefixed.key).encode()])
+                assert r.status == 401
+                assert anon.request("GET", "/v2/systemsharedmemory/status").status == 401
+            with HttpClient(s.url, token=TOKEN) as c:
+                r = c.request("POST", "/v2/systemsharedmemory/region/a/register",
+                              [REGISTER.format(key=plain.key).encode()])
+                assert r.status == 403 and b"system_shm_prefix" in r.body
+                if os.geteuid() == 0:  # another user's 0600 segment, even with the prefix: a root daemon refuses
+                    os.fchown(prefixed.fd, NOBODY, NOBODY)
+                    r = c.request("POST", "/v2/systemsharedmemory/region/a/register",
+                                  [REGISTER.format(key=prefixed.key).encode()])
+                    assert r.status == 403 and b"owned by the daemon" in r.body
+                    os.fchown(prefixed.fd, 0, 0)
+                r = c.request("POST", "/v2/systemsharedmemory/region/a/register",
+                              [REGISTER.format(key=prefixed.key).encode()])
+                assert r.status == 200, r.body
+                c.request("POST", "/v2/systemsharedmemory/unregister")
+    finally:
+        plain.close()
+        prefixed.close()
