@@ -176,9 +176,10 @@ class ShmSection(_Section):
     max_segments: int = Field(default=128, ge=1, description="segments one client may register")
     max_inflight: int = Field(default=64, ge=1, description="requests one client may have in flight")
     system_shm_prefix: str | None = Field(
-        default=None, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,63}$",
+        default=None, pattern=r"^([A-Za-z0-9_][A-Za-z0-9_.\-]{0,63})?$",
         description="over TCP, system shared memory may only be registered (with the management token) for "
-        "/dev/shm segments named with this prefix and owned by the daemon's user; unset: off over TCP")
+        "/dev/shm segments named with this prefix (\"\": any name) and owned by the daemon's user; unset: off "
+        "over TCP")
 
 
 class RegistrySection(_Section):

@@ -17,7 +17,7 @@ import pytest
 
 from edged.client.http import HttpClient
 from tests import perf_analyzer
-from tests.http_helpers import Segment, Served, copy_models, served
+from tests.http_helpers import TOKEN, Segment, Served, copy_models, served
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,7 +25,8 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     tmp = tmp_path_factory.mktemp("perf_analyzer")
-    with served(copy_models(tmp / "models", "digits"), tmp) as s:
+    # perf_analyzer names its segments after the tensors: any name, with the token (sent with -H)
+    with served(copy_models(tmp / "models", "digits"), tmp, extra='[shm]\nsystem_shm_prefix = ""\n') as s:
         yield s
 
 
@@ -42,7 +43,7 @@ def pa() -> perf_analyzer.PerfAnalyzer:
 def test_perf_analyzer_runs_against_the_daemon(srv: Served, pa: perf_analyzer.PerfAnalyzer, shm: list[str]) -> None:
     r = pa.run("-m", "digits", "-u", srv.url.removeprefix("http://"), "-i", "http", "-b", "4",
                "--concurrency-range", "1", "--measurement-mode", "count_windows",
-               "--measurement-request-count", "30", "-s", "50", *shm)
+               "--measurement-request-count", "30", "-s", "50", "-H", f"Authorization: Bearer {TOKEN}", *shm)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-2000:]
     assert "Throughput:" in out and "error" not in out.lower() and "Unable" not in out, out[-2000:]
@@ -64,7 +65,7 @@ def test_output_fields_are_exactly_what_the_cpp_client_reads(srv: Served, tmp_pa
     tag = uuid.uuid4().hex[:10]
     seg = Segment(f"/pa_out_{tag}", 4096)
     try:
-        with HttpClient(srv.url) as c:
+        with HttpClient(srv.url, token=TOKEN) as c:
             r = c.request("POST", f"/v2/systemsharedmemory/region/out_{tag}/register",
                           [orjson.dumps({"key": seg.key, "offset": 0, "byte_size": 4096})])
             assert r.status == 200, r.body

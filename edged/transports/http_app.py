@@ -327,7 +327,6 @@ class V2App:
         """The caller's regions; a TCP caller without the credential has none (references fail as unknown)."""
         return self.shm.view(self.authority.known_scope(_peer(req)) or "")  # "": nobody registers there
 
-
     def _cudashm(self, method: str, rest: list[str]) -> Response:
         """No CUDA shared memory here; answered as a Triton without GPU regions answers.
 
