@@ -208,7 +208,8 @@ class Daemon:
         if mqtt is not None:
             def publish(topic: str, payload: bytes, _m: Any = mqtt) -> bool:
                 return bool(_m.publish(topic, payload, qos=0))
-        self.telemetry = TelemetryAgent(self.cfg, rt.service, publish=publish, profile=rt.profile.name)
+        self.telemetry = TelemetryAgent(self.cfg, rt.service, publish=publish, profile=rt.profile.name,
+                                        mqtt_stats=getattr(mqtt, "stats", None))
         await self.telemetry.start()
 
     async def _serve_until_stopped(self) -> None:

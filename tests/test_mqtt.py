@@ -41,6 +41,7 @@ from tests.mqtt_helpers import (
     EdgedRun,
     LoopResult,
     MosquittoCliRequester,
+    PahoRequester,
     RefusingBroker,
     TestClient,
     closed_loop,
@@ -823,5 +824,39 @@ def test_qos1_flood_gets_a_reply_for_every_request(tmp_path: Path, transports: C
         assert t.counters["overloaded"] == kinds["overloaded"]
         assert t.counters["replies_dropped"] == 0
         assert t.backlog() == 0
+        from edged.telemetry.prometheus import render_metrics
+
+        metrics = render_metrics(digits.service).decode()
+        assert f"edged_mqtt_overloaded_total {float(kinds['overloaded'])}" in metrics
+        assert "edged_mqtt_replies_dropped_total 0.0" in metrics
     finally:
         broker.stop()
+
+
+def test_stock_broker_stall_edged_cannot_remove_is_detected_once(stock: tuple[Broker, EdgedRun]) -> None:
+    """A plain paho client at QoS 1: the broker holds each reply behind its PUBACK for the client's delayed
+    ACK. Only the broker (or the client) can fix that; edged says so once, in its log and in edged status."""
+    broker, daemon = stock
+    watcher = TestClient(broker.port).wait_connected()
+    watcher.subscribe("edged/stock/telemetry", qos=0)
+    paho = PahoRequester(broker.port, "edged/stock/infer/digits", qos=1, reply_qos=1)
+    try:
+        res = closed_loop(paho, 4.0)
+    finally:
+        paho.close()
+    print(f"plain paho, QoS 1: {res.rate:.0f}/s, p50 {res.p50_ms:.1f} ms")
+    assert 36 <= res.p50_ms <= 60, "expected the broker's delayed-ACK stall on a stock mosquitto"
+    end = time.monotonic() + 10
+    while True:  # the status file is rewritten every second
+        out = subprocess.run([*EDGED, "status", "--config", str(daemon.config)], capture_output=True, text=True)
+        if "set_tcp_nodelay true" in out.stdout or time.monotonic() > end:
+            break
+        time.sleep(0.5)
+    print(out.stdout)
+    assert "note: MQTT clients wait ~4" in out.stdout and "set_tcp_nodelay true" in out.stdout
+    assert "mqtt       " in out.stdout and "0 replies dropped" in out.stdout
+    said = [line for line in daemon.log.read_text().splitlines() if "MQTT clients wait" in line]
+    assert len(said) == 1, said
+    sample = json.loads(watcher.get(timeout=5, where=lambda m: b'"broker_stall"' in m.payload).payload)
+    assert sample["mqtt"]["requests"] > 0 and "set_tcp_nodelay" in sample["mqtt"]["broker_stall"]
+    watcher.close()

@@ -42,7 +42,7 @@ from edged.telemetry.snapshot import (
     write_snapshot,
 )
 from edged.telemetry.upload import Uploader, UploadSettings, UploadStats
-from edged.telemetry.wire import TelemetrySample
+from edged.telemetry.wire import MqttWindow, TelemetrySample
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +72,15 @@ class _Window:
 class TelemetryAgent:
     def __init__(self, cfg: Config, service: InferenceService, *, publish: Publish | None = None,
                  profile: str | None = None, sampler: DeviceSampler | None = None,
-                 upload: UploadSettings | None = None, status_interval_s: float | None = None) -> None:
+                 upload: UploadSettings | None = None, status_interval_s: float | None = None,
+                 mqtt_stats: Callable[[], MqttWindow] | None = None) -> None:
         """``publish(topic, payload)`` sends over MQTT (any thread) and returns False when it could not;
-        ``upload`` overrides what cfg says."""
+        ``upload`` overrides what cfg says; ``mqtt_stats`` reads the MQTT transport's counts since start."""
         self.cfg = cfg
         self.service = service
         self.publish = publish
+        self.mqtt_stats = mqtt_stats
+        self._mqtt_prev: MqttWindow | None = None
         self.profile = profile
         self.enabled = cfg.telemetry.enabled
         self.interval_s = cfg.telemetry.interval_s
@@ -227,6 +230,9 @@ class TelemetryAgent:
                 window_s=round(max(window, 0.0), 3), uptime_s=round(reading.monotonic - self._started_mono, 3),
                 profile=self.profile, system=message.system_window(reading, prev_dev),
                 models=message.model_windows(snaps, prev_models))
+            if self.mqtt_stats is not None:
+                cur = self.mqtt_stats()
+                sample.mqtt, self._mqtt_prev = cur.minus(self._mqtt_prev), cur
             if self.buffer is not None:
                 sample.seq = self.buffer.next_seq()
                 body = sample.model_dump_json(exclude_none=True).encode()
@@ -295,6 +301,9 @@ class TelemetryAgent:
                                       rejected_total=u.rejected_total, last_success_wall=u.last_success_wall,
                                       last_error=u.last_error)
         notes = list(reading.notes)
+        mqtt = self.mqtt_stats() if self.mqtt_stats is not None else None
+        if mqtt is not None and mqtt.broker_stall:
+            notes.append(mqtt.broker_stall)
         if self._last_publish_error:
             notes.append(f"telemetry not published on MQTT: {self._last_publish_error}")
         return StatusSnapshot(
@@ -302,7 +311,7 @@ class TelemetryAgent:
             edged_version=__version__, started_at=self._started_wall, written_at=time.time(),
             written_mono=time.monotonic(), boot_id=self._boot_id,
             interval_s=self.status_interval_s, window_s=round(window, 3),
-            system=message.system_window(reading, prev_dev), models=models, telemetry=tel, notes=notes)
+            system=message.system_window(reading, prev_dev), models=models, telemetry=tel, mqtt=mqtt, notes=notes)
 
     def write_status(self, state: str = "running") -> None:
         write_snapshot(self.status_path, self.status(state))

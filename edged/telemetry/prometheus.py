@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -27,6 +27,7 @@ from edged.core.service import InferenceService
 from edged.telemetry.device import DeviceSampler
 from edged.telemetry.models import HistCounts, ModelMetrics
 from edged.telemetry.readings import DeviceReading
+from edged.telemetry.wire import MqttWindow
 
 if TYPE_CHECKING:
     from edged.telemetry.agent import TelemetryAgent
@@ -61,6 +62,7 @@ class EdgedCollector:
         self.service = service
         self.sampler = device_sampler
         self.telemetry = telemetry
+        self.mqtt: Callable[[], MqttWindow] | None = None  # bound by the MQTT transport while it runs
         self.prefix = prefix
         self.models = ModelMetrics(service)
 
@@ -75,6 +77,8 @@ class EdgedCollector:
                 yield from self._device_families(reading)
         if self.telemetry is not None:
             yield from self._telemetry_families(self.telemetry)
+        if self.mqtt is not None:
+            yield from self._mqtt_families(self.mqtt())
 
     # ---- models ---------------------------------------------------------------------------------
     def _model_families(self) -> Iterable[Metric]:
@@ -205,6 +209,24 @@ class EdgedCollector:
                     fam = GaugeMetricFamily(f"{p}_device_{name}", text)
                     fam.add_metric([], value)
                     out.append(fam)
+        return out
+
+    # ---- MQTT transport -------------------------------------------------------------------------
+    def _mqtt_families(self, m: MqttWindow) -> list[Metric]:
+        p = self.prefix
+        counters = (("requests", "MQTT inference requests received", m.requests),
+                    ("replies", "MQTT answers handed to the broker", m.replies),
+                    ("error_replies", "MQTT error replies (overloaded included)", m.error_replies),
+                    ("overloaded", "MQTT requests refused with 'overloaded' (max_pending_replies)", m.overloaded),
+                    ("replies_dropped", "MQTT replies dropped: the broker did not take them", m.replies_dropped),
+                    ("requests_dropped", "MQTT requests dropped: no usable reply address", m.requests_dropped))
+        out: list[Metric] = [CounterMetricFamily(f"{p}_mqtt_{name}", text, value=float(v))
+                             for name, text, v in counters]
+        out.append(GaugeMetricFamily(f"{p}_mqtt_backlog", "MQTT requests computing plus replies the broker has "
+                                     "not taken yet", value=float(m.backlog)))
+        out.append(GaugeMetricFamily(f"{p}_mqtt_broker_delayed_ack_stall", "1 once replies were seen held at the "
+                                     "broker's delayed-ACK interval (see edged status)",
+                                     value=1.0 if m.broker_stall else 0.0))
         return out
 
     # ---- telemetry ------------------------------------------------------------------------------

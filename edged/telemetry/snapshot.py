@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from edged.errors import EdgedError, ErrorCode
 from edged.fsutil import atomic_write_bytes
-from edged.telemetry.wire import SystemWindow
+from edged.telemetry.wire import MqttWindow, SystemWindow
 
 STATUS_FILE = "status.json"
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
@@ -101,6 +101,7 @@ class StatusSnapshot(_Snap):
     system: SystemWindow = Field(default_factory=SystemWindow)
     models: list[ModelStatus] = Field(default_factory=list)
     telemetry: TelemetryStatus | None = None
+    mqtt: MqttWindow | None = Field(default=None, description="MQTT transport counts since start")
     notes: list[str] = Field(default_factory=list)
 
 

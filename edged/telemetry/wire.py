@@ -101,6 +101,29 @@ class SystemWindow(_Wire):
     emc_utilization: float | None = None
 
 
+class MqttWindow(_Wire):
+    """The MQTT transport's request/reply counts (over the window in a sample, since start in the status file)."""
+
+    requests: Count = 0
+    replies: Count = Field(default=0, description="answers")
+    error_replies: Count = Field(default=0, description="error replies, overloaded ones included")
+    overloaded: Count = Field(default=0, description="requests refused with 'overloaded'")
+    replies_dropped: Count = Field(default=0, description="replies that could not be handed to the broker")
+    requests_dropped: Count = Field(default=0, description="requests without a usable reply address")
+    backlog: Count = Field(default=0, description="at the end: requests computing plus replies not yet taken")
+    broker_stall: str | None = Field(default=None, max_length=2000,
+                                     description="the broker's delayed-ACK stall, once recognised, with the fix")
+
+    def minus(self, prev: MqttWindow | None) -> MqttWindow:
+        if prev is None:
+            return self
+        counts = {k: max(0, getattr(self, k) - getattr(prev, k)) for k in _MQTT_COUNTS}
+        return MqttWindow(**counts, backlog=self.backlog, broker_stall=self.broker_stall)
+
+
+_MQTT_COUNTS = ("requests", "replies", "error_replies", "overloaded", "replies_dropped", "requests_dropped")
+
+
 class TelemetrySample(_Wire):
     v: int = SCHEMA_VERSION
     device: str = Field(max_length=128)
@@ -113,6 +136,7 @@ class TelemetrySample(_Wire):
     latency_buckets_s: list[float] = Field(default_factory=lambda: list(LATENCY_BUCKETS_S), max_length=64)
     system: SystemWindow = Field(default_factory=SystemWindow)
     models: list[ModelWindow] = Field(default_factory=list, max_length=1000)
+    mqtt: MqttWindow | None = None
 
 
 class UploadBatch(_Wire):

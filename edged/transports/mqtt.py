@@ -41,6 +41,7 @@ from edged.errors import (
 )
 from edged.protocol.redact import Scrubber
 from edged.protocol.v2 import DecodedRequest, decode_request, dumps, encode_response, loads
+from edged.telemetry.wire import MqttWindow
 from edged.transports import mqtt_codec as codec
 from edged.transports.mqtt_bindings import (
     BindingStats,
@@ -54,6 +55,7 @@ from edged.transports.mqtt_codec import Form, Topics
 from edged.transports.mqtt_connection import LinkState, MqttOptions, connect_properties, make_client, quick_ack
 from edged.transports.mqtt_dedup import RecentKeys
 from edged.transports.mqtt_properties import publish_properties
+from edged.transports.mqtt_stall import StallDetector
 from edged.transports.mqtt_status import device_offline, device_online, model_statuses
 
 log = logging.getLogger("edged.transports.mqtt")
@@ -78,6 +80,7 @@ class _Reply:
     form: Form
     qos: int
     deadline: float | None
+    received: float = 0.0  # monotonic: when the request arrived
 
 
 @dataclass
@@ -89,6 +92,8 @@ class _Incoming:
     correlation: bytes | None
     header_length: str | None
     deadline: float | None
+    request_qos: int = 0
+    received: float = 0.0  # monotonic
     parts: tuple[Form, memoryview, memoryview] | None = None  # the payload split, once known
 
 
@@ -137,6 +142,7 @@ class MqttTransport:
         self._watch_stop = threading.Event()
         self._watch: threading.Thread | None = None
         self._warned: dict[str, float] = {}
+        self._stall = StallDetector()
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -162,6 +168,9 @@ class MqttTransport:
                  self.topics.base + "/", len(self.bindings))
         client.connect_async(opts.host, opts.port, keepalive=opts.keepalive_s, **kwargs)
         client.loop_start()
+        from edged.telemetry import prometheus
+
+        prometheus.renderer_for(self.service).collector.mqtt = self.stats
         self._watch = threading.Thread(target=self._watch_models, name="edged-mqtt-status", daemon=True)
         self._watch.start()
 
@@ -201,6 +210,11 @@ class MqttTransport:
         client.loop_stop()
         if self._watch is not None:
             self._watch.join(1.0)
+        from edged.telemetry import prometheus
+
+        collector = prometheus.renderer_for(self.service).collector
+        if collector.mqtt == self.stats:
+            collector.mqtt = None
         log.info("MQTT transport stopped (%s)", self._summary())
 
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -221,6 +235,16 @@ class MqttTransport:
     @property
     def inflight(self) -> int:
         return self._inflight
+
+    def stats(self) -> MqttWindow:
+        """Counts since start, for /metrics, telemetry and ``edged status``."""
+        with self._counter_lock:
+            c = dict(self.counters)
+        errors = sum(v for k, v in c.items() if k.startswith("error_"))
+        return MqttWindow(requests=c.get("requests", 0), replies=c.get("replies", 0), error_replies=errors,
+                          overloaded=c.get("overloaded", 0), replies_dropped=c.get("replies_dropped", 0),
+                          requests_dropped=c.get("dropped", 0), backlog=self.backlog(),
+                          broker_stall=self._stall.message)
 
     def binding_stats(self) -> list[BindingStats]:
         return [w.stats for w in self._workers]
@@ -347,7 +371,7 @@ class MqttTransport:
                         response_topic=getattr(props, "ResponseTopic", None) if props else None,
                         correlation=getattr(props, "CorrelationData", None) if props else None,
                         header_length=_user_property(props, codec.HEADER_LENGTH_PROPERTY),
-                        deadline=_deadline(props))
+                        deadline=_deadline(props), request_qos=msg.qos, received=time.monotonic())
         self._count("requests")
         if self._stopping:
             self._process(inc, reject=ModelNotReadyError("the daemon is shutting down"))
@@ -460,6 +484,10 @@ class MqttTransport:
             if deadline is not None and time.monotonic() > deadline:
                 raise DeadlineExceededError("the request expired before it could be computed")
             decoded.request.deadline = deadline
+            reply.received = inc.received
+            stall = self._stall.request(reply.topic, inc.request_qos)
+            if stall is not None:
+                log.warning("%s", stall)
             future = self.service.submit(decoded.request)
         except EdgedError as e:
             self._reply_error(reply, e, inc.topic)
@@ -493,7 +521,8 @@ class MqttTransport:
                 resp = future.result()
                 header, chunks = encode_response(resp, decoded)
                 form, payload, hlen = codec.frame(reply.form, header, chunks, properties=self.options.v5)
-                self._send(reply, payload, form, hlen)
+                if self._send(reply, payload, form, hlen):
+                    self._stall.replied(reply.topic, time.monotonic() - reply.received)
                 self._count("replies")
             except EdgedError as e:
                 self._reply_error(reply, e, "")
@@ -536,14 +565,15 @@ class MqttTransport:
             waiting = len(unsent)
         return waiting + self._inflight + self._pending_decodes
 
-    def _send(self, reply: _Reply, payload: bytes, form: Form, hlen: int | None, error: str | None = None) -> None:
+    def _send(self, reply: _Reply, payload: bytes, form: Form, hlen: int | None, error: str | None = None) -> bool:
+        """Hand one reply to paho; False (counted) when it was dropped."""
         client = self._client
         if client is None:
-            return
+            return False
         if self.backlog() >= self.options.max_pending_replies + REFUSAL_RESERVE:
             # Even the refusals are not leaving (a stuck broker): drop, count, never grow without bound.
             self._reply_dropped(reply, "the broker is not taking replies fast enough")
-            return
+            return False
         props = None
         if self.options.v5:
             users = []
@@ -559,9 +589,10 @@ class MqttTransport:
         info = client.publish(reply.topic, payload, qos=reply.qos, properties=props)
         if info.rc != mqtt.MQTT_ERR_SUCCESS:
             self._reply_dropped(reply, mqtt.error_string(info.rc))
-            return
+            return False
         with self._unsent_lock:
             self._unsent.append(info)
+        return True
 
     def _reply_dropped(self, reply: _Reply, why: str) -> None:
         self._count("replies_dropped")
