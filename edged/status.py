@@ -206,10 +206,10 @@ def render(snap: StatusSnapshot, updates: dict[str, str], now: float) -> str:
             else:
                 parts.append("no upload")
             lines.append("telemetry  " + "; ".join(parts))
-    if (m := snap.mqtt) is not None:
-        lines.append(f"mqtt       {m.requests} requests, {m.replies} answers, {m.error_replies} error replies "
-                     f"({m.overloaded} overloaded), {m.replies_dropped} replies dropped, "
-                     f"{m.requests_dropped} requests without a reply address, backlog {m.backlog}")
+    if (mq := snap.mqtt) is not None:
+        lines.append(f"mqtt       {mq.requests} requests, {mq.replies} answers, {mq.error_replies} error replies "
+                     f"({mq.overloaded} overloaded), {mq.replies_dropped} replies dropped, "
+                     f"{mq.requests_dropped} requests without a reply address, backlog {mq.backlog}")
     for note in snap.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)
