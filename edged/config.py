@@ -113,6 +113,11 @@ class HttpSection(_Section):
     enabled: bool = True
     listen: str = Field(default="127.0.0.1:8000", description="host:port, or a Unix socket path")
     max_request_mb: float = Field(default=64, gt=0)
+    max_connections: int = Field(default=1000, ge=1, description="open connections in all")
+    max_client_connections: int = Field(default=64, ge=1, description="open connections per client: peer "
+                                        "address over TCP, uid on a Unix socket")
+    header_timeout_s: float = Field(default=10, gt=0, description="a request line and headers (or a first "
+                                    "request on a new connection) must arrive within this")
 
 
 class ControlSection(_Section):

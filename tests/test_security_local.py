@@ -8,7 +8,10 @@ isolated mode, so it never needs to read this checkout.
 from __future__ import annotations
 
 import os
+import re
+import resource
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +20,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import orjson
 import pytest
 
@@ -209,3 +213,124 @@ def test_tcp_registration_is_off_by_default_and_bounded_by_prefix_and_owner(tmp_
     finally:
         plain.close()
         prefixed.close()
+
+
+# ---- items 8 and 10: HTTP connections -------------------------------------------------------------
+INFER = orjson.dumps({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 64], "data": [1.0] * 64}]})
+INFER_REQ = b"POST /v2/models/digits/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(INFER), INFER)
+
+
+def _tcp(url: str, source: str | None = None, timeout: float = 30) -> socket.socket:
+    host, port = url.rsplit(":", 1)
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    if source:
+        s.bind((source, 0))
+    s.connect((host, int(port)))
+    return s
+
+
+def _read_all(s: socket.socket) -> bytes:
+    data = b""
+    try:
+        while chunk := s.recv(65536):
+            data += chunk
+    except ConnectionResetError:  # the server closed while we were still sending (a refused hog)
+        pass
+    return data
+
+
+def _statuses(data: bytes) -> list[int]:
+    return [int(m) for m in re.findall(rb"HTTP/1\.1 (\d{3}) ", data)]
+
+
+def test_half_closed_connections_get_their_answers(tmp_path: Path) -> None:
+    """The client sends its request(s), shuts down its sending side, and still reads every answer."""
+    with served(copy_models(tmp_path / "models", "digits"), tmp_path) as s:
+        socks = [_tcp(s.url) for _ in range(20)]
+        for i, sk in enumerate(socks):
+            sk.sendall(INFER_REQ * (1 + i % 2) + b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            sk.shutdown(socket.SHUT_WR)
+        for i, sk in enumerate(socks):
+            data = _read_all(sk)  # ends: the server closes after the last answer
+            sk.close()
+            assert _statuses(data) == [200] * (2 + i % 2), data[:300]
+            assert data.count(b'"shape":[1,10]') == 1 + i % 2
+        # cut off mid-request, then half-closed: closed without an answer, the server goes on
+        with _tcp(s.url) as sk:
+            sk.sendall(INFER_REQ[:60])
+            sk.shutdown(socket.SHUT_WR)
+            assert _read_all(sk) == b""
+        with HttpClient(s.url) as c:
+            assert c.ready()
+
+
+def test_one_client_cannot_take_every_connection(tmp_path: Path) -> None:
+    """1,000 idle and partial connections from one address; another client is served throughout."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[0]),
+                                                resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    with served(copy_models(tmp_path / "models", "digits"), tmp_path) as s:
+        hog: list[socket.socket] = []
+        try:
+            for i in range(1000):
+                sk = _tcp(s.url, source="127.0.0.2")
+                if i % 2:
+                    sk.sendall(b"POST /v2/models/digits/infer HTTP/1.1\r\nHost: x\r\n")  # never finished
+                hog.append(sk)
+                if i % 100 == 99:  # the other client, while the hog keeps connecting
+                    with HttpClient(s.url) as c:
+                        assert c.infer("digits", {"pixels": np.ones((1, 64), np.float32)})["probabilities"].shape \
+                            == (1, 10)
+            # the hog holds at most its share; its extra connections were told so and closed
+            assert s.transport.open_connections <= s.cfg.http.max_client_connections + 1
+            sk = hog[-2]  # an idle one: nothing sent, so the refusal is read in full
+            data = _read_all(sk)
+            assert _statuses(data) == [503] and b"too many connections from this client" in data
+            with HttpClient(s.url) as c:
+                assert c.ready()
+        finally:
+            for sk in hog:
+                sk.close()
+
+
+def test_slow_headers_are_cut_off_and_a_full_server_makes_room(tmp_path: Path) -> None:
+    extra = "max_connections = 40\nmax_client_connections = 16\nheader_timeout_s = 0.5\n"
+    with served(copy_models(tmp_path / "models", "digits"), tmp_path, extra=extra) as s:
+        hog = [_tcp(s.url, source=f"127.0.0.{2 + i // 16}") for i in range(48)]  # 3 addresses x 16 > 40
+        try:
+            # a newcomer is not refused: an idle connection of the biggest holder makes room
+            with HttpClient(s.url) as c:
+                assert c.ready()
+            # slowloris: headers that never end are answered 408 and closed (the sweep runs twice a second)
+            with _tcp(s.url, source="127.0.0.9") as slow:
+                slow.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n")
+                data = _read_all(slow)
+                assert _statuses(data) == [408] and b"headers not received in time" in data
+            # connections that never sent a request are closed after the same deadline (or were made room
+            # from, or refused when their client already held the most)
+            ends = [_read_all(sk) for sk in hog]
+            assert all(e == b"" or _statuses(e) == [503] for e in ends)
+            assert any(e == b"" for e in ends)
+        finally:
+            for sk in hog:
+                sk.close()
+
+
+@needs_other_uid
+def test_unix_socket_connection_limit_is_per_uid(unix_srv: Served) -> None:
+    sock = Path(unix_srv.url[5:])
+    limit = unix_srv.cfg.http.max_client_connections
+    mine = []
+    try:
+        for _ in range(limit + 5):
+            sk = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sk.settimeout(30)
+            sk.connect(str(sock))
+            mine.append(sk)
+        refused = mine[-1]
+        assert _statuses(_read_all(refused)) == [503]
+        # another uid is still served
+        assert unix_http(sock, ("GET", "/v2/health/live", ""))[0][0] == 200
+    finally:
+        for sk in mine:
+            sk.close()

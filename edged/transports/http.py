@@ -110,7 +110,10 @@ class HttpTransport:
         self.app = V2App(service, self.shm, max_body=int(cfg.http.max_request_mb * 1024 * 1024), scrub=scrub,
                          metrics=self._metrics, authority=self.authority)
         self._metrics_endpoint: MetricsEndpoint | None = None
-        self.limits = Limits(max_body=int(cfg.http.max_request_mb * 1024 * 1024), keep_alive_s=KEEP_ALIVE_S)
+        h = cfg.http
+        self.limits = Limits(max_body=int(h.max_request_mb * 1024 * 1024), keep_alive_s=KEEP_ALIVE_S,
+                             max_connections=h.max_connections, max_client_connections=h.max_client_connections,
+                             header_timeout_s=h.header_timeout_s)
         self._server: HttpServer | None = None
         self._unix_path: Path | None = None
         self.address: str = self.listen  # the real address once listening (port 0 resolved)

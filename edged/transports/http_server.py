@@ -9,9 +9,13 @@ coroutine and writes ``head + body`` in one call.
 What it still does for robustness: keep-alive and pipelining (responses in request
 order, reading paused while too many requests wait), ``Expect: 100-continue``,
 header and body size limits (431 / 413 and close, before the body is read),
-per-request read timeouts and keep-alive idle timeouts (slow or idle clients cannot
-hold a connection forever), a connection limit, write back-pressure, and a graceful
-stop that finishes in-flight requests before closing.
+per-request read timeouts, a shorter deadline for the request line and headers
+(slowloris), keep-alive idle timeouts (slow or idle clients cannot hold a connection
+forever), a connection limit per client (peer address, or uid on a Unix socket) under the
+global one, and when the server is full a newcomer takes an idle connection of the client
+holding the most rather than being refused; write back-pressure; requests on half-closed
+connections (the client sent its request, then shut down its sending side) are answered;
+and a graceful stop that finishes in-flight requests before closing.
 """
 
 from __future__ import annotations
@@ -56,8 +60,10 @@ class Limits:
     max_header_bytes: int = 64 * 1024
     keep_alive_s: float = 60.0  # idle connection lifetime between requests
     request_timeout_s: float = 60.0  # from the first byte of a request to its last
+    header_timeout_s: float = 10.0  # from connecting / the first byte of a request to its last header byte
     max_pipelined: int = 32  # queued requests per connection before reading pauses
     max_connections: int = 1000
+    max_client_connections: int = 64  # per peer address (TCP) or uid (Unix socket)
     write_high_water: int = 4 * 1024 * 1024
 
 
@@ -101,7 +107,34 @@ def error_response(status: int, message: str) -> Response:
 @dataclass
 class _State:
     connections: set[HttpConnection] = field(default_factory=set)
+    clients: dict[object, set[HttpConnection]] = field(default_factory=dict)  # by client key
     stopping: bool = False
+
+    def add(self, conn: HttpConnection) -> None:
+        self.connections.add(conn)
+        self.clients.setdefault(conn.client, set()).add(conn)
+
+    def discard(self, conn: HttpConnection) -> None:
+        self.connections.discard(conn)
+        mine = self.clients.get(conn.client)
+        if mine is not None:
+            mine.discard(conn)
+            if not mine:
+                del self.clients[conn.client]
+
+    def evict_for(self, conn: HttpConnection) -> bool:
+        """Server full: close an idle (or still header-less) connection of the biggest other holder."""
+        have = len(self.clients.get(conn.client, ()))
+        key, biggest = max(((k, v) for k, v in self.clients.items() if k != conn.client),
+                           key=lambda kv: len(kv[1]), default=(None, set()))
+        if key is None or len(biggest) <= have:
+            return False
+        victim = next((c for c in biggest if c.evictable), None)
+        if victim is None or victim.transport is None:
+            return False
+        victim.transport.close()
+        self.discard(victim)
+        return True
 
 
 class HttpConnection(asyncio.Protocol):
@@ -113,6 +146,9 @@ class HttpConnection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.peer = Peer()
+        self.client: object = None  # whose connection this is, for the per-client limit
+        self.served = 0  # requests received whole on this connection
+        self._headers_done = False
         self.queue: collections.deque[Request] = collections.deque()
         self.task: asyncio.Task[None] | None = None
         self.since = time.monotonic()  # start of the current request, or of idleness (for the sweep)
@@ -138,20 +174,33 @@ class HttpConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        self.state.connections.add(self)
-        if len(self.state.connections) > self.limits.max_connections or self.state.stopping:
-            self._refuse(503, "too many connections" if not self.state.stopping else "server is stopping")
-            return
         sock = transport.get_extra_info("socket")
         self.peer = socket_peer(sock)
+        self.client = ("uid", self.peer.uid) if self.peer.unix else ("addr", self.peer.address)
+        st = self.state
+        st.add(self)
+        if st.stopping:
+            self._refuse(503, "server is stopping")
+            return
+        if len(st.clients[self.client]) > self.limits.max_client_connections:
+            self._refuse(503, f"too many connections from this client (at most {self.limits.max_client_connections})")
+            return
+        if len(st.connections) > self.limits.max_connections and not st.evict_for(self):
+            self._refuse(503, "too many connections")
+            return
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:  # pragma: no cover
                 pass
 
+    @property
+    def evictable(self) -> bool:
+        """Nothing to lose by closing it: no request being answered, none queued, no body under way."""
+        return self.task is None and not self.queue and (not self._in_message or not self._headers_done)
+
     def connection_lost(self, exc: Exception | None) -> None:
-        self.state.connections.discard(self)
+        self.state.discard(self)
         self.closing = True
         self.queue.clear()
         self._writable.set()
@@ -168,10 +217,17 @@ class HttpConnection(asyncio.Protocol):
         if self.transport is None:
             return
         if self._in_message:
-            if now - self.since > self.limits.request_timeout_s and not self._discard:
+            if self._discard:
+                return
+            if now - self.since > self.limits.request_timeout_s:
                 self._refuse(408, "request not received in time")
-        elif self.task is None and not self.queue and now - self.since > self.limits.keep_alive_s:
-            self.transport.close()  # idle keep-alive connection
+            elif not self._headers_done and now - self.since > self.limits.header_timeout_s:
+                self._refuse(408, "request headers not received in time")
+        elif self.task is None and not self.queue:
+            # A connection that never sent a request gets the header deadline, not the keep-alive one.
+            idle = self.limits.keep_alive_s if self.served else self.limits.header_timeout_s
+            if now - self.since > idle:
+                self.transport.close()
 
     def shutdown(self) -> None:
         """Graceful stop: close now when idle, else after the request in progress is answered."""
@@ -179,6 +235,16 @@ class HttpConnection(asyncio.Protocol):
         self.closing = True
         if self.task is None and not self._in_message and self.transport is not None:
             self.transport.close()
+
+    def eof_received(self) -> bool | None:
+        """The client shut down its sending side: answer what it sent whole, then close."""
+        self.closing = True
+        if self._in_message:  # cut off mid-request: it can never complete
+            self._in_message = False
+            self._discard = True
+        if self.task is None and not self.queue:
+            return None  # nothing left to answer: let the transport close
+        return True  # keep the sending side open; _serve closes after the last answer
 
     # ---- parsing ----------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
@@ -196,6 +262,7 @@ class HttpConnection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._reset_message()
         self._in_message = True
+        self._headers_done = False
         self.since = time.monotonic()
 
     def on_url(self, url: bytes) -> None:
@@ -209,6 +276,7 @@ class HttpConnection(asyncio.Protocol):
             self._refuse(431, "request headers are too large")
 
     def on_headers_complete(self) -> None:
+        self._headers_done = True
         if self._discard:
             return
         self._keep_alive = self.parser.should_keep_alive()
@@ -241,6 +309,7 @@ class HttpConnection(asyncio.Protocol):
         if self._discard or (self.closing and not self._finish_current):
             return
         self._finish_current = False
+        self.served += 1
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         method = self.parser.get_method().decode("ascii", "replace")
         self.queue.append(Request(method, b"".join(self._url), self._headers, body, self._keep_alive, self.peer))
@@ -335,7 +404,8 @@ class HttpServer:
         now = time.monotonic()
         for conn in list(self._state.connections):
             conn.check_timeouts(now)
-        interval = min(1.0, self.limits.keep_alive_s / 2, self.limits.request_timeout_s / 2)
+        interval = min(1.0, self.limits.keep_alive_s / 2, self.limits.request_timeout_s / 2,
+                       self.limits.header_timeout_s / 2)
         self._sweeper = asyncio.get_running_loop().call_later(interval, self._sweep)
 
     @property
@@ -361,4 +431,5 @@ class HttpServer:
             if conn.task is not None:
                 conn.task.cancel()
         self._state.connections.clear()
+        self._state.clients.clear()
         self._server = None
