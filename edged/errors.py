@@ -75,6 +75,11 @@ class InvalidInputError(EdgedError):
     code = ErrorCode.INVALID_ARGUMENT
 
 
+class EngineInputError(InvalidInputError):
+    """The engine refused the input itself (its library said invalid argument): a shape the model
+    cannot take or a value out of range. The scheduler names the input before a client sees it."""
+
+
 class ModelNotFoundError(EdgedError):
     code = ErrorCode.NOT_FOUND
 

@@ -243,9 +243,13 @@ def device_fingerprint() -> dict[str, Any]:
 
 
 def selection_key(model: str, version: int, cands: Sequence[Candidate], library_versions: Mapping[str, str], *,
-                  threads: int, batch_sizes: Sequence[int], fingerprint: Mapping[str, Any] | None = None) -> str:
+                  threads: int, batch_sizes: Sequence[int], fingerprint: Mapping[str, Any] | None = None,
+                  workload: str = "") -> str:
+    """Everything a measurement depends on: variants, options, libraries, hardware, and ``workload``
+    (a digest of the declared shapes / warm-up data it ran on)."""
     doc = {
         "model": model, "version": version, "threads": threads, "batch_sizes": list(batch_sizes),
+        "workload": workload,
         "device": dict(fingerprint if fingerprint is not None else device_fingerprint()),
         "candidates": [{"label": c.label, "digest": variant_digest(c.variant), "options": c.options,
                         "library": library_versions.get(c.backend, "")} for c in cands],

@@ -10,7 +10,7 @@ import numpy as np
 
 from edged import datatypes
 from edged.backends.base import Backend, Engine, EngineTensor, LoadRequest
-from edged.errors import EngineUnavailableError, ModelLoadError
+from edged.errors import EngineInputError, EngineUnavailableError, ModelLoadError
 
 _PROVIDER_BY_DEVICE = {
     "CPU": ["CPUExecutionProvider"],
@@ -54,8 +54,14 @@ class OnnxRuntimeEngine(Engine):
         session = self._session
         if session is None:
             raise ModelLoadError("engine was unloaded")
-        # InferenceSession.run is thread-safe and releases the GIL during compute.
-        results = session.run(names, dict(inputs))
+        # InferenceSession.run is thread-safe and releases the GIL during compute; a failed run
+        # leaves nothing behind in the session.
+        try:
+            results = session.run(names, dict(inputs))
+        except Exception as e:
+            if type(e).__name__ == "InvalidArgument":  # ORT's status INVALID_ARGUMENT: the input's fault
+                raise EngineInputError(str(e)) from None
+            raise
         return dict(zip(names, results, strict=True))
 
     def unload(self) -> None:

@@ -71,9 +71,13 @@ class OpenVinoEngine(Engine):
             req = compiled.create_infer_request()
         try:
             req.infer(dict(inputs))
-            return {n: np.array(req.get_tensor(self._out_ports[n]).data, copy=True) for n in names}
-        finally:
-            self._pool.put(req)
+            out = {n: np.array(req.get_tensor(self._out_ports[n]).data, copy=True) for n in names}
+        except BaseException:
+            # A request that failed keeps the failed shapes/state: never hand it to the next caller.
+            self._pool.put(compiled.create_infer_request())
+            raise
+        self._pool.put(req)
+        return out
 
     def unload(self) -> None:
         self._compiled = None

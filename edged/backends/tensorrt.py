@@ -182,12 +182,16 @@ class TensorRtEngine(Engine):
             slot = self._pool.get_nowait()
         except queue.Empty:
             slot = _Slot(self._engine, self._cuda)
+        ok = False
         try:
-            return self._run(slot, inputs, list(outputs) if outputs else self._output_names)
+            out = self._run(slot, inputs, list(outputs) if outputs else self._output_names)
+            ok = True
+            return out
         finally:
             with self._lock:
                 closed = self._closed
-            if closed:
+            # A context that failed may keep the refused shapes: the next caller gets a fresh one.
+            if closed or not ok:
                 slot.close(self._cuda)
             else:
                 self._pool.put(slot)

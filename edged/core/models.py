@@ -13,6 +13,8 @@ the next candidate, then switched in (:mod:`edged.core.upgrade`).
 from __future__ import annotations
 
 import enum
+import hashlib
+import json
 import logging
 import threading
 import time
@@ -43,7 +45,7 @@ from edged.core.scheduler import Scheduler
 from edged.core.stats import ModelStats
 from edged.core.upgrade import EngineUpgrade, SwappableEngine
 from edged.errors import EdgedError, ModelLoadError
-from edged.repository.manifest import ModelManifest, TensorSpec
+from edged.repository.manifest import InputShape, ModelManifest, TensorSpec
 from edged.repository.store import VersionEntry
 
 if TYPE_CHECKING:
@@ -82,6 +84,11 @@ class ModelVersion:
     stats: ModelStats | None = None
     benchmark: BenchmarkResult | None = None  # set when the profile selects by measurement
     upgrade: EngineUpgrade | None = None  # set while/after a better engine is built in the background
+    warmup_note: str | None = None  # warm-up skipped or ran on made-up data, and how to declare real shapes
+
+    @property
+    def warmup_skipped(self) -> bool:
+        return bool(self.warmup_note and self.warmup_note.startswith("warm-up skipped"))
 
     @property
     def manifest(self) -> ModelManifest:
@@ -105,6 +112,8 @@ class ModelVersion:
             "variant": c.variant.file if c else None,
             "skipped": [{"candidate": k, "reason": r} for k, r in list(self.skipped)],
         }
+        if self.warmup_note:
+            out["warmup"] = self.warmup_note
         if self.benchmark is not None:
             b = self.benchmark
             out["benchmark"] = [{"candidate": t.candidate, "throughput_per_s": round(t.throughput_per_s, 1),
@@ -124,6 +133,19 @@ def _io_from_engine(tensors: Sequence[EngineTensor], max_batch_size: int) -> lis
     return specs
 
 
+def _check_shapes(shapes: dict[str, InputShape], inputs: Sequence[TensorSpec]) -> None:
+    """Declared warm-up shapes must name real inputs and fit them (checked once the model's inputs are known)."""
+    by_name = {t.name: t for t in inputs}
+    for name, shp in shapes.items():
+        spec = by_name.get(name)
+        if spec is None:
+            raise ModelLoadError(f"[warmup.shapes.{name}]: the model has no input {name!r} (it has {sorted(by_name)})")
+        if len(spec.shape) != len(shp.shape) or any(w not in (-1, h) for w, h in zip(spec.shape, shp.shape,
+                                                                                     strict=False)):
+            raise ModelLoadError(f"[warmup.shapes.{name}]: shape {shp.shape} does not fit the input's shape "
+                                 f"{spec.shape}")
+
+
 def _check_io(kind: str, declared: Sequence[TensorSpec], engine: Sequence[EngineTensor], mbs: int) -> None:
     """The manifest's tensors must exist in the engine with the same datatype and compatible rank."""
     by_name = {t.name: t for t in engine}
@@ -141,25 +163,65 @@ def _check_io(kind: str, declared: Sequence[TensorSpec], engine: Sequence[Engine
                                  f"{'excluded' if mbs > 0 else 'included'})")
 
 
-def sample_inputs(mv: ModelVersion, inputs: Sequence[TensorSpec] | None = None) -> dict[str, np.ndarray]:
-    """Warm-up inputs: the manifest's sample file, else deterministic data shaped like the inputs."""
+SYNTH_DIM = 64  # a made-up dynamic dimension: 1 is too small for many real models (pads, strides)
+DECLARE_HINT = ("declare the shapes it really sees in model.toml ([warmup.shapes.<input>] shape = [...]) "
+                "or sample data ([warmup] file)")
+
+
+def synthesized(mv: ModelVersion, inputs: Sequence[TensorSpec] | None = None) -> list[str]:
+    """The inputs whose warm-up data would be made up with guessed dynamic dimensions."""
     specs = list(inputs) if inputs is not None else mv.inputs
-    wf = mv.manifest.warmup.file
-    if wf:
-        with np.load(mv.entry.path / wf) as data:
+    w = mv.manifest.warmup
+    if w.file:
+        return []
+    return [s.name for s in specs if s.name not in w.shapes and any(d < 0 for d in s.shape)]
+
+
+def sample_inputs(mv: ModelVersion, inputs: Sequence[TensorSpec] | None = None) -> dict[str, np.ndarray]:
+    """Warm-up inputs: the manifest's sample file, else data shaped as declared, else made up.
+
+    Made-up dynamic dimensions are :data:`SYNTH_DIM` (the first one of an unbatched input,
+    usually its batch, is 1); scalars (shape ``[]``) stay scalars.
+    """
+    specs = list(inputs) if inputs is not None else mv.inputs
+    w = mv.manifest.warmup
+    if w.file:
+        with np.load(mv.entry.path / w.file) as data:
             return {spec.name: np.ascontiguousarray(data[spec.name]) for spec in specs}
     rng = np.random.default_rng(0)
     out = {}
+    batched = mv.max_batch_size > 0
     for spec in specs:
-        shape = [d if d > 0 else 1 for d in spec.shape]
-        if mv.max_batch_size > 0:
+        declared = w.shapes.get(spec.name)
+        if declared is not None:
+            shape = list(declared.shape)
+        else:
+            shape = [d if d >= 0 else (1 if i == 0 and not batched else SYNTH_DIM) for i, d in enumerate(spec.shape)]
+        if batched:
             shape = [1, *shape]
         dtype = datatypes.to_numpy(spec.datatype)
-        if dtype.kind == "f":
-            out[spec.name] = rng.random(shape).astype(dtype)
+        if declared is not None and declared.value is not None:
+            out[spec.name] = np.full(shape, declared.value, dtype=dtype)
+        elif dtype.kind == "f":
+            out[spec.name] = np.asarray(rng.random(shape), dtype=dtype)
         else:
             out[spec.name] = np.zeros(shape, dtype=dtype)
     return out
+
+
+def workload_digest(mv: ModelVersion) -> str:
+    """What a measurement ran on: declared tensors and shapes, and the sample data's bytes."""
+    m = mv.manifest
+    h = hashlib.sha256(json.dumps({
+        "max_batch_size": m.max_batch_size, "warmup": m.warmup.model_dump(mode="json"),
+        "inputs": [i.model_dump(mode="json") for i in m.inputs] if m.inputs is not None else None,
+    }, sort_keys=True).encode())
+    if m.warmup.file:
+        try:
+            h.update((mv.entry.path / m.warmup.file).read_bytes())
+        except OSError:
+            h.update(b"unreadable")
+    return h.hexdigest()
 
 
 def warm_up(mv: ModelVersion, engine: Engine, *, inputs: Sequence[TensorSpec] | None = None,
@@ -168,15 +230,29 @@ def warm_up(mv: ModelVersion, engine: Engine, *, inputs: Sequence[TensorSpec] | 
 
     ``inputs``/``precision`` describe the candidate being checked when it is not (yet)
     the version's own, e.g. an engine built in the background for a version already serving.
+    A made-up input the model refuses proves nothing about the model: the version still
+    serves, with a note (``mv.warmup_note``) that says so and how to declare real shapes.
     """
     try:
         sample = sample_inputs(mv, inputs)
     except (OSError, KeyError, ValueError) as e:
         raise ModelLoadError(f"warm-up input {mv.manifest.warmup.file} is unusable: {e}") from None
+    made_up = synthesized(mv, inputs)
     try:
         result = engine.infer(sample)
     except Exception as e:
-        raise ModelLoadError(f"warm-up inference failed: {e}") from None
+        if not made_up:
+            raise ModelLoadError(f"warm-up inference failed: {e}") from None
+        shapes = ", ".join(f"{n} {list(sample[n].shape)}" for n in made_up)
+        mv.warmup_note = (f"warm-up skipped: the model refused made-up input ({shapes}): "
+                          f"{' '.join(str(e).split())[:300]}; {DECLARE_HINT}")
+        log.warning("model=%s version=%s %s", mv.name, mv.version, mv.warmup_note)
+        return
+    if made_up:
+        mv.warmup_note = (f"warm-up ran on made-up data for {', '.join(made_up)} "
+                          f"(dynamic dimensions set to {SYNTH_DIM}); {DECLARE_HINT}")
+    else:
+        mv.warmup_note = None
     expected_file = mv.manifest.warmup.expected
     if not expected_file:
         return
@@ -275,7 +351,8 @@ class ModelLoader:
         manifest = mv.manifest
         sizes = batch_sizes_for(manifest)
         libraries = {c.backend: _library_version(c.backend) for c in cands}
-        key = selection_key(mv.name, mv.version, cands, libraries, threads=self.threads, batch_sizes=sizes)
+        key = selection_key(mv.name, mv.version, cands, libraries, threads=self.threads, batch_sizes=sizes,
+                            workload=workload_digest(mv))
         tried: set[str] = set()
         load_failures: list[tuple[str, str]] = []
         remembered = self.memory.load(mv.name, mv.version, key) if self.memory else None
@@ -313,6 +390,13 @@ class ModelLoader:
         for label, why in failures:
             self._skip_label(mv, label, why)
         if not timings:
+            if mv.warmup_skipped:  # nothing can be measured on an input the model refuses: keep profile order
+                for o in loaded[1:]:
+                    o.engine.unload()
+                self._adopt(mv, loaded[0])
+                mv.warmup_note = (mv.warmup_note or "").replace("warm-up skipped", "warm-up and engine benchmark "
+                                                                "skipped", 1)
+                return True
             for o in loaded:
                 o.engine.unload()
             return self._build_now(mv, pending)
@@ -390,6 +474,7 @@ class ModelLoader:
                 _check_io("output", manifest.outputs, engine.outputs, mbs)
             inputs = list(manifest.inputs) if manifest.inputs is not None else _io_from_engine(engine.inputs, mbs)
             outputs = list(manifest.outputs) if manifest.outputs is not None else _io_from_engine(engine.outputs, mbs)
+            _check_shapes(manifest.warmup.shapes, inputs)
             warm_up(mv, engine, inputs=inputs, precision=cand.precision)
         except BaseException:
             engine.unload()

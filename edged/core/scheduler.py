@@ -17,9 +17,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edged.backends.base import Engine
+from edged.core.engine_errors import GoodShapes
 from edged.core.stats import ModelStats
 from edged.core.types import InferRequest, InferResponse
-from edged.errors import DeadlineExceededError, EdgedError, InternalError, ModelNotReadyError, OverloadedError
+from edged.errors import (
+    DeadlineExceededError,
+    EdgedError,
+    InternalError,
+    InvalidInputError,
+    ModelNotReadyError,
+    OverloadedError,
+)
 from edged.repository.manifest import Batching
 
 log = logging.getLogger(__name__)
@@ -53,6 +61,7 @@ class Scheduler:
         self.delay_ns = (batching.max_queue_delay_us * 1000) if batching else 0
         self.preferred = sorted(batching.preferred_batch_sizes) if batching else []
         self.stats = stats
+        self.good_shapes = GoodShapes(max_batch_size > 0)
         self._cv = threading.Condition()
         self._queue: collections.deque[_Item] = collections.deque()
         self._running = True
@@ -244,10 +253,11 @@ class Scheduler:
         t1 = time.monotonic_ns()
         try:
             outputs = self.engine.infer(inputs, wanted)
-        except EdgedError:
-            raise
         except Exception as e:
-            raise InternalError(f"model {self.name!r} version {self.version}: engine failed: {e}") from None
+            if isinstance(e, EdgedError) and not isinstance(e, InvalidInputError):
+                raise
+            raise self.good_shapes.explain(f"model {self.name!r} version {self.version}", inputs, e) from None
+        self.good_shapes.record(inputs)
         t2 = time.monotonic_ns()
         results: list[dict[str, np.ndarray]] = []
         if len(reqs) == 1:

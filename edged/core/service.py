@@ -37,7 +37,8 @@ class InferenceService:
     def ready_model(self, name: str, version: int | None = None) -> ModelVersion:
         mv = self.model(name, version)
         if mv.state is not ModelState.READY or mv.scheduler is None:
-            raise ModelNotReadyError(f"model {name!r} version {mv.version} is not ready ({mv.state.value})")
+            why = f": {mv.reason}" if mv.reason else ""
+            raise ModelNotReadyError(f"model {name!r} version {mv.version} is not ready ({mv.state.value}){why}")
         return mv
 
     def is_ready(self, name: str, version: int | None = None) -> bool:
@@ -99,6 +100,7 @@ class InferenceService:
             "parameters": {
                 "backend": c.backend if c else None, "device": c.device if c else None,
                 "precision": c.precision if c else None, "state": mv.state.value,
+                "reason": mv.reason, "warmup": mv.warmup_note,
                 "skipped": [{"candidate": k, "reason": r} for k, r in mv.skipped],
                 "benchmark": status.get("benchmark"),
                 "upgrade": status.get("upgrade"),

@@ -80,11 +80,36 @@ class Instances(_Strict):
     count: int = Field(default=1, ge=1, le=64, description="engine copies that run concurrently")
 
 
+Dims = list[Annotated[int, Field(ge=0)]]
+
+
+class InputShape(_Strict):
+    """The shapes one input really sees: drives warm-up, self-test, engine benchmark and engine shapes."""
+
+    shape: Dims = Field(description="the usual shape (batch dimension excluded when max_batch_size > 0)")
+    min: Dims | None = Field(default=None, description="smallest shape served (TensorRT profile minimum)")
+    max: Dims | None = Field(default=None, description="largest shape served (TensorRT profile maximum)")
+    value: float | None = Field(default=None, description="value made-up data is filled with (e.g. a sample rate)")
+
+    @model_validator(mode="after")
+    def _check(self) -> InputShape:
+        for kind, dims in (("min", self.min), ("max", self.max)):
+            if dims is not None and len(dims) != len(self.shape):
+                raise ValueError(f"{kind} {dims} has another rank than shape {self.shape}")
+        if self.min is not None and any(a > b for a, b in zip(self.min, self.shape, strict=True)):
+            raise ValueError(f"min {self.min} is larger than shape {self.shape}")
+        if self.max is not None and any(a < b for a, b in zip(self.max, self.shape, strict=True)):
+            raise ValueError(f"max {self.max} is smaller than shape {self.shape}")
+        return self
+
+
 class Warmup(_Strict):
     file: str | None = Field(default=None, description=".npz with one array per input; generated when absent")
     expected: str | None = Field(default=None, description=".npz of expected outputs for a golden check")
     rtol: float = Field(default=1e-3, ge=0)
     atol: float = Field(default=1e-4, ge=0)
+    shapes: dict[str, InputShape] = Field(
+        default_factory=dict, description="per input name: the shapes it really sees, when no file is given")
 
 
 class ModelManifest(_Strict):
@@ -105,6 +130,16 @@ class ModelManifest(_Strict):
             names = [s.name for s in specs or []]
             if len(names) != len(set(names)):
                 raise ValueError(f"{kind} has duplicate names")
+        if self.inputs is not None:
+            by_name = {t.name: t for t in self.inputs}
+            for name, shp in self.warmup.shapes.items():
+                spec = by_name.get(name)
+                if spec is None:
+                    raise ValueError(f"warmup.shapes.{name}: no such input (inputs: {sorted(by_name)})")
+                if len(spec.shape) != len(shp.shape) or any(
+                        w not in (-1, h) for w, h in zip(spec.shape, shp.shape, strict=False)):
+                    raise ValueError(f"warmup.shapes.{name}: shape {shp.shape} does not fit the input's "
+                                     f"shape {spec.shape}")
         if self.batching and self.max_batch_size == 0:
             raise ValueError("batching needs max_batch_size > 0")
         if self.batching:

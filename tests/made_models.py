@@ -1,0 +1,92 @@
+"""Small ONNX models built at test time with the ``onnx`` package, shaped like the models users bring.
+
+``vad``: a voice-activity-like model: audio ``[batch, samples]`` (both dynamic), a true scalar
+INT64 sample rate ``sr`` (shape ``[]``), and a recurrent ``state`` in and out. It reflect-pads the
+audio by 64 samples, so it cannot run on fewer than 65 samples (a made-up 1-sample input fails).
+
+``multidyn``: several dynamic dimensions and an INT64 input whose values index a table:
+``image [batch, 3, height, width]`` and ``ids [batch, tokens]`` (ids must be < 100); every input
+and output starts with a dynamic dimension.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+VAD_PAD = 64
+VOCAB = 100
+
+
+def _save(graph: object, path: Path) -> Path:
+    import onnx
+    from onnx import helper
+
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def vad(path: Path) -> Path:
+    from onnx import TensorProto, helper, numpy_helper
+
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    nodes = [
+        helper.make_node("Pad", ["input", "pads"], ["padded"], mode="reflect"),
+        helper.make_node("ReduceMean", ["padded"], ["level"], axes=[1], keepdims=1),
+        helper.make_node("Cast", ["sr"], ["sr_f"], to=f32),
+        helper.make_node("Mul", ["sr_f", "micro"], ["sr_term"]),
+        helper.make_node("ReduceMean", ["state"], ["state_mean"], axes=[0, 2], keepdims=0),
+        helper.make_node("Unsqueeze", ["state_mean", "one"], ["state_col"]),
+        helper.make_node("Add", ["level", "sr_term"], ["a"]),
+        helper.make_node("Add", ["a", "state_col"], ["b"]),
+        helper.make_node("Sigmoid", ["b"], ["output"]),
+        helper.make_node("Mul", ["state", "half"], ["decayed"]),
+        helper.make_node("Add", ["decayed", "level"], ["stateN"]),
+    ]
+    inits = [numpy_helper.from_array(np.array([0, VAD_PAD, 0, VAD_PAD], np.int64), "pads"),
+             numpy_helper.from_array(np.array(1e-6, np.float32), "micro"),
+             numpy_helper.from_array(np.array(0.5, np.float32), "half"),
+             numpy_helper.from_array(np.array([1], np.int64), "one")]
+    graph = helper.make_graph(
+        nodes, "vad",
+        [helper.make_tensor_value_info("input", f32, ["batch", "samples"]),
+         helper.make_tensor_value_info("sr", i64, []),
+         helper.make_tensor_value_info("state", f32, [2, "batch", 16])],
+        [helper.make_tensor_value_info("output", f32, ["batch", 1]),
+         helper.make_tensor_value_info("stateN", f32, [2, "batch", 16])],
+        inits)
+    return _save(graph, path)
+
+
+def vad_reference(audio: np.ndarray, sr: int, state: np.ndarray) -> dict[str, np.ndarray]:
+    """What ``vad`` computes, in numpy (an engine-independent reference)."""
+    padded = np.pad(audio, ((0, 0), (VAD_PAD, VAD_PAD)), mode="reflect")
+    level = padded.mean(axis=1, keepdims=True)
+    b = level + np.float32(sr) * np.float32(1e-6) + state.mean(axis=(0, 2))[:, None]
+    return {"output": (1 / (1 + np.exp(-b))).astype(np.float32),
+            "stateN": (state * 0.5 + level).astype(np.float32)}
+
+
+def multidyn(path: Path) -> Path:
+    from onnx import TensorProto, helper, numpy_helper
+
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    table = (np.arange(VOCAB * 8, dtype=np.float32).reshape(VOCAB, 8) % 13) / 13
+    nodes = [
+        helper.make_node("ReduceMean", ["image"], ["pooled"], axes=[2, 3], keepdims=0),
+        helper.make_node("Gather", ["table", "ids"], ["emb"], axis=0),
+        helper.make_node("ReduceSum", ["emb", "axis1"], ["embedding"], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes, "multidyn",
+        [helper.make_tensor_value_info("image", f32, ["batch", 3, "height", "width"]),
+         helper.make_tensor_value_info("ids", i64, ["batch", "tokens"])],
+        [helper.make_tensor_value_info("pooled", f32, ["batch", 3]),
+         helper.make_tensor_value_info("embedding", f32, ["batch", 8])],
+        [numpy_helper.from_array(table, "table"), numpy_helper.from_array(np.array([1], np.int64), "axis1")])
+    return _save(graph, path)
