@@ -179,7 +179,7 @@ def _read_inputs(path: Path, specs: Any, max_batch_size: int) -> dict[str, Any]:
             arr = arr.astype(want)
         if max_batch_size > 0 and arr.ndim == len(spec.shape):
             arr = arr[np.newaxis]  # a single sample: add the batch dimension
-        out[spec.name] = np.ascontiguousarray(arr)
+        out[spec.name] = np.require(arr, requirements="C")  # keeps a scalar a scalar
     for k, v in arrays.items():
         out.setdefault(k, v)
     return out

@@ -7,6 +7,8 @@ manifests on real engines; answers are compared with an engine-independent numpy
 from __future__ import annotations
 
 import hashlib
+import json
+import subprocess
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +26,7 @@ from edged.core.types import InferRequest
 from edged.errors import ErrorCode, InternalError, InvalidInputError
 from edged.profiles import BackendPreference
 from tests import made_models
+from tests.conftest import EDGED
 from tests.http_helpers import Served, served
 
 pytestmark = pytest.mark.timeout(240)
@@ -192,3 +195,20 @@ def test_unavailable_model_says_why(tmp_path: Path) -> None:
         with pytest.raises(HttpStatusError) as e:
             c.infer("vad", vad_inputs())
         assert e.value.status == 503 and params["reason"][:40] in str(e.value)
+
+
+def test_edged_infer_over_http_keeps_an_unbatched_models_scalar(vad_http: Served, tmp_path: Path) -> None:
+    # The first input starts with a dynamic dimension but max_batch_size is 0: nothing gets a batch
+    # dimension added (the scalar sample rate used to become [1]).
+    x = vad_inputs(256)
+    np.savez(tmp_path / "x.npz", **x)
+    cfg = tmp_path / "edged.toml"
+    cfg.write_text(f'[device]\nstate_dir = "{tmp_path}/state"\n[http]\nlisten = "{vad_http.url.removeprefix("http://")}"\n')
+    r = subprocess.run([*EDGED, "infer", "vad", "--input", str(tmp_path / "x.npz"), "--transport", "http",
+                        "--config", str(cfg), "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = {o["name"]: o for o in json.loads(r.stdout)["outputs"]}
+    want = made_models.vad_reference(x["input"], 16000, x["state"])
+    for k, w in want.items():
+        assert out[k]["shape"] == list(w.shape)
+        np.testing.assert_allclose(np.array(out[k]["data"], np.float32).reshape(w.shape), w, rtol=1e-5, atol=1e-6)

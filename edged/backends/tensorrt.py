@@ -204,7 +204,7 @@ class TensorRtEngine(Engine):
         staged = []  # keep host arrays alive until the stream is done with them
         try:
             for t in self.inputs:
-                arr = np.ascontiguousarray(inputs[t.name], dtype=self._dtypes[t.name])
+                arr = np.require(inputs[t.name], self._dtypes[t.name], "C")  # a scalar stays 0-d
                 staged.append(arr)
                 if not ctx.set_input_shape(t.name, arr.shape):
                     raise InvalidInputError(f"input {t.name!r} shape {list(arr.shape)} is outside what the "

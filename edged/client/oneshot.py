@@ -45,7 +45,11 @@ class RemoteModel:
     def metadata(self, model: str, version: int | None) -> dict[str, Any]:
         if self.transport == "mqtt":
             return dict(self._client.model_status(model))
-        return dict(self._client.metadata(model, version))
+        meta = dict(self._client.metadata(model, version))
+        if self.transport == "http" and "max_batch_size" not in meta:
+            # v2 metadata cannot tell a batch dimension from a dynamic first one; the model config can.
+            meta["max_batch_size"] = int(self._client.config(model, version).get("max_batch_size", 0))
+        return meta
 
     def infer(self, model: str, inputs: Mapping[str, np.ndarray], version: int | None) -> dict[str, np.ndarray]:
         return dict(self._client.infer(model, inputs, version=version))

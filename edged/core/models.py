@@ -187,7 +187,7 @@ def sample_inputs(mv: ModelVersion, inputs: Sequence[TensorSpec] | None = None) 
     w = mv.manifest.warmup
     if w.file:
         with np.load(mv.entry.path / w.file) as data:
-            return {spec.name: np.ascontiguousarray(data[spec.name]) for spec in specs}
+            return {spec.name: np.require(data[spec.name], requirements="C") for spec in specs}
     rng = np.random.default_rng(0)
     out = {}
     batched = mv.max_batch_size > 0
@@ -249,8 +249,8 @@ def warm_up(mv: ModelVersion, engine: Engine, *, inputs: Sequence[TensorSpec] | 
         log.warning("model=%s version=%s %s", mv.name, mv.version, mv.warmup_note)
         return
     if made_up:
-        mv.warmup_note = (f"warm-up ran on made-up data for {', '.join(made_up)} "
-                          f"(dynamic dimensions set to {SYNTH_DIM}); {DECLARE_HINT}")
+        shapes = ", ".join(f"{n} {list(sample[n].shape)}" for n in made_up)
+        mv.warmup_note = f"warm-up ran on made-up data ({shapes}); {DECLARE_HINT}"
     else:
         mv.warmup_note = None
     expected_file = mv.manifest.warmup.expected

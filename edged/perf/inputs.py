@@ -109,7 +109,7 @@ def _fit(arr: np.ndarray, t: TensorInfo, sample: tuple[int, ...], batching: bool
                 raise InvalidInputError(f"input {t.name!r}: data of type {arr.dtype} does not fit {t.datatype}")
             arr = arr.astype(want)
     if not batching:
-        return np.ascontiguousarray(arr)
+        return np.require(arr, requirements="C")  # a scalar stays 0-d
     if arr.ndim == len(sample):
         arr = arr[np.newaxis]
     if arr.shape[0] != batch:

