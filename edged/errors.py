@@ -114,5 +114,11 @@ class PermissionDeniedError(EdgedError):
     code = ErrorCode.PERMISSION_DENIED
 
 
+class UnsafePathError(EdgedError):
+    """A directory the daemon would put sockets in could be changed by someone else: refuse to use it."""
+
+    code = ErrorCode.FAILED_PRECONDITION
+
+
 class InternalError(EdgedError):
     code = ErrorCode.INTERNAL

@@ -1,12 +1,15 @@
-"""Crash-safe file writes: a device may lose power at any instant."""
+"""Crash-safe file writes (a device may lose power at any instant), and private runtime folders."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
+
+from edged.errors import UnsafePathError
 
 
 def fsync_dir(path: Path) -> None:
@@ -79,3 +82,51 @@ def publish_dir(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def ensure_private_dir(path: Path, what: str) -> None:
+    """Make ``path`` (missing folders 0700) where nobody but this user and root can swap what is inside.
+
+    Checked before anything is created: every existing folder on the way must belong to root or
+    this user and be writable by group or others only when sticky (``/tmp``); a symbolic link on
+    the way must belong to root or this user. ``path`` itself must belong to this user and be
+    writable by nobody else. So ``/tmp/edged-<uid>`` made in advance by another user is refused
+    instead of trusted, and nothing is ever created inside it.
+    """
+    uid = os.geteuid()
+    path = Path(os.path.abspath(path))
+    existing = path
+    while not os.path.lexists(existing):
+        existing = existing.parent
+    for folder in [existing, *existing.parents]:
+        _check_folder(folder, uid, what, final=folder == path)
+    for folder in reversed([path, *path.parents][: len(path.parts) - len(existing.parts)]):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            pass  # made meanwhile by someone: checked below like any other
+        _check_folder(folder, uid, what, final=folder == path)
+
+
+def _check_folder(folder: Path, uid: int, what: str, *, final: bool) -> None:
+    try:
+        st = os.lstat(folder)
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid not in (0, uid):
+                raise UnsafePathError(f"{what}: {folder} is a symbolic link owned by uid {st.st_uid}, not by root or "
+                                      f"this user (uid {uid}); refusing to use it")
+            st = os.stat(folder)
+    except FileNotFoundError:
+        raise UnsafePathError(f"{what}: {folder} vanished while it was being checked") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePathError(f"{what}: {folder} is not a directory")
+    if final and st.st_uid != uid:
+        raise UnsafePathError(f"{what}: {folder} is owned by uid {st.st_uid}, not by this user (uid {uid}); "
+                              "someone else made it: remove it or choose another [device] runtime_dir")
+    if st.st_uid not in (0, uid):
+        raise UnsafePathError(f"{what}: {folder} is owned by uid {st.st_uid}, not by root or this user (uid {uid}); "
+                              "remove it or choose another [device] runtime_dir")
+    writable_by_others = st.st_mode & 0o022
+    if writable_by_others and (final or not st.st_mode & stat.S_ISVTX):
+        raise UnsafePathError(f"{what}: {folder} is writable by {'others' if st.st_mode & 0o002 else 'its group'} "
+                              f"(mode {stat.S_IMODE(st.st_mode):o}); refusing to use it")

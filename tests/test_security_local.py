@@ -12,6 +12,7 @@ import re
 import resource
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -19,12 +20,15 @@ import textwrap
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
 import pytest
 
 from edged.client.http import HttpClient
+from edged.errors import EdgedError, PermissionDeniedError, UnsafePathError
+from edged.fsutil import ensure_private_dir
 from tests.http_helpers import AUTH, TOKEN, Segment, Served, copy_models, served
 
 pytestmark = pytest.mark.timeout(120)
@@ -334,3 +338,119 @@ def test_unix_socket_connection_limit_is_per_uid(unix_srv: Served) -> None:
     finally:
         for sk in mine:
             sk.close()
+
+
+# ---- item 1: the shared-memory socket cannot be hijacked ------------------------------------------
+def _shm_transport(tmp_path: Path, runtime_dir: Path) -> Any:
+    from edged.config import parse_config
+    from edged.core.manager import ModelManager
+    from edged.core.service import InferenceService
+    from edged.transports.shm import ShmTransport
+    from tests.http_helpers import ORT
+
+    cfg = parse_config(f'[device]\nstate_dir = "{tmp_path / "state"}"\nruntime_dir = "{runtime_dir}"\n'
+                       f'model_repository = "{copy_models(tmp_path / "models", "digits")}"\n')
+    return ShmTransport(cfg, InferenceService(ModelManager(cfg.device.model_repository, cfg.models, ORT)))
+
+
+@needs_other_uid
+def test_runtime_dir_pre_created_by_another_user_is_refused(tmp_path: Path) -> None:
+    """The attack: another user makes /tmp/edged-<uid> first, then waits to swap the socket inside."""
+    planted = Path(f"/tmp/edged-sectest-{uuid.uuid4().hex[:8]}")
+    made = as_other_user(f"import os; os.mkdir({str(planted)!r}); os.chmod({str(planted)!r}, 0o777)")
+    assert made.returncode == 0, made.stderr
+    try:
+        shm = _shm_transport(tmp_path, planted / "edged")
+        with pytest.raises(UnsafePathError, match=f"owned by uid {NOBODY}"):
+            shm.start_blocking()
+        assert os.listdir(planted) == []  # nothing was made inside it
+    finally:
+        shutil.rmtree(planted, ignore_errors=True)
+
+
+def test_runtime_dir_checks(tmp_path: Path) -> None:
+    base = tmp_path / "run"
+    base.mkdir(mode=0o777)
+    base.chmod(0o777)  # ours, but anyone may write into it
+    with pytest.raises(UnsafePathError, match="writable by others"):
+        ensure_private_dir(base / "edged", "test")
+    assert not (base / "edged").exists()
+    base.chmod(0o755)
+    ensure_private_dir(base / "a" / "b", "test")  # what is missing is made 0700
+    assert [stat.S_IMODE(os.stat(p).st_mode) for p in (base / "a", base / "a" / "b")] == [0o700, 0o700]
+    (base / "link").symlink_to(base / "a")
+    ensure_private_dir(base / "link", "test")  # a link of this user's own to a good folder is fine
+    (base / "file").write_text("x")
+    with pytest.raises(UnsafePathError, match="not a directory"):
+        ensure_private_dir(base / "file", "test")
+    shm = _shm_transport(tmp_path, base / "edged")
+    shm.start_blocking()
+    try:
+        assert stat.S_IMODE(os.stat(base / "edged").st_mode) == 0o700
+        assert stat.S_ISSOCK(os.lstat(base / "edged" / "edged.sock").st_mode)
+    finally:
+        shm.stop_blocking()
+
+
+FAKE_SHM_SERVER = """
+    import array, socket, sys
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.bind(sys.argv[1])
+    s.listen(1)
+    print("ready", flush=True)
+    s.settimeout(30)
+    got = fds = 0
+    for _ in range(2):  # the sync client, then the asyncio one
+        c, _ = s.accept()
+        c.settimeout(30)
+        while True:
+            data, anc, _, _ = c.recvmsg(65536, socket.CMSG_SPACE(16 * 4))
+            got += len(data)
+            fds += sum(len(a[2]) // 4 for a in anc if a[1] == socket.SCM_RIGHTS)
+            if not data:
+                break
+        c.close()
+    print(got, fds, flush=True)
+"""
+
+
+@needs_other_uid
+def test_client_refuses_a_socket_served_by_another_user(open_dir: Path) -> None:
+    """The attack: another user serves the socket path; the client must send it nothing, memfds least of all."""
+    import asyncio
+
+    from edged.client.shm import AsyncShmClient, ShmClient
+
+    os.chown(open_dir, NOBODY, NOBODY)  # a folder the impostor controls (as in the /tmp/edged-<uid> attack)
+    path = open_dir / "edged.sock"
+    proc = subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", _PY, "-I", "-c",
+                             textwrap.dedent(FAKE_SHM_SERVER), str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        with pytest.raises(PermissionDeniedError, match=f"served by uid {NOBODY}"):
+            ShmClient(path)
+
+        async def use_async() -> None:
+            await AsyncShmClient(path).connect()
+
+        with pytest.raises(PermissionDeniedError, match="nothing was sent"):
+            asyncio.run(use_async())
+        out, _ = proc.communicate(timeout=30)
+        assert out.split() == ["0", "0"]  # no byte, no descriptor reached the impostor
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_expected_server_uid_default_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    from edged.client.shm import SERVER_UID_ENV, expected_server_uids
+
+    monkeypatch.delenv(SERVER_UID_ENV, raising=False)
+    assert {0, os.geteuid()} <= expected_server_uids()
+    assert NOBODY not in expected_server_uids()
+    assert expected_server_uids(1234) == {1234}
+    monkeypatch.setenv(SERVER_UID_ENV, str(NOBODY))
+    assert expected_server_uids() == {NOBODY}
+    monkeypatch.setenv(SERVER_UID_ENV, "nobody")
+    with pytest.raises(EdgedError, match="numeric uid"):
+        expected_server_uids()

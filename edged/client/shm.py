@@ -15,6 +15,11 @@ microseconds per request instead of milliseconds of HTTP/JSON. Example::
         camera.read_into(img)
         out = c.infer("mobilenet", {"image": img}, copy=False)  # views, valid until the next call
 
+Before anything is sent, the client checks who serves the socket (SO_PEERCRED): by default
+root, this user or the ``edged`` system user; ``server_uid=`` or ``$EDGED_SHM_SERVER_UID``
+names the one uid to accept instead. Another user's process that took over the socket path
+gets nothing: no request, no memfd.
+
 The wire protocol is described in :mod:`edged.transports.shm_protocol`.
 """
 
@@ -45,8 +50,9 @@ from edged.client.shm_memory import (
     plan_inputs,
     read_outputs,
 )
-from edged.errors import EdgedError, ErrorCode, InvalidInputError
+from edged.errors import EdgedError, ErrorCode, InvalidInputError, PermissionDeniedError
 from edged.transports import shm_protocol as p
+from edged.transports.peercred import peer_credentials
 
 __all__ = ["AsyncShmClient", "ShmClient", "default_socket"]
 
@@ -55,6 +61,41 @@ _Key = tuple[str, int]
 
 def default_socket(path: str | os.PathLike[str] | None = None) -> str:
     return os.fspath(path) if path is not None else os.environ.get(p.SOCKET_ENV) or p.DEFAULT_SOCKET
+
+
+SERVER_UID_ENV = "EDGED_SHM_SERVER_UID"
+DAEMON_USER = "edged"  # the packaged service's user
+
+
+def expected_server_uids(server_uid: int | None = None) -> frozenset[int]:
+    """Whom the client trusts to be the daemon: ``server_uid``, else ``$EDGED_SHM_SERVER_UID``, else
+    root, this user and the ``edged`` system user (when it exists)."""
+    if server_uid is not None:
+        return frozenset({server_uid})
+    env = os.environ.get(SERVER_UID_ENV, "").strip()
+    if env:
+        if not env.isdigit():
+            raise EdgedError(f"${SERVER_UID_ENV} must be a numeric uid, not {env!r}", code=ErrorCode.INVALID_ARGUMENT)
+        return frozenset({int(env)})
+    uids = {0, os.geteuid()}
+    import pwd
+
+    with contextlib.suppress(KeyError):
+        uids.add(pwd.getpwnam(DAEMON_USER).pw_uid)
+    return frozenset(uids)
+
+
+def verify_server(sock: socket.socket, path: str, trusted: frozenset[int]) -> None:
+    """Refuse a socket served by anyone else (checked before the first byte or memfd is sent)."""
+    try:
+        pid, uid, _ = peer_credentials(sock)
+    except OSError as e:
+        raise PermissionDeniedError(f"cannot tell who serves {path}: {e.strerror or e}") from None
+    if uid not in trusted:
+        raise PermissionDeniedError(
+            f"the shared-memory socket {path} is served by uid {uid} (pid {pid}), not by the daemon this client "
+            f"trusts (uid {', '.join(map(str, sorted(trusted)))}); nothing was sent. If that is the right daemon, "
+            f"pass server_uid= or set ${SERVER_UID_ENV}")
 
 
 def _unavailable(path: str, e: OSError) -> EdgedError:
@@ -109,14 +150,19 @@ class _State:
 class ShmClient:
     """Blocking client; one request at a time per client (use one per thread, or :class:`AsyncShmClient`)."""
 
-    def __init__(self, socket_path: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, socket_path: str | os.PathLike[str] | None = None, *, server_uid: int | None = None) -> None:
         self.socket_path = default_socket(socket_path)
+        trusted = expected_server_uids(server_uid)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             sock.connect(self.socket_path)
+            verify_server(sock, self.socket_path, trusted)
         except OSError as e:
             sock.close()
             raise _unavailable(self.socket_path, e) from None
+        except BaseException:
+            sock.close()
+            raise
         self._sock = sock
         self._buf = bytearray(p.MAX_MESSAGE)
         self._view = memoryview(self._buf)
@@ -307,8 +353,9 @@ class AsyncShmClient:
     are always returned as copies, since slots are shared between calls.
     """
 
-    def __init__(self, socket_path: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, socket_path: str | os.PathLike[str] | None = None, *, server_uid: int | None = None) -> None:
         self.socket_path = default_socket(socket_path)
+        self._trusted = expected_server_uids(server_uid)
         self.server: dict[str, Any] = {}
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -327,9 +374,13 @@ class AsyncShmClient:
         sock.setblocking(False)
         try:
             await loop.sock_connect(sock, self.socket_path)
+            verify_server(sock, self.socket_path, self._trusted)
         except OSError as e:
             sock.close()
             raise _unavailable(self.socket_path, e) from None
+        except BaseException:
+            sock.close()
+            raise
         self._sock, self._loop = sock, loop
         loop.add_reader(sock.fileno(), self._on_readable)
         try:

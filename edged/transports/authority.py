@@ -25,13 +25,11 @@ from __future__ import annotations
 import hmac
 import os
 import socket
-import struct
 from dataclasses import dataclass
 
 from edged.config import ControlSection
 from edged.errors import PermissionDeniedError, UnauthenticatedError
-
-_CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+from edged.transports.peercred import peer_credentials
 
 LOAD = "load a model"
 UNLOAD = "unload a model"
@@ -62,7 +60,7 @@ def socket_peer(sock: socket.socket | None) -> Peer:
         return Peer()
     if sock.family == socket.AF_UNIX:
         try:
-            pid, uid, gid = _CREDS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
+            pid, uid, gid = peer_credentials(sock)
         except OSError:
             return Peer()
         return Peer(uid=uid, gid=gid, pid=pid)

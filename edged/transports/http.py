@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from edged.config import Config
 from edged.core.service import InferenceService
 from edged.errors import EdgedError, ErrorCode
+from edged.fsutil import ensure_private_dir
 from edged.protocol.redact import Scrubber
 from edged.transports.authority import Authority
 from edged.transports.http_app import V2App
@@ -69,8 +70,8 @@ def _bind_tcp(host: str, port: int, listen: str) -> socket.socket:
 
 
 def _bind_unix(path: Path, listen: str) -> socket.socket:
+    ensure_private_dir(path.parent, f"[http] listen = {listen!r}")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists() or path.is_symlink():
             if not stat.S_ISSOCK(path.lstat().st_mode):
                 raise EdgedError(f"cannot listen on {listen}: a file that is not a socket is in the way",

@@ -17,7 +17,6 @@ import os
 import select
 import socket
 import stat
-import struct
 import threading
 import time
 from pathlib import Path
@@ -26,13 +25,14 @@ from typing import Any
 from edged.config import Config
 from edged.core.service import InferenceService
 from edged.errors import EdgedError, ErrorCode
+from edged.fsutil import ensure_private_dir
 from edged.protocol.redact import Scrubber
+from edged.transports.peercred import peer_credentials
 from edged.transports.shm_conn import Connection, Limits
 from edged.transports.shm_segments import clean_stale_shm, fds_needed
 
 log = logging.getLogger(__name__)
 
-_CREDS = struct.Struct("3i")
 _MAX_PATH = 107  # sun_path holds 108 bytes including the terminating NUL
 
 
@@ -78,7 +78,7 @@ class ShmTransport:
                              code=ErrorCode.FAILED_PRECONDITION)
         clean_stale_shm()
         _raise_fd_limit(fds_needed(self.max_clients, self.limits.max_segments))
-        path.parent.mkdir(parents=True, exist_ok=True)
+        ensure_private_dir(path.parent, "[shm] socket folder")
         self._remove_stale_socket(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # Bind under a temporary name, set the mode, then rename into place, so the socket is
@@ -191,7 +191,7 @@ class ShmTransport:
                 conn.close()
 
     def _admit(self, conn: socket.socket) -> None:
-        pid, uid, gid = _CREDS.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
+        pid, uid, gid = peer_credentials(conn)
         with self._lock:
             if len(self._conns) >= self.max_clients:
                 log.warning("shm: refusing client pid=%d uid=%d: %d clients connected (the maximum)",
