@@ -4,7 +4,8 @@
 #   ./install.sh           (as root) install the daemon for real: the edged user, /opt/edged, /etc/edged,
 #                          /var/lib/edged, the systemd unit; enabled and started when systemd runs
 #       --wheelhouse DIR   install offline from DIR (packaging/build-deb.sh --wheelhouse DIR makes one)
-#       --with-mosquitto   also install the mosquitto broker (Debian package)
+#       --with-mosquitto   also install the mosquitto broker (Debian package); for a mosquitto installed
+#                          here (now or before) /etc/mosquitto/conf.d/edged-nodelay.conf sets set_tcp_nodelay
 #   ./install.sh --uninstall [--purge]   (as root) remove what the install added; config, state and
 #                          the user stay unless --purge
 # Debian packages the project needs are installed when missing and we are root; otherwise we say
@@ -111,6 +112,7 @@ prefix=/opt/edged
 share=/usr/share/edged
 setup=(sh "$here/packaging/edged-setup")
 unit=/etc/systemd/system/edged.service
+mosquitto_dropin=/etc/mosquitto/conf.d/edged-nodelay.conf
 systemd_running() { command -v systemctl >/dev/null && [ -d /run/systemd/system ]; }
 
 # put SRC DEST MODE: install a file only when its content or mode differs (a second run touches nothing).
@@ -133,7 +135,7 @@ if [ "$mode" = uninstall ]; then
     systemctl disable --now edged.service 2>/dev/null || true
   fi
   "${setup[@]}" remove-dropin
-  rm -f "$unit" /usr/local/bin/edged /etc/sysusers.d/edged.conf /etc/tmpfiles.d/edged.conf
+  rm -f "$unit" /usr/local/bin/edged /etc/sysusers.d/edged.conf /etc/tmpfiles.d/edged.conf "$mosquitto_dropin"
   for d in /etc/sysusers.d /etc/tmpfiles.d; do  # made by the install unless a package owns them
     if [ -d "$d" ] && ! dpkg-query -S "$d" >/dev/null 2>&1; then rmdir "$d" 2>/dev/null || true; fi
   done
@@ -189,6 +191,15 @@ sync_tree "$here/packaging/systemd/dropins" "$share/systemd/dropins"
 if [ ! -e /etc/edged/edged.toml ]; then
   install -d -m 0755 /etc/edged
   install -m 0644 "$here/packaging/edged.toml" /etc/edged/edged.toml
+fi
+
+# The broker drop-in, for a mosquitto installed here (now or before): no 40 ms delayed-ACK stall per request.
+if [ -d /etc/mosquitto/conf.d ] && put "$here/packaging/mosquitto/edged-nodelay.conf" "$mosquitto_dropin" 644; then
+  if systemd_running && systemctl is-active --quiet mosquitto.service; then
+    systemctl try-restart mosquitto.service && say "restarted mosquitto for $mosquitto_dropin (set_tcp_nodelay)"
+  else
+    say "installed $mosquitto_dropin; it applies when mosquitto next starts"
+  fi
 fi
 
 changed=0

@@ -163,8 +163,10 @@ finish() {  # finish DIR PACKAGE DEPENDS RECOMMENDS SUGGESTS SYNOPSIS DESCRIPTIO
 s=$work/edged
 stage_common "$s" edged
 install -m 0755 "$here/debian/postinst" "$here/debian/prerm" "$here/debian/postrm" "$s/DEBIAN/"
-echo /etc/edged/edged.toml >"$s/DEBIAN/conffiles"
+printf '%s\n' /etc/edged/edged.toml /etc/mosquitto/conf.d/edged-nodelay.conf >"$s/DEBIAN/conffiles"
 install -D -m 0644 "$here/edged.toml" "$s/etc/edged/edged.toml"
+# The broker drop-in for a local mosquitto (installed now or later): no 40 ms delayed-ACK stall per request.
+install -D -m 0644 "$here/mosquitto/edged-nodelay.conf" "$s/etc/mosquitto/conf.d/edged-nodelay.conf"
 install -D -m 0755 "$here/bin/edged" "$s/usr/bin/edged"
 mkdir -p "$s/usr/share/man/man1"
 gzip -9n <"$here/edged.1" >"$s/usr/share/man/man1/edged.1.gz"

@@ -66,7 +66,7 @@ class Broker:
     """One mosquitto process on 127.0.0.1; ``restart`` keeps the same ports."""
 
     def __init__(self, workdir: Path, *, ca: TestCA | None = None, passwords: dict[str, str] | None = None,
-                 nodelay: bool = False, stock: bool = False) -> None:
+                 nodelay: bool = False, stock: bool = False, include_dir: Path | None = None) -> None:
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -77,6 +77,7 @@ class Broker:
         # stock: Debian's mosquitto.conf as shipped (its conf.d empty), only moved to a free loopback port;
         # allow_anonymous stands in for the local-only mode mosquitto 2 enters when no listener is set.
         self.stock = stock
+        self.include_dir = include_dir  # with stock: Debian's include_dir /etc/mosquitto/conf.d, pointed here
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = workdir / "mosquitto.log"
 
@@ -86,7 +87,8 @@ class Broker:
 
     def _config(self) -> str:
         if self.stock:
-            return f"persistence false\nlistener {self.port} 127.0.0.1\nallow_anonymous true\n"
+            include = f"include_dir {self.include_dir}\n" if self.include_dir else ""
+            return f"persistence false\nlistener {self.port} 127.0.0.1\nallow_anonymous true\n{include}"
         lines = ["per_listener_settings true", "persistence false", "user root",
                  f"set_tcp_nodelay {'true' if self.nodelay else 'false'}", f"listener {self.port} 127.0.0.1"]
         if self.passwords:

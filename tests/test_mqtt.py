@@ -35,7 +35,7 @@ from edged.transports.mqtt import MqttTransport
 from edged.transports.mqtt_bindings import BindingBuffer, Item, validate_bindings
 from edged.transports.mqtt_connection import MqttOptions
 from edged.transports.mqtt_dedup import RecentKeys
-from tests.conftest import EDGED, MODELS
+from tests.conftest import EDGED, MODELS, REPO_ROOT
 from tests.mqtt_helpers import (
     Broker,
     EdgedRun,
@@ -860,3 +860,44 @@ def test_stock_broker_stall_edged_cannot_remove_is_detected_once(stock: tuple[Br
     sample = json.loads(watcher.get(timeout=5, where=lambda m: b'"broker_stall"' in m.payload).payload)
     assert sample["mqtt"]["requests"] > 0 and "set_tcp_nodelay" in sample["mqtt"]["broker_stall"]
     watcher.close()
+
+
+def test_packaged_broker_dropin_removes_the_stall_for_any_client(tmp_path: Path,
+                                                                 transports: Callable[..., MqttTransport]) -> None:
+    """Debian's stock mosquitto.conf plus the conf.d file the package installs: a plain paho client at QoS 1
+    (the case only the broker can fix) no longer waits for delayed ACKs."""
+    broker = Broker(tmp_path / "broker", stock=True, include_dir=REPO_ROOT / "packaging" / "mosquitto").start()
+    try:
+        transports(broker.url)
+        paho = PahoRequester(broker.port, "edged/dev/infer/digits", qos=1, reply_qos=1)
+        try:
+            _rate(paho, 500)
+        finally:
+            paho.close()
+    finally:
+        broker.stop()
+
+
+@pytest.mark.parametrize("qos", [1, 0])
+def test_perf_over_mqtt_reports_the_qos_on_a_stock_broker(stock: tuple[Broker, EdgedRun], qos: int) -> None:
+    _, daemon = stock
+    r = subprocess.run([*EDGED, "perf", "--config", str(daemon.config), "-m", "digits", "--transport", "mqtt",
+                        "--qos", str(qos), "--concurrency-range", "1:2:1", "-p", "300", "-s", "50", "-r", "3"],
+                       capture_output=True, text=True, timeout=120)
+    print(r.stdout[-2500:], r.stderr[-1000:])
+    assert r.returncode == 0
+    assert r.stdout.count(f"MQTT: requests at QoS {qos}, replies delivered at QoS 0") == 2
+    assert "delayed-ACK" not in r.stdout  # edged's own client removes every stall on its side
+
+
+def test_delayed_ack_pattern_recognition() -> None:
+    from edged.transports.mqtt_stall import clustered_at_delayed_ack, perf_warning
+
+    assert perf_warning([0.0440, 0.0446], 0.0003) is not None
+    assert perf_warning([0.0440, 0.0446], None) is not None
+    assert perf_warning([0.0440, 0.0446], 0.030) is None  # the daemon itself is slow: not the stall
+    assert perf_warning([0.0440, 0.120], 0.0003) is None  # not clustered
+    assert perf_warning([0.0006, 0.0009], 0.0003) is None
+    assert clustered_at_delayed_ack([0.044] * 60 + [0.001] * 4)
+    assert not clustered_at_delayed_ack([0.044] * 40 + [0.025] * 24)  # a 40-Hz sender with jitter is not it
+    assert not clustered_at_delayed_ack([0.044] * 8)  # too few to judge

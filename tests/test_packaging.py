@@ -194,14 +194,16 @@ def test_package_contents_and_metadata(built: Built) -> None:
     for p in ("/etc/edged/edged.toml", "/lib/systemd/system/edged.service", "/usr/lib/sysusers.d/edged.conf",
               "/usr/lib/tmpfiles.d/edged.conf", "/usr/bin/edged", "/usr/lib/edged/edged-setup",
               "/usr/share/edged/models/digits/1/model.toml", "/usr/share/edged/device_profiles/generic.toml",
-              "/usr/share/edged/systemd/dropins/jetson.conf", "/usr/share/doc/edged/copyright"):
+              "/usr/share/edged/systemd/dropins/jetson.conf", "/usr/share/doc/edged/copyright",
+              "/etc/mosquitto/conf.d/edged-nodelay.conf"):
         assert p in paths, p
     wheels = [p for p in paths if p.startswith("/usr/lib/edged/wheels/") and p.endswith(".whl")]
     assert any("/onnxruntime-" in w for w in wheels) and any("/edged-" in w for w in wheels)
     assert not any("/openvino-" in w for w in wheels)  # that is edged-openvino's
     assert not any(p.startswith("/opt") for p in paths)  # /opt/edged is built by postinst, not shipped
-    conffiles = subprocess.run(["dpkg-deb", "--ctrl-tarfile", str(deb)], capture_output=True, check=True).stdout
-    assert b"./conffiles" in conffiles or b"conffiles" in conffiles
+    conffiles = subprocess.run(["dpkg-deb", "-I", str(deb), "conffiles"], capture_output=True, text=True,
+                               check=True).stdout.split()
+    assert conffiles == ["/etc/edged/edged.toml", "/etc/mosquitto/conf.d/edged-nodelay.conf"]
 
 
 def test_deb_installs_offline_runs_and_purges_without_a_trace(
@@ -230,6 +232,9 @@ def test_deb_installs_offline_runs_and_purges_without_a_trace(
     assert "include-system-site-packages = true" in cfg
     assert (root / "etc/systemd/system/multi-user.target.wants/edged.service").is_symlink()
     assert (root / "var/lib/edged").stat().st_mode & 0o777 == 0o750
+    # The broker drop-in, where Debian's mosquitto.conf includes it (tests/test_mqtt.py shows its effect).
+    dropin = (root / "etc/mosquitto/conf.d/edged-nodelay.conf").read_text()
+    assert "\nset_tcp_nodelay true\n" in dropin
 
     # The OpenVINO add-on joins the same environment, offline; removing it takes it out again.
     chroot(root, "apt-get", "install", "-y", f"/tmp/{built.debs['edged-openvino'].name}")

@@ -59,9 +59,10 @@ class MqttSettings:
                    cert_file=str(tls.cert_file) if tls and tls.cert_file else None,
                    key_file=str(tls.key_file) if tls and tls.key_file else None)
 
-    def client(self, *, binary: bool = True, connect_timeout: float = 10.0) -> MqttClient:
+    def client(self, *, binary: bool = True, connect_timeout: float = 10.0, qos: int = 1) -> MqttClient:
         from edged.client.mqtt import MqttClient
 
         return MqttClient(self.url, self.device_id, self.topic_prefix, protocol=self.protocol, binary=binary,
                           username=self.username, password=self.password, ca_file=self.ca_file,
-                          cert_file=self.cert_file, key_file=self.key_file, connect_timeout=connect_timeout)
+                          cert_file=self.cert_file, key_file=self.key_file, connect_timeout=connect_timeout,
+                          qos=qos)

@@ -55,6 +55,7 @@ class MqttClient:
         if qos not in (0, 1, 2) or reply_qos not in (0, 1, 2):
             raise EdgedError("MQTT QoS must be 0, 1 or 2", code=ErrorCode.INVALID_ARGUMENT)
         self.qos, self.reply_qos = qos, reply_qos
+        self.last_reply_qos: int | None = None  # the QoS the broker delivered the last reply at
         client_id = f"edged-client-{uuid.uuid4().hex[:12]}"
         self.reply_topic = f"{topic_prefix.rstrip('/')}/clients/{client_id}/reply"
         self._pending: dict[str, Future[tuple[dict[str, Any], memoryview]]] = {}
@@ -134,6 +135,7 @@ class MqttClient:
         with self._lock:
             fut = self._pending.pop(key, None) if isinstance(key, str) else None
         if fut is not None and not fut.done():
+            self.last_reply_qos = msg.qos
             fut.set_result((frame.header, frame.tail))
 
     # ---- requests --------------------------------------------------------------------------

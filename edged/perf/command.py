@@ -31,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the config's [http] listen when enabled; 'none' to skip)")
     p.add_argument("--device-id", default=None, help="mqtt: the daemon's device id (default: from the config)")
     p.add_argument("--topic-prefix", default=None, help="mqtt: topic prefix (default: from the config)")
+    p.add_argument("--qos", type=int, choices=(0, 1, 2), default=1,
+                   help="mqtt: QoS of the requests (default 1); replies come at the daemon's [mqtt] reply_qos")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency-range", default=None, metavar="START:END:STEP",
                       help="closed loop: requests kept in flight, START to END by STEP, or a list 1,2,4,8 "
@@ -114,7 +116,8 @@ def _target(args: argparse.Namespace, cfg: Any) -> Any:
                                  args.request_timeout)
     settings = connect.MqttSettings.from_config(cfg, url=args.url, device_id=args.device_id,
                                                 topic_prefix=args.topic_prefix)
-    return targets.MqttTarget(settings, args.model, args.model_version, args.request_timeout, binary=binary)
+    return targets.MqttTarget(settings, args.model, args.model_version, args.request_timeout, binary=binary,
+                              qos=args.qos)
 
 
 def _stats_reader(args: argparse.Namespace, cfg: Any, target: Any) -> Any:
@@ -198,6 +201,8 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
             status = 130
             break
         print(report.level_text(result), file=out, flush=True)
+        if args.transport == "mqtt":
+            _mqtt_notes(target, result, out)
         if result.requests == 0:
             print(f"error: no request succeeded at {report.level_label(result)}: "
                   f"{result.first_error or 'no reply within the windows'}", file=sys.stderr)
@@ -234,6 +239,18 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
     return status
 
 
+def _mqtt_notes(target: Any, result: Any, out: TextIO) -> None:
+    """The QoS actually used, and the broker's delayed-ACK stall when the round trips show it."""
+    from edged.transports.mqtt_stall import perf_warning
+
+    got = "unknown (no reply)" if target.reply_qos is None else str(target.reply_qos)
+    print(f"  MQTT: requests at QoS {target.qos}, replies delivered at QoS {got}", file=out)
+    own = result.server.request_us / 1e6 if result.server is not None else None
+    warning = perf_warning([result.percentiles_us[p] / 1e6 for p in (50, 90)], own)
+    if warning is not None:
+        print(f"  warning: {warning}", file=out, flush=True)
+
+
 def _settings_dict(args: argparse.Namespace, levels: list[float]) -> dict[str, Any]:
     return {
         "mode": "request_rate" if args.request_rate_range is not None else "concurrency", "levels": levels,
@@ -241,7 +258,7 @@ def _settings_dict(args: argparse.Namespace, levels: list[float]) -> dict[str, A
         "input_tensor_format": args.input_tensor_format, "measurement_interval_ms": args.measurement_interval,
         "stability_percentage": args.stability_percentage, "max_trials": args.max_trials,
         "percentile": args.percentile, "request_distribution": args.request_distribution,
-        "max_threads": args.max_threads,
+        "max_threads": args.max_threads, **({"qos": args.qos} if args.transport == "mqtt" else {}),
     }
 
 

@@ -99,13 +99,14 @@ class MqttTarget(Target):
     transport = "mqtt"
 
     def __init__(self, settings: MqttSettings, model: str, version: int | None, timeout: float, *,
-                 binary: bool = True) -> None:
+                 binary: bool = True, qos: int = 1) -> None:
         super().__init__(model, version, timeout)
-        self.settings, self.binary = settings, binary
+        self.settings, self.binary, self.qos = settings, binary, qos
         self.address = f"{settings.url} device {settings.device_id}"
+        self.reply_qos: int | None = None  # as the broker delivered the replies (the daemon's reply_qos)
 
     def _client(self) -> Any:
-        return self.settings.client(binary=self.binary, connect_timeout=self.timeout)
+        return self.settings.client(binary=self.binary, connect_timeout=self.timeout, qos=self.qos)
 
     def model_info(self) -> ModelInfo:
         c = self._client()
@@ -124,6 +125,8 @@ class MqttTarget(Target):
         model, version, timeout = self.model, self.version, self.timeout
 
         def call(inputs: Mapping[str, np.ndarray]) -> object:
-            return c.infer(model, inputs, version, timeout=timeout)
+            out = c.infer(model, inputs, version, timeout=timeout)
+            self.reply_qos = c.last_reply_qos
+            return out
 
         return Connection(call, c.close)

@@ -29,12 +29,28 @@ FIX = ("set 'set_tcp_nodelay true' in the broker's configuration (for mosquitto 
        "sockets as edged's own client does")
 
 
+def at_delayed_ack(seconds: float) -> bool:
+    """One round trip or gap of about the delayed-ACK interval."""
+    return STALL_LOW_S <= seconds <= STALL_HIGH_S
+
+
 def clustered_at_delayed_ack(seconds: Sequence[float]) -> bool:
     """Most of ``seconds`` (round trips or gaps) sit at the delayed-ACK interval."""
     if len(seconds) < 16:
         return False
-    hits = sum(1 for s in seconds if STALL_LOW_S <= s <= STALL_HIGH_S)
-    return hits >= SHARE * len(seconds)
+    return sum(1 for s in seconds if at_delayed_ack(s)) >= SHARE * len(seconds)
+
+
+def perf_warning(percentiles_s: Sequence[float], own_s: float | None) -> str | None:
+    """What ``edged perf`` says when its round trips (e.g. p50 and p90) all sit at the timer while the
+    daemon's own time per request (when known) is sub-millisecond; None otherwise."""
+    if not percentiles_s or not all(at_delayed_ack(s) for s in percentiles_s):
+        return None
+    if own_s is not None and own_s >= FAST_OWN_S:
+        return None
+    own = f" while the daemon spends {own_s * 1e3:.2f} ms per request" if own_s is not None else ""
+    return (f"round trips cluster at ~{percentiles_s[0] * 1e3:.0f} ms{own}: the broker's delayed-ACK stall "
+            f"(Nagle's algorithm on its socket). Fix: {FIX}")
 
 
 class StallDetector:
