@@ -26,7 +26,7 @@ from edged.errors import ConfigError, EdgedError
 from edged.hardware.facts import HardwareFacts
 from edged.hardware.probe import probe
 from edged.logs import log_fields, set_level
-from edged.profiles import DeviceProfile, ProfileMatch, load_profiles, match_profile
+from edged.profiles import DeviceProfile, ProfileMatch, load_profiles, match_profile, resolve_profile
 from edged.repository.store import list_versions
 from edged.systemd.health import Prober, self_test
 from edged.systemd.notify import Notifier, watchdog_interval
@@ -63,7 +63,7 @@ def choose_profile(cfg: Config, facts: HardwareFacts) -> ProfileMatch:
     if cfg.device.profile:
         for p in profiles:
             if p.name == cfg.device.profile:
-                return ProfileMatch(profile=p, reasons=[f"forced by [device] profile = {p.name!r}"], rejected=[])
+                return resolve_profile(p, facts, [f"forced by [device] profile = {p.name!r}"])
         raise ConfigError(f"device.profile: no profile named {cfg.device.profile!r} "
                           f"(known: {', '.join(p.name for p in profiles)})")
     return match_profile(facts, profiles)

@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 import edged
 from edged.errors import ConfigError
 from edged.hardware.facts import FactValue, HardwareFacts, fact_keys, facts_as_dict
+from edged.hardware.jetpack import ReleaseRow, row_for
 from edged.hardware.report import render_detect
 
 if sys.version_info >= (3, 11):
@@ -60,11 +61,14 @@ __all__ = [
     "load_profiles",
     "match_profile",
     "render_detect",
+    "resolve_profile",
 ]
 
 # With no explicit budget a profile may use this share of RAM for models, leaving room for the OS,
 # the daemon itself and (on Jetson, where the GPU shares DRAM) CUDA's own allocations.
 DEFAULT_MEMORY_FRACTION = 0.6
+# Where the engine worker finds the system Python that JetPack's TensorRT bindings were built for.
+SYSTEM_PYTHON = "/usr/bin/python3"
 # Budget when the probe could not read the memory size at all: small enough for any edge board.
 UNKNOWN_MEMORY_BUDGET_MB = 1024.0
 
@@ -317,6 +321,35 @@ class ProfileMatch:
     profile: DeviceProfile
     reasons: list[str] = field(default_factory=list)
     rejected: list[tuple[str, str]] = field(default_factory=list)
+    # The JetPack matrix row applied (None off Jetson) and the engine lines it took out, with why.
+    release: ReleaseRow | None = None
+    unavailable: list[tuple[BackendPreference, str]] = field(default_factory=list)
+
+
+def resolve_profile(profile: DeviceProfile, facts: HardwareFacts, reasons: list[str],
+                    rejected: list[tuple[str, str]] | None = None) -> ProfileMatch:
+    """Apply the JetPack matrix: drop engine lines that cannot load on this release, route worker ones.
+
+    A profile is written per module, but what loads depends on the JetPack release; so an engine the
+    release cannot load never comes first, and ``edged detect`` says why it is gone. Should every
+    line be unavailable the profile is kept as written, so loading fails with each engine's own error.
+    """
+    row = row_for(facts)
+    if row is None:
+        return ProfileMatch(profile=profile, reasons=reasons, rejected=rejected or [])
+    kept: list[BackendPreference] = []
+    gone: list[tuple[BackendPreference, str]] = []
+    for b in profile.backends:
+        support = row.support(b.backend, b.device)
+        if support.status == "unavailable":
+            gone.append((b, support.how))
+        elif support.status == "worker" and "engine_worker" not in b.options:
+            kept.append(b.model_copy(update={"options": {**b.options, "engine_worker": SYSTEM_PYTHON}}))
+        else:
+            kept.append(b)
+    if kept:
+        profile = profile.model_copy(update={"backends": kept})
+    return ProfileMatch(profile=profile, reasons=reasons, rejected=rejected or [], release=row, unavailable=gone)
 
 
 def bundled_profiles_dir() -> Path:
@@ -389,7 +422,7 @@ def match_profile(facts: HardwareFacts, profiles: Sequence[DeviceProfile]) -> Pr
     for profile in profiles:
         matched, reasons, failure = profile.match.evaluate(flat)
         if matched:
-            return ProfileMatch(profile=profile, reasons=reasons, rejected=rejected)
+            return resolve_profile(profile, facts, reasons, rejected)
         rejected.append((profile.name, failure))
     raise ConfigError("no device profile matches this machine; keep a catch-all profile (like the bundled "
                       "'generic') with an empty [match]", problems=[f"{n}: {why}" for n, why in rejected])

@@ -47,6 +47,11 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "jetson.soc": "tegra194", "jetson.l4t": "35.3.1", "jetson.jetpack": "5.1.1", "jetson.dla_cores": 2,
         "jetson.tensorrt": "8.5.2.2", "jetson.gpu_sysfs": "/sys/devices/17000000.gv11b",
     },
+    "jetson-xavier-nx-jp4": {  # the same module on JetPack 4: what loads follows the release
+        "jetson.module": "xavier-nx", "jetson.soc": "tegra194", "jetson.l4t": "32.7.4",
+        "jetson.jetpack": "4.6.4", "jetson.tensorrt": "8.2.1.8", "jetson.cuda": "10.2.300",
+        "os.kernel": "4.9.337-tegra", "os.version_id": "18.04",
+    },
     "jetson-nano": {
         "cpu.arch": "aarch64", "cpu.model": "Cortex-A57", "cpu.cores": 4, "jetson.module": "nano",
         "jetson.soc": "tegra210", "jetson.l4t": "32.7.1", "jetson.jetpack": "4.6.1",

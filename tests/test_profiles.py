@@ -29,6 +29,7 @@ EXPECTED_PROFILE = {
     "jetson-orin-nano": "jetson-orin",
     "jetson-agx-orin": "jetson-orin",
     "jetson-xavier-nx": "jetson-xavier",
+    "jetson-xavier-nx-jp4": "jetson-xavier",
     "jetson-nano": "jetson-nano",
     "intel-core-ultra-npu": "intel-npu",
     "intel-core-igpu": "intel-igpu",
@@ -305,3 +306,78 @@ def test_render_detect_lists_rejections() -> None:
     text = render_detect(facts, match, as_json=False)
     assert match.profile.name == "generic"
     assert "x86-64-cpu: cpu.arch equals \"x86_64\" (is \"riscv64\")" in text
+
+
+# ---- the JetPack matrix applied to each generation's fixture --------------------------------------------------
+# fixture: (JetPack row, engine lines in resolved order, engine lines taken out)
+JETPACK_EXPECTED = {
+    "jetson-nano": ("4.x", ["onnxruntime CPU"], ["tensorrt GPU"]),
+    "jetson-xavier-nx-jp4": ("4.x", ["onnxruntime CPU"], ["tensorrt GPU", "onnxruntime GPU"]),
+    "jetson-xavier-nx": ("5.x", ["tensorrt GPU", "onnxruntime CPU"], ["onnxruntime GPU"]),
+    "jetson-agx-orin": ("5.x", ["tensorrt GPU", "onnxruntime CPU"], ["onnxruntime GPU"]),
+    "jetson-orin-nano": ("6.x", ["tensorrt GPU", "onnxruntime GPU", "onnxruntime CPU"], []),
+}
+
+
+def test_every_jetson_fixture_has_a_matrix_expectation() -> None:
+    assert {p.name for p in SYSROOTS.iterdir() if p.name.startswith("jetson-")} == set(JETPACK_EXPECTED)
+
+
+@pytest.mark.parametrize("fixture", sorted(JETPACK_EXPECTED))
+def test_jetpack_matrix_resolution(bundled: list[DeviceProfile], fixture: str) -> None:
+    jetpack, order, gone = JETPACK_EXPECTED[fixture]
+    facts = probe(SYSROOTS / fixture, engines=False)
+    match = match_profile(facts, bundled)
+    assert match.release is not None and match.release.jetpack == jetpack
+    assert [f"{b.backend} {b.device}" for b in match.profile.backends] == order
+    assert [f"{b.backend} {b.device}" for b, _ in match.unavailable] == gone
+    # Never first (nor anywhere) an engine the release cannot load; every removal says why.
+    for b in match.profile.backends:
+        assert match.release.support(b.backend, b.device).status != "unavailable"
+    assert all(why for _, why in match.unavailable)
+    trt = next((b for b in match.profile.backends if b.backend == "tensorrt"), None)
+    if jetpack == "5.x":  # TensorRT's bindings are for the system Python 3.8: the engine worker serves them
+        assert trt is not None and trt.options["engine_worker"] == "/usr/bin/python3"
+    elif trt is not None:
+        assert "engine_worker" not in trt.options
+
+
+def test_forced_profile_gets_the_matrix_too(tmp_path: Path) -> None:
+    from edged.config import parse_config
+    from edged.daemon import choose_profile
+
+    cfg = parse_config('[device]\nprofile = "jetson-orin"\n', source=tmp_path / "edged.toml")
+    match = choose_profile(cfg, probe(SYSROOTS / "jetson-nano", engines=False))
+    assert match.profile.name == "jetson-orin" and match.reasons[0].startswith("forced")
+    assert [b.backend for b in match.profile.backends] == ["onnxruntime"]
+    assert any("Python 3.6" in why for b, why in match.unavailable if b.backend == "tensorrt")
+
+
+def test_no_matrix_off_jetson_or_when_the_release_is_unknown(bundled: list[DeviceProfile]) -> None:
+    assert match_profile(probe(SYSROOTS / "x86-64-nvidia-dgpu", engines=False), bundled).release is None
+    facts = HardwareFacts(cpu=CpuFacts(arch="aarch64"), jetson=JetsonFacts(present=True, soc="tegra194"))
+    match = match_profile(facts, bundled)
+    assert match.release is None and match.unavailable == []
+    assert match.profile.backends[0].backend == "tensorrt"  # unknown release: the profile as written
+
+
+@pytest.mark.parametrize("fixture", sorted(JETPACK_EXPECTED))
+def test_detect_prints_the_matrix_row(fixture: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from edged.cli import main
+
+    jetpack, order, gone = JETPACK_EXPECTED[fixture]
+    assert main(["detect", "--json", "--root", str(SYSROOTS / fixture)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["jetpack"]["jetpack"] == jetpack
+    assert [f"{b['backend']} {b['device']}" for b in doc["backends"]] == order
+    assert [f"{u['backend']} {u['device']}" for u in doc["unavailable"]] == gone
+    assert all(u["reason"] for u in doc["unavailable"])
+    assert main(["detect", "--root", str(SYSROOTS / fixture)]) == 0
+    text = capsys.readouterr().out
+    assert f"JetPack {jetpack} (L4T " in text
+    for name in gone:
+        assert f"-  {name} " in text and ": unavailable: " in text
+    if jetpack == "4.x":
+        assert "TensorRT bindings are for Python 3.6" in text
+    if jetpack == "5.x":
+        assert "TensorRT bindings are for Python 3.8" in text

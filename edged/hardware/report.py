@@ -33,6 +33,8 @@ def render_detect(facts: HardwareFacts, match: ProfileMatch, *, as_json: bool) -
             "reasons": match.reasons,
             "rejected": [{"profile": name, "failed": why} for name, why in match.rejected],
             "backends": [b.model_dump(mode="json") for b in profile.backends],
+            "jetpack": match.release.as_dict() if match.release else None,
+            "unavailable": [{**b.model_dump(mode="json"), "reason": why} for b, why in match.unavailable],
         }, indent=2)
     lines = [f"profile: {profile.name}" + (f"  ({profile.source})" if profile.source else "")]
     if profile.description:
@@ -42,6 +44,12 @@ def render_detect(facts: HardwareFacts, match: ProfileMatch, *, as_json: bool) -
     how = "first that loads" if profile.select == "first" else "benchmarked, fastest kept"
     lines.append(f"backends ({how}):")
     lines += [f"  {i}. {_backend_line(b)}" for i, b in enumerate(profile.backends, 1)]
+    lines += [f"  -  {_backend_line(b)}: unavailable: {why}" for b, why in match.unavailable]
+    if match.release is not None:
+        row = match.release
+        lines.append(f"JetPack {row.jetpack} (L4T {row.l4t}; Ubuntu {row.ubuntu}, system Python "
+                     f"{row.system_python}, TensorRT {row.tensorrt}, CUDA {row.cuda}):")
+        lines += [f"  {key:<15}  {s.status:<11}  {s.how}" for key, s in row.engines.items()]
     threads = "engine default" if profile.threads == 0 else str(profile.threads)
     lines.append(f"threads: {threads}; memory budget: {budget:g} MB")
     if match.rejected:
