@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from edged.config import ModelsSection
+from edged.core.batch_policy import PROBE_EVERY, BatchPolicy
 from edged.core.manager import ModelManager
 from edged.core.models import ModelState
 from edged.core.service import InferenceService
-from edged.core.types import InferRequest
+from edged.core.types import InferRequest, InferResponse
 from edged.errors import (
     DeadlineExceededError,
     EdgedError,
@@ -267,3 +268,76 @@ def test_inline_path_matches_the_queued_path(digits_service: InferenceService,
     stats = svc.statistics("digits")[0]
     assert stats["failures_by_code"]["deadline_exceeded"] == 1
     assert stats["in_flight"] == 0
+
+
+def test_traffic_moving_between_inline_and_queued_paths_counts_every_request_once(
+        model_repo: MakeRepo, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    x, _ = digits_holdout
+    repo = model_repo("digits")
+    _set_manifest(repo, "digits", 1, "max_queue_delay_us = 500", "max_queue_delay_us = 20000")
+    svc = _service(repo)
+    try:
+        mv = svc.ready_model("digits")
+        assert mv.engine is not None and mv.scheduler is not None
+        before = svc.statistics("digits")[0]
+        reference = mv.engine.infer({"pixels": x[:112]})["probabilities"]
+
+        def ask(i: int, blocking: bool) -> InferResponse:
+            req = InferRequest("digits", {"pixels": x[i:i + 1]}, id=str(i))
+            return svc.infer_blocking(req) if blocking else svc.infer(req, timeout=10)
+
+        answers = {i: ask(i, True) for i in range(16)}  # serial: each finds the model idle, runs inline
+        # Queued while the scheduler is held: released together, the worker combines them into batches.
+        with mv.scheduler._cv:
+            held = {i: svc.submit(InferRequest("digits", {"pixels": x[i:i + 1]}, id=str(i))) for i in range(16, 32)}
+        answers.update({i: f.result(10) for i, f in held.items()})
+        with ThreadPoolExecutor(8) as pool:  # overlapping blocking and queued callers
+            futs = {i: pool.submit(ask, i, i % 2 == 0) for i in range(32, 96)}
+            answers.update({i: f.result() for i, f in futs.items()})
+        time.sleep(0.2)  # past the scheduler's memory of overlapping traffic: idle again
+        answers.update({i: ask(i, True) for i in range(96, 112)})
+
+        for i, r in answers.items():
+            assert r.id == str(i) and r.version == 1
+            np.testing.assert_allclose(r.outputs["probabilities"][0], reference[i], rtol=1e-5, atol=1e-6)
+        st = svc.statistics("digits")[0]
+        n = 112 + before["inference_stats"]["success"]["count"]
+        assert st["inference_stats"]["success"]["count"] == n
+        assert st["inference_stats"]["queue"]["count"] == n
+        assert st["inference_stats"]["fail"]["count"] == 0 and st["in_flight"] == 0
+        assert st["inference_count"] == 112 + before["inference_count"]
+        runs = {b["batch_size"]: b["compute_infer"]["count"] for b in st["batch_stats"]}
+        assert sum(runs.values()) == st["execution_count"]
+        assert sum(size * count for size, count in runs.items()) == st["inference_count"]
+        assert max(runs) > 1, f"the held requests were not combined: {runs}"
+        assert st["inline_count"] - before["inline_count"] >= 32
+        decision = st["batching"]
+        assert decision["mode"] in ("on", "single")
+        assert decision["single_runs"] + decision["batched_runs"] == st["execution_count"] - before["execution_count"]
+    finally:
+        svc.manager.shutdown()
+
+
+def test_batch_policy_stops_batching_that_does_not_pay_and_probes_back() -> None:
+    policy = BatchPolicy(enabled=True)
+    assert policy.batch_now() and policy.to_json()["mode"] == "on"
+    # A batched sample costs as much as a single one (a small CPU): batching is switched off.
+    for _ in range(10):
+        policy.record(1, 1, 1_000_000)
+        policy.record(8, 8, 8_000_000)
+    assert not policy.pays
+    state = policy.to_json()
+    assert state["mode"] == "single" and "1.00x" in state["reason"] and state["switches"] == 1
+    decisions = [policy.batch_now() for _ in range(3)]
+    assert decisions == [False, False, False]
+    # Runs keep being recorded; after PROBE_EVERY of them one run is allowed to combine again.
+    for _ in range(PROBE_EVERY):
+        policy.record(1, 1, 1_000_000)
+    assert policy.batch_now() and not policy.batch_now()
+    # Batched samples become much cheaper (another load, another engine): batching comes back on.
+    for _ in range(40):
+        policy.record(8, 8, 2_000_000)
+    assert policy.pays and policy.to_json()["mode"] == "on" and policy.to_json()["switches"] == 2
+    off = BatchPolicy(enabled=False)
+    off.record(8, 8, 1)
+    assert not off.batch_now() and off.to_json()["mode"] == "off"

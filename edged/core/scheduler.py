@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edged.backends.base import Engine
+from edged.core.batch_policy import BatchPolicy
 from edged.core.engine_errors import GoodShapes
 from edged.core.stats import ModelStats
 from edged.core.types import InferRequest, InferResponse
@@ -61,6 +62,8 @@ class Scheduler:
         self.delay_ns = (batching.max_queue_delay_us * 1000) if batching else 0
         self.preferred = sorted(batching.preferred_batch_sizes) if batching else []
         self.stats = stats
+        self.policy = BatchPolicy(max_batch_size > 0 and batching is not None)
+        stats.batching = self.policy.to_json
         self.good_shapes = GoodShapes(max_batch_size > 0)
         self._cv = threading.Condition()
         self._queue: collections.deque[_Item] = collections.deque()
@@ -113,7 +116,7 @@ class Scheduler:
                 raise DeadlineExceededError(f"model {self.name!r}: request arrived past its deadline")
             (outs,) = self._compute([(req, batch)])
             resp = InferResponse(self.name, self.version, outs, req.id)
-            self.stats.record_success(queue_ns=0, total_ns=time.monotonic_ns() - start_ns)
+            self.stats.record_success(queue_ns=0, total_ns=time.monotonic_ns() - start_ns, inline=True)
             return resp
         except EdgedError as e:
             self.stats.record_failure(e.code.value, total_ns=time.monotonic_ns() - start_ns)
@@ -140,8 +143,9 @@ class Scheduler:
                 if not self._running and not self._queue:
                     return None
                 self._cv.wait()
-            batch = self._gather()
-            if self.delay_ns and self._should_wait(batch):
+            combine = self.policy.batch_now()
+            batch = self._gather(combine=combine)
+            if combine and self.delay_ns and self._should_wait(batch):
                 deadline = batch[0].enqueued_ns + self.delay_ns
                 while self._running:
                     remaining = deadline - time.monotonic_ns()
@@ -157,10 +161,10 @@ class Scheduler:
             self._recent_sizes.append(min(seen, self.max_batch_size or 1))
             return batch
 
-    def _gather(self, have: list[_Item] | None = None) -> list[_Item]:
+    def _gather(self, have: list[_Item] | None = None, *, combine: bool = True) -> list[_Item]:
         """Move compatible items from the queue into the batch (called with the lock held)."""
         have = have or []
-        if self.max_batch_size == 0 or self.batching is None:
+        if not combine or self.max_batch_size == 0 or self.batching is None:
             return [] if have or not self._queue else [self._queue.popleft()]
         total = sum(i.batch for i in have)
         sig = (have[0] if have else self._queue[0]).signature
@@ -270,7 +274,9 @@ class Scheduler:
                 offset += b
                 results.append({n: outputs[n][sl] for n in (r.outputs or outputs)})
         t3 = time.monotonic_ns()
-        self.stats.record_batch(sum(b for _, b in reqs), len(reqs), t1 - t0, t2 - t1, t3 - t2)
+        samples = sum(b for _, b in reqs)
+        self.stats.record_batch(samples, len(reqs), t1 - t0, t2 - t1, t3 - t2)
+        self.policy.record(samples, len(reqs), t3 - t0)
         return results
 
     @staticmethod

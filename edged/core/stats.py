@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,18 +89,22 @@ class ModelStats:
         self.failures_by_code: dict[str, int] = {}
         self.batches: dict[int, _BatchStat] = {}
         self.in_flight = 0
+        self.inline_count = 0  # requests that ran on the caller's thread, never queued
         self.last_inference_ms = 0
         self.queue_hist = Histogram()
         self.compute_hist = Histogram()
         self.total_hist = Histogram()
+        # The scheduler's batching decision (edged.core.batch_policy), reported beside the counters.
+        self.batching: Callable[[], dict[str, Any]] | None = None
 
     def enter(self) -> None:
         with self._lock:
             self.in_flight += 1
 
-    def record_success(self, *, queue_ns: int, total_ns: int) -> None:
+    def record_success(self, *, queue_ns: int, total_ns: int, inline: bool = False) -> None:
         with self._lock:
             self.in_flight -= 1
+            self.inline_count += inline
             self.success.add(total_ns)
             self.queue.add(queue_ns)
             self.queue_hist.observe(queue_ns / 1e9)
@@ -127,6 +132,7 @@ class ModelStats:
             self.last_inference_ms = time.time_ns() // 1_000_000
 
     def to_triton(self) -> dict[str, Any]:
+        batching = self.batching() if self.batching is not None else None
         with self._lock:
             return {
                 "name": self.name,
@@ -151,4 +157,6 @@ class ModelStats:
                 ],
                 "failures_by_code": dict(self.failures_by_code),
                 "in_flight": self.in_flight,
+                "inline_count": self.inline_count,
+                "batching": batching,
             }
