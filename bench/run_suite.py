@@ -248,6 +248,9 @@ def served_engines(url: str) -> str:
     return ", ".join(out)
 
 
+SUITE_TOKEN = "bench-suite-management-token"  # the version swap loads a model: that needs the authority
+
+
 def write_config(tmp: Path, http_port: int, broker: Broker, profile: str | None, name: str) -> Path:
     cfg = tmp / name
     forced = f'profile = "{profile}"' if profile else ""
@@ -260,6 +263,8 @@ runtime_dir = "{tmp / 'run'}"
 model_repository = "{tmp / 'models'}"
 [http]
 listen = "127.0.0.1:{http_port}"
+[control]
+token = "{SUITE_TOKEN}"
 [mqtt]
 url = "{broker.url}"
 [logging]
@@ -327,7 +332,7 @@ def version_swap(tmp: Path, cfg_path: Path, url: str, x: np.ndarray) -> Swap:
     th = threading.Thread(target=traffic)
     th.start()
     time.sleep(0.2)
-    with HttpClient(url, timeout=120) as c:
+    with HttpClient(url, timeout=120, token=SUITE_TOKEN) as c:
         t0 = time.monotonic()
         resp = c.request("POST", f"/v2/repository/models/{MODEL}/load", [b"{}"], {"Content-Type": "application/json"})
         if resp.status != 200:
