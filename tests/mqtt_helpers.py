@@ -62,6 +62,17 @@ def make_test_ca(folder: Path) -> TestCA:
                   folder / "client.crt", folder / "client.key")
 
 
+def terminate(proc: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
 class Broker:
     """One mosquitto process on 127.0.0.1; ``restart`` keeps the same ports."""
 
@@ -124,13 +135,8 @@ class Broker:
         return self
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        if self.proc:
+            terminate(self.proc, 5)
         self.proc = None
 
     def restart(self) -> None:
@@ -442,12 +448,7 @@ class MosquittoCliRequester:
             with contextlib.suppress(OSError):
                 if p.stdin:
                     p.stdin.close()
-            p.terminate()
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+            terminate(p, 5)
 
 
 class EdgedRun:
@@ -501,10 +502,4 @@ url = "{broker.url}"
                         raise RuntimeError(f"edged run did not serve: {self.log.read_text()[-3000:]}") from None
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        terminate(self.proc, 15)
