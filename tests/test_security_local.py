@@ -454,3 +454,53 @@ def test_expected_server_uid_default_and_override(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv(SERVER_UID_ENV, "nobody")
     with pytest.raises(EdgedError, match="numeric uid"):
         expected_server_uids()
+
+
+@needs_other_uid
+def test_readable_but_not_writable_segment_cannot_take_outputs(unix_srv: Served) -> None:
+    """Another user may use root's world-readable segment as input, never as a place the daemon writes."""
+    sock = Path(unix_srv.url[5:])
+    seg = Segment(f"/sectest_ro_{uuid.uuid4().hex[:8]}", 4096)
+    os.fchmod(seg.fd, 0o644)
+    seg.write(np.ones(64, np.float32).tobytes())
+    slot = '{{"shared_memory_region":"ro","shared_memory_offset":{},"shared_memory_byte_size":{}}}'
+    infer = ('{"inputs":[{"name":"pixels","datatype":"FP32","shape":[1,64],"parameters":' + slot.format(0, 256)
+             + "}]%s}")
+    try:
+        got = unix_http(
+            sock,
+            ("POST", "/v2/systemsharedmemory/region/ro/register", REGISTER.format(key=seg.key).replace("64}", "4096}")),
+            ("POST", "/v2/models/digits/infer", infer % ""),
+            ("POST", "/v2/models/digits/infer",
+             infer % (',"outputs":[{"name":"probabilities","parameters":' + slot.format(1024, 40) + "}]")),
+        )
+        assert got[0][0] == 200, got[0]
+        assert got[1][0] == 200, got[1]  # reading it is what it could do itself
+        assert got[2][0] == 400 and "may not write" in got[2][1]
+        assert seg.read(40, 1024) == bytes(40)  # untouched
+    finally:
+        seg.close()
+
+
+def test_authority_rules() -> None:
+    from edged.config import ControlSection
+    from edged.transports.authority import LOAD, Authority, Peer, bearer
+
+    assert bearer(b"Bearer abc") == "abc" and bearer("bearer  abc ") == "abc"
+    assert bearer(b"Basic abc") is None and bearer(None) is None and bearer(b"Bearer ") is None
+    auth = Authority(ControlSection(token="t" * 16, unix_uids=[1000]), daemon_uid=999)
+    assert auth.require(Peer(address="127.0.0.1", credential="t" * 16), LOAD) == "token"
+    assert auth.require(Peer(uid=1000, gid=1000, pid=1), LOAD) == "uid:1000"
+    assert auth.require(Peer(uid=999, gid=999, pid=1), LOAD) == "uid:999"
+    with pytest.raises(PermissionDeniedError):
+        auth.require(Peer(uid=1001, gid=1001, pid=1), LOAD)
+    with pytest.raises(PermissionDeniedError):
+        auth.require(Peer(address="127.0.0.1", credential="t" * 15 + "u"), LOAD)
+    with pytest.raises(EdgedError) as e:
+        auth.require(Peer(address="127.0.0.1"), LOAD)
+    assert e.value.code.value == "unauthenticated"
+    # regions are scoped by uid on a Unix socket, to the token holder over TCP, to nobody without either
+    assert auth.known_scope(Peer(uid=1001, gid=1, pid=1)) == "uid:1001"
+    assert auth.known_scope(Peer(address="::1")) is None
+    with pytest.raises(ValueError):
+        ControlSection(token="short")
