@@ -23,6 +23,7 @@ from edged.core.manager import ModelManager
 from edged.core.models import ModelState, ModelVersion
 from edged.core.service import InferenceService
 from edged.errors import ConfigError, EdgedError
+from edged.fsutil import ensure_private_dir
 from edged.hardware.facts import HardwareFacts
 from edged.hardware.probe import probe
 from edged.logs import log_fields, set_level
@@ -172,6 +173,8 @@ class Daemon:
             wd = watchdog_interval()
             log.info("service manager notifications via %s; watchdog %s", n.backend,
                      f"{wd:g}s (pinged every {wd / 2:g}s while every model answers a probe)" if wd else "off")
+        # Sockets and the status file go there: refuse a folder someone else could swap things in.
+        await asyncio.to_thread(ensure_private_dir, self.cfg.device.runtime_dir, "[device] runtime_dir")
         n.status("probing hardware and loading models")
         if self.cfg.registry.enabled:
             # Crash-loop check and version pins must come before any model loads: a version that

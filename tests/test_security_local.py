@@ -504,3 +504,25 @@ def test_authority_rules() -> None:
     assert auth.known_scope(Peer(address="::1")) is None
     with pytest.raises(ValueError):
         ControlSection(token="short")
+
+
+@needs_other_uid
+def test_daemon_refuses_to_start_in_a_planted_runtime_dir(tmp_path: Path) -> None:
+    """Whatever transports are on, `edged run` stops before writing anything under a planted folder."""
+    from tests.conftest import EDGED
+
+    planted = Path(f"/tmp/edged-sectest-{uuid.uuid4().hex[:8]}")
+    made = as_other_user(f"import os; os.mkdir({str(planted)!r}); os.chmod({str(planted)!r}, 0o777)")
+    assert made.returncode == 0, made.stderr
+    cfg = tmp_path / "edged.toml"
+    cfg.write_text(f'[device]\nstate_dir = "{tmp_path / "state"}"\nruntime_dir = "{planted / "edged"}"\n'
+                   f'model_repository = "{copy_models(tmp_path / "models", "digits")}"\n'
+                   "[http]\nenabled = false\n[mqtt]\nenabled = false\n[shm]\nenabled = false\n")
+    try:
+        r = subprocess.run([*EDGED, "run", "--config", str(cfg)], capture_output=True, text=True, timeout=120,
+                           check=False)
+        assert r.returncode != 0
+        assert f"owned by uid {NOBODY}" in r.stderr and "[device] runtime_dir" in r.stderr, r.stderr[-2000:]
+        assert os.listdir(planted) == []
+    finally:
+        shutil.rmtree(planted, ignore_errors=True)
