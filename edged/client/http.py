@@ -12,6 +12,7 @@ but one client per thread is faster.
 
 from __future__ import annotations
 
+import math
 import socket
 import struct
 import threading
@@ -304,7 +305,7 @@ def decode_response(data: bytes, header_length: str | None) -> dict[str, np.ndar
                 chunk = memoryview(data)[pos:pos + size]
                 pos += size
                 if dt == "BYTES":
-                    out[o["name"]] = bytes_from_buffer(chunk, int(np.prod(shape)), o["name"]).reshape(shape)
+                    out[o["name"]] = bytes_from_buffer(chunk, math.prod(shape), o["name"]).reshape(shape)
                 else:
                     out[o["name"]] = np.frombuffer(chunk, dtype=datatypes.to_numpy(dt)).reshape(shape)
             elif "data" in o:

@@ -71,9 +71,18 @@ def _count(shape: tuple[int, ...]) -> int:
 
 
 def bytes_from_buffer(buf: memoryview | bytes, count: int, where: str) -> np.ndarray:
-    """Decode BYTES elements: each is a 4-byte little-endian length followed by the bytes."""
-    out = np.empty(count, dtype=object)
+    """Decode BYTES elements: each is a 4-byte little-endian length followed by the bytes.
+
+    Every element takes at least its 4-byte length, so a count the data cannot hold is refused
+    before the object array (8 bytes per element) is allocated: a 118-byte request declaring
+    2^31 elements must not cost 16 GiB.
+    """
     mv = memoryview(buf)
+    if not 0 <= count <= len(mv) // 4:
+        raise InvalidInputError(
+            f"{where}: shape declares {count} BYTES elements but the data has {len(mv)} bytes "
+            f"(each element takes at least 4)")
+    out = np.empty(count, dtype=object)
     pos = 0
     for i in range(count):
         if pos + 4 > len(mv):
@@ -113,13 +122,21 @@ def _from_raw(buf: memoryview | bytes, datatype: str, shape: tuple[int, ...], wh
 
 def _from_json_data(data: Any, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
     count = _count(shape)
+    # A flat list is the common form: its length settles the count before anything is converted.
+    if isinstance(data, list) and len(data) != count and (not data or not isinstance(data[0], list)):
+        raise InvalidInputError(f"{where}: {len(data)} elements for shape {list(shape)} ({count} needed)")
     if datatype == "BYTES":
-        flat = np.asarray(data, dtype=object).ravel()
+        try:
+            flat = np.asarray(data, dtype=object).ravel()
+        except ValueError as e:
+            raise InvalidInputError(f"{where}: data is not a list of strings ({e})") from None
         if flat.size != count:
             raise InvalidInputError(f"{where}: {flat.size} elements for shape {list(shape)} ({count} needed)")
         out = np.empty(count, dtype=object)
         for i, item in enumerate(flat):
-            out[i] = item.encode() if isinstance(item, str) else item
+            if not isinstance(item, str):
+                raise InvalidInputError(f"{where}: BYTES element {i} is {type(item).__name__}, not a string")
+            out[i] = item.encode()
         return out.reshape(shape)
     dtype = datatypes.to_numpy(datatype)
     try:

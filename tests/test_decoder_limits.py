@@ -1,0 +1,194 @@
+"""Issue #20 item 4 as the attack: tiny requests that declare huge tensors, against a real ``edged run``.
+
+The daemon must refuse them from the bytes it holds, before allocating what they declare. The
+memory bound reads the daemon's own peak RSS (``VmHWM``), which counts even a transient allocation;
+the blocking bound is ``/v2/health/live`` probed from another connection all the while.
+"""
+
+from __future__ import annotations
+
+import http.client
+import subprocess
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+import pytest
+
+from edged.transports import mqtt_codec as codec
+from tests.conftest import EDGED, REPO_ROOT
+from tests.http_helpers import copy_models
+from tests.mqtt_helpers import Broker, TestClient, running_broker
+from tests.netutil import free_port
+
+pytestmark = pytest.mark.timeout(180)
+
+HEALTH_BOUND_S = 0.050
+RSS_BOUND = 10 * 2**20
+
+
+def bytes_attack(count: int, rid: str = "") -> tuple[bytes, int]:
+    """A binary v2 body: a BYTES input declaring ``count`` elements, followed by one 4-byte element."""
+    header = orjson.dumps({"id": rid, "inputs": [{"name": "pixels", "datatype": "BYTES", "shape": [count],
+                                                  "parameters": {"binary_data_size": 4}}]})
+    return header + b"\0\0\0\0", len(header)
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc/<pid>/status")
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen[bytes]
+    port: int
+    broker: Broker
+    log: Path
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    copy_models(tmp_path / "models", "digits")
+    port = free_port()
+    with running_broker(tmp_path / "broker") as broker:
+        cfg = tmp_path / "edged.toml"
+        cfg.write_text(textwrap.dedent(f"""
+            [device]
+            id = "dev"
+            profile = "generic"
+            state_dir = "{tmp_path / 'state'}"
+            runtime_dir = "{tmp_path / 'run'}"
+            model_repository = "{tmp_path / 'models'}"
+            [http]
+            listen = "127.0.0.1:{port}"
+            [mqtt]
+            url = "{broker.url}"
+            [telemetry]
+            enabled = false
+            [logging]
+            level = "warning"
+            """))
+        log = tmp_path / "edged.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen([*EDGED, "run", "--config", str(cfg)], stdout=out, stderr=subprocess.STDOUT,
+                                    cwd=REPO_ROOT)
+        try:
+            deadline = time.monotonic() + 90
+            while True:
+                assert proc.poll() is None, log.read_text()[-3000:]
+                try:
+                    c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+                    c.request("GET", "/v2/models/digits/ready")
+                    if c.getresponse().status == 200:
+                        c.close()
+                        break
+                except OSError:
+                    pass
+                assert time.monotonic() < deadline, "edged run did not become ready"
+                time.sleep(0.1)
+            yield Daemon(proc, port, broker, log)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+class HealthProbe:
+    """``GET /v2/health/live`` in a loop on its own keep-alive connection; records each latency."""
+
+    def __init__(self, port: int) -> None:
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        self.latencies: list[float] = []
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="health-probe", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            try:
+                self.conn.request("GET", "/v2/health/live")
+                r = self.conn.getresponse()
+                r.read()
+                if r.status != 200:
+                    self.failures.append(f"status {r.status}")
+            except OSError as e:
+                self.failures.append(repr(e))
+                return
+            self.latencies.append(time.monotonic() - t0)
+            self._stop.wait(0.002)
+
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(15)
+        self.conn.close()
+
+
+def test_tiny_request_declaring_2_31_elements_is_400_without_memory_or_blocking(daemon: Daemon) -> None:
+    assert len(bytes_attack(2**31)[0]) == 118  # the request from the issue
+    conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=10)
+    for _ in range(20):  # warm the paths the attack takes, so the peak below is the attack's own
+        conn.request("POST", "/v2/models/digits/infer", body=bytes_attack(1)[0],
+                     headers={"Inference-Header-Content-Length": str(bytes_attack(1)[1])})
+        conn.getresponse().read()
+    before = peak_rss(daemon.proc.pid)
+    with HealthProbe(daemon.port) as probe:
+        time.sleep(0.2)
+        for count in (2**31, 2**29, 2**40, 2**31 * 3):
+            b, h = bytes_attack(count)
+            for _ in range(5):
+                t0 = time.monotonic()
+                conn.request("POST", "/v2/models/digits/infer", body=b,
+                             headers={"Inference-Header-Content-Length": str(h)})
+                r = conn.getresponse()
+                reply = orjson.loads(r.read())
+                assert r.status == 400, reply
+                assert "BYTES elements" in reply["error"] and str(count) in reply["error"], reply
+                assert time.monotonic() - t0 < 5
+        time.sleep(0.2)
+    conn.close()
+    growth = peak_rss(daemon.proc.pid) - before
+    assert not probe.failures, probe.failures
+    assert len(probe.latencies) > 20
+    assert max(probe.latencies) < HEALTH_BOUND_S, sorted(probe.latencies)[-5:]
+    assert growth < RSS_BOUND, f"peak RSS grew {growth / 2**20:.1f} MiB"
+
+
+def test_tiny_mqtt_payloads_declaring_huge_tensors_get_error_replies(daemon: Daemon) -> None:
+    client = TestClient(daemon.broker.port).wait_connected()
+    try:
+        client.subscribe("replies/attack")
+        before = peak_rss(daemon.proc.pid)
+        with HealthProbe(daemon.port) as probe:
+            for i, count in enumerate((2**31, 2**29, 2**40)):
+                header = orjson.dumps({"id": f"a{i}", "reply_to": "replies/attack", "inputs": [
+                    {"name": "pixels", "datatype": "BYTES", "shape": [count],
+                     "parameters": {"binary_data_size": 4}}]})
+                payload = codec.PREFIX.pack(len(header)) + header + b"\0\0\0\0"
+                assert len(payload) < 160
+                client.publish("edged/dev/infer/digits", payload, qos=1)
+                msg = client.get(timeout=5)
+                _, head, _ = codec.split(msg.payload, None)
+                reply = orjson.loads(head)
+                assert reply["code"] == "invalid_argument" and reply["id"] == f"a{i}", reply
+                assert "BYTES elements" in reply["error"], reply
+        growth = peak_rss(daemon.proc.pid) - before
+        assert not probe.failures, probe.failures
+        assert max(probe.latencies) < HEALTH_BOUND_S, sorted(probe.latencies)[-5:]
+        assert growth < RSS_BOUND, f"peak RSS grew {growth / 2**20:.1f} MiB"
+    finally:
+        client.close()
