@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     msub = p.add_subparsers(dest="models_command", required=True, metavar="SUBCOMMAND")
     mp = msub.add_parser("list", help="each model version, its chosen engine and state")
     mp.add_argument("--json", action="store_true")
+    mp.add_argument("--remeasure", action="store_true",
+                    help="forget the remembered engine choices (select = \"benchmark\") so they are measured again")
     _add_config(mp)
 
     p = sub.add_parser("infer", help="run one inference and print the outputs")
@@ -126,17 +128,58 @@ def cmd_detect(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_models_list(args: argparse.Namespace) -> int:
-    from edged.daemon import build_runtime
+def _running_daemon_models(cfg: Any) -> tuple[list[dict[str, Any]], str] | None:
+    """The running daemon's own view of its models (its status file), or None when none runs."""
+    import time
 
-    rt = build_runtime(_config(args))
+    from edged.status import liveness
+    from edged.telemetry.snapshot import STATUS_FILE, StatusFileError, read_snapshot
+
     try:
-        statuses = rt.manager.statuses()
+        snap = read_snapshot(cfg.device.runtime_dir / STATUS_FILE)
+    except (OSError, StatusFileError):
+        return None
+    if snap is None or not liveness(snap, time.time())[1]:
+        return None
+    models: list[dict[str, Any]] = [{"name": m.model, "version": m.version, "state": m.state, "reason": m.reason,
+               "backend": m.backend or None, "device": m.device or None, "precision": m.precision or None,
+               "variant": None, "skipped": [], **({"warmup": m.warmup} if m.warmup else {})} for m in snap.models]
+    return models, f"the running daemon (pid {snap.pid})"
+
+
+def _local_models(cfg: Any) -> tuple[list[dict[str, Any]], str, str]:
+    """Load every model exactly as the daemon does, self-test included."""
+    from edged.daemon import SELF_TEST_TIMEOUT_S, build_runtime
+    from edged.systemd.health import self_test
+
+    rt = build_runtime(cfg)
+    try:
+        self_test(rt.service, rt.manager.table.all(), SELF_TEST_TIMEOUT_S)
+        return rt.manager.statuses(), "loaded here as the daemon loads them (no daemon is running)", rt.profile.name
     finally:
         rt.manager.shutdown()
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    running = _running_daemon_models(cfg)
+    if args.remeasure:
+        select_dir = cfg.cache_dir / "select"
+        removed = list(select_dir.glob("*.json")) if select_dir.is_dir() else []
+        for f in removed:
+            f.unlink(missing_ok=True)
+        print(f"forgot {len(removed)} remembered engine choice(s); "
+              + ("restart the daemon (or reload the models) to measure again" if running else "measuring again"),
+              file=sys.stderr)
+    profile = ""
+    if running is not None:
+        statuses, source = running
+    else:
+        statuses, source, profile = _local_models(cfg)
     if args.json:
-        print(json.dumps({"profile": rt.profile.name, "models": statuses}, indent=2))
+        print(json.dumps({"profile": profile or None, "source": source, "models": statuses}, indent=2))
         return 0
+    print(f"models as seen by {source}")
     rows = [("MODEL", "VERSION", "STATE", "ENGINE", "VARIANT", "REASON")]
     for s in statuses:
         engine = f"{s['backend']}/{s['device']}/{s['precision']}" if s["backend"] else "-"
@@ -149,6 +192,8 @@ def cmd_models_list(args: argparse.Namespace) -> int:
         skipped: Any = s["skipped"]
         for sk in skipped:
             print(f"  {s['name']} v{s['version']}: skipped {sk['candidate']}: {sk['reason']}")
+        if s.get("warmup"):
+            print(f"  {s['name']} v{s['version']}: {s['warmup']}")
     return 0
 
 

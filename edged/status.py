@@ -210,6 +210,9 @@ def render(snap: StatusSnapshot, updates: dict[str, str], now: float) -> str:
         lines.append(f"mqtt       {mq.requests} requests, {mq.replies} answers, {mq.error_replies} error replies "
                      f"({mq.overloaded} overloaded), {mq.replies_dropped} replies dropped, "
                      f"{mq.requests_dropped} requests without a reply address, backlog {mq.backlog}")
+    for m in snap.models:
+        if m.warmup:
+            lines.append(f"note: {m.model} v{m.version}: {m.warmup}")
     for note in snap.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)

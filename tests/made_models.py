@@ -90,3 +90,15 @@ def multidyn(path: Path) -> Path:
          helper.make_tensor_value_info("embedding", f32, ["batch", 8])],
         [numpy_helper.from_array(table, "table"), numpy_helper.from_array(np.array([1], np.int64), "axis1")])
     return _save(graph, path)
+
+
+def nan(path: Path) -> Path:
+    """Loads and runs, but answers NaN for inputs in [0, 1): the daemon's self-test must refuse it."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    f32 = TensorProto.FLOAT
+    graph = helper.make_graph(
+        [helper.make_node("Sub", ["x", "ten"], ["d"]), helper.make_node("Sqrt", ["d"], ["y"])], "nan",
+        [helper.make_tensor_value_info("x", f32, [4])], [helper.make_tensor_value_info("y", f32, [4])],
+        [numpy_helper.from_array(np.array(10, np.float32), "ten")])
+    return _save(graph, path)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,6 +53,15 @@ def make_repo(root: Path, name: str, extra: str = "") -> Path:
     return root
 
 
+VAD_USUAL = """
+    [warmup.shapes.input]
+    shape = [1, 512]
+    [warmup.shapes.sr]
+    shape = []
+    value = 16000
+    [warmup.shapes.state]
+    shape = [2, 1, 16]
+    """
 VAD_SHAPES = """
     [warmup.shapes.input]
     shape = [1, 512]
@@ -111,7 +122,7 @@ def test_declared_shapes_drive_warmup(tmp_path: Path, engine: str) -> None:
 
 def test_impossible_shape_is_a_400_naming_the_input_and_the_next_request_succeeds(tmp_path: Path,
                                                                                    engine: str) -> None:
-    for _, svc in manager(make_repo(tmp_path, "vad", VAD_SHAPES), engine):
+    for _, svc in manager(make_repo(tmp_path, "vad", VAD_USUAL), engine):
         good = vad_inputs()
         want = svc.infer(InferRequest(model="vad", inputs=good), 30).outputs
         for _ in range(3):
@@ -122,6 +133,19 @@ def test_impossible_shape_is_a_400_naming_the_input_and_the_next_request_succeed
             got = svc.infer(InferRequest(model="vad", inputs=good), 30).outputs
             for k in want:
                 np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_declared_min_and_max_hold_on_every_engine(tmp_path: Path, engine: str) -> None:
+    for _, svc in manager(make_repo(tmp_path, "vad", VAD_SHAPES), engine):
+        for samples, what in ((64, "below the declared minimum 65"), (5000, "above the declared maximum 4096")):
+            with pytest.raises(InvalidInputError) as e:
+                svc.infer(InferRequest(model="vad", inputs=vad_inputs(samples=samples)), 30)
+            assert f"input 'input' dimension 1 is {samples}, {what}" in str(e.value)
+        for samples in (65, 4096):  # the bounds themselves are served, on OpenVINO's bounded shapes too
+            x = vad_inputs(samples=samples)
+            got = svc.infer(InferRequest(model="vad", inputs=x), 30).outputs
+            np.testing.assert_allclose(got["output"], made_models.vad_reference(x["input"], 16000, x["state"])[
+                "output"], rtol=1e-5)
 
 
 def test_values_out_of_range_and_several_dynamic_dims(tmp_path: Path, engine: str) -> None:
@@ -212,3 +236,56 @@ def test_edged_infer_over_http_keeps_an_unbatched_models_scalar(vad_http: Served
     for k, w in want.items():
         assert out[k]["shape"] == list(w.shape)
         np.testing.assert_allclose(np.array(out[k]["data"], np.float32).reshape(w.shape), w, rtol=1e-5, atol=1e-6)
+
+
+def _models_list(cfg: Path, *extra: str) -> dict[str, object]:
+    r = subprocess.run([*EDGED, "models", "list", "--json", "--config", str(cfg), *extra], capture_output=True,
+                       text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    out: dict[str, object] = json.loads(r.stdout)
+    return out
+
+
+def test_models_list_tells_the_same_truth_as_the_daemon(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "models", "vad")
+    make_repo(repo, "nan")
+    cfg = tmp_path / "edged.toml"
+    cfg.write_text(textwrap.dedent(f"""
+        [device]
+        state_dir = "{tmp_path / 'state'}"
+        runtime_dir = "{tmp_path / 'run'}"
+        model_repository = "{repo}"
+        [http]
+        enabled = false
+        [mqtt]
+        enabled = false
+        [shm]
+        enabled = false
+        [telemetry]
+        interval_s = 1
+        """))
+
+    def check(doc: dict[str, object], source: str) -> None:
+        assert source in str(doc["source"])
+        models = {m["name"]: m for m in doc["models"]}  # type: ignore[attr-defined]
+        # Loads, but fails the self-test: not ready, with the reason, in both views.
+        assert models["nan"]["state"] == "unavailable" and "self-test failed" in models["nan"]["reason"]
+        assert models["vad"]["state"] == "ready"
+        assert "skipped: the model refused made-up input" in models["vad"]["warmup"]
+
+    check(_models_list(cfg), "no daemon is running")
+    proc = subprocess.Popen([*EDGED, "run", "--config", str(cfg)], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        assert proc.stderr is not None
+        while time.monotonic() < deadline and "edged ready" not in (line := proc.stderr.readline()):
+            assert line, "the daemon stopped"
+        status = tmp_path / "run" / "status.json"
+        while time.monotonic() < deadline and not status.exists():
+            time.sleep(0.1)
+        time.sleep(1.5)  # the status file is rewritten after the self-test took nan out of service
+        check(_models_list(cfg), "the running daemon")
+    finally:
+        proc.terminate()
+        proc.wait(30)

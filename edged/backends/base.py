@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from edged.repository.manifest import TensorSpec, Variant
+from edged.repository.manifest import InputShape, TensorSpec, Variant
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class LoadRequest:
     options: Mapping[str, Any] = field(default_factory=dict)
     max_batch_size: int = 0
     inputs: Sequence[TensorSpec] | None = None
+    shapes: Mapping[str, InputShape] = field(default_factory=dict)  # declared [warmup.shapes]: min/usual/max
     threads: int = 0
     instances: int = 1
     cache_dir: Path | None = None
@@ -44,6 +45,13 @@ class LoadRequest:
     @property
     def file(self) -> Path:
         return self.version_dir / self.variant.file
+
+    def shape_range(self, name: str) -> tuple[list[int], list[int], list[int]] | None:
+        """(min, usual, max) of a declared input shape, batch dimension excluded when batched."""
+        s = self.shapes.get(name)
+        if s is None:
+            return None
+        return list(s.min or s.shape), list(s.shape), list(s.max or s.shape)
 
     @property
     def label(self) -> str:

@@ -43,6 +43,32 @@ def _port_shape(port: Any) -> tuple[int, ...]:
     return tuple(d.get_length() if d.is_static else -1 for d in ps)
 
 
+def _bound_dynamic_dims(model: Any, request: LoadRequest) -> None:
+    """Declared min/max ([warmup.shapes]) become bounded dynamic dimensions the plugin can plan for.
+
+    A dimension declared without min/max stays unbounded: the usual shape is not a limit.
+    """
+    ov = _import()
+    skip = 1 if request.max_batch_size > 0 else 0
+    new = {}
+    for port in model.inputs:
+        name = port.get_any_name()
+        declared = request.shapes.get(name)
+        ps = port.get_partial_shape()
+        if declared is None or (declared.min is None and declared.max is None) or ps.rank.is_dynamic \
+                or len(ps) != len(declared.shape) + skip:
+            continue
+        dims = list(ps)
+        for i in range(skip, len(dims)):
+            if dims[i].is_dynamic:
+                lo = declared.min[i - skip] if declared.min is not None else 0
+                hi = declared.max[i - skip] if declared.max is not None else -1
+                dims[i] = ov.Dimension(lo, hi)
+        new[name] = ov.PartialShape(dims)
+    if new:
+        model.reshape(new)
+
+
 class OpenVinoEngine(Engine):
     backend = "openvino"
 
@@ -119,6 +145,7 @@ class OpenVinoBackend(Backend):
             config["CACHE_DIR"] = str(request.cache_dir)
         try:
             model = core.read_model(str(request.file))
+            _bound_dynamic_dims(model, request)
             batch = request.options.get("static_batch")
             if batch and request.max_batch_size > 0:
                 # A fixed batch lets the plugin pick static kernels (and is required by NPUs).

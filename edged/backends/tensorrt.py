@@ -274,7 +274,8 @@ def _opt_batch(request: LoadRequest) -> int:
 def _shape_profile(request: LoadRequest, opt: int) -> str:
     batch = f"batch 1/{opt}/{request.max_batch_size}" if request.max_batch_size > 0 else "no batch dimension"
     declared = ";".join(f"{s.name}:{s.shape}" for s in request.inputs or [])
-    return f"{batch} {declared or 'shapes from the model file'}"
+    ranges = ";".join(f"{n}:{request.shape_range(n)}" for n in sorted(request.shapes))
+    return f"{batch} {declared or 'shapes from the model file'}" + (f" ranges {ranges}" if ranges else "")
 
 
 class TensorRtBackend(Backend):
@@ -423,9 +424,13 @@ def _optimization_profile(trt: Any, builder: Any, network: Any, request: LoadReq
             spec = declared.get(t.name)
             idx = axis - 1 if mbs > 0 else axis
             fixed = spec[idx] if spec is not None and idx < len(spec) and spec[idx] > 0 else None
+            rng = request.shape_range(t.name)
+            if fixed is None and rng is not None and idx < len(rng[1]):
+                dims.append((rng[0][idx], rng[1][idx], rng[2][idx]))  # [warmup.shapes] min / shape / max
+                continue
             if fixed is None:
                 raise ModelLoadError(f"{request.label}: input {t.name!r} has a dynamic axis {axis} that the "
-                                     "manifest does not fix; declare the input's shape in model.toml")
+                                     "manifest does not fix; declare the shapes it sees in [warmup.shapes]")
             dims.append((fixed, fixed, fixed))
         profile.set_shape(t.name, *([dim[k] for dim in dims] for k in range(3)))
     return profile if dynamic else None

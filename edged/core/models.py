@@ -85,10 +85,7 @@ class ModelVersion:
     benchmark: BenchmarkResult | None = None  # set when the profile selects by measurement
     upgrade: EngineUpgrade | None = None  # set while/after a better engine is built in the background
     warmup_note: str | None = None  # warm-up skipped or ran on made-up data, and how to declare real shapes
-
-    @property
-    def warmup_skipped(self) -> bool:
-        return bool(self.warmup_note and self.warmup_note.startswith("warm-up skipped"))
+    warmup_skipped: bool = False  # the model refused the made-up warm-up input (self-test skipped too)
 
     @property
     def manifest(self) -> ModelManifest:
@@ -246,8 +243,10 @@ def warm_up(mv: ModelVersion, engine: Engine, *, inputs: Sequence[TensorSpec] | 
         shapes = ", ".join(f"{n} {list(sample[n].shape)}" for n in made_up)
         mv.warmup_note = (f"warm-up skipped: the model refused made-up input ({shapes}): "
                           f"{' '.join(str(e).split())[:300]}; {DECLARE_HINT}")
+        mv.warmup_skipped = True
         log.warning("model=%s version=%s %s", mv.name, mv.version, mv.warmup_note)
         return
+    mv.warmup_skipped = False
     if made_up:
         shapes = ", ".join(f"{n} {list(sample[n].shape)}" for n in made_up)
         mv.warmup_note = f"warm-up ran on made-up data ({shapes}); {DECLARE_HINT}"
@@ -492,7 +491,8 @@ class ModelLoader:
         return LoadRequest(
             model=mv.name, version=mv.version, version_dir=mv.entry.path, variant=cand.variant,
             device=cand.device, options=options, max_batch_size=manifest.max_batch_size,
-            inputs=manifest.inputs, threads=self.threads, instances=manifest.instances.count,
+            inputs=manifest.inputs, shapes=manifest.warmup.shapes, threads=self.threads,
+            instances=manifest.instances.count,
             cache_dir=self._cache_dir_for(mv, cand, options),
         )
 

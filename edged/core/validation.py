@@ -22,6 +22,7 @@ def validate(mv: ModelVersion, req: InferRequest) -> int:
         raise InvalidInputError(f"{where}: missing input(s) {missing}")
     mbs = mv.max_batch_size
     batch: int | None = None
+    bounds = mv.manifest.warmup.shapes
     for name, spec in specs.items():
         arr = req.inputs[name]
         if not isinstance(arr, np.ndarray):
@@ -50,12 +51,27 @@ def validate(mv: ModelVersion, req: InferRequest) -> int:
                 raise InvalidInputError(
                     f"{where}: input {name!r} dimension {i + (1 if mbs > 0 else 0)} is {have}, expected {want} "
                     f"(shape {list(shape)})")
+        declared = bounds.get(name) if bounds else None
+        if declared is not None and (declared.min is not None or declared.max is not None):
+            _check_bounds(where, name, dims, declared.min, declared.max, skip=1 if mbs > 0 else 0)
     if req.outputs is not None:
         known = {s.name for s in mv.outputs}
         bad = sorted(set(req.outputs) - known)
         if bad:
             raise InvalidInputError(f"{where}: unknown output(s) {bad}; the model has {sorted(known)}")
     return batch or 1
+
+
+def _check_bounds(where: str, name: str, dims: tuple[int, ...], lo: list[int] | None, hi: list[int] | None, *,
+                  skip: int) -> None:
+    """The declared [warmup.shapes] min/max hold on every engine alike (TensorRT and OpenVINO are built for them)."""
+    for i, have in enumerate(dims):
+        if lo is not None and i < len(lo) and have < lo[i]:
+            raise InvalidInputError(f"{where}: input {name!r} dimension {i + skip} is {have}, below the declared "
+                                    f"minimum {lo[i]} ([warmup.shapes.{name}] min = {lo})")
+        if hi is not None and i < len(hi) and have > hi[i]:
+            raise InvalidInputError(f"{where}: input {name!r} dimension {i + skip} is {have}, above the declared "
+                                    f"maximum {hi[i]} ([warmup.shapes.{name}] max = {hi})")
 
 
 def _fmt(shape: list[int]) -> str:

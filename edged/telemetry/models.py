@@ -161,6 +161,7 @@ class VersionState:
     backend: str
     device: str
     precision: str
+    warmup: str | None = None  # warm-up skipped or on made-up data, and how to declare real shapes
 
 
 @dataclass
@@ -217,4 +218,4 @@ class ModelMetrics:
 def _state(mv: ModelVersion) -> VersionState:
     c = mv.candidate
     return VersionState(mv.name, mv.version, mv.state.value, mv.reason if mv.state is not ModelState.READY else None,
-                        c.backend if c else "", c.device if c else "", c.precision if c else "")
+                        c.backend if c else "", c.device if c else "", c.precision if c else "", mv.warmup_note)

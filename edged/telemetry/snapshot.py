@@ -47,6 +47,7 @@ class ModelStatus(_Snap):
     version: int
     state: str
     reason: str | None = None
+    warmup: str | None = None
     backend: str = ""
     device: str = ""
     precision: str = ""
