@@ -120,6 +120,24 @@ class HttpSection(_Section):
                                     "request on a new connection) must arrive within this")
 
 
+class GrpcTlsSection(_Section):
+    cert_file: Path = Field(description="server certificate chain (PEM)")
+    key_file: Path = Field(description="server private key (PEM)")
+    client_ca_file: Path | None = Field(default=None, description="set: clients must present a certificate "
+                                        "signed by this CA (mutual TLS)")
+
+
+class GrpcSection(_Section):
+    """The v2 gRPC listener; off unless the section is in the file (needs the ``grpc`` extra)."""
+
+    enabled: bool = True
+    listen: str = Field(default="127.0.0.1:8001", description="host:port, or unix:/path (a Unix socket)")
+    max_message_mb: float = Field(default=64, gt=0, le=2047, description="largest request or response message")
+    max_stream_inflight: int = Field(default=64, ge=1, le=4096, description="requests of one ModelStreamInfer "
+                                     "stream being computed at once (later ones wait; answers stay in order)")
+    tls: GrpcTlsSection | None = None
+
+
 class ControlSection(_Section):
     """Who may change the daemon's state locally (see edged/transports/authority.py and the README)."""
 
@@ -231,6 +249,7 @@ class Config(_Section):
     http: HttpSection = Field(default_factory=HttpSection)
     mqtt: MqttSection = Field(default_factory=MqttSection)
     shm: ShmSection = Field(default_factory=ShmSection)
+    grpc: GrpcSection | None = Field(default=None, description="absent: no gRPC listener")
     control: ControlSection = Field(default_factory=ControlSection)
     registry: RegistrySection = Field(default_factory=RegistrySection)
     telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
@@ -255,6 +274,9 @@ def _resolve_paths(cfg: Config, base: Path) -> Config:
     d.profiles_dir = fix(d.profiles_dir)
     cfg.shm.socket = fix(cfg.shm.socket)
     cfg.registry.ca_file = fix(cfg.registry.ca_file)
+    if cfg.grpc and cfg.grpc.tls:
+        g = cfg.grpc.tls
+        g.cert_file, g.key_file, g.client_ca_file = fix(g.cert_file), fix(g.key_file), fix(g.client_ca_file)  # type: ignore[assignment]
     if cfg.mqtt.tls:
         t = cfg.mqtt.tls
         t.ca_file, t.cert_file, t.key_file = fix(t.ca_file), fix(t.cert_file), fix(t.key_file)

@@ -42,7 +42,7 @@ STOP_DRAIN_S = 20.0  # in-flight requests get this long after SIGTERM; the unit'
 SELF_TEST_TIMEOUT_S = 60.0
 STATUS_INTERVAL_S = 10.0
 # Config sections that only take effect at start; SIGHUP applies [models] and [logging] live.
-RESTART_SECTIONS = ("device", "http", "mqtt", "shm", "registry", "telemetry")
+RESTART_SECTIONS = ("device", "http", "grpc", "mqtt", "shm", "registry", "telemetry")
 
 
 @dataclass
@@ -136,6 +136,9 @@ class Daemon:
         if cfg.http.enabled:
             from edged.transports.http import HttpTransport
             out.append(HttpTransport(cfg, rt.service))
+        if cfg.grpc is not None and cfg.grpc.enabled:
+            from edged.transports.grpc.server import GrpcTransport
+            out.append(GrpcTransport(cfg, rt.service))
         if cfg.mqtt.enabled:
             from edged.transports.mqtt import MqttTransport
             out.append(MqttTransport(cfg, rt.service, rt.profile.name))
@@ -349,7 +352,8 @@ class Daemon:
                 await asyncio.to_thread(repin, new)
             old = self.cfg
             for section in RESTART_SECTIONS:
-                if getattr(old, section).model_dump() != getattr(new, section).model_dump():
+                was, now = getattr(old, section), getattr(new, section)  # [grpc] may be absent: None
+                if (was and was.model_dump()) != (now and now.model_dump()):
                     log.warning("config [%s] changed: that needs a restart (systemctl restart edged)", section)
             if new.logging != old.logging:
                 set_level(new.logging.level)

@@ -63,6 +63,12 @@ class EngineUnavailableError(EdgedError):
     code = ErrorCode.UNAVAILABLE
 
 
+class MissingDependencyError(EdgedError):
+    """The configuration asks for a feature whose optional libraries (a pip extra) are not installed."""
+
+    code = ErrorCode.UNAVAILABLE
+
+
 class ModelLoadError(EdgedError):
     """An engine failed to load or warm up a model variant."""
 

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from edged.config import parse_config
 from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
+from edged.core.types import InferRequest
 from edged.profiles import BackendPreference
 from edged.transports.http import HttpTransport
 
@@ -40,8 +41,11 @@ class Served:
     """
 
     def __init__(self, repo: Path, tmp: Path, *, listen: str = "127.0.0.1:0", extra: str = "",
-                 load: bool = True, token: str | None = TOKEN) -> None:
+                 load: bool = True, token: str | None = TOKEN, grpc: str | None = None) -> None:
         control = f'[control]\ntoken = "{token}"\n' if token else ""
+        if grpc is not None:  # the [grpc] section's lines: a gRPC transport on the same service
+            listen_line = "" if "listen" in grpc else 'listen = "127.0.0.1:0"\n'
+            control += "[grpc]\n" + listen_line + textwrap.dedent(grpc)
         text = control + textwrap.dedent(f"""
             [device]
             id = "http-test"
@@ -61,12 +65,19 @@ class Served:
         self.thread = threading.Thread(target=self.loop.run_forever, name="http-test-loop", daemon=True)
         self.thread.start()
         self.transport = HttpTransport(self.cfg, self.service)
+        self.grpc: Any = None
         try:
             self.run(self.transport.start())
+            if grpc is not None:
+                from edged.transports.grpc.server import GrpcTransport
+
+                self.grpc = GrpcTransport(self.cfg, self.service)
+                self.run(self.grpc.start())
         except BaseException:
             self._stop_loop()
             raise
         self.url = self.transport.address
+        self.grpc_url = self.grpc.address if self.grpc else None
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -78,6 +89,8 @@ class Served:
 
     def close(self) -> None:
         try:
+            if self.grpc is not None:
+                self.run(self.grpc.stop())
             self.run(self.transport.stop())
         finally:
             self._stop_loop()
@@ -117,3 +130,9 @@ class Segment:
             self.path.unlink()
         except FileNotFoundError:
             pass
+
+
+def in_process(srv: Served, model: str, x: Any) -> Any:
+    """The model's answer computed in the process, without any transport (what every client must match)."""
+    resp = srv.service.infer(InferRequest(model, {"pixels" if model == "digits" else "image": x}), timeout=30)
+    return resp.outputs["probabilities"]

@@ -22,7 +22,7 @@ from edged.client.http import HttpClient, HttpStatusError
 from edged.core.types import InferRequest
 from edged.errors import EdgedError, ErrorCode, OverloadedError
 from edged.transports.http import parse_listen
-from tests.http_helpers import AUTH, Served, copy_models, served
+from tests.http_helpers import AUTH, Served, copy_models, in_process, served
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,12 +49,6 @@ def triton(srv: Served) -> Iterator[th.InferenceServerClient]:
     c = th.InferenceServerClient(srv.url)
     yield c
     c.close()
-
-
-def in_process(srv: Served, model: str, x: np.ndarray) -> np.ndarray:
-    resp = srv.service.infer(InferRequest(model, {"pixels" if model == "digits" else "image": x}), timeout=30)
-    out: np.ndarray = resp.outputs["probabilities"]
-    return out
 
 
 def raw_http(url: str, request: bytes) -> tuple[int, dict[str, str], bytes]:

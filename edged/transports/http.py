@@ -69,8 +69,10 @@ def _bind_tcp(host: str, port: int, listen: str) -> socket.socket:
     return sock
 
 
-def _bind_unix(path: Path, listen: str) -> socket.socket:
-    ensure_private_dir(path.parent, f"[http] listen = {listen!r}")
+def clear_unix_path(path: Path, listen: str, section: str = "http") -> None:
+    """Make room for a Unix-socket listener in a private folder: a stale socket goes, a live one or any
+    other file is an error."""
+    ensure_private_dir(path.parent, f"[{section}] listen = {listen!r}")
     try:
         if path.exists() or path.is_symlink():
             if not stat.S_ISSOCK(path.lstat().st_mode):
@@ -86,6 +88,20 @@ def _bind_unix(path: Path, listen: str) -> socket.socket:
                                  code=ErrorCode.UNAVAILABLE)
             finally:
                 probe.close()
+    except OSError as e:
+        raise EdgedError(f"cannot listen on {listen}: {e.strerror or e}", code=ErrorCode.UNAVAILABLE) from None
+
+
+def remove_socket_file(path: Path | None) -> None:
+    """A stopped listener's Unix socket file goes with it (already gone is fine)."""
+    if path is not None:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def _bind_unix(path: Path, listen: str) -> socket.socket:
+    clear_unix_path(path, listen)
+    try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(str(path))
@@ -152,10 +168,8 @@ class HttpTransport:
             await server.start(sock)
         except OSError as e:
             sock.close()
-            if self._unix_path is not None:
-                with contextlib.suppress(OSError):
-                    self._unix_path.unlink()
-                self._unix_path = None
+            remove_socket_file(self._unix_path)
+            self._unix_path = None
             raise EdgedError(f"cannot listen on {self.listen}: {e.strerror or e}", code=ErrorCode.UNAVAILABLE) from None
         self._server = server
         log.info("HTTP (KServe v2) listening on %s", self.address)
@@ -165,9 +179,7 @@ class HttpTransport:
         server, self._server = self._server, None
         if server is not None:
             await server.stop(GRACEFUL_STOP_S)
-        if self._unix_path is not None:
-            with contextlib.suppress(OSError):
-                self._unix_path.unlink()
-            self._unix_path = None
+        remove_socket_file(self._unix_path)
+        self._unix_path = None
         self.shm.unregister_all()
         log.info("HTTP transport stopped")

@@ -13,23 +13,32 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 import zlib
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
 
-import edged
-from edged.core.models import ModelState
 from edged.core.service import InferenceService
-from edged.errors import EdgedError, ErrorCode, InvalidInputError, ModelNotFoundError
+from edged.errors import EdgedError, ErrorCode, InvalidInputError
 from edged.protocol.redact import Scrubber
-from edged.protocol.v2 import DecodedRequest, decode_request, dumps, encode_response, loads
-from edged.repository.manifest import valid_model_name
-from edged.transports.authority import LOAD, UNLOAD, Authority, Peer, bearer
+from edged.protocol.v2 import DecodedRequest, decode_request, dumps, loads
+from edged.transports.authority import Authority, Peer, bearer
 from edged.transports.http_config import model_config
 from edged.transports.http_server import Headers, Request, Response
-from edged.transports.sysshm import OutputStaging, ShmCaller, ShmView, SystemShmRegistry
+from edged.transports.sysshm import ShmCaller, ShmView, SystemShmRegistry
+from edged.transports.v2_ops import (
+    HEAVY,
+    check_model_control,
+    encode_is_heavy,
+    encode_outputs,
+    model_ready,
+    parse_version,
+    prepare_infer,
+    repository_index,
+    run_model_control,
+    server_metadata,
+    server_ready,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +56,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.UNAUTHENTICATED: 401,
     ErrorCode.PERMISSION_DENIED: 403,
 }
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "statistics",
-              "system_shared_memory", "schedule_policy"]
 _JSON = [(b"content-type", b"application/json")]
-_HEAVY = 1 << 20  # bodies/outputs above this are (de)coded in a worker thread to keep the loop responsive
 
 
 class HttpError(Exception):
@@ -110,7 +116,7 @@ class V2App:
             rest = [_seg(p) for p in parts[2:]]
             if rest in ([], [""]):
                 _allow(method, "GET")
-                return self._json({"name": "edged", "version": edged.__version__, "extensions": EXTENSIONS})
+                return self._json(server_metadata())
             if rest[0] == "health" and len(rest) == 2 and rest[1] in ("live", "ready"):
                 _allow(method, "GET")
                 ok = rest[1] == "live" or self.server_ready()
@@ -128,11 +134,7 @@ class V2App:
         raise HttpError(404, "not found")
 
     def server_ready(self) -> bool:
-        """Serving and able to infer: not stopping, and some model is ready (or none is configured)."""
-        if self.stopping:
-            return False
-        mvs = self.service.manager.table.all()
-        return not mvs or any(mv.state is ModelState.READY for mv in mvs)
+        return server_ready(self.service, self.stopping)
 
     async def _models(self, method: str, rest: list[str], req: Request) -> Response:
         if rest == ["stats"]:
@@ -143,7 +145,7 @@ class V2App:
         if rest and rest[0] == "versions":
             if len(rest) < 2:
                 raise HttpError(404, "not found")
-            version = _version(rest[1])
+            version = parse_version(rest[1])
             rest = rest[2:]
         action = rest[0] if len(rest) == 1 else ("" if not rest else None)
         if action == "infer":
@@ -154,8 +156,7 @@ class V2App:
             return self._json(self.service.metadata(model, version), scrub=True)
         if action == "ready":
             _allow(method, "GET")
-            self.service.model(model, version)  # 404 for unknown models
-            return (200 if self.service.is_ready(model, version) else 503), [], b""
+            return (200 if model_ready(self.service, model, version) else 503), [], b""
         if action == "config":
             _allow(method, "GET")
             mv = self.service.model(model, version)
@@ -174,20 +175,14 @@ class V2App:
                 hlen_raw = v
         body = await self._body(req)
         shm = self._shm_view(req)
-        if len(body) > _HEAVY:
+        if len(body) > HEAVY:
             decoded = await asyncio.to_thread(self._decode, body, hlen_raw, model, version, shm)
         else:
             decoded = self._decode(body, hlen_raw, model, version, shm)
-        ireq = decoded.request
-        timeout_us = ireq.parameters.get("timeout_us")
-        if timeout_us:
-            ireq.deadline = time.monotonic() + timeout_us / 1e6
-        resp = await asyncio.wrap_future(self.service.submit(ireq))
-        staging = OutputStaging(shm) if any(o.shm for o in decoded.outputs.values()) else None
-        big = sum(a.nbytes for a in resp.outputs.values()) > _HEAVY
-        if big or (staging is not None and _staging_is_heavy(decoded)):
-            return await asyncio.to_thread(self._encode, resp, decoded, staging)
-        return self._encode(resp, decoded, staging)
+        resp = await asyncio.wrap_future(self.service.submit(decoded.request))
+        if encode_is_heavy(resp, decoded):
+            return await asyncio.to_thread(self._encode, resp, decoded, shm)
+        return self._encode(resp, decoded, shm)
 
     def _decode(self, body: bytes, hlen_raw: bytes | None, model: str, version: int | None,
                 shm: ShmView) -> DecodedRequest:
@@ -204,15 +199,11 @@ class V2App:
         else:
             header, binary = loads(body), memoryview(b"")
         decoded = decode_request(header, binary, model=model, version=version, shm=shm.read)
-        for opt in decoded.outputs.values():
-            if opt.shm is not None:  # refuse a bad output slot before spending compute on it
-                shm.check(*opt.shm, write=True)
+        prepare_infer(decoded, shm)
         return decoded
 
-    def _encode(self, resp: Any, decoded: DecodedRequest, staging: OutputStaging | None) -> Response:
-        header, chunks = encode_response(resp, decoded, shm=staging)
-        if staging is not None:
-            staging.flush()
+    def _encode(self, resp: Any, decoded: DecodedRequest, shm: ShmView) -> Response:
+        header, chunks = encode_outputs(resp, decoded, shm)
         hjson = dumps(header)
         if not chunks:
             return 200, _JSON, hjson
@@ -241,7 +232,7 @@ class V2App:
             ready_only = _json_object(await self._body(req)).get("ready", False)
             if not isinstance(ready_only, bool):
                 raise InvalidInputError("'ready' must be true or false")
-            index = await asyncio.to_thread(self._index, ready_only)
+            index = await asyncio.to_thread(repository_index, self.service, ready_only)
             return self._json(index, scrub=True)
         if len(rest) == 3 and rest[0] == "models" and rest[2] in ("load", "unload"):
             _allow(method, "POST")
@@ -249,48 +240,10 @@ class V2App:
             params = _json_object(await self._body(req)).get("parameters") or {}
             if not isinstance(params, dict):
                 raise InvalidInputError("'parameters' must be an object")
-            self.authority.require(_peer(req), LOAD if rest[2] == "load" else UNLOAD)
-            if not valid_model_name(name):
-                raise ModelNotFoundError(f"model {name!r} is not in the repository")
-            if rest[2] == "load":
-                if set(params) - {"unload_dependents"}:
-                    raise InvalidInputError("overriding the model configuration or files on load is not supported; "
-                                            "put the model into the repository and load it by name")
-                await asyncio.to_thread(self._load, name)
-            else:
-                await asyncio.to_thread(self.service.manager.unload_model, name, by_operator=True)
+            check_model_control(self.authority, _peer(req), name, rest[2], set(params))
+            await asyncio.to_thread(run_model_control, self.service, name, rest[2])
             return self._json({})
         raise HttpError(404, "not found")
-
-    def _index(self, ready_only: bool) -> list[dict[str, Any]]:
-        """Every model in the repository, loaded or not (Triton's index shape)."""
-        manager = self.service.manager
-        out: list[dict[str, Any]] = []
-        loaded: set[str] = set()
-        for mv in manager.table.all():
-            loaded.add(mv.name)
-            out.append({"name": mv.name, "version": str(mv.version), "state": mv.state.value.upper(),
-                        "reason": mv.reason or ""})
-        try:
-            on_disk = sorted(p.name for p in manager.repository.iterdir()
-                             if p.is_dir() and valid_model_name(p.name) and p.name not in loaded)
-        except OSError:
-            on_disk = []
-        disabled = set(manager.models_cfg.disabled)
-        for name in on_disk:
-            out.append({"name": name, "version": "", "state": "UNAVAILABLE",
-                        "reason": "disabled in the configuration" if name in disabled else "unloaded"})
-        out.sort(key=lambda e: (e["name"], e["version"]))
-        if ready_only:
-            out = [e for e in out if e["state"] == "READY"]
-        return out
-
-    def _load(self, name: str) -> None:
-        results = self.service.manager.load_model(name)
-        failed = [mv for mv in results if mv.state is not ModelState.READY]
-        if failed:
-            why = "; ".join(f"version {mv.version}: {mv.reason}" for mv in failed)
-            raise EdgedError(f"model {name!r} failed to load: {why}", code=ErrorCode.FAILED_PRECONDITION)
 
     # ---- system shared memory ---------------------------------------------------------------
     async def _sysshm(self, method: str, rest: list[str], req: Request) -> Response:
@@ -347,10 +300,6 @@ class V2App:
         raise HttpError(404, "not found")
 
 
-def _staging_is_heavy(decoded: DecodedRequest) -> bool:
-    return sum(o.shm[2] for o in decoded.outputs.values() if o.shm) > _HEAVY
-
-
 def _peer(req: Request) -> Peer:
     """The connection's peer plus the credential this request presents."""
     for k, v in req.headers:
@@ -371,12 +320,6 @@ def _allow(method: str, *allowed: str) -> None:
     if method not in allowed and not (method == "HEAD" and "GET" in allowed):
         raise HttpError(405, f"method {method} is not allowed here",
                         [(b"allow", ", ".join(allowed).encode())])
-
-
-def _version(raw: str) -> int:
-    if not raw.isdigit() or len(raw) > 18:
-        raise InvalidInputError(f"model version {raw!r} is not a positive integer")
-    return int(raw)
 
 
 def _json_object(body: bytes) -> dict[str, Any]:

@@ -1,0 +1,293 @@
+"""Every RPC of ``inference.GRPCInferenceService``, answered through the one inference service.
+
+Handlers take and return raw bytes (no grpcio (de)serializers) so that a malformed
+message is refused with INVALID_ARGUMENT like any other bad input, not grpcio's
+generic INTERNAL. Each EdgedError becomes the status its code maps to, with the
+message scrubbed of internal paths; anything unexpected is logged and answered
+INTERNAL "internal error" while the server goes on.
+
+ModelStreamInfer computes up to ``[grpc] max_stream_inflight`` requests of one stream
+at once and answers strictly in request order; a request that fails gets its error
+in its own place in the stream, and the stream stays open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from edged.core.service import InferenceService
+from edged.errors import EdgedError, ErrorCode, InvalidInputError
+from edged.protocol.redact import Scrubber
+from edged.protocol.v2 import dumps, loads
+from edged.transports.authority import Authority, Peer, bearer
+from edged.transports.grpc.codec import decode_infer, encode_infer, error_response, parse
+from edged.transports.grpc.gen import grpc_service_pb2 as pb
+from edged.transports.grpc.gen import model_config_pb2 as mc
+from edged.transports.http_config import model_config
+from edged.transports.sysshm import ShmCaller, ShmView, SystemShmRegistry
+from edged.transports.v2_ops import (
+    HEAVY,
+    check_model_control,
+    encode_is_heavy,
+    model_ready,
+    parse_version,
+    prepare_infer,
+    repository_index,
+    run_model_control,
+    server_metadata,
+    server_ready,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE = "inference.GRPCInferenceService"
+STATUS: dict[ErrorCode, Any] = {
+    ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorCode.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorCode.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+    ErrorCode.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    ErrorCode.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+}
+
+Unary = Callable[[Any, Any], Awaitable[Any]]
+
+
+def _version(raw: str) -> int | None:
+    return parse_version(raw) if raw else None
+
+
+def peer_of(context: Any) -> Peer:
+    """The caller as the authority sees it: its address and the bearer token in its metadata.
+
+    grpcio does not expose a Unix-socket peer's kernel credentials, so over gRPC the
+    management authority is the ``[control] token`` only.
+    """
+    credential = None
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            credential = bearer(value)
+    return Peer(address=context.peer(), credential=credential)
+
+
+class GrpcApp:
+    def __init__(self, service: InferenceService, shm: SystemShmRegistry, *, scrub: Scrubber,
+                 authority: Authority, stream_inflight: int) -> None:
+        self.service = service
+        self.shm = shm
+        self.scrub = scrub
+        self.authority = authority
+        self.stream_inflight = stream_inflight
+        self.stopping = False
+
+    def handler(self) -> Any:
+        """The generic handler grpcio serves: method name -> raw-bytes handler."""
+        unary: dict[str, tuple[type[Any], Unary]] = {
+            "ServerLive": (pb.ServerLiveRequest, self.server_live),
+            "ServerReady": (pb.ServerReadyRequest, self.server_ready),
+            "ModelReady": (pb.ModelReadyRequest, self.model_ready),
+            "ServerMetadata": (pb.ServerMetadataRequest, self.server_metadata),
+            "ModelMetadata": (pb.ModelMetadataRequest, self.model_metadata),
+            "ModelInfer": (pb.ModelInferRequest, self.model_infer),
+            "ModelConfig": (pb.ModelConfigRequest, self.model_config),
+            "ModelStatistics": (pb.ModelStatisticsRequest, self.model_statistics),
+            "RepositoryIndex": (pb.RepositoryIndexRequest, self.repository_index),
+            "RepositoryModelLoad": (pb.RepositoryModelLoadRequest, self.repository_load),
+            "RepositoryModelUnload": (pb.RepositoryModelUnloadRequest, self.repository_unload),
+            "SystemSharedMemoryStatus": (pb.SystemSharedMemoryStatusRequest, self.sysshm_status),
+            "SystemSharedMemoryRegister": (pb.SystemSharedMemoryRegisterRequest, self.sysshm_register),
+            "SystemSharedMemoryUnregister": (pb.SystemSharedMemoryUnregisterRequest, self.sysshm_unregister),
+            "CudaSharedMemoryStatus": (pb.CudaSharedMemoryStatusRequest, self.cudashm_status),
+            "CudaSharedMemoryRegister": (pb.CudaSharedMemoryRegisterRequest, self.cudashm_register),
+            "CudaSharedMemoryUnregister": (pb.CudaSharedMemoryUnregisterRequest, self.cudashm_unregister),
+        }
+        methods = {name: grpc.unary_unary_rpc_method_handler(self._unary(name, cls, fn))
+                   for name, (cls, fn) in unary.items()}
+        methods["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(self.model_stream_infer)
+        return grpc.method_handlers_generic_handler(SERVICE, methods)
+
+    def _unary(self, name: str, cls: type[Any], fn: Unary) -> Callable[[bytes, Any], Awaitable[bytes]]:
+        async def handle(data: bytes, context: Any) -> bytes:
+            try:
+                msg = parse(cls, data)
+                reply = await fn(msg, context)
+                return bytes(reply.SerializeToString())
+            except EdgedError as e:
+                code, text = self._status(e)
+            except Exception:
+                log.exception("gRPC %s failed", name)
+                code, text = grpc.StatusCode.INTERNAL, "internal error"
+            await context.abort(code, text)
+            raise AssertionError("unreachable: abort raises")  # pragma: no cover
+        return handle
+
+    def _status(self, e: EdgedError) -> tuple[Any, str]:
+        if e.code is ErrorCode.INTERNAL:
+            log.error("internal error: %s", e)
+        return STATUS.get(e.code, grpc.StatusCode.INTERNAL), self.scrub.text(str(e))
+
+    def _scrubbed(self, obj: Any) -> Any:
+        """Plain data with internal paths replaced, as the HTTP side sends it."""
+        return loads(self.scrub.data(dumps(obj)))
+
+    # ---- health and metadata ----------------------------------------------------------------
+    async def server_live(self, req: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def server_ready(self, req: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=server_ready(self.service, self.stopping))
+
+    async def model_ready(self, req: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
+        return pb.ModelReadyResponse(ready=model_ready(self.service, req.name, _version(req.version)))
+
+    async def server_metadata(self, req: pb.ServerMetadataRequest, context: Any) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(**server_metadata())
+
+    async def model_metadata(self, req: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
+        md = self._scrubbed(self.service.metadata(req.name, _version(req.version)))
+        out = pb.ModelMetadataResponse()
+        json_format.ParseDict(md, out, ignore_unknown_fields=True)
+        return out
+
+    async def model_config(self, req: pb.ModelConfigRequest, context: Any) -> pb.ModelConfigResponse:
+        mv = self.service.model(req.name, _version(req.version))
+        cfg = self._scrubbed(model_config(mv, self.service.manager.models_cfg.policy_for(req.name)))
+        return pb.ModelConfigResponse(config=json_format.ParseDict(cfg, mc.ModelConfig(), ignore_unknown_fields=True))
+
+    async def model_statistics(self, req: pb.ModelStatisticsRequest, context: Any) -> pb.ModelStatisticsResponse:
+        stats = self.service.statistics(req.name or None, _version(req.version))
+        out = pb.ModelStatisticsResponse()
+        json_format.ParseDict({"model_stats": stats}, out, ignore_unknown_fields=True)
+        return out
+
+    # ---- model repository -------------------------------------------------------------------
+    async def repository_index(self, req: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:
+        index = self._scrubbed(await asyncio.to_thread(repository_index, self.service, req.ready))
+        return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**e) for e in index])
+
+    async def repository_load(self, req: pb.RepositoryModelLoadRequest, context: Any) -> pb.RepositoryModelLoadResponse:
+        await self._model_control(req, context, "load")
+        return pb.RepositoryModelLoadResponse()
+
+    async def repository_unload(self, req: pb.RepositoryModelUnloadRequest,
+                                context: Any) -> pb.RepositoryModelUnloadResponse:
+        await self._model_control(req, context, "unload")
+        return pb.RepositoryModelUnloadResponse()
+
+    async def _model_control(self, req: Any, context: Any, action: str) -> None:
+        check_model_control(self.authority, peer_of(context), req.model_name, action, set(req.parameters))
+        await asyncio.to_thread(run_model_control, self.service, req.model_name, action)
+
+    # ---- system shared memory ---------------------------------------------------------------
+    def _shm_scope(self, context: Any) -> str:
+        return self.authority.scope(peer_of(context), "use system shared memory")
+
+    def _shm_view(self, context: Any) -> ShmView:
+        """The caller's regions; a caller without the credential has none (references fail as unknown)."""
+        return self.shm.view(self.authority.known_scope(peer_of(context)) or "")
+
+    async def sysshm_status(self, req: pb.SystemSharedMemoryStatusRequest,
+                            context: Any) -> pb.SystemSharedMemoryStatusResponse:
+        regions = self.shm.status(self._shm_scope(context), req.name or None)
+        out = pb.SystemSharedMemoryStatusResponse()
+        for r in regions:
+            out.regions[r["name"]].CopyFrom(pb.SystemSharedMemoryStatusResponse.RegionStatus(**r))
+        return out
+
+    async def sysshm_register(self, req: pb.SystemSharedMemoryRegisterRequest,
+                              context: Any) -> pb.SystemSharedMemoryRegisterResponse:
+        caller = ShmCaller(self._shm_scope(context), None, None)
+        self.shm.register(caller, req.name, req.key, req.offset, req.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def sysshm_unregister(self, req: pb.SystemSharedMemoryUnregisterRequest,
+                                context: Any) -> pb.SystemSharedMemoryUnregisterResponse:
+        scope = self._shm_scope(context)
+        if req.name:
+            self.shm.unregister(scope, req.name)
+        else:
+            self.shm.unregister_all(scope)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    # No CUDA shared memory here: answered as a Triton without GPU regions (clients unregister all on exit).
+    async def cudashm_status(self, req: pb.CudaSharedMemoryStatusRequest,
+                             context: Any) -> pb.CudaSharedMemoryStatusResponse:
+        if req.name:
+            raise InvalidInputError(f"unable to find cuda shared memory region: {req.name!r}")
+        return pb.CudaSharedMemoryStatusResponse()
+
+    async def cudashm_register(self, req: pb.CudaSharedMemoryRegisterRequest,
+                               context: Any) -> pb.CudaSharedMemoryRegisterResponse:
+        raise InvalidInputError("CUDA shared memory is not supported by this server; use system shared memory")
+
+    async def cudashm_unregister(self, req: pb.CudaSharedMemoryUnregisterRequest,
+                                 context: Any) -> pb.CudaSharedMemoryUnregisterResponse:
+        return pb.CudaSharedMemoryUnregisterResponse()
+
+    # ---- inference --------------------------------------------------------------------------
+    async def model_infer(self, req: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+        return await self._infer(req, context)
+
+    async def _infer(self, req: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+        shm = self._shm_view(context)
+        if req.ByteSize() > HEAVY:
+            decoded = await asyncio.to_thread(decode_infer, req, shm)
+        else:
+            decoded = decode_infer(req, shm)
+        prepare_infer(decoded, shm, context.time_remaining())
+        resp = await asyncio.wrap_future(self.service.submit(decoded.request))
+        if encode_is_heavy(resp, decoded):
+            return await asyncio.to_thread(encode_infer, resp, decoded, shm)
+        return encode_infer(resp, decoded, shm)
+
+    async def _stream_one(self, data: bytes, context: Any, window: asyncio.Semaphore) -> bytes:
+        """One stream request's answer, success or error; never raises (the stream goes on)."""
+        req: pb.ModelInferRequest | None = None
+        try:
+            req = parse(pb.ModelInferRequest, data)
+            reply = pb.ModelStreamInferResponse(infer_response=await self._infer(req, context))
+        except EdgedError as e:
+            reply = pb.ModelStreamInferResponse(error_message=self._status(e)[1], infer_response=error_response(req))
+        except Exception:
+            log.exception("gRPC ModelStreamInfer request failed")
+            reply = pb.ModelStreamInferResponse(error_message="internal error", infer_response=error_response(req))
+        finally:
+            window.release()
+        return bytes(reply.SerializeToString())
+
+    async def model_stream_infer(self, requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+        window = asyncio.Semaphore(self.stream_inflight)
+        answers: asyncio.Queue[asyncio.Task[bytes] | None] = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                async for data in requests:
+                    await window.acquire()
+                    answers.put_nowait(asyncio.create_task(self._stream_one(data, context, window)))
+            finally:
+                answers.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (task := await answers.get()) is not None:
+                yield await task
+            await reader  # a broken request stream ends the RPC with its error
+        finally:
+            reader.cancel()
+            while not answers.empty():
+                pending = answers.get_nowait()
+                if pending is not None:
+                    pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader

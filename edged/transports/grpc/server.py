@@ -1,0 +1,108 @@
+"""The gRPC listener: grpcio's asyncio server in the daemon's own loop, on TCP or a Unix socket, TLS optional.
+
+grpcio is imported when the transport is built, so a configured ``[grpc]`` without
+the ``grpc`` extra fails at start with a typed error that says what to install.
+Message size limits are grpcio's own (a larger message is refused with
+RESOURCE_EXHAUSTED before it is handed to us); SO_REUSEPORT is off so a busy port
+is an error, not a second server sharing it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from edged.config import Config, GrpcTlsSection
+from edged.core.service import InferenceService
+from edged.errors import ConfigError, EdgedError, ErrorCode
+from edged.protocol.redact import Scrubber
+from edged.transports.authority import Authority
+from edged.transports.grpc import require_grpc
+from edged.transports.http import UNIX_SOCKET_MODE, clear_unix_path, parse_listen, remove_socket_file
+from edged.transports.sysshm import SystemShmRegistry
+
+log = logging.getLogger(__name__)
+
+GRACEFUL_STOP_S = 10.0
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"[grpc.tls] {what}: cannot read it ({e.strerror or e})", file=str(path)) from None
+
+
+def server_credentials(grpc: Any, tls: GrpcTlsSection) -> Any:
+    ca = _read(tls.client_ca_file, "client_ca_file") if tls.client_ca_file else None
+    pair = (_read(tls.key_file, "key_file"), _read(tls.cert_file, "cert_file"))
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+
+class GrpcTransport:
+    name = "grpc"
+
+    def __init__(self, cfg: Config, service: InferenceService) -> None:
+        self._grpc = require_grpc()
+        from edged.transports.grpc.app import GrpcApp
+
+        assert cfg.grpc is not None
+        self.cfg = cfg.grpc
+        self.listen = self.cfg.listen
+        self.max_message = int(self.cfg.max_message_mb * 1024 * 1024)
+        self.shm = SystemShmRegistry(int(cfg.shm.max_region_mb * 1024 * 1024), tcp_prefix=cfg.shm.system_shm_prefix)
+        self.app = GrpcApp(service, self.shm, scrub=Scrubber.for_config(cfg), authority=Authority(cfg.control),
+                           stream_inflight=self.cfg.max_stream_inflight)
+        self._server: Any = None
+        self._unix_path: Path | None = None
+        self.address: str = self.listen  # the real address once listening (port 0 resolved)
+
+    @property
+    def port(self) -> int | None:
+        return None if self._unix_path else int(self.address.rpartition(":")[2])
+
+    async def start(self) -> None:
+        grpc = self._grpc
+        target = parse_listen(self.listen)
+        options = [("grpc.max_receive_message_length", self.max_message),
+                   ("grpc.max_send_message_length", self.max_message),
+                   ("grpc.so_reuseport", 0)]
+        server = grpc.aio.server(options=options)
+        server.add_generic_rpc_handlers((self.app.handler(),))
+        if isinstance(target, Path):
+            clear_unix_path(target, self.listen, "grpc")
+            address = f"unix:{target}"
+        else:
+            host, port = target
+            address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        creds = server_credentials(grpc, self.cfg.tls) if self.cfg.tls else None
+        try:
+            port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+        except RuntimeError as e:  # grpcio raises on a failed bind (older versions return 0)
+            raise EdgedError(f"cannot listen on {self.listen}: {e}", code=ErrorCode.UNAVAILABLE) from None
+        if not port and not isinstance(target, Path):
+            raise EdgedError(f"cannot listen on {self.listen}: the address is not available",
+                             code=ErrorCode.UNAVAILABLE)
+        if isinstance(target, Path):
+            self._unix_path = target
+            self.address = address
+        else:
+            self.address = address.rpartition(":")[0] + f":{port}"
+        self.app.stopping = False
+        await server.start()
+        if self._unix_path is not None:
+            os.chmod(self._unix_path, UNIX_SOCKET_MODE)
+        self._server = server
+        log.info("gRPC (KServe v2) listening on %s%s", self.address, " with TLS" if creds else "")
+
+    async def stop(self) -> None:
+        self.app.stopping = True
+        if self._server is not None:
+            await self._server.stop(GRACEFUL_STOP_S)  # new RPCs refused at once; running ones may finish
+            self._server = None
+        remove_socket_file(self._unix_path)
+        self._unix_path = None
+        self.shm.close()
+        log.info("gRPC transport stopped")

@@ -1,0 +1,127 @@
+"""The v2 operations every v2 transport (HTTP, gRPC) answers the same way, minus the wire form.
+
+Readiness, server metadata, the repository index and load/unload, and the checks
+made around an inference request before and after it is computed live here once;
+each transport only turns its own request into these arguments and the returned
+plain data into its own response.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import edged
+from edged.core.models import ModelState
+from edged.core.service import InferenceService
+from edged.core.types import InferResponse
+from edged.errors import EdgedError, ErrorCode, InvalidInputError, ModelNotFoundError
+from edged.protocol.v2 import DecodedRequest, encode_response
+from edged.repository.manifest import valid_model_name
+from edged.transports.authority import LOAD, UNLOAD, Authority, Peer
+from edged.transports.sysshm import OutputStaging, ShmView
+
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "statistics",
+              "system_shared_memory", "schedule_policy"]
+
+
+def server_metadata() -> dict[str, Any]:
+    return {"name": "edged", "version": edged.__version__, "extensions": EXTENSIONS}
+
+
+def server_ready(service: InferenceService, stopping: bool) -> bool:
+    """Serving and able to infer: not stopping, and some model is ready (or none is configured)."""
+    if stopping:
+        return False
+    mvs = service.manager.table.all()
+    return not mvs or any(mv.state is ModelState.READY for mv in mvs)
+
+
+def model_ready(service: InferenceService, name: str, version: int | None) -> bool:
+    service.model(name, version)  # NOT_FOUND for unknown models
+    return service.is_ready(name, version)
+
+
+def parse_version(raw: str) -> int:
+    if not raw.isdigit() or len(raw) > 18:
+        raise InvalidInputError(f"model version {raw!r} is not a positive integer")
+    return int(raw)
+
+
+def repository_index(service: InferenceService, ready_only: bool) -> list[dict[str, Any]]:
+    """Every model in the repository, loaded or not (Triton's index shape). Reads the disk: not on the loop."""
+    manager = service.manager
+    out: list[dict[str, Any]] = []
+    loaded: set[str] = set()
+    for mv in manager.table.all():
+        loaded.add(mv.name)
+        out.append({"name": mv.name, "version": str(mv.version), "state": mv.state.value.upper(),
+                    "reason": mv.reason or ""})
+    try:
+        on_disk = sorted(p.name for p in manager.repository.iterdir()
+                         if p.is_dir() and valid_model_name(p.name) and p.name not in loaded)
+    except OSError:
+        on_disk = []
+    disabled = set(manager.models_cfg.disabled)
+    for name in on_disk:
+        out.append({"name": name, "version": "", "state": "UNAVAILABLE",
+                    "reason": "disabled in the configuration" if name in disabled else "unloaded"})
+    out.sort(key=lambda e: (e["name"], e["version"]))
+    if ready_only:
+        out = [e for e in out if e["state"] == "READY"]
+    return out
+
+
+def check_model_control(authority: Authority, peer: Peer, name: str, action: str, params: set[str]) -> None:
+    """Everything refusable about a load/unload, checked before any work (authority first)."""
+    authority.require(peer, LOAD if action == "load" else UNLOAD)
+    if not valid_model_name(name):
+        raise ModelNotFoundError(f"model {name!r} is not in the repository")
+    if action == "load" and params - {"unload_dependents"}:
+        raise InvalidInputError("overriding the model configuration or files on load is not supported; "
+                                "put the model into the repository and load it by name")
+
+
+def run_model_control(service: InferenceService, name: str, action: str) -> None:
+    """Load or unload by name after :func:`check_model_control`; blocks: run it in a worker thread."""
+    if action != "load":
+        service.manager.unload_model(name, by_operator=True)
+        return
+    results = service.manager.load_model(name)
+    failed = [mv for mv in results if mv.state is not ModelState.READY]
+    if failed:
+        why = "; ".join(f"version {mv.version}: {mv.reason}" for mv in failed)
+        raise EdgedError(f"model {name!r} failed to load: {why}", code=ErrorCode.FAILED_PRECONDITION)
+
+
+def prepare_infer(decoded: DecodedRequest, shm: ShmView, deadline_s: float | None = None) -> None:
+    """Refuse a bad output slot before spending compute on it; set the earliest of the deadlines."""
+    for opt in decoded.outputs.values():
+        if opt.shm is not None:
+            shm.check(*opt.shm, write=True)
+    ireq = decoded.request
+    timeout_us = ireq.parameters.get("timeout_us")
+    now = time.monotonic()
+    deadlines = [now + timeout_us / 1e6] if timeout_us else []
+    if deadline_s is not None:
+        deadlines.append(now + deadline_s)
+    if deadlines:
+        ireq.deadline = min(deadlines)
+
+
+HEAVY = 1 << 20  # bodies/outputs above this are (de)coded in a worker thread to keep the loop responsive
+
+
+def encode_outputs(resp: InferResponse, decoded: DecodedRequest, shm: ShmView) -> tuple[dict[str, Any], list[bytes]]:
+    """The v2 response header and binary chunks, with shared-memory outputs written to their slots."""
+    staging = OutputStaging(shm) if any(o.shm for o in decoded.outputs.values()) else None
+    header, chunks = encode_response(resp, decoded, shm=staging)
+    if staging is not None:
+        staging.flush()
+    return header, chunks
+
+
+def encode_is_heavy(resp: InferResponse, decoded: DecodedRequest) -> bool:
+    """Worth a worker thread: big outputs, or big shared-memory slots to stage."""
+    return (sum(a.nbytes for a in resp.outputs.values()) > HEAVY
+            or sum(o.shm[2] for o in decoded.outputs.values() if o.shm) > HEAVY)

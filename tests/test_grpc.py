@@ -1,0 +1,312 @@
+"""The gRPC transport against real clients: tritonclient.grpc (typed and raw contents, system shared
+memory, ModelStreamInfer), raw grpcio calls for malformed and oversized messages, and perf_analyzer
+``-i grpc`` where its wheel can be fetched.
+"""
+
+from __future__ import annotations
+
+import queue
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as tg
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+from edged.config import parse_config
+from tests import perf_analyzer
+from tests.http_helpers import TOKEN, Segment, Served, copy_models, in_process, served
+
+pytestmark = pytest.mark.timeout(180)
+AUTH = {"authorization": f"Bearer {TOKEN}"}  # gRPC metadata keys are lower case
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """HTTP and gRPC on one service; a 1 MB gRPC message limit (mobilenet's 110 KB input fits)."""
+    tmp = tmp_path_factory.mktemp("grpc")
+    with served(copy_models(tmp / "models", "digits", "mobilenet"), tmp, grpc="max_message_mb = 1\n",
+                extra='[shm]\nsystem_shm_prefix = "grpctest_"\n') as s:
+        yield s
+
+
+@pytest.fixture
+def triton(srv: Served) -> Iterator[tg.InferenceServerClient]:
+    c = tg.InferenceServerClient(srv.grpc_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def channel(srv: Served) -> Iterator[grpc.Channel]:
+    ch = grpc.insecure_channel(srv.grpc_url)
+    yield ch
+    ch.close()
+
+
+def mobilenet_input(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).random((1, 3, 48, 192), dtype=np.float32)
+
+
+def digits_request(x: np.ndarray, rid: str = "") -> tg.InferInput:
+    inp = tg.InferInput("pixels", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    return inp
+
+
+# ---- metadata and the Triton extensions --------------------------------------------------------
+def test_health_metadata_config_statistics_index(triton: tg.InferenceServerClient,
+                                                 digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    assert triton.is_server_live() and triton.is_server_ready()
+    meta = triton.get_server_metadata(as_json=True)
+    assert meta["name"] == "edged" and "system_shared_memory" in meta["extensions"]
+    assert triton.is_model_ready("digits") and triton.is_model_ready("digits", "1")
+    md = triton.get_model_metadata("digits", as_json=True)
+    assert md["inputs"] == [{"name": "pixels", "datatype": "FP32", "shape": ["-1", "64"]}]
+    cfg = triton.get_model_config("digits", as_json=True)["config"]
+    assert cfg["name"] == "digits" and cfg["max_batch_size"] == 64
+    assert cfg["input"][0]["data_type"] == "TYPE_FP32" and cfg["input"][0]["dims"] == ["64"]
+    assert cfg["dynamic_batching"]["preferred_batch_size"] == [8, 16]
+    x, _ = digits_holdout
+    before = triton.get_inference_statistics("digits", as_json=True)["model_stats"][0]
+    triton.infer("digits", [digits_request(x[:2])])
+    after = triton.get_inference_statistics("digits", as_json=True)["model_stats"][0]
+    assert int(after["inference_count"]) == int(before.get("inference_count", 0)) + 2
+    index = triton.get_model_repository_index(as_json=True)["models"]
+    assert {(m["name"], m["state"]) for m in index} == {("digits", "READY"), ("mobilenet", "READY")}
+    with pytest.raises(InferenceServerException) as e:
+        triton.get_model_metadata("no-such-model")
+    assert e.value.status() == "StatusCode.NOT_FOUND"
+
+
+# ---- inference --------------------------------------------------------------------------------
+def test_raw_contents_match_in_process(srv: Served, triton: tg.InferenceServerClient,
+                                       digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    x, y = digits_holdout
+    batch = x[:64]
+    result = triton.infer("digits", [digits_request(batch)], request_id="r-1",
+                          outputs=[tg.InferRequestedOutput("probabilities")])
+    got = result.as_numpy("probabilities")
+    assert result.get_response().id == "r-1" and got.shape == (64, 10) and got.dtype == np.float32
+    np.testing.assert_allclose(got, in_process(srv, "digits", batch), rtol=1e-5, atol=1e-6)
+    assert (got.argmax(1) == y[:64]).mean() > 0.9
+    img = mobilenet_input()
+    inp = tg.InferInput("image", list(img.shape), "FP32")
+    inp.set_data_from_numpy(img)
+    got = triton.infer("mobilenet", [inp], model_version="1").as_numpy("probabilities")
+    np.testing.assert_allclose(got, in_process(srv, "mobilenet", img), rtol=1e-4, atol=1e-5)
+
+
+def test_typed_contents_match_in_process(srv: Served, channel: grpc.Channel,
+                                         digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    x, _ = digits_holdout
+    batch = x[:5]
+    req = service_pb2.ModelInferRequest(model_name="digits", id="typed")
+    t = req.inputs.add(name="pixels", datatype="FP32", shape=list(batch.shape))
+    t.contents.fp32_contents.extend(batch.ravel().tolist())
+    resp = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(req, timeout=30)
+    assert resp.id == "typed" and resp.outputs[0].name == "probabilities" and list(resp.outputs[0].shape) == [5, 10]
+    got = np.frombuffer(resp.raw_output_contents[0], np.float32).reshape(5, 10)
+    np.testing.assert_allclose(got, in_process(srv, "digits", batch), rtol=1e-5, atol=1e-6)
+    # A typed datatype whose values are in the wrong field is a count mismatch, not a crash.
+    req.inputs[0].datatype = "INT32"
+    with pytest.raises(grpc.RpcError) as e:
+        service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(req, timeout=30)
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_system_shared_memory(srv: Served, triton: tg.InferenceServerClient,
+                              digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    batch = np.ascontiguousarray(digits_holdout[0][:16])
+    out_bytes = 16 * 10 * 4
+    tag = uuid.uuid4().hex[:8]
+    seg_in, seg_out = Segment(f"/grpctest_in_{tag}", batch.nbytes), Segment(f"/grpctest_out_{tag}", out_bytes)
+    try:
+        seg_in.write(batch.tobytes())
+        with pytest.raises(InferenceServerException) as e:  # registering needs the management authority
+            triton.register_system_shared_memory(f"in_{tag}", f"/grpctest_in_{tag}", batch.nbytes)
+        assert e.value.status() == "StatusCode.UNAUTHENTICATED"
+        triton.register_system_shared_memory(f"in_{tag}", f"/grpctest_in_{tag}", batch.nbytes, headers=AUTH)
+        triton.register_system_shared_memory(f"out_{tag}", f"/grpctest_out_{tag}", out_bytes, headers=AUTH)
+        status = triton.get_system_shared_memory_status(headers=AUTH, as_json=True)["regions"]
+        assert {f"in_{tag}", f"out_{tag}"} <= set(status)
+        assert int(status[f"in_{tag}"]["byte_size"]) == batch.nbytes
+
+        inp = tg.InferInput("pixels", [16, 64], "FP32")
+        inp.set_shared_memory(f"in_{tag}", batch.nbytes)
+        out = tg.InferRequestedOutput("probabilities")
+        out.set_shared_memory(f"out_{tag}", out_bytes)
+        result = triton.infer("digits", [inp], outputs=[out], headers=AUTH)
+        assert list(result.get_output("probabilities").shape) == [16, 10]
+        assert len(result.get_response().raw_output_contents) == 0
+        got = np.frombuffer(seg_out.read(out_bytes), np.float32).reshape(16, 10)
+        np.testing.assert_allclose(got, in_process(srv, "digits", batch), rtol=1e-5, atol=1e-6)
+        # Another caller (no credential) cannot use these regions.
+        with pytest.raises(InferenceServerException) as e:
+            triton.infer("digits", [inp])
+        assert e.value.status() == "StatusCode.INVALID_ARGUMENT" and "not registered" in e.value.message()
+        triton.unregister_system_shared_memory(f"in_{tag}", headers=AUTH)
+        with pytest.raises(InferenceServerException) as e:
+            triton.infer("digits", [inp], outputs=[out], headers=AUTH)
+        assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    finally:
+        triton.unregister_system_shared_memory(headers=AUTH)
+        seg_in.close()
+        seg_out.close()
+    assert triton.get_system_shared_memory_status(headers=AUTH, as_json=True).get("regions", {}) == {}
+
+
+def test_stream_answers_each_request_once_in_order_with_errors_in_place(
+        srv: Served, triton: tg.InferenceServerClient, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    x, _ = digits_holdout
+    n, bad = 1000, 437
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    triton.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for i in range(n):
+            row = x[i % len(x): i % len(x) + 1]
+            inp = tg.InferInput("pixels", [1, 64] if i != bad else [2, 64], "FP32")  # a shape lie at `bad`
+            if i == bad:
+                inp._raw_content = row.tobytes()  # 1 row of bytes for a 2-row shape (the client would refuse it)
+            else:
+                inp.set_data_from_numpy(row)
+            triton.async_stream_infer("digits", [inp], request_id=str(i))
+        got = [answers.get(timeout=60) for _ in range(n)]
+    finally:
+        triton.stop_stream()
+    assert answers.empty()
+    for i, (result, error) in enumerate(got):
+        if i == bad:
+            assert result is None and error is not None and "bytes" in str(error), error
+            continue
+        assert error is None, (i, error)
+        assert result.get_response().id == str(i)
+    ids = [int(r.get_response().id) for r, _ in got if r is not None]
+    assert ids == [i for i in range(n) if i != bad]
+    row = x[5:6]
+    np.testing.assert_allclose(got[5][0].as_numpy("probabilities"), in_process(srv, "digits", row), rtol=1e-5)
+
+
+# ---- refusals: the right status, and the next request is served ----------------------------------
+def _ok(triton: tg.InferenceServerClient, x: np.ndarray) -> None:
+    assert triton.infer("digits", [digits_request(x[:1])]).as_numpy("probabilities").shape == (1, 10)
+
+
+def test_malformed_protobuf_is_invalid_argument(triton: tg.InferenceServerClient, channel: grpc.Channel,
+                                                digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    call = channel.unary_unary(INFER)
+    for junk in (b"\xff\xff\xff\xff", b"\x0a\x80\x80\x80\x80\x10digits", b"\x3a\x05ab"):
+        with pytest.raises(grpc.RpcError) as e:
+            call(junk, timeout=10)
+        assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT, e.value
+        assert "not a valid ModelInferRequest" in (e.value.details() or "")
+        _ok(triton, digits_holdout[0])
+
+
+def test_oversized_message_is_resource_exhausted(triton: tg.InferenceServerClient, channel: grpc.Channel,
+                                                 digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    big = np.zeros((4096, 64), np.float32)  # 1 MiB of raw contents plus the header: over [grpc] max_message_mb
+    with pytest.raises(InferenceServerException) as e:
+        triton.infer("digits", [digits_request(big)])
+    assert e.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+    _ok(triton, digits_holdout[0])
+
+
+def test_shape_lies_and_bad_requests_are_invalid_argument(triton: tg.InferenceServerClient, channel: grpc.Channel,
+                                                          digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    x, _ = digits_holdout
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+    def refused(req: Any) -> str:
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ModelInfer(req, timeout=10)
+        assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT, e.value
+        _ok(triton, x)
+        return str(e.value.details())
+
+    req = service_pb2.ModelInferRequest(model_name="digits", raw_input_contents=[x[:3].tobytes()])
+    req.inputs.add(name="pixels", datatype="FP32", shape=[4, 64])
+    assert "needs 1024" in refused(req)
+    req.inputs[0].shape[:] = [3, -64]
+    assert "non-negative" in refused(req)
+    req.inputs[0].shape[:] = [3, 64]
+    req.raw_input_contents.append(b"extra")
+    assert "raw_input_contents" in refused(req)
+    req = service_pb2.ModelInferRequest(model_name="digits", model_version="v1")
+    assert "version" in refused(req)
+    with pytest.raises(grpc.RpcError) as e:
+        req.model_name, req.model_version = "nope", ""
+        req.inputs.add(name="pixels", datatype="FP32", shape=[0, 64])
+        req.raw_input_contents.append(b"")
+        stub.ModelInfer(req, timeout=10)
+    assert e.value.code() is grpc.StatusCode.NOT_FOUND
+
+
+def test_repository_load_unload_needs_the_authority(srv: Served, triton: tg.InferenceServerClient) -> None:
+    with pytest.raises(InferenceServerException) as e:
+        triton.unload_model("mobilenet")
+    assert e.value.status() == "StatusCode.UNAUTHENTICATED"
+    with pytest.raises(InferenceServerException) as e:
+        triton.unload_model("mobilenet", headers={"authorization": "Bearer wrong-token-0123456789"})
+    assert e.value.status() == "StatusCode.PERMISSION_DENIED"
+    assert triton.is_model_ready("mobilenet")
+    triton.unload_model("mobilenet", headers=AUTH)
+    assert not srv.service.is_ready("mobilenet")
+    triton.load_model("mobilenet", headers=AUTH)
+    assert triton.is_model_ready("mobilenet")
+
+
+# ---- listener and configuration -----------------------------------------------------------------
+def test_grpc_is_off_unless_configured_and_refuses_unknown_keys() -> None:
+    assert parse_config("").grpc is None
+    cfg = parse_config("[grpc]\n")
+    assert cfg.grpc is not None and cfg.grpc.listen == "127.0.0.1:8001" and cfg.grpc.enabled
+    with pytest.raises(Exception, match="nope"):
+        parse_config("[grpc]\nnope = 1\n")
+
+
+def test_unix_socket_listener(tmp_path: Path, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    sock = tmp_path / "run" / "grpc.sock"
+    with served(copy_models(tmp_path / "models", "digits"), tmp_path, grpc=f'listen = "unix:{sock}"\n') as s:
+        assert s.grpc_url == f"unix:{sock}" and (sock.stat().st_mode & 0o777) == 0o660
+        c = tg.InferenceServerClient(s.grpc_url)
+        try:
+            _ok(c, digits_holdout[0])
+        finally:
+            c.close()
+    assert not sock.exists()
+
+
+def test_missing_extra_is_a_typed_error(tmp_path: Path) -> None:
+    code = ("import sys; sys.modules['grpc'] = None\n"
+            "from edged.config import parse_config\n"
+            "from edged.errors import MissingDependencyError\n"
+            "from edged.transports.grpc.server import GrpcTransport\n"
+            "try:\n    GrpcTransport(parse_config('[grpc]\\n'), None)\n"
+            "except MissingDependencyError as e:\n    print('refused:', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stderr
+    assert "refused: [grpc] is configured" in r.stdout and "edged[grpc]" in r.stdout
+
+
+# ---- perf_analyzer -i grpc -------------------------------------------------------------------------
+@pytest.mark.parametrize("streaming", [False, True], ids=["unary", "streaming"])
+def test_perf_analyzer_grpc(srv: Served, streaming: bool) -> None:
+    try:
+        pa = perf_analyzer.get()
+    except perf_analyzer.UnavailableError as e:
+        pytest.skip(str(e))
+    r = pa.run("-m", "digits", "-u", str(srv.grpc_url), "-i", "grpc", "-b", "4", "--concurrency-range", "2",
+               "--measurement-mode", "count_windows", "--measurement-request-count", "30", "-s", "50",
+               *(["--streaming"] if streaming else []))
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-2000:]
+    assert "Throughput:" in out and "Unable" not in out, out[-2000:]
