@@ -27,6 +27,7 @@ from edged.fsutil import ensure_private_dir
 from edged.hardware.facts import HardwareFacts
 from edged.hardware.probe import probe
 from edged.logs import log_fields, set_level
+from edged.owner import StateOwner, claim_state_dir
 from edged.profiles import DeviceProfile, ProfileMatch, load_profiles, match_profile, resolve_profile
 from edged.repository.store import list_versions
 from edged.systemd.health import Prober, self_test
@@ -116,6 +117,7 @@ class Daemon:
         self._reload_requested = False
         self._tasks: list[asyncio.Task[None]] = []
         self.telemetry: TelemetryAgent | None = None
+        self.owner: StateOwner | None = None
 
     # ---- signals ------------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -165,12 +167,18 @@ class Daemon:
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
             self.notifier.close()
+            if self.owner is not None:
+                self.owner.close()
+                self.owner = None
         return 0
 
     async def _start(self) -> bool:
         """Everything before READY=1; False when a stop was asked for on the way."""
         t0 = time.monotonic()
         n = self.notifier
+        # Before anything reads or writes device state (crash-loop counter, pins, status file): a
+        # refused second daemon must leave the first one's state exactly as it was.
+        self.owner = await asyncio.to_thread(claim_state_dir, self.cfg.device.state_dir)
         log.info("edged starting: repository %s, state %s", self.cfg.device.model_repository, self.cfg.device.state_dir)
         if n.enabled:
             wd = watchdog_interval()
