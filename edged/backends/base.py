@@ -93,6 +93,10 @@ class Backend(abc.ABC):
     def check_available(self) -> None:
         """Raise EngineUnavailableError, naming what to install, when the library cannot be used."""
 
+    def check_available_for(self, options: Mapping[str, Any]) -> None:
+        """Like ``check_available``, for one profile line's options (some change what is needed)."""
+        self.check_available()
+
     @abc.abstractmethod
     def load(self, request: LoadRequest) -> Engine:
         """Load a variant; raise ModelLoadError naming the model, version and file on failure."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -64,10 +64,10 @@ def candidates(variants: Sequence[Variant], preferences: Sequence[BackendPrefere
     return out
 
 
-def unavailable_reason(backend: str) -> str | None:
-    """Why a backend cannot be used on this machine, or None when it can."""
+def unavailable_reason(backend: str, options: Mapping[str, Any] | None = None) -> str | None:
+    """Why a backend (with a profile line's options) cannot be used on this machine, or None when it can."""
     try:
-        get_backend(backend).check_available()
+        get_backend(backend).check_available_for(options or {})
     except EdgedError as e:
         return str(e)
     return None

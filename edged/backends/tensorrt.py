@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import queue
 import threading
 from collections.abc import Mapping, Sequence
@@ -289,6 +290,14 @@ class TensorRtBackend(Backend):
         if count < 1:
             raise EngineUnavailableError(f"TensorRT needs an NVIDIA GPU, but CUDA sees none ({why or 'no device'})")
 
+    def check_available_for(self, options: Mapping[str, Any]) -> None:
+        worker = options.get("engine_worker")
+        if not worker:
+            self.check_available()
+        elif not os.access(str(worker), os.X_OK):
+            raise EngineUnavailableError(f"the TensorRT engine worker's Python {worker} is not there (JetPack 5 "
+                                         "puts TensorRT's bindings under /usr/bin/python3: python3-libnvinfer)")
+
     def library_version(self) -> str:
         return str(_import_trt().__version__)
 
@@ -331,6 +340,9 @@ class TensorRtBackend(Backend):
 
     # ---- loading ------------------------------------------------------------------------------
     def load(self, request: LoadRequest) -> Engine:
+        worker = request.options.get("engine_worker")
+        if worker:
+            return self._load_in_worker(request, str(worker))
         trt, cuda = _import_trt(), cuda_runtime()
         gpu = int(request.options.get("gpu_id", 0))
         cuda.set_device(gpu)
@@ -357,6 +369,17 @@ class TensorRtBackend(Backend):
         raise EngineBuildRequiredError(
             f"{request.label}: no TensorRT {precision} plan for this GPU and library yet; it must be built",
             build, model=request.model, version=request.version)
+
+    def _load_in_worker(self, request: LoadRequest, python: str) -> Engine:
+        """JetPack 5: the plan runs in the engine worker under the system Python that has TensorRT."""
+        from edged.backends.trt_worker.supervisor import DEFAULT_REQUEST_TIMEOUT_S, WorkerEngine
+
+        if request.variant.format != "tensorrt":
+            raise ModelLoadError(f"{request.label}: the TensorRT engine worker serves prebuilt plans only "
+                                 "(format = \"tensorrt\"); build one on the device, e.g. with trtexec")
+        timeout = float(request.options.get("worker_timeout_s", DEFAULT_REQUEST_TIMEOUT_S))
+        return WorkerEngine(python, request.file, request.label, device=request.device,
+                            precision=request.variant.precision, request_timeout_s=timeout)
 
     def _from_cache(self, trt: Any, cache: EngineCache | None, key: EngineCacheKey, request: LoadRequest, *,
                     precision: str, dla: int, gpu: int) -> Engine | None:

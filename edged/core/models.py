@@ -429,7 +429,7 @@ class ModelLoader:
             if t is not None and best is not None:
                 self._skip(mv, cand, _slower(t, best) + " (remembered from the last measurement)")
             else:
-                why = failed.get(cand.label) or unavailable_reason(cand.backend) or "not measured"
+                why = failed.get(cand.label) or unavailable_reason(cand.backend, cand.options) or "not measured"
                 self._skip(mv, cand, f"{why} (remembered from the last measurement)")
 
     def _build_now(self, mv: ModelVersion, pending: Sequence[tuple[Candidate, EngineBuildRequiredError]]) -> bool:
@@ -446,7 +446,7 @@ class ModelLoader:
     # ---- one candidate ------------------------------------------------------------------------
     def _attempt(self, mv: ModelVersion, cand: Candidate) -> _Attempt:
         """(engine, None, None) when it loaded; (None, build, None) when it must be built; else the reason."""
-        why = unavailable_reason(cand.backend)
+        why = unavailable_reason(cand.backend, cand.options)
         if why is not None:
             return None, None, why
         try:

@@ -63,8 +63,9 @@ element size. A bad descriptor gets an error reply; the connection stays usable.
 
 from __future__ import annotations
 
-import struct
-from typing import NamedTuple
+import functools
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 import numpy as np
 
@@ -82,28 +83,91 @@ from edged.errors import (
     ResourceExhaustedError,
     UnauthenticatedError,
 )
+from edged.protocol import shm_wire
 
-PROTOCOL_VERSION = 1
-MAX_MESSAGE = 64 * 1024
-MAX_DIMS = 16
-ALIGNMENT = 64
+# The wire format itself lives in shm_wire (one copy, shared with the engine worker); re-exported here.
+from edged.protocol.shm_wire import (
+    ALIGNMENT,
+    DTYPES,
+    ERROR,
+    FLAG_QUEUE,
+    HEADER,
+    HELLO,
+    INFER,
+    INFER_BODY,
+    KINDS,
+    MAX_DIMS,
+    MAX_MESSAGE,
+    META_BODY,
+    METADATA,
+    OUTPUT,
+    PROTOCOL_VERSION,
+    REGISTER,
+    REPLY,
+    TENSOR,
+    U32,
+    U64,
+    UNREGISTER,
+    InferDesc,
+    OutputDesc,
+    TensorDesc,
+    align,
+    decode_error,
+    decode_outputs,
+    header,
+)
+
+__all__ = [
+    "ALIGNMENT",
+    "DEFAULT_SOCKET",
+    "DTYPES",
+    "DTYPE_CODE",
+    "ERROR",
+    "FLAG_QUEUE",
+    "HEADER",
+    "HELLO",
+    "INFER",
+    "INFER_BODY",
+    "KINDS",
+    "MAX_DIMS",
+    "MAX_MESSAGE",
+    "METADATA",
+    "META_BODY",
+    "NUMPY_CODE",
+    "NUMPY_DTYPES",
+    "OUTPUT",
+    "PROTOCOL_VERSION",
+    "REGISTER",
+    "REPLY",
+    "SOCKET_ENV",
+    "STATUS_CODES",
+    "STATUS_OF",
+    "TENSOR",
+    "U32",
+    "U64",
+    "UNREGISTER",
+    "InferDesc",
+    "OutputDesc",
+    "ProtocolError",
+    "TensorDesc",
+    "align",
+    "decode_error",
+    "decode_infer",
+    "decode_outputs",
+    "encode_error",
+    "encode_infer",
+    "encode_output",
+    "encode_tensor",
+    "error_from_status",
+    "header",
+    "name_bytes",
+]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
 DEFAULT_SOCKET = "/run/edged/edged.sock"
 SOCKET_ENV = "EDGED_SHM_SOCKET"
-
-HELLO, REGISTER, UNREGISTER, INFER, METADATA = 1, 2, 3, 4, 5
-FLAG_QUEUE = 1
-REPLY = 0x80
-KINDS = frozenset({HELLO, REGISTER, UNREGISTER, INFER, METADATA})
-
-HEADER = struct.Struct("<BBHQ")
-ERROR = struct.Struct("<QH")
-U32 = struct.Struct("<I")
-U64 = struct.Struct("<Q")
-INFER_BODY = struct.Struct("<iIIQQHBB")
-TENSOR = struct.Struct("<BBBxIQQ")
-OUTPUT = struct.Struct("<BBBxQQ")
-META_BODY = struct.Struct("<iH")
-_DIMS = [struct.Struct(f"<{n}q") for n in range(MAX_DIMS + 1)]
 
 # Status byte of a reply: 0 is OK, the rest index this tuple.
 STATUS_CODES: tuple[ErrorCode | None, ...] = (
@@ -113,10 +177,6 @@ STATUS_CODES: tuple[ErrorCode | None, ...] = (
 )
 STATUS_OF: dict[ErrorCode, int] = {c: i for i, c in enumerate(STATUS_CODES) if c is not None}
 
-# dtype code -> v2 datatype; 0 is invalid, BYTES (variable length) cannot live in a fixed range.
-DTYPES: tuple[str | None, ...] = (
-    None, "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64",
-)
 NUMPY_DTYPES: tuple[np.dtype[np.generic] | None, ...] = tuple(
     None if d is None else datatypes.to_numpy(d) for d in DTYPES)
 DTYPE_CODE: dict[str, int] = {d: i for i, d in enumerate(DTYPES) if d is not None}
@@ -135,30 +195,6 @@ class ProtocolError(InvalidInputError):
     """A message that does not follow this protocol."""
 
 
-class TensorDesc(NamedTuple):
-    name: str
-    dtype: int
-    shape: tuple[int, ...]
-    segment: int
-    offset: int
-    nbytes: int
-
-
-class InferDesc(NamedTuple):
-    model: str
-    version: int
-    timeout_us: int
-    out_segment: int
-    out_offset: int
-    out_capacity: int
-    inputs: list[TensorDesc]
-    outputs: list[str] | None
-
-
-def align(n: int, to: int = ALIGNMENT) -> int:
-    return (n + to - 1) // to * to
-
-
 def error_from_status(status: int, message: str, needed: int = 0) -> EdgedError:
     """The typed error a reply status stands for (clients raise it)."""
     code = STATUS_CODES[status] if 0 < status < len(STATUS_CODES) else ErrorCode.INTERNAL
@@ -170,118 +206,31 @@ def error_from_status(status: int, message: str, needed: int = 0) -> EdgedError:
     return err
 
 
-# ---- encoding ---------------------------------------------------------------------------------
-def header(kind: int, rid: int, status: int = 0, count: int = 0) -> bytes:
-    return HEADER.pack(kind, status, count, rid)
-
-
 def encode_error(kind: int, rid: int, code: ErrorCode, message: str, needed: int = 0) -> bytes:
-    msg = message.encode("utf-8", "replace")[:4096]
-    return HEADER.pack(kind | REPLY, STATUS_OF.get(code, STATUS_OF[ErrorCode.INTERNAL]), 0, rid) + \
-        ERROR.pack(needed, len(msg)) + msg
-
-
-def name_bytes(s: str) -> bytes:
-    b = s.encode()
-    if len(b) > 255:
-        raise InvalidInputError(f"name {s[:40]!r}... is longer than 255 bytes")
-    return b
-
-
-def encode_tensor(name: str, dtype: int, shape: tuple[int, ...], *, segment: int, offset: int, nbytes: int) -> bytes:
-    nb = name_bytes(name)
-    return TENSOR.pack(len(nb), dtype, len(shape), segment, offset, nbytes) + _DIMS[len(shape)].pack(*shape) + nb
-
-
-def encode_infer(rid: int, model: str, version: int, inputs: list[bytes], *, out_segment: int, out_offset: int,
-                 out_capacity: int, outputs: list[str] | None = None, timeout_us: int = 0,
-                 flags: int = 0) -> bytes:
-    """An INFER message; ``inputs`` are :func:`encode_tensor` results. No checks: the daemon does them."""
-    mb = model.encode()
-    parts = [HEADER.pack(INFER, flags, 0, rid),
-             INFER_BODY.pack(version, timeout_us, out_segment, out_offset, out_capacity, len(mb), len(inputs),
-                             len(outputs or ())),
-             mb, *inputs]
-    for o in outputs or ():
-        ob = name_bytes(o)
-        parts.append(bytes((len(ob),)) + ob)
-    return b"".join(parts)
-
-
-def encode_output(name: str, dtype: int, shape: tuple[int, ...], *, offset: int, nbytes: int) -> bytes:
-    nb = name_bytes(name)
-    return OUTPUT.pack(len(nb), dtype, len(shape), offset, nbytes) + _DIMS[len(shape)].pack(*shape) + nb
-
-
-# ---- decoding ---------------------------------------------------------------------------------
-def _text(buf: memoryview | bytes, pos: int, n: int, what: str) -> str:
-    if pos + n > len(buf):
-        raise ProtocolError(f"message ends inside {what}")
-    try:
-        return bytes(buf[pos:pos + n]).decode()
-    except UnicodeDecodeError:
-        raise ProtocolError(f"{what} is not UTF-8") from None
+    return shm_wire.encode_status_error(kind, rid, STATUS_OF.get(code, STATUS_OF[ErrorCode.INTERNAL]), message,
+                                        needed)
 
 
 def decode_infer(buf: memoryview | bytes) -> InferDesc:
     """Parse an INFER body (after the header). Raises ProtocolError; never trusts a length."""
     try:
-        version, timeout_us, oseg, ooff, ocap, mlen, n_in, n_out = INFER_BODY.unpack_from(buf, 0)
-        pos = INFER_BODY.size
-        model = _text(buf, pos, mlen, "the model name")
-        pos += mlen
-        inputs: list[TensorDesc] = []
-        for i in range(n_in):
-            nlen, dtype, ndim, seg, off, nbytes = TENSOR.unpack_from(buf, pos)
-            pos += TENSOR.size
-            if ndim > MAX_DIMS:
-                raise ProtocolError(f"input #{i} has {ndim} dimensions (at most {MAX_DIMS})")
-            shape = _DIMS[ndim].unpack_from(buf, pos)
-            pos += 8 * ndim
-            name = _text(buf, pos, nlen, f"input #{i} name")
-            pos += nlen
-            inputs.append(TensorDesc(name, dtype, shape, seg, off, nbytes))
-        outputs: list[str] | None = None
-        if n_out:
-            outputs = []
-            for i in range(n_out):
-                olen = buf[pos]
-                outputs.append(_text(buf, pos + 1, olen, f"requested output #{i} name"))
-                pos += 1 + olen
-    except (struct.error, IndexError):
-        raise ProtocolError("INFER message is truncated") from None
-    if pos != len(buf):
-        raise ProtocolError(f"INFER message has {len(buf) - pos} unexpected trailing bytes")
-    return InferDesc(model, version, timeout_us, oseg, ooff, ocap, inputs, outputs)
+        return shm_wire.decode_infer(buf)
+    except shm_wire.WireError as e:
+        raise ProtocolError(str(e)) from None
 
 
-class OutputDesc(NamedTuple):
-    name: str
-    dtype: int
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
+def _typed(fn: Callable[P, R]) -> Callable[P, R]:
+    """The wire module's plain ValueError, as the typed error the rest of edged expects."""
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except shm_wire.WireError as e:
+            raise InvalidInputError(str(e)) from None
+    return call
 
 
-def decode_outputs(buf: memoryview | bytes, count: int) -> tuple[int, list[OutputDesc]]:
-    """Parse a successful INFER reply body: (model version, outputs)."""
-    (version,) = U32.unpack_from(buf, 0)
-    pos = U32.size
-    outs: list[OutputDesc] = []
-    for _ in range(count):
-        nlen, dtype, ndim, off, nbytes = OUTPUT.unpack_from(buf, pos)
-        pos += OUTPUT.size
-        shape = _DIMS[ndim].unpack_from(buf, pos)
-        pos += 8 * ndim
-        outs.append(OutputDesc(bytes(buf[pos:pos + nlen]).decode(), dtype, shape, off, nbytes))
-        pos += nlen
-    return version, outs
-
-
-def decode_error(buf: memoryview | bytes) -> tuple[int, str]:
-    """(needed bytes, message) of an error reply body."""
-    try:
-        needed, mlen = ERROR.unpack_from(buf, 0)
-    except struct.error:
-        return 0, "malformed error reply"
-    return needed, bytes(buf[ERROR.size:ERROR.size + mlen]).decode("utf-8", "replace")
+name_bytes = _typed(shm_wire.name_bytes)
+encode_tensor = _typed(shm_wire.encode_tensor)
+encode_infer = _typed(shm_wire.encode_infer)
+encode_output = _typed(shm_wire.encode_output)

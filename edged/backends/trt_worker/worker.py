@@ -1,0 +1,290 @@
+"""The TensorRT engine worker: one plan, served over the shared-memory protocol on an inherited socket.
+
+Runs under JetPack 5's system Python 3.8 with only numpy and TensorRT importable,
+so it imports nothing from edged but the wire format module, found through
+``--wire`` (the folder holding ``shm_wire.py``). Python 3.8 compatible on purpose:
+no ``match``, no ``X | Y`` at run time, no 3.9+ library calls.
+
+Why a process: the daemon's Python (3.10+) cannot import these bindings, and a GPU
+fault or a hung engine then takes down only this process; the daemon restarts it.
+
+Tensors never cross the socket: the daemon registers memfd segments once (fd passed
+with SCM_RIGHTS) and each INFER names (segment, offset, size) ranges; outputs are
+written straight into the daemon's output segment. With real TensorRT the segments
+are registered with CUDA (``cudaHostRegister``, mapped), so the engine reads and
+writes them in place on the Jetson's shared DRAM. A stand-in that says
+``EDGED_STANDIN_HOST_POINTERS = True`` gets plain host addresses instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import importlib
+import json
+import mmap
+import os
+import socket
+import stat
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from edged.protocol import shm_wire as wire
+else:
+    wire = None  # bound in main(): found through --wire, since edged itself is not importable here
+
+MAX_SEGMENTS = 8
+MAX_SEGMENT_BYTES = 1 << 34
+
+
+class RequestError(Exception):
+    """A request the worker refuses or cannot run; the status byte goes back to the daemon."""
+
+    def __init__(self, status: int, message: str, needed: int = 0) -> None:
+        Exception.__init__(self, message)
+        self.status, self.needed = status, needed
+
+
+class _Cuda:
+    """The few CUDA runtime calls the worker needs, through ctypes on libcudart (no pycuda on the device)."""
+
+    def __init__(self) -> None:
+        name = ctypes.util.find_library("cudart") or "libcudart.so"
+        self.lib = ctypes.CDLL(name)
+        self.stream = ctypes.c_void_p()
+        self._check(self.lib.cudaStreamCreate(ctypes.byref(self.stream)), "cudaStreamCreate")
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise RequestError(wire.INTERNAL, f"{what} failed with CUDA error {rc}")
+
+    def map_host(self, address: int, size: int) -> int:
+        """Pin and map a host range; returns the device address of the same memory."""
+        self._check(self.lib.cudaHostRegister(ctypes.c_void_p(address), ctypes.c_size_t(size), 2),
+                    "cudaHostRegister")  # 2 = cudaHostRegisterMapped
+        dev = ctypes.c_void_p()
+        self._check(self.lib.cudaHostGetDevicePointer(ctypes.byref(dev), ctypes.c_void_p(address), 0),
+                    "cudaHostGetDevicePointer")
+        return int(dev.value or 0)
+
+    def unmap_host(self, address: int) -> None:
+        self.lib.cudaHostUnregister(ctypes.c_void_p(address))
+
+    def synchronize(self) -> None:
+        self._check(self.lib.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+
+
+class _Segment:
+    def __init__(self, fd: int, size: int, cuda: _Cuda | None, np: Any) -> None:
+        self.size = size
+        self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.host = int(np.frombuffer(self.map, dtype=np.uint8).ctypes.data)
+        self.cuda = cuda
+        self.device = cuda.map_host(self.host, size) if cuda is not None else self.host
+
+    def close(self) -> None:
+        if self.cuda is not None:
+            self.cuda.unmap_host(self.host)
+
+
+class Worker:
+    """One deserialized plan and its execution context; requests run one at a time."""
+
+    def __init__(self, trt: Any, np: Any, plan: bytes) -> None:
+        self.trt, self.np = trt, np
+        self.logger = trt.Logger(trt.Logger.WARNING)
+        self.runtime = trt.Runtime(self.logger)
+        self.engine = self.runtime.deserialize_cuda_engine(plan)
+        if self.engine is None:
+            raise RuntimeError("TensorRT could not deserialize the plan (built for another TensorRT or GPU?)")
+        self.context = self.engine.create_execution_context()
+        self.cuda = None if getattr(trt, "EDGED_STANDIN_HOST_POINTERS", False) else _Cuda()
+        self.stream = int(self.cuda.stream.value or 0) if self.cuda is not None else 0
+        self.inputs: list[str] = []
+        self.outputs: list[str] = []
+        self.dtypes: dict[str, Any] = {}
+        for i in range(self.engine.num_io_tensors):
+            name = self.engine.get_tensor_name(i)
+            is_input = self.engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT
+            (self.inputs if is_input else self.outputs).append(name)
+            self.dtypes[name] = np.dtype(trt.nptype(self.engine.get_tensor_dtype(name)))
+        self.segments: dict[int, _Segment] = {}
+        self.next_segment = 1
+        self.served = 0
+
+    def describe(self) -> dict[str, Any]:
+        def tensor(name: str) -> dict[str, Any]:
+            code = wire.NUMPY_NAMES.index(self.dtypes[name].name)
+            return {"name": name, "datatype": wire.DTYPES[code],
+                    "shape": [int(d) for d in self.engine.get_tensor_shape(name)]}
+        return {"protocol": wire.PROTOCOL_VERSION, "pid": os.getpid(), "python": sys.version.split()[0],
+                "tensorrt": str(getattr(self.trt, "__version__", "unknown")), "served": self.served,
+                "inputs": [tensor(n) for n in self.inputs], "outputs": [tensor(n) for n in self.outputs]}
+
+    # ---- requests ---------------------------------------------------------------------------
+    def register(self, body: bytes, fds: list[int]) -> bytes:
+        if len(fds) != 1:
+            raise RequestError(wire.INVALID_ARGUMENT, f"REGISTER needs exactly one fd, got {len(fds)}")
+        fd = fds[0]
+        try:
+            if len(body) != wire.U64.size:
+                raise RequestError(wire.INVALID_ARGUMENT, "REGISTER body is not one u64 size")
+            (size,) = wire.U64.unpack(body)
+            if len(self.segments) >= MAX_SEGMENTS:
+                raise RequestError(wire.INVALID_ARGUMENT, f"at most {MAX_SEGMENTS} segments")
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size or not 0 < size <= MAX_SEGMENT_BYTES:
+                raise RequestError(wire.INVALID_ARGUMENT, f"segment size {size} does not match the fd ({st.st_size})")
+            seg = _Segment(fd, size, self.cuda, self.np)
+        finally:
+            os.close(fd)
+        sid = self.next_segment
+        self.next_segment += 1
+        self.segments[sid] = seg
+        return wire.U32.pack(sid)
+
+    def unregister(self, body: bytes) -> bytes:
+        (sid,) = wire.U32.unpack(body)
+        seg = self.segments.pop(sid, None)
+        if seg is None:
+            raise RequestError(wire.NOT_FOUND, f"no segment {sid}")
+        seg.close()
+        return b""
+
+    def _range(self, sid: int, offset: int, nbytes: int, what: str) -> _Segment:
+        seg = self.segments.get(sid)
+        if seg is None:
+            raise RequestError(wire.NOT_FOUND, f"{what}: no segment {sid}")
+        if offset > seg.size or nbytes > seg.size - offset:
+            raise RequestError(wire.INVALID_ARGUMENT, f"{what}: range {offset}+{nbytes} is outside segment {sid}")
+        return seg
+
+    def infer(self, body: bytes) -> tuple[int, bytes]:
+        try:
+            desc = wire.decode_infer(body)
+        except wire.WireError as e:
+            raise RequestError(wire.INVALID_ARGUMENT, str(e)) from None
+        np, ctx = self.np, self.context
+        given = {t.name: t for t in desc.inputs}
+        if sorted(given) != sorted(self.inputs):
+            raise RequestError(wire.INVALID_ARGUMENT, f"inputs {sorted(given)} do not match the engine's {self.inputs}")
+        for name in self.inputs:
+            t = given[name]
+            dtype = self.dtypes[name]
+            if not 0 < t.dtype < len(wire.NUMPY_NAMES) or wire.NUMPY_NAMES[t.dtype] != dtype.name:
+                raise RequestError(wire.INVALID_ARGUMENT, f"input {name!r}: dtype code {t.dtype}, the engine wants "
+                                                     f"{dtype.name}")
+            count = 1
+            for d in t.shape:
+                if d < 0:
+                    raise RequestError(wire.INVALID_ARGUMENT, f"input {name!r}: negative dimension in {t.shape}")
+                count *= d
+            if count * dtype.itemsize != t.nbytes or t.offset % dtype.itemsize:
+                raise RequestError(wire.INVALID_ARGUMENT, f"input {name!r}: {t.nbytes} bytes at offset {t.offset} do "
+                                                     f"not hold a {dtype.name} tensor of shape {list(t.shape)}")
+            seg = self._range(t.segment, t.offset, t.nbytes, f"input {name!r}")
+            if not ctx.set_input_shape(name, tuple(t.shape)):
+                raise RequestError(wire.INVALID_ARGUMENT, f"input {name!r}: the engine refuses shape {list(t.shape)}")
+            ctx.set_tensor_address(name, seg.device + t.offset)
+        wanted = desc.outputs if desc.outputs is not None else self.outputs
+        unknown = [n for n in wanted if n not in self.outputs]
+        if unknown:
+            raise RequestError(wire.INVALID_ARGUMENT, f"unknown outputs {unknown}; the engine has {self.outputs}")
+        out = self._range(desc.out_segment, desc.out_offset, desc.out_capacity, "output range")
+        placed = []
+        pos = 0
+        for name in self.outputs:  # every output needs an address; only the wanted ones are reported
+            shape = tuple(int(d) for d in ctx.get_tensor_shape(name))
+            nbytes = int(np.prod(shape, dtype=np.int64)) * self.dtypes[name].itemsize
+            placed.append((name, shape, pos, nbytes))
+            pos = wire.align(pos + nbytes)
+        if pos > desc.out_capacity:
+            raise RequestError(wire.INVALID_ARGUMENT, f"outputs need {pos} bytes, the range holds {desc.out_capacity}",
+                          needed=pos)
+        for name, _, at, _ in placed:
+            ctx.set_tensor_address(name, out.device + desc.out_offset + at)
+        if not ctx.execute_async_v3(self.stream):
+            raise RequestError(wire.INTERNAL, "TensorRT execute_async_v3 failed")
+        if self.cuda is not None:
+            self.cuda.synchronize()
+        self.served += 1
+        parts = [wire.U32.pack(0)]
+        for name, shape, at, nbytes in placed:
+            if name in wanted:
+                code = wire.NUMPY_NAMES.index(self.dtypes[name].name)
+                parts.append(wire.encode_output(name, code, shape, offset=desc.out_offset + at, nbytes=nbytes))
+        return len(parts) - 1, b"".join(parts)
+
+
+def _recv(sock: socket.socket) -> tuple[bytes, list[int]]:
+    fds: list[int] = []
+    msg, anc, _, _ = sock.recvmsg(wire.MAX_MESSAGE, socket.CMSG_SPACE(4 * 4))
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.extend(int.from_bytes(data[i:i + 4], sys.byteorder) for i in range(0, len(data) - 3, 4))
+    return msg, fds
+
+
+def serve(sock: socket.socket, worker: Worker) -> None:
+    """Answer requests until the daemon closes its end."""
+    sock.send(wire.header(wire.HELLO | wire.REPLY, 0) + json.dumps(worker.describe()).encode())
+    while True:
+        msg, fds = _recv(sock)
+        if not msg:
+            return
+        if len(msg) < wire.HEADER.size:
+            for fd in fds:
+                os.close(fd)
+            sock.send(wire.encode_status_error(0x7F, 0, wire.INVALID_ARGUMENT, "message shorter than a header"))
+            continue
+        kind, _, _, rid = wire.HEADER.unpack_from(msg, 0)
+        body = msg[wire.HEADER.size:]
+        try:
+            if kind == wire.REGISTER:
+                reply, count = worker.register(body, fds), 0
+                fds = []
+            elif kind == wire.INFER:
+                count, reply = worker.infer(body)
+            elif kind == wire.UNREGISTER:
+                reply, count = worker.unregister(body), 0
+            elif kind == wire.HELLO:  # also the daemon's health check
+                reply, count = json.dumps(worker.describe()).encode(), 0
+            else:
+                raise RequestError(wire.INVALID_ARGUMENT, f"unknown request kind {kind}")
+        except RequestError as e:
+            sock.send(wire.encode_status_error(kind, rid, e.status, str(e), e.needed))
+        except Exception as e:  # the engine's own failure: report it, keep serving
+            sock.send(wire.encode_status_error(kind, rid, wire.INTERNAL, f"{type(e).__name__}: {e}"))
+        else:
+            sock.send(wire.header(kind | wire.REPLY, rid, 0, count) + reply)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="edged's TensorRT engine worker (started by the daemon)")
+    parser.add_argument("--fd", type=int, required=True, help="the inherited SOCK_SEQPACKET socket")
+    parser.add_argument("--plan", required=True, help="the TensorRT plan file")
+    parser.add_argument("--wire", required=True, help="the folder holding shm_wire.py")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, args.wire)
+    globals()["wire"] = importlib.import_module("shm_wire")
+    sock = socket.socket(fileno=args.fd)
+    try:
+        import numpy
+        import tensorrt
+
+        with open(args.plan, "rb") as f:
+            worker = Worker(tensorrt, numpy, f.read())
+    except Exception as e:  # tell the daemon why, then exit: it will not retry a plan that cannot load
+        sock.send(wire.encode_status_error(wire.HELLO, 0, wire.UNAVAILABLE, f"{type(e).__name__}: {e}"))
+        return 3
+    serve(sock, worker)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
