@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=".npy for the model's single input, or .npz with one array per input name")
     p.add_argument("--model-version", type=int, default=None, dest="model_version")
     p.add_argument("--json", action="store_true", help="print exactly the v2 inference response")
-    p.add_argument("--transport", choices=["local", "shm", "http", "mqtt"], default="local",
+    p.add_argument("--transport", choices=["local", "shm", "http", "grpc", "mqtt"], default="local",
                    help="local: load the model in this process; shm, http, mqtt: ask the running daemon "
                         "(addresses from the config)")
 

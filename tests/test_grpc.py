@@ -5,6 +5,7 @@ memory, ModelStreamInfer), raw grpcio calls for malformed and oversized messages
 
 from __future__ import annotations
 
+import json
 import queue
 import subprocess
 import sys
@@ -310,3 +311,18 @@ def test_perf_analyzer_grpc(srv: Served, streaming: bool) -> None:
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-2000:]
     assert "Throughput:" in out and "Unable" not in out, out[-2000:]
+
+
+def test_edged_infer_over_grpc(srv: Served, tmp_path: Path, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    x = digits_holdout[0][:3]
+    np.save(tmp_path / "x.npy", x)
+    cfg = tmp_path / "edged.toml"
+    cfg.write_text(f'[grpc]\nlisten = "{srv.grpc_url}"\n')
+    r = subprocess.run([sys.executable, "-m", "edged", "infer", "digits", "--input", str(tmp_path / "x.npy"),
+                        "--transport", "grpc", "--json", "--config", str(cfg)],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)["outputs"][0]
+    assert out["name"] == "probabilities" and out["shape"] == [3, 10]
+    got = np.array(out["data"], np.float32).reshape(3, 10)
+    np.testing.assert_allclose(got, in_process(srv, "digits", x), rtol=1e-5, atol=1e-6)

@@ -32,7 +32,7 @@ from tests.conftest import EDGED, MODELS, REPO_ROOT
 from tests.mqtt_helpers import Broker
 from tests.netutil import free_port
 
-TRANSPORTS = ("http", "shm", "mqtt")
+TRANSPORTS = ("http", "shm", "grpc", "mqtt")
 FAST = ["-p", "300", "-r", "3", "-s", "100"]  # short windows; stability within 100% so three windows do
 
 
@@ -74,6 +74,8 @@ runtime_dir = "{tmp / 'run'}"
 model_repository = "{tmp / 'models'}"
 [http]
 listen = "127.0.0.1:{port}"
+[grpc]
+listen = "127.0.0.1:{free_port()}"
 [mqtt]
 url = "{broker.url}"
 [telemetry]
@@ -149,6 +151,18 @@ def test_perf_each_transport_writes_csv(daemon: Daemon, transport: str, tmp_path
         check_row(row, server=True)  # shm and mqtt read the stats from the config's [http] listen
     assert "server-side statistics: from" in r.stdout
     assert "p99" in r.stdout
+
+
+def test_grpc_streaming(daemon: Daemon, tmp_path: Path) -> None:
+    out = tmp_path / "stream.csv"
+    r = daemon.perf("-m", "digits", "--transport", "grpc", "--streaming", "--concurrency-range", "2", *FAST,
+                    "-f", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    _, rows = read_csv(out)
+    assert [row["concurrency"] for row in rows] == ["2"]
+    check_row(rows[0], server=True)
+    r = daemon.perf("-m", "digits", "--transport", "http", "--streaming", *FAST)
+    assert r.returncode != 0 and "--streaming applies to grpc only" in r.stderr
 
 
 def test_request_rate_mode_json_and_plot(daemon: Daemon, tmp_path: Path) -> None:

@@ -29,6 +29,14 @@ def http_address_of(cfg: Config) -> str:
     return http_address(cfg.http.listen)
 
 
+def grpc_address_of(cfg: Config) -> str:
+    from edged.errors import ConfigError
+
+    if cfg.grpc is None or not cfg.grpc.enabled:
+        raise ConfigError("the daemon's configuration has no [grpc] listener (add a [grpc] section)")
+    return http_address(cfg.grpc.listen)
+
+
 def shm_address_of(cfg: Config) -> str:
     return str(cfg.shm_socket)
 

@@ -1,4 +1,4 @@
-"""One inference through a running daemon, for `edged infer --transport shm|http|mqtt`."""
+"""One inference through a running daemon, for `edged infer --transport shm|http|grpc|mqtt`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from edged.client.connect import MqttSettings, http_address_of, shm_address_of
+from edged.client.connect import MqttSettings, grpc_address_of, http_address_of, shm_address_of
 from edged.config import Config
 from edged.errors import EdgedError
 from edged.repository.manifest import TensorSpec
@@ -37,6 +37,9 @@ class RemoteModel:
         elif transport == "shm":
             from edged.client.shm import ShmClient
             self._client = ShmClient(shm_address_of(cfg))
+        elif transport == "grpc":
+            from edged.client.grpc import GrpcClient
+            self._client = GrpcClient(grpc_address_of(cfg))
         elif transport == "mqtt":
             self._client = MqttSettings.from_config(cfg).client()
         else:

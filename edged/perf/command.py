@@ -14,7 +14,7 @@ from typing import Any, TextIO
 
 from edged.errors import EdgedError
 
-TRANSPORTS = ("http", "shm", "mqtt")
+TRANSPORTS = ("http", "shm", "grpc", "mqtt")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,11 +24,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", "-i", choices=TRANSPORTS, default="http", help="how to reach the daemon "
                    "(default http)")
     p.add_argument("-u", "--url", default=None, metavar="ADDRESS",
-                   help="the transport's address: http host:port or Unix socket, shm socket path, mqtt://host:port "
-                        "(default: from the daemon's config)")
+                   help="the transport's address: http or grpc host:port or Unix socket, shm socket path, "
+                        "mqtt://host:port (default: from the daemon's config)")
     p.add_argument("--http-url", default=None, metavar="HOST:PORT",
-                   help="HTTP endpoint for the daemon's statistics when the load goes over shm or mqtt (default: "
+                   help="HTTP endpoint for the daemon's statistics when the load goes over shm, grpc or mqtt (default: "
                         "the config's [http] listen when enabled; 'none' to skip)")
+    p.add_argument("--streaming", action="store_true",
+                   help="grpc: send over one ModelStreamInfer stream per load thread instead of unary calls")
     p.add_argument("--device-id", default=None, help="mqtt: the daemon's device id (default: from the config)")
     p.add_argument("--topic-prefix", default=None, help="mqtt: topic prefix (default: from the config)")
     p.add_argument("--qos", type=int, choices=(0, 1, 2), default=1,
@@ -69,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
-        "perf", help="load a running daemon over shm, http or mqtt and measure latency and throughput",
+        "perf", help="load a running daemon over shm, http, grpc or mqtt and measure latency and throughput",
         description="Load generator for a running edged (like Triton's perf_analyzer): closed-loop concurrency or "
                     "open-loop request-rate sweeps, windows repeated until stable, client latency percentiles "
                     "next to the daemon's queue/compute split, CSV/JSON output and a PNG plot.")
@@ -91,6 +93,8 @@ def _check(args: argparse.Namespace) -> None:
         raise InvalidInputError("--max-threads must be >= 1")
     if args.request_timeout <= 0:
         raise InvalidInputError("--request-timeout must be > 0")
+    if args.streaming and args.transport != "grpc":
+        raise InvalidInputError("--streaming applies to grpc only")
 
 
 def _config(args: argparse.Namespace) -> Any:
@@ -114,6 +118,13 @@ def _target(args: argparse.Namespace, cfg: Any) -> Any:
             raise InvalidInputError("--input-tensor-format json applies to http and mqtt, not shm")
         return targets.ShmTarget(args.url or connect.shm_address_of(cfg), args.model, args.model_version,
                                  args.request_timeout)
+    if args.transport == "grpc":
+        if args.input_tensor_format != "binary":
+            from edged.errors import InvalidInputError
+
+            raise InvalidInputError("--input-tensor-format json applies to http and mqtt, not grpc")
+        return targets.GrpcTarget(args.url or connect.grpc_address_of(cfg), args.model, args.model_version,
+                                  args.request_timeout, streaming=args.streaming)
     settings = connect.MqttSettings.from_config(cfg, url=args.url, device_id=args.device_id,
                                                 topic_prefix=args.topic_prefix)
     return targets.MqttTarget(settings, args.model, args.model_version, args.request_timeout, binary=binary,

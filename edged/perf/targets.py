@@ -95,6 +95,40 @@ class ShmTarget(Target):
         return Connection(call, c.close)
 
 
+class GrpcTarget(Target):
+    transport = "grpc"
+
+    def __init__(self, address: str, model: str, version: int | None, timeout: float, *,
+                 streaming: bool = False) -> None:
+        super().__init__(model, version, timeout)
+        self.address, self.streaming = address, streaming
+
+    def model_info(self) -> ModelInfo:
+        from edged.client.grpc import GrpcClient
+
+        with GrpcClient(self.address, timeout=self.timeout) as c:
+            meta = c.metadata(self.model, self.version)
+        return ModelInfo.from_metadata(meta, meta["max_batch_size"])
+
+    def connect(self) -> Connection:
+        """One channel per load thread; with ``streaming`` one ModelStreamInfer stream on it, request by request."""
+        from edged.client.grpc import GrpcClient
+
+        c = GrpcClient(self.address, timeout=self.timeout)
+        sender: Any = c.stream() if self.streaming else c
+        model, version = self.model, self.version
+
+        def call(inputs: Mapping[str, np.ndarray]) -> object:
+            return sender.infer(model, inputs, version)
+
+        def close() -> None:
+            if sender is not c:
+                sender.close()
+            c.close()
+
+        return Connection(call, close)
+
+
 class MqttTarget(Target):
     transport = "mqtt"
 
