@@ -4,36 +4,60 @@ over an AF_UNIX SOCK_SEQPACKET pair (the shm transport's doorbell), no edged cod
     .venv/bin/python -m bench.ipc_floor
 
 The shm path's per-request overhead cannot go below this; on a VM whose idle vCPUs are slow to
-wake it is far above the ~10 us of bare metal.
+wake it is far above the ~10 us of bare metal. The suite (bench/run_suite.py) measures it in
+the same run as the shm rows through :class:`Pinger`.
 """
 
 from __future__ import annotations
 
-import os
+import argparse
 import socket
 import statistics
+import subprocess
+import sys
 import time
+
+_PAYLOAD = b"x" * 64
+
+
+class Pinger:
+    """A responder process (a fresh interpreter, not a fork of a threaded one) and our end of the pair."""
+
+    def __init__(self) -> None:
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.ipc_floor", "--respond", str(theirs.fileno())],
+                                     pass_fds=(theirs.fileno(),))
+        theirs.close()
+        self.round_trip()
+
+    def round_trip(self) -> None:
+        self.sock.send(_PAYLOAD)
+        self.sock.recv(256)
+
+    def close(self) -> None:
+        self.sock.close()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def respond(fd: int) -> None:
+    s = socket.socket(fileno=fd)
+    while msg := s.recv(256):
+        s.send(msg)
 
 
 def round_trips(rounds: int = 20000, warmup: int = 2000) -> list[float]:
     """Sorted round-trip times in seconds (the first ``warmup`` dropped)."""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    pid = os.fork()
-    if pid == 0:
-        a.close()
-        while msg := b.recv(256):
-            b.send(msg)
-        os._exit(0)
-    b.close()
+    p = Pinger()
     times = []
-    payload = b"x" * 64
     for _ in range(rounds):
         t0 = time.perf_counter()
-        a.send(payload)
-        a.recv(256)
+        p.round_trip()
         times.append(time.perf_counter() - t0)
-    a.close()
-    os.waitpid(pid, 0)
+    p.close()
     return sorted(times[warmup:])
 
 
@@ -44,4 +68,10 @@ def main(rounds: int = 20000, warmup: int = 2000) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--respond", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.respond is not None:
+        respond(args.respond)
+    else:
+        main()

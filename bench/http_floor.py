@@ -1,0 +1,46 @@
+"""The floor under edged's HTTP path: the same server library (edged.transports.http_server) in its
+own process, answering every request at once with a canned body of the size the client asks for.
+
+    .venv/bin/python -m bench.http_floor PORT        # prints "ready", serves until stdin closes
+
+The suite (bench/run_suite.py) sends it the very bytes it sends edged and asks for a reply as large
+as edged's, so the difference between the two is edged's own work: decoding, validating, queueing,
+encoding, not the socket, the HTTP parsing or the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+
+from edged.transports.http_server import Headers, HttpServer, Request, Response
+
+REPLY_SIZE = "bench-reply-size"  # request header: how many bytes to answer with
+
+
+async def _handle(req: Request) -> Response:
+    size = 0
+    for name, value in req.headers:
+        if name == REPLY_SIZE.encode():
+            size = int(value)
+    headers: Headers = [(b"content-type", b"application/octet-stream")]
+    return 200, headers, bytes(size)
+
+
+async def _serve(port: int) -> None:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(64)
+    sock.setblocking(False)
+    server = HttpServer(_handle)
+    await server.start(sock)
+    print("ready", flush=True)
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, sys.stdin.read)  # until the suite closes our stdin
+    await server.stop(1.0)
+
+
+if __name__ == "__main__":
+    asyncio.run(_serve(int(sys.argv[1])))
