@@ -72,3 +72,23 @@ def itemsize(datatype: str) -> int:
 
 
 ALL_DATATYPES: tuple[str, ...] = tuple(_TO_NUMPY)
+
+
+MAX_SPAN = 1 << 40  # bound on the product of a shape's non-zero dimensions
+
+
+def element_count(shape: tuple[int, ...], where: str) -> int:
+    """A declared shape's element count, refused when numpy could not even describe it.
+
+    The product of the non-zero dimensions is bounded as well as the count: ``[0, 2^62, 2^62]``
+    holds no element, yet numpy refuses to reshape anything to it (an unhandled ValueError).
+    """
+    n = span = 1
+    for d in shape:
+        if d < 0:
+            raise InvalidInputError(f"{where}: negative dimension in shape {list(shape)}")
+        n *= d
+        span *= max(d, 1)
+        if span > MAX_SPAN:
+            raise InvalidInputError(f"{where}: shape {list(shape)} is too large")
+    return n

@@ -257,7 +257,7 @@ def test_bad_descriptors_get_error_completions(served: Served) -> None:
         ([_pixels(seg, offset=8192 - 128)], {}, ErrorCode.INVALID_ARGUMENT, "outside segment"),
         ([_pixels(seg, offset=2**64 - 32)], {}, ErrorCode.INVALID_ARGUMENT, "outside segment"),
         ([_pixels(seg, offset=64, nbytes=2**64 - 32, shape=(2**62 - 8, 1))], {}, ErrorCode.INVALID_ARGUMENT,
-         "outside segment"),
+         "is too large"),  # refused from the shape alone
         ([_pixels(999)], {}, ErrorCode.INVALID_ARGUMENT, "unknown segment 999"),
         ([_pixels(seg, dtype=p.DTYPE_CODE["INT32"])], {}, ErrorCode.INVALID_ARGUMENT, "datatype INT32"),
         ([_pixels(seg, dtype=99)], {}, ErrorCode.INVALID_ARGUMENT, "unknown dtype code"),

@@ -61,15 +61,6 @@ def _shape(raw: Any, where: str) -> tuple[int, ...]:
     return tuple(raw)
 
 
-def _count(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-        if n > 1 << 40:
-            raise InvalidInputError(f"shape {list(shape)} is too large")
-    return n
-
-
 def bytes_from_buffer(buf: memoryview | bytes, count: int, where: str) -> np.ndarray:
     """Decode BYTES elements: each is a 4-byte little-endian length followed by the bytes.
 
@@ -108,7 +99,7 @@ def bytes_to_buffer(arr: np.ndarray) -> bytes:
 
 
 def _from_raw(buf: memoryview | bytes, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
-    count = _count(shape)
+    count = datatypes.element_count(shape, where)
     if datatype == "BYTES":
         return bytes_from_buffer(buf, count, where).reshape(shape)
     dtype = datatypes.to_numpy(datatype)
@@ -121,7 +112,7 @@ def _from_raw(buf: memoryview | bytes, datatype: str, shape: tuple[int, ...], wh
 
 
 def _from_json_data(data: Any, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
-    count = _count(shape)
+    count = datatypes.element_count(shape, where)
     # A flat list is the common form: its length settles the count before anything is converted.
     if isinstance(data, list) and len(data) != count and (not data or not isinstance(data[0], list)):
         raise InvalidInputError(f"{where}: {len(data)} elements for shape {list(shape)} ({count} needed)")
@@ -140,8 +131,9 @@ def _from_json_data(data: Any, datatype: str, shape: tuple[int, ...], where: str
         return out.reshape(shape)
     dtype = datatypes.to_numpy(datatype)
     try:
-        arr = np.asarray(data, dtype=dtype)
-    except (ValueError, TypeError, OverflowError) as e:
+        with np.errstate(over="raise", invalid="raise"):
+            arr = np.asarray(data, dtype=dtype)
+    except (ValueError, TypeError, OverflowError, FloatingPointError) as e:
         raise InvalidInputError(f"{where}: data is not a list of {datatype} values ({e})") from None
     if arr.size != count:
         raise InvalidInputError(f"{where}: {arr.size} elements for shape {list(shape)} ({count} needed)")

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from edged import datatypes
 from edged.core.service import InferenceService
 from edged.core.types import InferRequest, InferResponse
 from edged.errors import (
@@ -311,11 +312,7 @@ class Connection:
                 raise InvalidInputError(f"input {t.name!r}: unknown dtype code {t.dtype}")
             dt = p.NUMPY_DTYPES[t.dtype]
             assert dt is not None
-            need = dt.itemsize
-            for dim in t.shape:
-                if dim < 0:
-                    raise InvalidInputError(f"input {t.name!r}: negative dimension in shape {list(t.shape)}")
-                need *= dim
+            need = dt.itemsize * datatypes.element_count(t.shape, f"input {t.name!r}")
             if need != t.nbytes:
                 raise InvalidInputError(f"input {t.name!r}: shape {list(t.shape)} of {p.DTYPES[t.dtype]} is "
                                         f"{need} bytes, the descriptor says {t.nbytes}")
