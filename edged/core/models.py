@@ -86,6 +86,7 @@ class ModelVersion:
     upgrade: EngineUpgrade | None = None  # set while/after a better engine is built in the background
     warmup_note: str | None = None  # warm-up skipped or ran on made-up data, and how to declare real shapes
     warmup_skipped: bool = False  # the model refused the made-up warm-up input (self-test skipped too)
+    validation_plan: Any = None  # edged.core.validation's precomputed checks, made on first use
 
     @property
     def manifest(self) -> ModelManifest:
