@@ -176,7 +176,7 @@ def test_values_out_of_range_and_several_dynamic_dims(tmp_path: Path, engine: st
 @pytest.fixture(scope="module")
 def vad_http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     tmp = tmp_path_factory.mktemp("vad_http")
-    with served(make_repo(tmp / "models", "vad", VAD_SHAPES), tmp) as s:
+    with served(make_repo(tmp / "models", "vad", VAD_SHAPES), tmp, extra="[shm]\nsystem_shm_prefix = \"rm_\"\n") as s:
         yield s
 
 
@@ -289,3 +289,45 @@ def test_models_list_tells_the_same_truth_as_the_daemon(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_true_scalar_over_the_native_shm_client_and_system_shm(vad_http: Served, tmp_path: Path) -> None:
+    import tritonclient.http as th
+    import tritonclient.utils.shared_memory as tshm
+
+    from edged.client.shm import ShmClient
+    from edged.config import parse_config
+    from edged.transports.shm import ShmTransport
+    from tests.http_helpers import AUTH
+
+    x = vad_inputs(200)
+    want = made_models.vad_reference(x["input"], 16000, x["state"])
+    cfg = parse_config(f'[device]\nstate_dir = "{tmp_path}/state"\nruntime_dir = "{tmp_path}/run"\n')
+    shm = ShmTransport(cfg, vad_http.service)
+    shm.start_blocking()
+    try:
+        with ShmClient(shm.path) as c:
+            got = c.infer("vad", x)
+        np.testing.assert_allclose(got["output"], want["output"], rtol=1e-5)
+    finally:
+        shm.stop_blocking()
+    # Triton's system shared memory: the scalar is 8 bytes of a region, declared with shape [].
+    tag = hashlib.sha256(str(tmp_path).encode()).hexdigest()[:8]
+    h = tshm.create_shared_memory_region(f"sr_{tag}", f"/rm_sr_{tag}", 8)
+    triton = th.InferenceServerClient(vad_http.url.removeprefix("http://"))
+    try:
+        tshm.set_shared_memory_region(h, [x["sr"].reshape(1)])  # its helper cannot write a 0-d array
+        triton.register_system_shared_memory(f"sr_{tag}", f"/rm_sr_{tag}", 8, headers=AUTH)
+        inputs = []
+        for name in ("input", "state"):
+            i = th.InferInput(name, list(x[name].shape), "FP32")
+            i.set_data_from_numpy(x[name])
+            inputs.append(i)
+        sr = th.InferInput("sr", [], "INT64")
+        sr.set_shared_memory(f"sr_{tag}", 8)
+        r = triton.infer("vad", [*inputs, sr], headers=AUTH)
+        np.testing.assert_allclose(r.as_numpy("output"), want["output"], rtol=1e-5)
+    finally:
+        triton.unregister_system_shared_memory(headers=AUTH)
+        tshm.destroy_shared_memory_region(h)
+        triton.close()
