@@ -235,7 +235,7 @@ class WorkerEngine(Engine):
         layout: list[tuple[str, np.ndarray, int]] = []
         pos = 0
         for name, arr in inputs.items():
-            a = np.ascontiguousarray(arr)
+            a = np.require(arr, requirements="C")  # a scalar stays 0-d
             if a.dtype not in p.NUMPY_CODE:
                 raise InvalidInputError(f"{self.label}: input {name!r}: dtype {a.dtype} cannot go to the engine")
             layout.append((name, a, pos))
