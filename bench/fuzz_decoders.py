@@ -229,9 +229,7 @@ class ShmTarget:
             nbytes = rng.choice((256, 4 * 64, 0, 2**64 - 1, self.SEGMENT, self.SEGMENT + 1))
             offset = rng.choice((0, 0, 3, 64, self.SEGMENT, 2**64 - 1))
             seg = rng.choice((self.segment, self.segment, 0, 2**32 - 1))
-            nb = b"pixels"
-            inputs.append(p.TENSOR.pack(len(nb), dtype, min(len(dims), 255), seg, offset, nbytes)
-                          + p._DIMS[len(dims)].pack(*dims) + nb)
+            inputs.append(p.encode_tensor("pixels", dtype, dims, segment=seg, offset=offset, nbytes=nbytes))
         msg = p.encode_infer(rng.randrange(1, 2**63), rng.choice(("digits", "nope", "")), rng.choice((0, 1, -1, 7)),
                              inputs[:255], out_segment=rng.choice((self.segment, 0)),
                              out_offset=rng.choice((0, 4096, self.SEGMENT)),
