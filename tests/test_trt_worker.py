@@ -25,6 +25,7 @@ from edged.core.service import InferenceService
 from edged.errors import EdgedError, ErrorCode, ModelLoadError
 from edged.profiles import BackendPreference
 from edged.transports.shm import ShmTransport
+from tests.registry_helpers import wait_for
 from tests.trt_worker_env import STANDIN, default_worker_python
 from tests.wheel_cache import UnavailableError
 
@@ -87,14 +88,6 @@ def _workers() -> list[int]:
             if ppid == os.getpid() and b"trt_worker/worker.py" in cmd:
                 found.append(int(pid))
     return found
-
-
-def _wait(cond: object, what: str, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
-        if time.monotonic() > end:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.02)
 
 
 @contextlib.contextmanager
@@ -170,7 +163,7 @@ def test_serves_through_the_daemon_and_survives_a_kill_mid_request(worker_py: tu
         assert "engine worker" in str(err) and "SIGKILL" in str(err) and "restarted" in str(err)
 
         # A new worker, and the next request is served by it.
-        _wait(lambda: len(_workers()) == 1 and _workers()[0] != first, "the restarted worker")
+        wait_for(lambda: len(_workers()) == 1 and _workers()[0] != first, what="the restarted worker")
         y = rng.standard_normal((2, 4)).astype(np.float32)
         np.testing.assert_allclose(client.infer("affine", {"x": y})["y"], _expected(y), rtol=1e-6)
     assert _workers() == []  # unloading the model stops the worker
