@@ -110,6 +110,7 @@ def arm64_root(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # mmdebstrap and pip under emulation: 5 to 20 minutes on 2 busy cores
 def test_arm64_package_installs_and_runs_under_emulation(
         arm64_root: Path, arm64_deb: Path,
         digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:

@@ -194,3 +194,19 @@ def test_outputs_larger_than_the_segment_and_a_hung_worker(worker_py: tuple[Path
     finally:
         engine.unload()
     assert _workers() == []
+
+
+def test_a_worker_that_dies_while_idle_is_replaced_before_the_next_request(worker_py: tuple[Path, bool],
+                                                                           tmp_path: Path) -> None:
+    python, _ = worker_py
+    engine = supervisor.WorkerEngine(str(python), _plan(tmp_path / "p.plan"), "idle")
+    try:
+        (pid,) = _workers()
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: _workers() == [], what="the kill")  # a zombie's cmdline is empty: not listed
+        x = np.ones((1, 4), np.float32)
+        np.testing.assert_allclose(engine.infer({"x": x})["y"], _expected(x), rtol=1e-6)  # no failed request
+        health = engine.health()
+        assert health["alive"] and health["restarts"] == 1 and health["last_exit"] == "killed by SIGKILL"
+    finally:
+        engine.unload()

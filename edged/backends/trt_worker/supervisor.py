@@ -174,6 +174,12 @@ class WorkerEngine(Engine):
     def _ensure_started(self) -> None:
         if self._closed:
             raise InternalError(f"{self.label}: the engine is unloaded")
+        if self._sock is not None and self._proc is not None and self._proc.poll() is not None:
+            # It died between requests (nothing was in flight): replace it before this request, not after.
+            self._stop()
+            self.restarts += 1
+            log.error("%s: the TensorRT engine worker died while idle (%s); restarting it", self.label,
+                      self.last_exit)
         if self._sock is not None:
             return
         delay = self._not_before - time.monotonic()
