@@ -1,8 +1,9 @@
-"""Shared helpers for the benchmark scripts: timing loops and ratio reporting."""
+"""Shared helpers for the benchmark scripts: timing loops, ratio reporting, stopping helper processes."""
 
 from __future__ import annotations
 
 import statistics
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -58,3 +59,14 @@ def ratio_line(label: str, value: float, reference: float, goal: float, *, highe
     ok = r >= goal if higher_is_better else r <= goal
     op = ">=" if higher_is_better else "<="
     return f"{label:<52} {r:6.3f}x  (goal {op} {goal})  {'PASS' if ok else 'MISS'}"
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 15) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``timeout``."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -16,6 +16,9 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+from bench.common import stop_process
 
 _PAYLOAD = b"x" * 64
 
@@ -26,7 +29,7 @@ class Pinger:
     def __init__(self) -> None:
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = subprocess.Popen([sys.executable, "-m", "bench.ipc_floor", "--respond", str(theirs.fileno())],
-                                     pass_fds=(theirs.fileno(),))
+                                     pass_fds=(theirs.fileno(),), cwd=Path(__file__).resolve().parent.parent)
         theirs.close()
         self.round_trip()
 
@@ -35,12 +38,8 @@ class Pinger:
         self.sock.recv(256)
 
     def close(self) -> None:
-        self.sock.close()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        self.sock.close()  # the responder sees end of file and exits
+        stop_process(self.proc, 5)
 
 
 def respond(fd: int) -> None:

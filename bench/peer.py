@@ -17,6 +17,7 @@ import venv
 from collections.abc import Iterator
 from pathlib import Path
 
+from bench.common import stop_process
 from edged.client.http import HttpClient
 from tests.netutil import free_port
 
@@ -79,12 +80,7 @@ def mlserver(path: Path, workdir: Path, model: str, onnx_file: Path) -> Iterator
         client.close()
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()
 
 

@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import bench_mqtt, peer  # noqa: E402
 from bench.bench_mqtt import ECHO_SIZE, Driver, binary_request  # noqa: E402
+from bench.common import stop_process  # noqa: E402
 from bench.http_floor import REPLY_SIZE  # noqa: E402
 from bench.ipc_floor import Pinger  # noqa: E402
 from edged.client.http import HttpClient  # noqa: E402
@@ -218,13 +219,7 @@ def start_daemon(cfg: Path, log: Path, notify_path: Path, timeout: float = 180) 
 
 
 def stop_daemon(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    stop_process(proc, 30)
 
 
 def rss_mb(pid: int) -> float:
