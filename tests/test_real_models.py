@@ -62,17 +62,7 @@ VAD_USUAL = """
     [warmup.shapes.state]
     shape = [2, 1, 16]
     """
-VAD_SHAPES = """
-    [warmup.shapes.input]
-    shape = [1, 512]
-    min = [1, 65]
-    max = [1, 4096]
-    [warmup.shapes.sr]
-    shape = []
-    value = 16000
-    [warmup.shapes.state]
-    shape = [2, 1, 16]
-    """
+VAD_SHAPES = VAD_USUAL.replace("shape = [1, 512]\n", "shape = [1, 512]\n    min = [1, 65]\n    max = [1, 4096]\n", 1)
 
 
 def vad_inputs(samples: int = 512, sr: int = 16000) -> dict[str, np.ndarray]:
