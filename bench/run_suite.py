@@ -2,11 +2,12 @@
 
     .venv/bin/python -m bench.run_suite [--quick] [--seconds S] [--json FILE] [--markdown FILE]
 
-It starts a private mosquitto and a real ``edged run`` (shm, HTTP and MQTT on free
+It starts a private mosquitto and a real ``edged run`` (shm, HTTP, gRPC and MQTT on free
 ports, the bundled models), then measures on the bundled CNN (mobilenet, 110 KB input):
 raw engine batch 1 and 8 in this process (the same engine the daemon picks), the
-inference service in-process at concurrency 1 and 8, native shm, HTTP binary, HTTP
-JSON, MQTT and an MQTT echo through the same broker. The traffic cases alternate
+inference service in-process at concurrency 1 and 8, native shm, HTTP binary (c1 and c8),
+HTTP JSON, gRPC unary (c1) and streaming (c1 and c8), MQTT and an MQTT echo through the
+same broker. The traffic cases alternate
 in short blocks, round after round, so that load from anything else on the machine
 hits all of them alike; each figure is the median over rounds, and each ratio is
 taken within a round against the reference measured in that same round. It also
@@ -25,6 +26,7 @@ import contextlib
 import json
 import os
 import platform
+import queue
 import re
 import shutil
 import socket
@@ -37,6 +39,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -49,6 +52,7 @@ from bench.bench_mqtt import ECHO_SIZE, Driver, binary_request  # noqa: E402
 from bench.common import stop_process  # noqa: E402
 from bench.http_floor import REPLY_SIZE  # noqa: E402
 from bench.ipc_floor import Pinger  # noqa: E402
+from edged.client.grpc import GrpcClient  # noqa: E402
 from edged.client.http import HttpClient  # noqa: E402
 from edged.client.shm import AsyncShmClient, ShmClient  # noqa: E402
 from edged.config import load_config  # noqa: E402
@@ -69,6 +73,8 @@ GOAL_C8 = 0.9  # x the better of raw batch-1 and raw batch-8 throughput
 GOAL_HTTP_BINARY_MS = 0.15  # median overhead over raw
 GOAL_HTTP_JSON_MS = 0.6
 GOAL_MQTT_MS = 0.1  # median <= echo + raw + this
+GOAL_GRPC_UNARY_MS = 0.2  # median overhead over raw
+GOAL_GRPC_STREAM = 1.0  # x HTTP binary throughput at the same concurrency
 GOAL_RSS_MB = 200.0
 GOAL_READY_S = 3.0
 
@@ -110,6 +116,21 @@ def serial(fn: Callable[[], object], seconds: float, samples: int = 1) -> Block:
         lat.append(t1 - t0)
         if t1 >= end:
             return Block(len(lat) * samples, t1 - start, lat, samples)
+
+
+def pooled(clients: list[Any], call: Callable[[Any], object]) -> Callable[[], object]:
+    """A call that borrows one of ``clients`` (a connection or stream each), for ``threaded`` cases."""
+    free: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    for c in clients:
+        free.put(c)
+
+    def fn() -> object:
+        c = free.get()
+        try:
+            return call(c)
+        finally:
+            free.put(c)
+    return fn
 
 
 def threaded(fn: Callable[[], object], threads: int, seconds: float) -> Block:
@@ -250,7 +271,8 @@ def served_engines(url: str) -> str:
 SUITE_TOKEN = "bench-suite-management-token"  # the version swap loads a model: that needs the authority
 
 
-def write_config(tmp: Path, http_port: int, broker: Broker, profile: str | None, name: str) -> Path:
+def write_config(tmp: Path, http_port: int, broker: Broker, profile: str | None, name: str, *,
+                 grpc_port: int | None = None) -> Path:
     cfg = tmp / name
     forced = f'profile = "{profile}"' if profile else ""
     cfg.write_text(f"""
@@ -262,6 +284,7 @@ runtime_dir = "{tmp / 'run'}"
 model_repository = "{tmp / 'models'}"
 [http]
 listen = "127.0.0.1:{http_port}"
+{f'[grpc]{chr(10)}listen = "127.0.0.1:{grpc_port}"' if grpc_port else ""}
 [control]
 token = "{SUITE_TOKEN}"
 [mqtt]
@@ -432,6 +455,17 @@ def build_rows(cases: dict[str, Case], *, rss: float, engines: list[str], ready:
     rows.append(Row(mq.label, traffic_value(mq), f"echo + raw b1 p50 {ms(statistics.median(budget))}",
                     statistics.median(m.p50 / b for m, b in zip(mq.blocks, budget, strict=True)),
                     f"p50 - echo - raw = {margin:.3f} ms <= {GOAL_MQTT_MS} ms", verdict(margin <= GOAL_MQTT_MS)))
+    o = overhead(c["grpc1"], raw1) * 1e3
+    rows.append(Row(c["grpc1"].label, traffic_value(c["grpc1"]), f"raw b1 p50 {ms(raw1.p50())}",
+                    lat_ratio(c["grpc1"], raw1), f"p50 overhead {o:.3f} ms <= {GOAL_GRPC_UNARY_MS} ms",
+                    verdict(o <= GOAL_GRPC_UNARY_MS)))
+    for key, ref in (("grpc_s1", c["http_bin"]), ("grpc_s8", c["http_bin8"])):
+        r = tput_ratio(c[key], ref)
+        rows.append(Row(c[key].label, traffic_value(c[key]), f"{ref.label} {ref.throughput():.1f}/s", r,
+                        f"throughput >= {GOAL_GRPC_STREAM}x HTTP binary", verdict(r >= GOAL_GRPC_STREAM)))
+    rows.append(Row(c["http_bin8"].label, traffic_value(c["http_bin8"]), f"raw b8 {raw8.throughput():.1f}/s",
+                    tput_ratio(c["http_bin8"], raw8),
+                    "the reference of gRPC streaming c8", "info"))
     rows.append(Row(echo.label, traffic_value(echo), f"raw b1 p50 {ms(raw1.p50())}", lat_ratio(echo, raw1),
                     "the broker's floor for MQTT", "info"))
     if "peer_json" in c:
@@ -544,7 +578,8 @@ def main() -> int:
 
         # 2. For the traffic, one engine on both sides whatever the machine's noise: the generic profile
         #    (ONNX Runtime, CPU, FP32 first) instead of a benchmark that may pick differently per process.
-        cfg = write_config(tmp, http_port, broker, "generic", "edged.toml")
+        grpc_port = free_port()
+        cfg = write_config(tmp, http_port, broker, "generic", "edged.toml", grpc_port=grpc_port)
         daemon = start_daemon(cfg, log, notify)
         procs.append(daemon.proc)
         time.sleep(settle_s)
@@ -568,6 +603,12 @@ def main() -> int:
             print(f"WARNING: the daemon serves {served}, the in-process reference runs {label}", flush=True)
         want = engine.infer({"image": x1})["probabilities"]
         assert np.allclose(http.infer(MODEL, {"image": x1})["probabilities"], want, atol=1e-5)
+        grpc = GrpcClient(f"127.0.0.1:{grpc_port}")
+        assert np.allclose(grpc.infer(MODEL, {"image": x1})["probabilities"], want, atol=1e-5)
+        http8 = [HttpClient(url) for _ in range(8)]
+        grpc8 = [GrpcClient(f"127.0.0.1:{grpc_port}") for _ in range(8)]
+        streams8 = [g.stream() for g in grpc8]
+        stream1 = grpc.stream()
         shm = ShmClient(tmp / "run" / "edged.sock")
         assert np.allclose(shm.infer(MODEL, {"image": x1})["probabilities"], want, atol=1e-5)
         loop = asyncio.new_event_loop()
@@ -661,6 +702,12 @@ def main() -> int:
                     lambda: floor.request("POST", infer_path, bin_body, bin_headers), s)),
                 Case("http_floor_json", "bare HTTP round trip, JSON-sized", lambda s: serial(
                     lambda: floor.request("POST", infer_path, json_body, json_headers), s)),
+                Case("http_bin8", "HTTP binary, c8 (8 connections)", lambda s: threaded(
+                    pooled(http8, lambda c: c.infer(MODEL, {"image": x1})), 8, s)),
+                Case("grpc_s8", "gRPC streaming, c8 (8 streams)", lambda s: threaded(
+                    pooled(streams8, lambda st: st.infer(MODEL, {"image": x1})), 8, s)),
+                Case("grpc1", "gRPC unary, c1", lambda s: serial(lambda: grpc.infer(MODEL, {"image": x1}), s)),
+                Case("grpc_s1", "gRPC streaming, c1", lambda s: serial(lambda: stream1.infer(MODEL, {"image": x1}), s)),
                 Case("mqtt", "MQTT (QoS 0), c1", mqtt_case(topic, users)),
                 Case("echo", "MQTT echo, same broker, c1", mqtt_case("bench/echo/x", echo_users)),
             ]
@@ -689,6 +736,10 @@ def main() -> int:
         loop.run_until_complete(ashm.close())
         loop.close()
         shm.close()
+        for st in [stream1, *streams8]:
+            st.close()
+        for conn in [grpc, *grpc8, *http8]:
+            conn.close()
         driver.c.loop_stop()
         rt.manager.shutdown()
         rt = None
