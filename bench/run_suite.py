@@ -52,7 +52,7 @@ from bench.bench_mqtt import ECHO_SIZE, Driver, binary_request  # noqa: E402
 from bench.common import stop_process  # noqa: E402
 from bench.http_floor import REPLY_SIZE  # noqa: E402
 from bench.ipc_floor import Pinger  # noqa: E402
-from edged.client.grpc import GrpcClient  # noqa: E402
+from edged.client.grpc import GrpcClient, infer_request  # noqa: E402
 from edged.client.http import HttpClient  # noqa: E402
 from edged.client.shm import AsyncShmClient, ShmClient  # noqa: E402
 from edged.config import load_config  # noqa: E402
@@ -456,9 +456,13 @@ def build_rows(cases: dict[str, Case], *, rss: float, engines: list[str], ready:
                     statistics.median(m.p50 / b for m, b in zip(mq.blocks, budget, strict=True)),
                     f"p50 - echo - raw = {margin:.3f} ms <= {GOAL_MQTT_MS} ms", verdict(margin <= GOAL_MQTT_MS)))
     o = overhead(c["grpc1"], raw1) * 1e3
-    rows.append(Row(c["grpc1"].label, traffic_value(c["grpc1"]), f"raw b1 p50 {ms(raw1.p50())}",
-                    lat_ratio(c["grpc1"], raw1), f"p50 overhead {o:.3f} ms <= {GOAL_GRPC_UNARY_MS} ms",
-                    verdict(o <= GOAL_GRPC_UNARY_MS)))
+    gfl = c["grpc_floor"]
+    above = rounds(lambda a, b, f: a.p50 - b.p50 - f.p50, c["grpc1"], raw1, gfl) * 1e3
+    rows.append(Row(c["grpc1"].label, traffic_value(c["grpc1"]),
+                    f"raw b1 p50 {ms(raw1.p50())}, bare gRPC floor {ms(gfl.p50())}", lat_ratio(c["grpc1"], raw1),
+                    f"p50 overhead {o:.3f} ms <= {GOAL_GRPC_UNARY_MS} ms "
+                    f"(floor {gfl.p50() * 1e3:.3f} ms, {above:+.3f} ms above it)", verdict(o <= GOAL_GRPC_UNARY_MS)))
+    rows.append(Row(gfl.label, traffic_value(gfl), "(floor)", 1.0, "the floor under the gRPC path", "info"))
     for key, ref in (("grpc_s1", c["http_bin"]), ("grpc_s8", c["http_bin8"])):
         r = tput_ratio(c[key], ref)
         rows.append(Row(c[key].label, traffic_value(c[key]), f"{ref.label} {ref.throughput():.1f}/s", r,
@@ -636,6 +640,21 @@ def main() -> int:
         if floor_proc.stdout.readline().strip() != b"ready":
             raise SystemExit("the HTTP floor server did not start")
         floor = HttpClient(f"127.0.0.1:{floor_port}")
+        from bench.grpc_floor import METHOD as GRPC_INFER
+        from edged.transports.grpc.gen.grpc_service_pb2 import ModelInferResponse
+
+        grpc_reply = grpc.call("ModelInfer", infer_request(MODEL, {"image": x1}, None), ModelInferResponse)
+        grpc_floor_port = free_port()
+        grpc_floor_proc = subprocess.Popen([sys.executable, "-m", "bench.grpc_floor", str(grpc_floor_port),
+                                            str(grpc_reply.ByteSize())], cwd=ROOT, stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE)
+        assert grpc_floor_proc.stdout is not None
+        if grpc_floor_proc.stdout.readline().strip() != b"ready":
+            raise SystemExit("the gRPC floor server did not start")
+        import grpc as grpcio
+
+        grpc_floor_channel = grpcio.insecure_channel(f"127.0.0.1:{grpc_floor_port}")
+        grpc_floor_call = grpc_floor_channel.unary_unary(GRPC_INFER)
         infer_path = f"/v2/models/{MODEL}/infer"
         bin_header = orjson.dumps({"inputs": [{"name": "image", "datatype": "FP32", "shape": list(x1.shape),
                                                "parameters": {"binary_data_size": x1.nbytes}}],
@@ -707,6 +726,8 @@ def main() -> int:
                 Case("grpc_s8", "gRPC streaming, c8 (8 streams)", lambda s: threaded(
                     pooled(streams8, lambda st: st.infer(MODEL, {"image": x1})), 8, s)),
                 Case("grpc1", "gRPC unary, c1", lambda s: serial(lambda: grpc.infer(MODEL, {"image": x1}), s)),
+                Case("grpc_floor", "bare gRPC round trip (grpcio aio echo)", lambda s: serial(
+                    lambda: grpc_floor_call(infer_request(MODEL, {"image": x1}, None).SerializeToString()), s)),
                 Case("grpc_s1", "gRPC streaming, c1", lambda s: serial(lambda: stream1.infer(MODEL, {"image": x1}), s)),
                 Case("mqtt", "MQTT (QoS 0), c1", mqtt_case(topic, users)),
                 Case("echo", "MQTT echo, same broker, c1", mqtt_case("bench/echo/x", echo_users)),
@@ -731,6 +752,10 @@ def main() -> int:
         if floor_proc.stdin:
             floor_proc.stdin.close()
         floor_proc.wait(10)
+        grpc_floor_channel.close()
+        if grpc_floor_proc.stdin:
+            grpc_floor_proc.stdin.close()
+        grpc_floor_proc.wait(10)
         by_key = {c.key: c for c in cases}
         rss_after = rss_mb(daemon.proc.pid)
         loop.run_until_complete(ashm.close())

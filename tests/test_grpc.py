@@ -24,6 +24,7 @@ from tritonclient.utils import InferenceServerException
 from edged.config import parse_config
 from tests import perf_analyzer
 from tests.http_helpers import TOKEN, Segment, Served, copy_models, in_process, served
+from tests.mqtt_helpers import make_test_ca
 
 pytestmark = pytest.mark.timeout(180)
 AUTH = {"authorization": f"Bearer {TOKEN}"}  # gRPC metadata keys are lower case
@@ -326,3 +327,39 @@ def test_edged_infer_over_grpc(srv: Served, tmp_path: Path, digits_holdout: tupl
     assert out["name"] == "probabilities" and out["shape"] == [3, 10]
     got = np.array(out["data"], np.float32).reshape(3, 10)
     np.testing.assert_allclose(got, in_process(srv, "digits", x), rtol=1e-5, atol=1e-6)
+
+
+def test_mutual_tls(tmp_path: Path, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    ca = make_test_ca(tmp_path / "ca")
+    tls = (f'[grpc.tls]\ncert_file = "{ca.server_cert}"\nkey_file = "{ca.server_key}"\n'
+           f'client_ca_file = "{ca.ca}"\n')
+    with served(copy_models(tmp_path / "models", "digits"), tmp_path, grpc=tls) as s:
+        url = str(s.grpc_url)
+        good = tg.InferenceServerClient(url, ssl=True, root_certificates=str(ca.ca), private_key=str(ca.client_key),
+                                        certificate_chain=str(ca.client_cert))
+        try:
+            _ok(good, digits_holdout[0])
+        finally:
+            good.close()
+        no_cert = tg.InferenceServerClient(url, ssl=True, root_certificates=str(ca.ca))
+        plain = tg.InferenceServerClient(url)
+        try:
+            for c in (no_cert, plain):
+                with pytest.raises(InferenceServerException) as e:
+                    c.is_server_live(client_timeout=10)
+                assert e.value.status() == "StatusCode.UNAVAILABLE"
+        finally:
+            no_cert.close()
+            plain.close()
+
+
+def test_busy_port_is_a_typed_error_naming_it(srv: Served, tmp_path: Path) -> None:
+    from edged.errors import EdgedError, ErrorCode
+    from edged.transports.grpc.server import GrpcTransport
+
+    taken = str(srv.grpc_url)
+    cfg = parse_config(f'[grpc]\nlisten = "{taken}"\n[device]\nstate_dir = "{tmp_path}"\n')
+    t = GrpcTransport(cfg, srv.service)
+    with pytest.raises(EdgedError) as e:
+        srv.run(t.start())
+    assert e.value.code is ErrorCode.UNAVAILABLE and taken in str(e.value)

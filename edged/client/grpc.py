@@ -58,6 +58,7 @@ class GrpcClient:
         self._pb = pb
         self.address, self.timeout = address, timeout
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._rpcs: dict[str, Any] = {}
         self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", _MAX_MESSAGE),
                                                                 ("grpc.max_send_message_length", _MAX_MESSAGE)])
 
@@ -76,8 +77,11 @@ class GrpcClient:
                           code=_CODES.get(code.name, ErrorCode.INTERNAL))
 
     def call(self, method: str, request: Any, reply: type[Any]) -> Any:
-        rpc = self._channel.unary_unary(_SERVICE + method, request_serializer=type(request).SerializeToString,
-                                        response_deserializer=reply.FromString)
+        rpc = self._rpcs.get(method)
+        if rpc is None:
+            rpc = self._rpcs[method] = self._channel.unary_unary(
+                _SERVICE + method, request_serializer=type(request).SerializeToString,
+                response_deserializer=reply.FromString)
         try:
             return rpc(request, timeout=self.timeout, metadata=self._metadata)
         except self._grpc.RpcError as e:

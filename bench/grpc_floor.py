@@ -1,0 +1,37 @@
+"""The floor under edged's gRPC path: grpcio's asyncio server, as edged runs it, in its own process,
+answering ModelInfer at once with a canned reply of a given size and doing nothing else.
+
+    .venv/bin/python -m bench.grpc_floor PORT REPLY_BYTES   # prints "ready", serves until stdin closes
+
+The suite (bench/run_suite.py) sends it the bytes edged gets and sets REPLY_BYTES to the size of
+edged's answer, so the difference between the two is edged's own work, not grpcio's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Any
+
+import grpc
+
+METHOD = "/inference.GRPCInferenceService/ModelInfer"
+
+
+async def _serve(port: int, reply: bytes) -> None:
+    async def infer(request: bytes, context: Any) -> bytes:
+        return reply
+
+    service, method = METHOD.rsplit("/", 1)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        service.lstrip("/"), {method: grpc.unary_unary_rpc_method_handler(infer)}),))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    print("ready", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the suite closes our stdin
+    await server.stop(1.0)
+
+
+if __name__ == "__main__":
+    asyncio.run(_serve(int(sys.argv[1]), bytes(int(sys.argv[2]))))
