@@ -307,11 +307,12 @@ def test_perf_analyzer_grpc(srv: Served, streaming: bool) -> None:
     except perf_analyzer.UnavailableError as e:
         pytest.skip(str(e))
     r = pa.run("-m", "digits", "-u", str(srv.grpc_url), "-i", "grpc", "-b", "4", "--concurrency-range", "2",
-               "--measurement-mode", "count_windows", "--measurement-request-count", "30", "-s", "50",
+               "--measurement-mode", "count_windows", "--measurement-request-count", "30", "-s", "100", "-r", "20",
                *(["--streaming"] if streaming else []))
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-2000:]
     assert "Throughput:" in out and "Unable" not in out, out[-2000:]
+    # (stability within 100% over up to 20 windows: the goal here is that it runs, not a figure)
 
 
 def test_edged_infer_over_grpc(srv: Served, tmp_path: Path, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
