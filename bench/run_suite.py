@@ -758,6 +758,13 @@ def main() -> int:
         grpc_floor_proc.wait(10)
         by_key = {c.key: c for c in cases}
         rss_after = rss_mb(daemon.proc.pid)
+        # What the daemon's scheduler decided about batching under this traffic, and how much ran inline.
+        daemon_stats = http.statistics(MODEL)[0]
+        batching = daemon_stats.get("batching") or {}
+        sched_note = (f"batching {batching.get('mode')} ({batching.get('reason')}); "
+                      f"{daemon_stats.get('inline_count', 0)} of {daemon_stats['inference_stats']['success']['count']} "
+                      f"requests ran inline")
+        print(f"daemon scheduler: {sched_note}", flush=True)
         loop.run_until_complete(ashm.close())
         loop.close()
         shm.close()
@@ -784,6 +791,7 @@ def main() -> int:
         print(f"client and daemon share this machine's {os.cpu_count()} cores; load average "
               f"{load_before[0]:.2f} before, {load_after[0]:.2f} after\n")
         print(render(rows))
+        print(f"\ndaemon scheduler after the traffic: {sched_note}")
         print(f"\ntotal {time.monotonic() - t_start:.0f} s")
         if args.markdown:
             args.markdown.write_text(render_markdown(rows) + "\n")
@@ -796,6 +804,7 @@ def main() -> int:
                     "label": c.label, "throughput": c.throughput(), "p50_ms": c.p50() * 1e3, "p99_ms": c.p99() * 1e3,
                     "blocks": [{"samples": b.samples, "seconds": b.seconds, "p50_s": b.p50, "throughput": b.throughput,
                                 "wall_throughput": b.wall_throughput} for b in c.blocks]} for c in cases},
+                "daemon_batching": batching, "daemon_stats": daemon_stats,
                 "idle_rss_mb": rss, "idle_rss_each_mb": rss_starts, "idle_rss_generic_mb": rss_generic,
                 "rss_after_mb": rss_after,
                 "engines_loaded": engines, "serving": serving,
