@@ -19,8 +19,8 @@ from edged.client.shm import ShmClient
 from edged.config import parse_config
 from edged.core.models import ModelState
 from edged.transports.shm import ShmTransport
-from tests import corpus
-from tests.http_helpers import AUTH, Served, served
+from tests import corpus, perf_analyzer
+from tests.http_helpers import AUTH, TOKEN, Served, served
 
 pytestmark = pytest.mark.timeout(600)
 JSON_OK = 200_000  # elements: bigger tensors skip the (slow, text) JSON round trip
@@ -39,7 +39,8 @@ def daemon(files: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> 
     tmp = tmp_path_factory.mktemp("corpus")
     for m in corpus.CORPUS:
         corpus.write_version(tmp / "models", m, files[m.name], declare=False)
-    with served(tmp / "models", tmp, extra="[shm]\nsystem_shm_prefix = \"corpus_\"\n") as s:
+    # perf_analyzer names its segments after the tensors: any name, with the token
+    with served(tmp / "models", tmp, extra="[shm]\nsystem_shm_prefix = \"\"\n") as s:
         cfg = parse_config(f'[device]\nstate_dir = "{tmp}/state"\nruntime_dir = "{tmp}/run"\n')
         shm = ShmTransport(cfg, s.service)
         shm.start_blocking()
@@ -118,3 +119,19 @@ def test_variant_only_manifest_serves_like_raw_ort(m: corpus.CorpusModel, files:
     with ShmClient(shm_path) as c:
         close(c.infer(m.name, {m.input: x}), want, "native shm client")
 
+
+
+@pytest.mark.parametrize("shm", [[], ["--shared-memory", "system", "--output-shared-memory-size", "4096"]],
+                         ids=["http", "system-shm"])
+def test_perf_analyzer_on_a_real_dynamic_shape_model(daemon: tuple[Served, Path], shm: list[str]) -> None:
+    """Triton's C++ client reads the auto-completed config (max_batch_size 4, dims -1) and batches 2."""
+    try:
+        pa = perf_analyzer.get()
+    except perf_analyzer.UnavailableError as e:
+        pytest.skip(str(e))
+    srv, _ = daemon
+    r = pa.run("-m", "ocr_cls", "-u", srv.url.removeprefix("http://"), "-i", "http", "-b", "2",
+               "--shape", "x:3,48,192", "--concurrency-range", "1", "--measurement-mode", "count_windows",
+               "--measurement-request-count", "20", "-s", "50", "-H", f"Authorization: Bearer {TOKEN}", *shm)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "Throughput:" in out and "error" not in out.lower(), out[-2000:]
