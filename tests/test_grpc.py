@@ -5,6 +5,7 @@ memory, ModelStreamInfer), raw grpcio calls for malformed and oversized messages
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import subprocess
@@ -22,6 +23,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from edged.config import parse_config
+from edged.core.types import InferRequest
+from edged.errors import OverloadedError
 from tests import perf_analyzer
 from tests.http_helpers import TOKEN, Segment, Served, copy_models, in_process, served
 from tests.mqtt_helpers import make_test_ca
@@ -364,3 +367,37 @@ def test_busy_port_is_a_typed_error_naming_it(srv: Served, tmp_path: Path) -> No
     with pytest.raises(EdgedError) as e:
         srv.run(t.start())
     assert e.value.code is ErrorCode.UNAVAILABLE and taken in str(e.value)
+
+
+def test_overloaded_is_resource_exhausted_and_deadline_is_deadline_exceeded(tmp_path: Path) -> None:
+    repo = copy_models(tmp_path / "models", "mobilenet")
+    toml = repo / "mobilenet" / "1" / "model.toml"
+    toml.write_text(toml.read_text().replace("[batching]\n", "[batching]\nmax_queue_size = 1\n"))
+    big = np.zeros((32, 3, 48, 192), np.float32)
+    one = tg.InferInput("image", [1, 3, 48, 192], "FP32")
+    one.set_data_from_numpy(big[:1])
+    with served(repo, tmp_path, grpc="max_message_mb = 16\n") as s:
+        c = tg.InferenceServerClient(s.grpc_url)
+        try:
+            seen: dict[str, InferenceServerException] = {}
+            for _ in range(50):
+                futures = []
+                with contextlib.suppress(OverloadedError):
+                    for _ in range(4):  # fill the one-slot queue behind a running batch
+                        futures.append(s.service.submit(InferRequest("mobilenet", {"image": big})))
+                for key, kw in (("overloaded", {}), ("deadline", {"timeout": 1})):  # timeout: 1 us, in the queue
+                    try:
+                        c.infer("mobilenet", [one], **kw)
+                    except InferenceServerException as e:
+                        seen.setdefault(key, e)
+                for f in futures:
+                    with contextlib.suppress(Exception):
+                        f.result(30)
+                if len(seen) == 2:
+                    break
+            assert seen["overloaded"].status() == "StatusCode.RESOURCE_EXHAUSTED", seen
+            assert "queue full" in str(seen["overloaded"].message())
+            assert seen["deadline"].status() == "StatusCode.DEADLINE_EXCEEDED", seen
+            assert c.infer("mobilenet", [one]).as_numpy("probabilities").shape == (1, 37)
+        finally:
+            c.close()
