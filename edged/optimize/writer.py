@@ -64,7 +64,7 @@ def to_toml(doc: dict[str, Any], prefix: str = "") -> str:
 
 def _prune(v: Any) -> Any:
     if isinstance(v, dict):
-        return {k: _prune(x) for k, x in v.items() if x is not None and x != []}
+        return {k: _prune(x) for k, x in v.items() if x is not None and x != [] and x != {}}
     if isinstance(v, list):
         return [_prune(x) for x in v]
     return v
@@ -72,7 +72,10 @@ def _prune(v: Any) -> Any:
 
 def manifest_toml(manifest: ModelManifest) -> str:
     """The manifest in field order, without empty lists and unset keys (as a person would write it)."""
-    return to_toml(_prune(manifest.model_dump(mode="json", exclude_none=True)))
+    data = manifest.model_dump(mode="json", exclude_none=True)
+    if "max_batch_size" not in manifest.model_fields_set:
+        data.pop("max_batch_size", None)  # still left to auto-completion from the model file
+    return to_toml(_prune(data))
 
 
 def parse_target(out: Path) -> tuple[Path, str, int]:
