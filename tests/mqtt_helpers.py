@@ -421,25 +421,62 @@ class MosquittoCliRequester:
     """``mosquitto_pub -l`` (one request per stdin line) and ``mosquitto_sub`` (one reply per stdout line):
     two connections, the tools' default socket options."""
 
-    def __init__(self, port: int, infer_topic: str, *, qos: int, reply_qos: int) -> None:
+    def __init__(self, port: int, infer_topic: str, *, qos: int, reply_qos: int, timeout: float = 10) -> None:
         self.reply_topic = f"replies/cli-{uuid.uuid4().hex[:8]}"
+        self.timeout = timeout
         common = ["-h", "127.0.0.1", "-p", str(port), "-V", "mqttv5"]
         self.sub = subprocess.Popen(["mosquitto_sub", *common, "-q", str(reply_qos), "-t", self.reply_topic],
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        time.sleep(0.3)  # mosquitto_sub has no "subscribed" signal: give it its SUBACK
+        self.lines: queue.Queue[bytes] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self._wait_subscribed(port)
         self.pub = subprocess.Popen(["mosquitto_pub", *common, "-q", str(qos), "-t", infer_topic, "-l"],
                                     stdin=subprocess.PIPE, stderr=subprocess.DEVNULL)
         self.run = uuid.uuid4().hex[:8]
+        # mosquitto_pub reads stdin before its CONNACK: a QoS 0 line sent too early is lost. Retry until served.
+        for k in range(int(self.timeout)):
+            with contextlib.suppress(AssertionError):
+                self._round_trip(f"ready{k}", 1.0)
+                break
+        else:
+            raise AssertionError("no reply through mosquitto_pub/mosquitto_sub")
+
+    def _read(self) -> None:
+        assert self.sub.stdout is not None
+        for line in self.sub.stdout:
+            self.lines.put(line)
+
+    def _wait_subscribed(self, port: int) -> None:
+        """mosquitto_sub says nothing once subscribed: probe its topic until a probe comes out."""
+        probe = mqtt.Client(CallbackAPIVersion.VERSION2)
+        probe.connect("127.0.0.1", port, keepalive=30)
+        probe.loop_start()
+        try:
+            end = time.monotonic() + self.timeout
+            while time.monotonic() < end:
+                probe.publish(self.reply_topic, b"probe", qos=0)
+                with contextlib.suppress(queue.Empty):
+                    if self.lines.get(timeout=0.2).strip() == b"probe":
+                        return
+            raise AssertionError("mosquitto_sub did not subscribe")
+        finally:
+            probe.disconnect()
+            probe.loop_stop()
 
     def __call__(self, i: int) -> bool:
-        assert self.pub.stdin is not None and self.sub.stdout is not None
+        return self._round_trip(str(i), self.timeout)
+
+    def _round_trip(self, i: str, timeout: float) -> bool:
+        assert self.pub.stdin is not None
         rid = f"{self.run}-{i}"
         self.pub.stdin.write(digits_json(rid, self.reply_topic) + b"\n")
         self.pub.stdin.flush()
+        end = time.monotonic() + timeout
         while True:
-            line = self.sub.stdout.readline()
-            if not line:
-                raise AssertionError("mosquitto_sub exited")
+            try:
+                line = self.lines.get(timeout=max(0.0, end - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no reply to request {rid} within {timeout}s") from None
             if f'"id":"{rid}"'.encode() in line:
                 return b'"error"' not in line
 

@@ -126,8 +126,10 @@ class MqttTransport:
         self._pool: ThreadPoolExecutor | None = None
         self._pending_decodes = 0
         self._pending_bytes = 0
-        # Replies handed to paho that the broker has not taken yet (QoS 0: not yet written; QoS 1: no PUBACK).
-        self._unsent: collections.deque[mqtt.MQTTMessageInfo] = collections.deque()
+        # Replies handed to paho that the broker has not taken yet (QoS 0: not yet written; QoS 1: no PUBACK),
+        # one queue per QoS: each completes in order, but QoS 0 refusals overtake QoS 1 answers.
+        self._unsent: tuple[collections.deque[mqtt.MQTTMessageInfo], ...] = (collections.deque(),
+                                                                             collections.deque())
         self._unsent_lock = threading.Lock()
         self._workers = [
             BindingWorker(i, b, render=self._render_output, process=self._process_binding,
@@ -263,7 +265,8 @@ class MqttTransport:
             self._backoff.reset()
             self.link.set_up()
             with self._unsent_lock:
-                self._unsent.clear()  # paho resends its QoS 1 ones; QoS 0 ones were lost with the connection
+                for q in self._unsent:
+                    q.clear()  # paho resends its QoS 1 ones; QoS 0 ones were lost with the connection
             subs = [(f, self.options.qos) for f in self.topics.infer_filters]
             subs += [(b.topic, b.qos) for b in self.bindings]
             self._sub_topics = [f for f, _ in subs]
@@ -558,11 +561,12 @@ class MqttTransport:
 
     def backlog(self) -> int:
         """Requests being decoded or computed plus replies the broker has not taken yet."""
+        waiting = 0
         with self._unsent_lock:
-            unsent = self._unsent
-            while unsent and unsent[0].is_published():
-                unsent.popleft()
-            waiting = len(unsent)
+            for unsent in self._unsent:
+                while unsent and unsent[0].is_published():
+                    unsent.popleft()
+                waiting += len(unsent)
         return waiting + self._inflight + self._pending_decodes
 
     def _send(self, reply: _Reply, payload: bytes, form: Form, hlen: int | None, error: str | None = None) -> bool:
@@ -591,7 +595,7 @@ class MqttTransport:
             self._reply_dropped(reply, mqtt.error_string(info.rc))
             return False
         with self._unsent_lock:
-            self._unsent.append(info)
+            self._unsent[reply.qos].append(info)
         return True
 
     def _reply_dropped(self, reply: _Reply, why: str) -> None:
