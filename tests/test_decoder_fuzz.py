@@ -115,3 +115,12 @@ def test_declared_count_the_bytes_cannot_hold_is_refused_before_allocating() -> 
         hdr = {"inputs": [{"name": "x", "datatype": "FP32", "shape": shape, "data": []}]}
         with pytest.raises(EdgedError, match="too large"):
             decode_request(hdr, model="m", version=None)
+
+
+def test_bytes_data_takes_strings_and_grpc_bytes_only() -> None:
+    hdr = {"inputs": [{"name": "x", "datatype": "BYTES", "shape": [2], "data": ["ab", b"\xff"]}]}
+    arr = decode_request(hdr, model="m", version=None).request.inputs["x"]
+    assert arr.tolist() == [b"ab", b"\xff"]
+    hdr["inputs"][0]["data"] = ["ab", 7]  # type: ignore[index]
+    with pytest.raises(EdgedError, match="BYTES element 1 is int"):
+        decode_request(hdr, model="m", version=None)

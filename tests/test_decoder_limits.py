@@ -12,7 +12,7 @@ import subprocess
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,6 +138,28 @@ class HealthProbe:
         self.conn.close()
 
 
+def attack_rounds(port: int, attack: Callable[[], None], what: str) -> None:
+    """Run ``attack`` while probing health; up to three rounds for the latency bound.
+
+    A decoder that allocates what a request declares blocks the loop for seconds in every round;
+    a 2-core machine shared with other work can delay one probe past 50 ms now and then, but not
+    in three rounds running. The peak RSS counts every round.
+    """
+    worst: list[float] = []
+    for _ in range(3):
+        with HealthProbe(port) as probe:
+            time.sleep(0.1)
+            attack()
+            time.sleep(0.1)
+        assert not probe.failures, probe.failures
+        assert len(probe.latencies) > 10
+        worst.append(max(probe.latencies))
+        if worst[-1] < HEALTH_BOUND_S:
+            break
+    print(f"{what}: /v2/health/live max per round {', '.join(f'{w * 1e3:.1f} ms' for w in worst)}")
+    assert worst[-1] < HEALTH_BOUND_S, worst
+
+
 def test_tiny_request_declaring_2_31_elements_is_400_without_memory_or_blocking(daemon: Daemon) -> None:
     assert len(bytes_attack(2**31)[0]) == 118  # the request from the issue
     conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=10)
@@ -146,8 +168,8 @@ def test_tiny_request_declaring_2_31_elements_is_400_without_memory_or_blocking(
                      headers={"Inference-Header-Content-Length": str(bytes_attack(1)[1])})
         conn.getresponse().read()
     before = peak_rss(daemon.proc.pid)
-    with HealthProbe(daemon.port) as probe:
-        time.sleep(0.2)
+
+    def attack() -> None:
         for count in (2**31, 2**29, 2**40, 2**31 * 3):
             b, h = bytes_attack(count)
             for _ in range(5):
@@ -159,12 +181,11 @@ def test_tiny_request_declaring_2_31_elements_is_400_without_memory_or_blocking(
                 assert r.status == 400, reply
                 assert "BYTES elements" in reply["error"] and str(count) in reply["error"], reply
                 assert time.monotonic() - t0 < 5
-        time.sleep(0.2)
+
+    attack_rounds(daemon.port, attack, "HTTP attack (20 requests a round)")
     conn.close()
     growth = peak_rss(daemon.proc.pid) - before
-    assert not probe.failures, probe.failures
-    assert len(probe.latencies) > 20
-    assert max(probe.latencies) < HEALTH_BOUND_S, sorted(probe.latencies)[-5:]
+    print(f"HTTP attack: peak RSS growth {growth / 2**20:.2f} MiB")
     assert growth < RSS_BOUND, f"peak RSS grew {growth / 2**20:.1f} MiB"
 
 
@@ -173,7 +194,8 @@ def test_tiny_mqtt_payloads_declaring_huge_tensors_get_error_replies(daemon: Dae
     try:
         client.subscribe("replies/attack")
         before = peak_rss(daemon.proc.pid)
-        with HealthProbe(daemon.port) as probe:
+
+        def attack() -> None:
             for i, count in enumerate((2**31, 2**29, 2**40)):
                 header = orjson.dumps({"id": f"a{i}", "reply_to": "replies/attack", "inputs": [
                     {"name": "pixels", "datatype": "BYTES", "shape": [count],
@@ -186,9 +208,10 @@ def test_tiny_mqtt_payloads_declaring_huge_tensors_get_error_replies(daemon: Dae
                 reply = orjson.loads(head)
                 assert reply["code"] == "invalid_argument" and reply["id"] == f"a{i}", reply
                 assert "BYTES elements" in reply["error"], reply
+
+        attack_rounds(daemon.port, attack, "MQTT attack (3 payloads a round)")
         growth = peak_rss(daemon.proc.pid) - before
-        assert not probe.failures, probe.failures
-        assert max(probe.latencies) < HEALTH_BOUND_S, sorted(probe.latencies)[-5:]
+        print(f"MQTT attack: peak RSS growth {growth / 2**20:.2f} MiB")
         assert growth < RSS_BOUND, f"peak RSS grew {growth / 2**20:.1f} MiB"
     finally:
         client.close()

@@ -8,6 +8,7 @@ gRPC statuses come back as EdgedErrors with the transport-neutral code.
 
 from __future__ import annotations
 
+import math
 import queue
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -44,7 +45,7 @@ def infer_outputs(resp: Any) -> dict[str, np.ndarray]:
         shape = tuple(int(d) for d in t.shape)
         raw = resp.raw_output_contents[i] if i < len(resp.raw_output_contents) else b""
         if t.datatype == "BYTES":
-            out[t.name] = bytes_from_buffer(raw, int(np.prod(shape)), f"output {t.name!r}").reshape(shape)
+            out[t.name] = bytes_from_buffer(raw, math.prod(shape), f"output {t.name!r}").reshape(shape)
         else:
             out[t.name] = np.frombuffer(raw, datatypes.to_numpy(t.datatype)).reshape(shape)
     return out

@@ -125,9 +125,12 @@ def _from_json_data(data: Any, datatype: str, shape: tuple[int, ...], where: str
             raise InvalidInputError(f"{where}: {flat.size} elements for shape {list(shape)} ({count} needed)")
         out = np.empty(count, dtype=object)
         for i, item in enumerate(flat):
-            if not isinstance(item, str):
+            if isinstance(item, str):
+                out[i] = item.encode()
+            elif isinstance(item, bytes):  # gRPC's typed bytes_contents
+                out[i] = item
+            else:
                 raise InvalidInputError(f"{where}: BYTES element {i} is {type(item).__name__}, not a string")
-            out[i] = item.encode()
         return out.reshape(shape)
     dtype = datatypes.to_numpy(datatype)
     try:
