@@ -64,7 +64,7 @@ def to_toml(doc: dict[str, Any], prefix: str = "") -> str:
 
 def _prune(v: Any) -> Any:
     if isinstance(v, dict):
-        return {k: _prune(x) for k, x in v.items() if x is not None and x != [] and x != {}}
+        return {k: _prune(x) for k, x in v.items() if x is not None and x not in ([], {})}
     if isinstance(v, list):
         return [_prune(x) for x in v]
     return v
