@@ -211,7 +211,8 @@ class RegistrySection(_Section):
     enrollment_token: str | None = None
     public_keys: list[str] = Field(default_factory=list, description="Ed25519 release-signing keys (base64)")
     poll_interval_s: float = Field(default=60, gt=0)
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict, description="not sent: labels are operator-owned "
+                                                                     "(edged-registry label / enroll-token --label)")
     trial_s: float = Field(default=60, ge=0, description="how long a new version is watched before it is committed")
     trial_min_requests: int = Field(default=20, ge=1, description="below this, error rate and p99 are not judged")
     trial_max_error_rate: float = Field(default=0.01, ge=0, le=1,

@@ -84,6 +84,31 @@ def publish_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def make_private_dir(path: Path) -> None:
+    """Create ``path`` and its missing parents 0700 whatever the umask, and take group and other
+    access off ``path`` itself (for data at rest: a server's database, blobs, keys)."""
+    missing = []
+    folder = Path(os.path.abspath(path))
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for folder in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, 0o700)
+        os.chmod(folder, 0o700)
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & 0o077:
+        os.chmod(path, mode & 0o700)
+
+
+def private_file(path: Path) -> None:
+    """Create ``path`` if missing, 0600 whatever the umask, and take group and other access off it."""
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & 0o077:
+        os.chmod(path, mode & 0o700)
+
+
 def ensure_private_dir(path: Path, what: str) -> None:
     """Make ``path`` (missing folders 0700) where nobody but this user and root can swap what is inside.
 

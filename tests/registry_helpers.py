@@ -11,6 +11,7 @@ import pwd
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -143,10 +144,16 @@ class RegistryServer:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     extra_args: list[str] = field(default_factory=list)
+    tls: tuple[Path, Path, Path] | None = None  # certificate, key, and the CA that signed them: serve HTTPS
+    umask: int | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    @property
+    def ca_file(self) -> Path | None:
+        return self.tls[2] if self.tls else None
 
     @property
     def data_dir(self) -> Path:
@@ -165,16 +172,20 @@ class RegistryServer:
             argv += ["--public-key", k]
         if self.database_url:
             argv += ["--database-url", self.database_url]
+        if self.tls:
+            argv += ["--tls-cert", str(self.tls[0]), "--tls-key", str(self.tls[1])]
         argv += self.extra_args
         log = (self.root / f"registry-{self.port}.log").open("wb")
-        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                     umask=-1 if self.umask is None else self.umask)
         log.close()
+        verify = ssl.create_default_context(cafile=str(self.ca_file)) if self.ca_file else True
 
         def up() -> bool:
             assert self.proc is not None
             if self.proc.poll() is not None:
                 raise RuntimeError("registry exited: " + self.log()[-2000:])
-            return httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200
+            return httpx.get(f"{self.url}/healthz", timeout=1, verify=verify).status_code == 200
 
         wait_for(up, 60, 0.1, "the registry server")
         return self
@@ -196,10 +207,12 @@ class RegistryServer:
     def client(self) -> Any:
         from edged.registry.client import RegistryClient
 
-        return RegistryClient(self.url, ADMIN_TOKEN)
+        return RegistryClient(self.url, ADMIN_TOKEN, ca_file=self.ca_file)
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         env = {**os.environ, "EDGED_REGISTRY_URL": self.url, "EDGED_REGISTRY_TOKEN": ADMIN_TOKEN}
+        if self.ca_file:
+            env["EDGED_REGISTRY_CA_FILE"] = str(self.ca_file)
         r = subprocess.run([PY, "-m", "edged.registry", *args], capture_output=True, text=True, env=env,
                            cwd=REPO_ROOT, timeout=120)
         if check and r.returncode != 0:

@@ -19,6 +19,8 @@ import httpx
 import pytest
 
 from edged.registry.release import ReleaseManifest, TargetSelector, sign_release
+from edged.registry.rollout_wire import Gates, RolloutCreate, StepSpec
+from edged.registry.targets import RolloutTarget
 from tests.registry_helpers import ADMIN_TOKEN, Keys, PgCluster, RegistryServer, make_version, pg_bin
 
 _n = itertools.count(1)
@@ -83,9 +85,10 @@ def push(env: Env, model: str, version: int, **kw: Any) -> Path:
 
 
 def enroll(env: Env, device_id: str, labels: dict[str, str] | None = None) -> str:
+    """Enroll a new device; its labels come with the operator's enrollment token."""
     with env.server.client() as c:
-        token = c.enrollment_token().token
-    r = httpx.post(f"{env.url}/api/v1/enroll", json={"token": token, "device_id": device_id, "labels": labels or {}})
+        token = c.enrollment_token(labels=labels).token
+    r = httpx.post(f"{env.url}/api/v1/enroll", json={"token": token, "device_id": device_id})
     assert r.status_code == 200, r.text
     return str(r.json()["credential"])
 
@@ -231,10 +234,93 @@ def test_enrollment_tokens_and_credentials(env: Env, model: str) -> None:
     assert httpx.post(f"{env.url}/api/v1/enroll",
                       json={"token": tok, "device_id": "bad/id"}).status_code == 422
     assert desired(env, cred).status_code == 200
-    # enrolling the same id again (a device that lost its state) replaces its credential
-    cred2 = enroll(env, f"{model}-a")
-    assert desired(env, cred).status_code == 401
-    assert desired(env, cred2).status_code == 200
+
+
+def test_enrollment_token_cannot_take_over_an_existing_device(env: Env, model: str) -> None:
+    """The attack: a valid enrollment token used on an enrolled device's id to steal its identity."""
+    real = f"{model}-real"
+    cred = enroll(env, real)
+    with env.server.client() as c:
+        fleet_token = c.enrollment_token(uses=1).token
+    stolen = httpx.post(f"{env.url}/api/v1/enroll", json={"token": fleet_token, "device_id": real})
+    assert stolen.status_code == 409, stolen.text
+    err = stolen.json()["error"]
+    assert err["code"] == "failed_precondition" and err["message"].startswith("device_id:")
+    assert "credential" not in stolen.json()
+    assert desired(env, cred).status_code == 200  # the real device keeps working
+    # the refused attempt did not spend the single-use token: a new device still enrolls with it
+    assert httpx.post(f"{env.url}/api/v1/enroll", json={"token": fleet_token, "device_id": f"{model}-new"}
+                      ).status_code == 200
+
+    # the device itself rotates its credential by proving it holds the current one
+    auth = {"Authorization": f"Bearer {cred}"}
+    rotated = httpx.post(f"{env.url}/api/v1/device/credential", headers=auth)
+    assert rotated.status_code == 200 and rotated.json()["device_id"] == real
+    cred2 = rotated.json()["credential"]
+    assert desired(env, cred).status_code == 401 and desired(env, cred2).status_code == 200
+    assert httpx.post(f"{env.url}/api/v1/device/credential", headers=auth).status_code == 401
+    assert httpx.post(f"{env.url}/api/v1/device/credential").status_code == 401
+
+    # an operator re-enrolls it (lost state, leaked credential): the old credential stops at once and
+    # the single-use token enrolls this id only
+    out = env.server.cli("reenroll", real, "--ttl", "1h", "--json")
+    reenroll_token = json.loads(out.stdout)["token"]
+    assert desired(env, cred2).status_code == 401
+    other = httpx.post(f"{env.url}/api/v1/enroll", json={"token": reenroll_token, "device_id": f"{model}-x"})
+    assert other.status_code == 403 and other.json()["error"]["message"].startswith("device_id:")
+    back = httpx.post(f"{env.url}/api/v1/enroll", json={"token": reenroll_token, "device_id": real})
+    assert back.status_code == 200, back.text
+    assert desired(env, back.json()["credential"]).status_code == 200
+    assert httpx.post(f"{env.url}/api/v1/enroll", json={"token": reenroll_token, "device_id": real}
+                      ).status_code == 401  # spent
+    assert env.server.cli("reenroll", f"{model}-unknown", check=False).returncode != 0
+
+
+def test_device_cannot_label_itself_into_another_customers_release(env: Env, model: str) -> None:
+    """The attack: customer A's device sets customer B's label to join B's rollout and fetch B's files."""
+    push(env, model, 1)
+    push(env, model, 2)
+    a = enroll(env, f"{model}-a", {"customer": "a"})
+    b = enroll(env, f"{model}-b", {"customer": "b"})
+    with env.server.client() as c:
+        r1 = c.release(env.keys.load(), model, 1, expires_in_s=600).release
+        spec = RolloutCreate(model=model, release=0, steps=[StepSpec(percent=100)], gates=Gates(),
+                             target=RolloutTarget(labels={"customer": "b"}))
+        r2 = c.release_with_rollout(env.keys.load(), model, 2, spec, expires_in_s=600).release
+        only_v2 = next(f.sha256 for f in c.version(model, 2).files if f.path == "labels.txt")
+
+    def release_of(cred: str) -> int:
+        return int({m["model"]: m["release"] for m in desired(env, cred).json()["models"]}[model])
+
+    assert (release_of(a), release_of(b)) == (r1, r2)
+    before = desired(env, a)
+    h = {"Authorization": f"Bearer {a}"}
+    r = httpx.put(f"{env.url}/api/v1/device/facts", headers=h,
+                  json={"labels": {"customer": "b"}, "facts": {"profile": "x86-64-cpu"}})
+    assert r.status_code == 403, r.text
+    assert r.json()["error"]["code"] == "permission_denied" and r.json()["error"]["message"].startswith("labels:")
+    # nothing changed: same desired state (ETag), B's files still refused, labels as the operator set them
+    assert desired(env, a).headers["etag"] == before.headers["etag"] and release_of(a) == r1
+    assert httpx.get(f"{env.url}/api/v1/blobs/{only_v2}", headers=h).status_code == 403
+    with env.server.client() as c:
+        assert c.device(f"{model}-a").labels == {"customer": "a"}
+        assert c.device(f"{model}-a").facts == {}
+    # facts alone are still accepted
+    ok = httpx.put(f"{env.url}/api/v1/device/facts", headers=h, json={"facts": {"profile": "x86-64-cpu"}})
+    assert ok.status_code == 200
+    # nor can a device choose labels at enrollment beyond those its operator's token carries
+    with env.server.client() as c:
+        tok = c.enrollment_token(uses=2, labels={"customer": "a"}).token
+    bad = httpx.post(f"{env.url}/api/v1/enroll", json={"token": tok, "device_id": f"{model}-c",
+                                                       "labels": {"customer": "b"}})
+    assert bad.status_code == 403 and bad.json()["error"]["message"].startswith("labels:")
+    good = httpx.post(f"{env.url}/api/v1/enroll", json={"token": tok, "device_id": f"{model}-c",
+                                                        "labels": {"customer": "a"}})
+    assert good.status_code == 200 and release_of(good.json()["credential"]) == r1
+    # operators relabel devices
+    out = env.server.cli("label", f"{model}-a", "customer=b", "--json")
+    assert json.loads(out.stdout)["labels"] == {"customer": "b"}
+    assert release_of(a) == r2
 
 
 def test_access_control(env: Env, model: str) -> None:

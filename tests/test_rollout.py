@@ -152,10 +152,12 @@ def make_fleet(env: Env, layout: dict[str, tuple[dict[str, str], dict[str, Any]]
     for v in range(1, versions + 1):
         client.push_folder(make_version(env.tmp / "pub" / model / str(v), salt=f"{model}-{v}"), model, v)
     r1 = client.release(env.keys.load(), model, 1, expires_in_s=3600).release
-    token = client.enrollment_token(uses=len(layout)).token
-    devices = {f"{model}-{name}": ApiDevice.enroll(env.url, token, f"{model}-{name}", {**labels, "fleet": model},
-                                                   facts)
-               for name, (labels, facts) in layout.items()}
+    devices = {}
+    for name, (labels, facts) in layout.items():
+        # labels are operator-owned: the enrollment token carries them, the device may only repeat them
+        token = client.enrollment_token(labels={**labels, "fleet": model}).token
+        devices[f"{model}-{name}"] = ApiDevice.enroll(env.url, token, f"{model}-{name}", {**labels, "fleet": model},
+                                                      facts)
     return Fleet(env, model, client, devices, r1)
 
 
@@ -207,7 +209,7 @@ def test_targeted_steps_progress_and_complete(env: Env) -> None:
     assert st.rollout.state == "completed" and st.totals["committed"] == 5
     assert f.on(f.r1) == set(f.devices) - targeted
     # a completed rollout still covers its whole target, also devices that enroll later
-    token = f.client.enrollment_token().token
+    token = f.client.enrollment_token(labels={"site": "a", "fleet": m}).token
     late = ApiDevice.enroll(env.url, token, f"{m}-late", {"site": "a", "fleet": m}, {"profile": "jetson-xavier"})
     assert late.release(m) == r2
     f.client.close()

@@ -64,7 +64,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     make_version(pub / "1", salt="v1")
     client.push_folder(make_version(pub / "2", salt="v2"), MODEL, 2)
     client.push_folder(make_version(pub / "3", salt="v3", golden_fail=True), MODEL, 3)
-    token = client.enrollment_token(uses=N).token
+    token = client.enrollment_token(uses=N, labels=FLEET).token  # labels are the operator's
     daemons, repos = {}, {}
     for i in range(N):
         dev, home = f"dev-{i}", tmp / f"dev-{i}"
@@ -72,7 +72,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         shutil.copytree(pub / "1", repo / MODEL / "1")  # every device serves version 1 before the rollouts
         port = free_port()
         cfg = device_toml(home, repo, server.url, [keys.public], token=token, device_id=dev, http_port=port,
-                          poll_s=0.2, labels=FLEET)
+                          poll_s=0.2)
         cfg.write_text(cfg.read_text() + "trial_s = 1.0\nretry_max_s = 2.0\nfacts_interval_s = 5.0\n")
         daemons[dev] = EdgedRun(cfg, port, home / "daemon.log")
         repos[dev] = repo

@@ -83,8 +83,8 @@ class IngestRegistry:
         self.sessions = make_sessionmaker(self.engine)
         self.credential = "edgd_test-device-credential"
         with self.sessions() as s, s.begin():
-            s.add(DeviceRow(id=DEVICE, credential_hash=token_hash(self.credential), labels={"site": "a"},
-                            admin_labels={}, facts={}, serving=[]))
+            s.add(DeviceRow(id=DEVICE, credential_hash=token_hash(self.credential), labels={},
+                            admin_labels={"site": "a"}, facts={}, serving=[]))
         self.app = FastAPI()
         self.app.include_router(telemetry_router(self.sessions, token_hash(ADMIN)))
 

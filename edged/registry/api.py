@@ -64,6 +64,7 @@ from edged.registry.wire import (
     NextRelease,
     PinRequest,
     PushVersionRequest,
+    ReenrollRequest,
     RegistryStatus,
     ReleaseInfo,
     ReportBatch,
@@ -126,6 +127,7 @@ Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)]
 def create_app(settings: RegistrySettings) -> FastAPI:
     admin_hash = settings.admin_token_hash()
     settings.check_keys()
+    settings.prepare_storage()
     engine = make_engine(settings.db_url)
     if settings.migrate:
         upgrade(engine)
@@ -137,7 +139,6 @@ def create_app(settings: RegistrySettings) -> FastAPI:
     report_writer = ReportWriter(engine)
     store = BlobStore(settings.blobs)
     blob_cache = SmallBlobCache(store)
-    store.root.mkdir(parents=True, exist_ok=True)
     nudger = Nudger(settings.nudge_mqtt_url, settings.nudge_topic_prefix) if settings.nudge_mqtt_url else None
     max_upload = int(settings.max_upload_mb * (1 << 20))
 
@@ -285,6 +286,7 @@ def create_app(settings: RegistrySettings) -> FastAPI:
         # Devices resend their facts periodically; most of the time nothing changed and nothing is written.
         with read_sessions() as s:
             view = authenticate(s.connection(), request)
+            service.refuse_self_labels(upd)
             dev = s.get_one(DeviceRow, view.id)
             if not service.facts_changed(dev, upd):
                 last_seen.note(dev.id, dev.last_seen_at)
@@ -296,6 +298,15 @@ def create_app(settings: RegistrySettings) -> FastAPI:
 
         await asyncio.to_thread(write)
         return Accepted(accepted=1)
+
+    @app.post(f"{API_PREFIX}/device/credential", tags=["device"], response_model=EnrollResponse,
+              openapi_extra={"security": [{"HTTPBearer": []}]})
+    def rotate_credential(auth: Bearer) -> EnrollResponse:
+        """A new credential for the device holding the current one (which stops working)."""
+        with tx() as s:
+            out = service.rotate_credential(device_of(s, auth))
+        log.info("device %s rotated its credential", out.device_id)
+        return out
 
     @app.get(f"{API_PREFIX}/blobs/{{sha256}}", tags=["device", "admin"],
              responses={200: {"content": {"application/octet-stream": {}}}, 206: {"description": "a byte range"}})
@@ -430,6 +441,14 @@ def create_app(settings: RegistrySettings) -> FastAPI:
     def labels(device_id: str, req: LabelsUpdate) -> DeviceInfo:
         with tx() as s:
             return service.set_admin_labels(s, device_id, req.labels)
+
+    @app.post(f"{API_PREFIX}/devices/{{device_id}}/reenroll", tags=["admin"], response_model=EnrollmentTokenResponse,
+              status_code=201, dependencies=[admin])
+    def reenroll(device_id: str, req: ReenrollRequest) -> EnrollmentTokenResponse:
+        with tx() as s:
+            out = service.reenroll_token(s, device_id, req)
+        log.info("device %s: credential revoked by an operator, re-enrollment token issued", device_id)
+        return out
 
     @app.put(f"{API_PREFIX}/devices/{{device_id}}/models/{{model}}/pin", tags=["admin"], response_model=DeviceInfo,
              dependencies=[admin])

@@ -3,7 +3,8 @@
 A blob is written to a temp file beside its final place, hashed while it streams in,
 fsynced, and renamed only when its digest and size match what the uploader announced,
 so a reader never sees a partial or wrong blob. Several registry processes may share
-the folder (e.g. over NFS): identical content lands at the identical name.
+the folder (e.g. over NFS): identical content lands at the identical name. Folders are
+0700 and blobs 0400 whatever the umask: only the registry's user reads what operators uploaded.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from edged.errors import EdgedError, ErrorCode
-from edged.fsutil import fsync_dir
+from edged.fsutil import fsync_dir, make_private_dir
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -53,7 +54,7 @@ class BlobWriter:
     def __init__(self, store: BlobStore, sha256: str) -> None:
         self.final = store.path(sha256)
         self.sha256 = sha256
-        self.final.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.final.parent)
         fd, tmp = tempfile.mkstemp(prefix=f".{sha256[:16]}.", suffix=".part", dir=self.final.parent)
         self.tmp = Path(tmp)
         self._file: BinaryIO = os.fdopen(fd, "wb")
@@ -75,7 +76,7 @@ class BlobWriter:
                 raise BlobError(f"upload does not match its sha256 (got {actual[:12]}...)")
             if expected_size is not None and self.size != expected_size:
                 raise BlobError(f"upload is {self.size} bytes, {expected_size} announced")
-            os.chmod(self.tmp, 0o444)
+            os.chmod(self.tmp, 0o400)
             os.replace(self.tmp, self.final)
             fsync_dir(self.final.parent)
         finally:

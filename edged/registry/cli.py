@@ -15,6 +15,7 @@ from edged import __version__
 from edged.errors import ConfigError, EdgedError
 
 URL_ENV = "EDGED_REGISTRY_URL"
+CA_ENV = "EDGED_REGISTRY_CA_FILE"
 TOKEN_ENV = "EDGED_REGISTRY_TOKEN"
 DEFAULT_URL = "http://127.0.0.1:8700"
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw]?)$")
@@ -39,6 +40,8 @@ def _client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=os.environ.get(URL_ENV, DEFAULT_URL), help=f"registry URL (env {URL_ENV})")
     p.add_argument("--token-file", type=Path, default=None,
                    help=f"file holding the admin token (else env {TOKEN_ENV})")
+    p.add_argument("--ca-file", type=Path, default=os.environ.get(CA_ENV) or None,
+                   help=f"CA bundle of an https registry's certificate (env {CA_ENV}; default: the system's)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -59,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run the registry HTTP API")
     _server_args(p)
-    p.add_argument("--listen", default=None, help="host:port (default 127.0.0.1:8700)")
+    p.add_argument("--listen", default=None, help="host:port (default 127.0.0.1:8700); beyond loopback use TLS")
+    p.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate (chain) to serve HTTPS with")
+    p.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
     p.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
     p.add_argument("--rollout-tick", type=parse_duration, default=None, dest="rollout_tick_s",
                    help="how often running rollouts are evaluated (default 2s)")
@@ -126,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("device_id")
     p.add_argument("labels", type=parse_label, nargs="+")
 
+    p = sub.add_parser("reenroll", help="revoke a device's credential now and print a single-use token that "
+                                        "enrolls that device id again (lost state, leaked credential)")
+    _client_args(p)
+    p.add_argument("device_id")
+    p.add_argument("--ttl", type=parse_duration, default=parse_duration("24h"))
+
     p = sub.add_parser("pin", help="pin one device to a release of a model ('none' unpins)")
     _client_args(p)
     p.add_argument("device_id")
@@ -143,7 +154,8 @@ def _settings(args: argparse.Namespace) -> Any:
     from edged.registry.settings import load_settings
 
     overrides = {k: getattr(args, k, None) for k in ("data_dir", "database_url", "blob_dir", "admin_token_file",
-                                                    "public_keys", "listen", "log_level", "rollout_tick_s")}
+                                                    "public_keys", "listen", "log_level", "rollout_tick_s",
+                                                    "tls_cert", "tls_key")}
     return load_settings(args.config, overrides)
 
 
@@ -164,11 +176,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     where = parse_listen(settings.listen)
     # log_config=None: uvicorn logs through our root handler, one format for everything.
     common: dict[str, Any] = {"log_level": settings.log_level, "access_log": False, "log_config": None}
+    if settings.tls_cert is not None:
+        common.update(ssl_certfile=str(settings.tls_cert), ssl_keyfile=str(settings.tls_key))
+    elif not isinstance(where, Path) and not _loopback(where[0]):
+        logging.getLogger("edged.registry").warning(
+            "serving plain HTTP on %s: device credentials and tokens cross the network in clear; give "
+            "--tls-cert/--tls-key (or [registry] tls_cert/tls_key), or listen on loopback behind a TLS proxy",
+            settings.listen)
     if isinstance(where, Path):
         uvicorn.run(app, uds=str(where), **common)
     else:
         uvicorn.run(app, host=where[0], port=where[1], **common)
     return 0
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
@@ -207,7 +237,7 @@ def _client(args: argparse.Namespace) -> Any:
         token = os.environ.get(TOKEN_ENV, "")
     if not token:
         raise ConfigError(f"no admin token: give --token-file or set {TOKEN_ENV}")
-    return RegistryClient(args.url, token)
+    return RegistryClient(args.url, token, ca_file=args.ca_file)
 
 
 def _print(args: argparse.Namespace, obj: Any, text: Callable[[], str]) -> None:
@@ -343,6 +373,13 @@ def cmd_label(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reenroll(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        tok = c.reenroll(args.device_id, args.ttl)
+    _print(args, tok, lambda: tok.token)
+    return 0
+
+
 def cmd_pin(args: argparse.Namespace) -> int:
     release = None if args.release.lower() == "none" else int(args.release)
     with _client(args) as c:
@@ -367,6 +404,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "serve": cmd_serve, "migrate": cmd_migrate, "keygen": cmd_keygen, "push": cmd_push, "release": cmd_release,
     "revoke": cmd_revoke, "releases": cmd_releases, "models": cmd_models, "devices": cmd_devices,
     "device": cmd_device, "status": cmd_status, "enroll-token": cmd_enroll_token, "label": cmd_label,
+    "reenroll": cmd_reenroll,
     "pin": cmd_pin, "rollout": cmd_rollout, "simulate": cmd_simulate,
 }
 

@@ -28,6 +28,7 @@ from edged.registry.wire import (
     NextRelease,
     PinRequest,
     PushVersionRequest,
+    ReenrollRequest,
     RegistryStatus,
     ReleaseInfo,
     VersionInfo,
@@ -73,12 +74,16 @@ def folder_files(folder: Path) -> list[tuple[FileEntry, Path]]:
 
 
 class RegistryClient:
-    def __init__(self, url: str, token: str, *, timeout: float = 60.0) -> None:
+    def __init__(self, url: str, token: str, *, timeout: float = 60.0, ca_file: Path | None = None) -> None:
+        """``ca_file``: the CA bundle that signed an https registry's certificate (default: the system's)."""
+        import ssl
+
         import httpx
 
         self.url = url.rstrip("/")
+        verify = ssl.create_default_context(cafile=str(ca_file)) if ca_file is not None else True
         self._http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"},
-                                  timeout=httpx.Timeout(timeout, connect=10.0))
+                                  timeout=httpx.Timeout(timeout, connect=10.0), verify=verify)
 
     def close(self) -> None:
         self._http.close()
@@ -195,6 +200,12 @@ class RegistryClient:
                          ) -> EnrollmentTokenResponse:
         req = EnrollmentTokenRequest(uses=uses, ttl_s=ttl_s, labels=labels or {})
         r = self._call("POST", "/enrollment-tokens", content=req.model_dump_json(),
+                       headers={"Content-Type": "application/json"})
+        return EnrollmentTokenResponse.model_validate_json(r.content)
+
+    def reenroll(self, device_id: str, ttl_s: float = 86400) -> EnrollmentTokenResponse:
+        """Revoke a device's credential and get a single-use token that enrolls that id again."""
+        r = self._call("POST", f"/devices/{device_id}/reenroll", content=ReenrollRequest(ttl_s=ttl_s).model_dump_json(),
                        headers={"Content-Type": "application/json"})
         return EnrollmentTokenResponse.model_validate_json(r.content)
 

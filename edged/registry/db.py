@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
@@ -27,7 +28,10 @@ from sqlalchemy import (
     create_engine,
     event,
 )
+from sqlalchemy.engine import make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+
+from edged.fsutil import make_private_dir, private_file
 
 NAMING = {
     "ix": "ix_%(column_0_label)s",
@@ -108,15 +112,17 @@ class DeviceRow(Base):
     __tablename__ = "devices"
     id: Mapped[str] = mapped_column(String(128), primary_key=True)
     credential_hash: Mapped[str] = mapped_column(String(64), unique=True)
-    labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # as the device reports them
-    admin_labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # set by operators; win on conflict
+    # What old devices reported about themselves; kept for reference, never used for targeting.
+    labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    admin_labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # set by operators: the only labels
     facts: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     serving: Mapped[list[Any]] = mapped_column(JSON, default=list)
     enrolled_at: Mapped[float] = mapped_column(Double, default=now)
     last_seen_at: Mapped[float | None] = mapped_column(Double, nullable=True)
 
     def effective_labels(self) -> dict[str, str]:
-        return {**self.labels, **self.admin_labels}
+        """Labels are operator-owned: a device cannot move itself into another rollout or release."""
+        return dict(self.admin_labels)
 
 
 class EnrollmentTokenRow(Base):
@@ -127,6 +133,8 @@ class EnrollmentTokenRow(Base):
     labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     created_at: Mapped[float] = mapped_column(Double, default=now)
     expires_at: Mapped[float] = mapped_column(Double)
+    # Set by an operator's re-enrollment: the token replaces this existing device's credential, nothing else.
+    device_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
 
 
 class DeviceModelRow(Base):
@@ -267,8 +275,16 @@ class _WriteGate:
 
 
 def make_engine(url: str, *, echo: bool = False) -> Engine:
-    """An engine for ``sqlite:///path`` or ``postgresql+psycopg://...``."""
+    """An engine for ``sqlite:///path`` or ``postgresql+psycopg://...``.
+
+    A SQLite file is made 0600 (its folder 0700) before SQLite opens it, whatever the umask;
+    SQLite gives its -wal and -shm files the database file's mode.
+    """
     if url.startswith("sqlite"):
+        db = make_url(url).database
+        if db and db != ":memory:" and not db.startswith("file:"):
+            make_private_dir(Path(db).parent)
+            private_file(Path(db))
         engine = create_engine(url, echo=echo, connect_args={"check_same_thread": False, "timeout": 10},
                                pool_size=16, max_overflow=48)
         event.listen(engine, "connect", _sqlite_pragmas)

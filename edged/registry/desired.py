@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,7 +192,7 @@ class SnapshotCache:
 
 # ---- one device -----------------------------------------------------------------------------------
 _DEVICE_QUERY = (
-    select(DeviceRow.id, DeviceRow.credential_hash, DeviceRow.labels, DeviceRow.admin_labels, DeviceRow.facts,
+    select(DeviceRow.id, DeviceRow.credential_hash, DeviceRow.admin_labels, DeviceRow.facts,
            DeviceRow.last_seen_at, DeviceModelRow.model_id, DeviceModelRow.pinned_release_id, DeviceModelRow.state,
            DeviceModelRow.release_number, _REVISION.label("revision"))
     .select_from(DeviceRow).outerjoin(DeviceModelRow, DeviceModelRow.device_id == DeviceRow.id))
@@ -206,7 +206,7 @@ def device_view(rows: Sequence[Any]) -> tuple[DeviceView | None, int]:
         return None, 0
     first = rows[0]
     dev = DeviceView(id=first.id, credential_hash=first.credential_hash,
-                     labels={**(first.labels or {}), **(first.admin_labels or {})}, facts=first.facts or {},
+                     labels=dict(first.admin_labels or {}), facts=first.facts or {},
                      last_seen_at=first.last_seen_at, models={})
     for r in rows:
         if r.model_id is not None:
@@ -274,7 +274,3 @@ def blob_allowed(conn: Connection, desired: Desired, sha256: str, cache: Snapsho
     hit = conn.execute(select(VersionFileRow.id).where(VersionFileRow.version_id.in_(version_ids),
                                                        VersionFileRow.sha256 == sha256).limit(1)).first()
     return hit is not None
-
-
-def effective(labels: Mapping[str, Any], admin_labels: Mapping[str, Any]) -> dict[str, Any]:
-    return {**labels, **admin_labels}

@@ -48,7 +48,6 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
 
     lock: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if (db := sqlite_path(engine)) is not None:
-        db.parent.mkdir(parents=True, exist_ok=True)
         lock = _file_lock(db.with_name(db.name + ".migrate-lock"))
     with lock, engine.connect() as conn:
         if engine.dialect.name == "postgresql":

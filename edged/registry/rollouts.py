@@ -57,10 +57,9 @@ def targeted(s: Session, ro: RolloutRow, selector: TargetSelector) -> list[Candi
     """Enrolled devices the rollout's target and its release's signed selector both select (O(fleet))."""
     target = RolloutTarget.model_validate(ro.target)
     out = []
-    rows = s.execute(select(DeviceRow.id, DeviceRow.labels, DeviceRow.admin_labels, DeviceRow.facts)
-                     .order_by(DeviceRow.id)).all()
+    rows = s.execute(select(DeviceRow.id, DeviceRow.admin_labels, DeviceRow.facts).order_by(DeviceRow.id)).all()
     for r in rows:
-        labels = {**(r.labels or {}), **(r.admin_labels or {})}
+        labels = dict(r.admin_labels or {})  # operator-owned only (see DeviceRow.effective_labels)
         facts = r.facts or {}
         if selector_matches(selector, r.id, labels) and target.matches(r.id, labels, facts):
             out.append(Candidate(r.id, labels, facts))

@@ -47,6 +47,7 @@ from edged.registry.wire import (
     EventInfo,
     ModelInfo,
     ModelStatus,
+    ReenrollRequest,
     RegistryStatus,
     ReleaseInfo,
     ReleaseStatus,
@@ -297,15 +298,28 @@ def create_enrollment_token(s: Session, req: EnrollmentTokenRequest) -> Enrollme
 
 
 def enroll(s: Session, req: EnrollRequest) -> EnrollResponse:
-    """Spend one use of an enrollment token and issue a fresh per-device credential.
+    """Spend one use of an enrollment token and bind a new device id to a fresh credential.
 
-    Enrolling an existing id again (a device that lost its state) replaces its credential.
+    An enrollment token binds new ids only: taking over an enrolled id needs a token an operator
+    issued for that very device (``devices reenroll``), so a leaked fleet token cannot lock a
+    real device out. Labels are the operator's: a device may only repeat those its token carries.
     """
     h = token_hash(req.token)
     tok = s.scalar(select(EnrollmentTokenRow).where(EnrollmentTokenRow.token_hash == h))
     refused = RegistryError("enrollment token is invalid, used up or expired", 401, ErrorCode.INVALID_ARGUMENT)
     if tok is None or not same_hash(tok.token_hash, h) or tok.expires_at <= time.time():
         raise refused
+    if tok.device_id is not None and tok.device_id != req.device_id:
+        raise RegistryError(f"device_id: this enrollment token re-enrolls device {tok.device_id!r} only", 403,
+                            ErrorCode.PERMISSION_DENIED)
+    foreign = sorted(k for k, v in req.labels.items() if tok.labels.get(k) != v)
+    if foreign:
+        raise RegistryError(f"labels: a device cannot choose its own labels ({', '.join(foreign)} not given by its "
+                            "enrollment token); operators set them with `edged-registry devices label` or "
+                            "`edged-registry enrollment-token --label`", 403, ErrorCode.PERMISSION_DENIED)
+    dev = s.get(DeviceRow, req.device_id)
+    if dev is not None and tok.device_id is None:
+        raise already_enrolled(req.device_id)
     # Conditional decrement: two devices racing for the last use cannot both win.
     spent = s.execute(update(EnrollmentTokenRow).where(EnrollmentTokenRow.id == tok.id,
                                                        EnrollmentTokenRow.uses_left > 0)
@@ -313,19 +327,47 @@ def enroll(s: Session, req: EnrollRequest) -> EnrollResponse:
     if getattr(spent, "rowcount", 0) != 1:
         raise refused
     credential = new_token(DEVICE_PREFIX)
-    labels = {**req.labels}
-    admin_labels = dict(tok.labels)
-    dev = s.get(DeviceRow, req.device_id)
     if dev is None:
-        s.add(DeviceRow(id=req.device_id, credential_hash=token_hash(credential), labels=labels,
-                        admin_labels=admin_labels, facts=dict(req.facts), serving=[], last_seen_at=time.time()))
+        s.add(DeviceRow(id=req.device_id, credential_hash=token_hash(credential), labels={},
+                        admin_labels=dict(tok.labels), facts=json_safe(req.facts), serving=[],
+                        last_seen_at=time.time()))
+        try:
+            s.flush()
+        except IntegrityError:  # another enrollment of the same new id won the race
+            raise already_enrolled(req.device_id) from None
     else:
         dev.credential_hash = token_hash(credential)
-        dev.labels = labels
-        dev.admin_labels = {**dev.admin_labels, **admin_labels}
-        dev.facts = dict(req.facts)
+        dev.admin_labels = {**dev.admin_labels, **tok.labels}
+        dev.facts = json_safe(req.facts)
         dev.last_seen_at = time.time()
     return EnrollResponse(device_id=req.device_id, credential=credential)
+
+
+def already_enrolled(device_id: str) -> RegistryError:
+    return RegistryError(f"device_id: {device_id!r} is already enrolled; an enrollment token only enrolls new "
+                         "devices (rotate with the current credential, or an operator runs "
+                         f"`edged-registry devices reenroll {device_id}`)", 409, ErrorCode.FAILED_PRECONDITION)
+
+
+def rotate_credential(dev: DeviceRow) -> EnrollResponse:
+    """A fresh credential for a device that proves it holds the current one; the old one stops working."""
+    credential = new_token(DEVICE_PREFIX)
+    dev.credential_hash = token_hash(credential)
+    return EnrollResponse(device_id=dev.id, credential=credential)
+
+
+def reenroll_token(s: Session, device_id: str, req: ReenrollRequest) -> EnrollmentTokenResponse:
+    """The operator's re-enrollment: revoke the device's credential now, and issue a single-use token that
+    enrolls this id (and no other) again, e.g. after the device lost its state or its key leaked."""
+    dev = s.get(DeviceRow, device_id)
+    if dev is None:
+        raise not_found(f"device {device_id!r}")
+    dev.credential_hash = token_hash(new_token(DEVICE_PREFIX))  # nobody knows this one
+    token = new_token(ENROLL_PREFIX)
+    expires = time.time() + req.ttl_s
+    s.add(EnrollmentTokenRow(token_hash=token_hash(token), uses_left=1, labels={}, expires_at=expires,
+                             device_id=device_id))
+    return EnrollmentTokenResponse(token=token, uses=1, expires_at=expires)
 
 
 def device_for_credential(s: Session, credential: str) -> DeviceRow | None:
@@ -378,17 +420,21 @@ def json_safe(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def facts_changed(dev: DeviceRow, upd: DeviceFactsUpdate) -> bool:
-    return (dev.labels != dict(upd.labels) or dev.facts != json_safe(upd.facts)
-            or dev.serving != [m.model_dump(mode="json") for m in upd.serving])
+    return dev.facts != json_safe(upd.facts) or dev.serving != [m.model_dump(mode="json") for m in upd.serving]
+
+
+def refuse_self_labels(upd: DeviceFactsUpdate) -> None:
+    if upd.labels:
+        raise RegistryError(f"labels: a device cannot set its own labels ({', '.join(sorted(upd.labels))}); "
+                            "operators set them with `edged-registry devices label`", 403,
+                            ErrorCode.PERMISSION_DENIED)
 
 
 def update_facts(s: Session, dev: DeviceRow, upd: DeviceFactsUpdate) -> bool:
-    """Store what the device says about itself; writes only what changed (devices resend it periodically)."""
-    labels, facts = dict(upd.labels), json_safe(upd.facts)
+    """Store what the device says about itself (after :func:`refuse_self_labels`); writes only what changed."""
+    facts = json_safe(upd.facts)
     serving = [m.model_dump(mode="json") for m in upd.serving]
     changed = False
-    if dev.labels != labels:
-        dev.labels, changed = labels, True
     if dev.facts != facts:
         dev.facts, changed = facts, True
     if dev.serving != serving:

@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from edged.errors import ConfigError
+from edged.fsutil import make_private_dir
 from edged.registry.release import ReleaseError, decode_public_key
 from edged.repository.manifest import format_validation_error
 
@@ -31,7 +32,9 @@ MIN_TOKEN_LEN = 16
 class RegistrySettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    listen: str = Field(default="127.0.0.1:8700", description="host:port")
+    listen: str = Field(default="127.0.0.1:8700", description="host:port; anything but loopback wants TLS")
+    tls_cert: Path | None = Field(default=None, description="PEM certificate chain: serve HTTPS")
+    tls_key: Path | None = Field(default=None, description="PEM private key of tls_cert")
     data_dir: Path = Field(default=Path("/var/lib/edged-registry"), description="blobs and the SQLite database")
     database_url: str | None = Field(default=None, description="default: sqlite:///<data_dir>/registry.db")
     blob_dir: Path | None = Field(default=None, description="default: <data_dir>/blobs; shared by all processes")
@@ -44,6 +47,16 @@ class RegistrySettings(BaseModel):
     rollout_tick_s: float = Field(default=2.0, gt=0, description="how often running rollouts are evaluated")
     last_seen_flush_s: float = Field(default=5.0, gt=0, description="how often batched last-seen times are written")
     log_level: str = "info"
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> RegistrySettings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        return self
+
+    def prepare_storage(self) -> None:
+        """The blob folder 0700 whatever the umask (the database file: :func:`edged.registry.db.make_engine`)."""
+        make_private_dir(self.blobs)
 
     @property
     def db_url(self) -> str:
@@ -88,7 +101,7 @@ def load_settings(path: Path | None, overrides: dict[str, Any] | None = None) ->
             raise ConfigError(f"{path}: cannot read: {e}") from None
         raw = dict(doc.get("registry", doc))
         base = path.resolve().parent
-        for key in ("data_dir", "blob_dir", "admin_token_file"):
+        for key in ("data_dir", "blob_dir", "admin_token_file", "tls_cert", "tls_key"):
             if key in raw and not Path(raw[key]).is_absolute():
                 raw[key] = str(base / raw[key])
     raw.update({k: v for k, v in (overrides or {}).items() if v is not None})

@@ -192,7 +192,7 @@ class SimDevice:
             await self.process(dm)
         if changed or time.monotonic() - self.facts_at > self.ctx.facts_s:
             await self.call("facts", "PUT", f"{API_PREFIX}/device/facts", body={
-                "labels": self.labels, "facts": self.facts, "serving": self.serving()})
+                "facts": self.facts, "serving": self.serving()})
             self.facts_at = time.monotonic()
 
     def serving(self) -> list[dict[str, Any]]:

@@ -62,7 +62,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--devices", type=int, default=1000)
     p.add_argument("--poll", type=float, default=30.0, help="poll interval in seconds (default 30)")
     p.add_argument("--id-prefix", default="sim-")
-    p.add_argument("--label", type=_kv, action="append", default=[], help="label of every device")
+    p.add_argument("--label", type=_kv, action="append", default=[],
+                   help="label of every device, asked for at enrollment: the enrollment token must carry it "
+                        "(enroll-token --label), devices cannot label themselves")
     p.add_argument("--fact", type=_kv, action="append", default=[], help="reported fact of every device")
     p.add_argument("--start", default=None, metavar="MODEL:VERSION:RELEASE",
                    help="the devices already run this release (a fleet before a rollout)")

@@ -1,6 +1,6 @@
 """Which devices a rollout is for, and which of them each step includes.
 
-A target matches on the labels a device carries (its own, overridden by the operator's),
+A target matches on the labels operators gave a device (a device never labels itself),
 on the facts it reports (its device profile and hardware facts, dotted keys such as
 ``jetson.module``), on profile names, and on explicit device ids; values may be shell
 globs (``Orin Nano*``). Step membership comes from a stable hash of the rollout's salt and

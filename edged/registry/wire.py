@@ -47,7 +47,8 @@ class ErrorResponse(_Wire):
 class EnrollRequest(_Wire):
     token: str = Field(max_length=256)
     device_id: str
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict, description="refused unless the enrollment token "
+                                                                     "carries the same labels (operator-owned)")
     facts: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("device_id")
@@ -117,7 +118,7 @@ class ReportBatch(_Wire):
 
 
 class DeviceFactsUpdate(_Wire):
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict, description="must be empty: a device never labels itself")
     facts: dict[str, Any] = Field(default_factory=dict)
     serving: list[ServingModel] = Field(default_factory=list)
 
@@ -187,6 +188,10 @@ class EnrollmentTokenRequest(_Wire):
     @classmethod
     def _labels(cls, v: dict[str, str]) -> dict[str, str]:
         return _check_labels(v)
+
+
+class ReenrollRequest(_Wire):
+    ttl_s: float = Field(default=86400.0, gt=0, description="how long the device has to use the token")
 
 
 class EnrollmentTokenResponse(_Wire):

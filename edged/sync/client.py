@@ -57,6 +57,10 @@ class DeviceClient:
         self._stopping = threading.Event()
         self._flusher: threading.Thread | None = None
         self.extra_facts: dict[str, Any] = {}  # device profile and hardware facts, for rollout targets
+        if settings.labels:
+            log.warning("[registry] labels (%s) are not sent: labels are set by operators "
+                        "(edged-registry label, or enroll-token --label); a device never labels itself",
+                        ", ".join(sorted(settings.labels)))
 
     # ---- background sending -----------------------------------------------------------------
     def start(self) -> None:
@@ -99,7 +103,7 @@ class DeviceClient:
         s = self.s
         if not s.enrollment_token:
             raise SyncHttpError("not enrolled and no [registry] enrollment_token is configured")
-        req = EnrollRequest(token=s.enrollment_token, device_id=s.device_id, labels=s.labels, facts=self.facts())
+        req = EnrollRequest(token=s.enrollment_token, device_id=s.device_id, facts=self.facts())
         status, _, data = self.http.request("POST", f"{API_PREFIX}/enroll", body=req.model_dump_json().encode())
         if status != 200:
             raise SyncHttpError(f"enrollment refused ({status}): {_error_message(data)}", status)
@@ -113,7 +117,8 @@ class DeviceClient:
                 headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
         status, hdrs, data = self.http.request(method, path, token=self.credential(), body=body, headers=headers)
         if status == 401:
-            # Our credential no longer works (device removed or re-enrolled elsewhere): enroll again next time.
+            # Our credential no longer works (revoked by an operator's `edged-registry reenroll`): enrolling
+            # again needs the re-enrollment token the operator issued for this device.
             with self._cred_lock:
                 self.cred = None
                 self.store.forget_credential()
@@ -185,7 +190,7 @@ class DeviceClient:
         return {**self.extra_facts, "edged_version": __version__, "hostname": socket.gethostname()}
 
     def send_facts(self, serving: list[ServingModel]) -> None:
-        upd = DeviceFactsUpdate(labels=self.s.labels, facts=self.facts(), serving=serving)
+        upd = DeviceFactsUpdate(facts=self.facts(), serving=serving)
         status, _, data = self._authed("PUT", f"{API_PREFIX}/device/facts", body=upd.model_dump_json().encode())
         if status != 200:
             log.warning("registry refused facts (%d): %s", status, _error_message(data))
