@@ -86,7 +86,7 @@ def publish_dir(tmp: Path, final: Path) -> None:
 
 def make_private_dir(path: Path) -> None:
     """Create ``path`` and its missing parents 0700 whatever the umask, and take group and other
-    access off ``path`` itself (for data at rest: a server's database, blobs, keys)."""
+    access off ``path`` itself when it is ours (for data at rest: a server's database, blobs)."""
     missing = []
     folder = Path(os.path.abspath(path))
     while not folder.exists():
@@ -96,17 +96,22 @@ def make_private_dir(path: Path) -> None:
         with contextlib.suppress(FileExistsError):
             os.mkdir(folder, 0o700)
         os.chmod(folder, 0o700)
-    mode = stat.S_IMODE(os.stat(path).st_mode)
-    if mode & 0o077:
-        os.chmod(path, mode & 0o700)
+    _tighten(path)
 
 
 def private_file(path: Path) -> None:
-    """Create ``path`` if missing, 0600 whatever the umask, and take group and other access off it."""
-    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
-    mode = stat.S_IMODE(os.stat(path).st_mode)
-    if mode & 0o077:
-        os.chmod(path, mode & 0o700)
+    """Create ``path`` empty and 0600 whatever the umask if missing; else take group and other access off it
+    when it is ours."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        _tighten(path)
+
+
+def _tighten(path: Path) -> None:
+    st = os.stat(path)
+    if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+        os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
 
 
 def ensure_private_dir(path: Path, what: str) -> None:
