@@ -108,6 +108,9 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         MqttOptions.from_config(cfg)
     except ConfigError as e:
         problems += e.problems
+    from edged.transports.grpc.server import check_config as check_grpc
+
+    problems += check_grpc(cfg)
     for problem in problems:
         print(f"{path}: {problem}", file=sys.stderr)
     if problems:

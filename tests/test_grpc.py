@@ -300,6 +300,16 @@ def test_missing_extra_is_a_typed_error(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0, r.stderr
     assert "refused: [grpc] is configured" in r.stdout and "edged[grpc]" in r.stdout
+    # edged config check says the same before the daemon is started.
+    cfg = tmp_path / "edged.toml"
+    cfg.write_text(f'[device]\nmodel_repository = "{tmp_path}"\n[grpc]\n[mqtt]\nenabled = false\n')
+    check = ("import sys; sys.modules['grpc'] = None\nfrom edged.cli import main\n"
+             f"sys.exit(main(['config', 'check', {str(cfg)!r}]))\n")
+    r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 1 and "grpc: [grpc] is configured" in r.stderr, r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-m", "edged", "config", "check", str(cfg)], capture_output=True, text=True,
+                       timeout=60, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 # ---- perf_analyzer -i grpc -------------------------------------------------------------------------

@@ -41,6 +41,25 @@ def server_credentials(grpc: Any, tls: GrpcTlsSection) -> Any:
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 
+def check_config(cfg: Config) -> list[str]:
+    """What would stop the gRPC listener from starting, for ``edged config check`` (nothing is bound)."""
+    g = cfg.grpc
+    if g is None or not g.enabled:
+        return []
+    problems = []
+    try:
+        require_grpc()
+        parse_listen(g.listen)
+        if g.tls is not None:
+            for what, path in (("cert_file", g.tls.cert_file), ("key_file", g.tls.key_file),
+                               ("client_ca_file", g.tls.client_ca_file)):
+                if path is not None:
+                    _read(path, what)
+    except EdgedError as e:
+        problems.append(f"grpc: {e}")
+    return problems
+
+
 class GrpcTransport:
     name = "grpc"
 
