@@ -294,6 +294,8 @@ def test_models_list_tells_the_same_truth_as_the_daemon(tmp_path: Path) -> None:
             time.sleep(0.1)
         time.sleep(1.5)  # the status file is rewritten after the self-test took nan out of service
         check(_models_list(cfg), "the running daemon")
+        st = subprocess.run([*EDGED, "status", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
+        assert "note: vad v1: warm-up" in st.stdout and "[warmup.shapes." in st.stdout, st.stdout + st.stderr
     finally:
         proc.terminate()
         proc.wait(30)
