@@ -134,7 +134,8 @@ class GrpcSection(_Section):
     listen: str = Field(default="127.0.0.1:8001", description="host:port, or unix:/path (a Unix socket)")
     max_message_mb: float = Field(default=64, gt=0, le=2047, description="largest request or response message")
     max_stream_inflight: int = Field(default=64, ge=1, le=4096, description="requests of one ModelStreamInfer "
-                                     "stream being computed at once (later ones wait; answers stay in order)")
+                                     "stream being computed or waiting for their turn to be answered (later ones "
+                                     "are not read until a slot frees; answers stay in order)")
     tls: GrpcTlsSection | None = None
 
 

@@ -36,9 +36,11 @@ INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """HTTP and gRPC on one service; a 1 MB gRPC message limit (mobilenet's 110 KB input fits)."""
+    """HTTP and gRPC on one service; a 1 MB gRPC message limit (mobilenet's 110 KB input fits) and a
+    small stream window, so the 1,000-request stream runs into it."""
     tmp = tmp_path_factory.mktemp("grpc")
-    with served(copy_models(tmp / "models", "digits", "mobilenet"), tmp, grpc="max_message_mb = 1\n",
+    with served(copy_models(tmp / "models", "digits", "mobilenet"), tmp,
+                grpc="max_message_mb = 1\nmax_stream_inflight = 4\n",
                 extra='[shm]\nsystem_shm_prefix = "grpctest_"\n') as s:
         yield s
 

@@ -251,7 +251,7 @@ class GrpcApp:
             return await asyncio.to_thread(encode_infer, resp, decoded, shm)
         return encode_infer(resp, decoded, shm)
 
-    async def _stream_one(self, data: bytes, context: Any, window: asyncio.Semaphore) -> bytes:
+    async def _stream_one(self, data: bytes, context: Any) -> bytes:
         """One stream request's answer, success or error; never raises (the stream goes on)."""
         req: pb.ModelInferRequest | None = None
         try:
@@ -262,11 +262,11 @@ class GrpcApp:
         except Exception:
             log.exception("gRPC ModelStreamInfer request failed")
             reply = pb.ModelStreamInferResponse(error_message="internal error", infer_response=error_response(req))
-        finally:
-            window.release()
         return bytes(reply.SerializeToString())
 
     async def model_stream_infer(self, requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+        # A slot is held from reading a request until its answer is handed to grpcio, so that a slow
+        # request at the head cannot let finished answers behind it pile up without bound.
         window = asyncio.Semaphore(self.stream_inflight)
         answers: asyncio.Queue[asyncio.Task[bytes] | None] = asyncio.Queue()
 
@@ -274,14 +274,16 @@ class GrpcApp:
             try:
                 async for data in requests:
                     await window.acquire()
-                    answers.put_nowait(asyncio.create_task(self._stream_one(data, context, window)))
+                    answers.put_nowait(asyncio.create_task(self._stream_one(data, context)))
             finally:
                 answers.put_nowait(None)
 
         reader = asyncio.create_task(read())
         try:
             while (task := await answers.get()) is not None:
-                yield await task
+                answer = await task
+                window.release()
+                yield answer
             await reader  # a broken request stream ends the RPC with its error
         finally:
             reader.cancel()
