@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -26,24 +27,13 @@ from edged.core.service import InferenceService
 from edged.errors import EdgedError, ErrorCode, InvalidInputError
 from edged.protocol.redact import Scrubber
 from edged.protocol.v2 import dumps, loads
+from edged.transports import v2_ops
 from edged.transports.authority import Authority, Peer, bearer
 from edged.transports.grpc.codec import decode_infer, encode_infer, error_response, parse
 from edged.transports.grpc.gen import grpc_service_pb2 as pb
 from edged.transports.grpc.gen import model_config_pb2 as mc
 from edged.transports.http_config import model_config
 from edged.transports.sysshm import ShmCaller, ShmView, SystemShmRegistry
-from edged.transports.v2_ops import (
-    HEAVY,
-    check_model_control,
-    encode_is_heavy,
-    model_ready,
-    parse_version,
-    prepare_infer,
-    repository_index,
-    run_model_control,
-    server_metadata,
-    server_ready,
-)
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +55,7 @@ Unary = Callable[[Any, Any], Awaitable[Any]]
 
 
 def _version(raw: str) -> int | None:
-    return parse_version(raw) if raw else None
+    return v2_ops.parse_version(raw) if raw else None
 
 
 def peer_of(context: Any) -> Peer:
@@ -81,15 +71,14 @@ def peer_of(context: Any) -> Peer:
     return Peer(address=context.peer(), credential=credential)
 
 
+@dataclass(kw_only=True)
 class GrpcApp:
-    def __init__(self, service: InferenceService, shm: SystemShmRegistry, *, scrub: Scrubber,
-                 authority: Authority, stream_inflight: int) -> None:
-        self.service = service
-        self.shm = shm
-        self.scrub = scrub
-        self.authority = authority
-        self.stream_inflight = stream_inflight
-        self.stopping = False
+    service: InferenceService
+    shm: SystemShmRegistry  # the listener's system shared memory regions
+    scrub: Scrubber
+    authority: Authority
+    stream_inflight: int  # [grpc] max_stream_inflight
+    stopping: bool = False
 
     def handler(self) -> Any:
         """The generic handler grpcio serves: method name -> raw-bytes handler."""
@@ -146,13 +135,13 @@ class GrpcApp:
         return pb.ServerLiveResponse(live=True)
 
     async def server_ready(self, req: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=server_ready(self.service, self.stopping))
+        return pb.ServerReadyResponse(ready=v2_ops.server_ready(self.service, self.stopping))
 
     async def model_ready(self, req: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
-        return pb.ModelReadyResponse(ready=model_ready(self.service, req.name, _version(req.version)))
+        return pb.ModelReadyResponse(ready=v2_ops.model_ready(self.service, req.name, _version(req.version)))
 
     async def server_metadata(self, req: pb.ServerMetadataRequest, context: Any) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(**server_metadata())
+        return pb.ServerMetadataResponse(**v2_ops.server_metadata())
 
     async def model_metadata(self, req: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
         md = self._scrubbed(self.service.metadata(req.name, _version(req.version)))
@@ -173,7 +162,7 @@ class GrpcApp:
 
     # ---- model repository -------------------------------------------------------------------
     async def repository_index(self, req: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:
-        index = self._scrubbed(await asyncio.to_thread(repository_index, self.service, req.ready))
+        index = self._scrubbed(await asyncio.to_thread(v2_ops.repository_index, self.service, req.ready))
         return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**e) for e in index])
 
     async def repository_load(self, req: pb.RepositoryModelLoadRequest, context: Any) -> pb.RepositoryModelLoadResponse:
@@ -186,8 +175,8 @@ class GrpcApp:
         return pb.RepositoryModelUnloadResponse()
 
     async def _model_control(self, req: Any, context: Any, action: str) -> None:
-        check_model_control(self.authority, peer_of(context), req.model_name, action, set(req.parameters))
-        await asyncio.to_thread(run_model_control, self.service, req.model_name, action)
+        v2_ops.check_model_control(self.authority, peer_of(context), req.model_name, action, set(req.parameters))
+        await asyncio.to_thread(v2_ops.run_model_control, self.service, req.model_name, action)
 
     # ---- system shared memory ---------------------------------------------------------------
     def _shm_scope(self, context: Any) -> str:
@@ -241,13 +230,13 @@ class GrpcApp:
 
     async def _infer(self, req: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
         shm = self._shm_view(context)
-        if req.ByteSize() > HEAVY:
+        if req.ByteSize() > v2_ops.HEAVY:
             decoded = await asyncio.to_thread(decode_infer, req, shm)
         else:
             decoded = decode_infer(req, shm)
-        prepare_infer(decoded, shm, context.time_remaining())
+        v2_ops.prepare_infer(decoded, shm, context.time_remaining())
         resp = await asyncio.wrap_future(self.service.submit(decoded.request))
-        if encode_is_heavy(resp, decoded):
+        if v2_ops.encode_is_heavy(resp, decoded):
             return await asyncio.to_thread(encode_infer, resp, decoded, shm)
         return encode_infer(resp, decoded, shm)
 

@@ -72,8 +72,8 @@ class GrpcTransport:
         self.listen = self.cfg.listen
         self.max_message = int(self.cfg.max_message_mb * 1024 * 1024)
         self.shm = SystemShmRegistry(int(cfg.shm.max_region_mb * 1024 * 1024), tcp_prefix=cfg.shm.system_shm_prefix)
-        self.app = GrpcApp(service, self.shm, scrub=Scrubber.for_config(cfg), authority=Authority(cfg.control),
-                           stream_inflight=self.cfg.max_stream_inflight)
+        self.app = GrpcApp(service=service, shm=self.shm, scrub=Scrubber.for_config(cfg),
+                           authority=Authority(cfg.control), stream_inflight=self.cfg.max_stream_inflight)
         self._server: Any = None
         self._unix_path: Path | None = None
         self.address: str = self.listen  # the real address once listening (port 0 resolved)
