@@ -228,6 +228,9 @@ class RegistrySection(_Section):
     retry_max_s: float = Field(default=300, gt=0, description="back-off cap while the registry is unreachable")
     download_chunk_kb: int = Field(default=256, ge=1, le=65536)
     ca_file: Path | None = Field(default=None, description="CA bundle for an https registry (default: system)")
+    client_cert: Path | None = Field(default=None, description="PEM certificate this device presents to a registry "
+                                                               "that requires client certificates")
+    client_key: Path | None = Field(default=None, description="PEM private key of client_cert")
     mqtt_nudge: bool = Field(default=False, description="poll at once on <prefix>/fleet/sync-nudge and "
                                                         "<prefix>/<device>/sync-nudge")
     facts_interval_s: float = Field(default=300, gt=0)
@@ -276,6 +279,7 @@ def _resolve_paths(cfg: Config, base: Path) -> Config:
     d.profiles_dir = fix(d.profiles_dir)
     cfg.shm.socket = fix(cfg.shm.socket)
     cfg.registry.ca_file = fix(cfg.registry.ca_file)
+    cfg.registry.client_cert, cfg.registry.client_key = fix(cfg.registry.client_cert), fix(cfg.registry.client_key)
     if cfg.grpc and cfg.grpc.tls:
         g = cfg.grpc.tls
         g.cert_file, g.key_file, g.client_ca_file = fix(g.cert_file), fix(g.key_file), fix(g.client_ca_file)  # type: ignore[assignment]

@@ -146,6 +146,7 @@ class RegistryServer:
     extra_args: list[str] = field(default_factory=list)
     tls: tuple[Path, Path, Path] | None = None  # certificate, key, and the CA that signed them: serve HTTPS
     umask: int | None = None
+    client_cert: tuple[Path, Path] | None = None  # what this helper's own requests present (certificate, key)
 
     @property
     def url(self) -> str:
@@ -179,7 +180,11 @@ class RegistryServer:
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
                                      umask=-1 if self.umask is None else self.umask)
         log.close()
-        verify = ssl.create_default_context(cafile=str(self.ca_file)) if self.ca_file else True
+        verify: ssl.SSLContext | bool = True
+        if self.ca_file:
+            verify = ssl.create_default_context(cafile=str(self.ca_file))
+            if self.client_cert:
+                verify.load_cert_chain(str(self.client_cert[0]), str(self.client_cert[1]))
 
         def up() -> bool:
             assert self.proc is not None
@@ -207,7 +212,8 @@ class RegistryServer:
     def client(self) -> Any:
         from edged.registry.client import RegistryClient
 
-        return RegistryClient(self.url, ADMIN_TOKEN, ca_file=self.ca_file)
+        cert, key = self.client_cert or (None, None)
+        return RegistryClient(self.url, ADMIN_TOKEN, ca_file=self.ca_file, client_cert=cert, client_key=key)
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         env = {**os.environ, "EDGED_REGISTRY_URL": self.url, "EDGED_REGISTRY_TOKEN": ADMIN_TOKEN}

@@ -69,7 +69,10 @@ def test_registry_data_is_private_whatever_the_umask(tmp_path: Path) -> None:
 
 # ---- TLS ------------------------------------------------------------------------------------------
 def make_ca_and_cert(folder: Path) -> tuple[Path, Path, Path]:
-    """A throwaway CA and a server certificate for 127.0.0.1 it signed: (cert, key, ca) PEM files."""
+    """A throwaway CA and a server certificate for 127.0.0.1 it signed: (cert, key, ca) PEM files.
+
+    A client certificate signed by the same CA is written beside them (``client.crt``, ``client.key``).
+    """
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -87,23 +90,29 @@ def make_ca_and_cert(folder: Path) -> tuple[Path, Path, Path]:
                                        key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
           .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
           .sign(ca_key, hashes.SHA256()))
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "edged-registry")]))
-            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                                                        x509.DNSName("localhost")]), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    paths = (folder / "registry.crt", folder / "registry.key", folder / "ca.crt")
-    paths[0].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    os.chmod(paths[1], 0o600)
-    paths[2].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    return paths
+
+    def issue(name: str, usage: x509.ObjectIdentifier, san: list[x509.GeneralName]) -> tuple[Path, Path]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (x509.CertificateBuilder()
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+                .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+                .add_extension(x509.SubjectAlternativeName(san), critical=False)
+                .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+                .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+                .sign(ca_key, hashes.SHA256()))
+        out = folder / f"{name}.crt", folder / f"{name}.key"
+        out[0].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        out[1].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                             serialization.NoEncryption()))
+        os.chmod(out[1], 0o600)
+        return out
+
+    cert, key = issue("registry", ExtendedKeyUsageOID.SERVER_AUTH,
+                      [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")])
+    issue("client", ExtendedKeyUsageOID.CLIENT_AUTH, [x509.DNSName("tls-dev")])
+    (folder / "ca.crt").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    return cert, key, folder / "ca.crt"
 
 
 def test_tls_registry_serves_a_device_end_to_end(tmp_path: Path) -> None:
@@ -156,3 +165,36 @@ def test_tls_settings_go_together(tmp_path: Path) -> None:
                         "--admin-token-file", str(tmp_path / "admin.token"), "--public-key", Keys.make(tmp_path).public,
                         "--tls-cert", str(tls[0])], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
     assert r.returncode == 2 and "tls_cert and tls_key go together" in r.stderr, r.stderr
+
+
+def test_registry_requiring_client_certificates(tmp_path: Path) -> None:
+    """``--tls-client-ca``: devices and operators without a certificate from that CA are turned away."""
+    from edged.registry.client import RegistryClient, RegistryClientError
+    from edged.sync.http import RegistryHttp, SyncHttpError
+
+    keys = Keys.make(tmp_path)
+    tls = make_ca_and_cert(tmp_path)
+    ca, client_cert, client_key = tls[2], tmp_path / "client.crt", tmp_path / "client.key"
+    server = RegistryServer(tmp_path, [keys.public], tls=tls, extra_args=["--tls-client-ca", str(ca)],
+                            client_cert=(client_cert, client_key)).start()
+    try:
+        with pytest.raises(SyncHttpError):
+            RegistryHttp(server.url, timeout=5, ca_file=ca).request("GET", "/healthz")
+        with RegistryClient(server.url, ADMIN_TOKEN, ca_file=ca) as c, pytest.raises(RegistryClientError):
+            c.models()
+        with server.client() as c:
+            token = c.enrollment_token().token
+        # a device with its certificate ([registry] client_cert / client_key) enrolls and reports its facts
+        (tmp_path / "repo").mkdir()
+        cfg = device_toml(tmp_path, tmp_path / "repo", server.url, [keys.public], token=token, device_id="mtls-dev",
+                          poll_s=0.1)
+        cfg.write_text(cfg.read_text() + f'ca_file = "{ca}"\nclient_cert = "{client_cert}"\n'
+                                         f'client_key = "{client_key}"\n')
+        dev = InProcessDevice(cfg).start()
+        try:
+            with server.client() as c:
+                wait_for(lambda: c.device("mtls-dev").facts.get("edged_version"), 30, 0.1, "the device's facts")
+        finally:
+            dev.stop()
+    finally:
+        server.stop()

@@ -16,6 +16,8 @@ from edged.errors import ConfigError, EdgedError
 
 URL_ENV = "EDGED_REGISTRY_URL"
 CA_ENV = "EDGED_REGISTRY_CA_FILE"
+CLIENT_CERT_ENV = "EDGED_REGISTRY_CLIENT_CERT"
+CLIENT_KEY_ENV = "EDGED_REGISTRY_CLIENT_KEY"
 TOKEN_ENV = "EDGED_REGISTRY_TOKEN"
 DEFAULT_URL = "http://127.0.0.1:8700"
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw]?)$")
@@ -42,6 +44,10 @@ def _client_args(p: argparse.ArgumentParser) -> None:
                    help=f"file holding the admin token (else env {TOKEN_ENV})")
     p.add_argument("--ca-file", type=Path, default=os.environ.get(CA_ENV) or None,
                    help=f"CA bundle of an https registry's certificate (env {CA_ENV}; default: the system's)")
+    p.add_argument("--client-cert", type=Path, default=os.environ.get(CLIENT_CERT_ENV) or None,
+                   help=f"certificate for a registry that requires one (env {CLIENT_CERT_ENV})")
+    p.add_argument("--client-key", type=Path, default=os.environ.get(CLIENT_KEY_ENV) or None,
+                   help=f"private key of --client-cert (env {CLIENT_KEY_ENV})")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -65,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default=None, help="host:port (default 127.0.0.1:8700); beyond loopback use TLS")
     p.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate (chain) to serve HTTPS with")
     p.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", type=Path, default=None,
+                   help="require client certificates signed by this CA (devices: [registry] client_cert/client_key)")
     p.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
     p.add_argument("--rollout-tick", type=parse_duration, default=None, dest="rollout_tick_s",
                    help="how often running rollouts are evaluated (default 2s)")
@@ -155,7 +163,7 @@ def _settings(args: argparse.Namespace) -> Any:
 
     overrides = {k: getattr(args, k, None) for k in ("data_dir", "database_url", "blob_dir", "admin_token_file",
                                                     "public_keys", "listen", "log_level", "rollout_tick_s",
-                                                    "tls_cert", "tls_key")}
+                                                    "tls_cert", "tls_key", "tls_client_ca")}
     return load_settings(args.config, overrides)
 
 
@@ -178,6 +186,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     common: dict[str, Any] = {"log_level": settings.log_level, "access_log": False, "log_config": None}
     if settings.tls_cert is not None:
         common.update(ssl_certfile=str(settings.tls_cert), ssl_keyfile=str(settings.tls_key))
+        if settings.tls_client_ca is not None:
+            import ssl
+
+            common.update(ssl_ca_certs=str(settings.tls_client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
     elif not isinstance(where, Path) and not _loopback(where[0]):
         logging.getLogger("edged.registry").warning(
             "serving plain HTTP on %s: device credentials and tokens cross the network in clear; give "
@@ -237,7 +249,8 @@ def _client(args: argparse.Namespace) -> Any:
         token = os.environ.get(TOKEN_ENV, "")
     if not token:
         raise ConfigError(f"no admin token: give --token-file or set {TOKEN_ENV}")
-    return RegistryClient(args.url, token, ca_file=args.ca_file)
+    return RegistryClient(args.url, token, ca_file=args.ca_file, client_cert=args.client_cert,
+                          client_key=args.client_key)
 
 
 def _print(args: argparse.Namespace, obj: Any, text: Callable[[], str]) -> None:

@@ -74,14 +74,20 @@ def folder_files(folder: Path) -> list[tuple[FileEntry, Path]]:
 
 
 class RegistryClient:
-    def __init__(self, url: str, token: str, *, timeout: float = 60.0, ca_file: Path | None = None) -> None:
-        """``ca_file``: the CA bundle that signed an https registry's certificate (default: the system's)."""
+    def __init__(self, url: str, token: str, *, timeout: float = 60.0, ca_file: Path | None = None,
+                 client_cert: Path | None = None, client_key: Path | None = None) -> None:
+        """``ca_file``: the CA bundle that signed an https registry's certificate (default: the system's);
+        ``client_cert``/``client_key``: for a registry that requires client certificates."""
         import ssl
 
         import httpx
 
         self.url = url.rstrip("/")
-        verify = ssl.create_default_context(cafile=str(ca_file)) if ca_file is not None else True
+        verify: ssl.SSLContext | bool = True
+        if ca_file is not None or client_cert is not None:
+            verify = ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
+            if client_cert is not None:
+                verify.load_cert_chain(str(client_cert), str(client_key) if client_key else None)
         self._http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"},
                                   timeout=httpx.Timeout(timeout, connect=10.0), verify=verify)
 

@@ -35,6 +35,8 @@ class RegistrySettings(BaseModel):
     listen: str = Field(default="127.0.0.1:8700", description="host:port; anything but loopback wants TLS")
     tls_cert: Path | None = Field(default=None, description="PEM certificate chain: serve HTTPS")
     tls_key: Path | None = Field(default=None, description="PEM private key of tls_cert")
+    tls_client_ca: Path | None = Field(default=None, description="set: every client (devices, operators) must "
+                                                                 "present a certificate this CA signed")
     data_dir: Path = Field(default=Path("/var/lib/edged-registry"), description="blobs and the SQLite database")
     database_url: str | None = Field(default=None, description="default: sqlite:///<data_dir>/registry.db")
     blob_dir: Path | None = Field(default=None, description="default: <data_dir>/blobs; shared by all processes")
@@ -52,6 +54,8 @@ class RegistrySettings(BaseModel):
     def _tls_pair(self) -> RegistrySettings:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key")
         return self
 
     def prepare_storage(self) -> None:
@@ -101,7 +105,7 @@ def load_settings(path: Path | None, overrides: dict[str, Any] | None = None) ->
             raise ConfigError(f"{path}: cannot read: {e}") from None
         raw = dict(doc.get("registry", doc))
         base = path.resolve().parent
-        for key in ("data_dir", "blob_dir", "admin_token_file", "tls_cert", "tls_key"):
+        for key in ("data_dir", "blob_dir", "admin_token_file", "tls_cert", "tls_key", "tls_client_ca"):
             if key in raw and not Path(raw[key]).is_absolute():
                 raw[key] = str(base / raw[key])
     raw.update({k: v for k, v in (overrides or {}).items() if v is not None})

@@ -69,7 +69,8 @@ class SyncAgent:
         s = self.settings
         await asyncio.to_thread(prepare_boot, self.cfg, s)  # no-op when the daemon already ran it before loading
         state = await asyncio.to_thread(self._store.load)
-        http = RegistryHttp(s.url, timeout=s.request_timeout_s, ca_file=s.ca_file)
+        http = RegistryHttp(s.url, timeout=s.request_timeout_s, ca_file=s.ca_file, client_cert=s.client_cert,
+                            client_key=s.client_key)
         self.client = DeviceClient(s, http, self._store, state)
         self.client.start()
         self.updater = Updater(self.cfg, self.service, s, store=self._store, state=state, client=self.client, http=http,

@@ -43,7 +43,8 @@ class StoppedError(EdgedError):
 
 
 class RegistryHttp:
-    def __init__(self, base_url: str, *, timeout: float, ca_file: Path | None = None) -> None:
+    def __init__(self, base_url: str, *, timeout: float, ca_file: Path | None = None,
+                 client_cert: Path | None = None, client_key: Path | None = None) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise SyncHttpError(f"registry url {base_url!r} is not http(s)://host[:port]")
@@ -55,6 +56,11 @@ class RegistryHttp:
         self._ctx: ssl.SSLContext | None = None
         if self.https:
             self._ctx = ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
+            if client_cert is not None:
+                try:
+                    self._ctx.load_cert_chain(str(client_cert), str(client_key) if client_key else None)
+                except (OSError, ssl.SSLError) as e:
+                    raise SyncHttpError(f"registry client certificate {client_cert}: {e}") from None
         self._local = threading.local()
 
     def _conn(self) -> http.client.HTTPConnection:

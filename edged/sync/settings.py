@@ -24,6 +24,8 @@ DEFAULTS: dict[str, Any] = {
     "retry_max_s": 300.0,            # cap of the exponential back-off when offline or refused
     "download_chunk_kb": 256,
     "ca_file": None,                 # CA bundle for an https registry (default: the system's)
+    "client_cert": None,             # certificate (and key) for a registry that requires client certificates
+    "client_key": None,
     "mqtt_nudge": False,             # subscribe to <prefix>/<device>/sync-nudge and <prefix>/fleet/sync-nudge
     "facts_interval_s": 300.0,       # how often the device re-sends its facts and what it serves
 }
@@ -59,6 +61,8 @@ class SyncSettings:
     retry_max_s: float = 300.0
     download_chunk_kb: int = 256
     ca_file: Path | None = None
+    client_cert: Path | None = None
+    client_key: Path | None = None
     mqtt_nudge: bool = False
     facts_interval_s: float = 300.0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -93,7 +97,11 @@ class SyncSettings:
                 raise ConfigError(f"registry.{k}: unknown sync setting (known: {', '.join(sorted(DEFAULTS))})")
             extra[k] = _coerce(DEFAULTS[k], v)
         ca = extra.pop("ca_file")
+        cert, key = extra.pop("client_cert"), extra.pop("client_key")
+        if bool(cert) != bool(key):
+            raise ConfigError("registry.client_cert and registry.client_key go together")
         return cls(url=reg.url.rstrip("/"), device_id=cfg.device.id, enrollment_token=reg.enrollment_token,
                    public_keys=list(reg.public_keys), poll_interval_s=reg.poll_interval_s, labels=dict(reg.labels),
                    state_dir=cfg.device.state_dir, repository=cfg.device.model_repository,
-                   ca_file=Path(ca) if ca else None, **extra)
+                   ca_file=Path(ca) if ca else None, client_cert=Path(cert) if cert else None,
+                   client_key=Path(key) if key else None, **extra)

@@ -54,6 +54,8 @@ class UploadSettings:
     max_items: int = 500
     max_bytes: int = 2 << 20
     ca_file: Path | None = None
+    client_cert: Path | None = None
+    client_key: Path | None = None
 
     @property
     def sync_dir(self) -> Path:
@@ -66,7 +68,8 @@ class UploadSettings:
         if not (tel.enabled and tel.upload and reg.enabled and reg.url):
             return None
         return cls(url=reg.url.rstrip("/"), state_dir=cfg.device.state_dir, interval_s=tel.upload_interval_s,
-                   timeout_s=reg.request_timeout_s, max_backoff_s=reg.retry_max_s, ca_file=reg.ca_file)
+                   timeout_s=reg.request_timeout_s, max_backoff_s=reg.retry_max_s, ca_file=reg.ca_file,
+                   client_cert=reg.client_cert, client_key=reg.client_key)
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,8 @@ class Uploader:
 
         self.settings = settings
         self.buffer = buffer
-        self.http = RegistryHttp(settings.url, timeout=settings.timeout_s, ca_file=settings.ca_file)
+        self.http = RegistryHttp(settings.url, timeout=settings.timeout_s, ca_file=settings.ca_file,
+                                 client_cert=settings.client_cert, client_key=settings.client_key)
         self.store = StateStore(settings.sync_dir)
         self.max_items = min(settings.max_items, MAX_BATCH_ITEMS)
         self._lock = threading.Lock()
