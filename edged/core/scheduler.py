@@ -114,7 +114,7 @@ class Scheduler:
         try:
             if req.deadline is not None and time.monotonic() > req.deadline:
                 raise DeadlineExceededError(f"model {self.name!r}: request arrived past its deadline")
-            (outs,) = self._compute([(req, batch)])
+            (outs,) = self._compute([(req, batch)], queued=False)
             resp = InferResponse(self.name, self.version, outs, req.id)
             self.stats.record_success(queue_ns=0, total_ns=time.monotonic_ns() - start_ns, inline=True)
             return resp
@@ -242,10 +242,13 @@ class Scheduler:
             self.stats.record_success(queue_ns=now_ns - item.enqueued_ns, total_ns=done_ns - item.enqueued_ns)
             item.future.set_result(resp)
 
-    def _compute(self, reqs: list[tuple[InferRequest, int]]) -> list[dict[str, np.ndarray]]:
+    def _compute(self, reqs: list[tuple[InferRequest, int]], *, queued: bool = True) -> list[dict[str, np.ndarray]]:
         """Concatenate along the batch dimension, run the engine once, split the outputs back.
 
         Raises one EdgedError for the whole batch: every request in it fails the same way.
+        Only runs the batcher made (``queued``) inform the batching policy: an inline run
+        on an idle machine costs far less than a single run under load, and comparing the
+        two would flip the decision with every change in traffic.
         """
         t0 = time.monotonic_ns()
         if len(reqs) == 1:
@@ -276,7 +279,8 @@ class Scheduler:
         t3 = time.monotonic_ns()
         samples = sum(b for _, b in reqs)
         self.stats.record_batch(samples, len(reqs), t1 - t0, t2 - t1, t3 - t2)
-        self.policy.record(samples, len(reqs), t3 - t0)
+        if queued:
+            self.policy.record(samples, len(reqs), t3 - t0)
         return results
 
     @staticmethod
