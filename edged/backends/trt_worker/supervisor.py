@@ -46,6 +46,10 @@ DEFAULT_REQUEST_TIMEOUT_S = 60.0
 _MIN_SEGMENT = 1 << 16
 
 
+class _NotDeliveredError(Exception):
+    """The worker's socket refused a request: the worker was gone before it was sent, so nothing ran."""
+
+
 class WorkerDiedError(InternalError):
     """The engine worker exited or hung during a request; it is being restarted."""
 
@@ -129,11 +133,18 @@ class WorkerEngine(Engine):
             if kind != p.HELLO | p.REPLY:
                 raise ModelLoadError(f"{self.label}: the engine worker said kind {kind} instead of hello")
             self.info = json.loads(bytes(body))
-            self._in = self._register(self._in.size if self._in else _MIN_SEGMENT)
-            self._out = self._register(self._out.size if self._out else _MIN_SEGMENT)
+            for old in (self._in, self._out):  # a restart: the old worker's segments go with it
+                if old is not None:
+                    old.close()
+            self._in = self._out = None
+            self._in = self._register(_MIN_SEGMENT)
+            self._out = self._register(_MIN_SEGMENT)
         except EdgedError:
             self._stop()
             raise
+        except (OSError, TimeoutError, ValueError, _NotDeliveredError) as e:
+            self._stop()
+            raise ModelLoadError(f"{self.label}: the TensorRT engine worker failed while starting: {e}") from None
         log.info("%s: TensorRT engine worker pid %d ready (Python %s, TensorRT %s)", self.label, self._proc.pid,
                  self.info.get("python"), self.info.get("tensorrt"))
 
@@ -165,21 +176,25 @@ class WorkerEngine(Engine):
 
     def _restart(self) -> None:
         with self._lock:
+            if self._closed or self._sock is not None:  # unloaded meanwhile, or a request already restarted it
+                return
             try:
                 self._ensure_started()
             except EdgedError as e:  # the next request tries again, after the back-off
                 self._not_before = time.monotonic() + self._backoff.next_delay()
                 log.error("%s: restarting the engine worker failed: %s", self.label, e)
 
+    def _replace_idle(self) -> None:
+        """It died between requests (nothing was in flight): replace it before this request, not after."""
+        self._stop()
+        self.restarts += 1
+        log.error("%s: the TensorRT engine worker died while idle (%s); restarting it", self.label, self.last_exit)
+
     def _ensure_started(self) -> None:
         if self._closed:
             raise InternalError(f"{self.label}: the engine is unloaded")
         if self._sock is not None and self._proc is not None and self._proc.poll() is not None:
-            # It died between requests (nothing was in flight): replace it before this request, not after.
-            self._stop()
-            self.restarts += 1
-            log.error("%s: the TensorRT engine worker died while idle (%s); restarting it", self.label,
-                      self.last_exit)
+            self._replace_idle()
         if self._sock is not None:
             return
         delay = self._not_before - time.monotonic()
@@ -202,10 +217,13 @@ class WorkerEngine(Engine):
 
     def _call(self, message: bytes, fds: Sequence[int] = ()) -> tuple[int, memoryview]:
         assert self._sock is not None
-        if fds:
-            socket.send_fds(self._sock, [message], list(fds))
-        else:
-            self._sock.send(message)
+        try:
+            if fds:
+                socket.send_fds(self._sock, [message], list(fds))
+            else:
+                self._sock.send(message)
+        except OSError as e:  # EPIPE, ECONNRESET: the worker's end is closed
+            raise _NotDeliveredError(str(e)) from None
         _, status, count, body = self._reply(self.request_timeout_s, "waiting for the engine")
         if status:
             needed, why = p.decode_error(body)
@@ -216,8 +234,12 @@ class WorkerEngine(Engine):
     def _register(self, size: int) -> _Segment:
         seg = _Segment(size)
         self._rid += 1
-        _, body = self._call(p.header(p.REGISTER, self._rid) + p.U64.pack(size), [seg.fd])
-        (seg.id,) = p.U32.unpack_from(body, 0)
+        try:
+            _, body = self._call(p.header(p.REGISTER, self._rid) + p.U64.pack(size), [seg.fd])
+            (seg.id,) = p.U32.unpack_from(body, 0)
+        except BaseException:
+            seg.close()
+            raise
         return seg
 
     def _grow(self, old: _Segment | None, need: int) -> _Segment:
@@ -231,11 +253,17 @@ class WorkerEngine(Engine):
     # ---- Engine ---------------------------------------------------------------------------------
     def infer(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         with self._lock:
-            self._ensure_started()
-            try:
-                return self._infer(inputs, outputs)
-            except (OSError, TimeoutError) as e:  # ConnectionResetError, BrokenPipeError, EOF: the worker is gone
-                raise self._died("hung" if isinstance(e, TimeoutError) else "died") from None
+            for attempt in (1, 2):
+                self._ensure_started()
+                try:
+                    return self._infer(inputs, outputs)
+                except _NotDeliveredError:
+                    if attempt == 2:
+                        raise self._died("was gone") from None
+                    self._replace_idle()  # it never saw this request: start a new one and send it again
+                except (OSError, TimeoutError) as e:  # EOF or reset while the request ran: the worker is gone
+                    raise self._died("hung" if isinstance(e, TimeoutError) else "died") from None
+            raise AssertionError("unreachable")
 
     def _infer(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None) -> dict[str, np.ndarray]:
         layout: list[tuple[str, np.ndarray, int]] = []
