@@ -190,8 +190,10 @@ sync_tree "$here/packaging/systemd/dropins" "$share/systemd/dropins"
 # The config template is copied once and never overwritten: /etc/edged/edged.toml is the admin's.
 if [ ! -e /etc/edged/edged.toml ]; then
   install -d -m 0755 /etc/edged
-  install -m 0644 "$here/packaging/edged.toml" /etc/edged/edged.toml
+  install -m 0640 -o root -g edged "$here/packaging/edged.toml" /etc/edged/edged.toml
 fi
+# It holds secrets (enrollment token, MQTT password): an older 0644 root:root one is corrected too.
+"${setup[@]}" config-perms /etc/edged/edged.toml
 
 # The broker drop-in, for a mosquitto installed here (now or before): no 40 ms delayed-ACK stall per request.
 if [ -d /etc/mosquitto/conf.d ] && put "$here/packaging/mosquitto/edged-nodelay.conf" "$mosquitto_dropin" 644; then

@@ -113,10 +113,27 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     problems += check_grpc(cfg)
     for problem in problems:
         print(f"{path}: {problem}", file=sys.stderr)
+    for warning in secret_exposure(path, cfg):
+        print(f"{path}: warning: {warning}", file=sys.stderr)
     if problems:
         return 1
     print(f"{path}: OK")
     return 0
+
+
+def secret_exposure(path: Path, cfg: Config) -> list[str]:
+    """A config holding a secret must not be readable by every user on the device (issue #20)."""
+    secrets = [name for name, value in (("[registry] enrollment_token", cfg.registry.enrollment_token),
+                                        ("[mqtt] password", cfg.mqtt.password),
+                                        ("[control] token", cfg.control.token)) if value]
+    try:
+        mode = path.stat().st_mode & 0o777
+    except OSError:
+        return []
+    if not secrets or not mode & 0o004:
+        return []
+    return [f"readable by every user (mode {mode:04o}) but holds {', '.join(secrets)}: "
+            f"chmod 0640 and chown root:edged (the daemon's group) so only root and edged can read it"]
 
 
 def cmd_detect(args: argparse.Namespace) -> int:

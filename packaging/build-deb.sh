@@ -164,7 +164,7 @@ s=$work/edged
 stage_common "$s" edged
 install -m 0755 "$here/debian/postinst" "$here/debian/prerm" "$here/debian/postrm" "$s/DEBIAN/"
 printf '%s\n' /etc/edged/edged.toml /etc/mosquitto/conf.d/edged-nodelay.conf >"$s/DEBIAN/conffiles"
-install -D -m 0644 "$here/edged.toml" "$s/etc/edged/edged.toml"
+install -D -m 0640 "$here/edged.toml" "$s/etc/edged/edged.toml"  # postinst: root:edged (secrets inside)
 # The broker drop-in for a local mosquitto (installed now or later): no 40 ms delayed-ACK stall per request.
 install -D -m 0644 "$here/mosquitto/edged-nodelay.conf" "$s/etc/mosquitto/conf.d/edged-nodelay.conf"
 install -D -m 0755 "$here/bin/edged" "$s/usr/bin/edged"

@@ -89,3 +89,25 @@ def test_config_check_refuses_a_key_without_a_certificate(tmp_path: Path) -> Non
     r = subprocess.run([*EDGED, "config", "check", str(f)], capture_output=True, text=True)
     assert r.returncode == 1
     assert "mqtt.tls.key_file: set without cert_file" in r.stderr
+
+
+@pytest.mark.parametrize("secret", ['[mqtt]\npassword = "hunter2"\n',
+                                    '[registry]\nenrollment_token = "enroll-0123456789"\n'])
+def test_config_check_warns_on_a_world_readable_file_holding_a_secret(tmp_path: Path, secret: str) -> None:
+    """Issue #20 item 11: the token or broker password in a 0644 file is every local user's."""
+    f = tmp_path / "edged.toml"
+    f.write_text(f'[device]\nid = "dev1"\nmodel_repository = "{tmp_path}"\n{secret}')
+    f.chmod(0o644)
+    r = subprocess.run([*EDGED, "config", "check", str(f)], capture_output=True, text=True)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr
+    name = "[mqtt] password" if "password" in secret else "[registry] enrollment_token"
+    assert f"warning: readable by every user (mode 0644) but holds {name}" in r.stderr, r.stderr
+    assert "hunter2" not in r.stderr and "enroll-0123456789" not in r.stderr  # names the secret, never shows it
+    f.chmod(0o640)
+    r = subprocess.run([*EDGED, "config", "check", str(f)], capture_output=True, text=True)
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+    # no secret in it: a world-readable config is fine
+    f.write_text(f'[device]\nid = "dev1"\nmodel_repository = "{tmp_path}"\n')
+    f.chmod(0o644)
+    r = subprocess.run([*EDGED, "config", "check", str(f)], capture_output=True, text=True)
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr

@@ -157,6 +157,14 @@ def diff(before: dict[str, tuple[object, ...]], after: dict[str, tuple[object, .
     return [f"+ {p}" for p in added] + [f"- {p}" for p in removed] + [f"~ {p}" for p in changed]
 
 
+def config_owner(root: Path) -> tuple[int, str, str]:
+    """Mode, owner and group of the installed config, names as the root's own passwd/group say."""
+    st = (root / "etc/edged/edged.toml").stat()
+    users = {int(f[2]): f[0] for f in (ln.split(":") for ln in (root / "etc/passwd").read_text().splitlines()) if f}
+    groups = {int(f[2]): f[0] for f in (ln.split(":") for ln in (root / "etc/group").read_text().splitlines()) if f}
+    return st.st_mode & 0o777, users.get(st.st_uid, str(st.st_uid)), groups.get(st.st_gid, str(st.st_gid))
+
+
 def _digits_input(root: Path, digits_holdout: tuple[np.ndarray, np.ndarray], n: int = 20) -> np.ndarray:
     x, y = digits_holdout
     np.save(root / "tmp" / "x.npy", x[:n])
@@ -232,6 +240,7 @@ def test_deb_installs_offline_runs_and_purges_without_a_trace(
     assert "include-system-site-packages = true" in cfg
     assert (root / "etc/systemd/system/multi-user.target.wants/edged.service").is_symlink()
     assert (root / "var/lib/edged").stat().st_mode & 0o777 == 0o750
+    assert config_owner(root) == (0o640, "root", "edged")  # it holds secrets (issue #20 item 11)
     # The broker drop-in, where Debian's mosquitto.conf includes it (tests/test_mqtt.py shows its effect).
     dropin = (root / "etc/mosquitto/conf.d/edged-nodelay.conf").read_text()
     assert "\nset_tcp_nodelay true\n" in dropin
@@ -278,6 +287,7 @@ def test_install_sh_offline_is_idempotent_and_uninstalls(built: Built, root: Pat
     chroot(root, "/opt/edged/bin/python", "-c", "import openvino", home=USER_HOME)  # the wheelhouse had it
     first = snapshot(root, ignore)
     assert "etc/edged/edged.toml" in first and "etc/systemd/system/edged.service" in first
+    assert config_owner(root) == (0o640, "root", "edged")  # it holds secrets (issue #20 item 11)
 
     # The second run changes nothing; the config, once edited, is never overwritten.
     r = chroot(root, "bash", "/src/install.sh", "--wheelhouse", "/wheelhouse")
