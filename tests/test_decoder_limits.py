@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.client
 import subprocess
-import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +21,7 @@ import pytest
 from edged.transports import mqtt_codec as codec
 from tests.conftest import EDGED, REPO_ROOT
 from tests.http_helpers import copy_models
-from tests.mqtt_helpers import Broker, TestClient, running_broker
+from tests.mqtt_helpers import Broker, TestClient, running_broker, terminate
 from tests.netutil import free_port
 
 pytestmark = pytest.mark.timeout(180)
@@ -54,18 +53,10 @@ class Daemon:
 
 
 @pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[Daemon]:
-    copy_models(tmp_path / "models", "digits")
+def daemon(tmp_path: Path, write_config: Callable[..., Path]) -> Iterator[Daemon]:
     port = free_port()
     with running_broker(tmp_path / "broker") as broker:
-        cfg = tmp_path / "edged.toml"
-        cfg.write_text(textwrap.dedent(f"""
-            [device]
-            id = "dev"
-            profile = "generic"
-            state_dir = "{tmp_path / 'state'}"
-            runtime_dir = "{tmp_path / 'run'}"
-            model_repository = "{tmp_path / 'models'}"
+        cfg = write_config(copy_models(tmp_path / "models", "digits"), f"""
             [http]
             listen = "127.0.0.1:{port}"
             [mqtt]
@@ -74,7 +65,7 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
             enabled = false
             [logging]
             level = "warning"
-            """))
+            """)
         log = tmp_path / "edged.log"
         with log.open("wb") as out:
             proc = subprocess.Popen([*EDGED, "run", "--config", str(cfg)], stdout=out, stderr=subprocess.STDOUT,
@@ -95,12 +86,7 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
                 time.sleep(0.1)
             yield Daemon(proc, port, broker, log)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            terminate(proc, 30)
 
 
 class HealthProbe:
@@ -202,7 +188,7 @@ def test_tiny_mqtt_payloads_declaring_huge_tensors_get_error_replies(daemon: Dae
                      "parameters": {"binary_data_size": 4}}]})
                 payload = codec.PREFIX.pack(len(header)) + header + b"\0\0\0\0"
                 assert len(payload) < 160
-                client.publish("edged/dev/infer/digits", payload, qos=1)
+                client.publish("edged/test-device/infer/digits", payload, qos=1)
                 msg = client.get(timeout=5)
                 _, head, _ = codec.split(msg.payload, None)
                 reply = orjson.loads(head)
