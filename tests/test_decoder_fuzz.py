@@ -121,6 +121,6 @@ def test_bytes_data_takes_strings_and_grpc_bytes_only() -> None:
     hdr = {"inputs": [{"name": "x", "datatype": "BYTES", "shape": [2], "data": ["ab", b"\xff"]}]}
     arr = decode_request(hdr, model="m", version=None).request.inputs["x"]
     assert arr.tolist() == [b"ab", b"\xff"]
-    hdr["inputs"][0]["data"] = ["ab", 7]  # type: ignore[index]
+    hdr["inputs"][0]["data"] = ["ab", 7]
     with pytest.raises(EdgedError, match="BYTES element 1 is int"):
         decode_request(hdr, model="m", version=None)
