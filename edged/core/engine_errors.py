@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from edged.errors import EdgedError, InternalError, InvalidInputError
+from edged.errors import EdgedError, EngineInputError, InternalError, InvalidInputError
 
 _MAX_MESSAGE = 400
 
@@ -54,7 +54,18 @@ class GoodShapes:
         if isinstance(exc, InvalidInputError):
             what = "; ".join(diffs) if diffs else "input values or shapes " + ", ".join(
                 f"{n!r} {list(a.shape)}" for n, a in inputs.items())
-            return InvalidInputError(f"{where} cannot take this input ({what}): {msg}")
+            return EngineInputError(f"{where} cannot take this input ({what}): {msg}")
         if diffs and known:
-            return InvalidInputError(f"{where} cannot take this input ({'; '.join(diffs)}): {msg}")
+            return EngineInputError(f"{where} cannot take this input ({'; '.join(diffs)}): {msg}")
         return InternalError(f"{where}: engine failed: {msg}")
+
+
+def failure_key(err: EdgedError) -> str:
+    """The statistics key for a failed request: its code, except that an input the engine refused
+    after it passed validation is counted apart. The client still gets a 400, but a version whose
+    engine refuses what its manifest accepts is at fault, so trials and rollout gates count these
+    against the previous version's rate while plain invalid arguments stay the client's."""
+    return ENGINE_REFUSED if isinstance(err, EngineInputError) else err.code.value
+
+
+ENGINE_REFUSED = "engine_refused_input"

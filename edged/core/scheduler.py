@@ -18,7 +18,7 @@ import numpy as np
 
 from edged.backends.base import Engine
 from edged.core.batch_policy import BatchPolicy
-from edged.core.engine_errors import GoodShapes
+from edged.core.engine_errors import GoodShapes, failure_key
 from edged.core.stats import ModelStats
 from edged.core.types import InferRequest, InferResponse
 from edged.errors import (
@@ -119,7 +119,7 @@ class Scheduler:
             self.stats.record_success(queue_ns=0, total_ns=time.monotonic_ns() - start_ns, inline=True)
             return resp
         except EdgedError as e:
-            self.stats.record_failure(e.code.value, total_ns=time.monotonic_ns() - start_ns)
+            self.stats.record_failure(failure_key(e), total_ns=time.monotonic_ns() - start_ns)
             raise
         except BaseException:
             self.stats.record_failure("internal", total_ns=time.monotonic_ns() - start_ns)
@@ -294,7 +294,7 @@ class Scheduler:
         return list(names)
 
     def _fail(self, item: _Item, err: EdgedError) -> None:
-        self.stats.record_failure(err.code.value, total_ns=time.monotonic_ns() - item.enqueued_ns)
+        self.stats.record_failure(failure_key(err), total_ns=time.monotonic_ns() - item.enqueued_ns)
         if not item.future.done():
             item.future.set_exception(err)
 

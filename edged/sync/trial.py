@@ -5,10 +5,13 @@ statistics object's histogram (bucket upper bounds, hence the floor). The previo
 version is measured over the minutes just before the switch (same load, same machine)
 when it served enough requests then, else over its whole life. Errors the client caused
 (invalid input) or that only say the queue was full are not the model's fault and are
-not counted. Latency is judged once, at the end of the trial, over the requests after
-the switch settled (the first fifth of the trial, at most :data:`SETTLE_MAX_S`, absorbs
-one-off costs such as releasing the old engine) and only over at least
-:data:`P99_MIN_SAMPLES` of them: a p99 of fewer is just the slowest one.
+not counted; an input that passed validation but that the engine refused
+(``engine_refused_input``) is counted, since the version broke what its manifest promised
+(a client that sends impossible shapes to both versions raises both rates alike).
+Latency is judged once, at the end of the trial, over the requests after the switch
+settled (the first fifth of the trial, at most :data:`SETTLE_MAX_S`, absorbs one-off
+costs such as releasing the old engine) and only over at least :data:`P99_MIN_SAMPLES`
+of them: a p99 of fewer is just the slowest one.
 """
 
 from __future__ import annotations
