@@ -24,7 +24,7 @@ TRITONCLIENT = "tritonclient==2.41.0"
 # "-s" value for tests: any three windows count as stable. perf_analyzer otherwise exits 2 when a busy
 # machine keeps the latency from settling, and tests check behaviour, not speed.
 ANY_STABILITY = "100000"
-CUDART = "nvidia-cuda-runtime-cu12"
+CUDART = "nvidia-cuda-runtime-cu12==12.9.79"  # pinned: a test fetches the same bytes every time
 
 
 @dataclass(frozen=True)
