@@ -135,12 +135,18 @@ class Daemon:
         if cfg.shm.enabled:
             from edged.transports.shm import ShmTransport
             out.append(ShmTransport(cfg, rt.service))
+        grpc = cfg.grpc is not None and cfg.grpc.enabled
+        regions = None
+        if cfg.http.enabled or grpc:
+            # One set of Triton system shared memory regions for both v2 listeners, as in Triton.
+            from edged.transports.http import system_shm_registry
+            regions = system_shm_registry(cfg)
         if cfg.http.enabled:
             from edged.transports.http import HttpTransport
-            out.append(HttpTransport(cfg, rt.service))
-        if cfg.grpc is not None and cfg.grpc.enabled:
+            out.append(HttpTransport(cfg, rt.service, shm=regions))
+        if grpc:
             from edged.transports.grpc.server import GrpcTransport
-            out.append(GrpcTransport(cfg, rt.service))
+            out.append(GrpcTransport(cfg, rt.service, shm=regions))
         if cfg.mqtt.enabled:
             from edged.transports.mqtt import MqttTransport
             out.append(MqttTransport(cfg, rt.service, rt.profile.name))

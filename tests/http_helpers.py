@@ -71,7 +71,7 @@ class Served:
             if grpc is not None:
                 from edged.transports.grpc.server import GrpcTransport
 
-                self.grpc = GrpcTransport(self.cfg, self.service)
+                self.grpc = GrpcTransport(self.cfg, self.service, shm=self.transport.shm)  # as the daemon does
                 self.run(self.grpc.start())
         except BaseException:
             self._stop_loop()

@@ -22,6 +22,7 @@ import tritonclient.grpc as tg
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from edged.client.http import HttpClient
 from edged.config import parse_config
 from edged.core.types import InferRequest
 from edged.errors import OverloadedError
@@ -169,6 +170,28 @@ def test_system_shared_memory(srv: Served, triton: tg.InferenceServerClient,
         seg_in.close()
         seg_out.close()
     assert triton.get_system_shared_memory_status(headers=AUTH, as_json=True).get("regions", {}) == {}
+
+
+def test_regions_registered_over_http_serve_grpc(srv: Served, triton: tg.InferenceServerClient,
+                                                 digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    batch = np.ascontiguousarray(digits_holdout[0][:2])
+    tag = uuid.uuid4().hex[:8]
+    seg = Segment(f"/grpctest_x_{tag}", batch.nbytes)
+    try:
+        seg.write(batch.tobytes())
+        with HttpClient(srv.url, token=TOKEN) as h:
+            r = h.request("POST", f"/v2/systemsharedmemory/region/x_{tag}/register",
+                          [json.dumps({"key": seg.key, "offset": 0, "byte_size": batch.nbytes}).encode()])
+            assert r.status == 200, r.body
+        inp = tg.InferInput("pixels", [2, 64], "FP32")
+        inp.set_shared_memory(f"x_{tag}", batch.nbytes)
+        got = triton.infer("digits", [inp], headers=AUTH).as_numpy("probabilities")
+        np.testing.assert_allclose(got, in_process(srv, "digits", batch), rtol=1e-5, atol=1e-6)
+        triton.unregister_system_shared_memory(f"x_{tag}", headers=AUTH)
+        with HttpClient(srv.url, token=TOKEN) as h:
+            assert json.loads(h.request("GET", "/v2/systemsharedmemory/status").body) == []
+    finally:
+        seg.close()
 
 
 def test_stream_answers_each_request_once_in_order_with_errors_in_place(

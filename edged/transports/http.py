@@ -114,14 +114,19 @@ def _bind_unix(path: Path, listen: str) -> socket.socket:
     return sock
 
 
+def system_shm_registry(cfg: Config) -> SystemShmRegistry:
+    """Triton's system shared memory regions, one registry for the daemon's v2 listeners (HTTP and gRPC)."""
+    return SystemShmRegistry(int(cfg.shm.max_region_mb * 1024 * 1024), tcp_prefix=cfg.shm.system_shm_prefix)
+
+
 class HttpTransport:
     name = "http"
 
-    def __init__(self, cfg: Config, service: InferenceService) -> None:
+    def __init__(self, cfg: Config, service: InferenceService, *, shm: SystemShmRegistry | None = None) -> None:
         self.cfg = cfg
         self.service = service
         self.listen = cfg.http.listen
-        self.shm = SystemShmRegistry(int(cfg.shm.max_region_mb * 1024 * 1024), tcp_prefix=cfg.shm.system_shm_prefix)
+        self.shm = shm if shm is not None else system_shm_registry(cfg)
         scrub = Scrubber.for_config(cfg)
         self.authority = Authority(cfg.control)
         self.app = V2App(service, self.shm, max_body=int(cfg.http.max_request_mb * 1024 * 1024), scrub=scrub,

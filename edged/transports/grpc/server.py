@@ -20,7 +20,13 @@ from edged.errors import ConfigError, EdgedError, ErrorCode
 from edged.protocol.redact import Scrubber
 from edged.transports.authority import Authority
 from edged.transports.grpc import require_grpc
-from edged.transports.http import UNIX_SOCKET_MODE, clear_unix_path, parse_listen, remove_socket_file
+from edged.transports.http import (
+    UNIX_SOCKET_MODE,
+    clear_unix_path,
+    parse_listen,
+    remove_socket_file,
+    system_shm_registry,
+)
 from edged.transports.sysshm import SystemShmRegistry
 
 log = logging.getLogger(__name__)
@@ -63,7 +69,7 @@ def check_config(cfg: Config) -> list[str]:
 class GrpcTransport:
     name = "grpc"
 
-    def __init__(self, cfg: Config, service: InferenceService) -> None:
+    def __init__(self, cfg: Config, service: InferenceService, *, shm: SystemShmRegistry | None = None) -> None:
         self._grpc = require_grpc()
         from edged.transports.grpc.app import GrpcApp
 
@@ -71,7 +77,7 @@ class GrpcTransport:
         self.cfg = cfg.grpc
         self.listen = self.cfg.listen
         self.max_message = int(self.cfg.max_message_mb * 1024 * 1024)
-        self.shm = SystemShmRegistry(int(cfg.shm.max_region_mb * 1024 * 1024), tcp_prefix=cfg.shm.system_shm_prefix)
+        self.shm = shm if shm is not None else system_shm_registry(cfg)  # shared with HTTP in the daemon
         self.app = GrpcApp(service=service, shm=self.shm, scrub=Scrubber.for_config(cfg),
                            authority=Authority(cfg.control), stream_inflight=self.cfg.max_stream_inflight)
         self._server: Any = None
