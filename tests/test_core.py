@@ -319,9 +319,10 @@ def test_traffic_moving_between_inline_and_queued_paths_counts_every_request_onc
         assert st["inline_count"] - before["inline_count"] >= 32
         decision = st["batching"]
         assert decision["mode"] in ("on", "single")
-        # the policy learns from the batcher's runs only, not from inline runs on an idle model
+        # the policy learns only from runs made while requests overlapped (never from inline ones)
         queued_runs = st["execution_count"] - before["execution_count"] - (st["inline_count"] - before["inline_count"])
-        assert decision["single_runs"] + decision["batched_runs"] == queued_runs
+        assert 0 < decision["single_runs"] + decision["batched_runs"] <= queued_runs
+        assert decision["batched_runs"] >= 1
     finally:
         svc.manager.shutdown()
 

@@ -3,7 +3,7 @@
 On a small CPU a batch of eight can cost eight times a batch of one: then waiting
 for batches to form, concatenating and splitting only add latency. The policy keeps
 a moving average of the per-sample compute time of single runs and of batched runs
-(those the batcher made from the queue; inline runs on an idle model are not comparable),
+(made while requests overlapped; inline and lone runs on a quiet model are not comparable),
 turns batching off when batched samples are not cheaper, and keeps probing the
 other mode now and then so that the decision follows the load and the hardware.
 """

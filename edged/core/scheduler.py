@@ -135,8 +135,13 @@ class Scheduler:
         return len(self._queue)
 
     # ---- workers ----------------------------------------------------------------------------
-    def _take(self) -> list[_Item] | None:
-        """Block until a batch is ready; None when stopping with an empty queue."""
+    def _take(self) -> tuple[list[_Item], bool] | None:
+        """Block until a batch is ready; None when stopping with an empty queue.
+
+        The flag says whether the run informs the batching policy: a combined run, or a single
+        run while others were waiting (one that could have been combined). A single request on
+        a quiet queue costs less than one under load and would skew the comparison.
+        """
         with self._cv:
             # An inline caller holds an instance slot too: never run more than instances.count at once.
             while not self._queue or self._busy >= len(self._workers):
@@ -159,7 +164,7 @@ class Scheduler:
             # What traffic reached: this batch plus whatever is still waiting behind it.
             seen = sum(i.batch for i in batch) + sum(i.batch for i in self._queue)
             self._recent_sizes.append(min(seen, self.max_batch_size or 1))
-            return batch
+            return batch, len(batch) > 1 or bool(self._queue)
 
     def _gather(self, have: list[_Item] | None = None, *, combine: bool = True) -> list[_Item]:
         """Move compatible items from the queue into the batch (called with the lock held)."""
@@ -199,11 +204,12 @@ class Scheduler:
 
     def _work(self) -> None:
         while True:
-            batch = self._take()
-            if batch is None:
+            taken = self._take()
+            if taken is None:
                 return
+            batch, informs = taken
             try:
-                self._run(batch)
+                self._run(batch, informs)
             except BaseException as e:  # never let a worker die: fail the batch instead
                 log.exception("model=%s version=%s worker error", self.name, self.version)
                 for item in batch:
@@ -214,7 +220,7 @@ class Scheduler:
                     self._busy -= 1
                     self._cv.notify_all()
 
-    def _run(self, batch: list[_Item]) -> None:
+    def _run(self, batch: list[_Item], informs: bool = False) -> None:
         now_ns = time.monotonic_ns()
         now = now_ns / 1e9
         live: list[_Item] = []
@@ -231,7 +237,7 @@ class Scheduler:
         if not live:
             return
         try:
-            results = self._compute([(i.request, i.batch) for i in live])
+            results = self._compute([(i.request, i.batch) for i in live], queued=informs)
         except EdgedError as e:
             for item in live:
                 self._fail(item, e)
@@ -246,9 +252,9 @@ class Scheduler:
         """Concatenate along the batch dimension, run the engine once, split the outputs back.
 
         Raises one EdgedError for the whole batch: every request in it fails the same way.
-        Only runs the batcher made (``queued``) inform the batching policy: an inline run
-        on an idle machine costs far less than a single run under load, and comparing the
-        two would flip the decision with every change in traffic.
+        Only runs made while requests overlapped (``queued``) inform the batching policy: an
+        inline run or a lone queued one costs far less than a single run under load, and
+        comparing the two would flip the decision with every change in traffic.
         """
         t0 = time.monotonic_ns()
         if len(reqs) == 1:
