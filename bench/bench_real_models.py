@@ -6,10 +6,16 @@ For each model of the public test corpus (tests/corpus.py: models shipped inside
 fetched into the test cache), with its real input shape declared in ``[warmup.shapes]``:
 load it the way the daemon does with ``select = "benchmark"`` over ONNX Runtime and OpenVINO on
 the CPU (a fresh cache) and note the engine it kept; then time raw ONNX Runtime (an
-InferenceSession, default options) and raw OpenVINO (``compile_model`` on CPU, one infer
-request) at batch 1 on that shape, interleaved in rounds so that load from other processes hits
-both alike, and compare medians. Prints per-model latencies and the ratio
-chosen engine / faster engine (goal: <= 1.05), and the machine load before and after.
+InferenceSession) and raw OpenVINO (``compile_model`` on CPU, one infer request) at batch 1 on
+that shape, interleaved in rounds so that load from other processes hits both alike. Like with
+like: the raw engines get the settings the daemon's engines run with (ONNX Runtime: one inter-op
+thread, all graph optimizations; OpenVINO: the LATENCY hint and f32 inference precision for these
+fp32 models, where OpenVINO's own default on a CPU with bf16 instructions computes in bf16, a
+different and less exact model the daemon never serves for an fp32 variant; default thread counts
+on both, as the daemon's ``threads = 0``), and the same statistic as the daemon's measurement
+(edged.backends.benchmark.typical_call_s: the median over rounds of each round's median call).
+Prints per-model latencies and the ratio chosen engine / faster engine (goal: <= 1.05), and the
+machine load before and after.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import ratio_line
+from edged.backends.benchmark import typical_call_s
 from edged.config import ModelsSection
 from edged.core.manager import ModelManager
 from edged.core.models import ModelState
@@ -44,8 +51,13 @@ def raw_runners(path: Path, name: str, x: np.ndarray) -> dict[str, Callable[[], 
     import onnxruntime as ort
     import openvino as ov
 
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    compiled = ov.Core().compile_model(str(path), "CPU")
+    opts = ort.SessionOptions()  # as edged/backends/onnxruntime.py sets them with threads = 0
+    opts.inter_op_num_threads = 1
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    sess = ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+    # as edged/backends/openvino.py compiles an fp32 variant for the CPU with threads = 0
+    compiled = ov.Core().compile_model(str(path), "CPU", {"PERFORMANCE_HINT": "LATENCY",
+                                                          "INFERENCE_PRECISION_HINT": "f32"})
     req = compiled.create_infer_request()
     return {"onnxruntime": lambda: sess.run(None, {name: x}), "openvino": lambda: req.infer({name: x})}
 
@@ -62,14 +74,17 @@ def timed(fn: Callable[[], object], seconds: float) -> list[float]:
             return out
 
 
-def chosen_engine(m: corpus.CorpusModel, onnx: Path, tmp: Path) -> str:
+def chosen_engine(m: corpus.CorpusModel, onnx: Path, tmp: Path) -> tuple[str, str]:
+    """The backend the daemon kept, and its own load-time figures (samples/s per candidate)."""
     corpus.write_version(tmp / "models", m, onnx, declare=True)
     mgr = ModelManager(tmp / "models", ModelsSection(), PREFS, cache_dir=tmp / "cache", select="benchmark")
     try:
         mgr.load_all()
         mv = mgr.table.find(m.name)
         assert mv is not None and mv.state is ModelState.READY and mv.candidate is not None, mv and mv.reason
-        return mv.candidate.backend
+        own = ", ".join(f"{t.backend} {t.throughput_per_s:.0f}/s" for t in mv.benchmark.timings) \
+            if mv.benchmark is not None else "not measured"
+        return mv.candidate.backend, own
     finally:
         mgr.shutdown()
 
@@ -85,21 +100,23 @@ def main() -> None:
     lines = []
     for m in (c for c in corpus.CORPUS if c.name in args.models):
         with tempfile.TemporaryDirectory() as tmp:
-            chosen = chosen_engine(m, files[m.name], Path(tmp))
+            chosen, own = chosen_engine(m, files[m.name], Path(tmp))
         x = np.random.default_rng(0).random(m.shape, dtype=np.float32)
         runners = raw_runners(files[m.name], m.input, x)
         for fn in runners.values():  # untimed lead-in
             timed(fn, 0.5)
-        calls: dict[str, list[float]] = {k: [] for k in runners}
+        calls: dict[str, list[list[float]]] = {k: [] for k in runners}
         order = list(runners)
         for r in range(args.rounds):
             for k in order[r % 2:] + order[:r % 2]:
-                calls[k] += timed(runners[k], args.seconds / args.rounds)
-        med = {k: statistics.median(v) * 1e3 for k, v in calls.items()}
+                calls[k].append(timed(runners[k], args.seconds / args.rounds))
+        med = {k: typical_call_s(v) * 1e3 for k, v in calls.items()}
+        pooled = {k: statistics.median([d for r in v for d in r]) * 1e3 for k, v in calls.items()}
         fastest = min(med, key=lambda k: med[k])
         print(f"{m.name:<12} {m.what} {list(m.shape)}: onnxruntime {med['onnxruntime']:8.2f} ms  "
-              f"openvino {med['openvino']:8.2f} ms  (median batch-1 latency; ORT/OV "
-              f"{med['onnxruntime'] / med['openvino']:.2f})  chosen: {chosen}")
+              f"openvino {med['openvino']:8.2f} ms  (batch-1, median of round medians; pooled medians "
+              f"{pooled['onnxruntime']:.2f} / {pooled['openvino']:.2f} ms; ORT/OV "
+              f"{med['onnxruntime'] / med['openvino']:.2f})  chosen: {chosen} ({own})")
         lines.append(ratio_line(f"{m.name}: chosen ({chosen}) / faster ({fastest}) latency", med[chosen],
                                 med[fastest], 1.05, higher_is_better=False))
     print()

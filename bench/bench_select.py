@@ -6,9 +6,10 @@ For each model: load it the way the daemon does with ``select = "benchmark"`` (t
 device profile, the default time budget, a fresh cache) and note the candidate it kept. Then,
 independently of the loader, load every candidate engine again and time it for much longer
 (interleaved rounds, batch 1 and the preferred batch) with the same score: the geometric mean over
-the two batch sizes of samples/s at the fast end (10th percentile) of per-call times, which other
-processes on a busy machine cannot inflate. Mean wall-clock throughput is printed beside it. Prints
-every candidate's figures and the chosen/fastest ratio. Goal (issue: engine choice by measurement): ratio >= 0.95.
+the two batch sizes of samples/s from the median of per-round median call times (the loader's
+typical_call_s), which a burst of other processes' load on one round cannot move. Mean wall-clock
+throughput is printed beside it. Prints every candidate's figures and the chosen/fastest ratio.
+Goal (issue: engine choice by measurement): ratio >= 0.95.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 
 from bench.common import ratio_line
 from edged.backends.base import Engine, LoadRequest
-from edged.backends.benchmark import BenchmarkSettings, fast_call_s
+from edged.backends.benchmark import typical_call_s
 from edged.backends.registry import get_backend
 from edged.backends.selection import Candidate, candidates
 from edged.config import ModelsSection
@@ -36,7 +37,6 @@ from edged.profiles import BackendPreference, load_profiles, match_profile
 from edged.repository.manifest import parse_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
-QUANTILE = BenchmarkSettings().quantile  # the same definition of "speed" as the loader's
 
 
 def _preferences() -> tuple[str, list[BackendPreference]]:
@@ -76,17 +76,17 @@ def remeasure(version_dir: Path, cands: list[Candidate], seconds: float,
             engines.append((c.label, get_backend(c.backend).load(req)))
         except EdgedError as e:
             print(f"  (not measured: {c.label}: {str(e)[:100]})")
-    calls: dict[str, dict[int, list[float]]] = {label: {b: [] for b in sizes} for label, _ in engines}
+    calls: dict[str, dict[int, list[list[float]]]] = {label: {b: [] for b in sizes} for label, _ in engines}
     per_slice = seconds / (rounds * len(sizes))
     for r in range(rounds):
         for label, engine in engines[r % len(engines):] + engines[:r % len(engines)]:
             for b in sizes:
                 x = {n: np.ascontiguousarray(np.repeat(a, b, axis=0)) for n, a in first.items()}
-                calls[label][b] += _calls(engine, x, per_slice)
+                calls[label][b].append(_calls(engine, x, per_slice))
     for _, engine in engines:
         engine.unload()
-    fast = {label: {b: b / fast_call_s(d, QUANTILE) for b, d in per.items()} for label, per in calls.items()}
-    mean = {label: {b: b * len(d) / sum(d) for b, d in per.items()} for label, per in calls.items()}
+    fast = {label: {b: b / typical_call_s(r) for b, r in per.items()} for label, per in calls.items()}
+    mean = {label: {b: b * sum(map(len, r)) / sum(map(sum, r)) for b, r in per.items()} for label, per in calls.items()}
     return fast, mean
 
 
@@ -121,7 +121,7 @@ def main() -> None:
         best, mean = remeasure(ROOT / "models" / model / "1", cands, args.seconds, args.rounds)
         scores = {label: _score(rates) for label, rates in best.items()}
         top = max(scores, key=lambda k: scores[k])
-        print(f"  {'candidate':<42} {'score':>12}  {'per batch, fast end of per-call times':<40}"
+        print(f"  {'candidate':<42} {'score':>12}  {'per batch, typical call (median of rounds)':<40}"
               f"{'per batch, mean wall clock':<40}{'at load':>10}")
         for label, rates in best.items():
             per_batch = "  ".join(f"b{b} {v:11.1f}/s" for b, v in rates.items())

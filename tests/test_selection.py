@@ -22,6 +22,7 @@ from edged.backends.benchmark import (
     fastest,
     measure,
     selection_key,
+    typical_call_s,
 )
 from edged.backends.registry import get_backend
 from edged.backends.selection import Candidate, candidates
@@ -214,6 +215,21 @@ def test_choose_prefers_the_profile_order_within_the_noise_margin() -> None:
     assert choose([a, b], margin=0.03) is a, "2% apart: the profile's first wins"
     assert choose([a, b], margin=0.0) is b
     assert choose([a, b, c]) is c
+
+
+def test_the_typical_call_ranks_not_the_fast_end_and_one_loaded_round_does_not_count_more() -> None:
+    # A: most calls 1.0 ms with a fifth at 0.5 ms (a low quantile of pooled calls would say 0.5 ms);
+    # B: every call 0.8 ms. A caller waits 1.0 ms on A most of the time: B is faster.
+    a = [[0.5e-3] * 20 + [1.0e-3] * 80 for _ in range(8)]
+    b = [[0.8e-3] * 100 for _ in range(8)]
+    assert typical_call_s(a) == pytest.approx(1.0e-3)
+    assert typical_call_s(b) < typical_call_s(a)
+    # Other processes' load lands on one round of C (many slow calls there): C stays at its usual speed,
+    # where pooling the calls would let that one round's 900 slow calls outvote the other rounds.
+    c = [[1.0e-3] * 100 for _ in range(7)] + [[9.0e-3] * 900]
+    assert typical_call_s(c) == pytest.approx(1.0e-3)
+    with pytest.raises(ValueError):
+        typical_call_s([[], []])
 
 
 class _Broken(Engine):
