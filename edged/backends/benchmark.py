@@ -56,6 +56,7 @@ class BenchmarkSettings:
     rounds: int = 8  # more, shorter rounds: a burst of load spoils one round's median, not the result
     min_iterations: int = 2
     margin: float = 0.03  # scores this close count as equal: the profile's order decides
+    settle_s: float = 0.05  # idle pause before timing a different engine than the last slice, see measure
 
 
 @dataclass
@@ -184,9 +185,17 @@ def measure(engines: Sequence[tuple[Candidate, Engine]], sample: Mapping[str, np
     failed: dict[str, str] = {}
     started = time.monotonic()
     live = list(engines)
+    last = ""
     for r in range(max(1, settings.rounds)):
         order = live[r % len(live):] + live[:r % len(live)] if live else []
         for cand, engine in order:
+            if last and last != cand.label:
+                # The engine timed before may still have worker threads spinning (ONNX Runtime's pool
+                # does after each run); on a 2-core device they held the cores of the next engine's
+                # slice (OpenVINO at 1.9 ms instead of 1.0 ms for a whole slice after ONNX Runtime's).
+                # Busy calls do not make them stop; idling does. Served alone, no engine pays that.
+                time.sleep(settings.settle_s)
+            last = cand.label
             for b in batch_sizes:
                 try:
                     calls[cand.label][b].append(_slice(engine, inputs[b], slice_s, settings.min_iterations))
