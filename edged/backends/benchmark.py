@@ -45,6 +45,8 @@ from edged.repository.manifest import ModelManifest, Variant
 log = logging.getLogger(__name__)
 
 _KEY_CHARS = 16
+# How candidates are timed and ranked: a change re-measures choices remembered under the old method.
+_METHOD = 2  # 2: median of per-round medians, idle pause between engines (1: 10th percentile of pooled calls)
 
 
 @dataclass(frozen=True)
@@ -264,7 +266,7 @@ def selection_key(model: str, version: int, cands: Sequence[Candidate], library_
     """Everything a measurement depends on: variants, options, libraries, hardware, and ``workload``
     (a digest of the declared shapes / warm-up data it ran on)."""
     doc = {
-        "model": model, "version": version, "threads": threads, "batch_sizes": list(batch_sizes),
+        "method": _METHOD, "model": model, "version": version, "threads": threads, "batch_sizes": list(batch_sizes),
         "workload": workload,
         "device": dict(fingerprint if fingerprint is not None else device_fingerprint()),
         "candidates": [{"label": c.label, "digest": variant_digest(c.variant), "options": c.options,
