@@ -136,3 +136,33 @@ def in_process(srv: Served, model: str, x: Any) -> Any:
     """The model's answer computed in the process, without any transport (what every client must match)."""
     resp = srv.service.infer(InferRequest(model, {"pixels" if model == "digits" else "image": x}), timeout=30)
     return resp.outputs["probabilities"]
+
+
+@contextmanager
+def held_engine(service: InferenceService, model: str) -> Iterator[threading.Event]:
+    """Stall a model's engine until the test lets go, yielding the event set once a call is inside.
+
+    Queue-full and deadline tests then fill the queue on purpose instead of racing a long batch
+    against the machine's speed (a fast CI machine drained the race's queue before the probe came).
+    """
+    mv = service.ready_model(model)
+    sched = mv.scheduler
+    assert sched is not None
+    engine = sched.engine
+    entered, release = threading.Event(), threading.Event()
+
+    class _Held:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(engine, name)
+
+        def infer(self, inputs: Any, outputs: Any = None) -> Any:
+            entered.set()
+            release.wait(60)
+            return engine.infer(inputs, outputs)
+
+    sched.engine = _Held()  # type: ignore[assignment]
+    try:
+        yield entered
+    finally:
+        release.set()
+        sched.engine = engine

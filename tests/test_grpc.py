@@ -5,7 +5,6 @@ memory, ModelStreamInfer), raw grpcio calls for malformed and oversized messages
 
 from __future__ import annotations
 
-import contextlib
 import json
 import queue
 import subprocess
@@ -25,9 +24,8 @@ from tritonclient.utils import InferenceServerException
 from edged.client.http import HttpClient
 from edged.config import parse_config
 from edged.core.types import InferRequest
-from edged.errors import OverloadedError
 from tests import perf_analyzer
-from tests.http_helpers import TOKEN, Segment, Served, copy_models, in_process, served
+from tests.http_helpers import TOKEN, Segment, Served, copy_models, held_engine, in_process, served
 from tests.mqtt_helpers import make_test_ca
 
 pytestmark = pytest.mark.timeout(180)
@@ -408,31 +406,25 @@ def test_overloaded_is_resource_exhausted_and_deadline_is_deadline_exceeded(tmp_
     repo = copy_models(tmp_path / "models", "mobilenet")
     toml = repo / "mobilenet" / "1" / "model.toml"
     toml.write_text(toml.read_text().replace("[batching]\n", "[batching]\nmax_queue_size = 1\n"))
-    big = np.zeros((32, 3, 48, 192), np.float32)
+    img = np.zeros((1, 3, 48, 192), np.float32)
     one = tg.InferInput("image", [1, 3, 48, 192], "FP32")
-    one.set_data_from_numpy(big[:1])
+    one.set_data_from_numpy(img)
     with served(repo, tmp_path, grpc="max_message_mb = 16\n") as s:
         c = tg.InferenceServerClient(s.grpc_url)
         try:
-            seen: dict[str, InferenceServerException] = {}
-            for _ in range(50):
-                futures = []
-                with contextlib.suppress(OverloadedError):
-                    for _ in range(4):  # fill the one-slot queue behind a running batch
-                        futures.append(s.service.submit(InferRequest("mobilenet", {"image": big})))
-                for key, kw in (("overloaded", {}), ("deadline", {"timeout": 1})):  # timeout: 1 us, in the queue
-                    try:
-                        c.infer("mobilenet", [one], **kw)
-                    except InferenceServerException as e:
-                        seen.setdefault(key, e)
-                for f in futures:
-                    with contextlib.suppress(Exception):
-                        f.result(30)
-                if len(seen) == 2:
-                    break
-            assert seen["overloaded"].status() == "StatusCode.RESOURCE_EXHAUSTED", seen
-            assert "queue full" in str(seen["overloaded"].message())
-            assert seen["deadline"].status() == "StatusCode.DEADLINE_EXCEEDED", seen
+            with held_engine(s.service, "mobilenet") as inside:
+                running = s.service.submit(InferRequest("mobilenet", {"image": img}))
+                assert inside.wait(30), "the held engine never got the first request"
+                # The one queue slot is free: this request waits there past its 0.3 s deadline.
+                with pytest.raises(InferenceServerException) as late:
+                    c.infer("mobilenet", [one], client_timeout=0.3)
+                # The expired request still holds the slot until the worker drops it unrun.
+                with pytest.raises(InferenceServerException) as full:
+                    c.infer("mobilenet", [one])
+            running.result(30)
+            assert late.value.status() == "StatusCode.DEADLINE_EXCEEDED", late.value
+            assert full.value.status() == "StatusCode.RESOURCE_EXHAUSTED", full.value
+            assert "queue full" in str(full.value.message())
             assert c.infer("mobilenet", [one]).as_numpy("probabilities").shape == (1, 37)
         finally:
             c.close()

@@ -20,9 +20,9 @@ from tritonclient.utils import InferenceServerException
 
 from edged.client.http import HttpClient, HttpStatusError
 from edged.core.types import InferRequest
-from edged.errors import EdgedError, ErrorCode, OverloadedError
+from edged.errors import EdgedError, ErrorCode
 from edged.transports.http import parse_listen
-from tests.http_helpers import AUTH, Served, copy_models, in_process, served
+from tests.http_helpers import AUTH, Served, copy_models, held_engine, in_process, served
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -333,28 +333,23 @@ def test_overloaded_is_503_with_retry_after(tmp_path: Path) -> None:
     repo = copy_models(tmp_path / "models", "mobilenet")
     toml = repo / "mobilenet" / "1" / "model.toml"
     toml.write_text(toml.read_text().replace("[batching]\n", "[batching]\nmax_queue_size = 1\n"))
+    img = np.zeros((1, 3, 48, 192), np.float32)
     with served(repo, tmp_path) as s, HttpClient(s.url) as c:
-        big = np.zeros((32, 3, 48, 192), np.float32)
-        seen = None
-        for _ in range(50):
-            futures = []
-            try:
-                for _ in range(4):  # fill the one-slot queue behind a running batch
-                    futures.append(s.service.submit(InferRequest("mobilenet", {"image": big})))
-            except OverloadedError:
-                pass
-            try:
-                c.infer("mobilenet", {"image": big[:1]})
-            except HttpStatusError as e:
-                seen = e
-            for f in futures:
-                f.result(30)
-            if seen is not None:
-                break
-        assert seen is not None, "never saw the queue full"
-        assert seen.status == 503 and seen.code is ErrorCode.OVERLOADED
-        assert "queue full" in seen.message
-        assert c.infer("mobilenet", {"image": big[:1]})["probabilities"].shape == (1, 37)
+        with held_engine(s.service, "mobilenet") as inside:
+            running = s.service.submit(InferRequest("mobilenet", {"image": img}))
+            assert inside.wait(30), "the held engine never got the first request"
+            queued = s.service.submit(InferRequest("mobilenet", {"image": img}))  # takes the one slot
+            with pytest.raises(HttpStatusError) as full:
+                c.infer("mobilenet", {"image": img})
+            r = c.request("POST", "/v2/models/mobilenet/infer",
+                          [b'{"inputs":[{"name":"image","datatype":"FP32","shape":[1,3,48,192],"data":[' +
+                           b",".join([b"0"] * (3 * 48 * 192)) + b"]}]}"])
+        running.result(30)
+        queued.result(30)
+        assert full.value.status == 503 and full.value.code is ErrorCode.OVERLOADED
+        assert "queue full" in full.value.message
+        assert r.status == 503 and r.header("retry-after") == "1", (r.status, r.headers)
+        assert c.infer("mobilenet", {"image": img})["probabilities"].shape == (1, 37)
 
 
 def test_errors_never_show_internal_paths(tmp_path: Path) -> None:
