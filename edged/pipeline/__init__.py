@@ -1,0 +1,1 @@
+"""Pipelines: pre/post-processing steps and models wired as a DAG, served like a model."""
