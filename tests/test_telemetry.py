@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -308,10 +309,10 @@ def test_counters_stay_monotonic_across_a_reload(model_repo: Callable[..., Path]
                      code="deadline_exceeded", **DIGITS) == 1
         assert value(after, "edged_inference_request_duration_seconds",
                      "edged_inference_request_duration_seconds_count", **DIGITS) == 11
-        # A fresh collector (what a per-scrape one would be) sees only the new object: the carry matters.
+        # Every collector of a service reads the one shared series (a per-scrape one included).
         fresh = families(MetricsRenderer(svc).render().decode())
         assert value(fresh, "edged_inference_request_success", "edged_inference_request_success_total",
-                     **DIGITS) == 5
+                     **DIGITS) == 11
     finally:
         mgr.shutdown()
 
@@ -392,6 +393,7 @@ def test_buffer_size_cap_and_drop_counting(tmp_path: Path) -> None:
 _CRASH = """
 import sys
 from pathlib import Path
+from typing import Any
 from edged.telemetry.buffer import TelemetryBuffer
 b = TelemetryBuffer(Path(sys.argv[1]), 1 << 20)
 for _ in range(50):
@@ -636,6 +638,52 @@ def test_a_damaged_buffer_is_moved_aside_and_telemetry_goes_on(model_repo: Calla
         send(svc, 2)
         assert agent.sample_now().seq == 1
         assert sum(m.success for m in agent.sample_now().models) == 0
+    finally:
+        asyncio.run(agent.stop())
+        mgr.shutdown()
+
+
+def test_a_reactivated_version_starts_a_new_series_and_windows_add_up(
+        model_repo: Callable[..., Path], write_config: Callable[..., Path]) -> None:
+    """The over-count of issue 17: a version unloaded and loaded again (a rollback to it) carried every
+    request since the daemon started into its first window. Now it is a new activation counted from zero,
+    and /metrics, the status file and the windows all read the same series."""
+    repo = model_repo("digits")
+    mgr, svc = make_service(repo)
+    cfg = load_config(write_config(repo, "[telemetry]\ninterval_s = 3600\n"))
+    agent = TelemetryAgent(cfg, svc, status_interval_s=3600)
+    renderer = MetricsRenderer(svc)
+
+    def digits_windows(sample: TelemetrySample) -> list[Any]:
+        return [m for m in sample.models if m.model == "digits"]
+
+    def metric(name: str) -> float:
+        fams = families(renderer.render().decode())  # the text format gives _created a family of its own
+        return value(fams, name if name.endswith("_created") else name.removesuffix("_total"), name, **DIGITS)
+
+    try:
+        asyncio.run(agent.start())
+        send(svc, 7)
+        first = digits_windows(agent.sample_now())
+        assert [w.success for w in first] == [7] and first[0].activation
+        mgr.unload_model("digits")
+        assert digits_windows(agent.sample_now()) == []
+        mgr.load_model("digits", [1])  # the rollback's re-activation
+        send(svc, 3)
+        again = digits_windows(agent.sample_now())
+        assert [w.success for w in again] == [3]  # was 10: everything since the daemon started
+        assert again[0].activation != first[0].activation
+        assert again[0].activated_at is not None and first[0].activated_at is not None
+        assert again[0].activated_at >= first[0].activated_at
+        assert metric("edged_inference_request_success_total") == 3
+        assert metric("edged_inference_request_success_created") == pytest.approx(again[0].activated_at, abs=0.01)
+        mgr.load_model("digits", [1])  # reloaded in place: the same activation goes on
+        send(svc, 2)
+        same = digits_windows(agent.sample_now())
+        assert [(w.success, w.activation) for w in same] == [(2, again[0].activation)]
+        status_digits = [m for m in agent.status().models if m.model == "digits"]
+        assert [(m.success_total, m.activation) for m in status_digits] == [(5, again[0].activation)]
+        assert metric("edged_inference_request_success_total") == 5
     finally:
         asyncio.run(agent.stop())
         mgr.shutdown()

@@ -135,6 +135,8 @@ class ModelManager:
                 results.append(mv)
                 current = self.table.find(name, v)
                 if mv.state is ModelState.READY:
+                    if mv.stats is not None and current is not None and current.stats is not None:
+                        mv.stats.continue_activation(current.stats)
                     old = self.table.put(mv)
                     with self._failed_lock:
                         self.failed.pop((name, v), None)

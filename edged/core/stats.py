@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,6 +78,11 @@ class ModelStats:
 
     def __init__(self, name: str, version: int, backend: str = "") -> None:
         self.name, self.version, self.backend = name, version, backend
+        # One activation: from the version being published until it leaves the table. A reload in
+        # place continues it (continue_activation); a version loaded again later starts a new one,
+        # so telemetry and /metrics start a new series instead of carrying old counts into it.
+        self.activation = uuid.uuid4().hex[:16]
+        self.activated_at = time.time()
         self._lock = threading.Lock()
         self.success = _Duration()
         self.fail = _Duration()
@@ -96,6 +102,10 @@ class ModelStats:
         self.total_hist = Histogram()
         # The scheduler's batching decision (edged.core.batch_policy), reported beside the counters.
         self.batching: Callable[[], dict[str, Any]] | None = None
+
+    def continue_activation(self, previous: ModelStats) -> None:
+        """This object replaces ``previous`` in place (same version reloaded): same series."""
+        self.activation, self.activated_at = previous.activation, previous.activated_at
 
     def enter(self) -> None:
         with self._lock:

@@ -29,7 +29,7 @@ from edged.errors import EdgedError
 from edged.telemetry import message, prometheus
 from edged.telemetry.buffer import BufferStats, TelemetryBuffer
 from edged.telemetry.device import DeviceSampler
-from edged.telemetry.models import Key, ModelCounters, ModelMetrics, ModelSnapshot
+from edged.telemetry.models import Key, ModelCounters, ModelSnapshot, shared
 from edged.telemetry.readings import DeviceReading
 from edged.telemetry.snapshot import (
     STATUS_FILE,
@@ -56,17 +56,23 @@ Publish = Callable[[str, bytes], bool | None]
 
 
 class _Window:
-    """The previous reading of one consumer (telemetry or status), to difference against."""
+    """The previous reading of one consumer (telemetry or status), to difference against.
+
+    Model counters are kept per (model, version, backend) with the activation they belong to:
+    a window differences only against the same activation, so a version loaded again starts
+    from zero instead of carrying what it served before it was unloaded.
+    """
 
     def __init__(self) -> None:
         self.device: DeviceReading | None = None
-        self.models: dict[Key, ModelCounters] = {}
+        self.models: dict[Key, ModelSnapshot] = {}
 
     def advance(self, device: DeviceReading, snaps: list[ModelSnapshot]) -> tuple[DeviceReading | None,
                                                                                   dict[Key, ModelCounters]]:
-        prev = (self.device, self.models)
-        self.device, self.models = device, {s.key: s.counters for s in snaps}
-        return prev
+        prev_dev, prev = self.device, self.models
+        self.device, self.models = device, {s.key: s for s in snaps}
+        return prev_dev, {s.key: p.counters for s in snaps
+                          if (p := prev.get(s.key)) is not None and p.activation == s.activation}
 
 
 class TelemetryAgent:
@@ -91,7 +97,7 @@ class TelemetryAgent:
         self.upload_settings = upload if upload is not None else UploadSettings.from_config(cfg)
         self.run_id = uuid.uuid4().hex
         self.sampler = sampler or DeviceSampler(cfg.device.state_dir)
-        self.models = ModelMetrics(service)
+        self.models = shared(service)
         self.buffer: TelemetryBuffer | None = None
         self.uploader: Uploader | None = None
         self.samples_total = 0
@@ -131,7 +137,9 @@ class TelemetryAgent:
         prometheus.renderer_for(self.service, self.sampler).collector.telemetry = self
         baseline = self.sampler.read(0)
         snaps = self.models.snapshot()
-        self._telemetry_window.advance(baseline, snaps)
+        # No model baseline for telemetry: the first window counts each activation from its start,
+        # so what was served before the agent started is in a window too.
+        self._telemetry_window.advance(baseline, [])
         self._status_window.advance(baseline, snaps)
         self._guard("status snapshot", self.write_status)
 
@@ -290,6 +298,7 @@ class TelemetryAgent:
                     ms.errors_per_s = round(w.failure_count / window, 3)
                 ms.p50_s, ms.p99_s, ms.in_flight = w.p50_s, w.p99_s, snap.in_flight
                 ms.success_total, ms.failures_total = snap.counters.success, snap.counters.failures
+                ms.activation, ms.activated_at = snap.activation, round(snap.activated_at, 3)
             models.append(ms)
         tel = TelemetryStatus(enabled=self.enabled, interval_s=self.interval_s, samples_total=self.samples_total,
                               mqtt=self.publish is not None)

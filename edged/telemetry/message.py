@@ -55,9 +55,11 @@ def system_window(cur: DeviceReading, prev: DeviceReading | None) -> SystemWindo
 
 
 def model_window(snap: ModelSnapshot, prev: ModelCounters | None) -> ModelWindow:
+    """``prev``: the same activation's counters at the previous reading; None when it began since (or never)."""
     w = snap.counters.minus(prev) if prev is not None else snap.counters
     return ModelWindow(
-        model=snap.model, version=snap.version, backend=snap.backend, success=w.success,
+        model=snap.model, version=snap.version, backend=snap.backend, activation=snap.activation or None,
+        activated_at=round(snap.activated_at, 3) if snap.activation else None, success=w.success,
         failures=dict(sorted(w.failures_by_code.items())), inferences=w.inferences, executions=w.executions,
         batch_sizes=dict(sorted(w.batches.items())), in_flight=snap.in_flight,
         latency=hist(w.latency), queue=hist(w.queue), compute=hist(w.compute),

@@ -1,16 +1,23 @@
-"""Model metrics from the scheduler's statistics, kept monotonic across model reloads.
+"""Model metrics from the scheduler's statistics: one series per activation of a version.
 
-Each loaded model version owns a :class:`~edged.core.stats.ModelStats`. Reloading a
-version (same number, new files or a new engine) publishes a new ModelVersion with a
-fresh ModelStats, which would reset its counters to zero. :class:`ModelMetrics` notices
-the new object and carries the old one's totals forward, so every
-(model, version, backend) series only ever goes up while the process runs. A replaced
-object still draining requests is read until it is idle, then folded in for good.
+Each loaded model version owns a :class:`~edged.core.stats.ModelStats` that names its
+*activation*: it starts when the version is published and ends when it leaves the table.
+Reloading a version in place (same number, new files or a new engine) publishes a fresh
+ModelStats that continues the activation; :class:`ModelMetrics` notices the new object and
+carries the old one's totals forward, so the series only goes up. A version loaded again
+later (a rollback to it, a re-activation) is a new activation: its counters start at zero
+with a new ``activated_at``, which is what ``/metrics`` exposes as ``_created``, the status
+file as ``activated_at`` and telemetry windows as ``activation``. Nothing of an earlier
+activation can leak into a later one's windows.
+
+One ModelMetrics per service (:func:`shared`): ``/metrics``, ``edged status`` and the
+telemetry windows read the same carry-over state, so they agree.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -144,6 +151,8 @@ class ModelSnapshot:
     precision: str
     counters: ModelCounters
     in_flight: int
+    activation: str = ""
+    activated_at: float = 0.0
 
     @property
     def key(self) -> Key:
@@ -167,12 +176,14 @@ class VersionState:
 @dataclass
 class _Track:
     current: ModelStats
-    retired: list[ModelStats] = field(default_factory=list)  # replaced, maybe still draining
+    activation: str
+    activated_at: float
+    retired: list[ModelStats] = field(default_factory=list)  # replaced in place, maybe still draining
     base: ModelCounters = field(default_factory=ModelCounters)  # folded-in totals of idle replaced objects
 
 
 class ModelMetrics:
-    """Reads every loaded version's statistics; one instance per consumer, kept for the process lifetime."""
+    """Reads every loaded version's statistics; use :func:`shared` (one per service, for the process lifetime)."""
 
     def __init__(self, service: InferenceService) -> None:
         self.service = service
@@ -182,14 +193,17 @@ class ModelMetrics:
     def snapshot(self) -> list[ModelSnapshot]:
         out = []
         with self._lock:
+            seen: set[Key] = set()
             for mv in self.service.manager.table.all():
                 st = mv.stats
                 if st is None:
                     continue
                 key = (mv.name, mv.version, st.backend)
+                seen.add(key)
                 tr = self._tracks.get(key)
-                if tr is None:
-                    tr = self._tracks[key] = _Track(current=st)
+                if tr is None or tr.activation != st.activation:
+                    tr = self._tracks[key] = _Track(current=st, activation=st.activation,
+                                                    activated_at=st.activated_at)
                 elif tr.current is not st:
                     tr.retired.append(tr.current)
                     tr.current = st
@@ -208,11 +222,27 @@ class ModelMetrics:
                 tr.retired = still
                 c = mv.candidate
                 out.append(ModelSnapshot(mv.name, mv.version, st.backend, c.device if c else "",
-                                         c.precision if c else "", total, in_flight))
+                                         c.precision if c else "", total, in_flight, tr.activation,
+                                         tr.activated_at))
+            for key in set(self._tracks) - seen:  # that activation ended: a later load starts a new one
+                del self._tracks[key]
         return out
 
     def versions(self) -> list[VersionState]:
         return [_state(mv) for mv in self.service.manager.table.all()]
+
+
+_shared: weakref.WeakKeyDictionary[InferenceService, ModelMetrics] = weakref.WeakKeyDictionary()
+_shared_lock = threading.Lock()
+
+
+def shared(service: InferenceService) -> ModelMetrics:
+    """The one ModelMetrics of ``service``: every reader sees the same series."""
+    with _shared_lock:
+        m = _shared.get(service)
+        if m is None:
+            m = _shared[service] = ModelMetrics(service)
+        return m
 
 
 def _state(mv: ModelVersion) -> VersionState:

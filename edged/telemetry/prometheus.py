@@ -25,7 +25,7 @@ from prometheus_client.process_collector import ProcessCollector
 from edged.core.models import ModelState
 from edged.core.service import InferenceService
 from edged.telemetry.device import DeviceSampler
-from edged.telemetry.models import HistCounts, ModelMetrics
+from edged.telemetry.models import HistCounts, shared
 from edged.telemetry.readings import DeviceReading
 from edged.telemetry.wire import MqttWindow
 
@@ -64,7 +64,7 @@ class EdgedCollector:
         self.telemetry = telemetry
         self.mqtt: Callable[[], MqttWindow] | None = None  # bound by the MQTT transport while it runs
         self.prefix = prefix
-        self.models = ModelMetrics(service)
+        self.models = shared(service)
 
     def collect(self) -> Iterator[Metric]:
         yield from self._model_families()
@@ -105,17 +105,20 @@ class EdgedCollector:
         for s in self.models.snapshot():
             lv = [s.model, str(s.version), s.backend]
             c = s.counters
-            success.add_metric(lv, float(c.success))
+            # Counters restart with each activation of a version; _created says when (Prometheus
+            # treats the drop as a reset, and rate() stays right across a re-activation).
+            created = s.activated_at or None
+            success.add_metric(lv, float(c.success), created=created)
             for code, n in sorted(c.failures_by_code.items()):
-                failure.add_metric([*lv, code], float(n))
-            inferences.add_metric(lv, float(c.inferences))
-            executions.add_metric(lv, float(c.executions))
+                failure.add_metric([*lv, code], float(n), created=created)
+            inferences.add_metric(lv, float(c.inferences), created=created)
+            executions.add_metric(lv, float(c.executions), created=created)
             latency.add_metric(lv, _hist_buckets(c.latency), c.latency.total)
             queue.add_metric(lv, _hist_buckets(c.queue), c.queue.total)
             compute.add_metric(lv, _hist_buckets(c.compute), c.compute.total)
-            parts["input"].add_metric(lv, c.compute_input_s)
-            parts["infer"].add_metric(lv, c.compute_infer_s)
-            parts["output"].add_metric(lv, c.compute_output_s)
+            for name, value in (("input", c.compute_input_s), ("infer", c.compute_infer_s),
+                                ("output", c.compute_output_s)):
+                parts[name].add_metric(lv, value, created=created)
             buckets, total = _batch_buckets(c.batches)
             batch.add_metric(lv, buckets, total)
             pending.add_metric(lv, float(s.in_flight))

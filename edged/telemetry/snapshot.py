@@ -56,8 +56,10 @@ class ModelStatus(_Snap):
     p50_s: float | None = None  # over the window
     p99_s: float | None = None
     in_flight: int = 0
-    success_total: int = 0
+    success_total: int = 0  # since activated_at (this activation of the version), like /metrics
     failures_total: int = 0
+    activation: str | None = None
+    activated_at: float | None = None
 
 
 class BufferStatus(_Snap):

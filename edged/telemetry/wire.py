@@ -45,6 +45,10 @@ class ModelWindow(_Wire):
     model: str = Field(max_length=128)
     version: int
     backend: str = Field(default="", max_length=64)
+    activation: str | None = Field(default=None, max_length=64,
+                                   description="this activation of the version: a version loaded again starts "
+                                               "a new one, whose first window counts from zero")
+    activated_at: float | None = Field(default=None, description="when the activation began, Unix seconds")
     success: Count = 0
     failures: dict[str, Count] = Field(default_factory=dict, description="failed requests by error code")
     inferences: Count = Field(default=0, description="batch elements computed")
