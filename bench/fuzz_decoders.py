@@ -34,7 +34,8 @@ from typing import Any
 
 from edged import datatypes
 from edged.errors import EdgedError, ErrorCode
-from edged.protocol.v2 import decode_request, loads
+from edged.protocol.v2 import decode_request
+from edged.protocol.v2_json import loads_request
 from edged.transports import mqtt_codec as codec
 from edged.transports import shm_protocol as p
 
@@ -53,7 +54,7 @@ def peak_rss() -> int:
 
 # ---- the decoders as their transports call them -------------------------------------------------
 def http_json(body: bytes) -> None:
-    decode_request(loads(body), b"", model="m", version=None)
+    decode_request(loads_request(body), b"", model="m", version=None)
 
 
 def http_binary(body: bytes, hlen: int) -> None:
@@ -61,7 +62,7 @@ def http_binary(body: bytes, hlen: int) -> None:
     if not 0 <= hlen <= len(body):
         raise EdgedError("header length outside the body")
     view = memoryview(body)
-    decode_request(loads(view[:hlen]), view[hlen:], model="m", version=None)
+    decode_request(loads_request(view[:hlen]), view[hlen:], model="m", version=None)
 
 
 def mqtt(payload: bytes, hlen: int | None) -> None:

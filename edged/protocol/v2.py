@@ -19,6 +19,7 @@ import orjson
 from edged import datatypes
 from edged.core.types import InferRequest, InferResponse
 from edged.errors import InvalidInputError
+from edged.protocol.v2_json import NUMERIC_TYPES, JsonArray, array_from_json, numbers_from_list
 
 # (region, offset, byte_size) -> the byte_size bytes of an input slot
 ShmResolver = Callable[[str, int, int], memoryview]
@@ -112,6 +113,10 @@ def _from_raw(buf: memoryview | bytes, datatype: str, shape: tuple[int, ...], wh
 
 
 def _from_json_data(data: Any, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
+    if isinstance(data, JsonArray):
+        if datatype in NUMERIC_TYPES:
+            return array_from_json(data, datatype, shape, where)
+        data = data.parsed()
     count = datatypes.element_count(shape, where)
     # A flat list is the common form: its length settles the count before anything is converted.
     if isinstance(data, list) and len(data) != count and (not data or not isinstance(data[0], list)):
@@ -132,15 +137,7 @@ def _from_json_data(data: Any, datatype: str, shape: tuple[int, ...], where: str
             else:
                 raise InvalidInputError(f"{where}: BYTES element {i} is {type(item).__name__}, not a string")
         return out.reshape(shape)
-    dtype = datatypes.to_numpy(datatype)
-    try:
-        with np.errstate(over="raise", invalid="raise"):
-            arr = np.asarray(data, dtype=dtype)
-    except (ValueError, TypeError, OverflowError, FloatingPointError) as e:
-        raise InvalidInputError(f"{where}: data is not a list of {datatype} values ({e})") from None
-    if arr.size != count:
-        raise InvalidInputError(f"{where}: {arr.size} elements for shape {list(shape)} ({count} needed)")
-    return arr.reshape(shape)
+    return numbers_from_list(data, datatype, shape, count, where)
 
 
 def decode_request(header: Mapping[str, Any], binary: memoryview | bytes = b"", *, model: str,

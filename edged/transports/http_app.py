@@ -22,6 +22,7 @@ from edged.core.service import InferenceService
 from edged.errors import EdgedError, ErrorCode, InvalidInputError
 from edged.protocol.redact import Scrubber
 from edged.protocol.v2 import DecodedRequest, decode_request, dumps, loads
+from edged.protocol.v2_json import loads_request
 from edged.transports.authority import Authority, Peer, bearer
 from edged.transports.http_config import model_config
 from edged.transports.http_server import Headers, Request, Response
@@ -195,9 +196,9 @@ class V2App:
                 raise InvalidInputError(
                     f"Inference-Header-Content-Length {hlen} is outside the body ({len(body)} bytes)")
             view = memoryview(body)
-            header, binary = loads(view[:hlen]), view[hlen:]
+            header, binary = loads_request(view[:hlen]), view[hlen:]
         else:
-            header, binary = loads(body), memoryview(b"")
+            header, binary = loads_request(body), memoryview(b"")
         decoded = decode_request(header, binary, model=model, version=version, shm=shm.read)
         prepare_infer(decoded, shm)
         return decoded

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from edged.errors import EdgedError, InvalidInputError
-from edged.protocol.v2 import dumps, loads
+from edged.protocol.v2 import dumps
+from edged.protocol.v2_json import loads_request
 from edged.transports.mqtt_topics import Topics, topic_matches, valid_publish_topic
 
 __all__ = ["Form", "Frame", "Topics", "topic_matches", "valid_publish_topic"]
@@ -65,7 +66,7 @@ def parse(payload: bytes | bytearray, header_length: int | None) -> Frame:
 
 
 def parse_split(form: Form, head: memoryview, tail: memoryview) -> Frame:
-    header = loads(head)
+    header = loads_request(head)
     if not isinstance(header, dict):
         raise InvalidInputError("request header must be a JSON object")
     return Frame(form, header, tail)
