@@ -21,6 +21,12 @@ _BUILTIN: dict[str, str] = {
     "normalize": "image:Normalize",
     "layout": "image:Layout",
     "cast": "image:Cast",
+    "softmax": "classify:Softmax",
+    "topk": "classify:TopK",
+    "threshold": "classify:Threshold",
+    "detect_decode": "detect:DetectDecode",
+    "ctc_decode": "text:CTCDecode",
+    "crop_boxes": "crop:CropBoxes",
 }
 
 
