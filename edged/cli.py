@@ -99,8 +99,11 @@ def cmd_config_check(args: argparse.Namespace) -> int:
             print(f"{path}: {problem}", file=sys.stderr)
         return 1
     problems = []
-    if not cfg.device.model_repository.is_dir():
-        problems.append(f"device.model_repository: {cfg.device.model_repository} is not a folder")
+    from edged.repository.seed import serving_repository
+
+    if not serving_repository(cfg.device.model_repository, cfg.device.model_seed).is_dir():
+        problems.append(f"device.model_repository: {cfg.device.model_repository} is not a folder"
+                        + (f" (nor is device.model_seed {cfg.device.model_seed})" if cfg.device.model_seed else ""))
     # The broker address and TLS files, checked exactly as the MQTT transport checks them at start.
     from edged.transports.mqtt_connection import MqttOptions
 

@@ -89,6 +89,8 @@ class DeviceSection(_Section):
     state_dir: Path = Field(default_factory=default_state_dir, description="caches, staged downloads, telemetry buffer")
     runtime_dir: Path = Field(default_factory=default_runtime_dir, description="sockets (the shm doorbell)")
     model_repository: Path = Field(default_factory=bundled_models_dir, description="<repo>/<model>/<version>/")
+    model_seed: Path | None = Field(default=None, description="copied into model_repository at start when that "
+                                                               "does not exist yet (the package's bundled models)")
     profiles_dir: Path | None = Field(default=None, description="extra device profiles; same name overrides")
     profile: str | None = Field(default=None, description="force a device profile by name instead of matching")
 
@@ -277,6 +279,7 @@ def _resolve_paths(cfg: Config, base: Path) -> Config:
     d = cfg.device
     d.state_dir, d.runtime_dir, d.model_repository = fix(d.state_dir), fix(d.runtime_dir), fix(d.model_repository)  # type: ignore[assignment]
     d.profiles_dir = fix(d.profiles_dir)
+    d.model_seed = fix(d.model_seed)
     cfg.shm.socket = fix(cfg.shm.socket)
     cfg.registry.ca_file = fix(cfg.registry.ca_file)
     cfg.registry.client_cert, cfg.registry.client_key = fix(cfg.registry.client_cert), fix(cfg.registry.client_key)

@@ -80,7 +80,10 @@ def build_runtime(cfg: Config, *, load: bool = True, only: str | None = None) ->
     cache_dir = cfg.cache_dir
     with contextlib.suppress(OSError):
         cache_dir.mkdir(parents=True, exist_ok=True)
-    manager = ModelManager(cfg.device.model_repository, cfg.models, profile.backends, cache_dir=cache_dir,
+    from edged.repository.seed import serving_repository
+
+    repo = serving_repository(cfg.device.model_repository, cfg.device.model_seed)
+    manager = ModelManager(repo, cfg.models, profile.backends, cache_dir=cache_dir,
                            threads=profile.threads, memory_budget_mb=profile.effective_memory_budget_mb(facts),
                            select=profile.select)
     if load:
@@ -193,6 +196,12 @@ class Daemon:
         # Sockets and the status file go there: refuse a folder someone else could swap things in.
         await asyncio.to_thread(ensure_private_dir, self.cfg.device.runtime_dir, "[device] runtime_dir")
         n.status("probing hardware and loading models")
+        try:
+            from edged.repository.seed import seed_repository
+            await asyncio.to_thread(seed_repository, self.cfg.device.model_repository, self.cfg.device.model_seed)
+        except OSError as e:  # serve what there is (maybe nothing) and say why; never crash-loop over it
+            log.error("model repository %s could not be created from %s: %s", self.cfg.device.model_repository,
+                      self.cfg.device.model_seed, e)
         if self.cfg.registry.enabled:
             # Crash-loop check and version pins must come before any model loads: a version that
             # crashes while loading would otherwise be loaded again on every start.

@@ -80,7 +80,10 @@ def update_states(cfg: Config) -> dict[str, str]:
             parts.append(f"v{ms.current.version}" + (f" r{ms.current.release}" if ms.current.release else ""))
         if ms.pending is not None:
             p = ms.pending
-            parts.append(f"-> v{p.version} r{p.release}: {p.step}" + (f" ({p.reason})" if p.reason else ""))
+            if p.fault:  # the step is not in progress: it failed here and waits for its retry
+                parts.append(f"-> v{p.version} r{p.release}: FAILED at {p.step}: {p.fault} (retrying with back-off)")
+            else:
+                parts.append(f"-> v{p.version} r{p.release}: {p.step}" + (f" ({p.reason})" if p.reason else ""))
         elif ms.rejected:
             last = max(ms.rejected)
             parts.append(f"r{last} rolled back")

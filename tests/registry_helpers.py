@@ -381,14 +381,16 @@ class DaemonProcess:
     """``python -m edged.sync.runner`` (the daemon with its sync agent) as a real process, HTTP on."""
 
     def __init__(self, config_path: Path, http_port: int, log_path: Path, *, sets: dict[str, Any] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, prefix: list[str] | None = None) -> None:
+        """``prefix``: argv the daemon runs under (e.g. unshare with a mount set up first)."""
         self.config_path, self.http_port, self.log_path = config_path, http_port, log_path
+        self.prefix = prefix or []
         self.sets = sets or {}
         self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, extra_env: dict[str, str] | None = None) -> DaemonProcess:
-        argv = [PY, "-m", "edged.sync.runner", "--config", str(self.config_path)]
+        argv = [*self.prefix, PY, "-m", "edged.sync.runner", "--config", str(self.config_path)]
         for k, v in self.sets.items():
             argv += ["--set", f"{k}={v}"]
         env = {**os.environ, **self.env, **(extra_env or {})}

@@ -94,3 +94,25 @@ def test_digest_cache_rehashes_changed_files(tmp_path: Path) -> None:
     f.write_bytes(b"two!")
     again = DigestCache(tmp_path / "digests.json")
     assert again.digest(f) == sha256_file(f)
+
+
+def test_the_packaged_repository_is_seeded_once_and_crash_safely(tmp_path: Path) -> None:
+    from edged.repository.seed import seed_repository, serving_repository
+
+    seed = tmp_path / "share" / "models"
+    (seed / "digits" / "1").mkdir(parents=True)
+    (seed / "digits" / "1" / "model.toml").write_text("x = 1\n")
+    repo = tmp_path / "state" / "models"
+    assert serving_repository(repo, seed) == seed  # before the daemon's first start: read the seed, create nothing
+    assert not repo.exists()
+    leftover = tmp_path / "state" / ".models.seeding"
+    (leftover / "half").mkdir(parents=True)  # a start that died while copying
+    assert seed_repository(repo, seed)
+    assert not leftover.exists()
+    assert (repo / "digits" / "1" / "model.toml").read_text() == "x = 1\n"
+    assert serving_repository(repo, seed) == repo
+    (repo / "digits" / "2").mkdir()  # the device's own from now on: an update installed version 2
+    (seed / "digits" / "1" / "model.toml").write_text("x = 2\n")
+    assert not seed_repository(repo, seed)
+    assert (repo / "digits" / "2").is_dir() and (repo / "digits" / "1" / "model.toml").read_text() == "x = 1\n"
+    assert not seed_repository(tmp_path / "other", None) and not (tmp_path / "other").exists()

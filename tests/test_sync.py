@@ -470,6 +470,61 @@ def test_daemon_process_updates_end_to_end(case: Case) -> None:
         print((case.tmp / "daemon.log").read_text()[-3000:])
 
 
+def test_a_read_only_repository_is_reported_as_such_and_retried_with_back_off(case: Case) -> None:
+    """Issue 17 item 2 outside nspawn: the repository is not writable. The registry hears the real cause (not
+    'internal error: OSError'), edged status shows a failure (not a download in progress), the log has one
+    line per attempt and no traceback, and the attempts back off."""
+    import os
+    import re
+
+    from edged import status
+    from edged.config import load_config
+
+    case.push(1)
+    r1 = case.release(1)
+    repo = case.tmp / "repo"
+    repo.mkdir()
+    port = free_port()
+    token = case.world.client.enrollment_token().token
+    cfg = device_toml(case.tmp, repo, case.world.server.url, [case.world.keys.public], token=token,
+                      device_id=case.device_id, http_port=port, poll_s=0.1)
+    if os.geteuid() == 0:  # root writes through permissions: a read-only bind mount in the daemon's namespace
+        if shutil.which("unshare") is None:
+            pytest.skip("unshare (util-linux) is needed to give the daemon a read-only repository")
+        prefix = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                  'mount --bind -o ro "$0" "$0" && exec "$@"', str(repo)]
+        cause = "read-only file system"
+    else:
+        repo.chmod(0o555)
+        prefix, cause = [], "permission denied"
+    daemon = DaemonProcess(cfg, port, case.tmp / "daemon.log", sets={"trial_s": 0.5}, prefix=prefix)
+    daemon.start()
+    log = case.tmp / "daemon.log"
+    try:
+        daemon.wait_http()
+        failed = case.event("failed", r1)
+        assert failed.reason.startswith(f"{cause}: {repo}"), failed.reason
+        assert ".staging" in failed.reason and "during download" in failed.reason
+        assert "internal error" not in failed.reason
+        info = case.world.client.device(case.device_id)
+        assert [(m.model, m.state) for m in info.models] == [(case.model, "failed")]
+
+        def delays() -> list[float]:
+            return [float(x) for x in re.findall(r"update blocked by a local fault: .*; retry in ([\d.]+)s",
+                                                 log.read_text())]
+
+        wait_for(lambda: len(delays()) >= 3, 60, 0.1, "three attempts")
+        first, _second, third = delays()[:3]
+        assert first <= 1.0 and third >= 2.0  # edged/backoff.py: from 1 s doubling, half of each jitter
+        line = f"-> v1 r{r1}: FAILED at download: {cause}"
+        assert line in status.update_states(load_config(cfg))[case.model]
+        assert "Traceback" not in log.read_text()
+    finally:
+        daemon.stop()
+        repo.chmod(0o755)
+        print(log.read_text()[-3000:])
+
+
 @pytest.mark.slow
 def test_crash_loop_serves_last_known_good(case: Case) -> None:
     """A version that keeps the daemon dying during its trial: after N quick restarts the old one serves."""

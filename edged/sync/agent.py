@@ -17,12 +17,14 @@ import threading
 import time
 from typing import Any
 
+from edged.backoff import Backoff
 from edged.config import Config
 from edged.core.service import InferenceService
 from edged.errors import EdgedError
 from edged.sync.boot import prepare_boot
 from edged.sync.client import DeviceClient
 from edged.sync.http import RegistryHttp, StoppedError, SyncHttpError, TransferError
+from edged.sync.localfault import LocalFaultError
 from edged.sync.settings import SyncSettings
 from edged.sync.state import RISKY_STEPS, StateStore
 from edged.sync.updater import Updater
@@ -64,6 +66,7 @@ class SyncAgent:
         self.client: DeviceClient | None = None
         self.cycles = 0
         self._facts_at = 0.0
+        self._retry: Backoff | None = None
 
     async def start(self) -> None:
         s = self.settings
@@ -138,25 +141,25 @@ class SyncAgent:
         # A fleet that powers up together should not poll in lockstep.
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._wake.wait(), random.uniform(0, min(self.settings.poll_interval_s, 5.0)))
-        failures = 0
+        retry = self.retry
         while not self._stop.is_set():
             try:
                 await asyncio.to_thread(self._cycle)
-                failures = 0
+                retry.reset()
                 delay = self.settings.poll_interval_s * random.uniform(0.8, 1.2)
             except StoppedError:
                 break
             except (SyncHttpError, TransferError) as e:
-                failures += 1
-                delay = self._backoff(failures)
+                delay = retry.next_delay()
                 log.warning("registry not reachable (%s); keeping the current versions, retry in %.1fs", e, delay)
+            except LocalFaultError as e:  # reported to the registry and kept in the state: one line, no traceback
+                delay = retry.next_delay()
+                log.error("update blocked by a local fault: %s; retry in %.1fs", e, delay)
             except EdgedError as e:
-                failures += 1
-                delay = self._backoff(failures)
+                delay = retry.next_delay()
                 log.error("sync cycle failed: %s; retry in %.1fs", e, delay)
             except Exception:
-                failures += 1
-                delay = self._backoff(failures)
+                delay = retry.next_delay()
                 log.exception("sync cycle failed; retry in %.1fs", delay)
             self.cycles += 1
             if self._stop.is_set():
@@ -180,9 +183,12 @@ class SyncAgent:
                 return rv.reason or "rollout stopped"
         return None
 
-    def _backoff(self, failures: int) -> float:
-        base = min(self.settings.retry_max_s, max(1.0, min(self.settings.poll_interval_s, 5.0)) * 2.0 ** (failures - 1))
-        return float(base * random.uniform(0.5, 1.0))
+    @property
+    def retry(self) -> Backoff:
+        """The documented back-off (edged/backoff.py): from min(poll, 5 s), at least 1 s, doubling to retry_max_s."""
+        if self._retry is None:
+            self._retry = Backoff(max(1.0, min(self.settings.poll_interval_s, 5.0)), self.settings.retry_max_s)
+        return self._retry
 
     def _cycle(self) -> None:
         assert self.client is not None and self.updater is not None
@@ -198,6 +204,7 @@ class SyncAgent:
                 raise
             except Exception:
                 log.exception("model=%s returning to the last-known-good failed", rv.model)
+        faults: list[LocalFaultError] = []
         for dm in (c.desired.models if c.desired is not None else []):
             if self._stop.is_set():
                 raise StoppedError("stopping")
@@ -205,6 +212,8 @@ class SyncAgent:
                 u.process(dm)
             except (SyncHttpError, StoppedError):
                 raise
+            except LocalFaultError as e:  # the other models still get their turn
+                faults.append(e)
             except Exception as e:
                 log.exception("model=%s update failed", dm.model)
                 with contextlib.suppress(Exception):
@@ -214,3 +223,5 @@ class SyncAgent:
             c.send_facts(u.serving())
             self._facts_at = time.monotonic()
         c.flush()
+        if faults:
+            raise LocalFaultError("; ".join(str(e) for e in faults))

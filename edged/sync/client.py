@@ -145,7 +145,8 @@ class DeviceClient:
 
     # ---- reports ----------------------------------------------------------------------------
     def report(self, model: str, step: str, *, version: int | None, release: int | None,
-               reason: str | None = None, detail: dict[str, Any] | None = None) -> None:
+               reason: str | None = None, detail: dict[str, Any] | None = None, quiet: bool = False) -> None:
+        """Queue a report for the registry; ``quiet``: the caller logs it (one line per event)."""
         with self.store.lock:
             self.state.seq += 1
             ev = ReportEvent(seq=self.state.seq, model=model, step=step,
@@ -153,8 +154,8 @@ class DeviceClient:
                              detail=detail or {}, at=time.time())
             self.state.outbox.append(ev)
             self.store.save(self.state)
-        log.info("model=%s release=%s version=%s %s%s", model, release, version, step,
-                 f": {reason}" if reason else "")
+        log.log(logging.DEBUG if quiet else logging.INFO, "model=%s release=%s version=%s %s%s", model, release,
+                version, step, f": {reason}" if reason else "")
         if self._flusher is not None:
             self._kick.set()
         else:

@@ -50,6 +50,8 @@ class Pending(_State):
     step: PendingStep
     signed: SignedRelease
     reason: str | None = None
+    fault: str | None = Field(default=None, description="the last attempt failed on local storage (the cause); "
+                                                        "retried with back-off, cleared when a step completes")
     starts: list[float] = Field(default_factory=list, description="process starts during risky steps (wall time)")
     clean_stop: bool = False
 

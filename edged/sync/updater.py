@@ -24,7 +24,7 @@ from edged.registry.release import ReleaseManifest
 from edged.registry.wire import DesiredModel, ServingModel
 from edged.repository.digests import DigestCache
 from edged.repository.store import load_version
-from edged.sync import plan
+from edged.sync import localfault, plan
 from edged.sync.client import DeviceClient
 from edged.sync.download import fetch_release
 from edged.sync.faults import fault_point
@@ -175,7 +175,22 @@ class Updater:
                                      signed=dm.signed)
                 self.store.save(self.state)
             self.run_up[model] = sample(self.service, model, ms.current.version) if ms.current else None
-        self._advance(model, manifest)
+        try:
+            self._advance(model, manifest)
+        except OSError as e:
+            self._local_fault(model, manifest, e)
+
+    def _local_fault(self, model: str, m: ReleaseManifest, e: OSError) -> None:
+        """Storage failed under a step: keep the step, say why (state, registry), let the agent back off."""
+        p = self.state.model(model).pending
+        reason = localfault.describe(e, p.step if p is not None else "update")
+        if p is not None:
+            with self.store.lock:
+                p.fault = reason
+                self.store.save(self.state)
+        self.client.report(model, "failed", version=m.version, release=m.release, reason=reason,
+                           detail={"local_fault": True, "errno": e.errno}, quiet=True)
+        raise localfault.LocalFaultError(f"model={model} release {m.release}: {reason}") from None
 
     def _adopt(self, model: str, ms: ModelSync) -> None:
         """A model first seen by sync but already served from the repository: that version is the current one."""
@@ -264,6 +279,7 @@ class Updater:
             ms = self.state.model(model)
             assert ms.pending is not None
             ms.pending.step = step
+            ms.pending.fault = None
             ms.refused.pop(ms.pending.release, None)
             self.store.save(self.state)
 
