@@ -38,9 +38,10 @@ is_root() { [ "$(id -u)" -eq 0 ]; }
 # systemd and packaging tests: systemd (systemd-analyze, sysusers, tmpfiles), systemd-container
 # (systemd-nspawn boots the packaged service under a real systemd), mmdebstrap (a
 # throwaway Debian root), lintian and shellcheck; postgresql for the registry tests; libb64-0d for
-# Triton's perf_analyzer (tests/perf_analyzer.py).
+# Triton's perf_analyzer (tests/perf_analyzer.py); chromium and its driver for the registry dashboard's
+# browser tests (Selenium drives Debian's headless Chromium).
 deb_packages=(mosquitto mosquitto-clients libsystemd-dev pkg-config gcc python3-dev python3-venv
-  systemd systemd-container mmdebstrap lintian shellcheck postgresql libb64-0d)
+  systemd systemd-container mmdebstrap lintian shellcheck postgresql libb64-0d chromium chromium-driver)
 
 missing_debs() {
   local p out=()

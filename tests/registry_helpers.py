@@ -441,6 +441,19 @@ class DaemonProcess:
         return httpx.post(f"{self.base}/v2/models/{model}/infer", json=body, timeout=10)
 
 
+class EdgedRun(DaemonProcess):
+    """The daemon exactly as installed: ``edged run --config``."""
+
+    def start(self, extra_env: dict[str, str] | None = None) -> EdgedRun:
+        from tests.conftest import EDGED
+
+        env = {**os.environ, **self.env, **(extra_env or {})}
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen([*EDGED, "run", "--config", str(self.config_path)], stdout=log,
+                                         stderr=subprocess.STDOUT, env=env)
+        return self
+
+
 def release_files(client: Any, model: str) -> dict[int, dict[str, str]]:
     """version -> {path: sha256} for every release the registry holds for ``model``."""
     out: dict[int, dict[str, str]] = {}

@@ -9,7 +9,6 @@ daemon back to its last-known-good version.
 from __future__ import annotations
 
 import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,22 +19,11 @@ import pytest
 
 from edged.registry.rollout_wire import Gates, RolloutCreate, StepSpec
 from edged.registry.targets import RolloutTarget
-from tests.conftest import EDGED
-from tests.registry_helpers import DaemonProcess, Keys, RegistryServer, device_toml, free_port, make_version, wait_for
+from tests.registry_helpers import EdgedRun, Keys, RegistryServer, device_toml, free_port, make_version, wait_for
 
 MODEL = "digits"
 N = 6
 FLEET = {"fleet": "rollout-test"}
-
-
-class EdgedRun(DaemonProcess):
-    """The daemon exactly as installed: ``edged run --config``."""
-
-    def start(self, extra_env: dict[str, str] | None = None) -> EdgedRun:
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen([*EDGED, "run", "--config", str(self.config_path)], stdout=log,
-                                         stderr=subprocess.STDOUT)
-        return self
 
 
 @dataclass

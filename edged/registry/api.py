@@ -500,4 +500,9 @@ def create_app(settings: RegistrySettings) -> FastAPI:
         nudge({"rollout": rollout_id, "change": info.state})
         return info
 
+    # ---- the dashboard (/ui), after the error handlers so its errors become pages ---------------
+    from edged.registry.web import install as install_dashboard
+
+    install_dashboard(app, settings=settings, admin_hash=admin_hash, sessions=sessions, read_sessions=read_sessions,
+                      snapshots=snapshots, on_rollout_change=lambda rid, what: rollout_changed({rid: what}))
     return app

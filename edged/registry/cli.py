@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
     p.add_argument("--rollout-tick", type=parse_duration, default=None, dest="rollout_tick_s",
                    help="how often running rollouts are evaluated (default 2s)")
+    p.add_argument("--dashboard-poll", type=parse_duration, default=None, dest="dashboard_poll_s",
+                   help="how often an open dashboard page asks for changes (default 5s)")
 
     p = sub.add_parser("migrate", help="upgrade the database schema to the newest version")
     _server_args(p)
@@ -100,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", action="append", default=[], help="target only these device ids")
     p.add_argument("--notes", default="")
     p.add_argument("--number", type=int, default=None, help="release number (default: the next one)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="write the signed release here instead of publishing it (to start its rollout from the "
+                        "dashboard, so no device sees it ungated)")
     p.add_argument("--check-folder", type=Path, default=None,
                    help="refuse to sign unless this local folder matches the pushed version")
 
@@ -163,7 +168,7 @@ def _settings(args: argparse.Namespace) -> Any:
 
     overrides = {k: getattr(args, k, None) for k in ("data_dir", "database_url", "blob_dir", "admin_token_file",
                                                     "public_keys", "listen", "log_level", "rollout_tick_s",
-                                                    "tls_cert", "tls_key", "tls_client_ca")}
+                                                    "dashboard_poll_s", "tls_cert", "tls_key", "tls_client_ca")}
     return load_settings(args.config, overrides)
 
 
@@ -290,6 +295,15 @@ def cmd_release(args: argparse.Namespace) -> int:
 
     key = load_private_key(args.key)
     selector = TargetSelector(labels=dict(args.label), devices=list(args.device))
+    if args.out is not None:
+        from edged.fsutil import atomic_write_text
+
+        with _client(args) as c:
+            signed = c.sign(key, args.model, args.model_version, expires_in_s=args.expires, selector=selector,
+                            notes=args.notes, number=args.number)
+        atomic_write_text(args.out, signed.model_dump_json(indent=1))
+        print(f"release {signed.unverified().release} of model {args.model} signed, not published: {args.out}")
+        return 0
     with _client(args) as c:
         info = c.release(key, args.model, args.model_version, expires_in_s=args.expires, selector=selector,
                          notes=args.notes, number=args.number, check_folder=args.check_folder)

@@ -166,6 +166,12 @@ class RegistryClient:
         return self._sign_and_post(key, info, expires_in_s=expires_in_s, selector=selector, notes=notes,
                                    number=number, post=post)
 
+    def sign(self, key: Ed25519PrivateKey, model: str, version: int, *, expires_in_s: float,
+             selector: TargetSelector | None = None, notes: str = "", number: int | None = None) -> SignedRelease:
+        """A signed release of a pushed version, not published: for a rollout started elsewhere (the dashboard)."""
+        return self._sign_and_post(key, self.version(model, version), expires_in_s=expires_in_s, selector=selector,
+                                   notes=notes, number=number, post=lambda signed: signed)
+
     def _sign_and_post(self, key: Ed25519PrivateKey, info: VersionInfo, *, expires_in_s: float,
                        selector: TargetSelector | None, notes: str, number: int | None,
                        post: Callable[[SignedRelease], _T]) -> _T:

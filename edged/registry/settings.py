@@ -49,6 +49,10 @@ class RegistrySettings(BaseModel):
     rollout_tick_s: float = Field(default=2.0, gt=0, description="how often running rollouts are evaluated")
     last_seen_flush_s: float = Field(default=5.0, gt=0, description="how often batched last-seen times are written")
     log_level: str = "info"
+    dashboard_poll_s: float = Field(default=5.0, ge=0.5, le=3600,
+                                    description="how often an open dashboard page asks for changes")
+    dashboard_online_s: float = Field(default=180.0, gt=0,
+                                      description="the dashboard shows a device online when it called this recently")
 
     @model_validator(mode="after")
     def _tls_pair(self) -> RegistrySettings:

@@ -1,0 +1,39 @@
+"""The registry's web dashboard (``/ui``): fleet, devices, models and releases, rollouts.
+
+Served by ``edged-registry serve`` itself from templates and static files shipped in this
+package (nothing is fetched from elsewhere at run time). See docs/dashboard.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from sqlalchemy.orm import Session, sessionmaker
+
+from edged.registry.desired import SnapshotCache
+from edged.registry.service import RegistryError
+from edged.registry.settings import RegistrySettings
+
+
+def install(app: FastAPI, *, settings: RegistrySettings, admin_hash: str, sessions: sessionmaker[Session],
+            read_sessions: sessionmaker[Session], snapshots: SnapshotCache,
+            on_rollout_change: Callable[[int, str], None]) -> None:
+    """Mount the dashboard; call after the app's own exception handlers so errors under /ui become pages."""
+    from edged.registry.web.router import PREFIX, LoginRequiredError, dashboard_router, error_page, need_login
+
+    app.include_router(dashboard_router(settings=settings, admin_hash=admin_hash, sessions=sessions,
+                                        read_sessions=read_sessions, snapshots=snapshots,
+                                        on_rollout_change=on_rollout_change))
+    app.add_exception_handler(LoginRequiredError, need_login)
+    api_error: Any = app.exception_handlers.get(RegistryError)
+
+    async def registry_error(request: Request, e: Exception) -> Response:
+        if request.url.path.startswith(PREFIX + "/") and request.query_params.get("part") != "live":
+            assert isinstance(e, RegistryError)
+            return error_page(e)
+        resp: Response = await api_error(request, e)
+        return resp
+
+    app.add_exception_handler(RegistryError, registry_error)

@@ -1,0 +1,386 @@
+"""The dashboard's routes under ``/ui``: server-rendered pages, their live fragments, and the operator's actions.
+
+Pages are Jinja2 templates over :mod:`edged.registry.web.views`. Each page carries a *live*
+region that the page's script asks for again every ``dashboard_poll_s`` with the ETag of
+what it has; an unchanged region costs the registry one render and a 304, never a
+transfer (docs/dashboard.md has what one open page costs at 10,000 devices).
+
+Access: a session cookie (``HttpOnly``, ``SameSite=Strict``, ``Secure`` over HTTPS) issued
+for the admin token only; device credentials and enrollment tokens are refused at the
+login. Without a session, pages redirect to the login and live fragments answer 401.
+Every action is a POST carrying the session's CSRF token, and none happens before the
+operator confirmed it on a page that says what it will do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from sqlalchemy.orm import Session as DbSession
+from sqlalchemy.orm import sessionmaker
+
+from edged.errors import ErrorCode
+from edged.registry import desired as desired_state
+from edged.registry import rollouts
+from edged.registry.auth import is_admin
+from edged.registry.release import SignedRelease
+from edged.registry.rollout_wire import Gates, RolloutCreate, StepSpec
+from edged.registry.service import RegistryError
+from edged.registry.settings import RegistrySettings
+from edged.registry.targets import RolloutTarget
+from edged.registry.web import views
+from edged.registry.web.session import COOKIE, Session, Sessions
+
+PREFIX = "/ui"
+HERE = Path(__file__).parent
+STATIC = {"uPlot.iife.min.js": "text/javascript", "uPlot.min.css": "text/css", "uPlot.LICENSE": "text/plain",
+          "dash.js": "text/javascript", "dash.css": "text/css"}
+MAX_FORM = 64 << 10
+FLEET_PAGE = 200
+ACTIONS = {"pause": "Pause", "resume": "Resume", "abort": "Abort", "rollback": "Roll back"}
+CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+       "connect-src 'self'; frame-ancestors 'none'; form-action 'self'; base-uri 'none'")
+
+
+class LoginRequiredError(Exception):
+    def __init__(self, live: bool) -> None:
+        super().__init__("login required")
+        self.live = live
+
+
+@functools.cache
+def _env() -> Any:
+    try:
+        import jinja2
+    except ImportError as e:  # pragma: no cover - part of the registry extra
+        raise RuntimeError("the dashboard needs Jinja2: pip install 'edged[registry]'") from e
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True,
+                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env.filters["when"] = _when
+    env.filters["ago"] = _ago
+    env.filters["ms"] = lambda s: "-" if s is None else f"{s * 1e3:.2f} ms"
+    env.filters["pct"] = lambda x: "-" if x is None else f"{x * 100:.2f} %"
+    env.filters["mb"] = lambda n: f"{n / 2**20:.1f} MB"
+    return env
+
+
+def _when(ts: float | None) -> str:
+    if ts is None:
+        return "never"
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _ago(ts: float | None) -> str:
+    if ts is None:
+        return "never"
+    d = max(0.0, time.time() - ts)
+    if d < 90:
+        return f"{d:.0f} s ago"
+    if d < 5400:
+        return f"{d / 60:.0f} min ago"
+    if d < 2 * 86400:
+        return f"{d / 3600:.1f} h ago"
+    return f"{d / 86400:.0f} d ago"
+
+
+def _etag(body: str) -> str:
+    return '"' + hashlib.sha256(body.encode("utf-8")).hexdigest()[:32] + '"'
+
+
+def parse_steps(text: str, min_devices: int, soak_s: float) -> list[StepSpec]:
+    """``"1%, 50%, 100%"`` (or bare numbers) -> steps; the first step gets ``min_devices``."""
+    out = []
+    for i, part in enumerate(p.strip().rstrip("%").strip() for p in text.split(",") if p.strip()):
+        try:
+            pct = float(part)
+        except ValueError:
+            raise RegistryError(f"steps: {part!r} is not a percentage", 422, ErrorCode.INVALID_ARGUMENT) from None
+        out.append(StepSpec(percent=pct, min_devices=min_devices if i == 0 else 1, soak_s=soak_s))
+    if not out:
+        raise RegistryError("steps: give at least one percentage", 422, ErrorCode.INVALID_ARGUMENT)
+    return out
+
+
+def _opt_float(form: dict[str, str], key: str, scale: float = 1.0) -> float | None:
+    raw = form.get(key, "").strip()
+    if not raw:
+        return None
+    try:
+        return float(raw) * scale
+    except ValueError:
+        raise RegistryError(f"{key}: {raw!r} is not a number", 422, ErrorCode.INVALID_ARGUMENT) from None
+
+
+def rollout_request(form: dict[str, str]) -> RolloutCreate:
+    """The create form's fields -> the same request the API and the CLI send."""
+    signed: SignedRelease | None = None
+    release: int | None = None
+    model = form.get("model", "")
+    if form.get("signed", "").strip():  # a release signed off-line (edged-registry release --out FILE)
+        try:
+            signed = SignedRelease.model_validate_json(form["signed"])
+        except ValueError as e:
+            raise RegistryError(f"signed release: not a signed release file ({str(e).splitlines()[0]})", 422,
+                                ErrorCode.INVALID_ARGUMENT) from None
+        model = signed.unverified().model
+    elif form.get("pick"):  # the page's select of existing releases: "model:release"
+        model, _, number = form["pick"].rpartition(":")
+        release = int(number) if number.isdigit() else None
+    if signed is None and release is None:
+        raise RegistryError("choose an existing release or paste a signed one", 422, ErrorCode.INVALID_ARGUMENT)
+    try:
+        min_devices = int(form.get("min_devices", "1") or "1")
+        min_reporting = int(form.get("min_reporting", "1") or "1")
+    except ValueError:
+        raise RegistryError("min_devices and min_reporting are whole numbers", 422,
+                            ErrorCode.INVALID_ARGUMENT) from None
+    labels = {}
+    for item in form.get("target", "").split(","):
+        if item.strip():
+            k, sep, v = item.partition("=")
+            if not sep or not k.strip():
+                raise RegistryError(f"target: {item.strip()!r} is not key=value", 422, ErrorCode.INVALID_ARGUMENT)
+            labels[k.strip()] = v.strip()
+    gates = Gates(max_failure_rate=_opt_float(form, "max_failure_pct", 0.01),
+                  max_error_rate=_opt_float(form, "max_error_pct", 0.01),
+                  max_p99_ratio=_opt_float(form, "max_p99_ratio"), min_reporting=min_reporting)
+    return RolloutCreate(model=model, release=release, signed=signed, target=RolloutTarget(labels=labels),
+                         steps=parse_steps(form.get("steps", ""), min_devices, _opt_float(form, "soak_s") or 0.0),
+                         gates=gates, notes=form.get("notes", "")[:4096])
+
+
+def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: sessionmaker[DbSession],
+                     read_sessions: sessionmaker[DbSession], snapshots: desired_state.SnapshotCache,
+                     on_rollout_change: Callable[[int, str], None]) -> APIRouter:
+    env = _env()
+    auth = Sessions(admin_hash)
+    router = APIRouter(prefix=PREFIX, include_in_schema=False)
+    poll_s = settings.dashboard_poll_s
+    online_s = settings.dashboard_online_s
+
+    @contextlib.contextmanager
+    def rtx() -> Iterator[DbSession]:
+        with read_sessions() as s, s.begin():
+            yield s
+
+    def headers(extra: dict[str, str] | None = None) -> dict[str, str]:
+        return {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin",
+                "Cache-Control": "no-store", "X-Frame-Options": "DENY", **(extra or {})}
+
+    def session_of(request: Request, *, live: bool = False) -> Session:
+        sess = auth.check(request.cookies.get(COOKIE))
+        if sess is None:
+            raise LoginRequiredError(live)
+        return sess
+
+    def render(name: str, status: int = 200, **ctx: Any) -> HTMLResponse:
+        html = env.get_template(name).render(prefix=PREFIX, poll_s=poll_s, **ctx)
+        return HTMLResponse(html, status_code=status, headers=headers())
+
+    def page(request: Request, template: str, live_template: str, *, title: str, nav: str, sess: Session,
+             **ctx: Any) -> Response:
+        """A page, or with ``?part=live`` only its live region (ETag'd, 304 when unchanged)."""
+        live = env.get_template(live_template).render(prefix=PREFIX, csrf=sess.csrf, **ctx)
+        etag = _etag(live)
+        if request.query_params.get("part") == "live":
+            inm = request.headers.get("if-none-match")
+            if inm is not None and etag in [t.strip() for t in inm.split(",")]:
+                return Response(status_code=304, headers=headers({"ETag": etag}))
+            return HTMLResponse(live, headers=headers({"ETag": etag}))
+        here = request.url.path + ("?" + request.url.query if request.url.query else "")
+        return render(template, title=title, nav=nav, csrf=sess.csrf, live=live, live_etag=etag, here=here, **ctx)
+
+    async def form_of(request: Request) -> dict[str, str]:
+        if request.headers.get("content-type", "").split(";")[0].strip() != "application/x-www-form-urlencoded":
+            raise RegistryError("expected a form (application/x-www-form-urlencoded)", 415,
+                                ErrorCode.INVALID_ARGUMENT)
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_FORM:
+                raise RegistryError(f"form over {MAX_FORM} bytes", 413, ErrorCode.INVALID_ARGUMENT)
+        return {k: v[-1] for k, v in urllib.parse.parse_qs(body.decode("utf-8", "replace")).items()}
+
+    def same_origin(request: Request) -> bool:
+        origin = request.headers.get("origin")
+        if origin is None or origin == "null":
+            return origin is None
+        return urllib.parse.urlsplit(origin).netloc == request.headers.get("host", "")
+
+    async def action_form(request: Request) -> tuple[Session, dict[str, str]]:
+        """The session and form of a POSTed action, refused without a session, from elsewhere or without CSRF."""
+        sess = session_of(request, live=True)
+        form = await form_of(request)
+        if not same_origin(request) or not Sessions.csrf_ok(sess, form.get("csrf")):
+            raise RegistryError("missing or wrong CSRF token: reload the page and try again", 403,
+                                ErrorCode.INVALID_ARGUMENT)
+        return sess, form
+
+    def window_of(request: Request) -> tuple[str, float]:
+        w = request.query_params.get("window", "15m")
+        w = w if w in views.WINDOWS else "15m"
+        return w, time.time() - views.WINDOWS[w]
+
+    # ---- login -----------------------------------------------------------------------------------
+    @router.get("/login")
+    def login_page(request: Request) -> Response:
+        return render("login.html", title="Sign in", nav="", csrf="", error=None,
+                      next=request.query_params.get("next", ""))
+
+    @router.post("/login")
+    async def login(request: Request) -> Response:
+        form = await form_of(request)
+        nxt = form.get("next", "")
+        if not is_admin(f"Bearer {form.get('token', '').strip()}", admin_hash):
+            # device credentials and enrollment tokens end here too: only the admin token opens the dashboard
+            return render("login.html", status=401, title="Sign in", nav="", csrf="", next=nxt,
+                          error="That is not the registry's admin token.")
+        value, _ = auth.issue()
+        target = nxt if nxt.startswith(PREFIX + "/") and not nxt.startswith("//") else f"{PREFIX}/fleet"
+        resp = RedirectResponse(target, status_code=303, headers=headers())
+        resp.set_cookie(COOKIE, value, max_age=auth.lifetime_s, path=PREFIX, httponly=True, samesite="strict",
+                        secure=request.url.scheme == "https")
+        return resp
+
+    @router.post("/logout")
+    async def logout(request: Request) -> Response:
+        await action_form(request)
+        resp = RedirectResponse(f"{PREFIX}/login", status_code=303, headers=headers())
+        resp.delete_cookie(COOKIE, path=PREFIX, httponly=True, samesite="strict")
+        return resp
+
+    @router.get("/static/{name}")
+    def static(name: str) -> Response:
+        kind = STATIC.get(name)
+        if kind is None:
+            return Response(status_code=404)
+        return Response((HERE / "static" / name).read_bytes(), media_type=kind,
+                        headers={"Cache-Control": "public, max-age=3600", "X-Content-Type-Options": "nosniff"})
+
+    # ---- pages -----------------------------------------------------------------------------------
+    @router.get("")
+    @router.get("/")
+    def home(request: Request) -> Response:
+        session_of(request)
+        return RedirectResponse(f"{PREFIX}/fleet", status_code=303)
+
+    @router.get("/fleet")
+    def fleet(request: Request) -> Response:
+        q = request.query_params
+        sess = session_of(request, live=q.get("part") == "live")
+        flt = views.FleetFilter(label=q.get("label", "")[:256], model=q.get("model", "")[:128],
+                                profile=q.get("profile", "")[:128], state=q.get("state", "")[:16])
+        try:
+            offset = max(0, int(q.get("from", "0")))
+        except ValueError:
+            offset = 0
+        with rtx() as s:
+            data = views.fleet(s, snapshots.get(s.connection()), flt, online_s=online_s, limit=FLEET_PAGE,
+                               offset=offset)
+        return page(request, "fleet.html", "fleet_live.html",
+                    title="Fleet", nav="fleet", sess=sess, fleet=data, flt=flt,
+                    page_size=FLEET_PAGE)
+
+    @router.get("/devices/{device_id}")
+    def device(device_id: str, request: Request) -> Response:
+        sess = session_of(request, live=request.query_params.get("part") == "live")
+        window, since = window_of(request)
+        with rtx() as s:
+            data = views.device(s, snapshots.get(s.connection()), device_id, online_s=online_s, since=since)
+        return page(request, "device.html", "device_live.html",
+                    title=f"Device {device_id}", nav="fleet", sess=sess, d=data,
+                    window=window, windows=list(views.WINDOWS))
+
+    @router.get("/models")
+    def models(request: Request) -> Response:
+        sess = session_of(request, live=request.query_params.get("part") == "live")
+        window, since = window_of(request)
+        with rtx() as s:
+            data = views.models(s, since, bucket_s=max(10.0, views.WINDOWS[window] / 90))
+        return page(request, "models.html", "models_live.html",
+                    title="Models and releases", nav="models", sess=sess,
+                    models=data, window=window, windows=list(views.WINDOWS))
+
+    @router.get("/rollouts")
+    def rollout_list(request: Request) -> Response:
+        sess = session_of(request, live=request.query_params.get("part") == "live")
+        with rtx() as s:
+            items = views.rollout_list(s)
+            offer = views.releasable(s)
+        return page(request, "rollouts.html", "rollouts_live.html",
+                    title="Rollouts", nav="rollouts", sess=sess, rollouts=items,
+                    offer=offer)
+
+    @router.get("/rollouts/{rollout_id}")
+    def rollout(rollout_id: int, request: Request) -> Response:
+        sess = session_of(request, live=request.query_params.get("part") == "live")
+        with rtx() as s:
+            st = views.rollout(s, rollout_id)
+        return page(request, "rollout.html", "rollout_live.html",
+                    title=f"Rollout {rollout_id}", nav="rollouts", sess=sess, st=st,
+                    actions=ACTIONS)
+
+    # ---- actions: a confirmation page first, then the action ------------------------------------
+    @router.post("/rollouts")
+    async def create(request: Request) -> Response:
+        sess, form = await action_form(request)
+        try:
+            req = rollout_request(form)
+        except ValueError as e:  # pydantic's, with the field that was wrong
+            raise RegistryError(str(e).split("\n", 1)[-1][:500], 422, ErrorCode.INVALID_ARGUMENT) from None
+        if form.get("confirmed") != "yes":
+            return render("confirm.html", title="Confirm the rollout", nav="rollouts", csrf=sess.csrf,
+                          action=f"{PREFIX}/rollouts", form=form, what="start this rollout", req=req,
+                          back=f"{PREFIX}/rollouts")
+        with sessions() as s, s.begin():
+            info = rollouts.create_rollout(s, req, settings.public_keys)
+        on_rollout_change(info.id, "created")
+        return RedirectResponse(f"{PREFIX}/rollouts/{info.id}", status_code=303, headers=headers())
+
+    @router.post("/rollouts/{rollout_id}/{action}")
+    async def act(rollout_id: int, action: str, request: Request) -> Response:
+        sess, form = await action_form(request)
+        if action not in ACTIONS:
+            raise RegistryError(f"unknown action {action!r}", 404, ErrorCode.NOT_FOUND)
+        if form.get("confirmed") != "yes":
+            with rtx() as s:
+                st = views.rollout(s, rollout_id)
+            return render("confirm.html", title=f"Confirm: {ACTIONS[action].lower()}", nav="rollouts",
+                          csrf=sess.csrf, action=f"{PREFIX}/rollouts/{rollout_id}/{action}", form=form,
+                          what=f"{ACTIONS[action].lower()} rollout {rollout_id} ({st.rollout.model} release "
+                               f"{st.rollout.release}, now {st.rollout.state})", req=None,
+                          back=f"{PREFIX}/rollouts/{rollout_id}")
+        with sessions() as s, s.begin():
+            info = rollouts.act(s, rollout_id, action, form.get("reason", "")[:1000] or f"{action} from the dashboard")
+        on_rollout_change(rollout_id, info.state)
+        return RedirectResponse(f"{PREFIX}/rollouts/{rollout_id}", status_code=303, headers=headers())
+
+    return router
+
+
+def error_page(e: RegistryError) -> Response:
+    """A refused or failed request under /ui as a page that says what was wrong."""
+    html = _env().get_template("error.html").render(prefix=PREFIX, title="Not done", nav="", csrf="",
+                                                    message=e.message, back=f"{PREFIX}/fleet")
+    return HTMLResponse(html, status_code=e.status, headers={"Content-Security-Policy": CSP,
+                                                             "Cache-Control": "no-store"})
+
+
+async def need_login(request: Request, e: Exception) -> Response:
+    """No session: a page redirects to the login, live fragments and actions answer 401."""
+    assert isinstance(e, LoginRequiredError)
+    if e.live or request.method != "GET":
+        return JSONResponse({"error": {"code": ErrorCode.INVALID_ARGUMENT.value, "message": "login required"}},
+                            status_code=401, headers={"Cache-Control": "no-store"})
+    nxt = urllib.parse.quote(request.url.path + ("?" + request.url.query if request.url.query else ""))
+    return RedirectResponse(f"{PREFIX}/login?next={nxt}", status_code=303)

@@ -1,0 +1,395 @@
+"""What the dashboard pages show, read from the registry's own tables and services.
+
+Everything here is a read in one session; the pages' templates only lay it out. The fleet
+view reads the whole fleet in two queries (devices with their per-model rows, and the
+recent engine of each device's models from telemetry) and works out what each device
+*should* serve with the same decision the poll endpoint makes (:func:`desired.decide` on the
+cached release snapshot), so the page and the devices never disagree about it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from edged.registry import desired as desired_state
+from edged.registry import rollouts, service
+from edged.registry.db import DeviceModelRow, DeviceRow, ModelRow, ReleaseRow, VersionRow
+from edged.registry.rollout_wire import RolloutInfo, RolloutStatus
+from edged.telemetry.models import HistCounts
+from edged.telemetry.registry_ingest import ModelSummary, device_series, model_summary
+from edged.telemetry.registry_tables import TelemetryModelRow
+
+ENGINE_RECENT_S = 300.0
+WINDOWS = {"15m": 900, "1h": 3600, "6h": 6 * 3600, "24h": 86400}
+ERROR_STATES = frozenset({"rolled-back", "failed"})
+
+
+@dataclass
+class Serving:
+    model: str
+    version: int | None
+    release: int | None
+    state: str
+    engine: str | None = None
+    want_release: int | None = None
+    want_version: int | None = None
+
+    @property
+    def on_target(self) -> bool:
+        return self.want_release is None or self.want_release == self.release
+
+
+@dataclass
+class FleetRow:
+    id: str
+    online: bool
+    last_seen_at: float | None
+    labels: dict[str, str]
+    profile: str
+    accelerator: str
+    serving: list[Serving]
+    last_error: str | None
+
+
+@dataclass
+class Fleet:
+    rows: list[FleetRow]
+    matching: int
+    counts: dict[str, int]
+    models: list[str]
+    profiles: list[str]
+    label_keys: list[str]
+    shown_from: int = 0
+
+
+def accelerator_of(facts: dict[str, Any]) -> str:
+    """One word for the device's accelerator, from the probed facts (the CPU when there is none)."""
+    if facts.get("jetson.module"):
+        return f"Jetson {facts['jetson.module']}"
+    if facts.get("nvidia_gpu.name"):
+        return str(facts["nvidia_gpu.name"])
+    if facts.get("intel_npu.present"):
+        return "Intel NPU"
+    if facts.get("intel_gpu.present"):
+        return "Intel GPU"
+    return "CPU" + (f" ({facts['cpu.arch']})" if facts.get("cpu.arch") else "")
+
+
+Engines = dict[str, dict[str, tuple[float, str, int]]]  # device -> model -> (t, engine, version)
+
+
+def _recent_engines(s: Session, models: list[str], now: float) -> Engines:
+    """Per (device, model), the engine and version of its latest telemetry sample in the last few minutes."""
+    out: Engines = defaultdict(dict)
+    for m in models:
+        q = (select(TelemetryModelRow.device_id, TelemetryModelRow.t, TelemetryModelRow.backend,
+                    TelemetryModelRow.version)
+             .where(TelemetryModelRow.model == m, TelemetryModelRow.t >= now - ENGINE_RECENT_S))
+        for dev, t, backend, version in s.execute(q):
+            mine = out[dev]
+            if m not in mine or mine[m][0] < t:
+                mine[m] = (t, backend, version)
+    return out
+
+
+@dataclass
+class FleetFilter:
+    label: str = ""   # key=value
+    model: str = ""
+    profile: str = ""
+    state: str = ""   # online | offline | off-target | error
+
+    def label_pair(self) -> tuple[str, str] | None:
+        key, sep, value = self.label.partition("=")
+        return (key.strip(), value.strip()) if sep and key.strip() else None
+
+
+def _row(dev_id: str, *, labels: dict[str, str], facts: dict[str, Any], last_seen_at: float | None,
+         serving_json: list[Any] | None, wants: dict[str, desired_state.ReleaseView],
+         engines: Engines, last_error: str | None, online_s: float,
+         now: float) -> FleetRow:
+    """A device's line: what it reports serving next to what the registry would have it serve."""
+    serving: list[Serving] = []
+    mine = engines.get(dev_id, {})
+    for sm in serving_json or []:
+        name = str(sm.get("model", "?"))
+        eng = mine.get(name)
+        rv = wants.get(name)
+        serving.append(Serving(model=name, version=sm.get("version"), release=sm.get("release"),
+                               state=str(sm.get("state", "")), engine=eng[1] if eng else None,
+                               want_release=rv.number if rv else None, want_version=rv.version if rv else None))
+    served = {sv.model for sv in serving}
+    # a model the daemon serves outside the registry's updates (installed locally) shows in its telemetry only
+    serving += [Serving(model=m, version=eng[2], release=None, state="local", engine=eng[1],
+                        want_release=wants[m].number if m in wants else None,
+                        want_version=wants[m].version if m in wants else None)
+                for m, eng in sorted(mine.items()) if m not in served]
+    served = {sv.model for sv in serving}
+    serving += [Serving(model=m, version=None, release=None, state="not serving", want_release=rv.number,
+                        want_version=rv.version) for m, rv in sorted(wants.items()) if m not in served]
+    return FleetRow(id=dev_id, online=last_seen_at is not None and now - last_seen_at <= online_s,
+                    last_seen_at=last_seen_at, labels=labels, profile=str(facts.get("profile", "")) or "unknown",
+                    accelerator=accelerator_of(facts), serving=serving, last_error=last_error)
+
+
+def fleet(s: Session, snap: desired_state.Snapshot, flt: FleetFilter, *, online_s: float, limit: int,
+          offset: int = 0, now: float | None = None) -> Fleet:
+    now = time.time() if now is None else now
+    model_names = {mid: name for mid, name in s.execute(select(ModelRow.id, ModelRow.name))}
+    q = (select(DeviceRow.id, DeviceRow.admin_labels, DeviceRow.facts, DeviceRow.serving, DeviceRow.last_seen_at,
+                DeviceModelRow.model_id, DeviceModelRow.pinned_release_id, DeviceModelRow.state,
+                DeviceModelRow.release_number, DeviceModelRow.reason, DeviceModelRow.updated_at)
+         .select_from(DeviceRow).outerjoin(DeviceModelRow, DeviceModelRow.device_id == DeviceRow.id)
+         .order_by(DeviceRow.id))
+    engines = _recent_engines(s, sorted(model_names.values()), now)
+    by_dev: dict[str, list[Any]] = defaultdict(list)
+    for r in s.execute(q):
+        by_dev[r.id].append(r)
+    counts: Counter[str] = Counter()
+    profiles: set[str] = set()
+    label_keys: set[str] = set()
+    rows: list[FleetRow] = []
+    want_label = flt.label_pair()
+    for dev_id, rs in by_dev.items():
+        first = rs[0]
+        labels = {str(k): str(v) for k, v in (first.admin_labels or {}).items()}
+        facts = first.facts or {}
+        view = desired_state.DeviceView(id=dev_id, credential_hash="", labels=labels, facts=facts,
+                                        last_seen_at=first.last_seen_at, models={})
+        last_error: tuple[float, str] | None = None
+        for r in rs:
+            if r.model_id is None:
+                continue
+            view.models[r.model_id] = desired_state.DeviceModelView(r.pinned_release_id, r.state, r.release_number)
+            if r.state in ERROR_STATES and r.reason and (last_error is None or (r.updated_at or 0) > last_error[0]):
+                last_error = (r.updated_at or 0.0, f"{model_names.get(r.model_id, '?')}: {r.reason}")
+        wants = {rv.model: rv for rv in desired_state.decide(snap, view).releases}
+        row = _row(dev_id, labels=labels, facts=facts, last_seen_at=first.last_seen_at, serving_json=first.serving,
+                   wants=wants, engines=engines, last_error=last_error[1] if last_error else None,
+                   online_s=online_s, now=now)
+        profiles.add(row.profile)
+        label_keys.update(labels)
+        off_target = any(not sv.on_target for sv in row.serving)
+        online = row.online
+        counts["devices"] += 1
+        counts["online" if online else "offline"] += 1
+        counts["off-target"] += off_target
+        counts["error"] += last_error is not None
+        if want_label is not None and labels.get(want_label[0]) != want_label[1]:
+            continue
+        if flt.model and flt.model not in {sv.model for sv in row.serving}:
+            continue
+        if flt.profile and row.profile != flt.profile:
+            continue
+        if flt.state and not {"online": online, "offline": not online, "off-target": off_target,
+                              "error": last_error is not None}.get(flt.state, True):
+            continue
+        rows.append(row)
+    for k in ("devices", "online", "offline", "off-target", "error"):
+        counts.setdefault(k, 0)
+    return Fleet(rows=rows[offset:offset + limit], matching=len(rows), counts=dict(counts),
+                 models=sorted(model_names.values()), profiles=sorted(profiles), label_keys=sorted(label_keys),
+                 shown_from=offset)
+
+
+# ---- charts -----------------------------------------------------------------------------------------
+@dataclass
+class Chart:
+    """One chart as uPlot draws it: shared x (Unix seconds), one list per series (None for a gap)."""
+
+    id: str
+    title: str
+    unit: str
+    x: list[float] = field(default_factory=list)
+    series: dict[str, list[float | None]] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"id": self.id, "title": self.title, "unit": self.unit, "x": self.x,
+                "series": [{"label": k, "values": v} for k, v in self.series.items()]}
+
+    def points(self) -> int:
+        return sum(1 for v in self.series.values() for y in v if y is not None)
+
+
+def _chart(cid: str, title: str, unit: str, rows: Sequence[tuple[float, str, float | None]]) -> Chart:
+    """Rows of (t, series, y) -> a chart on the union of the x values."""
+    xs = sorted({t for t, _, _ in rows})
+    pos = {t: i for i, t in enumerate(xs)}
+    ch = Chart(cid, title, unit, x=xs)
+    for t, name, y in rows:
+        ch.series.setdefault(name, [None] * len(xs))[pos[t]] = y
+    return ch
+
+
+def _hist(row: TelemetryModelRow) -> HistCounts:
+    size = len(HistCounts().counts)
+    counts = [int(c) for c in row.latency_counts][:size]
+    return HistCounts(counts + [0] * (size - len(counts)), float(row.latency_sum_s))
+
+
+def _model_rows(s: Session, model: str, since: float, device_id: str | None = None,
+                limit: int = 10_000) -> list[TelemetryModelRow]:
+    """The newest ``limit`` samples of a model since ``since``, oldest first."""
+    q = select(TelemetryModelRow).where(TelemetryModelRow.model == model, TelemetryModelRow.t >= since)
+    if device_id is not None:
+        q = q.where(TelemetryModelRow.device_id == device_id)
+    rows = list(s.scalars(q.order_by(TelemetryModelRow.t.desc()).limit(limit)))
+    rows.reverse()
+    return rows
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(x * 1e3, 3)
+
+
+def device_charts(s: Session, device_id: str, models: list[str], since: float) -> list[Chart]:
+    sys_pts = device_series(s, device_id, since=since, limit=2000).points
+    cpu: list[tuple[float, str, float | None]] = []
+    mem: list[tuple[float, str, float | None]] = []
+    temp: list[tuple[float, str, float | None]] = []
+    for p in sys_pts:
+        sw = p.system
+        cpu.append((p.t, "CPU %", None if sw.cpu_utilization is None else round(sw.cpu_utilization * 100, 2)))
+        cpu.extend((p.t, f"{a.name} %", round(a.utilization * 100, 2)) for a in sw.accelerators
+                   if a.utilization is not None)
+        mem.append((p.t, "used MB", None if sw.memory_used is None else round(sw.memory_used / 2**20, 1)))
+        if sw.process_rss is not None:
+            mem.append((p.t, "edged RSS MB", round(sw.process_rss / 2**20, 1)))
+        temps = list(sw.temperatures_c.values()) + [a.temperature_c for a in sw.accelerators
+                                                    if a.temperature_c is not None]
+        temp.append((p.t, "hottest °C", max(temps) if temps else None))
+    rate: list[tuple[float, str, float | None]] = []
+    lat: list[tuple[float, str, float | None]] = []
+    for m in models:
+        for mr in _model_rows(s, m, since, device_id, limit=2000):
+            w = mr.window_s or 1.0
+            tag = f"{m} v{mr.version}"
+            h = _hist(mr)
+            rate.append((mr.t, f"{tag} req/s", round((mr.success + mr.failures) / w, 3)))
+            rate.append((mr.t, f"{tag} errors/s", round(mr.failures / w, 3)))
+            lat.append((mr.t, f"{tag} p50", _ms(mr.p50_s if mr.p50_s is not None else h.quantile(0.5))))
+            lat.append((mr.t, f"{tag} p99", _ms(mr.p99_s if mr.p99_s is not None else h.quantile(0.99))))
+    return [_chart("rate", "Requests and errors per second", "/s", rate),
+            _chart("latency", "Latency p50 / p99", "ms", lat),
+            _chart("load", "CPU / accelerator load", "%", cpu),
+            _chart("temp", "Temperature", "°C", temp),
+            _chart("memory", "Memory", "MB", mem)]
+
+
+# ---- one device ----------------------------------------------------------------------------------------
+@dataclass
+class DevicePage:
+    row: FleetRow
+    facts: dict[str, Any]
+    enrolled_at: float
+    models: list[Any]
+    events: list[Any]
+    charts: list[Chart]
+
+
+def device(s: Session, snap: desired_state.Snapshot, device_id: str, *, online_s: float, since: float,
+           events: int = 100) -> DevicePage:
+    info = service.get_device(s, device_id, events)  # raises not-found for an unknown device
+    dev = s.get_one(DeviceRow, device_id)
+    view, _ = desired_state.lookup_device(s.connection(), device_id)
+    wants = {rv.model: rv for rv in desired_state.decide(snap, view).releases} if view is not None else {}
+    names = list(s.scalars(select(ModelRow.name)))
+    now = time.time()
+    errs = [m for m in info.models if m.state in ERROR_STATES and m.reason]
+    row = _row(device_id, labels=dev.effective_labels(), facts=dev.facts, last_seen_at=dev.last_seen_at,
+               serving_json=dev.serving, wants=wants, engines=_recent_engines(s, names, now),
+               last_error=f"{errs[-1].model}: {errs[-1].reason}" if errs else None, online_s=online_s, now=now)
+    serving = row.serving
+    models = sorted({m.model for m in info.models} | {sv.model for sv in serving})
+    return DevicePage(row=row, facts=dict(sorted(dev.facts.items())), enrolled_at=dev.enrolled_at,
+                      models=info.models, events=list(reversed(info.events)),
+                      charts=device_charts(s, device_id, models, since))
+
+
+# ---- models and releases -----------------------------------------------------------------------------
+@dataclass
+class VersionView:
+    version: int
+    size: int | None  # None: not pushed to the registry
+    created_at: float | None
+    devices: int
+    summary: ModelSummary
+
+
+@dataclass
+class ModelView:
+    name: str
+    versions: list[VersionView]
+    releases: list[dict[str, Any]]
+    charts: list[Chart]
+
+
+def models(s: Session, since: float, *, bucket_s: float) -> list[ModelView]:
+    out = []
+    for m in s.scalars(select(ModelRow).order_by(ModelRow.name)):
+        running = Counter(sm.get("version") for sv, in s.execute(select(DeviceRow.serving)) for sm in sv or []
+                          if sm.get("model") == m.name)
+        pushed = {v.version: v for v in s.scalars(select(VersionRow).where(VersionRow.model_id == m.id))}
+        seen = set(s.scalars(select(TelemetryModelRow.version).distinct().where(
+            TelemetryModelRow.model == m.name, TelemetryModelRow.t >= since)))
+        # versions devices run or report that were never pushed (installed locally) are shown too
+        numbers = sorted(set(pushed) | seen | {v for v in running if isinstance(v, int)}, reverse=True)
+        versions = [VersionView(version=n, size=pushed[n].total_size if n in pushed else None,
+                                created_at=pushed[n].created_at if n in pushed else None,
+                                devices=running.get(n, 0), summary=model_summary(s, m.name, version=n, since=since))
+                    for n in numbers]
+        vnum = dict(s.execute(select(VersionRow.id, VersionRow.version).where(VersionRow.model_id == m.id)).all())
+        rel_devices = Counter(n for n, in s.execute(select(DeviceModelRow.release_number).where(
+            DeviceModelRow.model_id == m.id, DeviceModelRow.state == "committed")))
+        releases = [{"number": r.number, "version": vnum.get(r.version_id), "key_id": r.key_id,
+                     "signature": r.signature, "issued_at": r.issued_at, "expires_at": r.expires_at,
+                     "revoked": r.revoked_at is not None, "notes": r.notes, "devices": rel_devices.get(r.number, 0),
+                     "selector": r.selector}
+                    for r in s.scalars(select(ReleaseRow).where(ReleaseRow.model_id == m.id)
+                                       .order_by(ReleaseRow.number.desc()))]
+        out.append(ModelView(name=m.name, versions=versions, releases=releases,
+                             charts=version_charts(s, m.name, since, bucket_s)))
+    return out
+
+
+def version_charts(s: Session, model: str, since: float, bucket_s: float) -> list[Chart]:
+    """Per-version fleet series side by side: what a rollout's telemetry gates compare."""
+    reqs: dict[tuple[float, int], float] = defaultdict(float)
+    errs: dict[tuple[float, int], float] = defaultdict(float)
+    hists: dict[tuple[float, int], HistCounts] = {}
+    for r in _model_rows(s, model, since):
+        key = (r.t // bucket_s * bucket_s, r.version)
+        reqs[key] += r.success + r.failures
+        errs[key] += r.failures
+        hists[key] = hists[key].plus(_hist(r)) if key in hists else _hist(r)
+    rate = [(t, f"v{v} req/s", round(n / bucket_s, 3)) for (t, v), n in reqs.items()]
+    erate = [(t, f"v{v} error %", round(100 * errs[(t, v)] / n, 3) if n else None) for (t, v), n in reqs.items()]
+    p99 = [(t, f"v{v} p99", _ms(h.quantile(0.99))) for (t, v), h in hists.items()]
+    return [_chart(f"{model}-rate", f"{model}: fleet requests per second by version", "/s", rate),
+            _chart(f"{model}-errors", f"{model}: error rate by version", "%", erate),
+            _chart(f"{model}-p99", f"{model}: fleet p99 by version (merged histograms)", "ms", p99)]
+
+
+# ---- rollouts -------------------------------------------------------------------------------------------
+def rollout_list(s: Session) -> list[RolloutInfo]:
+    return sorted(rollouts.list_rollouts(s), key=lambda r: -r.id)
+
+
+def rollout(s: Session, rollout_id: int) -> RolloutStatus:
+    return rollouts.rollout_status(s, rollout_id)
+
+
+def releasable(s: Session) -> dict[str, list[dict[str, Any]]]:
+    """Per model, its unrevoked releases (newest first): what the create form offers."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for info in service.list_models(s):
+        out[info.name] = [{"number": r.release, "version": r.version} for r in
+                          sorted(service.list_releases(s, info.name), key=lambda r: -r.release) if not r.revoked]
+    return out

@@ -1,0 +1,353 @@
+"""The registry's dashboard in a real headless Chromium (Debian's, driven by Selenium) over a real fleet.
+
+Three ``edged run`` daemons with telemetry on and one registry process. The browser logs in,
+sees each daemon with what it serves, opens a device and waits for charts drawn from the
+daemons' own uploaded telemetry, starts a rollout of a good release from the page and
+watches it progress live (no reload), starts one of a broken release and sees it halt with
+the failure-rate gate over its limit, then rolls the good one back and sees the fleet return
+to version 1. Screenshots of each page at desktop and phone width go to
+``$EDGED_DASHBOARD_SCREENSHOTS`` (default: a folder under pytest's tmp dir). Without a
+browser the access checks still run over plain HTTP.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.registry_helpers import ADMIN_TOKEN, EdgedRun, Keys, RegistryServer, device_toml, free_port, make_version
+from tests.registry_helpers import wait_for as _wait_for
+
+MODEL = "digits"
+N = 3
+FLEET = {"fleet": "dash-test"}
+CHROMIUM = Path("/usr/bin/chromium")
+DRIVER = Path("/usr/bin/chromedriver")
+DESKTOP = (1280, 900)
+PHONE = (390, 844)
+SIDEWAYS = "return document.documentElement.scrollWidth - window.innerWidth"
+
+
+@dataclass
+class World:
+    tmp: Path
+    keys: Keys
+    server: RegistryServer
+    client: Any
+    daemons: dict[str, EdgedRun]
+    unplugged_credential: str
+
+    def serving(self) -> dict[str, list[int]]:
+        return {d: p.versions(MODEL) for d, p in self.daemons.items()}
+
+    def signed(self, version: int) -> str:
+        return str(self.client.sign(self.keys.load(), MODEL, version, expires_in_s=3600).model_dump_json())
+
+
+def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
+    return _wait_for(pred, timeout, 0.2, what)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    tmp = tmp_path_factory.mktemp("dashboard")
+    keys = Keys.make(tmp)
+    # online = called in the last 4 s: the daemons poll every 0.2 s and last-seen times are written every 0.5 s
+    conf = tmp / "registry.toml"
+    conf.write_text("[registry]\ndashboard_online_s = 4.0\nlast_seen_flush_s = 0.5\n")
+    server = RegistryServer(tmp, [keys.public], extra_args=["--config", str(conf), "--rollout-tick", "0.2s",
+                                                          "--dashboard-poll", "1s"])
+    server.start()
+    client = server.client()
+    pub = tmp / "pub"
+    make_version(pub / "1", salt="v1")
+    client.push_folder(make_version(pub / "2", salt="v2"), MODEL, 2)
+    client.push_folder(make_version(pub / "3", salt="v3", golden_fail=True), MODEL, 3)
+    token = client.enrollment_token(uses=N, labels=FLEET).token
+    # a device that enrolled and never called again: offline on the page; its credential must not open it
+    spare = client.enrollment_token(uses=1, labels={"fleet": "spare"}).token
+    r = httpx.post(f"{server.url}/api/v1/enroll", json={"token": spare, "device_id": "unplugged",
+                                                        "labels": {"fleet": "spare"},
+                                                        "facts": {"profile": "x86-64-cpu"}}, timeout=10)
+    r.raise_for_status()
+    daemons = {}
+    for i in range(N):
+        dev, home = f"dev-{i}", tmp / f"dev-{i}"
+        repo = home / "repo"
+        shutil.copytree(pub / "1", repo / MODEL / "1")
+        port = free_port()
+        cfg = device_toml(home, repo, server.url, [keys.public], token=token, device_id=dev, http_port=port,
+                          poll_s=0.2)
+        text = cfg.read_text().replace("[telemetry]\nenabled = false",
+                                       "[telemetry]\nenabled = true\ninterval_s = 1.0\nupload_interval_s = 1.0")
+        cfg.write_text(text + "trial_s = 1.0\nretry_max_s = 2.0\nfacts_interval_s = 2.0\n")
+        daemons[dev] = EdgedRun(cfg, port, home / "daemon.log")
+    try:
+        for d in daemons.values():
+            d.start()
+        for d in daemons.values():
+            d.wait_http(90)
+        wait_for(lambda: len(client.devices(FLEET)) == N, 60, "every daemon enrolled")
+        yield World(tmp, keys, server, client, daemons, r.json()["credential"])
+    finally:
+        for d in daemons.values():
+            d.stop()
+        client.close()
+        server.stop()
+
+
+# ---- without a browser: what a missing or wrong credential gets -------------------------------------
+def test_pages_and_data_refuse_without_an_admin_session(world: World) -> None:
+    url = world.server.url
+    with httpx.Client(base_url=url, timeout=10, follow_redirects=False) as h:
+        for path in ("/ui/fleet", "/ui/devices/dev-0", "/ui/models", "/ui/rollouts", "/ui/rollouts/1"):
+            r = h.get(path)
+            assert r.status_code == 303 and r.headers["location"].startswith("/ui/login"), (path, r.status_code)
+            assert h.get(path, params={"part": "live"}).status_code == 401, path
+        # a device credential is not a way in, neither as a bearer header nor at the login form
+        dev_auth = {"Authorization": f"Bearer {world.unplugged_credential}"}
+        assert h.get("/ui/fleet", headers=dev_auth).status_code == 303
+        assert h.get("/ui/fleet", params={"part": "live"}, headers=dev_auth).status_code == 401
+        r = h.post("/ui/login", data={"token": world.unplugged_credential})
+        assert r.status_code == 401 and "set-cookie" not in r.headers and "not the registry" in r.text
+        # a forged or altered cookie is no session
+        h.cookies.set("edged_session", "v1.99999999999.abc.0000", path="/ui")
+        assert h.get("/ui/fleet", params={"part": "live"}).status_code == 401
+        h.cookies.clear()
+        r = h.post("/ui/login", data={"token": ADMIN_TOKEN, "next": "/ui/models"})
+        assert r.status_code == 303 and r.headers["location"] == "/ui/models"
+        cookie = r.headers["set-cookie"]
+        assert "HttpOnly" in cookie and "SameSite=strict" in cookie.replace("Strict", "strict") and "Path=/ui" in cookie
+        assert h.get("/ui/fleet").status_code == 200
+        # an action without the session's CSRF token (or with another) is refused and changes nothing
+        before = world.client.rollouts()
+        form = {"signed": world.signed(2), "steps": "100", "min_reporting": "1"}
+        assert h.post("/ui/rollouts", data={**form, "confirmed": "yes"}).status_code == 403
+        assert h.post("/ui/rollouts", data={**form, "confirmed": "yes", "csrf": "0" * 64}).status_code == 403
+        page = h.get("/ui/rollouts").text
+        csrf = page.split('name="csrf" value="', 1)[1].split('"', 1)[0]
+        r = h.post("/ui/rollouts", data={**form, "confirmed": "yes", "csrf": csrf},
+                   headers={"Origin": "http://attacker.example"})
+        assert r.status_code == 403
+        # with the token but without confirming: a confirmation page, nothing started
+        r = h.post("/ui/rollouts", data={**form, "csrf": csrf})
+        assert r.status_code == 200 and "You are about to" in r.text and 'name="confirmed" value="yes"' in r.text
+        assert world.client.rollouts() == before
+        h.cookies.clear()
+        assert h.post("/ui/rollouts", data={**form, "confirmed": "yes", "csrf": csrf}).status_code == 401
+        assert world.client.rollouts() == before
+
+
+# ---- in Chromium -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not (CHROMIUM.exists() and DRIVER.exists()):
+        pytest.skip("Debian's chromium and chromium-driver are not installed (install.sh installs them)")
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is in the dev extra")
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    opts = Options()
+    opts.binary_location = str(CHROMIUM)
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                f"--window-size={DESKTOP[0]},{DESKTOP[1]}"):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(str(DRIVER)), options=opts)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    env = os.environ.get("EDGED_DASHBOARD_SCREENSHOTS")
+    out = Path(env) if env else tmp_path_factory.mktemp("dashboard-screenshots")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+class Page:
+    """The browser on one page: waits for what the page shows, never for a fixed time."""
+
+    def __init__(self, driver: Any, base: str, shots: Path) -> None:
+        from selenium.webdriver.common.by import By
+
+        self.d, self.base, self.shots, self.by = driver, base, shots, By
+
+    def open(self, path: str) -> None:
+        self.d.get(self.base + path)
+
+    def text(self, css: str) -> str:
+        els = self.d.find_elements(self.by.CSS_SELECTOR, css)
+        return str(els[0].text) if els else ""
+
+    def all(self, css: str) -> list[Any]:
+        return list(self.d.find_elements(self.by.CSS_SELECTOR, css))
+
+    def until(self, pred: Callable[[], Any], what: str, timeout: float = 60) -> Any:
+        from selenium.common.exceptions import StaleElementReferenceException
+
+        def safe() -> Any:
+            try:
+                return pred()
+            except StaleElementReferenceException:  # the live region was replaced mid-read
+                return False
+
+        try:
+            return wait_for(safe, timeout, what)
+        except AssertionError as e:
+            raise AssertionError(f"{e}; the page showed:\n{self.text('main')[:3000]}") from None
+
+    def screenshot(self, name: str) -> None:
+        """Desktop and phone width; at phone width the page itself must not scroll sideways."""
+        for label, (w, h) in (("desktop", DESKTOP), ("phone", PHONE)):
+            self.d.set_window_size(w, h)
+            self.until(lambda width=w: self.d.execute_script("return window.innerWidth") <= width,
+                       "the window resized", 10)
+            self.until(lambda: self.d.execute_script(SIDEWAYS) <= 1, f"{name} at {label} width not to scroll sideways",
+                       10)
+            self.d.save_screenshot(str(self.shots / f"{name}-{label}.png"))
+        self.d.set_window_size(*DESKTOP)
+
+    def polls(self) -> int:
+        return int(self.d.find_element(self.by.ID, "live").get_attribute("data-polls") or 0)
+
+
+def fleet_rows(p: Page) -> dict[str, dict[str, str]]:
+    out = {}
+    for tr in p.all("#fleet tbody tr[data-device]"):
+        cells = tr.find_elements(p.by.CSS_SELECTOR, "th, td")
+        out[tr.get_attribute("data-device")] = {"state": cells[1].text, "serves": cells[2].text,
+                                                "should": cells[3].text, "error": cells[6].text}
+    return out
+
+
+def start_rollout(p: Page, signed: str, steps: str, *, min_devices: int, soak_s: float, max_failure_pct: float,
+                  min_reporting: int) -> int:
+    p.open("/ui/rollouts")
+    d = p.d
+    d.find_element(p.by.ID, "signed").send_keys(signed)
+    for name, value in (("steps", steps), ("min_devices", str(min_devices)), ("soak_s", str(soak_s)),
+                        ("max_failure_pct", str(max_failure_pct)), ("min_reporting", str(min_reporting)),
+                        ("target", "fleet=dash-test")):
+        el = d.find_element(p.by.NAME, name)
+        el.clear()
+        el.send_keys(value)
+    d.find_element(p.by.ID, "create-rollout").click()
+    # nothing starts before the operator confirms what the page says will happen
+    p.until(lambda: "You are about to" in p.text("main"), "the confirmation page")
+    assert "start this rollout" in p.text("main") and "fleet=dash-test" in p.text("main")
+    d.find_element(p.by.ID, "confirm").click()
+    p.until(lambda: "/ui/rollouts/" in d.current_url and p.text("#rollout-state"), "the rollout's page")
+    return int(d.current_url.rsplit("/", 1)[1])
+
+
+def test_dashboard_in_chromium(world: World, browser: Any, shots: Path) -> None:
+    w, p = world, Page(browser, world.server.url, shots)
+    # -- login: the fleet page redirects to the login form, the admin token opens it
+    p.open("/ui/fleet")
+    p.until(lambda: "/ui/login" in p.d.current_url, "the login redirect")
+    p.screenshot("login")
+    p.d.find_element(p.by.ID, "token").send_keys(ADMIN_TOKEN)
+    p.d.find_element(p.by.CSS_SELECTOR, "form button[type=submit]").click()
+    p.until(lambda: p.d.current_url.endswith("/ui/fleet"), "the fleet page after login")
+
+    # -- fleet: every daemon online with what it serves (reported by the daemon) and what it should
+    p.until(lambda: all("digits v1" in r["serves"] and r["state"].startswith("online")
+                        for d, r in fleet_rows(p).items() if d != "unplugged") and len(fleet_rows(p)) == N + 1,
+            "three online daemons serving digits v1 on the fleet page")
+    rows = fleet_rows(p)
+    assert rows["unplugged"]["state"].startswith("offline")
+    assert p.text("#count-devices") == str(N + 1) and p.text("#count-online") == str(N)
+    assert p.text("#count-offline") == "1"
+    assert all("onnxruntime" in rows[d]["serves"] or "digits v1" in rows[d]["serves"] for d in w.daemons)
+    p.screenshot("fleet")
+
+    # -- a device: charts drawn from the daemon's own telemetry (requests made here, then uploaded)
+    x = np.random.default_rng(0).random((4, 64), dtype=np.float32)
+    for d in w.daemons.values():
+        for _ in range(5):
+            assert d.infer(x).status_code == 200
+    p.open("/ui/devices/dev-0")
+    drawn = "return [...document.querySelectorAll('figure.chart')].map(f => [f.id, +(f.dataset.drawn || 0)])"
+    p.until(lambda: dict(p.d.execute_script(drawn)).get("chart-rate", 0) > 0
+            and dict(p.d.execute_script(drawn)).get("chart-load", 0) > 0
+            and dict(p.d.execute_script(drawn)).get("chart-latency", 0) > 0
+            and p.all("#chart-rate canvas"), "the device's request and load charts drawn from telemetry", 90)
+    label = p.d.find_element(p.by.CSS_SELECTOR, "#chart-rate .plot").get_attribute("aria-label")
+    assert "digits v1 req/s" in label, label
+    latency = p.d.find_element(p.by.CSS_SELECTOR, "#chart-latency .plot").get_attribute("aria-label")
+    assert "digits v1 p99 latest" in latency and "latest none" not in latency.split("p99")[1], latency
+    assert "digits" in p.text("#device-models") and "onnxruntime" in p.text("#device-models")
+    p.screenshot("device")
+
+    # -- a good release: started from the page, watched step by step without a reload
+    # (each step soaks 3 s after its devices committed: the page, polled every second, sees step 1 of 2)
+    good = start_rollout(p, w.signed(2), "34, 100", min_devices=1, soak_s=3, max_failure_pct=0, min_reporting=1)
+    marker = p.d.execute_script("window.__sameDocument = 1; return 1")
+    steps_seen: list[str] = []
+
+    def completed() -> bool:
+        step = p.text("#rollout-step")
+        if step and (not steps_seen or steps_seen[-1] != step):
+            steps_seen.append(step)
+        return p.text("#rollout-state") == "completed" and p.text("#total-committed") == str(N)
+
+    p.until(completed, "the good rollout completed on every daemon, on the page", 120)
+    assert p.d.execute_script("return window.__sameDocument") == marker, "the page reloaded instead of updating"
+    assert p.polls() > 0
+    assert steps_seen[0].startswith("1 of 2") and steps_seen[-1].startswith("2 of 2"), steps_seen
+    assert all(v == [2] for v in w.serving().values()), w.serving()
+    p.screenshot("rollout-completed")
+
+    # -- a broken release: halts in its first step with the failure-rate gate over its limit
+    bad = start_rollout(p, w.signed(3), "50, 100", min_devices=2, soak_s=0.5, max_failure_pct=10, min_reporting=2)
+    p.until(lambda: p.text("#rollout-state") == "halted", "the broken rollout halted, on the page", 90)
+    gate = p.all("#gates tr[data-gate='failure_rate'] td")
+    assert gate and float(gate[0].text) > float(gate[1].text) and gate[3].text == "CROSSED", [g.text for g in gate]
+    assert "failure_rate" in p.text("#rollout-reason")
+    assert p.text("#rollout-step").startswith("1 of 2")
+    p.screenshot("rollout-halted")
+
+    # -- the rollouts list shows both, with their states
+    p.open("/ui/rollouts")
+    p.until(lambda: "completed" in p.text(f"tr[data-rollout='{good}']") and "halted" in p.text(
+        f"tr[data-rollout='{bad}']"), "both rollouts listed")
+    p.screenshot("rollouts")
+
+    # -- roll the good one back from its page: confirm with a reason, then every daemon returns to version 1
+    p.open(f"/ui/rollouts/{good}")
+    p.d.find_element(p.by.ID, "action-rollback").click()
+    p.until(lambda: "You are about to" in p.text("main"), "the rollback confirmation")
+    assert f"roll back rollout {good}" in p.text("main")
+    p.d.find_element(p.by.ID, "reason").send_keys("dashboard test")
+    p.d.find_element(p.by.ID, "confirm").click()
+    p.until(lambda: p.text("#rollout-state") == "rolled-back", "the rollout rolled back")
+    assert "dashboard test" in p.text("#rollout-reason")
+    wait_for(lambda: all(v == [1] for v in w.serving().values()), 60, "every daemon back on version 1")
+    p.open("/ui/fleet")
+    p.until(lambda: all("digits v1" in fleet_rows(p)[d]["serves"] for d in w.daemons), "the fleet back on v1")
+    p.open("/ui/devices/dev-1")
+    p.until(lambda: "rolled-back" in p.text("#history"), "the rollback in the device's update history")
+    history = p.text("#history")
+    assert "committed" in history and "last-known-good" in history
+
+    # -- models and releases: versions, signatures, who runs what, per-version telemetry side by side
+    p.open("/ui/models")
+    p.until(lambda: p.all("tr[data-release]") and p.all("tr[data-version='3']"), "the models page")
+    releases = {r.get_attribute("data-release"): r.text for r in p.all("tr[data-release]")}
+    key_id = w.client.releases(MODEL)[0].key_id
+    assert len(releases) == 2 and all(key_id in t for t in releases.values()), releases
+    v1 = p.text("tr[data-version='1']").split()
+    assert v1[0] == "v1" and int(v1[1]) == N and int(v1[2]) >= N * 5, v1  # devices running it, requests
+    p.until(lambda: int(dict(p.d.execute_script(drawn)).get("chart-digits-rate", 0)) > 0, "the per-version chart")
+    p.screenshot("models")
