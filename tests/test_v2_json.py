@@ -163,6 +163,10 @@ def _header_without_arrays(header: Any) -> Any:
     '"data": [1], "parameters": {"note": "\\"data\\": [9, 9]"}}], "outputs": [{"name": "y", "data": [3]}]}',
     # a duplicate key: the last one wins, as in every other JSON parser here
     '{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1], "data": [4]}]}',
+    # arrays that are not flat numbers (strings holding brackets, nesting) before a flat one
+    '{"inputs": [{"name": "s", "datatype": "BYTES", "shape": [2], "data": ["a]", "[b \\"data\\": [1]"]}, '
+    '{"name": "n", "datatype": "FP32", "shape": [2, 1], "data": [[1], [2]]}, '
+    '{"name": "x", "datatype": "FP32", "shape": [2], "data": [3, 4]}]}',
     # no whitespace, and whitespace everywhere
     '{"inputs":[{"name":"x","datatype":"FP32","shape":[2],"data":[1,2]}]}',
     '{ "inputs" : [ { "name" : "x" , "datatype" : "FP32" , "shape" : [ 2 ] , "data" \n:\t[ 1 , 2 ] } ] }',

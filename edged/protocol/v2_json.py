@@ -66,17 +66,19 @@ def loads_request(body: bytes | memoryview) -> Any:
     pos = scan = 0
     while (m := _DATA_KEY.search(raw, scan)) is not None:
         start = m.end() - 1
-        scan = end = raw.find(b"]", start)
+        end = raw.find(b"]", start)
         if end < 0:
             break
-        # Only flat arrays without strings: inside them every bracket and comma is structural.
+        # Only flat arrays without strings: inside them every bracket and comma is structural. A skipped
+        # one is skipped to its first "]": nothing before that can be a flat array of an input, and
+        # every byte is searched once however many "data" keys a hostile body holds.
         if raw.find(b"[", start + 1, end) >= 0 or raw.find(b'"', start, end) >= 0:
-            scan = start + 1
+            scan = end + 1
             continue
         pieces.append(raw[pos:start])
         pieces.append(_MARK_JSON + str(len(spans)).encode() + b'"')
         spans.append(raw[start:end + 1])
-        pos = end + 1
+        pos = scan = end + 1
     if not spans:
         return _loads(raw)
     pieces.append(raw[pos:])
