@@ -143,7 +143,8 @@ def interleaved(cases: dict[str, Callable[[], object]], seconds: float, clocks: 
     return out, {k: ns / n / 1e6 for k, (ns, n) in engine.items() if n}
 
 
-def start_daemon(cfg_path: Path, url: str, inprocess: bool) -> subprocess.Popen[bytes]:
+def start_daemon(cfg_path: Path, url: str, inprocess: bool, model: str = "mobilenet") -> subprocess.Popen[bytes]:
+    """``edged run`` on ``cfg_path``, returned once ``model`` is ready."""
     if inprocess:  # the transport alone, without the daemon's CLI (for when `edged run` is unavailable)
         code = ("import asyncio,sys; from edged.config import load_config; from edged.daemon import Daemon; "
                 "asyncio.run(Daemon(load_config(__import__('pathlib').Path(sys.argv[1]))).serve())")
@@ -161,7 +162,7 @@ def start_daemon(cfg_path: Path, url: str, inprocess: bool) -> subprocess.Popen[
             err = proc.stderr.read().decode() if proc.stderr else ""
             raise SystemExit(f"edged run exited with {proc.returncode}:\n{err[-3000:]}")
         try:
-            if client.ready("mobilenet"):
+            if client.ready(model):
                 client.close()
                 return proc
         except Exception:

@@ -62,34 +62,49 @@ def load(name: str) -> dict[str, Any]:
         return tomllib.load(f)
 
 
-def run_pipeline(name: str, inputs: Mapping[str, np.ndarray], *, one_by_one: bool = False) -> dict[str, np.ndarray]:
-    """Every tensor of the example pipeline ``name`` for one request (model steps row by row when
-    ``one_by_one``: what a client calling the model itself at batch 1 would get)."""
+@cache
+def prepare(name: str) -> list[tuple[dict[str, Any], Any]]:
+    """The example's steps, each built and bound once (``None`` in place of a model step's object)."""
     spec = load(name)
     folder = EXAMPLES / name / "1"
     ports = {t["name"]: Port(t["datatype"], tuple(t["shape"])) for t in spec["inputs"]}
-    tensors = dict(inputs)
+    steps: list[tuple[dict[str, Any], Any]] = []
     for step in spec["steps"]:
-        wired = {k: tensors[v] for k, v in step["inputs"].items()}
         if "kind" in step:
             impl = builtin_step(step["kind"])(step.get("params", {}), folder)
             out_ports = impl.bind({k: ports[v] for k, v in step["inputs"].items()})
+        else:
+            impl, out_ports = None, _model_ports(step["model"])
+        for k, v in step["outputs"].items():
+            ports[v] = out_ports[k]
+        steps.append((step, impl))
+    return steps
+
+
+def _run_model(model: str, feeds: dict[str, np.ndarray], one_by_one: bool) -> dict[str, np.ndarray]:
+    sess = session(model)
+    names = [o.name for o in sess.get_outputs()]
+    n = len(next(iter(feeds.values())))
+    if n == 0:
+        return {o.name: np.zeros((0, *[d if isinstance(d, int) else 0 for d in o.shape[1:]]), np.float32)
+                for o in sess.get_outputs()}
+    if one_by_one or sess.get_inputs()[0].shape[0] == 1:
+        rows = [sess.run(None, {k: v[i:i + 1] for k, v in feeds.items()}) for i in range(n)]
+        return {nm: np.concatenate([r[j] for r in rows]) for j, nm in enumerate(names)}
+    return dict(zip(names, sess.run(None, feeds), strict=True))
+
+
+def run_pipeline(name: str, inputs: Mapping[str, np.ndarray], *, one_by_one: bool = False) -> dict[str, np.ndarray]:
+    """Every tensor of the example pipeline ``name`` for one request (model steps row by row when
+    ``one_by_one``: what a client calling the model itself at batch 1 would get)."""
+    tensors = dict(inputs)
+    for step, impl in prepare(name):
+        wired = {k: tensors[v] for k, v in step["inputs"].items()}
+        if impl is not None:
             out = impl.run(wired)
         else:
-            sess = session(step["model"])
-            out_ports = _model_ports(step["model"])
-            feeds = {k: v.astype(np.float32, copy=False) for k, v in wired.items()}
-            n = len(next(iter(feeds.values())))
-            names = [o.name for o in sess.get_outputs()]
-            if n == 0:
-                out = {o.name: np.zeros((0, *[d if isinstance(d, int) else 0 for d in o.shape[1:]]), np.float32)
-                       for o in sess.get_outputs()}
-            elif one_by_one or sess.get_inputs()[0].shape[0] == 1:
-                rows = [sess.run(None, {k: v[i:i + 1] for k, v in feeds.items()}) for i in range(n)]
-                out = {nm: np.concatenate([r[j] for r in rows]) for j, nm in enumerate(names)}
-            else:
-                out = dict(zip(names, sess.run(None, feeds), strict=True))
+            out = _run_model(step["model"], {k: v.astype(np.float32, copy=False) for k, v in wired.items()},
+                             one_by_one)
         for k, v in step["outputs"].items():
             tensors[v] = out[k]
-            ports[v] = out_ports[k]
     return tensors

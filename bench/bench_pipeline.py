@@ -1,0 +1,276 @@
+"""Pipelines: image libraries, the built-in steps against the same work by hand, and the daemon.
+
+    .venv/bin/python bench/bench_pipeline.py [--seconds 4] [--no-daemon]
+
+One run, on the same inputs and the same machine:
+  1. JPEG 640x480 decode + resize to 224x224 per library that is installed (Pillow, Pillow with
+     JPEG draft scaling, OpenCV, simplejpeg + OpenCV's resize, PyTurboJPEG + OpenCV's resize when
+     libturbojpeg loads): the measurement behind the choice of OpenCV (docs/pipelines.md);
+  2. the orientation_classify and layout_detect example pipelines (models/) run step by step in
+     this process, against the same work written by hand (cv2 + numpy + an ONNX Runtime session):
+     what the step abstraction costs;
+  3. when the daemon serves pipelines: ``edged run`` (device profile ``generic``: ONNX Runtime on the
+     CPU, as the hand chain) with the example models, the pipeline over HTTP (tritonclient, a BYTES
+     input) at concurrency 1 against hand chain + the transport's overhead for the plain model
+     measured in the same run (HTTP call of ``orientation`` with the tensor minus the same call on
+     the in-process session; goal: ratio <= 1.1), and at concurrency 8 against the hand chain's
+     batch-1 throughput (goal >= 1). Without pipeline support it says so and measures the rest.
+Needs the example models: it fetches them like tools/fetch_example_models.py (into a temporary
+repository). Prints the load average before and after; ratios only compare figures of this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.bench_http import start_daemon  # noqa: E402
+from bench.common import Result, measure, ratio_line, stop_process  # noqa: E402
+from tests.device.pipeline.examples import model_file, run_pipeline, session  # noqa: E402
+from tests.netutil import free_port  # noqa: E402
+
+MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
+STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
+
+
+def photo_jpeg(width: int = 640, height: int = 480) -> bytes:
+    """A photo-like 640x480 JPEG (smooth gradients and sensor-like noise, quality 90)."""
+    import cv2
+
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:height, 0:width]
+    img = np.stack([(x * 0.4 + y * 0.1) % 256, (y * 0.5) % 256, (x * 0.2 + y * 0.3) % 256], -1)
+    img = np.clip(img + rng.normal(0, 12, img.shape), 0, 255).astype(np.uint8)
+    ok, buf = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, 90])
+    assert ok
+    return bytes(buf)
+
+
+def libraries(data: bytes) -> dict[str, Callable[[], object]]:
+    """decode + resize to 224x224 RGB, per installed library."""
+    import cv2
+
+    cv2.setNumThreads(1)
+    cases: dict[str, Callable[[], object]] = {}
+
+    def opencv() -> object:
+        img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+        return cv2.cvtColor(cv2.resize(img, (224, 224), interpolation=cv2.INTER_LINEAR), cv2.COLOR_BGR2RGB)
+
+    cases["opencv-python-headless " + cv2.__version__] = opencv
+    try:
+        import PIL
+        from PIL import Image
+
+        def pillow() -> object:
+            im = Image.open(io.BytesIO(data)).convert("RGB")
+            return np.asarray(im.resize((224, 224), Image.Resampling.BILINEAR))
+
+        def pillow_draft() -> object:
+            im = Image.open(io.BytesIO(data))
+            im.draft("RGB", (224, 224))  # the JPEG decoder scales by 1/2, 1/4, 1/8 while decoding
+            return np.asarray(im.convert("RGB").resize((224, 224), Image.Resampling.BILINEAR))
+
+        cases[f"Pillow {PIL.__version__}"] = pillow
+        cases[f"Pillow {PIL.__version__} + draft"] = pillow_draft
+    except ImportError:
+        print("Pillow: not installed")
+    try:
+        import simplejpeg
+
+        def sj() -> object:
+            return cv2.resize(simplejpeg.decode_jpeg(data, colorspace="RGB"), (224, 224),
+                              interpolation=cv2.INTER_LINEAR)
+
+        cases[f"simplejpeg {simplejpeg.__version__} + cv2.resize"] = sj
+    except ImportError:
+        print("simplejpeg: not installed")
+    try:
+        from turbojpeg import TJPF_RGB, TurboJPEG
+
+        tj = TurboJPEG()
+
+        def turbo() -> object:
+            return cv2.resize(tj.decode(data, pixel_format=TJPF_RGB), (224, 224), interpolation=cv2.INTER_LINEAR)
+
+        cases["PyTurboJPEG + cv2.resize"] = turbo
+    except (ImportError, RuntimeError, OSError) as exc:
+        print(f"PyTurboJPEG: unavailable ({str(exc).splitlines()[0][:100]})")
+    return cases
+
+
+def hand_orientation(data: bytes) -> np.ndarray:
+    """orientation_classify written by hand: the same operations, no step objects."""
+    import cv2
+
+    img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+    h, w = img.shape[:2]
+    r = 256 / min(h, w)
+    img = cv2.resize(img, (round(w * r), round(h * r)), interpolation=cv2.INTER_LANCZOS4)
+    h, w = img.shape[:2]
+    top, left = (h - 224) // 2, (w - 224) // 2
+    x = ((img[top:top + 224, left:left + 224].astype(np.float32) / 255.0 - MEAN) / STD).transpose(2, 0, 1)[None]
+    probs = session("orientation").run(None, {"x": np.ascontiguousarray(x)})[0]
+    return np.argsort(-probs, axis=1)[:, :4]
+
+
+def hand_layout(data: bytes) -> np.ndarray:
+    """layout_detect written by hand up to the raw model outputs, then the same decoding and NMS
+    (numpy, as rapid-layout does it) without step objects: decode, resize, normalize, engine, NMS."""
+    import cv2
+
+    from edged.pipeline.steps.detect import DetectDecode
+
+    img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+    x = ((cv2.resize(img, (608, 800)).astype(np.float32) / 255.0 - MEAN) / STD).transpose(2, 0, 1)[None]
+    outs = session("layout").run(None, {"image": np.ascontiguousarray(x)})
+    global _DECODER
+    if _DECODER is None:
+        _DECODER = DetectDecode({"layout": "picodet", "input_size": [800, 608], "score_threshold": 0.5,
+                                 "iou_threshold": 0.5, "multi_label": True, "candidates_per_class": 200,
+                                 "max_per_class": 100}, ROOT)
+    h, w = img.shape[:2]
+    feeds = {f"scores_{i}": outs[i] for i in range(4)} | {f"boxes_{i}": outs[4 + i] for i in range(4)}
+    feeds["transform"] = np.array([[608 / w, 800 / h, 0, 0]], np.float32)
+    return _DECODER.run(feeds)["boxes"]
+
+
+_DECODER: Any = None
+
+
+def one(data: bytes) -> np.ndarray:
+    out = np.empty(1, dtype=object)
+    out[0] = data
+    return out
+
+
+def show(r: Result) -> Result:
+    print("  " + r.row())
+    return r
+
+
+def daemon_part(tmp: Path, data: bytes, seconds: float, hand: Result) -> None:
+    import tritonclient.http as th
+
+    repo = tmp / "models"
+    for name in ("orientation", "orientation_classify"):
+        shutil.copytree(ROOT / "models" / name, repo / name, ignore=shutil.ignore_patterns("model.onnx"))
+    shutil.copyfile(model_file("orientation"), repo / "orientation" / "1" / "model.onnx")
+    port = free_port()
+    cfg = tmp / "edged.toml"
+    cfg.write_text(f"""
+[device]
+id = "bench"
+state_dir = "{tmp / 'state'}"
+runtime_dir = "{tmp / 'run'}"
+model_repository = "{repo}"
+profile = "generic"
+[http]
+listen = "127.0.0.1:{port}"
+[shm]
+enabled = false
+[mqtt]
+enabled = false
+[telemetry]
+enabled = false
+[logging]
+level = "warning"
+""")
+    url = f"127.0.0.1:{port}"
+    proc = start_daemon(cfg, url, False, model="orientation")
+    try:
+        local = threading.local()
+
+        def tc() -> Any:  # tritonclient.http runs on gevent: one client per thread
+            if not hasattr(local, "c"):
+                local.c = th.InferenceServerClient(url)
+            return local.c
+
+        x = np.random.default_rng(0).random((1, 3, 224, 224), dtype=np.float32)
+
+        def plain_http() -> object:
+            inp = th.InferInput("x", [1, 3, 224, 224], "FP32")
+            inp.set_data_from_numpy(x, binary_data=True)
+            return tc().infer("orientation", [inp]).as_numpy("fetch_name_0")
+
+        print("plain model (orientation, FP32 [1,3,224,224]):")
+        direct = show(measure("in-process ONNX Runtime session", lambda: session("orientation").run(None, {"x": x}),
+                              seconds=seconds))
+        over_http = show(measure("HTTP binary (tritonclient), c=1", plain_http, seconds=seconds))
+        overhead_ms = over_http.median_ms - direct.median_ms
+        print(f"  HTTP overhead for the plain model: {overhead_ms:.3f} ms")
+        deadline = time.monotonic() + 30
+        while not tc().is_model_ready("orientation_classify"):
+            if time.monotonic() > deadline:
+                print("pipeline through the daemon: orientation_classify is not served by this build (the daemon "
+                      "does not load pipeline.toml yet); c1 and c8 goals not measured")
+                return
+            time.sleep(0.2)
+
+        def pipeline_http() -> object:
+            inp = th.InferInput("image", [1], "BYTES")
+            inp.set_data_from_numpy(one(data), binary_data=True)
+            return tc().infer("orientation_classify", [inp]).as_numpy("labels")
+
+        print("orientation_classify through the daemon (HTTP, BYTES input):")
+        c1 = show(measure("pipeline HTTP, c=1", pipeline_http, seconds=seconds))
+        c8 = show(measure("pipeline HTTP, c=8", pipeline_http, seconds=seconds, concurrency=8))
+        print(ratio_line("c1 median / (hand chain + plain-model HTTP overhead)", c1.median_ms,
+                         hand.median_ms + overhead_ms, 1.1, higher_is_better=False))
+        print(ratio_line("c8 throughput / hand chain batch-1 throughput", c8.throughput, hand.throughput, 1.0))
+    finally:
+        stop_process(proc)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=4.0, help="measuring time per case")
+    ap.add_argument("--no-daemon", action="store_true", help="skip the daemon part")
+    args = ap.parse_args()
+    print(f"load average before: {os.getloadavg()}; {os.cpu_count()} CPUs")
+    data = photo_jpeg()
+    print(f"1. JPEG 640x480 ({len(data)} bytes) decode + resize to 224x224 RGB, one thread:")
+    for name, fn in libraries(data).items():
+        show(measure(name, fn, seconds=args.seconds / 2))
+
+    print("2. example pipelines in this process: built-in steps against the same work by hand")
+    datas = {"orientation_classify": data}
+    page = ROOT / "docs" / "img" / "page.jpg"
+    datas["layout_detect"] = page.read_bytes() if page.is_file() else photo_jpeg(760, 1000)
+    hand_fns: dict[str, Callable[[bytes], object]] = {"orientation_classify": hand_orientation,
+                                                      "layout_detect": hand_layout}
+    hands: dict[str, Result] = {}
+    for name, d in datas.items():
+        hands[name] = show(measure(f"{name}: by hand", lambda d=d, name=name: hand_fns[name](d),  # type: ignore[misc]
+                                   seconds=args.seconds))
+        steps = show(measure(f"{name}: built-in steps", lambda d=d, name=name: run_pipeline(  # type: ignore[misc]
+            name, {"image": one(d)}), seconds=args.seconds))
+        print("  " + ratio_line(f"{name} steps / by hand (median)", steps.median_ms, hands[name].median_ms, 1.1,
+                                higher_is_better=False))
+    if not args.no_daemon:
+        print("3. the daemon")
+        tmp = Path(tempfile.mkdtemp(prefix="edged-bench-pipeline-"))
+        try:
+            daemon_part(tmp, data, args.seconds, hands["orientation_classify"])
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print(f"load average after: {os.getloadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
