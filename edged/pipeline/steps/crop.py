@@ -59,6 +59,7 @@ class CropBoxes(BuiltinStep):
     params: CropBoxesParams
 
     def bind(self, inputs: Mapping[str, Port]) -> dict[str, Port]:
+        opencv()  # a missing pipeline extra fails the load, explained, not the first request
         pixels = self.port(inputs, "pixels", ("UINT8",), rank=4)
         boxes = self.port(inputs, "boxes", ("FP32",), rank=(3, 4))
         tail = boxes.shape[2:]

@@ -40,6 +40,7 @@ class DecodeImage(BuiltinStep):
     params: DecodeImageParams
 
     def bind(self, inputs: Mapping[str, Port]) -> dict[str, Port]:
+        opencv()  # a missing pipeline extra fails the load, explained, not the first request
         port = self.port(inputs, "image", ("BYTES",), rank=(1, 2))
         n = port.shape[0]
         h, w = self.params.resize.out_hw() if self.params.resize else (ANY, ANY)

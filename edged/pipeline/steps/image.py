@@ -131,6 +131,7 @@ class Resize(BuiltinStep):
     params: ResizeParams
 
     def bind(self, inputs: Mapping[str, Port]) -> dict[str, Port]:
+        opencv()  # a missing pipeline extra fails the load, explained, not the first request
         port = _pixels_port(self, inputs)
         _transform_in(self, inputs)
         h, w = self.params.out_hw()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import struct
+import sys
 import wave
 import zlib
 from pathlib import Path
@@ -216,3 +217,11 @@ def test_audio_limits_and_garbage() -> None:
     np.testing.assert_allclose(raw.run({"audio": bytes_tensor(pcm.tobytes())})["samples"][0], pcm / 32768.0)
     with pytest.raises(StepInputError, match="whole number"):
         raw.run({"audio": bytes_tensor(b"\x00\x01\x02")})
+
+
+def test_missing_pipeline_extra_is_explained_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    from edged.errors import MissingDependencyError
+
+    monkeypatch.setitem(sys.modules, "cv2", None)  # what `import cv2` meets without the extra
+    with pytest.raises(MissingDependencyError, match=r"edged\[pipeline\]"):
+        make_step("decode_image").bind({"image": Port("BYTES", (ANY,))})
