@@ -1,5 +1,6 @@
 """The floor under edged's gRPC path: grpcio's asyncio server, as edged runs it, in its own process,
-answering ModelInfer at once with a canned reply of a given size and doing nothing else.
+answering ModelInfer (and each ModelStreamInfer message) at once with a canned reply of a given size
+and doing nothing else.
 
     .venv/bin/python -m bench.grpc_floor PORT REPLY_BYTES   # prints "ready", serves until stdin closes
 
@@ -11,21 +12,28 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
+STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 
 
 async def _serve(port: int, reply: bytes) -> None:
     async def infer(request: bytes, context: Any) -> bytes:
         return reply
 
+    async def stream(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+        async for _ in requests:
+            yield reply
+
     service, method = METHOD.rsplit("/", 1)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        service.lstrip("/"), {method: grpc.unary_unary_rpc_method_handler(infer)}),))
+        service.lstrip("/"), {method: grpc.unary_unary_rpc_method_handler(infer),
+                              STREAM_METHOD.rsplit("/", 1)[1]: grpc.stream_stream_rpc_method_handler(stream)}),))
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     print("ready", flush=True)
