@@ -8,6 +8,11 @@
 #                          here (now or before) /etc/mosquitto/conf.d/edged-nodelay.conf sets set_tcp_nodelay
 #   ./install.sh --uninstall [--purge]   (as root) remove what the install added; config, state and
 #                          the user stay unless --purge
+#   ./install.sh --registry  (as root) install the fleet registry instead: /opt/edged-registry (the
+#                          'registry' extra), /etc/edged-registry (settings, a generated admin token),
+#                          the edged-registry unit (enabled and started when systemd runs);
+#                          with --uninstall [--purge] remove it again
+#       --root DIR         (with --registry) install under DIR instead of /, systemd untouched (tests)
 # Debian packages the project needs are installed when missing and we are root; otherwise we say
 # exactly what to install. Running the system install again changes nothing that is already right.
 set -euo pipefail
@@ -17,6 +22,8 @@ mode=system
 with_mosquitto=0
 purge=0
 wheelhouse=""
+registry=0
+root=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dev) mode=dev ;;
@@ -24,7 +31,9 @@ while [ $# -gt 0 ]; do
     --purge) purge=1 ;;
     --with-mosquitto) with_mosquitto=1 ;;
     --wheelhouse) wheelhouse=$2; shift ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    --registry) registry=1 ;;
+    --root) root=$2; shift ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "install.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -104,9 +113,68 @@ if [ "$mode" = dev ]; then
   exit 0
 fi
 
-if ! is_root; then
+if ! is_root && [ -z "$root" ]; then
   say "the system install needs root: run 'sudo ./install.sh', or './install.sh --dev' for a local setup"
   exit 1
+fi
+
+if [ "$registry" = 1 ]; then
+  # The registry: its own venv with the 'registry' extra, settings, a token only root reads, the unit.
+  # DynamicUser= in the unit: no account to create; systemd hands the token over as a credential.
+  rprefix=$root/opt/edged-registry
+  retc=$root/etc/edged-registry
+  runit=$root/etc/systemd/system/edged-registry.service
+  rlink=$root/usr/local/bin/edged-registry
+  with_systemd() { [ -z "$root" ] && command -v systemctl >/dev/null && [ -d /run/systemd/system ]; }
+  if [ "$mode" = uninstall ]; then
+    with_systemd && { systemctl disable --now edged-registry.service 2>/dev/null || true; }
+    rm -rf "$rprefix" "$runit" "$rlink"
+    with_systemd && systemctl daemon-reload
+    if [ "$purge" = 1 ]; then
+      rm -rf "$retc" "$root/var/lib/edged-registry" "$root/var/lib/private/edged-registry"
+      say "removed edged-registry, its settings, token and data"
+    else
+      say "removed edged-registry (kept /etc/edged-registry and /var/lib/edged-registry; --purge removes them)"
+    fi
+    exit 0
+  fi
+  [ -z "$wheelhouse" ] && ensure_debs python3-venv
+  py=$(pick_python)
+  rstamp=$( (cd "$here" && "$py" --version && find pyproject.toml edged -name '*.py' -o -name '*.toml' -o -name '*.ini' |
+    LC_ALL=C sort | xargs sha256sum) | sha256sum | cut -d' ' -f1)
+  if [ ! -f "$rprefix/.edged-stamp" ] || [ "$(cat "$rprefix/.edged-stamp")" != "$rstamp" ]; then
+    rm -rf "$rprefix"
+    "$py" -m venv "$rprefix"
+    pip_install "$rprefix" "${here}[registry]"
+    echo "$rstamp" >"$rprefix/.edged-stamp"
+  else
+    say "$rprefix is up to date"
+  fi
+  install -d -m 0755 "$(dirname "$rlink")" "$retc"
+  [ "$(readlink "$rlink" 2>/dev/null || true)" = "$rprefix/bin/edged-registry" ] || ln -sfn "$rprefix/bin/edged-registry" "$rlink"
+  # Settings and token are the admin's once written: never overwritten.
+  [ -e "$retc/registry.toml" ] || install -m 0644 "$here/packaging/registry.toml" "$retc/registry.toml"
+  if [ ! -e "$retc/admin-token" ]; then
+    (umask 077 && "$py" -c 'import secrets; print(secrets.token_urlsafe(32))' >"$retc/admin-token.new" &&
+      mv "$retc/admin-token.new" "$retc/admin-token")
+    say "generated the admin token: $retc/admin-token (give it as --token-file, or EDGED_REGISTRY_TOKEN)"
+  fi
+  changed=0
+  install -d -m 0755 "$(dirname "$runit")"
+  if ! { [ -f "$runit" ] && cmp -s "$here/packaging/systemd/edged-registry.service" "$runit"; }; then
+    install -m 0644 "$here/packaging/systemd/edged-registry.service" "$runit" && changed=1
+  fi
+  if with_systemd; then
+    [ "$changed" = 1 ] && systemctl daemon-reload
+    systemctl is-enabled --quiet edged-registry.service 2>/dev/null || systemctl enable edged-registry.service
+    if [ "$changed" = 1 ]; then systemctl restart edged-registry.service; else systemctl start edged-registry.service; fi
+    say "edged-registry installed and running on 127.0.0.1:8700: systemctl status edged-registry"
+    say "try: sudo edged-registry models --token-file $retc/admin-token"
+  else
+    say "edged-registry installed in $rprefix; without systemd start it with:"
+    say "  $rprefix/bin/edged-registry serve --config $retc/registry.toml --admin-token-file $retc/admin-token"
+  fi
+  exit 0
 fi
 
 prefix=/opt/edged

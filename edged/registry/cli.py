@@ -436,10 +436,22 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+# What the 'registry' extra brings (pyproject.toml): a command that needs one of them says which extra to install.
+REGISTRY_EXTRA_MODULES = frozenset({"fastapi", "starlette", "uvicorn", "sqlalchemy", "alembic", "httpx", "psycopg"})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
+    except ModuleNotFoundError as e:
+        top = (e.name or "").split(".")[0]
+        if top not in REGISTRY_EXTRA_MODULES:
+            raise
+        print(f"error: edged-registry {args.command} needs {top!r}, part of the 'registry' extra, which is not "
+              "installed here: pip install 'edged[registry]' (in edged's environment), or sudo ./install.sh "
+              "--registry for a registry service of its own", file=sys.stderr)
+        return 1
     except ConfigError as e:
         for p in e.problems:
             print(f"config: {p}", file=sys.stderr)
