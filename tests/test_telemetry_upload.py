@@ -9,6 +9,7 @@ import contextlib
 import http.server
 import json
 import os
+import shutil
 import socket
 import subprocess
 import threading
@@ -29,6 +30,7 @@ from edged.config import Config, ModelsSection, load_config
 from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
 from edged.core.types import InferRequest
+from edged.errors import EdgedError
 from edged.profiles import BackendPreference
 from edged.registry.auth import token_hash
 from edged.registry.db import Base, DeviceRow, make_engine, make_sessionmaker
@@ -513,3 +515,123 @@ def test_cap_holds_under_a_long_outage_and_drops_are_reported(ingest: IngestRegi
     finally:
         asyncio.run(agent.stop())
         mgr.shutdown()
+
+
+# ---- issue 17 item 1: rollback, re-activation and a restart under load, against the real registry --------
+class Load:
+    """A client sending to ``digits`` back to back from its own thread, counting answers per version."""
+
+    def __init__(self, svc: InferenceService) -> None:
+        import numpy as np
+
+        self.svc = svc
+        self.by_version: dict[int, int] = {}
+        self.errors = 0
+        self._stop = threading.Event()
+        self._x = np.full((1, 64), 3, np.float32)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                r = self.svc.infer_blocking(InferRequest("digits", {"pixels": self._x}))
+            except EdgedError:  # the version it was routed to went away under it: not a success anywhere
+                self.errors += 1
+                continue
+            self.by_version[r.version] = self.by_version.get(r.version, 0) + 1
+
+    def total(self) -> int:
+        return sum(self.by_version.values())
+
+    def stop(self) -> dict[int, int]:
+        self._stop.set()
+        self._thread.join(30)
+        return dict(self.by_version)
+
+
+def test_rollback_reactivation_and_restart_under_load_count_each_request_once(
+        tmp_path: Path, model_repo: Callable[..., Path], write_config: Callable[..., Path]) -> None:
+    """The registry's per-version totals equal what the client got answered (minus at most the one request
+    in flight at each switch), and /metrics, the status file and the registry agree on the current activation."""
+    from edged.telemetry.prometheus import render_metrics
+    from tests.test_telemetry import families, value
+
+    reg = RealRegistry(tmp_path / "registry")
+    reg.start()
+    try:
+        paths = httpx.get(reg.url + "/openapi.json", timeout=30).json()["paths"]
+        if INGEST_PATH not in paths:
+            pytest.skip("edged-registry serve does not mount the telemetry ingest router")
+        reg.enroll()
+        repo = model_repo("digits")
+        shutil.copytree(repo / "digits" / "1", repo / "digits" / "2")
+        cfg_path = write_config(repo, "[telemetry]\ninterval_s = 0.1\n")
+        cfg = load_config(cfg_path)
+        enroll_locally(cfg, reg.url, reg.credential)
+        settings = UploadSettings(url=reg.url, state_dir=cfg.device.state_dir, interval_s=0.1, min_backoff_s=0.05,
+                                  max_backoff_s=0.3, timeout_s=5)
+        sent: dict[int, int] = {}
+        switches = {1: 0, 2: 0}
+
+        def run(during: Callable[[ModelManager, InferenceService, TelemetryAgent], None]) -> None:
+            mgr, svc = make_service(repo)  # a daemon (re)start: serves version 2, the latest
+            agent = TelemetryAgent(cfg, svc, upload=settings, status_interval_s=0.2)
+            asyncio.run(agent.start())
+            try:
+                during(mgr, svc, agent)
+            finally:
+                asyncio.run(agent.stop())  # the last window reaches the stop
+                mgr.shutdown()
+
+        def serve_only(mgr: ModelManager, version: int) -> None:
+            mgr.load_model("digits", [version])
+            switches[1] += 1
+            switches[2] += 1
+
+        def windows(agent: TelemetryAgent, n: int) -> None:
+            start = agent.samples_total
+            wait_until(lambda: agent.samples_total >= start + n, f"{n} telemetry samples")
+
+        def first(mgr: ModelManager, svc: InferenceService, agent: TelemetryAgent) -> None:
+            load = Load(svc)
+            windows(agent, 3)
+            serve_only(mgr, 1)  # rollback to last-known-good
+            windows(agent, 3)
+            serve_only(mgr, 2)  # the release again: version 2 re-activated
+            windows(agent, 3)
+            serve_only(mgr, 1)  # and rolled back again: version 1 re-activated
+            windows(agent, 3)
+            for v, n in load.stop().items():
+                sent[v] = sent.get(v, 0) + n
+
+        def second(mgr: ModelManager, svc: InferenceService, agent: TelemetryAgent) -> None:
+            load = Load(svc)
+            windows(agent, 4)
+            got = load.stop()
+            assert set(got) == {2}
+            sent[2] = sent.get(2, 0) + got[2]
+            agent.sample_now()
+            agent.upload_now()
+            wait_until(lambda: bstats(agent).samples == 0, "this run's windows to reach the registry")
+            # This activation, three ways: /metrics, the status file, the registry's windows since the restart.
+            fams = families(render_metrics(svc).decode())
+            metric = value(fams, "edged_inference_request_success", "edged_inference_request_success_total",
+                           model="digits", version="2", backend="onnxruntime")
+            (status,) = [m for m in agent.status().models if m.model == "digits"]
+            points = admin_get(reg.url, "/api/v1/models/digits/telemetry", version=2, since=started[0],
+                               limit=10000)["points"]
+            assert metric == status.success_total == sum(p["success"] for p in points) == got[2]
+
+        started: list[float] = []
+        run(first)
+        started.append(time.time())
+        run(second)
+        run(lambda mgr, svc, agent: wait_until(lambda: bstats(agent).samples == 0, "the final samples"))
+        for v in (1, 2):
+            stored = admin_get(reg.url, "/api/v1/models/digits/telemetry/summary", version=v)["success"]
+            # Exact but for a request that was computing on a version as it was unloaded, after its last window.
+            assert sent[v] - switches[v] <= stored <= sent[v], (v, stored, sent, switches)
+        assert sent[1] > 0 and sent[2] > 0
+    finally:
+        reg.close()

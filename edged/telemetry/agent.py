@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from edged import __version__
@@ -29,7 +30,7 @@ from edged.errors import EdgedError
 from edged.telemetry import message, prometheus
 from edged.telemetry.buffer import BufferStats, TelemetryBuffer
 from edged.telemetry.device import DeviceSampler
-from edged.telemetry.models import Key, ModelCounters, ModelSnapshot, shared
+from edged.telemetry.models import Key, ModelCounters, ModelMetrics, ModelSnapshot, shared
 from edged.telemetry.readings import DeviceReading
 from edged.telemetry.snapshot import (
     STATUS_FILE,
@@ -42,7 +43,7 @@ from edged.telemetry.snapshot import (
     write_snapshot,
 )
 from edged.telemetry.upload import Uploader, UploadSettings, UploadStats
-from edged.telemetry.wire import MqttWindow, TelemetrySample
+from edged.telemetry.wire import ModelWindow, MqttWindow, TelemetrySample
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +67,28 @@ class _Window:
     def __init__(self) -> None:
         self.device: DeviceReading | None = None
         self.models: dict[Key, ModelSnapshot] = {}
+        self.ended: list[ModelSnapshot] = []
 
     def advance(self, device: DeviceReading, snaps: list[ModelSnapshot]) -> tuple[DeviceReading | None,
                                                                                   dict[Key, ModelCounters]]:
         prev_dev, prev = self.device, self.models
         self.device, self.models = device, {s.key: s for s in snaps}
+        self.ended = [p for p in prev.values() if (s := self.models.get(p.key)) is None or s.activation != p.activation]
         return prev_dev, {s.key: p.counters for s in snaps
                           if (p := prev.get(s.key)) is not None and p.activation == s.activation}
+
+    def closing(self, metrics: ModelMetrics) -> list[ModelWindow]:
+        """The last window of each activation that ended since the previous reading (after :meth:`advance`)."""
+        out = []
+        for p in self.ended:
+            final = metrics.final(p.key, p.activation)
+            if final is None:
+                continue
+            last = replace(p, counters=final, in_flight=0)
+            w = message.model_window(last, p.counters)
+            if w.success or w.failures or w.executions:
+                out.append(w)
+        return out
 
 
 class TelemetryAgent:
@@ -237,7 +253,7 @@ class TelemetryAgent:
                 device=self.cfg.device.id, run=self.run_id, t=round(reading.wall_time, 3),
                 window_s=round(max(window, 0.0), 3), uptime_s=round(reading.monotonic - self._started_mono, 3),
                 profile=self.profile, system=message.system_window(reading, prev_dev),
-                models=message.model_windows(snaps, prev_models))
+                models=message.model_windows(snaps, prev_models) + self._telemetry_window.closing(self.models))
             if self.mqtt_stats is not None:
                 cur = self.mqtt_stats()
                 sample.mqtt, self._mqtt_prev = cur.minus(self._mqtt_prev), cur

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -26,6 +27,7 @@ from edged.core.service import InferenceService
 from edged.core.stats import LATENCY_BUCKETS_S, Histogram, ModelStats
 
 Key = tuple[str, int, str]  # model, version, backend
+MAX_ENDED = 256  # ended activations remembered for their last window
 
 
 @dataclass
@@ -189,6 +191,25 @@ class ModelMetrics:
         self.service = service
         self._lock = threading.Lock()
         self._tracks: dict[Key, _Track] = {}
+        # Activations that ended (unloaded, replaced), kept so a reader can count their last partial
+        # window: what they served between its previous reading and the unload.
+        self._ended: OrderedDict[tuple[Key, str], _Track] = OrderedDict()
+
+    def _end(self, key: Key, tr: _Track) -> None:
+        self._ended[(key, tr.activation)] = tr
+        while len(self._ended) > MAX_ENDED:
+            self._ended.popitem(last=False)
+
+    def final(self, key: Key, activation: str) -> ModelCounters | None:
+        """The totals of an ended activation (None when unknown or long gone)."""
+        with self._lock:
+            tr = self._ended.get((key, activation))
+            if tr is None:
+                return None
+            total = tr.base
+            for st in (tr.current, *tr.retired):
+                total = total.plus(ModelCounters.read(st)[0])
+            return total
 
     def snapshot(self) -> list[ModelSnapshot]:
         out = []
@@ -202,6 +223,8 @@ class ModelMetrics:
                 seen.add(key)
                 tr = self._tracks.get(key)
                 if tr is None or tr.activation != st.activation:
+                    if tr is not None:
+                        self._end(key, tr)
                     tr = self._tracks[key] = _Track(current=st, activation=st.activation,
                                                     activated_at=st.activated_at)
                 elif tr.current is not st:
@@ -225,7 +248,7 @@ class ModelMetrics:
                                          c.precision if c else "", total, in_flight, tr.activation,
                                          tr.activated_at))
             for key in set(self._tracks) - seen:  # that activation ended: a later load starts a new one
-                del self._tracks[key]
+                self._end(key, self._tracks.pop(key))
         return out
 
     def versions(self) -> list[VersionState]:
