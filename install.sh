@@ -153,7 +153,18 @@ if [ "$registry" = 1 ]; then
   install -d -m 0755 "$(dirname "$rlink")" "$retc"
   [ "$(readlink "$rlink" 2>/dev/null || true)" = "$rprefix/bin/edged-registry" ] || ln -sfn "$rprefix/bin/edged-registry" "$rlink"
   # Settings and token are the admin's once written: never overwritten.
-  [ -e "$retc/registry.toml" ] || install -m 0644 "$here/packaging/registry.toml" "$retc/registry.toml"
+  if [ ! -e "$retc/registry.toml" ]; then
+    # The registry refuses to start without a trusted release key: a first install makes one so it
+    # serves at once (move operator.key to the operator's machine, or replace public_keys, for real use).
+    if [ ! -e "$retc/operator.key" ]; then
+      "$rprefix/bin/edged-registry" keygen --out "$retc/operator.key" >/dev/null
+      say "generated a release-signing key pair: $retc/operator.key (private, root only) and .pub"
+    fi
+    pub=$(cat "$retc/operator.key.pub")
+    sed "s|^# public_keys = .*|public_keys = [\"$pub\"]   # edged-registry keygen; operator.key signs releases|" \
+      "$here/packaging/registry.toml" >"$retc/registry.toml.new"
+    chmod 0644 "$retc/registry.toml.new" && mv "$retc/registry.toml.new" "$retc/registry.toml"
+  fi
   if [ ! -e "$retc/admin-token" ]; then
     (umask 077 && "$py" -c 'import secrets; print(secrets.token_urlsafe(32))' >"$retc/admin-token.new" &&
       mv "$retc/admin-token.new" "$retc/admin-token")

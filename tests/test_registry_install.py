@@ -66,14 +66,23 @@ def test_install_sh_registry_builds_a_venv_that_serves(tmp_path: Path) -> None:
     assert exe.is_file() and (root / "usr/local/bin/edged-registry").is_symlink()
     assert (root / "etc/systemd/system/edged-registry.service").read_text() == UNIT.read_text()
     assert stat.S_IMODE(token.stat().st_mode) == 0o600 and len(token.read_text().strip()) >= 32
+    key = root / "etc/edged-registry/operator.key"
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    pub = (root / "etc/edged-registry/operator.key.pub").read_text().strip()
+    assert f'public_keys = ["{pub}"]' in (root / "etc/edged-registry/registry.toml").read_text()
     port = free_port()
     serve = subprocess.Popen([str(exe), "serve", "--config", str(root / "etc/edged-registry/registry.toml"),
                               "--admin-token-file", str(token), "--data-dir", str(tmp_path / "data"),
-                              "--listen", f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              "--listen", f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
+                             stderr=(tmp_path / "serve.log").open("wb"),
                              env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+
+    def up() -> bool:
+        assert serve.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
+        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+
     try:
-        wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200, 120, 0.2,
-                 "the installed registry")
+        wait_for(up, 120, 0.2, "the installed registry")
         models = subprocess.run([str(exe), "models", "--url", f"http://127.0.0.1:{port}", "--token-file",
                                  str(token), "--json"], capture_output=True, text=True, timeout=60)
         assert models.returncode == 0, models.stderr
