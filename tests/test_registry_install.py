@@ -17,7 +17,7 @@ from tests.conftest import REPO_ROOT
 from tests.registry_helpers import free_port, wait_for
 
 UNIT = REPO_ROOT / "packaging" / "systemd" / "edged-registry.service"
-EXTRA = ("fastapi", "starlette", "uvicorn", "sqlalchemy", "alembic", "httpx", "psycopg")
+EXTRA = ("fastapi", "starlette", "uvicorn", "sqlalchemy", "alembic", "httpx", "psycopg", "jinja2")
 
 
 def _exposure(unit: Path) -> float:

@@ -437,7 +437,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 
 # What the 'registry' extra brings (pyproject.toml): a command that needs one of them says which extra to install.
-REGISTRY_EXTRA_MODULES = frozenset({"fastapi", "starlette", "uvicorn", "sqlalchemy", "alembic", "httpx", "psycopg"})
+REGISTRY_EXTRA_MODULES = frozenset({"fastapi", "starlette", "uvicorn", "sqlalchemy", "alembic", "httpx", "psycopg",
+                                    "jinja2"})
 
 
 def main(argv: list[str] | None = None) -> int:
