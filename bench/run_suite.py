@@ -436,7 +436,13 @@ def build_rows(cases: dict[str, Case], *, rss: float, engines: list[str], ready:
                     "the floor under the shm path", "info"))
     for key in ("svc8", "shm8"):
         r = rounds(lambda a, b1, b8: a.throughput / max(b1.throughput, b8.throughput), c[key], raw1, raw8)
-        rows.append(Row(c[key].label, traffic_value(c[key]), best, r, f"throughput >= {GOAL_C8}x",
+        # The raw references count one call's median latency, which leaves out the stalls other tenants
+        # cause; the c8 cases count wall time, which does not. The like-for-like ratio (every case by wall
+        # time) is shown beside the goal's.
+        r_wall = rounds(lambda a, b1, b8: a.wall_throughput / max(b1.wall_throughput, b8.wall_throughput),
+                        c[key], raw1, raw8)
+        rows.append(Row(c[key].label, traffic_value(c[key]), best, r,
+                        f"throughput >= {GOAL_C8}x (by wall time on both sides: {r_wall:.3f}x)",
                         verdict(r >= GOAL_C8)))
     for key, floor_key, goal in (("http_bin", "http_floor_bin", GOAL_HTTP_BINARY_MS),
                                  ("http_json", "http_floor_json", GOAL_HTTP_JSON_MS)):
