@@ -143,6 +143,30 @@ def interleaved(cases: dict[str, Callable[[], object]], seconds: float, clocks: 
     return out, {k: ns / n / 1e6 for k, (ns, n) in engine.items() if n}
 
 
+def http_only_config(tmp: Path, repo: Path, port: int, device_extra: str = "") -> Path:
+    """An edged.toml serving ``repo`` over HTTP only (no shm, MQTT, telemetry), its state under ``tmp``."""
+    cfg_path = tmp / "edged.toml"
+    cfg_path.write_text(f"""
+[device]
+id = "bench"
+state_dir = "{tmp / 'state'}"
+runtime_dir = "{tmp / 'run'}"
+model_repository = "{repo}"
+{device_extra}
+[http]
+listen = "127.0.0.1:{port}"
+[shm]
+enabled = false
+[mqtt]
+enabled = false
+[telemetry]
+enabled = false
+[logging]
+level = "warning"
+""")
+    return cfg_path
+
+
 def start_daemon(cfg_path: Path, url: str, inprocess: bool, model: str = "mobilenet") -> subprocess.Popen[bytes]:
     """``edged run`` on ``cfg_path``, returned once ``model`` is ready."""
     if inprocess:  # the transport alone, without the daemon's CLI (for when `edged run` is unavailable)
@@ -184,24 +208,7 @@ def main() -> int:
         for name in ("mobilenet", "digits"):
             shutil.copytree(ROOT / "models" / name, tmp / "models" / name)
         port = free_port()
-        cfg_path = tmp / "edged.toml"
-        cfg_path.write_text(f"""
-[device]
-id = "bench"
-state_dir = "{tmp / 'state'}"
-runtime_dir = "{tmp / 'run'}"
-model_repository = "{tmp / 'models'}"
-[http]
-listen = "127.0.0.1:{port}"
-[shm]
-enabled = false
-[mqtt]
-enabled = false
-[telemetry]
-enabled = false
-[logging]
-level = "warning"
-""")
+        cfg_path = http_only_config(tmp, tmp / "models", port)
         parse_config(cfg_path.read_text(), source=cfg_path)
         rng = np.random.default_rng(0)
         x = rng.random((1, 3, 48, 192), dtype=np.float32)

@@ -38,7 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_http import start_daemon  # noqa: E402
+from bench.bench_http import http_only_config, start_daemon  # noqa: E402
 from bench.common import Result, measure, ratio_line, stop_process  # noqa: E402
 from tests.device.pipeline.examples import model_file, run_pipeline, session  # noqa: E402
 from tests.netutil import free_port  # noqa: E402
@@ -197,25 +197,7 @@ def daemon_part(tmp: Path, data: bytes, seconds: float, hand: Result) -> None:
         shutil.copytree(ROOT / "models" / name, repo / name, ignore=shutil.ignore_patterns("model.onnx"))
     shutil.copyfile(model_file("orientation"), repo / "orientation" / "1" / "model.onnx")
     port = free_port()
-    cfg = tmp / "edged.toml"
-    cfg.write_text(f"""
-[device]
-id = "bench"
-state_dir = "{tmp / 'state'}"
-runtime_dir = "{tmp / 'run'}"
-model_repository = "{repo}"
-profile = "generic"
-[http]
-listen = "127.0.0.1:{port}"
-[shm]
-enabled = false
-[mqtt]
-enabled = false
-[telemetry]
-enabled = false
-[logging]
-level = "warning"
-""")
+    cfg = http_only_config(tmp, repo, port, device_extra='profile = "generic"')
     url = f"127.0.0.1:{port}"
     proc = start_daemon(cfg, url, False, model="orientation")
     try:

@@ -95,6 +95,27 @@ def read_labels(folder: Path, name: str, kind: str) -> list[str]:
     return text.splitlines()
 
 
+class Labels:
+    """Class names from an optional labels file; without one a class is named by its index."""
+
+    def __init__(self, folder: Path, name: str | None, kind: str) -> None:
+        self.file, self.kind = name, kind
+        self.names = read_labels(folder, name, kind) if name else None
+
+    def check(self, classes: int) -> None:
+        """Refuse at load a labels file shorter than the model's class count."""
+        if classes != ANY and self.names is not None and len(self.names) < classes:
+            raise PipelineDefinitionError(f"step {self.kind!r}: labels file {self.file!r} has {len(self.names)} "
+                                          f"labels for {classes} classes")
+
+    def __call__(self, index: int, source: str) -> str:
+        if self.names is None:
+            return str(index)
+        if not 0 <= index < len(self.names):
+            raise StepInputError(f"step {self.kind!r}: class {index} has no label in {self.file!r}", input=source)
+        return self.names[index]
+
+
 def shape(*dims: int) -> tuple[int, ...]:
     return tuple(ANY if d < 0 else d for d in dims)
 

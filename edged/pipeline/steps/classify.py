@@ -14,8 +14,8 @@ import numpy as np
 import orjson
 from pydantic import Field
 
-from edged.pipeline.contract import ANY, PipelineDefinitionError, Port, StepInputError
-from edged.pipeline.steps._base import FLOATS, BuiltinStep, StepParams, read_labels
+from edged.pipeline.contract import ANY, PipelineDefinitionError, Port
+from edged.pipeline.steps._base import FLOATS, BuiltinStep, Labels, StepParams
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -69,27 +69,17 @@ class TopK(BuiltinStep):
 
     def __init__(self, params: Any, folder: Path) -> None:
         super().__init__(params, folder)
-        self.labels = read_labels(folder, self.params.labels, self.kind) if self.params.labels else None
+        self.labels = Labels(folder, self.params.labels, self.kind)
 
     def bind(self, inputs: Mapping[str, Port]) -> dict[str, Port]:
         port = self.port(inputs, "scores", FLOATS, rank=2)
         classes = port.shape[1]
         if classes != ANY and self.params.k > classes:
             raise PipelineDefinitionError(f"step 'topk': k={self.params.k} but input 'scores' has {classes} classes")
-        if classes != ANY and self.labels is not None and len(self.labels) < classes:
-            raise PipelineDefinitionError(f"step 'topk': labels file {self.params.labels!r} has {len(self.labels)} "
-                                          f"labels for {classes} classes")
+        self.labels.check(classes)
         n = port.shape[0]
         return {"indices": Port("INT64", (n, self.params.k)), "scores": Port("FP32", (n, self.params.k)),
                 "labels": Port("BYTES", (n, self.params.k)), "json": Port("BYTES", (n,))}
-
-    def label(self, index: int) -> str:
-        if self.labels is None:
-            return str(index)
-        if index >= len(self.labels):
-            raise StepInputError(f"step 'topk': class {index} has no label in {self.params.labels!r}",
-                                 input="scores")
-        return self.labels[index]
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         scores = self.array(inputs, "scores", ndim=2)
@@ -97,7 +87,7 @@ class TopK(BuiltinStep):
         # stable: equal scores keep the lower index first, as a plain argsort on -scores does
         top = np.argsort(-scores, axis=1, kind="stable")[:, :k].astype(np.int64)
         values = np.take_along_axis(scores, top, axis=1).astype(np.float32)
-        names = [[self.label(int(i)) for i in row] for row in top]
+        names = [[self.labels(int(i), "scores") for i in row] for row in top]
         docs = [orjson.dumps([{"index": int(i), "label": name, "score": float(s)}
                               for i, name, s in zip(row, row_names, vals, strict=True)])
                 for row, row_names, vals in zip(top, names, values, strict=True)]

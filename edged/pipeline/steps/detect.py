@@ -24,7 +24,7 @@ import orjson
 from pydantic import Field, model_validator
 
 from edged.pipeline.contract import ANY, PipelineDefinitionError, Port, StepInputError
-from edged.pipeline.steps._base import FLOATS, BuiltinStep, StepParams, read_labels
+from edged.pipeline.steps._base import FLOATS, BuiltinStep, Labels, StepParams
 from edged.pipeline.steps.classify import bytes_array, softmax
 
 
@@ -87,7 +87,7 @@ class DetectDecode(BuiltinStep):
 
     def __init__(self, params: Any, folder: Path) -> None:
         super().__init__(params, folder)
-        self.labels = read_labels(folder, self.params.labels, self.kind) if self.params.labels else None
+        self.labels = Labels(folder, self.params.labels, self.kind)
 
     def _heads(self) -> list[str]:
         if self.params.layout != "picodet":
@@ -101,11 +101,14 @@ class DetectDecode(BuiltinStep):
         if p.layout != "picodet":
             width = ports["predictions"].shape[1 if p.layout == "yolov8" else 2]
             least = 5 if p.layout == "yolov8" else 6
+            if width != ANY and width >= least:
+                self.labels.check(width - least + 1)
             if width != ANY and width < least:
                 shape = list(ports["predictions"].shape)
                 raise PipelineDefinitionError(f"step 'detect_decode': input 'predictions' {shape} has no room "
                                               f"for a box and classes ({p.layout} layout)")
         else:
+            self.labels.check(ports["scores_0"].shape[2])
             for i in range(len(p.strides)):
                 dist = ports[f"boxes_{i}"].shape[2]
                 if dist != ANY and dist % 4:
@@ -194,14 +197,6 @@ class DetectDecode(BuiltinStep):
             b, s, c_ = b[best], s[best], c_[best]
         return b, s, c_
 
-    def label(self, c: int) -> str:
-        if self.labels is None:
-            return str(c)
-        if c >= len(self.labels):
-            raise StepInputError(f"step 'detect_decode': class {c} has no label in {self.params.labels!r}",
-                                 input="predictions")
-        return self.labels[c]
-
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         per_item = self._picodet(inputs) if self.params.layout == "picodet" else self._yolo(inputs)
         n = len(per_item)
@@ -230,7 +225,7 @@ class DetectDecode(BuiltinStep):
         for i, (b, s, c) in enumerate(results):
             k = len(s)
             out_b[i, :k], out_s[i, :k], out_c[i, :k], count[i] = b, s, c, k
-            item_labels = [self.label(int(x)) for x in c]
+            item_labels = [self.labels(int(x), self._heads()[0]) for x in c]
             names += [x.encode() for x in item_labels] + [b""] * (d - k)
             docs.append(orjson.dumps([{"label": lab, "class": int(cl), "score": float(sc),
                                        "box": [float(v) for v in bx]}

