@@ -72,6 +72,9 @@ class DecodeImage(BuiltinStep):
             if img is None:
                 raise StepInputError(f"input 'image'[{i}]: the {fmt.upper()} is corrupt or truncated",
                                      input="image")
+            if img.shape[0] * img.shape[1] > self.params.max_pixels:  # the header lied about the size
+                raise StepInputError(f"input 'image'[{i}]: decodes to {img.shape[1]}x{img.shape[0]}, over the "
+                                     f"{self.params.max_pixels}-pixel limit", input="image")
             if self.params.color == "RGB":
                 img = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
             sizes[i] = img.shape[:2]

@@ -176,3 +176,38 @@ def test_examples_without_fetched_models_leave_the_rest_serving(tmp_path: Path) 
         with urllib.request.urlopen(req, timeout=30) as r:
             index = {e["name"]: e for e in json.loads(r.read())}
         assert "model.onnx is missing" in index["layout"]["reason"]
+
+
+def test_ctc_on_pp_ocr_rec_matches_rapidocr_decoder(tmp_path: Path) -> None:
+    """ctc_decode on PP-OCRv4 rec's real output equals rapidocr's own CTCLabelDecode."""
+    import importlib.util
+
+    import onnxruntime as ort
+
+    from edged.pipeline.steps import builtin_step
+    from tests.wheel_cache import fetch_wheel
+
+    try:
+        root = fetch_wheel("rapidocr-onnxruntime==1.4.4") / "rapidocr_onnxruntime"
+    except UnavailableError as exc:
+        pytest.skip(str(exc))
+    # the package's decoder module alone (its package __init__ pulls in the detector's dependencies)
+    spec = importlib.util.spec_from_file_location("rapidocr_ctc", root / "ch_ppocr_rec" / "utils.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sess = ort.InferenceSession(str(root / "models" / "ch_PP-OCRv4_rec_infer.onnx"), providers=["CPUExecutionProvider"])
+    chars = sess.get_modelmeta().custom_metadata_map["character"].splitlines()
+    (tmp_path / "characters.txt").write_text("\n".join(chars) + "\n", encoding="utf-8")
+    crops = []
+    for text in ("edged 2026", "Pipelines", "NMS 0.45"):
+        img = np.full((48, 320, 3), 255, np.uint8)
+        cv2.putText(img, text, (6, 34), cv2.FONT_HERSHEY_SIMPLEX, 1.0, (0, 0, 0), 2)
+        crops.append(((img.astype(np.float32) / 255.0 - 0.5) / 0.5).transpose(2, 0, 1))
+    preds = sess.run(None, {"x": np.stack(crops)})[0]
+    expect = module.CTCLabelDecode(character=list(chars))(preds)
+    step = builtin_step("ctc_decode")({"characters": "characters.txt"}, tmp_path)
+    out = step.run({"logits": preds})
+    assert [t.decode() for t in out["text"]] == [t for t, _ in expect]
+    np.testing.assert_allclose(out["confidence"], [c for _, c in expect], atol=1e-6)
+    assert any("2026" in t for t, _ in expect), expect  # the model really read the rendered text

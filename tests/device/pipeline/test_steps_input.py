@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from edged.pipeline.contract import ANY, PipelineDefinitionError, Port, Step, StepInputError
 from edged.pipeline.steps import builtin_step
@@ -225,3 +227,24 @@ def test_missing_pipeline_extra_is_explained_at_load(monkeypatch: pytest.MonkeyP
     monkeypatch.setitem(sys.modules, "cv2", None)  # what `import cv2` meets without the extra
     with pytest.raises(MissingDependencyError, match=r"edged\[pipeline\]"):
         make_step("decode_image").bind({"image": Port("BYTES", (ANY,))})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_damaged_images_are_input_errors_or_pixels(data: st.DataObject) -> None:
+    """Cut, flipped or garbage bytes of real JPEG/PNG/WebP files: pixels or a StepInputError, nothing else."""
+    ext = data.draw(st.sampled_from([".jpg", ".png", ".webp"]))
+    good = encoded(photo(24, 32), ext)
+    cut = data.draw(st.integers(0, len(good)))
+    damaged = bytearray(good[:cut])
+    for _ in range(data.draw(st.integers(0, 4))):
+        if damaged:
+            damaged[data.draw(st.integers(0, len(damaged) - 1))] = data.draw(st.integers(0, 255))
+    step = make_step("decode_image", {"max_pixels": 4096})
+    try:
+        out = step.run({"image": bytes_tensor(bytes(damaged))})
+    except StepInputError as exc:
+        assert "'image'[0]" in str(exc)
+    else:
+        h, w = out["sizes"][0]
+        assert out["pixels"].shape == (1, h, w, 3) and h * w <= 4096
