@@ -26,7 +26,7 @@ import numpy as np
 from bench.common import ratio_line
 from edged.backends.base import Engine, LoadRequest
 from edged.backends.benchmark import typical_call_s
-from edged.backends.registry import get_backend
+from edged.backends.factory import get_backend
 from edged.backends.selection import Candidate, candidates
 from edged.config import ModelsSection
 from edged.core.manager import ModelManager

@@ -9,7 +9,7 @@ frames go over a real ``SOCK_SEQPACKET`` to a real shm ``Connection`` thread wit
 serving the bundled digits model. A crash is any exception that is not a typed ``EdgedError``
 (for shm: an ``internal`` reply or no reply). Memory: the process's peak RSS (VmHWM) growth over the
 run, which counts every transient allocation. The test suite runs a bounded slice of this
-(tests/test_decoder_fuzz.py); docs/security.md has the figures of a long run.
+(tests/transports/test_decoder_fuzz.py); docs/security.md has the figures of a long run.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from typing import Any
 
 from edged import datatypes
 from edged.errors import EdgedError, ErrorCode
+from edged.protocol import mqtt as codec
+from edged.protocol import shm as p
 from edged.protocol.v2 import decode_request
 from edged.protocol.v2_json import loads_request
-from edged.transports import mqtt_codec as codec
-from edged.transports import shm_protocol as p
 
 ROOT = Path(__file__).resolve().parent.parent
 DECODERS = ("http_json", "http_binary", "mqtt_json", "mqtt_binary", "shm_frame")
@@ -58,7 +58,7 @@ def http_json(body: bytes) -> None:
 
 
 def http_binary(body: bytes, hlen: int) -> None:
-    """http_app's split: the header length comes from Inference-Header-Content-Length."""
+    """edged.transports.http.app's split: the header length comes from Inference-Header-Content-Length."""
     if not 0 <= hlen <= len(body):
         raise EdgedError("header length outside the body")
     view = memoryview(body)
@@ -190,7 +190,7 @@ class ShmTarget:
         from edged.core.manager import ModelManager
         from edged.core.service import InferenceService
         from edged.profiles import BackendPreference
-        from edged.transports.shm_conn import Connection, Limits
+        from edged.transports.shm.conn import Connection, Limits
 
         self.tmp = tempfile.mkdtemp(prefix="edged-fuzz-")
         shutil.copytree(ROOT / "models" / "digits", Path(self.tmp) / "digits")

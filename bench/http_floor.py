@@ -1,4 +1,4 @@
-"""The floor under edged's HTTP path: the same server library (edged.transports.http_server) in its
+"""The floor under edged's HTTP path: the same server library (edged.transports.http.server) in its
 own process, answering every request at once with a canned body of the size the client asks for.
 
     .venv/bin/python -m bench.http_floor PORT        # prints "ready", serves until stdin closes
@@ -14,7 +14,7 @@ import asyncio
 import socket
 import sys
 
-from edged.transports.http_server import Headers, HttpServer, Request, Response
+from edged.transports.http.server import Headers, HttpServer, Request, Response
 
 REPLY_SIZE = "bench-reply-size"  # request header: how many bytes to answer with
 

@@ -27,7 +27,7 @@ from edged.config import ModelsSection, parse_config  # noqa: E402
 from edged.core.manager import ModelManager  # noqa: E402
 from edged.core.service import InferenceService  # noqa: E402
 from edged.profiles import BackendPreference  # noqa: E402
-from edged.transports.mqtt import MqttTransport  # noqa: E402
+from edged.transports.mqtt.transport import MqttTransport  # noqa: E402
 from tests.mqtt_helpers import DIGIT, Broker, TestClient, publish_properties  # noqa: E402
 
 

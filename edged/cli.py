@@ -105,7 +105,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         problems.append(f"device.model_repository: {cfg.device.model_repository} is not a folder"
                         + (f" (nor is device.model_seed {cfg.device.model_seed})" if cfg.device.model_seed else ""))
     # The broker address and TLS files, checked exactly as the MQTT transport checks them at start.
-    from edged.transports.mqtt_connection import MqttOptions
+    from edged.transports.mqtt.connection import MqttOptions
 
     try:
         MqttOptions.from_config(cfg)

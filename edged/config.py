@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from edged.errors import ConfigError
 from edged.repository.manifest import format_validation_error
-from edged.transports.mqtt_bindings import StreamBinding
+from edged.transports.mqtt.bindings import StreamBinding
 
 if sys.version_info >= (3, 11):
     import tomllib

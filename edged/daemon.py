@@ -136,22 +136,22 @@ class Daemon:
         cfg = self.cfg
         out: list[Transport] = []
         if cfg.shm.enabled:
-            from edged.transports.shm import ShmTransport
+            from edged.transports.shm.transport import ShmTransport
             out.append(ShmTransport(cfg, rt.service))
         grpc = cfg.grpc is not None and cfg.grpc.enabled
         regions = None
         if cfg.http.enabled or grpc:
             # One set of Triton system shared memory regions for both v2 listeners, as in Triton.
-            from edged.transports.http import system_shm_registry
+            from edged.transports.http.transport import system_shm_registry
             regions = system_shm_registry(cfg)
         if cfg.http.enabled:
-            from edged.transports.http import HttpTransport
+            from edged.transports.http.transport import HttpTransport
             out.append(HttpTransport(cfg, rt.service, shm=regions))
         if grpc:
             from edged.transports.grpc.server import GrpcTransport
             out.append(GrpcTransport(cfg, rt.service, shm=regions))
         if cfg.mqtt.enabled:
-            from edged.transports.mqtt import MqttTransport
+            from edged.transports.mqtt.transport import MqttTransport
             out.append(MqttTransport(cfg, rt.service, rt.profile.name))
         if cfg.registry.enabled:
             from edged.sync.agent import SyncAgent

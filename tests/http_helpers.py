@@ -17,7 +17,7 @@ from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
 from edged.core.types import InferRequest
 from edged.profiles import BackendPreference
-from edged.transports.http import HttpTransport
+from edged.transports.http.transport import HttpTransport
 
 T = TypeVar("T")
 MODELS = Path(__file__).resolve().parent.parent / "models"

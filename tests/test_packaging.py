@@ -241,7 +241,7 @@ def test_deb_installs_offline_runs_and_purges_without_a_trace(
     assert (root / "etc/systemd/system/multi-user.target.wants/edged.service").is_symlink()
     assert (root / "var/lib/edged").stat().st_mode & 0o777 == 0o750
     assert config_owner(root) == (0o640, "root", "edged")  # it holds secrets (issue #20 item 11)
-    # The broker drop-in, where Debian's mosquitto.conf includes it (tests/test_mqtt.py shows its effect).
+    # The broker drop-in, where Debian's mosquitto.conf includes it (tests/transports/test_mqtt.py shows its effect).
     dropin = (root / "etc/mosquitto/conf.d/edged-nodelay.conf").read_text()
     assert "\nset_tcp_nodelay true\n" in dropin
 

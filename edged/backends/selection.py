@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from edged.backends.registry import get_backend
+from edged.backends.factory import get_backend
 from edged.errors import EdgedError
 from edged.repository.manifest import Variant
 

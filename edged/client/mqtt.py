@@ -40,7 +40,7 @@ class MqttClient:
         import paho.mqtt.client as mqtt
         from paho.mqtt.enums import CallbackAPIVersion
 
-        from edged.transports.mqtt_connection import no_delay, quick_ack
+        from edged.transports.mqtt.connection import no_delay, quick_ack
 
         if not device_id:
             raise EdgedError("MqttClient needs the daemon's device id", code=ErrorCode.INVALID_ARGUMENT)
@@ -110,8 +110,8 @@ class MqttClient:
             self._ready.set_result(None)
 
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
-        from edged.transports import mqtt_codec as codec
-        from edged.transports.mqtt_connection import quick_ack
+        from edged.protocol import mqtt as codec
+        from edged.transports.mqtt.connection import quick_ack
 
         quick_ack(client)
 
@@ -142,8 +142,8 @@ class MqttClient:
     def infer(self, model: str, inputs: Mapping[str, np.ndarray], version: int | None = None,
               timeout: float = 10.0, outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         """Run one inference; returns the outputs by name."""
-        from edged.transports import mqtt_codec as codec
-        from edged.transports.mqtt_properties import publish_properties
+        from edged.protocol import mqtt as codec
+        from edged.transports.mqtt.properties import publish_properties
 
         corr = uuid.uuid4().hex
         header, chunks = self._encode(inputs, outputs)

@@ -20,7 +20,7 @@ root, this user or the ``edged`` system user; ``server_uid=`` or ``$EDGED_SHM_SE
 names the one uid to accept instead. Another user's process that took over the socket path
 gets nothing: no request, no memfd.
 
-The wire protocol is described in :mod:`edged.transports.shm_protocol`.
+The wire protocol is described in :mod:`edged.protocol.shm`.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from edged.client.shm_memory import (
     read_outputs,
 )
 from edged.errors import EdgedError, ErrorCode, InvalidInputError, PermissionDeniedError
-from edged.transports import shm_protocol as p
+from edged.protocol import shm as p
 from edged.transports.peercred import peer_credentials
 
 __all__ = ["AsyncShmClient", "ShmClient", "default_socket"]

@@ -22,7 +22,7 @@ import numpy as np
 
 from edged import datatypes
 from edged.errors import InvalidInputError
-from edged.transports import shm_protocol as p
+from edged.protocol import shm as p
 
 PAGE = mmap.PAGESIZE
 MEMFD_NAME = "edged-shm"

@@ -39,7 +39,7 @@ from edged.backends.benchmark import (
 )
 from edged.backends.build import EngineBuild, EngineBuildRequiredError
 from edged.backends.enginecache import EngineCache, EngineCacheKey, variant_digest
-from edged.backends.registry import get_backend
+from edged.backends.factory import get_backend
 from edged.backends.selection import Candidate, candidates, unavailable_reason
 from edged.core.scheduler import Scheduler
 from edged.core.stats import ModelStats

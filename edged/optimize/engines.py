@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from edged.backends.base import Engine, LoadRequest
-from edged.backends.registry import get_backend
+from edged.backends.factory import get_backend
 from edged.optimize.modelio import ModelIO
 from edged.repository.manifest import Variant
 

@@ -252,7 +252,7 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
 
 def _mqtt_notes(target: Any, result: Any, out: TextIO) -> None:
     """The QoS actually used, and the broker's delayed-ACK stall when the round trips show it."""
-    from edged.transports.mqtt_stall import perf_warning
+    from edged.transports.mqtt.stall import perf_warning
 
     got = "unknown (no reply)" if target.reply_qos is None else str(target.reply_qos)
     print(f"  MQTT: requests at QoS {target.qos}, replies delivered at QoS {got}", file=out)

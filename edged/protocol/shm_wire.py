@@ -1,6 +1,6 @@
 """The shared-memory protocol's wire format, with no dependency beyond the standard library.
 
-Why apart from :mod:`edged.transports.shm_protocol` (which documents the protocol
+Why apart from :mod:`edged.protocol.shm` (which documents the protocol
 and adds the daemon's typed errors and numpy dtypes on top): the TensorRT engine
 worker speaks this same protocol under JetPack 5's system Python 3.8, where
 nothing else of edged can be imported. So this module must stay Python 3.8
@@ -32,7 +32,7 @@ OUTPUT = struct.Struct("<BBBxQQ")
 META_BODY = struct.Struct("<iH")
 DIMS = [struct.Struct(f"<{n}q") for n in range(MAX_DIMS + 1)]
 
-# Reply status byte (0 = OK); shm_protocol.STATUS_CODES maps each to an ErrorCode.
+# Reply status byte (0 = OK); edged.protocol.shm.STATUS_CODES maps each to an ErrorCode.
 INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, INTERNAL = 1, 2, 3, 8
 
 # dtype code -> v2 datatype; 0 is invalid, BYTES (variable length) cannot live in a fixed range.

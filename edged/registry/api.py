@@ -218,7 +218,7 @@ def create_app(settings: RegistrySettings) -> FastAPI:
             except Exception as e:  # a nudge is an optimisation; never fail the release over it
                 log.warning("MQTT nudge not sent: %s", e)
 
-    from edged.telemetry.registry_ingest import telemetry_router
+    from edged.registry.telemetry_ingest import telemetry_router
 
     app.include_router(telemetry_router(sessions, admin_hash))
 

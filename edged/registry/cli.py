@@ -156,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("release")
 
-    from edged.registry import rollout_cli, simulate
+    from edged.registry import rollout_cli
+    from edged.registry.sim import command as simulate
 
     rollout_cli.add_parser(sub, _client_args, parse_duration, parse_label)
     simulate.add_parser(sub)
@@ -179,7 +180,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from edged.logs import setup_logging
     from edged.registry.api import create_app
-    from edged.transports.http import parse_listen
+    from edged.transports.http.transport import parse_listen
 
     settings = _settings(args)
     setup_logging(settings.log_level)
@@ -422,7 +423,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from edged.registry import simulate
+    from edged.registry.sim import command as simulate
 
     return simulate.run(args)
 

@@ -309,4 +309,4 @@ def make_sessionmaker(engine: Engine) -> sessionmaker[Any]:
 
 
 # The telemetry tables share this metadata, so Alembic and the schema check see them (created by 0002_telemetry).
-from edged.telemetry import registry_tables as _telemetry_tables  # noqa: E402, F401
+from edged.registry import telemetry_tables as _telemetry_tables  # noqa: E402, F401

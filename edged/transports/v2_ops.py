@@ -19,7 +19,7 @@ from edged.errors import EdgedError, ErrorCode, InvalidInputError, ModelNotFound
 from edged.protocol.v2 import DecodedRequest, encode_response
 from edged.repository.manifest import valid_model_name
 from edged.transports.authority import LOAD, UNLOAD, Authority, Peer
-from edged.transports.sysshm import OutputStaging, ShmView
+from edged.transports.shm.sysshm import OutputStaging, ShmView
 
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "statistics",
               "system_shared_memory", "schedule_policy"]

@@ -1,0 +1,1 @@
+"""Tests of the device wing: engines, daemon, sync and telemetry."""

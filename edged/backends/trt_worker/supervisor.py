@@ -35,7 +35,7 @@ import numpy as np
 from edged.backends.base import Engine, EngineTensor
 from edged.backoff import Backoff
 from edged.errors import EdgedError, InternalError, InvalidInputError, ModelLoadError
-from edged.transports import shm_protocol as p
+from edged.protocol import shm as p
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from edged.registry import desired as desired_state
 from edged.registry import rollouts, service
 from edged.registry.db import DeviceModelRow, DeviceRow, ModelRow, ReleaseRow, VersionRow
 from edged.registry.rollout_wire import RolloutInfo, RolloutStatus
+from edged.registry.telemetry_ingest import ModelSummary, device_series, model_summary
+from edged.registry.telemetry_tables import TelemetryModelRow
 from edged.telemetry.models import HistCounts
-from edged.telemetry.registry_ingest import ModelSummary, device_series, model_summary
-from edged.telemetry.registry_tables import TelemetryModelRow
 
 ENGINE_RECENT_S = 300.0
 WINDOWS = {"15m": 900, "1h": 3600, "6h": 6 * 3600, "24h": 86400}

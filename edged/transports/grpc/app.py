@@ -32,8 +32,8 @@ from edged.transports.authority import Authority, Peer, bearer
 from edged.transports.grpc.codec import decode_infer, encode_infer, error_response, parse
 from edged.transports.grpc.gen import grpc_service_pb2 as pb
 from edged.transports.grpc.gen import model_config_pb2 as mc
-from edged.transports.http_config import model_config
-from edged.transports.sysshm import ShmCaller, ShmView, SystemShmRegistry
+from edged.transports.http.config import model_config
+from edged.transports.shm.sysshm import ShmCaller, ShmView, SystemShmRegistry
 
 log = logging.getLogger(__name__)
 

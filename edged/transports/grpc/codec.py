@@ -17,7 +17,7 @@ from edged.core.types import InferResponse
 from edged.errors import InvalidInputError
 from edged.protocol.v2 import DecodedRequest, decode_request
 from edged.transports.grpc.gen import grpc_service_pb2 as pb
-from edged.transports.sysshm import ShmView
+from edged.transports.shm.sysshm import ShmView
 from edged.transports.v2_ops import encode_outputs, parse_version
 
 M = TypeVar("M", bound=Message)

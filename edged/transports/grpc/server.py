@@ -20,14 +20,14 @@ from edged.errors import ConfigError, EdgedError, ErrorCode
 from edged.protocol.redact import Scrubber
 from edged.transports.authority import Authority
 from edged.transports.grpc import require_grpc
-from edged.transports.http import (
+from edged.transports.http.transport import (
     UNIX_SOCKET_MODE,
     clear_unix_path,
     parse_listen,
     remove_socket_file,
     system_shm_registry,
 )
-from edged.transports.sysshm import SystemShmRegistry
+from edged.transports.shm.sysshm import SystemShmRegistry
 
 log = logging.getLogger(__name__)
 

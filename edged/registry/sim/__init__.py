@@ -1,0 +1,1 @@
+"""The fleet simulator: many lightweight devices against a real registry."""

@@ -1,0 +1,1 @@
+"""The HTTP transport: routes, server, config and metrics."""

@@ -1,0 +1,359 @@
+"""The KServe v2 / Triton HTTP API: one handler from a complete request to a complete response.
+
+Routes are matched on the raw path split at ``/`` (each segment percent-decoded on
+its own, so an encoded ``%2F`` can never create a new segment). Inference decodes
+with the shared v2 codec, queues on the one inference service and awaits the
+scheduler's future; everything else is small JSON. Every EdgedError becomes
+``{"error": ...}`` with the status its code maps to; anything unexpected is logged
+with its traceback and answered 500 ``internal error`` while the server goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import zlib
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import unquote
+
+from edged.core.service import InferenceService
+from edged.errors import EdgedError, ErrorCode, InvalidInputError
+from edged.protocol.redact import Scrubber
+from edged.protocol.v2 import DecodedRequest, decode_request, dumps, loads
+from edged.protocol.v2_json import loads_request
+from edged.transports.authority import Authority, Peer, bearer
+from edged.transports.http.config import model_config
+from edged.transports.http.server import Headers, Request, Response
+from edged.transports.shm.sysshm import ShmCaller, ShmView, SystemShmRegistry
+from edged.transports.v2_ops import (
+    HEAVY,
+    check_model_control,
+    encode_is_heavy,
+    encode_outputs,
+    model_ready,
+    parse_version,
+    prepare_infer,
+    repository_index,
+    run_model_control,
+    server_metadata,
+    server_ready,
+)
+
+log = logging.getLogger(__name__)
+
+# Triton answers 503 for unavailable; RESOURCE_EXHAUSTED (a load that would break the memory budget,
+# too many shm regions) is 507 so that clients can tell "retry later" from "free something first".
+STATUS: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_ARGUMENT: 400,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.OVERLOADED: 503,
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+    ErrorCode.RESOURCE_EXHAUSTED: 507,
+    ErrorCode.FAILED_PRECONDITION: 409,
+    ErrorCode.INTERNAL: 500,
+    ErrorCode.UNAUTHENTICATED: 401,
+    ErrorCode.PERMISSION_DENIED: 403,
+}
+_JSON = [(b"content-type", b"application/json")]
+
+
+class HttpError(Exception):
+    """A protocol-level failure (before any EdgedError applies): bad route, method, size, encoding."""
+
+    def __init__(self, status: int, message: str, headers: Headers | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers or []
+
+
+class V2App:
+    def __init__(self, service: InferenceService, shm: SystemShmRegistry, *, max_body: int,
+                 scrub: Scrubber, metrics: Callable[[], tuple[bytes, str]], authority: Authority) -> None:
+        self.service = service
+        self.shm = shm
+        self.authority = authority
+        self.max_body = max_body
+        self.scrub = scrub
+        self.metrics = metrics
+        self.stopping = False
+
+    # ---- entry ------------------------------------------------------------------------------
+    async def handle(self, req: Request) -> Response:
+        try:
+            return await self._dispatch(req)
+        except EdgedError as e:
+            return self._error(e)
+        except HttpError as e:
+            return e.status, _JSON + e.headers, dumps({"error": e.message})
+        except Exception:
+            log.exception("HTTP %s %r failed", req.method, req.path[:200])
+            return 500, _JSON, b'{"error":"internal error"}'
+
+    def _error(self, e: EdgedError) -> Response:
+        status = STATUS.get(e.code, 500)
+        if status >= 500 and e.code is ErrorCode.INTERNAL:
+            log.error("internal error: %s", e)
+        headers = _JSON + ([(b"retry-after", b"1")] if e.code is ErrorCode.OVERLOADED else [])
+        if e.code is ErrorCode.UNAUTHENTICATED:
+            headers = [*headers, (b"www-authenticate", b'Bearer realm="edged"')]
+        return status, headers, dumps({"error": self.scrub.text(str(e))})
+
+    def _json(self, obj: Any, status: int = 200, *, scrub: bool = False) -> Response:
+        data = dumps(obj)
+        return status, _JSON, self.scrub.data(data) if scrub else data
+
+    # ---- routing ----------------------------------------------------------------------------
+    async def _dispatch(self, req: Request) -> Response:
+        method = req.method
+        parts = req.path.split(b"?", 1)[0].split(b"/")
+        if len(parts) < 2 or parts[0] != b"":
+            raise HttpError(404, "not found")
+        top = parts[1]
+        if top == b"v2":
+            if len(parts) >= 4 and parts[2] == b"models":
+                return await self._models(method, [_seg(p) for p in parts[3:]], req)
+            rest = [_seg(p) for p in parts[2:]]
+            if rest in ([], [""]):
+                _allow(method, "GET")
+                return self._json(server_metadata())
+            if rest[0] == "health" and len(rest) == 2 and rest[1] in ("live", "ready"):
+                _allow(method, "GET")
+                ok = rest[1] == "live" or self.server_ready()
+                return (200 if ok else 503), [], b""
+            if rest[0] == "repository":
+                return await self._repository(method, rest[1:], req)
+            if rest[0] == "systemsharedmemory":
+                return await self._sysshm(method, rest[1:], req)
+            if rest[0] == "cudasharedmemory":
+                return self._cudashm(method, rest[1:])
+        elif top == b"metrics" and len(parts) == 2:
+            _allow(method, "GET")
+            body, ctype = await asyncio.to_thread(self.metrics)
+            return 200, [(b"content-type", ctype.encode())], body
+        raise HttpError(404, "not found")
+
+    def server_ready(self) -> bool:
+        return server_ready(self.service, self.stopping)
+
+    async def _models(self, method: str, rest: list[str], req: Request) -> Response:
+        if rest == ["stats"]:
+            _allow(method, "GET")
+            return self._json({"model_stats": self.service.statistics()})
+        model, rest = rest[0], rest[1:]
+        version: int | None = None
+        if rest and rest[0] == "versions":
+            if len(rest) < 2:
+                raise HttpError(404, "not found")
+            version = parse_version(rest[1])
+            rest = rest[2:]
+        action = rest[0] if len(rest) == 1 else ("" if not rest else None)
+        if action == "infer":
+            _allow(method, "POST")
+            return await self._infer(model, version, req)
+        if action == "":
+            _allow(method, "GET")
+            return self._json(self.service.metadata(model, version), scrub=True)
+        if action == "ready":
+            _allow(method, "GET")
+            return (200 if model_ready(self.service, model, version) else 503), [], b""
+        if action == "config":
+            _allow(method, "GET")
+            mv = self.service.model(model, version)
+            policy = self.service.manager.models_cfg.policy_for(model)
+            return self._json(model_config(mv, policy), scrub=True)
+        if action == "stats":
+            _allow(method, "GET")
+            return self._json({"model_stats": self.service.statistics(model, version)})
+        raise HttpError(404, "not found")
+
+    # ---- inference --------------------------------------------------------------------------
+    async def _infer(self, model: str, version: int | None, req: Request) -> Response:
+        hlen_raw = None
+        for k, v in req.headers:
+            if k == b"inference-header-content-length":
+                hlen_raw = v
+        body = await self._body(req)
+        shm = self._shm_view(req)
+        if len(body) > HEAVY:
+            decoded = await asyncio.to_thread(self._decode, body, hlen_raw, model, version, shm)
+        else:
+            decoded = self._decode(body, hlen_raw, model, version, shm)
+        resp = await asyncio.wrap_future(self.service.submit(decoded.request))
+        if encode_is_heavy(resp, decoded):
+            return await asyncio.to_thread(self._encode, resp, decoded, shm)
+        return self._encode(resp, decoded, shm)
+
+    def _decode(self, body: bytes, hlen_raw: bytes | None, model: str, version: int | None,
+                shm: ShmView) -> DecodedRequest:
+        if hlen_raw is not None:
+            try:
+                hlen = int(hlen_raw)
+            except ValueError:
+                raise InvalidInputError("Inference-Header-Content-Length is not an integer") from None
+            if not 0 <= hlen <= len(body):
+                raise InvalidInputError(
+                    f"Inference-Header-Content-Length {hlen} is outside the body ({len(body)} bytes)")
+            view = memoryview(body)
+            header, binary = loads_request(view[:hlen]), view[hlen:]
+        else:
+            header, binary = loads_request(body), memoryview(b"")
+        decoded = decode_request(header, binary, model=model, version=version, shm=shm.read)
+        prepare_infer(decoded, shm)
+        return decoded
+
+    def _encode(self, resp: Any, decoded: DecodedRequest, shm: ShmView) -> Response:
+        header, chunks = encode_outputs(resp, decoded, shm)
+        hjson = dumps(header)
+        if not chunks:
+            return 200, _JSON, hjson
+        headers = [(b"content-type", b"application/octet-stream"),
+                   (b"inference-header-content-length", str(len(hjson)).encode())]
+        return 200, headers, b"".join([hjson, *chunks])
+
+    async def _body(self, req: Request) -> bytes:
+        """The request body, decompressed when it says so (the server already bounded its raw size).
+
+        Inflating up to ``max_body`` bytes takes milliseconds or more: it runs in a worker thread.
+        """
+        for k, v in req.headers:
+            if k == b"content-encoding":
+                enc = v.lower().strip()
+                if enc not in (b"identity", b""):
+                    if enc not in (b"gzip", b"deflate"):
+                        raise _unsupported_encoding(enc)
+                    return await asyncio.to_thread(_decompress, req.body, enc, self.max_body)
+        return req.body
+
+    # ---- model repository -------------------------------------------------------------------
+    async def _repository(self, method: str, rest: list[str], req: Request) -> Response:
+        if rest == ["index"]:
+            _allow(method, "POST", "GET")
+            ready_only = _json_object(await self._body(req)).get("ready", False)
+            if not isinstance(ready_only, bool):
+                raise InvalidInputError("'ready' must be true or false")
+            index = await asyncio.to_thread(repository_index, self.service, ready_only)
+            return self._json(index, scrub=True)
+        if len(rest) == 3 and rest[0] == "models" and rest[2] in ("load", "unload"):
+            _allow(method, "POST")
+            name = rest[1]
+            params = _json_object(await self._body(req)).get("parameters") or {}
+            if not isinstance(params, dict):
+                raise InvalidInputError("'parameters' must be an object")
+            check_model_control(self.authority, _peer(req), name, rest[2], set(params))
+            await asyncio.to_thread(run_model_control, self.service, name, rest[2])
+            return self._json({})
+        raise HttpError(404, "not found")
+
+    # ---- system shared memory ---------------------------------------------------------------
+    async def _sysshm(self, method: str, rest: list[str], req: Request) -> Response:
+        """Triton's system shared memory API; every caller sees only the regions it registered itself."""
+        peer = _peer(req)
+        if rest == ["status"]:
+            _allow(method, "GET", "POST")
+            return self._json(self.shm.status(self._shm_scope(peer)))
+        if rest == ["unregister"]:
+            _allow(method, "POST")
+            self.shm.unregister_all(self._shm_scope(peer))
+            return self._json({})
+        if len(rest) == 3 and rest[0] == "region":
+            name, action = rest[1], rest[2]
+            if action == "status":
+                _allow(method, "GET", "POST")
+                return self._json(self.shm.status(self._shm_scope(peer), name))
+            if action == "register":
+                _allow(method, "POST")
+                caller = ShmCaller(self._shm_scope(peer), peer.uid, peer.gid)
+                body = _json_object(await self._body(req))
+                self.shm.register(caller, name, body.get("key"), body.get("offset", 0), body.get("byte_size"))
+                return self._json({})
+            if action == "unregister":
+                _allow(method, "POST")
+                self.shm.unregister(self._shm_scope(peer), name)
+                return self._json({})
+        raise HttpError(404, "not found")
+
+    def _shm_scope(self, peer: Peer) -> str:
+        return self.authority.scope(peer, "use system shared memory")
+
+    def _shm_view(self, req: Request) -> ShmView:
+        """The caller's regions; a TCP caller without the credential has none (references fail as unknown)."""
+        return self.shm.view(self.authority.known_scope(_peer(req)) or "")  # "": nobody registers there
+
+    def _cudashm(self, method: str, rest: list[str]) -> Response:
+        """No CUDA shared memory here; answered as a Triton without GPU regions answers.
+
+        Triton clients (perf_analyzer among them) unregister every CUDA region on exit and treat a
+        failure as an error, so status is empty and unregistering nothing succeeds.
+        """
+        if rest == ["status"] or (len(rest) == 3 and rest[0] == "region" and rest[2] == "status"):
+            _allow(method, "GET", "POST")
+            if len(rest) == 3:
+                raise HttpError(400, f"unable to find cuda shared memory region: {rest[1]!r}")
+            return self._json([])
+        if rest == ["unregister"] or (len(rest) == 3 and rest[0] == "region" and rest[2] == "unregister"):
+            _allow(method, "POST")
+            return self._json({})
+        if len(rest) == 3 and rest[0] == "region" and rest[2] == "register":
+            _allow(method, "POST")
+            raise HttpError(400, "CUDA shared memory is not supported by this server; use system shared memory")
+        raise HttpError(404, "not found")
+
+
+def _peer(req: Request) -> Peer:
+    """The connection's peer plus the credential this request presents."""
+    for k, v in req.headers:
+        if k == b"authorization":
+            return dataclasses.replace(req.peer, credential=bearer(v))
+    return req.peer
+
+
+def _seg(raw: bytes) -> str:
+    try:
+        s = raw.decode("utf-8")
+        return unquote(s, errors="strict") if "%" in s else s
+    except UnicodeDecodeError:
+        raise HttpError(400, "request path is not valid UTF-8") from None
+
+
+def _allow(method: str, *allowed: str) -> None:
+    if method not in allowed and not (method == "HEAD" and "GET" in allowed):
+        raise HttpError(405, f"method {method} is not allowed here",
+                        [(b"allow", ", ".join(allowed).encode())])
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    if not body.strip():
+        return {}
+    obj = loads(body)
+    if not isinstance(obj, dict):
+        raise InvalidInputError("request body must be a JSON object")
+    return obj
+
+
+def _too_large(limit: int) -> HttpError:
+    return HttpError(413, f"request body is larger than {limit} bytes ([http] max_request_mb)",
+                     [(b"connection", b"close")])
+
+
+def _unsupported_encoding(encoding: bytes) -> HttpError:
+    return HttpError(415, f"unsupported Content-Encoding {encoding.decode('latin-1')!r} "
+                          "(identity, gzip and deflate are)")
+
+
+def _decompress(body: bytes, encoding: bytes, limit: int) -> bytes:
+    """gzip/deflate request bodies (tritonclient's request_compression_algorithm), bounded by the limit."""
+    if encoding == b"gzip":
+        d = zlib.decompressobj(wbits=31)
+    elif encoding == b"deflate":
+        d = zlib.decompressobj(wbits=15)
+    else:
+        raise _unsupported_encoding(encoding)
+    try:
+        out = d.decompress(body, limit + 1)
+    except zlib.error:
+        raise InvalidInputError("request body is not valid compressed data") from None
+    if len(out) > limit or d.unconsumed_tail:
+        raise _too_large(limit)
+    return out

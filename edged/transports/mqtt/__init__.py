@@ -1,0 +1,1 @@
+"""The MQTT transport: connection, bindings, topics and replies."""

@@ -1,0 +1,1 @@
+"""The shared-memory transports: the native fast path and Triton's system shared memory."""

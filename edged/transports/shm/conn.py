@@ -1,0 +1,436 @@
+"""One shared-memory client connection, served by its own thread.
+
+Why a thread per client: a blocking ``recvmsg`` followed by
+``service.infer_blocking`` runs the model in the thread that read the request when
+the model is idle, which is the lowest latency Python can offer (no hand-off to
+another thread, no event loop). When the client pipelines (more requests already
+waiting on the socket, or some still in flight) the thread hands each one to
+``service.submit`` instead, so they queue and batch, and their completions are
+written from the scheduler's done-callback, possibly out of order.
+
+Everything the client owned (mapped segments) is released when its socket
+reaches EOF or reset, which is also what a ``kill -9`` of the client looks like.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from edged import datatypes
+from edged.core.service import InferenceService
+from edged.core.types import InferRequest, InferResponse
+from edged.errors import (
+    EdgedError,
+    ErrorCode,
+    InternalError,
+    InvalidInputError,
+    ModelNotReadyError,
+    OverloadedError,
+    ResourceExhaustedError,
+)
+from edged.protocol import shm as p
+from edged.protocol.redact import Scrubber
+from edged.transports.shm.segments import Segment, SegmentError, check_range, map_segment
+
+log = logging.getLogger(__name__)
+
+_MAX_FDS = 4
+_ANC_SPACE = socket.CMSG_SPACE(_MAX_FDS * array.array("i").itemsize)
+_INFER_REPLY = p.INFER | p.REPLY
+_TRUNC = int(socket.MSG_TRUNC)
+_CTRUNC = int(socket.MSG_CTRUNC)
+
+
+_PLAN_CACHE = 64
+
+
+@dataclass
+class _Plan:
+    """A checked INFER descriptor: its inputs' places, the segments it uses, output layouts seen."""
+
+    desc: p.InferDesc
+    inputs: list[tuple[str, Segment, np.dtype[Any], tuple[int, ...], int]]
+    used: tuple[Segment, ...]  # input segments, then the output segment last
+    outputs: dict[tuple[Any, ...], tuple[list[int], bytes]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-client limits; a client over one gets an error reply, never a disconnect."""
+
+    max_segments: int = 128
+    max_mapped_bytes: int = 1024 * 2**20
+    max_inflight: int = 64
+
+
+def _take_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    fds: list[int] = []
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            a = array.array("i")
+            a.frombytes(data[: len(data) - len(data) % a.itemsize])
+            fds.extend(a)
+    return fds
+
+
+class Connection:
+    def __init__(self, sock: socket.socket, creds: tuple[int, int, int], *, service: InferenceService,
+                 limits: Limits, on_closed: Callable[[Connection], None], scrub: Scrubber | None = None) -> None:
+        self.sock = sock
+        self.scrub = scrub or Scrubber()  # model reasons and errors can name internal files
+        self.pid, self.uid, self.gid = creds
+        self.service = service
+        self.limits = limits
+        self._on_closed = on_closed
+        self.segments: dict[int, Segment] = {}
+        self.mapped_bytes = 0
+        self.requests = 0
+        self.inflight = 0
+        self._next_segment = 1
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._closing = False
+        self._waiters = 0  # threads in wait_idle (completions notify only when someone waits)
+        self._plans: dict[bytes, _Plan] = {}
+        self._buf = bytearray(p.MAX_MESSAGE)
+        self.thread = threading.Thread(target=self._run, name=f"edged-shm-pid{self.pid}", daemon=True)
+
+    def info(self) -> dict[str, Any]:
+        return {"pid": self.pid, "uid": self.uid, "gid": self.gid, "segments": len(self.segments),
+                "mapped_bytes": self.mapped_bytes, "inflight": self.inflight, "requests": self.requests}
+
+    # ---- life cycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def begin_close(self) -> None:
+        """Refuse new inference; what is in flight still completes."""
+        self._closing = True
+
+    def wait_idle(self, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        with self._idle:
+            self._waiters += 1
+            try:
+                while self.inflight:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._idle.wait(left)
+            finally:
+                self._waiters -= 1
+        return True
+
+    def shutdown(self) -> None:
+        """Wake the connection thread (its recv returns EOF), which then releases everything."""
+        self._closing = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def _run(self) -> None:
+        buf = self._buf
+        view = memoryview(buf)
+        sock = self.sock
+        try:
+            while True:
+                try:
+                    n, anc, flags, _ = sock.recvmsg_into([buf], _ANC_SPACE)
+                except OSError:
+                    break  # ECONNRESET and friends: the client is gone
+                fds = _take_fds(anc)
+                if n == 0 and not fds:
+                    break  # EOF: closed, exited or killed
+                try:
+                    self._dispatch(view[:n], fds, flags)
+                finally:
+                    for fd in fds:  # whatever REGISTER did not keep
+                        if fd >= 0:
+                            with contextlib.suppress(OSError):
+                                os.close(fd)
+        except Exception:
+            log.exception("shm client pid=%d: connection thread failed", self.pid)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        # In-flight requests still read inputs from (and write outputs to) the client's segments:
+        # let them finish before unmapping. Their completions go nowhere; that is fine.
+        self.wait_idle(60.0)
+        segs = list(self.segments.values())
+        freed = self.mapped_bytes
+        self._plans.clear()
+        self.segments.clear()
+        self.mapped_bytes = 0
+        lingering = sum(not s.close() for s in segs)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        log.info("shm client disconnected: pid=%d, %d request(s), freed %d segment(s) / %d bytes%s",
+                 self.pid, self.requests, len(segs), freed,
+                 f" ({lingering} unmapped when their last view goes)" if lingering else "")
+        self._on_closed(self)
+
+    # ---- dispatch ---------------------------------------------------------------------------
+    def _dispatch(self, msg: memoryview, fds: list[int], flags: int) -> None:
+        if len(msg) < p.HEADER.size:
+            self._send(p.encode_error(0x7F, 0, ErrorCode.INVALID_ARGUMENT,
+                                      f"message of {len(msg)} bytes is shorter than the header"))
+            return
+        kind, rflags, _, rid = p.HEADER.unpack_from(msg)
+        body = msg[p.HEADER.size:]
+        try:
+            if flags & _TRUNC:
+                raise p.ProtocolError(f"message longer than {p.MAX_MESSAGE} bytes")
+            if flags & _CTRUNC:
+                raise p.ProtocolError(f"more than {_MAX_FDS} file descriptors in one message")
+            if fds and kind != p.REGISTER:
+                raise p.ProtocolError("file descriptors are accepted only with REGISTER")
+            if kind == p.INFER:
+                self._infer(rid, body, rflags & p.FLAG_QUEUE)
+            elif kind == p.REGISTER:
+                self._register(rid, body, fds)
+            elif kind == p.UNREGISTER:
+                self._unregister(rid, body)
+            elif kind == p.METADATA:
+                self._metadata(rid, body)
+            elif kind == p.HELLO:
+                self._hello(rid, body)
+            else:
+                raise p.ProtocolError(f"unknown message kind {kind}")
+        except EdgedError as e:
+            self._send(p.encode_error(kind & 0x7F, rid, e.code, self.scrub.text(e.message),
+                                      e.context.get("needed_bytes", 0)))
+        except Exception:
+            log.exception("shm client pid=%d: failed to handle message kind %d", self.pid, kind)
+            self._send(p.encode_error(kind & 0x7F, rid, ErrorCode.INTERNAL, "internal error"))
+
+    def _send(self, msg: bytes) -> None:
+        try:
+            self.sock.send(msg, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            # Never block a scheduler thread on a client that stopped reading its replies.
+            log.warning("shm client pid=%d does not read its replies; disconnecting it", self.pid)
+            self.shutdown()
+        except OSError:
+            pass  # the client is gone; the connection thread is cleaning up
+
+    # ---- control messages -------------------------------------------------------------------
+    def _hello(self, rid: int, body: memoryview) -> None:
+        if len(body) != p.U32.size:
+            raise p.ProtocolError("HELLO body must be 4 bytes")
+        (version,) = p.U32.unpack_from(body)
+        if version != p.PROTOCOL_VERSION:
+            raise EdgedError(f"protocol version {version} is not supported (the daemon speaks "
+                             f"{p.PROTOCOL_VERSION})", code=ErrorCode.FAILED_PRECONDITION)
+        lim = self.limits
+        info = {"protocol": p.PROTOCOL_VERSION, "max_segments": lim.max_segments,
+                "max_mapped_bytes": lim.max_mapped_bytes, "max_inflight": lim.max_inflight,
+                "max_message": p.MAX_MESSAGE, "alignment": p.ALIGNMENT}
+        self._send(p.header(p.HELLO | p.REPLY, rid) + orjson.dumps(info))
+
+    def _register(self, rid: int, body: memoryview, fds: list[int]) -> None:
+        if len(body) != p.U64.size:
+            raise p.ProtocolError("REGISTER body must be 8 bytes (the segment size)")
+        if len(fds) != 1:
+            raise SegmentError(f"REGISTER must carry exactly one file descriptor, got {len(fds)}")
+        (size,) = p.U64.unpack_from(body)
+        lim = self.limits
+        if len(self.segments) >= lim.max_segments:
+            raise ResourceExhaustedError(f"too many segments: at most {lim.max_segments} per client")
+        if size > lim.max_mapped_bytes - self.mapped_bytes:
+            raise ResourceExhaustedError(
+                f"segment of {size} bytes exceeds this client's shared-memory budget "
+                f"({self.mapped_bytes} of {lim.max_mapped_bytes} bytes in use)")
+        seg = map_segment(fds[0], size, self._next_segment)
+        os.close(fds[0])
+        fds[0] = -1  # the mapping keeps the memory; the fd is no longer needed
+        self._next_segment += 1
+        with self._lock:
+            self.segments[seg.id] = seg
+            self.mapped_bytes += size
+        self._send(p.header(p.REGISTER | p.REPLY, rid) + p.U32.pack(seg.id))
+
+    def _unregister(self, rid: int, body: memoryview) -> None:
+        if len(body) != p.U32.size:
+            raise p.ProtocolError("UNREGISTER body must be 4 bytes (the segment id)")
+        (seg_id,) = p.U32.unpack_from(body)
+        with self._lock:
+            seg = self.segments.get(seg_id)
+            if seg is None:
+                raise InvalidInputError(f"unknown segment {seg_id}")
+            if seg.busy:
+                raise EdgedError(f"segment {seg_id} is used by {seg.busy} request(s) in flight",
+                                 code=ErrorCode.FAILED_PRECONDITION)
+            del self.segments[seg_id]
+            self.mapped_bytes -= seg.size
+            self._plans.clear()  # cached plans may name this segment
+        seg.close()
+        self._send(p.header(p.UNREGISTER | p.REPLY, rid))
+
+    def _metadata(self, rid: int, body: memoryview) -> None:
+        try:
+            version, nlen = p.META_BODY.unpack_from(body)
+        except Exception:
+            raise p.ProtocolError("METADATA body is truncated") from None
+        if len(body) != p.META_BODY.size + nlen:
+            raise p.ProtocolError("METADATA body length does not match the model name length")
+        name = bytes(body[p.META_BODY.size:]).decode("utf-8", "replace")
+        if version < 0:
+            raise InvalidInputError(f"model version {version} is negative")
+        meta = self.service.metadata(name, version or None)
+        mv = self.service.model(name, version or None)
+        meta["max_batch_size"] = mv.max_batch_size
+        meta["version"] = mv.version
+        self._send(p.header(p.METADATA | p.REPLY, rid) + self.scrub.data(orjson.dumps(meta)))
+
+    # ---- inference --------------------------------------------------------------------------
+    def _plan(self, body: memoryview) -> _Plan:
+        """Decode and check an INFER body against this client's segments (no views made yet)."""
+        d = p.decode_infer(body)
+        if d.version < 0:
+            raise InvalidInputError(f"model version {d.version} is negative")
+        segments = self.segments
+        inputs: list[tuple[str, Segment, np.dtype[Any], tuple[int, ...], int]] = []
+        seen: set[str] = set()
+        for t in d.inputs:
+            seg = segments.get(t.segment)
+            if seg is None:
+                raise InvalidInputError(f"input {t.name!r}: unknown segment {t.segment}")
+            if not 0 < t.dtype < len(p.NUMPY_DTYPES):
+                raise InvalidInputError(f"input {t.name!r}: unknown dtype code {t.dtype}")
+            dt = p.NUMPY_DTYPES[t.dtype]
+            assert dt is not None
+            need = dt.itemsize * datatypes.element_count(t.shape, f"input {t.name!r}")
+            if need != t.nbytes:
+                raise InvalidInputError(f"input {t.name!r}: shape {list(t.shape)} of {p.DTYPES[t.dtype]} is "
+                                        f"{need} bytes, the descriptor says {t.nbytes}")
+            check_range(seg, t.offset, t.nbytes, f"input {t.name!r}")
+            if t.offset % dt.itemsize:
+                raise InvalidInputError(f"input {t.name!r}: offset {t.offset} is not aligned to {dt.itemsize} bytes")
+            if t.name in seen:
+                raise InvalidInputError(f"input {t.name!r} appears twice")
+            seen.add(t.name)
+            inputs.append((t.name, seg, dt, t.shape, t.offset))
+        oseg = segments.get(d.out_segment)
+        if oseg is None:
+            raise InvalidInputError(f"output slot: unknown segment {d.out_segment}")
+        check_range(oseg, d.out_offset, d.out_capacity, "output slot")
+        return _Plan(d, inputs, (*(i[1] for i in inputs), oseg))
+
+    def _infer(self, rid: int, body: memoryview, queue: int) -> None:
+        if self._closing:
+            raise ModelNotReadyError("edged is stopping; not accepting new requests")
+        # A client repeats the same descriptor (same slot, same shapes) request after request:
+        # decode and check it once. The cache is cleared whenever a segment goes away.
+        key = bytes(body)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(body)
+            if len(self._plans) >= _PLAN_CACHE:
+                self._plans.clear()
+            self._plans[key] = plan
+        d, used = plan.desc, plan.used
+        inputs = {name: seg.view(dt, shape, off) for name, seg, dt, shape, off in plan.inputs}
+        deadline = time.monotonic() + d.timeout_us / 1e6 if d.timeout_us else None
+        req = InferRequest(d.model, inputs, d.version or None, d.outputs, deadline=deadline)
+        with self._lock:
+            if self.inflight >= self.limits.max_inflight:
+                raise OverloadedError(f"too many requests in flight on this connection "
+                                      f"(at most {self.limits.max_inflight})")
+            inline = not (self.inflight or queue)
+            self.inflight += 1
+            for s in used:
+                s.busy += 1
+        try:
+            if inline:
+                resp = self.service.infer_blocking(req)
+                self._finish(rid, plan, resp, None)
+            else:
+                fut = self.service.submit(req)
+                fut.add_done_callback(lambda f: self._done(rid, plan, f))
+        except EdgedError as e:
+            self._finish(rid, plan, None, e)
+        except Exception as e:
+            log.exception("shm client pid=%d: inference failed", self.pid)
+            self._finish(rid, plan, None, InternalError(f"internal error: {type(e).__name__}"))
+
+    def _done(self, rid: int, plan: _Plan, fut: Future[InferResponse]) -> None:
+        try:
+            resp = fut.result()
+        except EdgedError as e:
+            self._finish(rid, plan, None, e)
+        except BaseException as e:
+            self._finish(rid, plan, None, InternalError(f"internal error: {type(e).__name__}"))
+        else:
+            self._finish(rid, plan, resp, None)
+
+    def _finish(self, rid: int, plan: _Plan, resp: InferResponse | None, err: EdgedError | None) -> None:
+        try:
+            if resp is not None:
+                msg = self._write_outputs(rid, plan, resp)
+            else:
+                assert err is not None
+                msg = p.encode_error(p.INFER, rid, err.code, self.scrub.text(err.message),
+                                     err.context.get("needed_bytes", 0))
+        except EdgedError as e:
+            msg = p.encode_error(p.INFER, rid, e.code, self.scrub.text(e.message), e.context.get("needed_bytes", 0))
+        except Exception:
+            log.exception("shm client pid=%d: writing outputs failed", self.pid)
+            msg = p.encode_error(p.INFER, rid, ErrorCode.INTERNAL, "internal error while writing outputs")
+        finally:
+            with self._idle:
+                self.inflight -= 1
+                self.requests += 1
+                for s in plan.used:
+                    s.busy -= 1
+                if self._waiters and not self.inflight:
+                    self._idle.notify_all()
+        self._send(msg)
+
+    def _write_outputs(self, rid: int, plan: _Plan, resp: InferResponse) -> bytes:
+        """Pack outputs into the client's output slot (one copy each) and build the completion."""
+        outs = resp.outputs
+        sig = tuple((name, arr.dtype, arr.shape) for name, arr in outs.items())
+        layout = plan.outputs.get(sig)
+        if layout is None:
+            if len(plan.outputs) >= _PLAN_CACHE:
+                plan.outputs.clear()
+            layout = plan.outputs[sig] = self._layout(plan.desc, outs)
+        seg = plan.used[-1]
+        for (_, arr), off in zip(outs.items(), layout[0], strict=True):
+            if arr.nbytes:
+                np.copyto(seg.view(arr.dtype, arr.shape, off), arr, casting="no")
+        return p.HEADER.pack(_INFER_REPLY, 0, len(outs), rid) + p.U32.pack(resp.version) + layout[1]
+
+    @staticmethod
+    def _layout(d: p.InferDesc, outs: dict[str, np.ndarray]) -> tuple[list[int], bytes]:
+        """Where each output goes in the slot and its encoded descriptors; raises when the slot is too small."""
+        pos = d.out_offset
+        plan: list[tuple[str, np.ndarray, int, int]] = []
+        for name, arr in outs.items():
+            code = p.NUMPY_CODE.get(arr.dtype)
+            if code is None:
+                raise InvalidInputError(f"output {name!r} of datatype {arr.dtype} cannot be returned over shared "
+                                        "memory; use HTTP or MQTT for it")
+            pos = p.align(pos)
+            plan.append((name, arr, code, pos))
+            pos += arr.nbytes
+        needed = pos - d.out_offset
+        if needed > d.out_capacity:
+            raise ResourceExhaustedError(f"output slot of {d.out_capacity} bytes is too small; the outputs need "
+                                         f"{needed} bytes", needed_bytes=needed)
+        return ([off for *_, off in plan],
+                b"".join(p.encode_output(name, code, arr.shape, offset=off, nbytes=arr.nbytes)
+                         for name, arr, code, off in plan))

@@ -1,0 +1,1 @@
+"""Tests of the transports and their wire formats."""

@@ -1,0 +1,630 @@
+"""Shared-memory fast path: a real ShmTransport over a real engine, real memfds, real client processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from edged.client.shm import AsyncShmClient, ShmClient
+from edged.client.shm_memory import create_segment, plan_inputs
+from edged.config import ModelsSection, parse_config
+from edged.core.manager import ModelManager
+from edged.core.service import InferenceService
+from edged.errors import EdgedError, ErrorCode, InvalidInputError, ModelNotFoundError
+from edged.profiles import BackendPreference
+from edged.protocol import shm as p
+from edged.transports.shm.conn import Limits
+from edged.transports.shm.segments import clean_stale_shm
+from edged.transports.shm.transport import ShmTransport
+from tests.conftest import EDGED, REPO_ROOT
+
+ORT_CPU = [BackendPreference(backend="onnxruntime", device="CPU", precisions=["fp32"])]
+MAPS_TAG = "memfd:edged-shm"
+
+
+class Served:
+    def __init__(self, transport: ShmTransport, service: InferenceService) -> None:
+        self.transport = transport
+        self.service = service
+        self.socket = transport.path
+
+    def reference(self, x: np.ndarray) -> np.ndarray:
+        engine = self.service.ready_model("digits").engine
+        assert engine is not None
+        return engine.infer({"pixels": x})["probabilities"]
+
+
+def _config(tmp: Path) -> Any:
+    # A short runtime dir: AF_UNIX paths are limited to 107 bytes.
+    return parse_config(f'[device]\nstate_dir = "{tmp}/state"\nruntime_dir = "{tmp}/run"\n')
+
+
+@contextlib.contextmanager
+def _serve(repo: Path, tmp: Path, **kw: Any) -> Iterator[Served]:
+    manager = ModelManager(repo, ModelsSection(), ORT_CPU)
+    manager.load_all()
+    service = InferenceService(manager)
+    transport = ShmTransport(_config(tmp), service, **kw)
+    transport.start_blocking()
+    try:
+        yield Served(transport, service)
+    finally:
+        transport.stop_blocking()
+        manager.shutdown()
+
+
+@pytest.fixture
+def served(model_repo: Callable[..., Path], tmp_path: Path) -> Iterator[Served]:
+    with _serve(model_repo("digits"), tmp_path) as s:
+        yield s
+
+
+def _wait(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.02)
+
+
+def _maps_count() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(MAPS_TAG in line for line in f)
+
+
+def _fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _fds() -> dict[str, str]:
+    out = {}
+    for f in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            out[f] = os.readlink(f"/proc/self/fd/{f}")
+    return out
+
+
+def _dev_shm() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("edged-")}
+    except FileNotFoundError:
+        return set()
+
+
+# ---- a raw protocol client, for descriptors the real client would never send ------------------
+class Raw:
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.connect(str(path))
+        self.sock.settimeout(30)
+        self.rid = 0
+
+    def call(self, kind: int, body: bytes = b"", fds: list[int] | None = None) -> tuple[int, int, int, bytes]:
+        self.rid += 1
+        return self.send_raw(p.header(kind, self.rid) + body, fds)
+
+    def send_raw(self, msg: bytes, fds: list[int] | None = None) -> tuple[int, int, int, bytes]:
+        if fds:
+            socket.send_fds(self.sock, [msg], fds)
+        else:
+            self.sock.send(msg)
+        data = self.sock.recv(p.MAX_MESSAGE)
+        kind, status, count, _ = p.HEADER.unpack_from(data)
+        return kind, status, count, data[p.HEADER.size:]
+
+    def register(self, size: int = 8192) -> int:
+        fd, seg = create_segment(size)
+        try:
+            kind, status, _, body = self.call(p.REGISTER, p.U64.pack(seg.size), [fd])
+        finally:
+            os.close(fd)
+            seg.close()
+        assert (kind, status) == (p.REGISTER | p.REPLY, 0), p.decode_error(body)
+        return int(p.U32.unpack(body)[0])
+
+    def infer(self, inputs: list[bytes], out_seg: int, out_off: int = 4096, out_cap: int = 4096,
+              model: str = "digits") -> tuple[int, int, bytes]:
+        self.rid += 1
+        msg = p.encode_infer(self.rid, model, 0, inputs, out_segment=out_seg, out_offset=out_off,
+                             out_capacity=out_cap)
+        kind, status, count, body = self.send_raw(msg)
+        assert kind == p.INFER | p.REPLY
+        return status, count, body
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _pixels(seg: int, *, offset: int = 0, shape: tuple[int, ...] = (1, 64), dtype: int = p.DTYPE_CODE["FP32"],
+            nbytes: int | None = None, name: str = "pixels") -> bytes:
+    n = 4 * int(np.prod(shape)) if nbytes is None else nbytes
+    return p.encode_tensor(name, dtype, shape, segment=seg, offset=offset, nbytes=n)
+
+
+# ---- tests --------------------------------------------------------------------------------------
+def test_socket_mode_peer_and_cleanup(served: Served) -> None:
+    st_ = os.stat(served.socket)
+    assert stat.S_ISSOCK(st_.st_mode)
+    assert stat.S_IMODE(st_.st_mode) == 0o660
+    with ShmClient(served.socket) as c:
+        assert c.server["protocol"] == p.PROTOCOL_VERSION
+        c.infer("digits", {"pixels": np.zeros((1, 64), np.float32)})
+        (info,) = served.transport.clients()
+        assert (info["pid"], info["uid"], info["gid"]) == (os.getpid(), os.getuid(), os.getgid())
+        assert info["segments"] >= 1 and info["requests"] == 1
+    _wait(lambda: not served.transport.clients(), "the client to be released")
+    served.transport.stop_blocking()
+    assert not served.socket.exists()
+
+
+def test_results_equal_the_engine_on_held_out_digits(served: Served,
+                                                     digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    x, y = digits_holdout
+    with ShmClient(served.socket) as c:
+        meta = c.metadata("digits")
+        assert meta["max_batch_size"] == 64 and meta["inputs"][0]["name"] == "pixels"
+        got = np.concatenate([c.infer("digits", {"pixels": x[i:i + 64]})["probabilities"]
+                              for i in range(0, len(x), 64)])
+        singles = np.stack([c.infer("digits", {"pixels": x[i:i + 1]})["probabilities"][0] for i in range(40)])
+    ref = served.reference(x)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(singles, ref[:40], rtol=1e-5, atol=1e-6)
+    assert (got.argmax(1) == y).mean() > 0.95
+
+
+def test_zero_copy_inputs_and_output_views(served: Served, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    x, _ = digits_holdout
+    with ShmClient(served.socket) as c:
+        buf = c.input_buffer("digits", "pixels", (4, 64))
+        assert buf.dtype == np.float32 and not buf.flags.owndata
+        buf[:] = x[:4]
+        packed = plan_inputs(c._st.segments, {"pixels": buf})
+        assert packed.staged == [] and len(packed.refs) == 1  # sent by reference, not copied
+        out = c.infer("digits", {"pixels": buf}, copy=False)["probabilities"]
+        assert not out.flags.owndata  # a view on the shared output area
+        np.testing.assert_allclose(out, served.reference(x[:4]), rtol=1e-5, atol=1e-6)
+        kept = out.copy()
+        buf[:] = x[4:8]
+        out2 = c.infer("digits", {"pixels": buf}, copy=False)["probabilities"]
+        np.testing.assert_allclose(out2, served.reference(x[4:8]), rtol=1e-5, atol=1e-6)
+        # the view is reused by the next call on the same slot, as documented
+        np.testing.assert_allclose(out, out2)
+        assert not np.allclose(kept, out2)
+        t = c.tensor((2, 64))
+        t[:] = x[8:10]
+        np.testing.assert_allclose(c.infer("digits", {"pixels": t})["probabilities"],
+                                   served.reference(x[8:10]), rtol=1e-5, atol=1e-6)
+        segments = served.transport.clients()[0]["segments"]
+        c.release(t)
+        assert served.transport.clients()[0]["segments"] == segments - 1
+        # released: still usable locally, now copied instead of referenced
+        np.testing.assert_allclose(c.infer("digits", {"pixels": t})["probabilities"],
+                                   served.reference(x[8:10]), rtol=1e-5, atol=1e-6)
+
+
+def test_errors_are_typed_and_the_connection_survives(served: Served) -> None:
+    with ShmClient(served.socket) as c:
+        with pytest.raises(ModelNotFoundError) as ei:
+            c.infer("nope", {"pixels": np.zeros((1, 64), np.float32)})
+        assert ei.value.code is ErrorCode.NOT_FOUND
+        with pytest.raises(InvalidInputError, match="datatype FP64, expected FP32"):
+            c.infer("digits", {"pixels": np.zeros((1, 64), np.float64)})
+        with pytest.raises(InvalidInputError, match="dimension 1 is 63"):
+            c.infer("digits", {"pixels": np.zeros((1, 63), np.float32)})
+        with pytest.raises(InvalidInputError, match="BYTES"):
+            c.infer("digits", {"pixels": np.array([["a"]], dtype=object)})
+        assert c.infer("digits", {"pixels": np.zeros((2, 64), np.float32)})["probabilities"].shape == (2, 10)
+
+
+def test_output_slot_grows_on_too_small(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    from edged.client import shm_memory
+
+    monkeypatch.setattr(shm_memory, "PAGE", 64)  # exact-size segments, so a bad guess really is too small
+    x = np.ones((3, 64), np.float32)
+    with ShmClient(served.socket) as c:
+        info = c._info("digits", None)
+        info._out_cache[3] = 16  # a wrong guess: the daemon answers "needs N bytes" and the client grows
+        out = c.infer("digits", {"pixels": x})["probabilities"]
+        assert info.output_hint >= out.nbytes
+    np.testing.assert_allclose(out, served.reference(x), rtol=1e-5, atol=1e-6)
+
+
+def test_bad_descriptors_get_error_completions(served: Served) -> None:
+    raw = Raw(served.socket)
+    seg = raw.register(8192)
+    ok = _pixels(seg)
+    fp32 = p.DTYPE_CODE["FP32"]
+    cases: list[tuple[list[bytes], dict[str, int], ErrorCode, str]] = [
+        ([_pixels(seg, offset=8192 - 128)], {}, ErrorCode.INVALID_ARGUMENT, "outside segment"),
+        ([_pixels(seg, offset=2**64 - 32)], {}, ErrorCode.INVALID_ARGUMENT, "outside segment"),
+        ([_pixels(seg, offset=64, nbytes=2**64 - 32, shape=(2**62 - 8, 1))], {}, ErrorCode.INVALID_ARGUMENT,
+         "is too large"),  # refused from the shape alone
+        ([_pixels(999)], {}, ErrorCode.INVALID_ARGUMENT, "unknown segment 999"),
+        ([_pixels(seg, dtype=p.DTYPE_CODE["INT32"])], {}, ErrorCode.INVALID_ARGUMENT, "datatype INT32"),
+        ([_pixels(seg, dtype=99)], {}, ErrorCode.INVALID_ARGUMENT, "unknown dtype code"),
+        ([_pixels(seg, shape=(1, 63))], {}, ErrorCode.INVALID_ARGUMENT, "dimension 1 is 63"),
+        ([_pixels(seg, nbytes=100)], {}, ErrorCode.INVALID_ARGUMENT, "the descriptor says 100"),
+        ([_pixels(seg, offset=2)], {}, ErrorCode.INVALID_ARGUMENT, "not aligned"),
+        ([ok, ok], {}, ErrorCode.INVALID_ARGUMENT, "appears twice"),
+        ([p.encode_tensor("pixels", fp32, (1, -64), segment=seg, offset=0, nbytes=256)], {},
+         ErrorCode.INVALID_ARGUMENT, "negative dimension"),
+        ([ok], {"out_seg": 77}, ErrorCode.INVALID_ARGUMENT, "unknown segment 77"),
+        ([ok], {"out_off": 8000, "out_cap": 1000}, ErrorCode.INVALID_ARGUMENT, "outside segment"),
+        ([ok], {"out_off": 64, "out_cap": 2**64 - 1}, ErrorCode.INVALID_ARGUMENT, "outside segment"),
+        ([ok], {"out_cap": 8}, ErrorCode.RESOURCE_EXHAUSTED, "too small"),
+        ([ok], {"model": 1}, ErrorCode.NOT_FOUND, "not in the repository"),
+    ]
+    for inputs, kw, code, text in cases:
+        status, _, body = raw.infer(inputs, kw.get("out_seg", seg), kw.get("out_off", 4096),
+                                    kw.get("out_cap", 4096), model="nope" if kw.get("model") else "digits")
+        needed, message = p.decode_error(body)
+        assert p.STATUS_CODES[status] is code, (text, message)
+        assert text in message
+        assert "/" not in message.replace("1..64", "")  # no paths or region names leak
+        if code is ErrorCode.RESOURCE_EXHAUSTED:
+            assert needed >= 40
+    # malformed messages: truncated, trailing garbage, unknown kind, header only, fds on INFER
+    good = p.encode_infer(1, "digits", 0, [ok], out_segment=seg, out_offset=4096, out_capacity=4096)
+    for msg in (good[:-3], good + b"xx", p.header(42, 5), b"\x04\x00", p.header(p.INFER, 6)):
+        _, status, _, body = raw.send_raw(msg)
+        assert status == p.STATUS_OF[ErrorCode.INVALID_ARGUMENT], p.decode_error(body)
+    r, w = os.pipe()
+    try:
+        _, status, _, body = raw.send_raw(good, [r])
+        assert status and "only with REGISTER" in p.decode_error(body)[1]
+    finally:
+        os.close(r)
+        os.close(w)
+    status, count, body = raw.infer([ok], seg)  # the connection still works
+    assert status == 0 and count == 1
+    raw.close()
+    with ShmClient(served.socket) as c:  # and so does everyone else
+        assert c.infer("digits", {"pixels": np.zeros((1, 64), np.float32)})["probabilities"].shape == (1, 10)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.binary(max_size=300), kind=st.sampled_from([p.INFER, p.REGISTER, p.UNREGISTER, p.METADATA,
+                                                           p.HELLO, 0, 99]))
+def test_fuzzed_messages_never_break_the_server(served: Served, body: bytes, kind: int) -> None:
+    raw = Raw(served.socket)
+    try:
+        raw.register(4096)
+        reply_kind, status, _, reply = raw.call(kind, body)
+        assert reply_kind == (kind | p.REPLY)
+        if status:
+            p.decode_error(reply)
+        status, count, _ = raw.infer([_pixels(1)], 1, 1024, 1024)
+        assert (status, count) == (0, 1)
+    finally:
+        raw.close()
+
+
+def test_register_refuses_unsealed_and_wrong_files(served: Served, tmp_path: Path) -> None:
+    raw = Raw(served.socket)
+    raw.call(p.HELLO, p.U32.pack(p.PROTOCOL_VERSION))  # accepted and served: its socket is counted
+    fds0 = _fd_count()
+
+    def register(fd: int, size: int) -> tuple[int, str]:
+        _, status, _, body = raw.call(p.REGISTER, p.U64.pack(size), [fd])
+        return status, p.decode_error(body)[1] if status else ""
+
+    unsealed = os.memfd_create("edged-shm-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(unsealed, 4096)
+    status, message = register(unsealed, 4096)
+    assert p.STATUS_CODES[status] is ErrorCode.FAILED_PRECONDITION and "F_SEAL_SHRINK" in message
+    no_sealing = os.memfd_create("edged-shm-test", os.MFD_CLOEXEC)  # F_SEAL_SEAL set from birth
+    os.ftruncate(no_sealing, 4096)
+    assert "F_SEAL_SHRINK" in register(no_sealing, 4096)[1]
+    fcntl.fcntl(unsealed, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    assert "announced 8192" in register(unsealed, 8192)[1]  # a size lie is refused
+    assert register(unsealed, 4096)[0] == 0  # sealed and honest: accepted
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"\0" * 4096)
+    fd = os.open(plain, os.O_RDWR)
+    assert register(fd, 4096)[0] == p.STATUS_OF[ErrorCode.FAILED_PRECONDITION]
+    r, w = os.pipe()
+    assert "not a memory file" in register(r, 4096)[1]
+    for f in (unsealed, no_sealing, fd, r, w):
+        os.close(f)
+    _, status, _, body = raw.call(p.REGISTER, p.U64.pack(4096))
+    assert status and "exactly one file descriptor" in p.decode_error(body)[1]
+    # the daemon (this process) closed every fd it was passed; only the one accepted memfd is mapped
+    # (before Python 3.13, mmap keeps its own duplicate of the descriptor)
+    assert _fd_count() - fds0 == (1 if sys.version_info < (3, 13) else 0)
+    assert served.transport.clients()[0]["segments"] == 1
+    raw.close()
+
+
+def test_per_client_limits(model_repo: Callable[..., Path], tmp_path: Path) -> None:
+    limits = Limits(max_segments=2, max_mapped_bytes=2 * 4096 + 100, max_inflight=4)
+    with _serve(model_repo("digits"), tmp_path, limits=limits) as s:
+        raw = Raw(s.socket)
+        a = raw.register(4096)
+        fd, seg = create_segment(8192)
+        _, status, _, body = raw.call(p.REGISTER, p.U64.pack(8192), [fd])
+        assert p.STATUS_CODES[status] is ErrorCode.RESOURCE_EXHAUSTED and "budget" in p.decode_error(body)[1]
+        raw.register(4096)
+        _, status, _, body = raw.call(p.REGISTER, p.U64.pack(8192), [fd])
+        assert p.STATUS_CODES[status] is ErrorCode.RESOURCE_EXHAUSTED and "too many segments" in \
+            p.decode_error(body)[1]
+        os.close(fd)
+        seg.close()
+        _, status, _, _ = raw.call(p.UNREGISTER, p.U32.pack(a))
+        assert status == 0
+        _, status, _, body = raw.call(p.UNREGISTER, p.U32.pack(a))
+        assert "unknown segment" in p.decode_error(body)[1]
+        assert s.transport.clients()[0]["segments"] == 1
+        raw.close()
+
+
+def test_many_clients_at_once(served: Served, tmp_path: Path, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    x, _ = digits_holdout
+    ref = served.reference(x)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "ref.npy", ref)
+    script = tmp_path / "client.py"
+    script.write_text(textwrap.dedent(f"""
+        import numpy as np
+        from edged.client.shm import ShmClient
+        x, ref = np.load({str(tmp_path / 'x.npy')!r}), np.load({str(tmp_path / 'ref.npy')!r})
+        with ShmClient({str(served.socket)!r}) as c:
+            for i in range(150):
+                j = (i * 7) % len(x)
+                out = c.infer("digits", {{"pixels": x[j:j + 1 + i % 5]}})["probabilities"]
+                np.testing.assert_allclose(out, ref[j:j + 1 + i % 5], rtol=1e-5, atol=1e-6)
+        print("ok")
+        """))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    errors: list[BaseException] = []
+    seen_clients: list[int] = []
+
+    def worker(k: int) -> None:
+        try:
+            with ShmClient(served.socket) as c:
+                for i in range(60):
+                    j = (k * 31 + i * 3) % (len(x) - 4)
+                    out = c.infer("digits", {"pixels": x[j:j + 1 + (i + k) % 4]})["probabilities"]
+                    np.testing.assert_allclose(out, ref[j:j + 1 + (i + k) % 4], rtol=1e-5, atol=1e-6)
+                    if i == 30:
+                        seen_clients.append(len(served.transport.clients()))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a client thread did not finish"
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # a failure above must not leave the client process behind
+            proc.kill()
+            proc.wait(10)
+    assert not errors, errors
+    assert proc.returncode == 0 and out.strip() == "ok"
+    assert max(seen_clients) >= 2
+    _wait(lambda: not served.transport.clients(), "every client to be released")
+
+
+def test_async_pipelined_requests(served: Served, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    x, _ = digits_holdout
+    ref = served.reference(x)
+
+    async def run() -> list[dict[str, np.ndarray]]:
+        async with AsyncShmClient(served.socket) as c:
+            meta = await c.metadata("digits")
+            assert meta["name"] == "digits"
+            outs = await asyncio.gather(*(c.infer("digits", {"pixels": x[i:i + 1 + i % 3]}) for i in range(120)))
+            with pytest.raises(ModelNotFoundError):
+                await c.infer("nope", {"pixels": x[:1]})
+            t = await c.tensor((5, 64))
+            t[:] = x[:5]
+            outs.append(await c.infer("digits", {"pixels": t}))
+            # cancelled calls: their slots are reused only after their late completions arrived
+            for _ in range(3):
+                tasks = [asyncio.ensure_future(c.infer("digits", {"pixels": x[i:i + 2]})) for i in range(40)]
+                for _ in range(3):
+                    await asyncio.sleep(0)
+                for task in tasks[::3]:
+                    task.cancel()
+                done = await asyncio.gather(*tasks, return_exceptions=True)
+                for i, r in enumerate(done):
+                    if not isinstance(r, BaseException):
+                        np.testing.assert_allclose(r["probabilities"], ref[i:i + 2], rtol=1e-5, atol=1e-6)
+            return outs
+
+    outs = asyncio.run(run())
+    for i in range(120):
+        np.testing.assert_allclose(outs[i]["probabilities"], ref[i:i + 1 + i % 3], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(outs[120]["probabilities"], ref[:5], rtol=1e-5, atol=1e-6)
+    stats = served.service.statistics("digits")[0]
+    assert stats["inference_stats"]["success"]["count"] >= 121
+    _wait(lambda: not served.transport.clients(), "the async client to be released")
+
+
+KILLED_CLIENT = """
+import asyncio, sys
+import numpy as np
+from edged.client.shm import AsyncShmClient
+
+async def main():
+    async with AsyncShmClient(sys.argv[1]) as c:
+        x = np.random.default_rng(1).random((4, 64), dtype=np.float32) * 16
+        async def loop():
+            while True:
+                await c.infer("digits", {"pixels": x})
+        tasks = [asyncio.ensure_future(loop()) for _ in range(8)]
+        await c.infer("digits", {"pixels": x})
+        print("ready", flush=True)
+        await asyncio.gather(*tasks)
+
+asyncio.run(main())
+"""
+
+
+def test_kill_9_of_a_client_mid_requests(served: Served, tmp_path: Path) -> None:
+    shm_before = _dev_shm()
+    x = np.arange(3 * 64, dtype=np.float32).reshape(3, 64) % 17
+    ref = served.reference(x)
+    with ShmClient(served.socket) as other:
+        np.testing.assert_allclose(other.infer("digits", {"pixels": x})["probabilities"], ref, rtol=1e-5)
+        maps0, fds0 = _maps_count(), _fd_count()
+        script = tmp_path / "killed.py"
+        script.write_text(KILLED_CLIENT)
+        proc = subprocess.Popen([sys.executable, str(script), str(served.socket)], cwd=REPO_ROOT,
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+
+        def victim() -> dict[str, Any] | None:
+            return next((c for c in served.transport.clients() if c["pid"] == proc.pid), None)
+
+        _wait(lambda: (v := victim()) is not None and v["requests"] > 50, "the victim to be busy")
+        info = victim()
+        assert info is not None and info["segments"] >= 1
+        assert _maps_count() > maps0  # the daemon maps the victim's segments
+        os.kill(proc.pid, signal.SIGKILL)
+        # the other client keeps being served while the victim dies
+        for _ in range(20):
+            np.testing.assert_allclose(other.infer("digits", {"pixels": x})["probabilities"], ref, rtol=1e-5)
+        proc.wait(30)
+        proc.stdout.close()
+        _wait(lambda: victim() is None, "the daemon to notice the dead client")
+        assert _maps_count() == maps0  # every segment of the victim is unmapped
+        assert _fd_count() == fds0  # and its socket is closed
+        np.testing.assert_allclose(other.infer("digits", {"pixels": x})["probabilities"], ref, rtol=1e-5)
+        assert [c["pid"] for c in served.transport.clients()] == [os.getpid()]
+    assert _dev_shm() <= shm_before  # memfds leave nothing behind in /dev/shm
+
+
+def test_stop_disconnects_clients_and_refuses_a_second_server(model_repo: Callable[..., Path],
+                                                              tmp_path: Path) -> None:
+    repo = model_repo("digits")
+    with _serve(repo, tmp_path) as s:
+        c = ShmClient(s.socket)
+        c.infer("digits", {"pixels": np.zeros((1, 64), np.float32)})
+        with pytest.raises(EdgedError, match="already serving") as ei:
+            ShmTransport(_config(tmp_path), s.service).start_blocking()
+        assert ei.value.code is ErrorCode.UNAVAILABLE
+        s.transport.stop_blocking()
+        assert s.transport.clients() == []
+        with pytest.raises(EdgedError) as ei:
+            c.infer("digits", {"pixels": np.zeros((1, 64), np.float32)})
+        assert ei.value.code is ErrorCode.UNAVAILABLE
+        c.close()
+    # a leftover socket file (crashed daemon) is replaced; a non-socket file is never touched
+    sock_path = _config(tmp_path).shm_socket
+    leftover = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    leftover.bind(str(sock_path))
+    leftover.close()
+    with _serve(repo, tmp_path) as s, ShmClient(s.socket) as c:
+        assert c.infer("digits", {"pixels": np.zeros((1, 64), np.float32)})["probabilities"].shape == (1, 10)
+    sock_path.write_text("not a socket")
+    manager = ModelManager(repo, ModelsSection(), ORT_CPU)
+    with pytest.raises(EdgedError, match="not a socket"):
+        ShmTransport(_config(tmp_path), InferenceService(manager)).start_blocking()
+    assert sock_path.read_text() == "not a socket"
+
+
+def test_async_start_stop_as_the_daemon_does(model_repo: Callable[..., Path], tmp_path: Path) -> None:
+    manager = ModelManager(model_repo("digits"), ModelsSection(), ORT_CPU)
+    manager.load_all()
+    transport = ShmTransport(_config(tmp_path), InferenceService(manager))
+
+    async def run() -> None:
+        await transport.start()
+        async with AsyncShmClient(transport.path) as c:
+            out = await c.infer("digits", {"pixels": np.zeros((2, 64), np.float32)})
+            assert out["probabilities"].shape == (2, 10)
+        await transport.stop()
+
+    try:
+        asyncio.run(run())
+    finally:
+        manager.shutdown()
+    assert not transport.path.exists()
+
+
+def test_stale_dev_shm_files_are_cleaned(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / f"edged-{dead.pid}-seg0").write_bytes(b"x")
+    (tmp_path / "edged-garbage").write_bytes(b"x")
+    (tmp_path / f"edged-{os.getpid()}-seg0").write_bytes(b"x")  # its owner is alive: kept
+    (tmp_path / "other-1").write_bytes(b"x")
+    removed = clean_stale_shm(tmp_path)
+    assert sorted(removed) == sorted([f"edged-{dead.pid}-seg0", "edged-garbage"])
+    assert sorted(os.listdir(tmp_path)) == sorted([f"edged-{os.getpid()}-seg0", "other-1"])
+
+
+def test_against_edged_run(model_repo: Callable[..., Path], write_config: Callable[..., Path],
+                           digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    """The daemon starts the transport; a crash of the daemon leaves a socket the next start replaces."""
+    x, y = digits_holdout
+    with tempfile.TemporaryDirectory(prefix="edged-") as run_dir:  # short path for the socket
+        cfg = write_config(model_repo("digits"), f"""
+            [http]
+            enabled = false
+            [mqtt]
+            enabled = false
+            [shm]
+            socket = "{run_dir}/edged.sock"
+            """)
+        sock = Path(run_dir) / "edged.sock"
+        shm_before = _dev_shm()
+        for attempt in range(2):
+            proc = subprocess.Popen([*EDGED, "run", "--config", str(cfg)], stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True)
+            try:
+                _wait(lambda p_=proc: _connects(sock) or p_.poll() is not None,  # type: ignore[misc]
+                      "edged run to listen", 90)
+                assert proc.poll() is None, proc.communicate()[1]
+                assert stat.S_IMODE(os.stat(sock).st_mode) == 0o660
+                with ShmClient(sock) as c:
+                    out = c.infer("digits", {"pixels": x[:64]})["probabilities"]
+                    assert (out.argmax(1) == y[:64]).mean() > 0.9
+                    if attempt == 0:
+                        os.kill(proc.pid, signal.SIGKILL)  # crash the daemon under a connected client
+                        proc.wait(30)
+                        with pytest.raises(EdgedError) as ei:
+                            c.infer("digits", {"pixels": x[:1]})
+                        assert ei.value.code is ErrorCode.UNAVAILABLE
+                        assert sock.exists()  # stale; the next start must replace it
+                    else:
+                        proc.send_signal(signal.SIGTERM)
+                        assert proc.wait(30) == 0
+                        assert not sock.exists()
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        assert _dev_shm() <= shm_before
+
+
+def _connects(path: Path) -> bool:
+    try:
+        ShmClient(path).close()
+    except EdgedError:
+        return False
+    return True
