@@ -13,6 +13,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -436,5 +437,106 @@ def test_the_unit_under_systemd_notify_watchdog_reload_and_stop(
         assert (box.prop("Result"), box.prop("ExecMainStatus")) == ("success", "0")
         assert "edged stopped" in box.run("journalctl", "-u", "edged", "--no-pager").stdout
     finally:
+        box.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_the_packaged_unit_applies_a_signed_update_from_a_registry(
+        built: Built, debian_tars: dict[str, Path], tmp_path: Path) -> None:
+    """Issue 17 item 2: the packaged unit as shipped (ProtectSystem=strict) with [registry] enabled takes a
+    signed release from a registry on the host: the bundled models are served from the state dir, the new
+    version is downloaded, verified, activated and committed there. The registry is a host process put in
+    the container's network namespace (the container has no other network)."""
+    from tests.registry_helpers import ADMIN_TOKEN, make_version
+
+    if "systemd" not in debian_tars:
+        pytest.skip("systemd-nspawn is not installed (Debian: systemd-container; ./install.sh --dev)")
+    registry_exe = REPO_ROOT / ".venv" / "bin" / "edged-registry"
+    if not registry_exe.exists():
+        pytest.skip("the registry runs from the development venv (./install.sh --dev)")
+    root = _unpack(debian_tars["systemd"], tmp_path / "root")
+    shutil.copy(built.debs["edged"], root / "root")
+    chroot(root, "apt-get", "install", "-y", f"/root/{built.debs['edged'].name}")
+    (root / "root" / built.debs["edged"].name).unlink()
+    work = tmp_path / "registry"
+    work.mkdir()
+    (work / "admin.token").write_text(ADMIN_TOKEN)
+    pub = subprocess.run([str(registry_exe), "keygen", "--out", str(work / "operator.key")], capture_output=True,
+                         text=True, check=True, timeout=60).stdout.strip()
+    version2 = make_version(work / "pub" / "digits" / "2", salt="nspawn")
+    port = 8700
+
+    box = Container(root, tmp_path / "nspawn.log")
+    registry: subprocess.Popen[bytes] | None = None
+    try:
+        if not box.wait_booted():
+            pytest.skip("this host cannot boot a systemd-nspawn container: "
+                        + (tmp_path / "nspawn.log").read_text(errors="replace")[-600:])
+        box.wait_for(lambda: box.prop("ActiveState") in ("active", "failed"))
+        assert box.prop("ActiveState") == "active", box.run("journalctl", "-u", "edged", "--no-pager").stdout
+        # The first start made the writable repository from the package's models.
+        assert (root / "var/lib/edged/models/digits/1/model.toml").is_file()
+
+        in_box = ["nsenter", "-t", str(box.init_pid), "-n"]
+        url = f"http://127.0.0.1:{port}"
+        registry = subprocess.Popen([*in_box, str(registry_exe), "serve", "--listen", f"127.0.0.1:{port}",
+                                     "--data-dir", str(work / "data"), "--admin-token-file",
+                                     str(work / "admin.token"), "--public-key", pub],
+                                    stdout=(work / "registry.log").open("wb"), stderr=subprocess.STDOUT)
+
+        def cli(*args: str) -> str:
+            r = subprocess.run([*in_box, str(registry_exe), *args, "--url", url, "--token-file",
+                                str(work / "admin.token")], capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, f"{args}: {r.stderr[-2000:]}\n{(work / 'registry.log').read_text()[-2000:]}"
+            return r.stdout
+
+        def registry_up() -> bool:
+            assert registry is not None and registry.poll() is None, (work / "registry.log").read_text()[-2000:]
+            probe = "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)"
+            return subprocess.run([*in_box, sys.executable, "-c", probe, f"{url}/healthz"],
+                                  capture_output=True).returncode == 0
+
+        box.wait_for(registry_up, timeout=120)
+        token = json.loads(cli("enroll-token", "--json"))["token"]
+        cfg = root / "etc/edged/edged.toml"
+        text = cfg.read_text()
+        assert "[registry]\nenabled = false\n" in text
+        cfg.write_text(text.replace("[device]\n", '[device]\nid = "nspawn-dev"\n', 1).replace(
+            "[registry]\nenabled = false\n",
+            f'[registry]\nenabled = true\nurl = "{url}"\nenrollment_token = "{token}"\npublic_keys = ["{pub}"]\n'
+            "poll_interval_s = 1\n"))
+        box.run("systemctl", "restart", "edged")
+        box.wait_for(lambda: box.prop("ActiveState") == "active")
+
+        cli("push", str(version2), "--model", "digits", "--model-version", "2")
+        cli("release", "digits", "2", "--key", str(work / "operator.key"), "--device", "nspawn-dev")
+
+        def committed() -> bool:
+            state = root / "var/lib/edged/sync/state.json"
+            if not state.exists():
+                return False
+            ms = json.loads(state.read_text())["models"].get("digits") or {}
+            return bool(ms.get("pending") is None and (ms.get("current") or {}).get("version") == 2)
+
+        box.wait_for(committed, timeout=240)
+        assert (root / "var/lib/edged/models/digits/2/model.toml").is_file()
+        assert not (root / "usr/share/edged/models/digits/2").exists()
+        answer = box.run("python3", "-c", (
+            "import json, urllib.request\n"
+            "body = json.dumps({'inputs': [{'name': 'pixels', 'datatype': 'FP32', 'shape': [1, 64],"
+            " 'data': [0.0] * 64}]}).encode()\n"
+            "req = urllib.request.Request('http://127.0.0.1:8000/v2/models/digits/infer', data=body,"
+            " headers={'Content-Type': 'application/json'})\n"
+            "print(json.loads(urllib.request.urlopen(req).read())['model_version'])")).stdout
+        assert answer.strip() == "2"
+        devices = json.loads(cli("devices", "--json"))
+        assert "committed" in json.dumps(devices)
+        journal = box.run("journalctl", "-u", "edged", "--no-pager").stdout
+        assert "Read-only file system" not in journal and "Traceback" not in journal
+    finally:
+        if registry is not None:
+            registry.terminate()
+            registry.wait(30)
         box.stop()
         shutil.rmtree(root, ignore_errors=True)
