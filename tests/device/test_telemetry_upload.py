@@ -555,7 +555,7 @@ def test_rollback_reactivation_and_restart_under_load_count_each_request_once(
     """The registry's per-version totals equal what the client got answered (minus at most the one request
     in flight at each switch), and /metrics, the status file and the registry agree on the current activation."""
     from edged.telemetry.prometheus import render_metrics
-    from tests.test_telemetry import families, value
+    from tests.device.test_telemetry import families, value
 
     reg = RealRegistry(tmp_path / "registry")
     reg.start()
