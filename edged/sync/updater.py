@@ -142,7 +142,13 @@ class Updater:
                         self._refuse(model, p.release, p.version, str(e), permanent=True)
                         continue
                     manifest = p.signed.unverified()  # already activated: finish the trial, expiry no longer matters
-                self._advance(model, manifest)
+                try:
+                    self._advance(model, manifest)
+                except OSError as e:  # reported and kept in the state; the polls retry it with back-off
+                    try:
+                        self._local_fault(model, manifest, e)
+                    except localfault.LocalFaultError as fault:
+                        log.error("update blocked by a local fault: %s", fault)
 
     # ---- one desired model ------------------------------------------------------------------
     def process(self, dm: DesiredModel) -> None:
