@@ -140,8 +140,9 @@ def secret_exposure(path: Path, cfg: Config) -> list[str]:
 
 
 def cmd_detect(args: argparse.Namespace) -> int:
+    from edged.detect import render_detect
     from edged.hardware.probe import probe
-    from edged.profiles import load_profiles, match_profile, render_detect
+    from edged.profiles import load_profiles, match_profile
 
     cfg = _config(args)
     facts = probe(args.root, engines=args.root == Path("/"))

@@ -154,8 +154,8 @@ class Daemon:
             from edged.transports.mqtt.transport import MqttTransport
             out.append(MqttTransport(cfg, rt.service, rt.profile.name))
         if cfg.registry.enabled:
-            from edged.sync.agent import SyncAgent
-            out.append(SyncAgent(cfg, rt.service))
+            from edged.sync.agent import SyncAgent, device_facts
+            out.append(SyncAgent(cfg, rt.service, facts=device_facts(rt.facts, rt.profile.name)))
         return out
 
     # ---- lifecycle ----------------------------------------------------------------------------

@@ -15,9 +15,9 @@ import sys
 from collections.abc import MutableMapping
 from typing import Any, TextIO
 
+from edged.journal import record_fields
+
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-FIELD_NAMES = ("model", "version", "request_id")
-_LEGACY_PREFIX = "model=%s version=%s"
 
 
 def log_fields(model: str | None = None, version: int | str | None = None,
@@ -44,20 +44,6 @@ class FieldsAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
 def bind(logger: logging.Logger, *, model: str | None = None, version: int | str | None = None,
          request_id: str | None = None) -> FieldsAdapter:
     return FieldsAdapter(logger, log_fields(model, version, request_id))
-
-
-def record_fields(record: logging.LogRecord) -> dict[str, str]:
-    """model/version/request_id of a record: explicit ``extra`` first, else the legacy text form."""
-    out = {}
-    for name in FIELD_NAMES:
-        value = getattr(record, name, None)
-        if value is not None:
-            out[name] = str(value)
-    if "model" not in out and isinstance(record.msg, str) and record.msg.startswith(_LEGACY_PREFIX):
-        args = record.args
-        if isinstance(args, tuple) and len(args) >= 2:
-            out["model"], out["version"] = str(args[0]), str(args[1])
-    return out
 
 
 class _TextFormatter(logging.Formatter):
@@ -90,7 +76,7 @@ def setup_logging(level: str = "info", *, stream: object = None, journal: bool |
             h.close()
     handler: logging.Handler | None = None
     if stream is None and journal is not False:
-        from edged.systemd.journal import JournalHandler, journal_handler_or_none
+        from edged.journal import JournalHandler, journal_handler_or_none
 
         handler = JournalHandler() if journal else journal_handler_or_none()
     where = "journal"

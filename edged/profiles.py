@@ -43,7 +43,6 @@ import edged
 from edged.errors import ConfigError
 from edged.hardware.facts import FactValue, HardwareFacts, fact_keys, facts_as_dict
 from edged.hardware.jetpack import ReleaseRow, row_for
-from edged.hardware.report import render_detect
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -60,7 +59,6 @@ __all__ = [
     "bundled_profiles_dir",
     "load_profiles",
     "match_profile",
-    "render_detect",
     "resolve_profile",
 ]
 

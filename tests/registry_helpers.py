@@ -61,7 +61,7 @@ class Keys:
     @classmethod
     def make(cls, folder: Path, name: str = "operator") -> Keys:
         from edged.fsutil import atomic_write_bytes
-        from edged.registry.release import generate_private_key, private_key_pem, public_key_b64
+        from edged.protocol.fleet.release import generate_private_key, private_key_pem, public_key_b64
 
         key = generate_private_key()
         path = folder / f"{name}.key"
@@ -69,7 +69,7 @@ class Keys:
         return cls(path, public_key_b64(key))
 
     def load(self) -> Any:
-        from edged.registry.release import load_private_key
+        from edged.protocol.fleet.release import load_private_key
 
         return load_private_key(self.path)
 
@@ -338,8 +338,10 @@ class InProcessDevice:
     def start(self) -> InProcessDevice:
         from edged.core.manager import ModelManager
         from edged.core.service import InferenceService
+        from edged.daemon import choose_profile
+        from edged.hardware.probe import probe
         from edged.profiles import BackendPreference
-        from edged.sync.agent import SyncAgent
+        from edged.sync.agent import SyncAgent, device_facts
         from edged.sync.boot import prepare_boot
 
         prepare_boot(self.cfg, self.settings)
@@ -348,7 +350,9 @@ class InProcessDevice:
                                     [BackendPreference(backend="onnxruntime", device="CPU", precisions=["fp32"])])
         self.manager.load_all()
         self.service = InferenceService(self.manager)
-        self.agent = SyncAgent(self.cfg, self.service, settings=self.settings)
+        facts = probe(Path("/"), engines=False)  # as the daemon does once at start, then hands to sync
+        self.agent = SyncAgent(self.cfg, self.service, settings=self.settings,
+                               facts=device_facts(facts, choose_profile(self.cfg, facts).profile.name))
         self.thread.start()
         asyncio.run_coroutine_threadsafe(self.agent.start(), self.loop).result(30)
         return self
@@ -378,7 +382,7 @@ class InProcessDevice:
 
 
 class DaemonProcess:
-    """``python -m edged.sync.runner`` (the daemon with its sync agent) as a real process, HTTP on."""
+    """``python -m edged.sync_runner`` (the daemon with its sync agent) as a real process, HTTP on."""
 
     def __init__(self, config_path: Path, http_port: int, log_path: Path, *, sets: dict[str, Any] | None = None,
                  env: dict[str, str] | None = None, prefix: list[str] | None = None) -> None:
@@ -390,7 +394,7 @@ class DaemonProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, extra_env: dict[str, str] | None = None) -> DaemonProcess:
-        argv = [*self.prefix, PY, "-m", "edged.sync.runner", "--config", str(self.config_path)]
+        argv = [*self.prefix, PY, "-m", "edged.sync_runner", "--config", str(self.config_path)]
         for k, v in self.sets.items():
             argv += ["--set", f"{k}={v}"]
         env = {**os.environ, **self.env, **(extra_env or {})}

@@ -14,9 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-# Latency buckets in seconds, shared by queue/compute/total histograms (Prometheus convention).
-LATENCY_BUCKETS_S: tuple[float, ...] = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+from edged.protocol.fleet.telemetry import LATENCY_BUCKETS_S  # the buckets are part of the telemetry contract
 
 
 @dataclass

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from edged.errors import EdgedError, InvalidInputError
+from edged.protocol.mqtt_topics import Topics, topic_matches, valid_publish_topic
 from edged.protocol.v2 import dumps
 from edged.protocol.v2_json import loads_request
-from edged.transports.mqtt.topics import Topics, topic_matches, valid_publish_topic
 
 __all__ = ["Form", "Frame", "Topics", "topic_matches", "valid_publish_topic"]
 

@@ -1,5 +1,5 @@
 """The central model registry (``edged-registry``): versions, signed releases, device enrollment and reports.
 
-Only :mod:`edged.registry.release` and :mod:`edged.registry.wire` are imported by
+Only :mod:`edged.protocol.fleet.release` and :mod:`edged.protocol.fleet.messages` are imported by
 devices; the server modules need the ``registry`` extra (FastAPI, SQLAlchemy, Alembic).
 """

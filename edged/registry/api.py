@@ -34,20 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from edged import __version__
 from edged.errors import ErrorCode
-from edged.registry import desired as desired_state
-from edged.registry import rollouts, service
-from edged.registry.auth import bearer_token, is_admin, token_hash
-from edged.registry.blobs import SHA256_RE, BlobError, BlobStore, SmallBlobCache
-from edged.registry.db import DeviceRow, make_engine, make_sessionmaker, readonly
-from edged.registry.evaluator import Evaluator, tick
-from edged.registry.lastseen import LastSeen
-from edged.registry.migrate import upgrade
-from edged.registry.nudge import Nudger
-from edged.registry.release import SignedRelease
-from edged.registry.rollout_wire import RolloutAction, RolloutCreate, RolloutInfo, RolloutStatus
-from edged.registry.service import RegistryError
-from edged.registry.settings import RegistrySettings
-from edged.registry.wire import (
+from edged.protocol.fleet.messages import (
     API_PREFIX,
     Accepted,
     DesiredState,
@@ -70,6 +57,19 @@ from edged.registry.wire import (
     ReportBatch,
     VersionInfo,
 )
+from edged.protocol.fleet.nudge import Nudger
+from edged.protocol.fleet.release import SignedRelease
+from edged.registry import desired as desired_state
+from edged.registry import rollouts, service
+from edged.registry.auth import bearer_token, is_admin, token_hash
+from edged.registry.blobs import SHA256_RE, BlobError, BlobStore, SmallBlobCache
+from edged.registry.db import DeviceRow, make_engine, make_sessionmaker, readonly
+from edged.registry.evaluator import Evaluator, tick
+from edged.registry.lastseen import LastSeen
+from edged.registry.migrate import upgrade
+from edged.registry.rollout_wire import RolloutAction, RolloutCreate, RolloutInfo, RolloutStatus
+from edged.registry.service import RegistryError
+from edged.registry.settings import RegistrySettings
 from edged.registry.writer import ReportWriter
 
 log = logging.getLogger(__name__)

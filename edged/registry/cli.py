@@ -178,9 +178,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from edged.listen import parse_listen
     from edged.logs import setup_logging
     from edged.registry.api import create_app
-    from edged.transports.http.transport import parse_listen
 
     settings = _settings(args)
     setup_logging(settings.log_level)
@@ -232,7 +232,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 def cmd_keygen(args: argparse.Namespace) -> int:
     from edged.fsutil import atomic_write_bytes, atomic_write_text
-    from edged.registry.release import generate_private_key, private_key_pem, public_key_b64
+    from edged.protocol.fleet.release import generate_private_key, private_key_pem, public_key_b64
 
     out: Path = args.out
     if out.exists():
@@ -292,7 +292,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_release(args: argparse.Namespace) -> int:
-    from edged.registry.release import TargetSelector, load_private_key
+    from edged.protocol.fleet.release import TargetSelector, load_private_key
 
     key = load_private_key(args.key)
     selector = TargetSelector(labels=dict(args.label), devices=list(args.device))

@@ -15,9 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pydantic import TypeAdapter
 
 from edged.errors import EdgedError, ErrorCode
-from edged.registry.release import FileEntry, ReleaseManifest, SignedRelease, TargetSelector, sign_release
-from edged.registry.rollout_wire import RolloutAction, RolloutCreate, RolloutInfo, RolloutStatus
-from edged.registry.wire import (
+from edged.protocol.fleet.messages import (
     API_PREFIX,
     DeviceInfo,
     EnrollmentTokenRequest,
@@ -33,6 +31,8 @@ from edged.registry.wire import (
     ReleaseInfo,
     VersionInfo,
 )
+from edged.protocol.fleet.release import FileEntry, ReleaseManifest, SignedRelease, TargetSelector, sign_release
+from edged.registry.rollout_wire import RolloutAction, RolloutCreate, RolloutInfo, RolloutStatus
 
 if TYPE_CHECKING:
     import httpx

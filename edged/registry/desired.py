@@ -28,6 +28,7 @@ from typing import Any
 import orjson
 from sqlalchemy import Connection, bindparam, select
 
+from edged.protocol.fleet.release import TargetSelector
 from edged.registry.auth import same_hash
 from edged.registry.db import (
     DeviceModelRow,
@@ -39,7 +40,6 @@ from edged.registry.db import (
     VersionFileRow,
     VersionRow,
 )
-from edged.registry.release import TargetSelector
 from edged.registry.rollout_wire import REVERT_STATES
 from edged.registry.targets import Membership, RolloutTarget, selector_matches
 

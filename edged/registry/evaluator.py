@@ -17,9 +17,9 @@ from collections.abc import Callable
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from edged.protocol.fleet.release import TargetSelector
 from edged.registry.db import ModelRow, ReleaseRow, RolloutRow, VersionRow
 from edged.registry.gates import Side, accumulate, crossed, halt_reason, needed_reports, readings, release_counts
-from edged.registry.release import TargetSelector
 from edged.registry.rollout_wire import Gates, StepSpec
 from edged.registry.rollouts import enter_step, recount, step_base
 from edged.registry.service import bump_revision

@@ -15,11 +15,10 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from edged.core.stats import LATENCY_BUCKETS_S
+from edged.protocol.fleet.telemetry import LATENCY_BUCKETS_S, HistCounts
 from edged.registry.db import DeviceModelRow, RolloutRow
 from edged.registry.rollout_wire import GateReading, Gates
 from edged.registry.telemetry_tables import TelemetryModelRow
-from edged.telemetry.models import HistCounts
 
 # Failures the client caused or that only say the queue was full: not the model's fault (as on the device).
 NOT_MODEL_ERRORS = frozenset({"invalid_argument", "overloaded", "cancelled"})

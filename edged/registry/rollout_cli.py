@@ -203,7 +203,7 @@ def run(args: argparse.Namespace, client: Callable[[], Any], duration: Callable[
             else:
                 if args.model_version is None or args.key is None:
                     raise ConfigError("rollout create: give VERSION and --key (sign a new release), or --release N")
-                from edged.registry.release import TargetSelector, load_private_key
+                from edged.protocol.fleet.release import TargetSelector, load_private_key
 
                 info = c.release_with_rollout(load_private_key(args.key), args.model, args.model_version, spec,
                                               expires_in_s=args.expires, number=args.number, notes=args.notes,

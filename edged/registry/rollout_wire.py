@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from edged.registry.release import SignedRelease
+from edged.protocol.fleet.release import SignedRelease
 from edged.registry.targets import RolloutTarget
 
 RolloutState = Literal["running", "paused", "halted", "aborted", "rolled-back", "completed"]

@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from edged.protocol.fleet.release import TargetSelector
 from edged.registry.db import (
     DeviceModelRow,
     DeviceRow,
@@ -27,7 +28,6 @@ from edged.registry.db import (
     VersionRow,
 )
 from edged.registry.gates import Counts, Side, readings, release_counts, telemetry_watermark
-from edged.registry.release import TargetSelector
 from edged.registry.rollout_wire import (
     ACTIVE_STATES,
     PROGRESS,

@@ -19,23 +19,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased
 
 from edged.errors import EdgedError, ErrorCode
-from edged.registry import desired
-from edged.registry.auth import DEVICE_PREFIX, ENROLL_PREFIX, new_token, same_hash, token_hash
-from edged.registry.blobs import BlobStore
-from edged.registry.db import (
-    BlobRow,
-    DeviceEventRow,
-    DeviceModelRow,
-    DeviceRow,
-    EnrollmentTokenRow,
-    ModelRow,
-    RegistryMetaRow,
-    ReleaseRow,
-    VersionFileRow,
-    VersionRow,
-)
-from edged.registry.release import FileEntry, ReleaseError, SignedRelease, TargetSelector, verify_release
-from edged.registry.wire import (
+from edged.protocol.fleet.messages import (
     DesiredState,
     DeviceFactsUpdate,
     DeviceInfo,
@@ -52,6 +36,22 @@ from edged.registry.wire import (
     ReleaseInfo,
     ReleaseStatus,
     VersionInfo,
+)
+from edged.protocol.fleet.release import FileEntry, ReleaseError, SignedRelease, TargetSelector, verify_release
+from edged.registry import desired
+from edged.registry.auth import DEVICE_PREFIX, ENROLL_PREFIX, new_token, same_hash, token_hash
+from edged.registry.blobs import BlobStore
+from edged.registry.db import (
+    BlobRow,
+    DeviceEventRow,
+    DeviceModelRow,
+    DeviceRow,
+    EnrollmentTokenRow,
+    ModelRow,
+    RegistryMetaRow,
+    ReleaseRow,
+    VersionFileRow,
+    VersionRow,
 )
 from edged.repository.manifest import MANIFEST_NAME, ModelManifest, format_validation_error, valid_model_name
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from edged.errors import ConfigError
 from edged.fsutil import make_private_dir
-from edged.registry.release import ReleaseError, decode_public_key
+from edged.protocol.fleet.release import ReleaseError, decode_public_key
 from edged.repository.manifest import format_validation_error
 
 if sys.version_info >= (3, 11):

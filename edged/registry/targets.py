@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from edged.registry.release import TargetSelector
+from edged.protocol.fleet.release import TargetSelector
 
 PROFILE_FACT = "profile"
 

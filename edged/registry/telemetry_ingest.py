@@ -26,14 +26,13 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from edged.errors import ErrorCode
+from edged.protocol.fleet.messages import API_PREFIX
+from edged.protocol.fleet.telemetry import INGEST_PATH, HistCounts, SystemWindow, UploadAck, UploadBatch
 from edged.registry import service
 from edged.registry.auth import is_admin
 from edged.registry.db import DeviceRow
 from edged.registry.service import RegistryError
 from edged.registry.telemetry_tables import TelemetryDeviceRow, TelemetryModelRow, TelemetrySampleRow
-from edged.registry.wire import API_PREFIX
-from edged.telemetry.models import HistCounts
-from edged.telemetry.wire import INGEST_PATH, SystemWindow, UploadAck, UploadBatch
 
 MAX_POINTS = 10_000
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, Engine, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
+from edged.protocol.fleet.messages import ReportEvent
 from edged.registry.db import DeviceEventRow, DeviceModelRow, ModelRow
 from edged.registry.service import json_safe
-from edged.registry.wire import ReportEvent
 
 log = logging.getLogger(__name__)
 

@@ -15,12 +15,14 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from edged.backoff import Backoff
 from edged.config import Config
 from edged.core.service import InferenceService
 from edged.errors import EdgedError
+from edged.hardware.facts import HardwareFacts
 from edged.sync.boot import prepare_boot
 from edged.sync.client import DeviceClient
 from edged.sync.http import RegistryHttp, StoppedError, SyncHttpError, TransferError
@@ -33,19 +35,11 @@ log = logging.getLogger(__name__)
 STOP_WAIT_S = 30.0
 
 
-def device_facts(cfg: Config) -> dict[str, Any]:
-    """The device profile and the hardware facts rollouts may target (scalars only, dotted keys)."""
-    from pathlib import Path
+def device_facts(facts: HardwareFacts, profile: str) -> dict[str, Any]:
+    """The device profile and the hardware facts rollouts may target (scalars only, dotted keys).
 
-    from edged.daemon import choose_profile
-    from edged.hardware.probe import probe
-
-    try:
-        facts = probe(Path("/"), engines=False)
-        profile = choose_profile(cfg, facts).profile.name
-    except Exception as e:  # facts help targeting; never stop syncing over them
-        log.warning("hardware facts for the registry unavailable: %s", e)
-        return {}
+    The daemon passes in what it probed and chose at start: sync never probes or picks a profile itself.
+    """
     flat = {k: v for k, v in facts.flat().items() if isinstance(v, (str, int, float, bool)) and k != "root"}
     return {"profile": profile, **flat}
 
@@ -53,9 +47,11 @@ def device_facts(cfg: Config) -> dict[str, Any]:
 class SyncAgent:
     name = "sync"
 
-    def __init__(self, cfg: Config, service: InferenceService, *, settings: SyncSettings | None = None) -> None:
+    def __init__(self, cfg: Config, service: InferenceService, *, settings: SyncSettings | None = None,
+                 facts: Mapping[str, Any] | None = None) -> None:
         self.cfg = cfg
         self.service = service
+        self.facts = dict(facts or {})
         self.settings = settings or SyncSettings.from_config(cfg)
         self._stop = threading.Event()
         self._wake: asyncio.Event | None = None
@@ -79,7 +75,7 @@ class SyncAgent:
         self.updater = Updater(self.cfg, self.service, s, store=self._store, state=state, client=self.client, http=http,
                                stop=self._stop)
         self.updater.revert_check = self._revert_check
-        self.client.extra_facts = await asyncio.to_thread(device_facts, self.cfg)
+        self.client.extra_facts = dict(self.facts)
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._run(), name="edged-sync")
         if s.mqtt_nudge and self.cfg.mqtt.enabled:

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from edged import __version__
-from edged.registry.wire import (
+from edged.protocol.fleet.messages import (
     API_PREFIX,
     DesiredState,
     DeviceFactsUpdate,

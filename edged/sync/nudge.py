@@ -9,7 +9,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from edged.config import Config
-from edged.registry.nudge import device_topic, fleet_topic
+from edged.protocol.fleet.nudge import device_topic, fleet_topic
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from edged.fsutil import fsync_dir
-from edged.registry.release import FileEntry
+from edged.protocol.fleet.release import FileEntry
 
 log = logging.getLogger(__name__)
 

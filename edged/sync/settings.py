@@ -8,7 +8,7 @@ from typing import Any
 
 from edged.config import Config
 from edged.errors import ConfigError
-from edged.registry.release import ReleaseError, decode_public_key
+from edged.protocol.fleet.release import ReleaseError, decode_public_key
 
 # Defaults for the [registry] keys beyond enabled/url/enrollment_token/public_keys/poll_interval_s/labels.
 DEFAULTS: dict[str, Any] = {

@@ -19,8 +19,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from edged.fsutil import atomic_write_bytes, atomic_write_text
-from edged.registry.release import SignedRelease
-from edged.registry.wire import ReportEvent
+from edged.protocol.fleet.messages import ReportEvent
+from edged.protocol.fleet.release import SignedRelease
 
 log = logging.getLogger(__name__)
 

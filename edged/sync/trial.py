@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edged.core.service import InferenceService
-from edged.core.stats import LATENCY_BUCKETS_S
 from edged.errors import EdgedError
+from edged.protocol.fleet.telemetry import LATENCY_BUCKETS_S
 from edged.sync.settings import SyncSettings
 
 NOT_MODEL_ERRORS = frozenset({"invalid_argument", "overloaded", "cancelled"})

@@ -20,8 +20,8 @@ from edged.config import Config, VersionPolicy
 from edged.core.models import ModelState
 from edged.core.service import InferenceService
 from edged.errors import EdgedError
-from edged.registry.release import ReleaseManifest
-from edged.registry.wire import DesiredModel, ServingModel
+from edged.protocol.fleet.messages import DesiredModel, ServingModel
+from edged.protocol.fleet.release import ReleaseManifest
 from edged.repository.digests import DigestCache
 from edged.repository.store import load_version
 from edged.sync import localfault, plan

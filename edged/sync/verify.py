@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from edged.registry.release import ReleaseError, ReleaseManifest, SignedRelease, verify_release
+from edged.protocol.fleet.release import ReleaseError, ReleaseManifest, SignedRelease, verify_release
 
 
 class RefusedError(ReleaseError):

@@ -27,6 +27,7 @@ from edged import __version__
 from edged.config import Config
 from edged.core.service import InferenceService
 from edged.errors import EdgedError
+from edged.protocol.fleet.telemetry import ModelWindow, MqttWindow, TelemetrySample
 from edged.telemetry import message, prometheus
 from edged.telemetry.buffer import BufferStats, TelemetryBuffer
 from edged.telemetry.device import DeviceSampler
@@ -43,7 +44,6 @@ from edged.telemetry.snapshot import (
     write_snapshot,
 )
 from edged.telemetry.upload import Uploader, UploadSettings, UploadStats
-from edged.telemetry.wire import ModelWindow, MqttWindow, TelemetrySample
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ differenced here, so every window is exact no matter how often anyone else reads
 
 from __future__ import annotations
 
-from edged.telemetry.models import HistCounts, ModelCounters, ModelSnapshot
+from edged.protocol.fleet.telemetry import Accelerator, Hist, HistCounts, ModelWindow, Rail, SystemWindow
+from edged.telemetry.models import ModelCounters, ModelSnapshot
 from edged.telemetry.readings import DeviceReading
-from edged.telemetry.wire import Accelerator, Hist, ModelWindow, Rail, SystemWindow
 
 _IDLE_MODES = ("idle", "iowait")
 

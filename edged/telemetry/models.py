@@ -24,54 +24,11 @@ from typing import TypeVar
 
 from edged.core.models import ModelState, ModelVersion
 from edged.core.service import InferenceService
-from edged.core.stats import LATENCY_BUCKETS_S, Histogram, ModelStats
+from edged.core.stats import ModelStats
+from edged.protocol.fleet.telemetry import HistCounts
 
 Key = tuple[str, int, str]  # model, version, backend
 MAX_ENDED = 256  # ended activations remembered for their last window
-
-
-@dataclass
-class HistCounts:
-    """Per-bucket counts (not cumulative; the last is +Inf) and the sum of observed values."""
-
-    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
-    total: float = 0.0
-
-    @classmethod
-    def of(cls, h: Histogram) -> HistCounts:
-        return cls(list(h.counts), h.total)
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def plus(self, o: HistCounts) -> HistCounts:
-        return HistCounts([a + b for a, b in zip(self.counts, o.counts, strict=True)], self.total + o.total)
-
-    def minus(self, o: HistCounts) -> HistCounts:
-        return HistCounts([a - b for a, b in zip(self.counts, o.counts, strict=True)], self.total - o.total)
-
-    def cumulative(self) -> list[tuple[float, int]]:
-        out, acc = [], 0
-        for bound, c in zip([*LATENCY_BUCKETS_S, float("inf")], self.counts, strict=True):
-            acc += c
-            out.append((bound, acc))
-        return out
-
-    def quantile(self, q: float) -> float | None:
-        """Linear interpolation inside the bucket holding the q-quantile (as Prometheus does); None when empty."""
-        n = self.count
-        if n == 0:
-            return None
-        target = q * n
-        lower, below = 0.0, 0
-        for bound, acc in self.cumulative():
-            if acc >= target and acc > below:
-                if bound == float("inf"):
-                    return LATENCY_BUCKETS_S[-1]
-                return lower + (bound - lower) * (target - below) / (acc - below)
-            lower, below = bound, acc
-        return LATENCY_BUCKETS_S[-1]
 
 
 K = TypeVar("K", str, int)

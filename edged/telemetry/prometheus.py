@@ -24,10 +24,10 @@ from prometheus_client.process_collector import ProcessCollector
 
 from edged.core.models import ModelState
 from edged.core.service import InferenceService
+from edged.protocol.fleet.telemetry import HistCounts, MqttWindow
 from edged.telemetry.device import DeviceSampler
-from edged.telemetry.models import HistCounts, shared
+from edged.telemetry.models import shared
 from edged.telemetry.readings import DeviceReading
-from edged.telemetry.wire import MqttWindow
 
 if TYPE_CHECKING:
     from edged.telemetry.agent import TelemetryAgent

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from edged.errors import EdgedError, ErrorCode
 from edged.fsutil import atomic_write_bytes
-from edged.telemetry.wire import MqttWindow, SystemWindow
+from edged.protocol.fleet.telemetry import MqttWindow, SystemWindow
 
 STATUS_FILE = "status.json"
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")

@@ -23,8 +23,8 @@ from pydantic import ValidationError
 from edged.backoff import Backoff
 from edged.config import Config
 from edged.errors import EdgedError
+from edged.protocol.fleet.telemetry import INGEST_PATH, MAX_BATCH_ITEMS, UploadAck
 from edged.telemetry.buffer import Pending, TelemetryBuffer
-from edged.telemetry.wire import INGEST_PATH, MAX_BATCH_ITEMS, UploadAck
 
 log = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from edged.detect import render_detect
 from edged.errors import ConfigError
 from edged.hardware import HardwareFacts, probe
 from edged.hardware.facts import CpuFacts, JetsonFacts, MemoryFacts
-from edged.hardware.report import render_detect
 from edged.profiles import (
     BackendPreference,
     DeviceProfile,

@@ -16,7 +16,7 @@ import pytest
 
 from edged.config import load_config
 from edged.owner import LOCK_FILE, StateOwnedError, claim_state_dir
-from edged.registry.release import SignedRelease
+from edged.protocol.fleet.release import SignedRelease
 from edged.sync.settings import SyncSettings
 from edged.sync.state import STATE_FILE, ModelSync, Pending, StateStore, SyncState, VersionRef
 from tests.conftest import EDGED, REPO_ROOT

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edged.registry.release import TargetSelector
+from edged.protocol.fleet.release import TargetSelector
 from tests.registry_helpers import (
     DaemonProcess,
     InProcessDevice,
@@ -594,7 +594,7 @@ def test_boot_pins_and_counts_crash_loops(tmp_path: Path, world: World) -> None:
     """Without a registry: the sync state alone decides what a start loads (and SIGHUP re-applies it)."""
     from edged.config import load_config
     from edged.errors import ConfigError
-    from edged.registry.release import SignedRelease
+    from edged.protocol.fleet.release import SignedRelease
     from edged.sync import boot
     from edged.sync.settings import SyncSettings
     from edged.sync.state import ModelSync, Pending, StateStore, SyncState, VersionRef
@@ -633,7 +633,7 @@ def test_boot_pins_and_counts_crash_loops(tmp_path: Path, world: World) -> None:
 
 
 def test_trial_judgement() -> None:
-    from edged.core.stats import LATENCY_BUCKETS_S
+    from edged.protocol.fleet.telemetry import LATENCY_BUCKETS_S
     from edged.sync.settings import SyncSettings
     from edged.sync.trial import Sample, baseline, judge
 

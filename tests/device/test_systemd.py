@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edged.journal import JournalHandler, encode_native, running_under_journal
 from edged.logs import bind, log_fields, setup_logging
-from edged.systemd.journal import JournalHandler, encode_native, running_under_journal
 from edged.systemd.notify import Notifier, watchdog_interval
 from tests.conftest import EDGED, REPO_ROOT
 from tests.netutil import free_port

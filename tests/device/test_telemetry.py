@@ -27,18 +27,17 @@ from edged.core.service import InferenceService
 from edged.core.types import InferRequest
 from edged.errors import DeadlineExceededError
 from edged.profiles import BackendPreference
+from edged.protocol.fleet.telemetry import HistCounts, TelemetrySample
 from edged.telemetry import jetson
 from edged.telemetry.agent import TelemetryAgent
 from edged.telemetry.buffer import TelemetryBuffer
 from edged.telemetry.device import DeviceSampler
 from edged.telemetry.intel_gpu import IntelGpuReader
-from edged.telemetry.models import HistCounts
 from edged.telemetry.nvml import NvmlReader
 from edged.telemetry.prometheus import EdgedCollector, MetricsRenderer, render_metrics
 from edged.telemetry.snapshot import read_snapshot
 from edged.telemetry.sysfs import SysRoot
 from edged.telemetry.thermal import read_thermal_zones
-from edged.telemetry.wire import TelemetrySample
 from tests.mqtt_helpers import TestClient, running_broker
 
 SYSROOTS = Path(__file__).parent.parent / "fixtures" / "sysroots"

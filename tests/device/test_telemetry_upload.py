@@ -32,6 +32,7 @@ from edged.core.service import InferenceService
 from edged.core.types import InferRequest
 from edged.errors import EdgedError
 from edged.profiles import BackendPreference
+from edged.protocol.fleet.telemetry import INGEST_PATH, Hist, ModelWindow, TelemetrySample
 from edged.registry.auth import token_hash
 from edged.registry.db import Base, DeviceRow, make_engine, make_sessionmaker
 from edged.registry.service import RegistryError
@@ -40,7 +41,6 @@ from edged.telemetry.agent import TelemetryAgent
 from edged.telemetry.buffer import BufferStats, TelemetryBuffer
 from edged.telemetry.prometheus import render_metrics
 from edged.telemetry.upload import Outcome, Uploader, UploadSettings, UploadStats
-from edged.telemetry.wire import INGEST_PATH, Hist, ModelWindow, TelemetrySample
 from tests.netutil import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -410,7 +410,7 @@ class RealRegistry:
     """``edged-registry serve`` as its own process over one data dir, stopped and started like a real outage."""
 
     def __init__(self, workdir: Path) -> None:
-        from edged.registry.release import generate_private_key, public_key_b64
+        from edged.protocol.fleet.release import generate_private_key, public_key_b64
 
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from edged.registry.release import ReleaseManifest, TargetSelector, sign_release
+from edged.protocol.fleet.release import ReleaseManifest, TargetSelector, sign_release
 from edged.registry.rollout_wire import Gates, RolloutCreate, StepSpec
 from edged.registry.targets import RolloutTarget
 from tests.registry_helpers import ADMIN_TOKEN, Keys, PgCluster, RegistryServer, make_version, pg_bin

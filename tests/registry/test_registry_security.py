@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from edged.registry.release import TargetSelector
+from edged.protocol.fleet.release import TargetSelector
 from tests.registry_helpers import (
     ADMIN_TOKEN,
     PY,

@@ -21,7 +21,7 @@ from tritonclient.utils import InferenceServerException
 from edged.client.http import HttpClient, HttpStatusError
 from edged.core.types import InferRequest
 from edged.errors import EdgedError, ErrorCode
-from edged.transports.http.transport import parse_listen
+from edged.listen import parse_listen
 from tests.http_helpers import AUTH, Served, copy_models, held_engine, in_process, served
 
 pytestmark = pytest.mark.timeout(120)

@@ -26,16 +26,15 @@ from typing import Any
 
 import orjson
 
-from edged.core.stats import LATENCY_BUCKETS_S
-from edged.registry.release import ReleaseManifest
+from edged.protocol.fleet.messages import API_PREFIX, DesiredModel, DesiredState, RevertModel
+from edged.protocol.fleet.release import ReleaseManifest
+from edged.protocol.fleet.telemetry import INGEST_PATH, LATENCY_BUCKETS_S
 from edged.registry.sim.http_pool import Answer, HttpPool, SimHttpError
-from edged.registry.wire import API_PREFIX, DesiredModel, DesiredState, RevertModel
 from edged.sync import plan
 from edged.sync.settings import SyncSettings
 from edged.sync.state import ModelSync, Pending, SyncState, VersionRef
 from edged.sync.trial import Sample, judge
 from edged.sync.verify import RefusedError, check_release
-from edged.telemetry.wire import INGEST_PATH
 
 REVERT_PREFIX = "the registry asked to return to the last-known-good"
 TRIAL_REQUESTS = 600  # requests a device serves during a trial (enough for the p99 judgement)

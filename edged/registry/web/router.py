@@ -30,10 +30,10 @@ from sqlalchemy.orm import Session as DbSession
 from sqlalchemy.orm import sessionmaker
 
 from edged.errors import ErrorCode
+from edged.protocol.fleet.release import SignedRelease
 from edged.registry import desired as desired_state
 from edged.registry import rollouts
 from edged.registry.auth import is_admin
-from edged.registry.release import SignedRelease
 from edged.registry.rollout_wire import Gates, RolloutCreate, StepSpec
 from edged.registry.service import RegistryError
 from edged.registry.settings import RegistrySettings

@@ -18,13 +18,13 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from edged.protocol.fleet.telemetry import HistCounts
 from edged.registry import desired as desired_state
 from edged.registry import rollouts, service
 from edged.registry.db import DeviceModelRow, DeviceRow, ModelRow, ReleaseRow, VersionRow
 from edged.registry.rollout_wire import RolloutInfo, RolloutStatus
 from edged.registry.telemetry_ingest import ModelSummary, device_series, model_summary
 from edged.registry.telemetry_tables import TelemetryModelRow
-from edged.telemetry.models import HistCounts
 
 ENGINE_RECENT_S = 300.0
 WINDOWS = {"15m": 900, "1h": 3600, "6h": 6 * 3600, "24h": 86400}

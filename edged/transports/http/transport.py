@@ -21,6 +21,7 @@ from edged.config import Config
 from edged.core.service import InferenceService
 from edged.errors import EdgedError, ErrorCode
 from edged.fsutil import ensure_private_dir
+from edged.listen import parse_listen
 from edged.protocol.redact import Scrubber
 from edged.transports.authority import Authority
 from edged.transports.http.app import V2App
@@ -35,20 +36,6 @@ log = logging.getLogger(__name__)
 UNIX_SOCKET_MODE = 0o660
 KEEP_ALIVE_S = 60  # local clients often infer every few seconds; reconnecting costs more than an idle socket
 GRACEFUL_STOP_S = 10.0
-
-
-def parse_listen(listen: str) -> tuple[str, int] | Path:
-    """``host:port`` / ``[v6]:port`` / ``:port`` -> (host, port); ``/path`` or ``unix:/path`` -> Path."""
-    if listen.startswith("unix:"):
-        return Path(listen[5:])
-    if listen.startswith("/"):
-        return Path(listen)
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or int(port) > 65535:
-        raise EdgedError(f"[http] listen = {listen!r}: expected host:port or a Unix socket path",
-                         code=ErrorCode.INVALID_ARGUMENT)
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    return host or "0.0.0.0", int(port)
 
 
 def _bind_tcp(host: str, port: int, listen: str) -> socket.socket:

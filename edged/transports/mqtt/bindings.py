@@ -15,99 +15,21 @@ from __future__ import annotations
 
 import collections
 import logging
-import string
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ValidationError
 
 from edged import datatypes
+from edged.config import Policy, StreamBinding
 from edged.errors import ConfigError, EdgedError, InternalError, InvalidInputError
-from edged.transports.mqtt.topics import topic_matches, valid_publish_topic
+from edged.protocol.mqtt_topics import topic_matches, valid_publish_topic
 
 log = logging.getLogger("edged.transports.mqtt.transport")
-
-Policy = Literal["drop_oldest", "latest_per_topic", "queue"]
-PLACEHOLDERS = frozenset({"topic", "device", "model", "version", "prefix"})
-
-
-class StreamBinding(BaseModel):
-    """One ``[[mqtt.bindings]]`` entry."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    topic: str = Field(description="input topic filter; '+' and '#' wildcards allowed")
-    model: str
-    version: int | None = Field(default=None, ge=1, description="pin a version; default: the newest ready")
-    output_topic: str = Field(
-        default="{prefix}/{device}/results/{model}",
-        description="template with {topic} (the input topic), {device}, {model}, {version}, {prefix}")
-    input_format: Literal["v2", "raw"] = Field(
-        default="v2", description="v2: a v2 JSON (or binary-form) request; raw: bare tensor bytes")
-    input_name: str | None = Field(default=None, description="raw: the model input the bytes feed")
-    datatype: str | None = Field(default=None, description="raw: the v2 datatype of the bytes")
-    shape: list[int] | None = Field(default=None, description="raw: full shape incl. batch; one -1 allowed")
-    policy: Policy = "latest_per_topic"
-    queue_size: int = Field(default=8, ge=1, le=65536)
-    qos: Literal[0, 1] = Field(default=0, description="subscription and output QoS")
-
-    @field_validator("topic")
-    @classmethod
-    def _filter(cls, v: str) -> str:
-        levels = v.split("/")
-        if not v or "\0" in v:
-            raise ValueError("must be a non-empty topic filter")
-        for i, level in enumerate(levels):
-            if ("#" in level and (level != "#" or i != len(levels) - 1)) or ("+" in level and level != "+"):
-                raise ValueError("'+' must fill a whole level and '#' must be the whole last level")
-        return v
-
-    @field_validator("output_topic")
-    @classmethod
-    def _template(cls, v: str) -> str:
-        try:
-            fields = [f for _, f, _, _ in string.Formatter().parse(v) if f is not None]
-            static = "".join(lit for lit, _, _, _ in string.Formatter().parse(v))
-        except ValueError as e:
-            raise ValueError(f"not a valid template: {e}") from None
-        unknown = sorted(set(fields) - PLACEHOLDERS)
-        if unknown:
-            raise ValueError(f"unknown placeholder(s) {unknown}; use {sorted(PLACEHOLDERS)}")
-        try:
-            v.format(**dict.fromkeys(PLACEHOLDERS, "x"))
-        except (ValueError, IndexError, KeyError, AttributeError) as e:
-            raise ValueError(f"not a valid template: {e}") from None
-        if not v or any(c in static for c in "+#\0"):
-            raise ValueError("must be a topic name without wildcards")
-        return v
-
-    @field_validator("datatype")
-    @classmethod
-    def _datatype(cls, v: str | None) -> str | None:
-        if v is not None and (v not in datatypes.ALL_DATATYPES or v == "BYTES"):
-            raise ValueError(f"must be one of {sorted(set(datatypes.ALL_DATATYPES) - {'BYTES'})}")
-        return v
-
-    @field_validator("shape")
-    @classmethod
-    def _shape(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and (not v or any(d == 0 or d < -1 for d in v) or v.count(-1) > 1):
-            raise ValueError("must be a non-empty list of positive sizes with at most one -1")
-        return v
-
-    @model_validator(mode="after")
-    def _raw_fields(self) -> StreamBinding:
-        raw = (self.input_name, self.datatype, self.shape)
-        if self.input_format == "raw" and any(x is None for x in raw):
-            raise ValueError("input_format 'raw' needs input_name, datatype and shape")
-        if self.input_format == "v2" and any(x is not None for x in raw):
-            raise ValueError("input_name, datatype and shape are only for input_format 'raw'")
-        return self
-
 
 def validate_bindings(raw: Sequence[Any]) -> list[StreamBinding]:
     """Validate ``[mqtt] bindings``; every problem is named ``mqtt.bindings[i].<key>``."""

@@ -26,7 +26,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
 from edged.backoff import Backoff
-from edged.config import Config
+from edged.config import Config, StreamBinding
 from edged.core.service import InferenceService
 from edged.core.types import InferRequest, InferResponse
 from edged.errors import (
@@ -40,15 +40,14 @@ from edged.errors import (
     ResourceExhaustedError,
 )
 from edged.protocol import mqtt as codec
+from edged.protocol.fleet.telemetry import MqttWindow
 from edged.protocol.mqtt import Form, Topics
 from edged.protocol.redact import Scrubber
 from edged.protocol.v2 import DecodedRequest, decode_request, dumps, encode_response, loads
-from edged.telemetry.wire import MqttWindow
 from edged.transports.mqtt.bindings import (
     BindingStats,
     BindingWorker,
     Item,
-    StreamBinding,
     raw_tensor,
     validate_bindings,
 )

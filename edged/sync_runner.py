@@ -1,4 +1,4 @@
-"""``python -m edged.sync.runner --config PATH``: the daemon with the sync agent, boot checks first.
+"""``python -m edged.sync_runner --config PATH``: the daemon with the sync agent, boot checks first.
 
 ``edged run`` does the same once the daemon wires the agent in; this entry point makes
 the order explicit (crash-loop check and version pins before any model is loaded) and
@@ -25,12 +25,13 @@ class SyncDaemon(Daemon):
         self.sync_settings = settings
 
     def _make_transports(self, rt: Runtime) -> list[Transport]:
-        from edged.sync.agent import SyncAgent
+        from edged.sync.agent import SyncAgent, device_facts
 
         out = super()._make_transports(rt)
         if self.sync_settings is not None:
             out = [t for t in out if not isinstance(t, SyncAgent)]  # ours carries the --set options
-            out.append(SyncAgent(self.cfg, rt.service, settings=self.sync_settings))
+            out.append(SyncAgent(self.cfg, rt.service, settings=self.sync_settings,
+                                 facts=device_facts(rt.facts, rt.profile.name)))
         return out
 
 
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from edged.logs import setup_logging
     from edged.sync.boot import prepare_boot
 
-    p = argparse.ArgumentParser(prog="python -m edged.sync.runner")
+    p = argparse.ArgumentParser(prog="python -m edged.sync_runner")
     p.add_argument("--config", "-c", type=Path, required=True)
     p.add_argument("--log-level", default=None)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

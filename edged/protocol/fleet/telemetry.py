@@ -12,15 +12,72 @@ still get its telemetry stored, or the samples would sit in its buffer until dro
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from edged.core.stats import LATENCY_BUCKETS_S
 
 SCHEMA_VERSION = 1
 INGEST_PATH = "/api/v1/device/telemetry"
 MAX_BATCH_ITEMS = 1000
+
+# Latency buckets in seconds, shared by queue/compute/total histograms (Prometheus convention).
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class _Counted(Protocol):
+    @property
+    def counts(self) -> Sequence[int]: ...
+    @property
+    def total(self) -> float: ...
+
+
+@dataclass
+class HistCounts:
+    """Per-bucket counts (not cumulative; the last is +Inf) and the sum of observed values."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
+    total: float = 0.0
+
+    @classmethod
+    def of(cls, h: _Counted) -> HistCounts:
+        return cls(list(h.counts), h.total)
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def plus(self, o: HistCounts) -> HistCounts:
+        return HistCounts([a + b for a, b in zip(self.counts, o.counts, strict=True)], self.total + o.total)
+
+    def minus(self, o: HistCounts) -> HistCounts:
+        return HistCounts([a - b for a, b in zip(self.counts, o.counts, strict=True)], self.total - o.total)
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        out, acc = [], 0
+        for bound, c in zip([*LATENCY_BUCKETS_S, float("inf")], self.counts, strict=True):
+            acc += c
+            out.append((bound, acc))
+        return out
+
+    def quantile(self, q: float) -> float | None:
+        """Linear interpolation inside the bucket holding the q-quantile (as Prometheus does); None when empty."""
+        n = self.count
+        if n == 0:
+            return None
+        target = q * n
+        lower, below = 0.0, 0
+        for bound, acc in self.cumulative():
+            if acc >= target and acc > below:
+                if bound == float("inf"):
+                    return LATENCY_BUCKETS_S[-1]
+                return lower + (bound - lower) * (target - below) / (acc - below)
+            lower, below = bound, acc
+        return LATENCY_BUCKETS_S[-1]
+
+
 
 Count = Annotated[int, Field(ge=0)]
 

@@ -18,11 +18,25 @@ import struct
 import sys
 from collections.abc import Callable, Mapping
 
-from edged.logs import record_fields
-
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 _PRIORITY = ((logging.DEBUG, 7), (logging.INFO, 6), (logging.WARNING, 4), (logging.ERROR, 3), (logging.CRITICAL, 2))
 _MAX_MESSAGE = 256 * 1024
+FIELD_NAMES = ("model", "version", "request_id")
+_LEGACY_PREFIX = "model=%s version=%s"
+
+
+def record_fields(record: logging.LogRecord) -> dict[str, str]:
+    """model/version/request_id of a record: explicit ``extra`` first, else the legacy text form."""
+    out = {}
+    for name in FIELD_NAMES:
+        value = getattr(record, name, None)
+        if value is not None:
+            out[name] = str(value)
+    if "model" not in out and isinstance(record.msg, str) and record.msg.startswith(_LEGACY_PREFIX):
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 2:
+            out["model"], out["version"] = str(args[0]), str(args[1])
+    return out
 
 
 def running_under_journal(environ: Mapping[str, str] | None = None, stderr_fd: int = 2) -> bool:

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from edged.registry.release import FileEntry, SignedRelease, TargetSelector
+from edged.protocol.fleet.release import FileEntry, SignedRelease, TargetSelector
 
 API_PREFIX = "/api/v1"
 DEVICE_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")

@@ -1,0 +1,222 @@
+"""Import structure of ``edged/``: the package diagram in docs/architecture.md and the rules CI checks.
+
+``python tools/archgraph.py`` prints the Mermaid diagram; ``--write`` puts it into docs/architecture.md
+between the markers; ``--check`` exits 1 when the checked-in diagram differs from the imports.
+tests/test_architecture.py applies :func:`violations` (a plain AST scan, every import counted:
+module level, inside functions and under ``TYPE_CHECKING`` alike, since each is a dependency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "architecture.md"
+BEGIN, END = "<!-- archgraph:begin -->", "<!-- archgraph:end -->"
+
+# The registry server; its fleet simulator (registry.sim) is a part of its own, see SIM.
+REGISTRY = "edged.registry"
+SIM = "edged.registry.sim"
+# What both wings may import: the contract (protocol/), the error root and small leaves with no
+# knowledge of either wing. A shared module may import only shared modules (checked).
+SHARED = ("edged", "edged.errors", "edged.fsutil", "edged.backoff", "edged.datatypes", "edged.logs",
+          "edged.journal", "edged.listen", "edged.repository.manifest", "edged.protocol.fleet")
+CONTRACT = "edged.protocol.fleet"
+# The top of the device: entry points and the daemon that wires everything; nothing below imports them.
+TOP = ("edged.__main__", "edged.cli", "edged.daemon", "edged.sync_runner")
+SKIP = ("edged/transports/grpc/gen", "edged/registry/migrations")
+
+
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for path in sorted((root / "edged").rglob("*.py")):
+        rel = path.relative_to(root)
+        if any(rel.as_posix().startswith(s) for s in SKIP):
+            continue
+        parts = list(rel.with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def imports(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the edged modules it imports (a package import counts as its ``__init__``)."""
+    mods = modules(root)
+    out: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in mods]
+                found = found or [node.module]
+            else:
+                continue
+            for imported in found:
+                target = imported
+                while target not in mods and "." in target:
+                    target = target.rsplit(".", 1)[0]
+                if target in mods and target != name and target.startswith("edged"):
+                    targets.add(target)
+        out[name] = targets
+    return out
+
+
+def under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def part(module: str) -> str:
+    """The package a module belongs to in the diagram: ``edged.X`` (``registry.sim`` apart)."""
+    if under(module, SIM):
+        return "registry.sim"
+    if under(module, "edged.protocol") and module != "edged.protocol":
+        return ".".join(module.split(".")[1:3])  # each wire format is a box of its own (fleet: a package)
+    if module in SHARED and module.count(".") > 1:  # a shared leaf inside a device package stands apart
+        return module.split(".", 1)[1]
+    bits = module.split(".")
+    return bits[1] if len(bits) > 1 else "edged"
+
+
+def wing(module: str) -> str:
+    if any(under(module, s) for s in SHARED if s != "edged") or module == "edged":
+        return "shared"
+    if under(module, SIM):
+        return "sim"
+    return "registry" if under(module, REGISTRY) else "device"
+
+
+def part_edges(graph: Mapping[str, Iterable[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for a, targets in graph.items():
+        out.setdefault(part(a), set())
+        for b in targets:
+            if part(a) != part(b):
+                out[part(a)].add(part(b))
+    return out
+
+
+def cycles(edges: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one member (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+    for start in sorted(edges):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges.get(start, ()))))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on.add(start)
+        while work:
+            node, it = work[-1]
+            nxt = next(it, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on.add(nxt)
+                    work.append((nxt, iter(sorted(edges.get(nxt, ())))))
+                elif nxt in on:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    m = stack.pop()
+                    on.discard(m)
+                    comp.append(m)
+                    if m == node:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def violations(graph: Mapping[str, Iterable[str]]) -> list[str]:
+    """Every broken rule, one line each (empty when the structure holds)."""
+    out: list[str] = []
+    for a in sorted(graph):
+        for b in sorted(graph[a]):
+            wa, wb = wing(a), wing(b)
+            if wa == "shared" and wb != "shared":
+                out.append(f"shared module {a} imports {wb} module {b}")
+            elif wa == "device" and wb in ("registry", "sim"):
+                out.append(f"device module {a} imports the registry server: {b}")
+            elif wa == "registry" and wb == "device":
+                out.append(f"registry module {a} imports device code: {b}")
+            if b in TOP and a not in TOP:
+                out.append(f"{a} imports {b} from below it")
+    out += [f"package import cycle: {' <-> '.join(c)}" for c in cycles(part_edges(graph))]
+    return out
+
+
+# Leaves every box may use; their arrows would only clutter the picture, so the diagram leaves them out.
+LEAVES = ("edged", "errors", "datatypes", "fsutil", "backoff", "logs", "journal", "listen")
+
+
+def mermaid(graph: Mapping[str, Iterable[str]]) -> str:
+    edges = {a: {b for b in bs if b not in LEAVES} for a, bs in part_edges(graph).items() if a not in LEAVES}
+    used = set(edges) & ({a for a, bs in edges.items() if bs} | {b for bs in edges.values() for b in bs})
+    edges = {a: bs for a, bs in edges.items() if a in used}
+    groups = {"device": [], "registry": [], "sim": [], "shared": []}  # type: dict[str, list[str]]
+    for p in sorted(edges):
+        groups[wing(p if p == "edged" else "edged." + p)].append(p)
+    lines = ["```mermaid", "flowchart TB"]
+    titles = {"device": "device", "registry": "registry server", "sim": "fleet simulator",
+              "shared": "shared: contract and leaves"}
+    for g, members in groups.items():
+        if members:
+            lines.append(f"  subgraph {g}[{titles[g]}]")
+            lines += [f"    {_node(p)}[{p}]" for p in members]
+            lines.append("  end")
+    lines += [f"  {_node(a)} --> {_node(b)}" for a in sorted(edges) for b in sorted(edges[a])]
+    lines.append("```")
+    return "\n".join(lines) + "\n"
+
+
+def _node(p: str) -> str:
+    return "n_" + p.replace(".", "_")
+
+
+def render_doc(text: str, diagram: str) -> str:
+    head, _, rest = text.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    return f"{head}{BEGIN}\n{diagram}{END}{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="update docs/architecture.md")
+    mode.add_argument("--check", action="store_true", help="exit 1 when docs/architecture.md is stale")
+    args = p.parse_args(argv)
+    diagram = mermaid(imports())
+    if not (args.write or args.check):
+        sys.stdout.write(diagram)
+        return 0
+    current = DOC.read_text()
+    wanted = render_doc(current, diagram)
+    if args.write:
+        DOC.write_text(wanted)
+        return 0
+    if current != wanted:
+        print("docs/architecture.md: the package diagram is stale; run python tools/archgraph.py --write",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
