@@ -381,19 +381,19 @@ class Container:
         self._log.close()
 
 
-def test_the_unit_under_systemd_notify_watchdog_reload_and_stop(
-        built: Built, debian_tars: dict[str, Path], tmp_path: Path) -> None:
+def _systemd_root_with_package(built: Built, debian_tars: dict[str, Path], tmp_path: Path) -> Path:
+    """A Debian root with systemd and the edged package installed (offline), ready to boot."""
     if "systemd" not in debian_tars:
         pytest.skip("systemd-nspawn is not installed (Debian: systemd-container; ./install.sh --dev)")
     root = _unpack(debian_tars["systemd"], tmp_path / "root")
     shutil.copy(built.debs["edged"], root / "root")  # /tmp is a fresh tmpfs once the container boots
     chroot(root, "apt-get", "install", "-y", f"/root/{built.debs['edged'].name}")
     (root / "root" / built.debs["edged"].name).unlink()
-    # A short watchdog keeps the test short; everything else is the packaged unit as is.
-    dropin = root / "etc/systemd/system/edged.service.d"
-    dropin.mkdir(parents=True, exist_ok=True)
-    (dropin / "90-test.conf").write_text("[Service]\nWatchdogSec=4\n")
+    return root
 
+
+def _boot_with_edged_active(root: Path, tmp_path: Path) -> Container:
+    """Boot ``root``; edged must come up active (the caller stops the container)."""
     box = Container(root, tmp_path / "nspawn.log")
     try:
         if not box.wait_booted():
@@ -401,6 +401,22 @@ def test_the_unit_under_systemd_notify_watchdog_reload_and_stop(
                         + (tmp_path / "nspawn.log").read_text(errors="replace")[-600:])
         box.wait_for(lambda: box.prop("ActiveState") in ("active", "failed"))
         assert box.prop("ActiveState") == "active", box.run("journalctl", "-u", "edged", "--no-pager").stdout
+    except BaseException:
+        box.stop()
+        raise
+    return box
+
+
+def test_the_unit_under_systemd_notify_watchdog_reload_and_stop(
+        built: Built, debian_tars: dict[str, Path], tmp_path: Path) -> None:
+    root = _systemd_root_with_package(built, debian_tars, tmp_path)
+    # A short watchdog keeps the test short; everything else is the packaged unit as is.
+    dropin = root / "etc/systemd/system/edged.service.d"
+    dropin.mkdir(parents=True, exist_ok=True)
+    (dropin / "90-test.conf").write_text("[Service]\nWatchdogSec=4\n")
+
+    box = _boot_with_edged_active(root, tmp_path)
+    try:
         assert box.prop("StatusText").startswith("serving 2 model version(s)")
         assert box.prop("NotifyAccess") == "main" and box.prop("WatchdogUSec") == "4s"
 
@@ -450,15 +466,10 @@ def test_the_packaged_unit_applies_a_signed_update_from_a_registry(
     the container's network namespace (the container has no other network)."""
     from tests.registry_helpers import ADMIN_TOKEN, make_version
 
-    if "systemd" not in debian_tars:
-        pytest.skip("systemd-nspawn is not installed (Debian: systemd-container; ./install.sh --dev)")
     registry_exe = REPO_ROOT / ".venv" / "bin" / "edged-registry"
     if not registry_exe.exists():
         pytest.skip("the registry runs from the development venv (./install.sh --dev)")
-    root = _unpack(debian_tars["systemd"], tmp_path / "root")
-    shutil.copy(built.debs["edged"], root / "root")
-    chroot(root, "apt-get", "install", "-y", f"/root/{built.debs['edged'].name}")
-    (root / "root" / built.debs["edged"].name).unlink()
+    root = _systemd_root_with_package(built, debian_tars, tmp_path)
     work = tmp_path / "registry"
     work.mkdir()
     (work / "admin.token").write_text(ADMIN_TOKEN)
@@ -467,14 +478,9 @@ def test_the_packaged_unit_applies_a_signed_update_from_a_registry(
     version2 = make_version(work / "pub" / "digits" / "2", salt="nspawn")
     port = 8700
 
-    box = Container(root, tmp_path / "nspawn.log")
+    box = _boot_with_edged_active(root, tmp_path)
     registry: subprocess.Popen[bytes] | None = None
     try:
-        if not box.wait_booted():
-            pytest.skip("this host cannot boot a systemd-nspawn container: "
-                        + (tmp_path / "nspawn.log").read_text(errors="replace")[-600:])
-        box.wait_for(lambda: box.prop("ActiveState") in ("active", "failed"))
-        assert box.prop("ActiveState") == "active", box.run("journalctl", "-u", "edged", "--no-pager").stdout
         # The first start made the writable repository from the package's models.
         assert (root / "var/lib/edged/models/digits/1/model.toml").is_file()
 
