@@ -1,0 +1,268 @@
+"""The pipeline graph: wiring refused at load naming step and tensor, DAG execution with
+real built-in steps, a real model through the InferenceService, custom Python steps."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edged.config import ModelsSection
+from edged.core.manager import ModelManager
+from edged.core.service import InferenceService
+from edged.core.types import InferRequest
+from edged.errors import ErrorCode, InternalError, InvalidInputError
+from edged.pipeline.contract import PipelineDefinitionError, StepInputError
+from edged.pipeline.definition import parse_pipeline
+from edged.pipeline.gateway import ServiceGateway
+from edged.pipeline.graph import Pipeline, compile_pipeline
+from edged.profiles import BackendPreference
+
+ORT_CPU = [BackendPreference(backend="onnxruntime", device="CPU", precisions=["fp32"])]
+
+HEAD = """
+[[inputs]]
+name = "x"
+datatype = "FP32"
+shape = [-1, 64]
+"""
+
+# digits: x -> passthrough -> model -> probabilities; top-3 and a softmax branch side by side
+GOOD = HEAD + """
+[[outputs]]
+name = "top"
+datatype = "INT64"
+shape = [-1, 3]
+
+[[outputs]]
+name = "soft"
+datatype = "FP32"
+shape = [-1, 10]
+
+[[steps]]
+name = "pass"
+kind = "passthrough"
+inputs = { tensor = "x" }
+outputs = { tensor = "pixels" }
+
+[[steps]]
+name = "classifier"
+model = "digits"
+inputs = { pixels = "pixels" }
+outputs = { probabilities = "probs" }
+
+[[steps]]
+name = "best"
+kind = "topk"
+inputs = { scores = "probs" }
+outputs = { indices = "top" }
+params = { k = 3 }
+
+[[steps]]
+name = "again"
+kind = "softmax"
+inputs = { logits = "probs" }
+outputs = { probabilities = "soft" }
+"""
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceService]:
+    import shutil
+
+    from tests.conftest import MODELS
+    repo = tmp_path_factory.mktemp("repo")
+    shutil.copytree(MODELS / "digits", repo / "digits")
+    manager = ModelManager(repo, ModelsSection(), ORT_CPU)
+    manager.load_all()
+    yield InferenceService(manager)
+    manager.shutdown()
+
+
+def _compile(text: str, service: InferenceService, folder: Path) -> Pipeline:
+    return compile_pipeline(parse_pipeline(text), folder, ServiceGateway(service))
+
+
+def _run(pipeline: Pipeline, **inputs: np.ndarray) -> dict[str, np.ndarray]:
+    return asyncio.run(pipeline.run(inputs))
+
+
+def test_runs_model_and_branches_like_by_hand(service: InferenceService, tmp_path: Path) -> None:
+    pipeline = _compile(GOOD, service, tmp_path)
+    assert pipeline.models == [("digits", None)]
+    x = np.random.default_rng(1).uniform(0, 16, (5, 64)).astype(np.float32)
+    out = _run(pipeline, x=x)
+    probs = service.infer(InferRequest(model="digits", inputs={"pixels": x})).outputs["probabilities"]
+    assert np.array_equal(out["top"], np.argsort(-probs, axis=1, kind="stable")[:, :3])
+    e = np.exp(probs - probs.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(out["soft"], e / e.sum(axis=1, keepdims=True), rtol=1e-5)
+
+
+def _replace(old: str, new: str) -> str:
+    assert old in GOOD
+    return GOOD.replace(old, new)
+
+
+REFUSALS: list[tuple[str, str, list[str]]] = [
+    ("missing kind", _replace('kind = "topk"', 'kind = "top_kay"'), ["'best'", "top_kay"]),
+    ("unknown tensor", _replace('inputs = { scores = "probs" }', 'inputs = { scores = "prob" }'),
+     ["'best'", "'prob'", "no pipeline input or step produces"]),
+    ("cycle", _replace('inputs = { tensor = "x" }', 'inputs = { tensor = "soft" }'),
+     ["cycle", "'pass'", "'soft'"]),
+    ("type mismatch", _replace('inputs = { logits = "probs" }', 'inputs = { logits = "top" }'),
+     ["'again'", "logits <- top", "INT64"]),
+    ("shape mismatch", _replace("shape = [-1, 64]", "shape = [-1, 63]"),
+     ["'classifier'", "pixels <- pixels", "FP32[-1, 64]", "FP32[-1, 63]"]),
+    ("missing model", _replace('model = "digits"', 'model = "digitz"'), ["'classifier'", "digitz", "not served"]),
+    ("unwired model input", _replace('inputs = { pixels = "pixels" }', 'inputs = { pixel = "pixels" }'),
+     ["'classifier'", "'pixels' is not wired"]),
+    ("produced twice", _replace('outputs = { probabilities = "soft" }', 'outputs = { probabilities = "probs" }'),
+     ["'again'", "'probs'", "already produced"]),
+    ("output mistyped", _replace('datatype = "INT64"', 'datatype = "FP32"'), ["output 'top'", "INT64"]),
+    ("no such output port", _replace('outputs = { indices = "top" }', 'outputs = { index = "top" }'),
+     ["'best'", "'index'", "'top'"]),
+    ("bad params", _replace("params = { k = 3 }", "params = { k = 3, kk = 1 }"), ["'best'", "kk"]),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), [(t, e) for _, t, e in REFUSALS], ids=[n for n, _, _ in REFUSALS])
+def test_wiring_refused_naming_step_and_tensor(service: InferenceService, tmp_path: Path, text: str,
+                                               expected: list[str]) -> None:
+    with pytest.raises(PipelineDefinitionError) as info:
+        _compile(text, service, tmp_path)
+    for part in expected:
+        assert part in info.value.message, info.value.message
+    # the model the refused pipeline named still serves
+    x = np.zeros((1, 64), np.float32)
+    assert service.infer(InferRequest(model="digits", inputs={"pixels": x})).outputs["probabilities"].shape == (1, 10)
+
+
+def test_unused_input_and_file_errors_refused(service: InferenceService, tmp_path: Path) -> None:
+    extra = GOOD + '\n[[inputs]]\nname = "y"\ndatatype = "FP32"\nshape = [1]\n'
+    with pytest.raises(PipelineDefinitionError, match="pipeline input 'y': no step reads"):
+        _compile(extra, service, tmp_path)
+    with pytest.raises(PipelineDefinitionError, match="exactly one of kind, model or function"):
+        parse_pipeline(_replace('model = "digits"', 'model = "digits"\nkind = "softmax"'))
+    with pytest.raises(PipelineDefinitionError, match="not valid TOML"):
+        parse_pipeline("[[steps]\n")
+
+
+def test_bad_request_names_input_and_next_succeeds(service: InferenceService, tmp_path: Path) -> None:
+    pipeline = _compile(GOOD, service, tmp_path)
+    with pytest.raises(InvalidInputError, match="'x'") as info:
+        _run(pipeline, x=np.zeros((2, 63), np.float32))
+    assert info.value.code is ErrorCode.INVALID_ARGUMENT
+    assert _run(pipeline, x=np.zeros((2, 64), np.float32))["top"].shape == (2, 3)
+
+
+CUSTOM = """
+[[inputs]]
+name = "x"
+datatype = "FP32"
+shape = [-1, 64]
+
+[[outputs]]
+name = "probs"
+datatype = "FP32"
+shape = [-1, 10]
+
+[[outputs]]
+name = "rows"
+datatype = "INT32"
+shape = [-1]
+
+[[steps]]
+name = "fan"
+function = "myfan:split"
+inputs = { x = "x" }
+outputs = { crops = "crops", rows = "rows" }
+params = { copies = 3 }
+output_ports = { crops = { datatype = "FP32", shape = [-1, 64] }, rows = { datatype = "INT32", shape = [-1] } }
+
+[[steps]]
+name = "classifier"
+model = "digits"
+inputs = { pixels = "crops" }
+outputs = { probabilities = "probs" }
+"""
+
+MYFAN = '''
+import numpy as np
+
+def split(inputs, params):
+    x = inputs["x"]
+    if float(x.sum()) < 0:
+        raise ValueError("negative pixels")
+    if float(x.sum()) == 1.0:
+        return {"crops": x.astype("float64"), "rows": np.zeros(len(x), np.int32)}
+    n = int(params["copies"])
+    return {"crops": np.repeat(x, n, axis=0), "rows": np.repeat(np.arange(len(x), dtype=np.int32), n)}
+'''
+
+
+def test_custom_step_fans_out_into_one_model_batch(service: InferenceService, tmp_path: Path) -> None:
+    (tmp_path / "myfan.py").write_text(MYFAN)
+    pipeline = _compile(CUSTOM, service, tmp_path)
+    x = np.random.default_rng(2).uniform(0, 16, (2, 64)).astype(np.float32)
+    out = _run(pipeline, x=x)
+    assert out["rows"].tolist() == [0, 0, 0, 1, 1, 1]
+    by_hand = service.infer(InferRequest(model="digits", inputs={"pixels": np.repeat(x, 3, axis=0)}))
+    np.testing.assert_allclose(out["probs"], by_hand.outputs["probabilities"], rtol=1e-6)
+
+
+def test_custom_step_errors_are_contained(service: InferenceService, tmp_path: Path) -> None:
+    (tmp_path / "myfan.py").write_text(MYFAN)
+    pipeline = _compile(CUSTOM, service, tmp_path)
+    with pytest.raises(InternalError, match="custom step 'fan' failed: ValueError: negative pixels"):
+        _run(pipeline, x=np.full((1, 64), -1, np.float32))
+    one = np.zeros((1, 64), np.float32)
+    one[0, 0] = 1.0
+    with pytest.raises(InternalError, match="output 'crops' is float64"):
+        _run(pipeline, x=one)
+    assert _run(pipeline, x=np.ones((1, 64), np.float32))["probs"].shape == (3, 10)
+
+
+def test_custom_module_missing_or_broken_refused(service: InferenceService, tmp_path: Path) -> None:
+    with pytest.raises(PipelineDefinitionError, match=r"'fan'.*'myfan\.py' is not in the version folder"):
+        _compile(CUSTOM, service, tmp_path)
+    (tmp_path / "myfan.py").write_text("raise RuntimeError('boom')\n")
+    with pytest.raises(PipelineDefinitionError, match=r"importing 'myfan\.py' failed: RuntimeError: boom"):
+        _compile(CUSTOM, service, tmp_path)
+    (tmp_path / "myfan.py").write_text("def other(i, p):\n    return i\n")
+    with pytest.raises(PipelineDefinitionError, match="has no function 'split'"):
+        _compile(CUSTOM, service, tmp_path)
+
+
+DECODE = """
+[[inputs]]
+name = "image"
+datatype = "BYTES"
+shape = [-1]
+
+[[outputs]]
+name = "sizes"
+datatype = "INT32"
+shape = [-1, 2]
+
+[[steps]]
+name = "decode"
+kind = "decode_image"
+inputs = { image = "image" }
+outputs = { sizes = "sizes" }
+"""
+
+
+def test_corrupt_jpeg_names_the_input_and_next_succeeds(tmp_path: Path) -> None:
+    cv2 = pytest.importorskip("cv2")
+    pipeline = compile_pipeline(parse_pipeline(DECODE), tmp_path)
+    ok, jpeg = cv2.imencode(".jpg", np.full((30, 40, 3), 128, np.uint8))
+    assert ok
+    good = jpeg.tobytes()
+    with pytest.raises(StepInputError, match="image") as info:
+        _run(pipeline, image=np.array([good[: len(good) // 3]], dtype=object))
+    assert info.value.code is ErrorCode.INVALID_ARGUMENT
+    assert _run(pipeline, image=np.array([good], dtype=object))["sizes"].tolist() == [[30, 40]]
+
