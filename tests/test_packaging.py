@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -407,6 +408,19 @@ def _boot_with_edged_active(root: Path, tmp_path: Path) -> Container:
     return box
 
 
+def _infer_digits_in(box: Container) -> dict[str, Any]:
+    """One KServe v2 request to the daemon in the container, from inside it (it has no other network)."""
+    answer = box.run("python3", "-c", (
+        "import json, urllib.request\n"
+        "body = json.dumps({'inputs': [{'name': 'pixels', 'datatype': 'FP32', 'shape': [1, 64],"
+        " 'data': [0.0] * 64}]}).encode()\n"
+        "req = urllib.request.Request('http://127.0.0.1:8000/v2/models/digits/infer', data=body,"
+        " headers={'Content-Type': 'application/json'})\n"
+        "print(urllib.request.urlopen(req).read().decode())")).stdout
+    doc: dict[str, Any] = json.loads(answer)
+    return doc
+
+
 def test_the_unit_under_systemd_notify_watchdog_reload_and_stop(
         built: Built, debian_tars: dict[str, Path], tmp_path: Path) -> None:
     root = _systemd_root_with_package(built, debian_tars, tmp_path)
@@ -424,14 +438,7 @@ def test_the_unit_under_systemd_notify_watchdog_reload_and_stop(
         security = box.run("systemd-analyze", "security", "edged", "--no-pager").stdout
         score = float(next(x for x in security.splitlines() if "Overall exposure" in x).split(":")[1].split()[0])
         assert score <= 2.0
-        answer = box.run("python3", "-c", (
-            "import json, urllib.request\n"
-            "body = json.dumps({'inputs': [{'name': 'pixels', 'datatype': 'FP32', 'shape': [1, 64],"
-            " 'data': [0.0] * 64}]}).encode()\n"
-            "req = urllib.request.Request('http://127.0.0.1:8000/v2/models/digits/infer', data=body,"
-            " headers={'Content-Type': 'application/json'})\n"
-            "print(json.dumps(json.loads(urllib.request.urlopen(req).read())['outputs'][0]['shape']))")).stdout
-        assert json.loads(answer) == [1, 10]
+        assert _infer_digits_in(box)["outputs"][0]["shape"] == [1, 10]
 
         # The journal has the structured fields.
         entries = [json.loads(line) for line in box.run("journalctl", "-u", "edged", "-o", "json", "--no-pager",
@@ -528,14 +535,7 @@ def test_the_packaged_unit_applies_a_signed_update_from_a_registry(
         box.wait_for(committed, timeout=240)
         assert (root / "var/lib/edged/models/digits/2/model.toml").is_file()
         assert not (root / "usr/share/edged/models/digits/2").exists()
-        answer = box.run("python3", "-c", (
-            "import json, urllib.request\n"
-            "body = json.dumps({'inputs': [{'name': 'pixels', 'datatype': 'FP32', 'shape': [1, 64],"
-            " 'data': [0.0] * 64}]}).encode()\n"
-            "req = urllib.request.Request('http://127.0.0.1:8000/v2/models/digits/infer', data=body,"
-            " headers={'Content-Type': 'application/json'})\n"
-            "print(json.loads(urllib.request.urlopen(req).read())['model_version'])")).stdout
-        assert answer.strip() == "2"
+        assert _infer_digits_in(box)["model_version"] == "2"
         devices = json.loads(cli("devices", "--json"))
         assert "committed" in json.dumps(devices)
         journal = box.run("journalctl", "-u", "edged", "--no-pager").stdout
