@@ -17,9 +17,12 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import sys
+import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Protocol
 
 import numpy as np
@@ -61,10 +64,24 @@ class _Node:
     runner: Callable[[Tensors], Awaitable[Tensors]] = field(repr=False)
 
 
-def _load_custom(folder: Path, spec: StepSpec) -> CustomFunction:
-    """Import ``module:function`` from the version folder only (never from sys.path)."""
+def _load_custom(folder: Path, spec: StepSpec, modules: dict[str, ModuleType]) -> CustomFunction:
+    """Import ``module:function`` from the version folder only (never from sys.path).
+
+    A module is imported once per pipeline, so its steps share its state."""
     assert spec.function is not None
     module_name, _, func_name = spec.function.partition(":")
+    module = modules.get(module_name)
+    if module is None:
+        module = _import_custom(folder, spec, module_name)
+        modules[module_name] = module
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise PipelineDefinitionError(f"step {spec.name!r}: {module_name}.py has no function {func_name!r}",
+                                      step=spec.name)
+    return func  # type: ignore[no-any-return]
+
+
+def _import_custom(folder: Path, spec: StepSpec, module_name: str) -> ModuleType:
     path = folder / f"{module_name}.py"
     if not path.is_file():
         raise PipelineDefinitionError(f"step {spec.name!r}: module file {path.name!r} is not in the version folder",
@@ -81,11 +98,7 @@ def _load_custom(folder: Path, spec: StepSpec) -> CustomFunction:
                                       f"{type(exc).__name__}: {exc}", step=spec.name) from None
     finally:
         sys.modules.pop(unique, None)
-    func = getattr(module, func_name, None)
-    if not callable(func):
-        raise PipelineDefinitionError(f"step {spec.name!r}: {path.name!r} has no function {func_name!r}",
-                                      step=spec.name)
-    return func  # type: ignore[no-any-return]
+    return module
 
 
 def _check_custom_result(spec: StepSpec, result: object, ports: dict[str, Port]) -> Tensors:
@@ -106,6 +119,29 @@ def _check_custom_result(spec: StepSpec, result: object, ports: dict[str, Port])
     return out
 
 
+class PipelineStats:
+    """Requests through the whole pipeline (its models keep their own statistics); thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.success_count = 0
+        self.failure_count = 0
+        self.success_ns = 0  # summed monotonic latency of successful requests
+
+    def record(self, ok: bool, ns: int) -> None:
+        with self._lock:
+            if ok:
+                self.success_count += 1
+                self.success_ns += ns
+            else:
+                self.failure_count += 1
+
+    def to_json(self) -> dict[str, int]:
+        with self._lock:
+            return {"success_count": self.success_count, "failure_count": self.failure_count,
+                    "success_ns": self.success_ns}
+
+
 class Pipeline:
     """A compiled pipeline: its ports and its steps in a checked order."""
 
@@ -116,9 +152,20 @@ class Pipeline:
         self.outputs = outputs
         self.nodes = nodes  # topological order
         self.models = models  # the models this pipeline depends on (load order, unload checks)
+        self.stats = PipelineStats()
 
     async def run(self, inputs: Mapping[str, np.ndarray]) -> Tensors:
         """Run one request; bad data raises an InvalidInputError naming the input at fault."""
+        start = time.monotonic_ns()
+        ok = False
+        try:
+            out = await self._run(inputs)
+            ok = True
+            return out
+        finally:
+            self.stats.record(ok, time.monotonic_ns() - start)
+
+    async def _run(self, inputs: Mapping[str, np.ndarray]) -> Tensors:
         tensors: dict[str, asyncio.Future[np.ndarray]] = {}
         loop = asyncio.get_running_loop()
         for name, port in self.inputs.items():
@@ -199,8 +246,9 @@ def _model_node(spec: StepSpec, ports: dict[str, Port], gateway: ModelGateway | 
     return run, model_out
 
 
-def _custom_node(spec: StepSpec, folder: Path) -> tuple[Callable[[Tensors], Awaitable[Tensors]], dict[str, Port]]:
-    func = _load_custom(folder, spec)
+def _custom_node(spec: StepSpec, folder: Path, modules: dict[str, ModuleType]
+                 ) -> tuple[Callable[[Tensors], Awaitable[Tensors]], dict[str, Port]]:
+    func = _load_custom(folder, spec, modules)
     declared = {name: _port(p.datatype, p.shape) for name, p in spec.output_ports.items()}
     params = dict(spec.params)
 
@@ -273,6 +321,7 @@ def compile_pipeline(spec: PipelineSpec, folder: Path, gateway: ModelGateway | N
     ports: dict[str, Port] = {t.name: _port(t.datatype, t.shape) for t in spec.inputs}
     nodes: list[_Node] = []
     models: list[tuple[str, int | None]] = []
+    modules: dict[str, ModuleType] = {}
     for step in ordered:
         wired = {port: ports[tensor] for port, tensor in step.inputs.items()}
         where = ", ".join(f"{p} <- {t}" for p, t in step.inputs.items()) or "no inputs"
@@ -283,7 +332,7 @@ def compile_pipeline(spec: PipelineSpec, folder: Path, gateway: ModelGateway | N
                 runner, bound = _model_node(step, wired, gateway)
                 models.append((step.model, step.version))
             else:
-                runner, bound = _custom_node(step, folder)
+                runner, bound = _custom_node(step, folder, modules)
         except PipelineDefinitionError as exc:
             target = step.kind or step.model or step.function
             raise PipelineDefinitionError(f"step {step.name!r} ({target}; {where}): {exc.message}",

@@ -232,7 +232,7 @@ def test_custom_module_missing_or_broken_refused(service: InferenceService, tmp_
     with pytest.raises(PipelineDefinitionError, match=r"importing 'myfan\.py' failed: RuntimeError: boom"):
         _compile(CUSTOM, service, tmp_path)
     (tmp_path / "myfan.py").write_text("def other(i, p):\n    return i\n")
-    with pytest.raises(PipelineDefinitionError, match="has no function 'split'"):
+    with pytest.raises(PipelineDefinitionError, match=r"myfan\.py has no function 'split'"):
         _compile(CUSTOM, service, tmp_path)
 
 
@@ -266,3 +266,97 @@ def test_corrupt_jpeg_names_the_input_and_next_succeeds(tmp_path: Path) -> None:
     assert info.value.code is ErrorCode.INVALID_ARGUMENT
     assert _run(pipeline, image=np.array([good], dtype=object))["sizes"].tolist() == [[30, 40]]
 
+
+
+BRANCHES = """
+[[inputs]]
+name = "x"
+datatype = "FP32"
+shape = [-1]
+
+[[outputs]]
+name = "a"
+datatype = "FP32"
+shape = [-1]
+
+[[outputs]]
+name = "b"
+datatype = "FP32"
+shape = [-1]
+
+[[steps]]
+name = "left"
+function = "meet:left"
+inputs = { x = "x" }
+outputs = { y = "a" }
+output_ports = { y = { datatype = "FP32", shape = [-1] } }
+
+[[steps]]
+name = "right"
+function = "meet:right"
+inputs = { x = "x" }
+outputs = { y = "b" }
+output_ports = { y = { datatype = "FP32", shape = [-1] } }
+"""
+
+# Each branch waits for the other to have started: only branches that overlap both finish
+# (the 30 s wait is a bound for a broken graph, never reached when it works).
+MEET = '''
+import threading
+
+barrier = threading.Barrier(2, timeout=30)
+
+def left(inputs, params):
+    barrier.wait()
+    return {"y": inputs["x"] + 1}
+
+def right(inputs, params):
+    barrier.wait()
+    return {"y": inputs["x"] * 2}
+'''
+
+
+def test_independent_branches_run_concurrently(tmp_path: Path) -> None:
+    (tmp_path / "meet.py").write_text(MEET)
+    pipeline = compile_pipeline(parse_pipeline(BRANCHES), tmp_path)
+    out = _run(pipeline, x=np.array([1.0, 2.0], np.float32))
+    assert out["a"].tolist() == [2.0, 3.0] and out["b"].tolist() == [2.0, 4.0]
+    assert pipeline.stats.to_json()["success_count"] == 1
+
+
+def test_concurrent_requests_batch_in_the_models_scheduler(tmp_path: Path) -> None:
+    import shutil
+    import time
+
+    from tests.conftest import MODELS
+    from tests.http_helpers import held_engine
+    repo = tmp_path / "repo"
+    shutil.copytree(MODELS / "digits", repo / "digits")
+    manager = ModelManager(repo, ModelsSection(), ORT_CPU)
+    manager.load_all()
+    service = InferenceService(manager)
+    try:
+        pipeline = _compile(GOOD, service, tmp_path)
+        mv = service.ready_model("digits")
+        assert mv.stats is not None and mv.scheduler is not None
+        before = mv.stats.inference_count
+        x = np.ones((1, 64), np.float32)
+
+        async def scenario() -> list[dict[str, np.ndarray]]:
+            with held_engine(service, "digits") as entered:
+                first = asyncio.ensure_future(pipeline.run({"x": x}))
+                assert await asyncio.to_thread(entered.wait, 60)
+                rest = [asyncio.ensure_future(pipeline.run({"x": x})) for _ in range(3)]
+                deadline = time.monotonic() + 60
+                while mv.scheduler is not None and mv.scheduler.queued < 3:  # all three wait behind the held call
+                    assert time.monotonic() < deadline, "pipeline requests never reached the model's queue"
+                    await asyncio.sleep(0.01)
+            return list(await asyncio.gather(first, *rest))
+
+        results = asyncio.run(scenario())
+        assert all(r["top"].shape == (1, 3) for r in results)
+        assert mv.stats.inference_count - before == 4
+        assert max(mv.stats.batches) >= 2, mv.stats.batches  # the three queued requests ran together
+        assert pipeline.stats.to_json()["success_count"] == 4
+    finally:
+        manager.shutdown()
