@@ -360,3 +360,68 @@ def test_concurrent_requests_batch_in_the_models_scheduler(tmp_path: Path) -> No
         assert pipeline.stats.to_json()["success_count"] == 4
     finally:
         manager.shutdown()
+
+
+@pytest.mark.parametrize("name", ["orientation_classify", "layout_detect", "layout_regions"])
+def test_example_pipelines_through_the_service_equal_the_reference(tmp_path: Path, name: str) -> None:
+    """The examples of models/ compiled by the graph, their models served by a real
+    InferenceService, give what the step-by-step reference gives."""
+    import shutil
+
+    pytest.importorskip("cv2", reason="the pipeline extra (opencv-python-headless) is not installed")
+    from tests.device.pipeline.examples import EXAMPLES, UnavailableError, model_file, run_pipeline
+    from tests.device.pipeline.test_examples import jpeg, page
+    repo = tmp_path / "repo"
+    try:
+        for model in ("layout", "orientation"):
+            shutil.copytree(EXAMPLES / model, repo / model)
+            shutil.copy(model_file(model), repo / model / "1" / "model.onnx")
+    except UnavailableError as exc:
+        pytest.skip(str(exc))
+    manager = ModelManager(repo, ModelsSection(), ORT_CPU)
+    manager.load_all()
+    try:
+        service = InferenceService(manager)
+        folder = EXAMPLES / name / "1"
+        pipeline = _compile((folder / "pipeline.toml").read_text(), service, folder)
+        data = jpeg(page(0))  # the steps' own test page: layout regions to find
+        batch = np.empty(1, dtype=object)
+        batch[:] = [data]
+        got = _run(pipeline, image=batch)
+        want = run_pipeline(name, {"image": batch})
+        if name == "layout_regions":  # the fan-out had boxes to crop: the classifier ran on a batch
+            assert len(got["crop_index"]) >= 2, got["crop_index"]
+        for out in pipeline.outputs:
+            assert got[out].shape == want[out].shape, out
+            if got[out].dtype == object:
+                assert _close_json(got[out].ravel(), want[out].ravel()), (out, got[out], want[out])
+            else:
+                np.testing.assert_allclose(got[out], want[out], rtol=1e-4, atol=1e-4)
+    finally:
+        manager.shutdown()
+
+
+def _close_json(got: np.ndarray, want: np.ndarray) -> bool:
+    """BYTES outputs equal item by item, numbers in JSON documents within 1e-3 (the service's
+    ORT session and the reference's may round differently)."""
+    import json
+
+    def flat(v: object) -> list[object]:
+        if isinstance(v, dict):
+            return [x for k in sorted(v) for x in [k, *flat(v[k])]]
+        if isinstance(v, list):
+            return [x for item in v for x in flat(item)]
+        return [v]
+
+    def close(x: object, y: object) -> bool:
+        if isinstance(x, float) and isinstance(y, float):
+            return abs(x - y) <= 1e-3 * max(1.0, abs(y))
+        return x == y
+    for g, w in zip(got, want, strict=True):
+        try:
+            p, q = flat(json.loads(g)), flat(json.loads(w))
+        except ValueError:
+            p, q = [g], [w]
+        if len(p) != len(q) or not all(close(x, y) for x, y in zip(p, q, strict=True)):
+            return False
+    return True
