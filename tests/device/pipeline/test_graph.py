@@ -16,7 +16,7 @@ from edged.core.service import InferenceService
 from edged.core.types import InferRequest
 from edged.errors import ErrorCode, InternalError, InvalidInputError
 from edged.pipeline.contract import PipelineDefinitionError, StepInputError
-from edged.pipeline.definition import parse_pipeline
+from edged.pipeline.definition import MAX_PIPELINE_FILE, load_pipeline, parse_pipeline
 from edged.pipeline.gateway import ServiceGateway
 from edged.pipeline.graph import Pipeline, compile_pipeline
 from edged.profiles import BackendPreference
@@ -148,6 +148,11 @@ def test_unused_input_and_file_errors_refused(service: InferenceService, tmp_pat
         parse_pipeline(_replace('model = "digits"', 'model = "digits"\nkind = "softmax"'))
     with pytest.raises(PipelineDefinitionError, match="not valid TOML"):
         parse_pipeline("[[steps]\n")
+    with pytest.raises(PipelineDefinitionError, match="cannot read"):
+        load_pipeline(tmp_path)
+    (tmp_path / "pipeline.toml").write_bytes(b"#" * (MAX_PIPELINE_FILE + 1))
+    with pytest.raises(PipelineDefinitionError, match="bytes, more than"):
+        load_pipeline(tmp_path)
 
 
 def test_bad_request_names_input_and_next_succeeds(service: InferenceService, tmp_path: Path) -> None:
@@ -383,7 +388,7 @@ def test_example_pipelines_through_the_service_equal_the_reference(tmp_path: Pat
     try:
         service = InferenceService(manager)
         folder = EXAMPLES / name / "1"
-        pipeline = _compile((folder / "pipeline.toml").read_text(), service, folder)
+        pipeline = compile_pipeline(load_pipeline(folder), folder, ServiceGateway(service))
         data = jpeg(page(0))  # the steps' own test page: layout regions to find
         batch = np.empty(1, dtype=object)
         batch[:] = [data]
