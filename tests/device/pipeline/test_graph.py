@@ -4,7 +4,9 @@ real built-in steps, a real model through the InferenceService, custom Python st
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -69,17 +71,27 @@ outputs = { probabilities = "soft" }
 """
 
 
-@pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceService]:
-    import shutil
-
-    from tests.conftest import MODELS
-    repo = tmp_path_factory.mktemp("repo")
-    shutil.copytree(MODELS / "digits", repo / "digits")
+@contextmanager
+def _served(repo: Path) -> Iterator[InferenceService]:
+    """A real InferenceService over ``repo`` (ONNX Runtime on CPU), shut down afterwards."""
     manager = ModelManager(repo, ModelsSection(), ORT_CPU)
     manager.load_all()
-    yield InferenceService(manager)
-    manager.shutdown()
+    try:
+        yield InferenceService(manager)
+    finally:
+        manager.shutdown()
+
+
+def _digits_repo(root: Path) -> Path:
+    from tests.conftest import MODELS
+    shutil.copytree(MODELS / "digits", root / "digits")
+    return root
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceService]:
+    with _served(_digits_repo(tmp_path_factory.mktemp("repo"))) as svc:
+        yield svc
 
 
 def _compile(text: str, service: InferenceService, folder: Path) -> Pipeline:
@@ -163,12 +175,7 @@ def test_bad_request_names_input_and_next_succeeds(service: InferenceService, tm
     assert _run(pipeline, x=np.zeros((2, 64), np.float32))["top"].shape == (2, 3)
 
 
-CUSTOM = """
-[[inputs]]
-name = "x"
-datatype = "FP32"
-shape = [-1, 64]
-
+CUSTOM = HEAD + """
 [[outputs]]
 name = "probs"
 datatype = "FP32"
@@ -330,17 +337,11 @@ def test_independent_branches_run_concurrently(tmp_path: Path) -> None:
 
 
 def test_concurrent_requests_batch_in_the_models_scheduler(tmp_path: Path) -> None:
-    import shutil
     import time
 
-    from tests.conftest import MODELS
     from tests.http_helpers import held_engine
-    repo = tmp_path / "repo"
-    shutil.copytree(MODELS / "digits", repo / "digits")
-    manager = ModelManager(repo, ModelsSection(), ORT_CPU)
-    manager.load_all()
-    service = InferenceService(manager)
-    try:
+    (tmp_path / "repo").mkdir()
+    with _served(_digits_repo(tmp_path / "repo")) as service:
         pipeline = _compile(GOOD, service, tmp_path)
         mv = service.ready_model("digits")
         assert mv.stats is not None and mv.scheduler is not None
@@ -363,16 +364,12 @@ def test_concurrent_requests_batch_in_the_models_scheduler(tmp_path: Path) -> No
         assert mv.stats.inference_count - before == 4
         assert max(mv.stats.batches) >= 2, mv.stats.batches  # the three queued requests ran together
         assert pipeline.stats.to_json()["success_count"] == 4
-    finally:
-        manager.shutdown()
 
 
 @pytest.mark.parametrize("name", ["orientation_classify", "layout_detect", "layout_regions"])
 def test_example_pipelines_through_the_service_equal_the_reference(tmp_path: Path, name: str) -> None:
     """The examples of models/ compiled by the graph, their models served by a real
     InferenceService, give what the step-by-step reference gives."""
-    import shutil
-
     pytest.importorskip("cv2", reason="the pipeline extra (opencv-python-headless) is not installed")
     from tests.device.pipeline.examples import EXAMPLES, UnavailableError, model_file, run_pipeline
     from tests.device.pipeline.test_examples import jpeg, page
@@ -383,10 +380,7 @@ def test_example_pipelines_through_the_service_equal_the_reference(tmp_path: Pat
             shutil.copy(model_file(model), repo / model / "1" / "model.onnx")
     except UnavailableError as exc:
         pytest.skip(str(exc))
-    manager = ModelManager(repo, ModelsSection(), ORT_CPU)
-    manager.load_all()
-    try:
-        service = InferenceService(manager)
+    with _served(repo) as service:
         folder = EXAMPLES / name / "1"
         pipeline = compile_pipeline(load_pipeline(folder), folder, ServiceGateway(service))
         data = jpeg(page(0))  # the steps' own test page: layout regions to find
@@ -402,8 +396,6 @@ def test_example_pipelines_through_the_service_equal_the_reference(tmp_path: Pat
                 assert _close_json(got[out].ravel(), want[out].ravel()), (out, got[out], want[out])
             else:
                 np.testing.assert_allclose(got[out], want[out], rtol=1e-4, atol=1e-4)
-    finally:
-        manager.shutdown()
 
 
 def _close_json(got: np.ndarray, want: np.ndarray) -> bool:
