@@ -11,7 +11,7 @@ from typing import Any
 
 from edged import __version__
 from edged.config import Config, load_config, parse_config
-from edged.errors import ConfigError, EdgedError
+from edged.errors import ConfigError, EdgedError, exit_status
 
 log = logging.getLogger("edged")
 
@@ -341,12 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "models":
             return cmd_models_list(args)
         return handlers[args.command](args)
-    except ConfigError as e:
-        for p in e.problems:
-            print(f"config: {p}", file=sys.stderr)
-        return 2
     except EdgedError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return exit_status(e)
     except KeyboardInterrupt:
         return 130

@@ -8,7 +8,8 @@ response field, completion status) and never inspect the subclass.
 from __future__ import annotations
 
 import enum
-from typing import Any
+import sys
+from typing import Any, TextIO
 
 
 class ErrorCode(str, enum.Enum):
@@ -128,3 +129,18 @@ class UnsafePathError(EdgedError):
 
 class InternalError(EdgedError):
     code = ErrorCode.INTERNAL
+
+
+def exit_status(err: EdgedError, stream: TextIO | None = None) -> int:
+    """Print an entry point's final error and return its exit status, alike in every CLI.
+
+    A config error lists each problem on its own ``config:`` line and exits 2; any other error
+    is one ``error:`` line and exits 1.
+    """
+    out = stream or sys.stderr
+    if isinstance(err, ConfigError):
+        for problem in err.problems:
+            print(f"config: {problem}", file=out)
+        return 2
+    print(f"error: {err}", file=out)
+    return 1

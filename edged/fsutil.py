@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import stat
@@ -160,3 +161,12 @@ def _check_folder(folder: Path, uid: int, what: str, *, final: bool) -> None:
     if writable_by_others and (final or not st.st_mode & stat.S_ISVTX):
         raise UnsafePathError(f"{what}: {folder} is writable by {'others' if st.st_mode & 0o002 else 'its group'} "
                               f"(mode {stat.S_IMODE(st.st_mode):o}); refusing to use it")
+
+
+def sha256_file(path: Path, *, chunk_size: int = 1 << 20) -> str:
+    """Hex SHA-256 of a file, read in chunks (model files can be larger than the memory to spare)."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(chunk_size):
+            h.update(chunk)
+    return h.hexdigest()

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 from pathlib import Path
 
 from edged.config import Config, load_config
 from edged.daemon import Daemon, Runtime
-from edged.errors import ConfigError, EdgedError
+from edged.errors import EdgedError, exit_status
 from edged.sync.settings import SyncSettings
 from edged.transports.base import Transport
 
@@ -54,13 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             settings = SyncSettings.from_config(cfg, overrides)
             prepare_boot(cfg, settings)
         return asyncio.run(SyncDaemon(cfg, settings).serve())
-    except ConfigError as e:
-        for problem in e.problems:
-            print(f"config: {problem}", file=sys.stderr)
-        return 2
     except EdgedError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return exit_status(e)
 
 
 if __name__ == "__main__":

@@ -268,7 +268,7 @@ def make_version(dst: Path, *, golden_fail: bool = False, fixed_batch: bool = Fa
     if salt:
         with (dst / "labels.txt").open("a") as f:
             f.write(f"\n# {salt}\n")
-    from edged.registry.client import sha256_file
+    from edged.fsutil import sha256_file
 
     digest = sha256_file(dst / model_file)
     variants = "\n".join(
@@ -468,7 +468,7 @@ def release_files(client: Any, model: str) -> dict[int, dict[str, str]]:
 
 def repo_versions_are_whole(repo: Path, model: str, signed: dict[int, dict[str, str]]) -> list[int]:
     """Every version folder of ``model`` in the repository equals a signed version, file for file."""
-    from edged.sync.repo import sha256_file
+    from edged.fsutil import sha256_file
 
     found = []
     model_dir = repo / model

@@ -53,9 +53,8 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn.model_selection import train_test_split
 from sklearn.neural_network import MLPClassifier
 
-from edged.fsutil import publish_dir
+from edged.fsutil import publish_dir, sha256_file
 from edged.optimize.writer import to_toml
-from edged.repository.digests import sha256_file
 from edged.repository.manifest import parse_manifest
 
 F32 = npt.NDArray[np.float32]

@@ -26,6 +26,7 @@ import numpy as np
 from edged.backends.base import Engine
 from edged.backends.selection import unavailable_reason
 from edged.errors import EdgedError, EngineUnavailableError
+from edged.fsutil import sha256_file
 from edged.optimize import deps, quantize
 from edged.optimize.data import SampleSet, load_labels, load_samples
 from edged.optimize.engines import BACKENDS_FOR_FORMAT, NATIVE_BACKEND, EngineSpec, load_engine, run_outputs
@@ -36,7 +37,6 @@ from edged.optimize.progress import Progress
 from edged.optimize.recipes import DEFAULT_VARIANTS, FP32, RECIPES, Recipe
 from edged.optimize.timing import Timing, host_label, time_engine
 from edged.optimize.writer import check_target, parse_target, publish, stage
-from edged.repository.digests import sha256_file
 from edged.repository.manifest import ArtifactFile, Variant, VariantTiming
 
 DEFAULT_BACKENDS = ("onnxruntime", "openvino")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from edged import __version__
-from edged.errors import ConfigError, EdgedError
+from edged.errors import ConfigError, EdgedError, exit_status
 
 URL_ENV = "EDGED_REGISTRY_URL"
 CA_ENV = "EDGED_REGISTRY_CA_FILE"
@@ -454,12 +454,7 @@ def main(argv: list[str] | None = None) -> int:
               "installed here: pip install 'edged[registry]' (in edged's environment), or sudo ./install.sh "
               "--registry for a registry service of its own", file=sys.stderr)
         return 1
-    except ConfigError as e:
-        for p in e.problems:
-            print(f"config: {p}", file=sys.stderr)
-        return 2
     except EdgedError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return exit_status(e)
     except KeyboardInterrupt:
         return 130

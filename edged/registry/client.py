@@ -6,7 +6,6 @@ only ever sees the signed envelope.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pydantic import TypeAdapter
 
 from edged.errors import EdgedError, ErrorCode
+from edged.fsutil import sha256_file
 from edged.protocol.fleet.messages import (
     API_PREFIX,
     DeviceInfo,
@@ -46,14 +46,6 @@ class RegistryClientError(EdgedError):
     def __init__(self, message: str, status: int = 0, code: ErrorCode = ErrorCode.UNAVAILABLE) -> None:
         super().__init__(message, code=code)
         self.status = status
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def folder_files(folder: Path) -> list[tuple[FileEntry, Path]]:

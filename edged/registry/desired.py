@@ -177,9 +177,6 @@ class SnapshotCache:
                 self.loads += 1
             return snap
 
-    def invalidate(self) -> None:
-        self._snap = None
-
     def version_files(self, conn: Connection, version_id: int) -> frozenset[str]:
         """The digests of a version's files; versions are immutable, so this never goes stale."""
         files = self._files.get(version_id)

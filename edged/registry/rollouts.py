@@ -27,7 +27,7 @@ from edged.registry.db import (
     RolloutRow,
     VersionRow,
 )
-from edged.registry.gates import Counts, Side, readings, release_counts, telemetry_watermark
+from edged.registry.gates import Side, readings, release_counts, telemetry_watermark
 from edged.registry.rollout_wire import (
     ACTIVE_STATES,
     PROGRESS,
@@ -238,10 +238,6 @@ def rollout_status(s: Session, rollout_id: int) -> RolloutStatus:
         soak_left = max(0.0, info.steps[ro.step].soak_s - (time.time() - ro.step_ready_at))
     return RolloutStatus(rollout=info, targeted=len(devices), totals=totals, steps=steps, gates=gate_readings,
                          soak_left_s=soak_left)
-
-
-def release_counts_for(s: Session, ro: RolloutRow) -> Counts:
-    return release_counts(s, ro.model_id, s.get_one(ReleaseRow, ro.release_id).number)
 
 
 # ---- the operator's controls ----------------------------------------------------------------------

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from edged.errors import ConfigError
 from edged.fsutil import make_private_dir
-from edged.protocol.fleet.release import ReleaseError, decode_public_key
+from edged.protocol.fleet.release import check_public_keys
 from edged.repository.manifest import format_validation_error
 
 if sys.version_info >= (3, 11):
@@ -90,14 +90,8 @@ class RegistrySettings(BaseModel):
         return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
     def check_keys(self) -> None:
-        if not self.public_keys:
-            raise ConfigError("public_keys: at least one trusted release-signing key is required "
-                              "(`edged-registry keygen` prints one)")
-        for i, k in enumerate(self.public_keys):
-            try:
-                decode_public_key(k)
-            except ReleaseError as e:
-                raise ConfigError(f"public_keys[{i}]: {e}") from None
+        check_public_keys(self.public_keys, "public_keys", "at least one trusted release-signing key is required "
+                          "(`edged-registry keygen` prints one)")
 
 
 def load_settings(path: Path | None, overrides: dict[str, Any] | None = None) -> RegistrySettings:

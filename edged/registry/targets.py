@@ -60,9 +60,6 @@ class RolloutTarget(BaseModel):
             raise ValueError("at most 100000 entries")
         return v
 
-    def is_empty(self) -> bool:
-        return not (self.labels or self.facts or self.profiles or self.devices)
-
     def matches(self, device_id: str, labels: Mapping[str, Any], facts: Mapping[str, Any]) -> bool:
         if self.devices and device_id not in self.devices:
             return False

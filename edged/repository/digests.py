@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import threading
 from pathlib import Path
 
-from edged.fsutil import atomic_write_bytes
+from edged.fsutil import atomic_write_bytes, sha256_file
 
 log = logging.getLogger(__name__)
 _CHUNK = 1 << 20
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class DigestCache:

@@ -12,14 +12,13 @@ first, which is emptied at start.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import shutil
 import time
 from pathlib import Path
 
-from edged.fsutil import fsync_dir
+from edged.fsutil import fsync_dir, sha256_file
 from edged.protocol.fleet.release import FileEntry
 
 log = logging.getLogger(__name__)
@@ -27,14 +26,6 @@ log = logging.getLogger(__name__)
 STAGING = ".staging"
 TRASH = ".trash"
 PARTS = ".parts"
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def file_ok(path: Path, entry: FileEntry) -> bool:

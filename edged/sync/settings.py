@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from edged.config import Config
 from edged.errors import ConfigError
-from edged.protocol.fleet.release import ReleaseError, decode_public_key
+from edged.protocol.fleet.release import check_public_keys
 
 # Defaults for the [registry] keys beyond enabled/url/enrollment_token/public_keys/poll_interval_s/labels.
 DEFAULTS: dict[str, Any] = {
@@ -65,7 +65,6 @@ class SyncSettings:
     client_key: Path | None = None
     mqtt_nudge: bool = False
     facts_interval_s: float = 300.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def sync_dir(self) -> Path:
@@ -83,14 +82,8 @@ class SyncSettings:
             raise ConfigError("registry.url: required when [registry] enabled = true")
         if not reg.url.startswith(("http://", "https://")):
             raise ConfigError("registry.url: must start with http:// or https://")
-        if not reg.public_keys:
-            raise ConfigError("registry.public_keys: at least one release-signing key is required; "
-                              "without it no release could ever be verified")
-        for i, k in enumerate(reg.public_keys):
-            try:
-                decode_public_key(k)
-            except ReleaseError as e:
-                raise ConfigError(f"registry.public_keys[{i}]: {e}") from None
+        check_public_keys(reg.public_keys, "registry.public_keys", "at least one release-signing key is required; "
+                          "without it no release could ever be verified")
         extra = {k: getattr(reg, k, v) for k, v in DEFAULTS.items()}
         for k, v in (overrides or {}).items():
             if k not in DEFAULTS:

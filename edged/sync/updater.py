@@ -55,10 +55,6 @@ class Updater:
         self._unrevertable: set[tuple[str, int]] = set()
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _save(self) -> None:
-        with self.store.lock:
-            self.store.save(self.state)
-
     def _ms(self, model: str) -> ModelSync:
         with self.store.lock:
             return self.state.model(model)

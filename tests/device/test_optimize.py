@@ -25,12 +25,12 @@ from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
 from edged.core.types import InferRequest
 from edged.errors import ErrorCode
+from edged.fsutil import sha256_file
 from edged.optimize import command
 from edged.optimize.data import load_samples
 from edged.optimize.errors import OptimizeInputError
 from edged.optimize.modelio import inspect_onnx
 from edged.profiles import BackendPreference
-from edged.repository.digests import sha256_file
 from edged.repository.manifest import ModelManifest, parse_manifest
 from tests.conftest import MODELS, load_make_models
 

@@ -7,7 +7,8 @@ import pytest
 
 from edged.config import ModelsSection, parse_config
 from edged.errors import ManifestError
-from edged.repository.digests import DigestCache, sha256_file
+from edged.fsutil import sha256_file
+from edged.repository.digests import DigestCache
 from edged.repository.manifest import parse_manifest
 from edged.repository.store import scan_repository
 

@@ -21,24 +21,9 @@ import pytest
 from edged.protocol.fleet.release import ReleaseManifest, TargetSelector, sign_release
 from edged.registry.rollout_wire import Gates, RolloutCreate, StepSpec
 from edged.registry.targets import RolloutTarget
-from tests.registry_helpers import ADMIN_TOKEN, Keys, PgCluster, RegistryServer, make_version, pg_bin
+from tests.registry_helpers import ADMIN_TOKEN, Keys, RegistryServer, make_version
 
 _n = itertools.count(1)
-
-
-@pytest.fixture(scope="session")
-def pg_cluster() -> Iterator[PgCluster | None]:
-    if pg_bin() is None:
-        yield None
-        return
-    cluster = PgCluster()
-    try:
-        cluster.start()
-    except Exception as e:
-        cluster.stop()
-        pytest.skip(f"could not start a PostgreSQL cluster: {e}")
-    yield cluster
-    cluster.stop()
 
 
 @dataclass

@@ -18,7 +18,7 @@ import pytest
 
 from edged.registry.rollout_wire import Gates, RolloutCreate, StepSpec
 from edged.registry.targets import Membership, RolloutTarget, percent_cutoff, rank
-from tests.registry_helpers import Keys, PgCluster, RegistryServer, make_version, pg_bin
+from tests.registry_helpers import Keys, RegistryServer, make_version
 from tests.rollout_helpers import ApiDevice
 
 _n = itertools.count(1)
@@ -72,21 +72,6 @@ def test_rollout_request_validation() -> None:
 
 
 # ---- a registry with devices ----------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pg() -> Iterator[PgCluster | None]:
-    if pg_bin() is None:
-        yield None
-        return
-    cluster = PgCluster()
-    try:
-        cluster.start()
-    except Exception as e:
-        cluster.stop()
-        pytest.skip(f"could not start a PostgreSQL cluster: {e}")
-    yield cluster
-    cluster.stop()
-
-
 @dataclass
 class Env:
     backend: str
@@ -104,7 +89,7 @@ def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     tmp = tmp_path_factory.mktemp(f"rollout-{request.param}")
     db_url = None
     if request.param == "postgresql":
-        cluster = request.getfixturevalue("pg")
+        cluster = request.getfixturevalue("pg_cluster")
         if cluster is None:
             pytest.skip("PostgreSQL is not installed; the SQLite run covers the rest")
         db_url = cluster.new_database()

@@ -39,10 +39,6 @@ class ErrorBody(_Wire):
     message: str
 
 
-class ErrorResponse(_Wire):
-    error: ErrorBody
-
-
 # ---- devices ------------------------------------------------------------------------------------
 class EnrollRequest(_Wire):
     token: str = Field(max_length=256)

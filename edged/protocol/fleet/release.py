@@ -12,12 +12,13 @@ import base64
 import binascii
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from edged.errors import EdgedError, ErrorCode
+from edged.errors import ConfigError, EdgedError, ErrorCode
 from edged.repository.manifest import MANIFEST_NAME, format_validation_error, valid_model_name
 
 if TYPE_CHECKING:
@@ -149,6 +150,17 @@ def decode_public_key(b64: str) -> bytes:
     if len(raw) != 32:
         raise ReleaseError(f"an Ed25519 public key is 32 bytes, this one is {len(raw)}")
     return raw
+
+
+def check_public_keys(keys: Sequence[str], where: str, missing: str) -> None:
+    """The trusted release-signing keys of a config, checked alike by the device and the registry."""
+    if not keys:
+        raise ConfigError(f"{where}: {missing}")
+    for i, k in enumerate(keys):
+        try:
+            decode_public_key(k)
+        except ReleaseError as e:
+            raise ConfigError(f"{where}[{i}]: {e}") from None
 
 
 def generate_private_key() -> Ed25519PrivateKey:
