@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from edged.protocol.fleet.telemetry import LATENCY_BUCKETS_S, HistCounts
+from edged.protocol.fleet.telemetry import LATENCY_BUCKETS_S, HistCounts, Outcomes
 from edged.registry.db import DeviceModelRow, RolloutRow
 from edged.registry.rollout_wire import GateReading, Gates
 from edged.registry.telemetry_tables import TelemetryModelRow
@@ -55,7 +55,7 @@ def release_counts(s: Session, model_id: int, release: int) -> Counts:
 
 # ---- telemetry, incrementally -------------------------------------------------------------------
 @dataclass
-class Side:
+class Side(Outcomes):
     ok: int = 0
     errors: int = 0
     hist: HistCounts | None = None
@@ -71,14 +71,6 @@ class Side:
     def dump(self) -> dict[str, Any]:
         h = self.hist or HistCounts()
         return {"ok": self.ok, "errors": self.errors, "hist": list(h.counts), "sum": h.total}
-
-    @property
-    def total(self) -> int:
-        return self.ok + self.errors
-
-    @property
-    def error_rate(self) -> float:
-        return self.errors / self.total if self.total else 0.0
 
     def p99_s(self) -> float | None:
         return (self.hist or HistCounts()).quantile(0.99)

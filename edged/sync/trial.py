@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from edged.core.service import InferenceService
 from edged.errors import EdgedError
-from edged.protocol.fleet.telemetry import LATENCY_BUCKETS_S
+from edged.protocol.fleet.telemetry import LATENCY_BUCKETS_S, Outcomes
 from edged.sync.settings import SyncSettings
 
 NOT_MODEL_ERRORS = frozenset({"invalid_argument", "overloaded", "cancelled"})
@@ -30,18 +30,10 @@ SETTLE_MAX_S = 5.0
 
 
 @dataclass(frozen=True)
-class Sample:
+class Sample(Outcomes):
     ok: int
     errors: int
     latency_counts: tuple[int, ...] = ()  # per LATENCY_BUCKETS_S bucket, plus +Inf
-
-    @property
-    def total(self) -> int:
-        return self.ok + self.errors
-
-    @property
-    def error_rate(self) -> float:
-        return self.errors / self.total if self.total else 0.0
 
     @property
     def p99_s(self) -> float:

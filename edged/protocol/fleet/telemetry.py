@@ -27,6 +27,21 @@ LATENCY_BUCKETS_S: tuple[float, ...] = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+class Outcomes:
+    """Successful and failed requests of a window: what the device's trial and the registry's gates judge."""
+
+    ok: int
+    errors: int
+
+    @property
+    def total(self) -> int:
+        return self.ok + self.errors
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / self.total if self.total else 0.0
+
+
 class _Counted(Protocol):
     @property
     def counts(self) -> Sequence[int]: ...
