@@ -1,4 +1,4 @@
-"""The device's sync settings: ``[registry]`` from the config, with defaults for keys it may not define yet."""
+"""The device's sync settings: the typed ``[registry]`` section plus what the daemon knows (device id, folders)."""
 
 from __future__ import annotations
 
@@ -6,37 +6,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edged.config import Config
+from pydantic import TypeAdapter, ValidationError
+
+from edged.config import Config, RegistrySection
 from edged.errors import ConfigError
 from edged.protocol.fleet.release import check_public_keys
+from edged.repository.manifest import format_validation_error
 
-# Defaults for the [registry] keys beyond enabled/url/enrollment_token/public_keys/poll_interval_s/labels.
-DEFAULTS: dict[str, Any] = {
-    "trial_s": 60.0,                 # how long a new version is watched before it is committed
-    "trial_min_requests": 20,        # fewer requests than this in the trial: error rate and p99 are not judged
-    "trial_max_error_rate": 0.01,    # allowed increase of the error rate over the previous version
-    "trial_max_p99_ratio": 3.0,      # allowed p99 latency as a multiple of the previous version's
-    "trial_p99_floor_ms": 10.0,      # a p99 below this never fails the trial (histogram buckets are coarse)
-    "crash_loop_restarts": 3,        # N starts ...
-    "crash_loop_window_s": 600.0,    # ... within M seconds after an activation: serve the last-known-good
-    "max_download_mb": 2048.0,       # a release larger than this is refused before downloading
-    "request_timeout_s": 30.0,
-    "retry_max_s": 300.0,            # cap of the exponential back-off when offline or refused
-    "download_chunk_kb": 256,
-    "ca_file": None,                 # CA bundle for an https registry (default: the system's)
-    "client_cert": None,             # certificate (and key) for a registry that requires client certificates
-    "client_key": None,
-    "mqtt_nudge": False,             # subscribe to <prefix>/<device>/sync-nudge and <prefix>/fleet/sync-nudge
-    "facts_interval_s": 300.0,       # how often the device re-sends its facts and what it serves
-}
+# The [registry] keys sync reads beyond enabled/url/enrollment_token/public_keys/poll_interval_s/labels;
+# their defaults and meaning are those of edged.config.RegistrySection (the one place they are written).
+TUNABLE: tuple[str, ...] = tuple(k for k in RegistrySection.model_fields if k not in (
+    "enabled", "url", "enrollment_token", "public_keys", "poll_interval_s", "labels"))
 
 
-def _coerce(default: Any, value: Any) -> Any:
-    if not isinstance(value, str) or default is None:
-        return value
-    if isinstance(default, bool):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return type(default)(value)
+def _default(key: str) -> Any:
+    return RegistrySection.model_fields[key].default
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """An override as the section's field type would read it (``"0.2"`` -> 0.2, ``"true"`` -> True)."""
+    annotation = RegistrySection.model_fields[key].annotation
+    assert annotation is not None  # every section field is annotated
+    try:
+        return TypeAdapter(annotation).validate_python(value)
+    except ValidationError as e:
+        raise ConfigError(f"registry.{key}: {'; '.join(format_validation_error(e))}") from None
 
 
 @dataclass(frozen=True)
@@ -49,22 +43,22 @@ class SyncSettings:
     labels: dict[str, str]
     state_dir: Path
     repository: Path
-    trial_s: float = 60.0
-    trial_min_requests: int = 20
-    trial_max_error_rate: float = 0.01
-    trial_max_p99_ratio: float = 3.0
-    trial_p99_floor_ms: float = 10.0
-    crash_loop_restarts: int = 3
-    crash_loop_window_s: float = 600.0
-    max_download_mb: float = 2048.0
-    request_timeout_s: float = 30.0
-    retry_max_s: float = 300.0
-    download_chunk_kb: int = 256
+    trial_s: float = _default("trial_s")
+    trial_min_requests: int = _default("trial_min_requests")
+    trial_max_error_rate: float = _default("trial_max_error_rate")
+    trial_max_p99_ratio: float = _default("trial_max_p99_ratio")
+    trial_p99_floor_ms: float = _default("trial_p99_floor_ms")
+    crash_loop_restarts: int = _default("crash_loop_restarts")
+    crash_loop_window_s: float = _default("crash_loop_window_s")
+    max_download_mb: float = _default("max_download_mb")
+    request_timeout_s: float = _default("request_timeout_s")
+    retry_max_s: float = _default("retry_max_s")
+    download_chunk_kb: int = _default("download_chunk_kb")
     ca_file: Path | None = None
     client_cert: Path | None = None
     client_key: Path | None = None
-    mqtt_nudge: bool = False
-    facts_interval_s: float = 300.0
+    mqtt_nudge: bool = _default("mqtt_nudge")
+    facts_interval_s: float = _default("facts_interval_s")
 
     @property
     def sync_dir(self) -> Path:
@@ -84,11 +78,11 @@ class SyncSettings:
             raise ConfigError("registry.url: must start with http:// or https://")
         check_public_keys(reg.public_keys, "registry.public_keys", "at least one release-signing key is required; "
                           "without it no release could ever be verified")
-        extra = {k: getattr(reg, k, v) for k, v in DEFAULTS.items()}
+        extra = {k: getattr(reg, k) for k in TUNABLE}
         for k, v in (overrides or {}).items():
-            if k not in DEFAULTS:
-                raise ConfigError(f"registry.{k}: unknown sync setting (known: {', '.join(sorted(DEFAULTS))})")
-            extra[k] = _coerce(DEFAULTS[k], v)
+            if k not in TUNABLE:
+                raise ConfigError(f"registry.{k}: unknown sync setting (known: {', '.join(sorted(TUNABLE))})")
+            extra[k] = _coerce(k, v)
         ca = extra.pop("ca_file")
         cert, key = extra.pop("client_cert"), extra.pop("client_key")
         if bool(cert) != bool(key):
