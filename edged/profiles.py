@@ -37,12 +37,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 import edged
 from edged.errors import ConfigError
 from edged.hardware.facts import FactValue, HardwareFacts, fact_keys, facts_as_dict
 from edged.hardware.jetpack import ReleaseRow, row_for
+from edged.repository.manifest import format_validation_error
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -247,6 +248,40 @@ Precision = Literal["fp32", "fp16", "int8"]
 _DEVICES = {"tensorrt": ("GPU", "DLA"), "onnxruntime": ("CPU", "GPU")}
 
 
+class TensorRTOptions(_Strict):
+    """``options`` of a ``tensorrt`` backend (read by :mod:`edged.backends.tensorrt`)."""
+
+    dla_core: int | None = None
+    gpu_fallback: bool = True
+    workspace_mb: float | None = None
+    gpu_id: int = 0
+    opt_batch_size: int | None = None
+    engine_worker: str | None = None  # set from the JetPack matrix when the engine runs under the system Python
+    worker_timeout_s: float | None = None
+
+
+class OnnxRuntimeOptions(_Strict):
+    """``options`` of an ``onnxruntime`` backend (read by :mod:`edged.backends.onnxruntime`)."""
+
+    providers: list[str] | None = None
+    intra_op_threads: int | None = None
+
+
+class OpenVinoOptions(_Strict):
+    """``options`` of an ``openvino`` backend (read by :mod:`edged.backends.openvino`)."""
+
+    hint: str | None = None
+    threads: int | None = None
+    inference_precision: str | None = None
+    num_streams: int | str | None = None
+    cache: bool = True
+    static_batch: int | None = None
+
+
+BACKEND_OPTIONS: dict[str, type[_Strict]] = {
+    "tensorrt": TensorRTOptions, "onnxruntime": OnnxRuntimeOptions, "openvino": OpenVinoOptions}
+
+
 class BackendPreference(_Strict):
     """One engine/device to try; ``precisions`` in order of preference."""
 
@@ -254,6 +289,19 @@ class BackendPreference(_Strict):
     device: str = "CPU"
     precisions: list[Precision] = Field(min_length=1)
     options: dict[str, Any] = {}
+
+    @field_validator("options")
+    @classmethod
+    def _typed_options(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        """Each backend's options are checked against its own model: a typo such as ``dla_cor`` is refused."""
+        model = BACKEND_OPTIONS.get(str(info.data.get("backend")))
+        if model is None:
+            return v
+        try:
+            model.model_validate(v)
+        except ValidationError as e:
+            raise ValueError("; ".join(format_validation_error(e))) from None
+        return v
 
     @field_validator("precisions")
     @classmethod
@@ -358,13 +406,6 @@ def bundled_profiles_dir() -> Path:
     return Path("/usr/share/edged/device_profiles")
 
 
-def _key_path(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(top level)"
-
-
 def _load_file(path: Path) -> DeviceProfile:
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -378,12 +419,11 @@ def _load_file(path: Path) -> DeviceProfile:
     try:
         return DeviceProfile.model_validate({**data, "source": path})
     except ValidationError as exc:
-        problems = [f"{path}: {_key_path(e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
-                    for e in exc.errors()]
-        first = exc.errors()[0]
+        lines = format_validation_error(exc)
+        problems = [f"{path}: {line.replace(': Value error, ', ': ', 1)}" for line in lines]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise ConfigError(f"{problems[0]}{more}", problems=problems, file=str(path),
-                          key=_key_path(first["loc"])) from None
+                          key=lines[0].split(": ", 1)[0]) from None
 
 
 def load_profiles(extra_dirs: Sequence[Path] = ()) -> list[DeviceProfile]:

@@ -175,6 +175,24 @@ def test_bad_profile_names_file_and_key(tmp_path: Path, text: str, key: str) -> 
     assert f": {key}:" in str(error)
 
 
+@pytest.mark.parametrize(("backend", "options", "problem"), [
+    ('backend = "tensorrt"\ndevice = "GPU"\nprecisions = ["fp16"]\n', "{ dla_cor = 0 }", "dla_cor: unknown key"),
+    ('backend = "tensorrt"\ndevice = "GPU"\nprecisions = ["fp16"]\n', '{ dla_core = "zero" }', "dla_core: "),
+    ('backend = "onnxruntime"\nprecisions = ["fp32"]\n', '{ dla_core = 0 }', "dla_core: unknown key"),
+    ('backend = "openvino"\ndevice = "CPU"\nprecisions = ["fp32"]\n', '{ streams = 2 }', "streams: unknown key"),
+])
+def test_backend_options_are_typed_per_backend(tmp_path: Path, backend: str, options: str, problem: str) -> None:
+    error = _bad(tmp_path, GOOD_HEAD + "[[backends]]\n" + backend + f"options = {options}\n")
+    assert error.context["key"] == "backends[0].options"
+    assert f": backends[0].options: {problem}" in str(error)
+
+
+def test_every_bundled_backend_option_is_known(bundled: list[DeviceProfile]) -> None:
+    options = [(b.backend, dict(b.options)) for p in bundled for b in p.backends if b.options]
+    assert any(backend == "tensorrt" and "dla_core" in o for backend, o in options)
+    assert any(backend == "onnxruntime" and "providers" in o for backend, o in options)
+
+
 def test_bad_toml(tmp_path: Path) -> None:
     error = _bad(tmp_path, 'name = "x\n')
     assert "TOML" in str(error)
