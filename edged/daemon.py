@@ -85,7 +85,7 @@ def build_runtime(cfg: Config, *, load: bool = True, only: str | None = None) ->
     repo = serving_repository(cfg.device.model_repository, cfg.device.model_seed)
     manager = ModelManager(repo, cfg.models, profile.backends, cache_dir=cache_dir,
                            threads=profile.threads, memory_budget_mb=profile.effective_memory_budget_mb(facts),
-                           select=profile.select)
+                           select=profile.select, facts=facts)
     if load:
         if only is not None:
             manager.load_model(only)

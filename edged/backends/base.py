@@ -11,11 +11,14 @@ import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from edged.repository.manifest import InputShape, TensorSpec, Variant
+
+if TYPE_CHECKING:
+    from edged.hardware.facts import HardwareFacts
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class LoadRequest:
     threads: int = 0
     instances: int = 1
     cache_dir: Path | None = None
+    facts: HardwareFacts | None = None  # what the daemon probed at start; None: the backend probes once
 
     @property
     def file(self) -> Path:

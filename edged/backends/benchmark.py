@@ -40,6 +40,7 @@ from edged.backends.base import Engine
 from edged.backends.enginecache import variant_digest
 from edged.backends.selection import Candidate
 from edged.fsutil import atomic_write_text
+from edged.hardware.facts import HardwareFacts
 from edged.repository.manifest import ModelManifest, Variant
 
 log = logging.getLogger(__name__)
@@ -242,9 +243,19 @@ def choose(timings: Sequence[CandidateTiming], margin: float = 0.03) -> Candidat
 
 
 # ---- what the result depends on -------------------------------------------------------------
+def fingerprint_of(f: HardwareFacts) -> dict[str, Any]:
+    """The facts that change engine speed: CPU model and ISA, GPUs, Jetson release."""
+    return {
+        "cpu": [f.cpu.arch, f.cpu.vendor, f.cpu.model, f.cpu.cores, sorted(f.cpu.flags)],
+        "nvidia_gpu": [f.nvidia_gpu.name, f.nvidia_gpu.compute_capability, f.nvidia_gpu.driver_version],
+        "jetson": [f.jetson.module, f.jetson.l4t],
+        "intel": [f.intel_gpu.device_id, f.intel_npu.device_id],
+    }
+
+
 @functools.lru_cache(maxsize=1)
 def device_fingerprint() -> dict[str, Any]:
-    """The facts that change engine speed: CPU model and ISA, GPUs, Jetson release."""
+    """:func:`fingerprint_of` this machine, probed once; for callers without the daemon's facts."""
     try:
         from edged.hardware.probe import probe
         f = probe(Path("/"), engines=False)
@@ -252,12 +263,7 @@ def device_fingerprint() -> dict[str, Any]:
         log.warning("benchmark: hardware probe failed (%s); keying on the CPU count only", e)
         import os
         return {"cpu.cores": os.cpu_count()}
-    return {
-        "cpu": [f.cpu.arch, f.cpu.vendor, f.cpu.model, f.cpu.cores, sorted(f.cpu.flags)],
-        "nvidia_gpu": [f.nvidia_gpu.name, f.nvidia_gpu.compute_capability, f.nvidia_gpu.driver_version],
-        "jetson": [f.jetson.module, f.jetson.l4t],
-        "intel": [f.intel_gpu.device_id, f.intel_npu.device_id],
-    }
+    return fingerprint_of(f)
 
 
 def selection_key(model: str, version: int, cands: Sequence[Candidate], library_versions: Mapping[str, str], *,

@@ -39,6 +39,7 @@ from edged.backends.cudart import D2H, H2D, INSTALL_HINT, CudaRuntime, cuda_runt
 from edged.backends.enginecache import EngineCache, EngineCacheKey, variant_digest
 from edged.errors import EngineUnavailableError, InternalError, InvalidInputError, ModelLoadError
 from edged.fsutil import atomic_write_bytes
+from edged.hardware.facts import HardwareFacts
 
 log = logging.getLogger(__name__)
 
@@ -51,18 +52,27 @@ def _import_trt() -> Any:
     return tensorrt
 
 
-@functools.lru_cache(maxsize=1)
-def _platform() -> str:
+def _platform_of(f: HardwareFacts) -> str:
     """The L4T/JetPack release (Jetson) or driver version (discrete GPU) that plans depend on."""
+    if f.jetson.present:
+        return f"l4t {f.jetson.l4t} jetpack {f.jetson.jetpack} soc {f.jetson.soc}"
+    return f"driver {f.nvidia_gpu.driver_version}" if f.nvidia_gpu.driver_version else ""
+
+
+@functools.lru_cache(maxsize=1)
+def _probed_platform() -> str:
+    """:func:`_platform_of` this machine, probed once; for callers without the daemon's facts."""
     try:
         from edged.hardware.probe import probe
         f = probe(Path("/"), engines=False)
     except Exception as e:  # best effort: the CUDA versions in the key still cover most changes
         log.warning("tensorrt: hardware probe failed: %s", e)
         return ""
-    if f.jetson.present:
-        return f"l4t {f.jetson.l4t} jetpack {f.jetson.jetpack} soc {f.jetson.soc}"
-    return f"driver {f.nvidia_gpu.driver_version}" if f.nvidia_gpu.driver_version else ""
+    return _platform_of(f)
+
+
+def _platform(facts: HardwareFacts | None) -> str:
+    return _platform_of(facts) if facts is not None else _probed_platform()
 
 
 # ---- TensorRT logging ---------------------------------------------------------------------------
@@ -310,16 +320,16 @@ class TensorRtBackend(Backend):
         return ["GPU", *(["DLA"] if dla > 0 else [])]
 
     # ---- keys ---------------------------------------------------------------------------------
-    def hardware(self, gpu: int = 0) -> dict[str, str]:
+    def hardware(self, gpu: int = 0, facts: HardwareFacts | None = None) -> dict[str, str]:
         """What a plan and a timing cache are specific to."""
         trt, cuda = _import_trt(), cuda_runtime()
         return {"tensorrt": str(trt.__version__), "cuda_runtime": cuda.runtime_version(),
                 "cuda_driver": cuda.driver_version(), "gpu": cuda.device_name(gpu),
-                "compute_capability": cuda.compute_capability(gpu), "platform": _platform()}
+                "compute_capability": cuda.compute_capability(gpu), "platform": _platform(facts)}
 
     def engine_key(self, request: LoadRequest, *, precision: str, dla_core: int, opt_batch: int,
                    gpu: int = 0) -> EngineCacheKey:
-        hw = self.hardware(gpu)
+        hw = self.hardware(gpu, request.facts)
         more: dict[str, str] = {}
         calib = request.variant.calibration_cache
         if precision == "int8" and calib and request.variant.precision != "int8":
@@ -417,7 +427,7 @@ class TensorRtBackend(Backend):
             engine = self._from_cache(trt, cache, key, request, precision=precision, dla=dla, gpu=gpu)
             if engine is not None:
                 return engine
-            timing = cache.timing_cache_path(self.hardware(gpu)) if cache is not None else None
+            timing = cache.timing_cache_path(self.hardware(gpu, request.facts)) if cache is not None else None
             plan = build_plan(trt, request, precision=precision, dla=dla, opt=opt, timing_cache=timing)
             if cache is not None:
                 try:

@@ -25,6 +25,7 @@ from edged.repository.digests import DigestCache
 from edged.repository.store import VersionEntry, list_versions, load_version, scan_repository
 
 if TYPE_CHECKING:
+    from edged.hardware.facts import HardwareFacts
     from edged.profiles import BackendPreference
 
 log = logging.getLogger(__name__)
@@ -53,10 +54,10 @@ def estimate_memory_mb(entry: VersionEntry) -> float:
 class ModelManager:
     def __init__(self, repository: Path, models: ModelsSection, preferences: Sequence[BackendPreference], *,
                  cache_dir: Path | None = None, threads: int = 0, memory_budget_mb: float = 0.0,
-                 select: str = "first") -> None:
+                 select: str = "first", facts: HardwareFacts | None = None) -> None:
         self.repository = repository
         self.models_cfg = models
-        self.loader = ModelLoader(preferences, cache_dir=cache_dir, threads=threads, select=select)
+        self.loader = ModelLoader(preferences, cache_dir=cache_dir, threads=threads, select=select, facts=facts)
         self.table = ModelTable()
         self.memory_budget_mb = memory_budget_mb
         self.digests = DigestCache(cache_dir / "digests.json" if cache_dir else None)

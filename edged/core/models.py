@@ -34,6 +34,7 @@ from edged.backends.benchmark import (
     SelectionMemory,
     batch_sizes_for,
     choose,
+    fingerprint_of,
     measure,
     selection_key,
 )
@@ -49,6 +50,7 @@ from edged.repository.manifest import Batching, InputShape, ModelManifest, Tenso
 from edged.repository.store import VersionEntry
 
 if TYPE_CHECKING:
+    from edged.hardware.facts import HardwareFacts
     from edged.profiles import BackendPreference
 
 log = logging.getLogger(__name__)
@@ -316,13 +318,15 @@ class ModelLoader:
     """Loads a version with the best candidate that works, remembering why others were skipped."""
 
     def __init__(self, preferences: Sequence[BackendPreference], *, cache_dir: Path | None, threads: int = 0,
-                 select: str = "first", benchmark: BenchmarkSettings | None = None) -> None:
+                 select: str = "first", benchmark: BenchmarkSettings | None = None,
+                 facts: HardwareFacts | None = None) -> None:
         if select not in SELECT_MODES:
             raise ValueError(f"select must be one of {SELECT_MODES}, not {select!r}")
         self.preferences = list(preferences)
         self.cache_dir = cache_dir
         self.threads = threads
         self.select = select
+        self.facts = facts  # the daemon's probe, handed to the backends and the benchmark key
         self.benchmark_settings = benchmark or BenchmarkSettings()
         self.memory = SelectionMemory(cache_dir / "select") if cache_dir else None
 
@@ -380,7 +384,8 @@ class ModelLoader:
         sizes = batch_sizes_for(manifest)
         libraries = {c.backend: _library_version(c.backend) for c in cands}
         key = selection_key(mv.name, mv.version, cands, libraries, threads=self.threads, batch_sizes=sizes,
-                            workload=workload_digest(mv))
+                            workload=workload_digest(mv),
+                            fingerprint=fingerprint_of(self.facts) if self.facts is not None else None)
         tried: set[str] = set()
         load_failures: list[tuple[str, str]] = []
         remembered = self.memory.load(mv.name, mv.version, key) if self.memory else None
@@ -523,7 +528,7 @@ class ModelLoader:
             device=cand.device, options=options, max_batch_size=mv.max_batch_size,
             inputs=manifest.inputs, shapes=manifest.warmup.shapes, threads=self.threads,
             instances=manifest.instances.count,
-            cache_dir=self._cache_dir_for(mv, cand, options),
+            cache_dir=self._cache_dir_for(mv, cand, options), facts=self.facts,
         )
 
     def _cache_dir_for(self, mv: ModelVersion, cand: Candidate, options: dict[str, Any]) -> Path | None:
