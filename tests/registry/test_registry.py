@@ -11,7 +11,6 @@ import itertools
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,40 +20,15 @@ import pytest
 from edged.protocol.fleet.release import ReleaseManifest, TargetSelector, sign_release
 from edged.registry.rollout_wire import Gates, RolloutCreate, StepSpec
 from edged.registry.targets import RolloutTarget
-from tests.registry_helpers import ADMIN_TOKEN, Keys, RegistryServer, make_version
+from tests.registry.conftest import Env, registry_env
+from tests.registry_helpers import ADMIN_TOKEN, RegistryServer, make_version
 
 _n = itertools.count(1)
 
 
-@dataclass
-class Env:
-    backend: str
-    tmp: Path
-    keys: Keys
-    server: RegistryServer
-    database_url: str | None
-
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-    def admin(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-
-
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
 def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    tmp = tmp_path_factory.mktemp(f"registry-{request.param}")
-    db_url = None
-    if request.param == "postgresql":
-        cluster = request.getfixturevalue("pg_cluster")
-        if cluster is None:
-            pytest.skip("PostgreSQL is not installed (apt-get install postgresql); the SQLite run covers the rest")
-        db_url = cluster.new_database()
-    keys = Keys.make(tmp)
-    server = RegistryServer(tmp, [keys.public], database_url=db_url).start()
-    yield Env(request.param, tmp, keys, server, db_url)
-    server.stop()
+    yield from registry_env(request, tmp_path_factory, "registry")
 
 
 @pytest.fixture

@@ -11,14 +11,14 @@ import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from edged.registry.rollout_wire import Gates, RolloutCreate, StepSpec
 from edged.registry.targets import Membership, RolloutTarget, percent_cutoff, rank
-from tests.registry_helpers import Keys, RegistryServer, make_version
+from tests.registry.conftest import Env, registry_env
+from tests.registry_helpers import make_version
 from tests.rollout_helpers import ApiDevice
 
 _n = itertools.count(1)
@@ -72,31 +72,9 @@ def test_rollout_request_validation() -> None:
 
 
 # ---- a registry with devices ----------------------------------------------------------------------
-@dataclass
-class Env:
-    backend: str
-    tmp: Path
-    keys: Keys
-    server: RegistryServer
-
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
 def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    tmp = tmp_path_factory.mktemp(f"rollout-{request.param}")
-    db_url = None
-    if request.param == "postgresql":
-        cluster = request.getfixturevalue("pg_cluster")
-        if cluster is None:
-            pytest.skip("PostgreSQL is not installed; the SQLite run covers the rest")
-        db_url = cluster.new_database()
-    keys = Keys.make(tmp)
-    server = RegistryServer(tmp, [keys.public], database_url=db_url, extra_args=["--rollout-tick", "1h"]).start()
-    yield Env(request.param, tmp, keys, server)
-    server.stop()
+    yield from registry_env(request, tmp_path_factory, "rollout", extra_args=["--rollout-tick", "1h"])
 
 
 @dataclass
