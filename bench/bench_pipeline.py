@@ -189,6 +189,36 @@ def show(r: Result) -> Result:
     return r
 
 
+def graph_part(tmp: Path, data: bytes, seconds: float, hand: Result) -> None:
+    """orientation_classify through the daemon's graph runtime (edged.pipeline.graph, model steps
+    through the InferenceService and the model's dynamic batcher), in this process, no transport."""
+    import asyncio
+
+    from edged.pipeline.definition import load_pipeline
+    from edged.pipeline.gateway import ServiceGateway
+    from edged.pipeline.graph import compile_pipeline
+    from tests.http_helpers import served
+
+    repo = tmp / "graph-models"
+    shutil.copytree(ROOT / "models" / "orientation", repo / "orientation", ignore=shutil.ignore_patterns("model.onnx"))
+    shutil.copyfile(model_file("orientation"), repo / "orientation" / "1" / "model.onnx")
+    folder = ROOT / "models" / "orientation_classify" / "1"
+    with served(repo, tmp / "graph-state") as s:
+        pipeline = compile_pipeline(load_pipeline(folder), folder, ServiceGateway(s.service))
+        request = {"image": one(data)}
+
+        def call() -> object:
+            return asyncio.run_coroutine_threadsafe(pipeline.run(request), s.loop).result(60)
+
+        res = interleaved({"graph runtime, c=1": call, "by hand, c=1": lambda: hand_orientation(data)}, seconds)
+        c1, hand_now = show(res["graph runtime, c=1"]), show(res["by hand, c=1"])
+        c8 = show(measure("graph runtime, c=8", call, seconds=seconds, concurrency=8))
+        print("  " + ratio_line("graph c1 median / hand chain median", c1.median_ms, hand_now.median_ms, 1.1,
+                                higher_is_better=False))
+        print("  " + ratio_line("graph c8 throughput / hand chain batch-1 throughput", c8.throughput,
+                                hand_now.throughput, 1.0))
+
+
 def daemon_part(tmp: Path, data: bytes, seconds: float, hand: Result) -> None:
     import tritonclient.http as th
 
@@ -271,8 +301,14 @@ def main() -> int:
         show(res[by_steps])
         print("  " + ratio_line(f"{name} steps / by hand (median)", res[by_steps].median_ms, hands[name].median_ms,
                                 1.1, higher_is_better=False))
+    print("3. orientation_classify through the pipeline graph runtime, in this process (no transport)")
+    tmp = Path(tempfile.mkdtemp(prefix="edged-bench-graph-"))
+    try:
+        graph_part(tmp, data, args.seconds, hands["orientation_classify"])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     if not args.no_daemon:
-        print("3. the daemon")
+        print("4. the daemon")
         tmp = Path(tempfile.mkdtemp(prefix="edged-bench-pipeline-"))
         try:
             daemon_part(tmp, data, args.seconds, hands["orientation_classify"])

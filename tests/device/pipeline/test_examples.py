@@ -211,3 +211,43 @@ def test_ctc_on_pp_ocr_rec_matches_rapidocr_decoder(tmp_path: Path) -> None:
     assert [t.decode() for t in out["text"]] == [t for t, _ in expect]
     np.testing.assert_allclose(out["confidence"], [c for _, c in expect], atol=1e-6)
     assert any("2026" in t for t, _ in expect), expect  # the model really read the rendered text
+
+
+GRAPH_CASES = [("layout_detect", 1), ("orientation_classify", 3), ("layout_regions", 0),
+               pytest.param("layout_regions", -1, marks=pytest.mark.xfail(
+                   strict=True, reason="graph runtime: a fan-out with zero crops calls the model with batch 0, "
+                   "which the scheduler refuses; the model step should be skipped with empty outputs"))]
+
+
+@pytest.mark.parametrize("name,seed", GRAPH_CASES)
+def test_graph_runtime_answers_as_the_steps_one_by_one(tmp_path: Path, name: str, seed: int) -> None:
+    """The daemon's pipeline graph (model steps through the InferenceService) on the examples gives
+    exactly what the steps run one by one give (seed -1: a blank page, where nothing is detected)."""
+    import asyncio
+
+    from edged.pipeline.definition import load_pipeline
+    from edged.pipeline.gateway import ServiceGateway
+    from edged.pipeline.graph import compile_pipeline
+    from tests.device.pipeline.examples import model_file
+
+    repo = tmp_path / "models"
+    for model in ("layout", "orientation"):
+        try:
+            onnx = model_file(model)
+        except UnavailableError as exc:
+            pytest.skip(str(exc))
+        shutil.copytree(EXAMPLES / model, repo / model, ignore=shutil.ignore_patterns("model.onnx"))
+        shutil.copyfile(onnx, repo / model / "1" / "model.onnx")
+    image = page(seed) if seed >= 0 else np.full((400, 300, 3), 255, np.uint8)
+    request = one(jpeg(image))
+    folder = EXAMPLES / name / "1"
+    want = run_pipeline(name, {"image": request})
+    with served(repo, tmp_path) as s:
+        pipeline = compile_pipeline(load_pipeline(folder), folder, ServiceGateway(s.service))
+        got = asyncio.run_coroutine_threadsafe(pipeline.run({"image": request}), s.loop).result(120)
+    assert set(got) == {o.name for o in load_pipeline(folder).outputs}
+    for tensor, value in got.items():
+        if value.dtype == object:
+            assert value.tolist() == want[tensor].tolist(), tensor
+        else:
+            np.testing.assert_allclose(value, want[tensor], atol=1e-4, err_msg=tensor)
