@@ -189,7 +189,7 @@ def show(r: Result) -> Result:
     return r
 
 
-def graph_part(tmp: Path, data: bytes, seconds: float, hand: Result) -> None:
+def graph_part(tmp: Path, data: bytes, seconds: float) -> None:
     """orientation_classify through the daemon's graph runtime (edged.pipeline.graph, model steps
     through the InferenceService and the model's dynamic batcher), in this process, no transport."""
     import asyncio
@@ -302,18 +302,14 @@ def main() -> int:
         print("  " + ratio_line(f"{name} steps / by hand (median)", res[by_steps].median_ms, hands[name].median_ms,
                                 1.1, higher_is_better=False))
     print("3. orientation_classify through the pipeline graph runtime, in this process (no transport)")
-    tmp = Path(tempfile.mkdtemp(prefix="edged-bench-graph-"))
+    tmp = Path(tempfile.mkdtemp(prefix="edged-bench-pipeline-"))
     try:
-        graph_part(tmp, data, args.seconds, hands["orientation_classify"])
+        graph_part(tmp, data, args.seconds)
+        if not args.no_daemon:
+            print("4. the daemon")
+            daemon_part(tmp, data, args.seconds, hands["orientation_classify"])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if not args.no_daemon:
-        print("4. the daemon")
-        tmp = Path(tempfile.mkdtemp(prefix="edged-bench-pipeline-"))
-        try:
-            daemon_part(tmp, data, args.seconds, hands["orientation_classify"])
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
     print(f"load average after: {os.getloadavg()}")
     return 0
 
