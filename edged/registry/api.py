@@ -26,7 +26,7 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPAuthorizationCredentials
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -64,6 +64,7 @@ from edged.registry import rollouts, service
 from edged.registry.auth import bearer_token, is_admin, token_hash
 from edged.registry.blobs import SHA256_RE, BlobError, BlobStore, SmallBlobCache
 from edged.registry.db import DeviceRow, make_engine, make_sessionmaker, readonly
+from edged.registry.deps import Bearer, admin_check, credential, transaction
 from edged.registry.evaluator import Evaluator, tick
 from edged.registry.lastseen import LastSeen
 from edged.registry.migrate import upgrade
@@ -120,8 +121,6 @@ class _TooLargeError(Exception):
     pass
 
 
-bearer_scheme = HTTPBearer(auto_error=False, description="admin token, or a device credential")
-Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)]
 
 
 def create_app(settings: RegistrySettings) -> FastAPI:
@@ -165,10 +164,8 @@ def create_app(settings: RegistrySettings) -> FastAPI:
                   description="Model versions, signed releases, device enrollment, desired state and reports.")
     app.add_middleware(BodyLimit, limit=MAX_JSON_BYTES, exempt_prefix=f"{API_PREFIX}/blobs/")
 
-    @contextlib.contextmanager
-    def tx() -> Iterator[Session]:
-        with sessions() as s, s.begin():
-            yield s
+    def tx() -> contextlib.AbstractContextManager[Session]:
+        return transaction(sessions)
 
     @contextlib.contextmanager
     def rtx() -> Iterator[Session]:
@@ -176,14 +173,7 @@ def create_app(settings: RegistrySettings) -> FastAPI:
         with read_sessions() as s, s.begin():
             yield s
 
-    def _cred(auth: HTTPAuthorizationCredentials | None) -> str:
-        return f"Bearer {auth.credentials}" if auth is not None else ""
-
-    def require_admin(auth: Bearer) -> None:
-        if not is_admin(_cred(auth), admin_hash):
-            raise RegistryError("an admin token is required", 401, ErrorCode.INVALID_ARGUMENT)
-
-    admin = Depends(require_admin)
+    admin = Depends(admin_check(admin_hash))
 
     def unauthorized() -> RegistryError:
         return RegistryError("a valid device credential is required", 401, ErrorCode.INVALID_ARGUMENT)
@@ -313,7 +303,7 @@ def create_app(settings: RegistrySettings) -> FastAPI:
     async def get_blob(sha256: str, auth: Bearer, request: Request) -> Response:
         if not SHA256_RE.match(sha256):
             raise service.invalid("not a lower-case hex sha256")
-        if not is_admin(_cred(auth), admin_hash):
+        if not is_admin(credential(auth), admin_hash):
             with ro_engine.connect() as conn:
                 if not desired_state.blob_allowed(conn, decide(conn, request), sha256, snapshots):
                     raise RegistryError("this file is not part of a release for this device", 403,

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -29,8 +27,8 @@ from edged.errors import ErrorCode
 from edged.protocol.fleet.messages import API_PREFIX
 from edged.protocol.fleet.telemetry import INGEST_PATH, HistCounts, SystemWindow, UploadAck, UploadBatch
 from edged.registry import service
-from edged.registry.auth import is_admin
 from edged.registry.db import DeviceRow
+from edged.registry.deps import Bearer, admin_check, transaction
 from edged.registry.service import RegistryError
 from edged.registry.telemetry_tables import TelemetryDeviceRow, TelemetryModelRow, TelemetrySampleRow
 
@@ -219,8 +217,6 @@ def model_summary(s: Session, model: str, *, version: int | None = None, since: 
 
 
 # ---- the router -----------------------------------------------------------------------------------
-_bearer = HTTPBearer(auto_error=False, description="admin token, or a device credential")
-Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
 def _labels(items: list[str] | None) -> dict[str, str]:
@@ -236,16 +232,10 @@ def _labels(items: list[str] | None) -> dict[str, str]:
 def telemetry_router(sessions: sessionmaker[Session], admin_hash: str) -> APIRouter:
     router = APIRouter()
 
-    @contextlib.contextmanager
-    def tx() -> Iterator[Session]:
-        with sessions() as s, s.begin():
-            yield s
+    def tx() -> contextlib.AbstractContextManager[Session]:
+        return transaction(sessions)
 
-    def require_admin(auth: Bearer) -> None:
-        if not is_admin(f"Bearer {auth.credentials}" if auth is not None else "", admin_hash):
-            raise RegistryError("an admin token is required", 401, ErrorCode.INVALID_ARGUMENT)
-
-    admin = [Depends(require_admin)]
+    admin = [Depends(admin_check(admin_hash))]
 
     @router.post(INGEST_PATH, tags=["device"], response_model=UploadAck)
     def upload(batch: UploadBatch, auth: Bearer) -> UploadAck:
