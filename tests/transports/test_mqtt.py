@@ -450,7 +450,11 @@ def test_retained_status_on_connect_and_offline_on_clean_stop(
     watcher = TestClient(broker.port).wait_connected()
     watcher.subscribe("edged/stat/#")
     online = _status(watcher, "edged/stat/status", "online")
-    assert online["profile"] == "test-profile" and {m["name"] for m in online["models"]} == {"digits", "mobilenet"}
+    # The retained status lists every entry of the repository the service holds (models/ may also hold
+    # example pipelines and fetched models), each with the state the manager gives it.
+    held = {(str(s["name"]), s["state"]) for s in t.service.manager.statuses()}
+    assert online["profile"] == "test-profile" and {(m["name"], m["state"]) for m in online["models"]} == held
+    assert {("digits", "ready"), ("mobilenet", "ready")} <= held
     model = _status(watcher, "edged/stat/models/mobilenet/status", "ready")
     assert model["backend"] == "onnxruntime" and model["version"] == 1
     asyncio.run(t.stop())
