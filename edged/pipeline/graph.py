@@ -29,7 +29,7 @@ import numpy as np
 
 from edged.datatypes import DataType, to_numpy
 from edged.errors import EdgedError, InternalError, InvalidInputError
-from edged.pipeline.contract import PipelineDefinitionError, Port, Step, StepInputError
+from edged.pipeline.contract import ANY, PipelineDefinitionError, Port, Step, StepInputError
 from edged.pipeline.definition import PipelineSpec, StepSpec
 
 Tensors = dict[str, np.ndarray]
@@ -240,8 +240,16 @@ def _model_node(spec: StepSpec, ports: dict[str, Port], gateway: ModelGateway | 
             raise PipelineDefinitionError(f"model {spec.model!r} input {port_name!r} takes {_describe(expected)}, "
                                           f"gets {_describe(got)}")
     model, version = spec.model, spec.version
+    # A fan-out that found nothing feeds the model a batch of 0: no engine call, empty outputs
+    # (every output batched along the same leading dimension, so their shapes are known).
+    batched = (*model_in.values(), *model_out.values())
+    skippable = bool(model_in) and all(p.shape and p.shape[0] == ANY for p in batched)
+    empty = {name: np.empty((0, *(max(d, 0) for d in p.shape[1:])), dtype=to_numpy(p.datatype))
+             for name, p in model_out.items()}
 
     async def run(args: Tensors) -> Tensors:
+        if skippable and args and all(a.ndim > 0 and a.shape[0] == 0 for a in args.values()):
+            return {name: value.copy() for name, value in empty.items()}
         return await gateway.infer(model, version, args)
     return run, model_out
 

@@ -213,10 +213,7 @@ def test_ctc_on_pp_ocr_rec_matches_rapidocr_decoder(tmp_path: Path) -> None:
     assert any("2026" in t for t, _ in expect), expect  # the model really read the rendered text
 
 
-GRAPH_CASES = [("layout_detect", 1), ("orientation_classify", 3), ("layout_regions", 0),
-               pytest.param("layout_regions", -1, marks=pytest.mark.xfail(
-                   strict=True, reason="graph runtime: a fan-out with zero crops calls the model with batch 0, "
-                   "which the scheduler refuses; the model step should be skipped with empty outputs"))]
+GRAPH_CASES = [("layout_detect", 1), ("orientation_classify", 3), ("layout_regions", 0), ("layout_regions", -1)]
 
 
 @pytest.mark.parametrize("name,seed", GRAPH_CASES)
