@@ -1,18 +1,32 @@
-"""What the registry's routers share: the bearer scheme, the admin check and a write transaction."""
+"""What the registry's routers share: the app's parts (:class:`AppContext`), the bearer scheme,
+the admin check, device authentication and the transactions."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
-from typing import Annotated
+from dataclasses import dataclass
+from typing import Annotated, Any
 
-from fastapi import Depends
+from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from edged.errors import ErrorCode
-from edged.registry.auth import is_admin
+from edged.protocol.fleet.nudge import Nudger
+from edged.registry import desired as desired_state
+from edged.registry import service
+from edged.registry.auth import bearer_token, is_admin, token_hash
+from edged.registry.blobs import BlobStore, SmallBlobCache
+from edged.registry.db import DeviceRow
+from edged.registry.lastseen import LastSeen
 from edged.registry.service import RegistryError
+from edged.registry.settings import RegistrySettings
+from edged.registry.writer import ReportWriter
+
+log = logging.getLogger(__name__)
 
 bearer_scheme = HTTPBearer(auto_error=False, description="admin token, or a device credential")
 Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)]
@@ -38,3 +52,74 @@ def transaction(sessions: sessionmaker[Session]) -> Iterator[Session]:
     """One session in one committed transaction (rolled back when the block raises)."""
     with sessions() as s, s.begin():
         yield s
+
+
+@dataclass
+class AppContext:
+    """The parts one registry app is built from, handed to each router (nothing module-level)."""
+
+    settings: RegistrySettings
+    admin_hash: str
+    engine: Engine
+    sessions: sessionmaker[Session]
+    read_sessions: sessionmaker[Session]
+    ro_engine: Engine
+    snapshots: desired_state.SnapshotCache
+    last_seen: LastSeen
+    report_writer: ReportWriter
+    store: BlobStore
+    blob_cache: SmallBlobCache
+    nudger: Nudger | None
+
+    def admin(self) -> Any:
+        """``dependencies=[ctx.admin()]``: the route answers the admin token only."""
+        return Depends(admin_check(self.admin_hash))
+
+    def tx(self) -> contextlib.AbstractContextManager[Session]:
+        return transaction(self.sessions)
+
+    @contextlib.contextmanager
+    def rtx(self) -> Iterator[Session]:
+        """For reads only: on SQLite it does not wait for, or hold, the write lock."""
+        with self.read_sessions() as s, s.begin():
+            yield s
+
+    def authenticate(self, conn: Connection, request: Request) -> desired_state.DeviceView:
+        token = bearer_token(request.headers.get("authorization"))
+        view, _rev = desired_state.lookup_credential(conn, token_hash(token)) if token else (None, 0)
+        if view is None:
+            raise unauthorized()
+        return view
+
+    def decide(self, conn: Connection, request: Request) -> desired_state.Desired:
+        """The hot path of a large fleet: one read-only query, the cached snapshot, no write."""
+        token = bearer_token(request.headers.get("authorization"))
+        view, rev = desired_state.lookup_credential(conn, token_hash(token)) if token else (None, 0)
+        if view is None:
+            raise unauthorized()
+        out = desired_state.decide(self.snapshots.get(conn, rev), view)
+        self.last_seen.note(view.id, view.last_seen_at)
+        return out
+
+    def nudge(self, payload: dict[str, Any]) -> None:
+        if self.nudger is not None:
+            try:
+                self.nudger.nudge(payload)
+            except Exception as e:  # a nudge is an optimisation; never fail the release over it
+                log.warning("MQTT nudge not sent: %s", e)
+
+    def rollout_changed(self, changes: dict[int, str]) -> None:
+        for rid, what in changes.items():
+            self.nudge({"rollout": rid, "change": what})
+
+
+def unauthorized() -> RegistryError:
+    return RegistryError("a valid device credential is required", 401, ErrorCode.INVALID_ARGUMENT)
+
+
+def device_of(s: Session, auth: HTTPAuthorizationCredentials | None) -> DeviceRow:
+    """The device holding the credential in ``auth`` (401 when none does)."""
+    dev = service.device_for_credential(s, auth.credentials) if auth is not None else None
+    if dev is None:
+        raise unauthorized()
+    return dev

@@ -1,0 +1,82 @@
+"""Operators' fleet management: enrollment tokens, devices and their labels, pins and re-enrollment,
+the registry's status; and the unauthenticated health check."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from sqlalchemy import text
+
+from edged.protocol.fleet.messages import (
+    API_PREFIX,
+    DeviceInfo,
+    EnrollmentTokenRequest,
+    EnrollmentTokenResponse,
+    LabelsUpdate,
+    PinRequest,
+    ReenrollRequest,
+    RegistryStatus,
+)
+from edged.registry import service
+from edged.registry.deps import AppContext
+
+log = logging.getLogger(__name__)
+
+
+def health_router(ctx: AppContext) -> APIRouter:
+    router = APIRouter(tags=["health"])
+
+    @router.get("/healthz")
+    def healthz() -> dict[str, str]:
+        with ctx.tx() as s:
+            s.execute(text("SELECT 1"))
+        return {"status": "ok"}
+
+    return router
+
+
+def admin_router(ctx: AppContext) -> APIRouter:
+    router = APIRouter(tags=["admin"], dependencies=[ctx.admin()])
+
+    @router.post(f"{API_PREFIX}/enrollment-tokens", response_model=EnrollmentTokenResponse, status_code=201)
+    def enrollment_token(req: EnrollmentTokenRequest) -> EnrollmentTokenResponse:
+        with ctx.tx() as s:
+            return service.create_enrollment_token(s, req)
+
+    @router.get(f"{API_PREFIX}/devices", response_model=list[DeviceInfo])
+    def devices(label: Annotated[list[str] | None, Query()] = None) -> list[DeviceInfo]:
+        wanted = dict(item.split("=", 1) for item in label or [] if "=" in item)
+        with ctx.rtx() as s:
+            return service.list_devices(s, wanted)
+
+    @router.get(f"{API_PREFIX}/devices/{{device_id}}", response_model=DeviceInfo)
+    def device(device_id: str, events: int = 50) -> DeviceInfo:
+        with ctx.rtx() as s:
+            return service.get_device(s, device_id, max(0, min(events, 1000)))
+
+    @router.patch(f"{API_PREFIX}/devices/{{device_id}}/labels", response_model=DeviceInfo)
+    def labels(device_id: str, req: LabelsUpdate) -> DeviceInfo:
+        with ctx.tx() as s:
+            return service.set_admin_labels(s, device_id, req.labels)
+
+    @router.post(f"{API_PREFIX}/devices/{{device_id}}/reenroll", response_model=EnrollmentTokenResponse,
+                 status_code=201)
+    def reenroll(device_id: str, req: ReenrollRequest) -> EnrollmentTokenResponse:
+        with ctx.tx() as s:
+            out = service.reenroll_token(s, device_id, req)
+        log.info("device %s: credential revoked by an operator, re-enrollment token issued", device_id)
+        return out
+
+    @router.put(f"{API_PREFIX}/devices/{{device_id}}/models/{{model}}/pin", response_model=DeviceInfo)
+    def pin(device_id: str, model: str, req: PinRequest) -> DeviceInfo:
+        with ctx.tx() as s:
+            return service.pin_release(s, device_id, model, req.release)
+
+    @router.get(f"{API_PREFIX}/status", response_model=RegistryStatus)
+    def status(model: str | None = None) -> RegistryStatus:
+        with ctx.rtx() as s:
+            return service.registry_status(s, model)
+
+    return router

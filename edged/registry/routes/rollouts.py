@@ -1,0 +1,55 @@
+"""Operators' rollouts: start one, list, watch, evaluate now, pause/resume/abort/roll back."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import APIRouter
+
+from edged.protocol.fleet.messages import API_PREFIX
+from edged.registry import rollouts
+from edged.registry.deps import AppContext
+from edged.registry.evaluator import tick
+from edged.registry.rollout_wire import RolloutAction, RolloutCreate, RolloutInfo, RolloutStatus
+
+log = logging.getLogger(__name__)
+
+
+def rollouts_router(ctx: AppContext) -> APIRouter:
+    router = APIRouter(tags=["admin", "rollouts"], dependencies=[ctx.admin()])
+
+    @router.post(f"{API_PREFIX}/rollouts", response_model=RolloutInfo, status_code=201)
+    def create_rollout(req: RolloutCreate) -> RolloutInfo:
+        with ctx.tx() as s:
+            info = rollouts.create_rollout(s, req, ctx.settings.public_keys)
+        log.info("rollout %d of model %s release %d (version %d) started: %d step(s), %d device(s) in the first",
+                 info.id, info.model, info.release, info.version, len(info.steps), info.members)
+        ctx.nudge({"model": info.model, "release": info.release, "rollout": info.id})
+        return info
+
+    @router.get(f"{API_PREFIX}/rollouts", response_model=list[RolloutInfo])
+    def list_rollouts(model: str | None = None, state: str | None = None) -> list[RolloutInfo]:
+        with ctx.rtx() as s:
+            return rollouts.list_rollouts(s, model, state)
+
+    @router.get(f"{API_PREFIX}/rollouts/{{rollout_id}}", response_model=RolloutStatus)
+    def rollout_status(rollout_id: int) -> RolloutStatus:
+        with ctx.rtx() as s:
+            return rollouts.rollout_status(s, rollout_id)
+
+    @router.post(f"{API_PREFIX}/rollouts/evaluate")
+    def evaluate_rollouts() -> dict[str, str]:
+        """Evaluate every running rollout now (the registry also does it every ``rollout_tick_s``)."""
+        changes = tick(ctx.sessions, read_sessions=ctx.read_sessions)
+        ctx.rollout_changed(changes)
+        return {str(k): v for k, v in changes.items()}
+
+    @router.post(f"{API_PREFIX}/rollouts/{{rollout_id}}/{{action}}", response_model=RolloutInfo)
+    def rollout_action(rollout_id: int, action: str, req: RolloutAction | None = None) -> RolloutInfo:
+        with ctx.tx() as s:
+            info = rollouts.act(s, rollout_id, action, req.reason if req else "")
+        log.info("rollout %d: %s by an operator (now %s)", rollout_id, action, info.state)
+        ctx.nudge({"rollout": rollout_id, "change": info.state})
+        return info
+
+    return router
