@@ -195,7 +195,6 @@ def graph_part(tmp: Path, data: bytes, seconds: float) -> None:
     import asyncio
 
     from edged.pipeline.definition import load_pipeline
-    from edged.pipeline.gateway import ServiceGateway
     from edged.pipeline.graph import compile_pipeline
     from tests.http_helpers import served
 
@@ -204,7 +203,7 @@ def graph_part(tmp: Path, data: bytes, seconds: float) -> None:
     shutil.copyfile(model_file("orientation"), repo / "orientation" / "1" / "model.onnx")
     folder = ROOT / "models" / "orientation_classify" / "1"
     with served(repo, tmp / "graph-state") as s:
-        pipeline = compile_pipeline(load_pipeline(folder), folder, ServiceGateway(s.service))
+        pipeline = compile_pipeline(load_pipeline(folder), folder, s.service.manager.gateway)
         request = {"image": one(data)}
 
         def call() -> object:

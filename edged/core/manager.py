@@ -18,6 +18,7 @@ import psutil
 
 from edged.config import ModelsSection
 from edged.core.models import ModelLoader, ModelState, ModelTable, ModelVersion
+from edged.core.pipelines import PipelineRunner, ServiceGateway, load_pipeline_version
 from edged.core.scheduler import Scheduler
 from edged.core.stats import ModelStats
 from edged.errors import ModelNotFoundError, ResourceExhaustedError
@@ -66,6 +67,9 @@ class ModelManager:
         self._failed_lock = threading.Lock()  # statuses() must not wait for a slow load
         # Models an operator unloaded through a management API: the updater pauses a trial instead of failing it.
         self.operator_unloaded: set[str] = set()
+        # Pipelines compile against this table and call models through the InferenceService it attaches.
+        self.gateway = ServiceGateway(self.table)
+        self.runner = PipelineRunner()
 
     # ---- admission --------------------------------------------------------------------------
     def committed_mb(self) -> float:
@@ -84,6 +88,8 @@ class ModelManager:
 
     # ---- loading ----------------------------------------------------------------------------
     def _load_entry(self, entry: VersionEntry) -> ModelVersion:
+        if entry.pipeline:
+            return load_pipeline_version(entry, self.gateway, self.digests)
         try:
             estimate = self._admit(entry)
         except ResourceExhaustedError as e:
@@ -106,7 +112,9 @@ class ModelManager:
         """Initial load of every selected version; broken ones are kept with their reason."""
         with self._lock:
             out = []
-            for entry in scan_repository(self.repository, self.models_cfg, self.digests):
+            entries = scan_repository(self.repository, self.models_cfg, self.digests)
+            # Pipelines after every model: they are compiled against the models being served.
+            for entry in sorted(entries, key=lambda e: e.pipeline):
                 mv = self._load_entry(entry)
                 self.table.put(mv)
                 out.append(mv)
@@ -191,6 +199,7 @@ class ModelManager:
                     mv.engine.unload()
                     mv.engine = None
                 mv.state = ModelState.UNLOADED
+        self.runner.stop()
 
     def statuses(self) -> list[dict[str, object]]:
         out = [mv.status() for mv in self.table.all()]

@@ -51,6 +51,7 @@ from edged.repository.store import VersionEntry
 
 if TYPE_CHECKING:
     from edged.hardware.facts import HardwareFacts
+    from edged.pipeline.graph import Pipeline
     from edged.profiles import BackendPreference
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class ModelVersion:
     warmup_note: str | None = None  # warm-up skipped or ran on made-up data, and how to declare real shapes
     warmup_skipped: bool = False  # the model refused the made-up warm-up input (self-test skipped too)
     validation_plan: Any = None  # edged.core.validation's precomputed checks, made on first use
+    pipeline: Pipeline | None = None  # set for a pipeline version (edged.core.pipelines): no engine of its own
 
     @property
     def manifest(self) -> ModelManifest:
@@ -125,6 +127,10 @@ class ModelVersion:
             "variant": c.variant.file if c else None,
             "skipped": [{"candidate": k, "reason": r} for k, r in list(self.skipped)],
         }
+        if self.entry.pipeline:
+            out["kind"] = "pipeline"
+            if self.pipeline is not None:
+                out["models"] = sorted({m for m, _ in self.pipeline.models})
         if self.warmup_note:
             out["warmup"] = self.warmup_note
         if self.benchmark is not None:

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from edged.core.manager import ModelManager
 from edged.core.models import ModelState, ModelVersion
+from edged.core.pipelines import start_pipeline_request
 from edged.core.scheduler import Scheduler
 from edged.core.types import InferRequest, InferResponse
 from edged.core.validation import validate
@@ -25,6 +26,7 @@ T = TypeVar("T")
 class InferenceService:
     def __init__(self, manager: ModelManager) -> None:
         self.manager = manager
+        manager.gateway.attach(self.infer_async)
 
     # ---- lookup -----------------------------------------------------------------------------
     def model(self, name: str, version: int | None = None) -> ModelVersion:
@@ -35,8 +37,9 @@ class InferenceService:
         return mv
 
     def ready_model(self, name: str, version: int | None = None) -> ModelVersion:
+        """A served model or pipeline (``pipeline`` set, no scheduler), else ModelNotReadyError."""
         mv = self.model(name, version)
-        if mv.state is not ModelState.READY or mv.scheduler is None:
+        if mv.state is not ModelState.READY or (mv.scheduler is None and mv.pipeline is None):
             why = f": {mv.reason}" if mv.reason else ""
             raise ModelNotReadyError(f"model {name!r} version {mv.version} is not ready ({mv.state.value}){why}")
         return mv
@@ -54,8 +57,9 @@ class InferenceService:
         """
         for attempt in range(3):
             mv = self.ready_model(req.model, req.version)
+            if mv.scheduler is None:
+                raise ModelNotReadyError(f"{req.model!r} version {mv.version} is a pipeline, not a model")
             batch = validate(mv, req)
-            assert mv.scheduler is not None
             try:
                 return run(mv.scheduler, req, batch)
             except ModelNotReadyError:
@@ -64,7 +68,12 @@ class InferenceService:
         raise AssertionError("unreachable")
 
     def submit(self, req: InferRequest) -> Future[InferResponse]:
-        """Validate and queue; raises EdgedError at once for bad, unknown or overloaded requests."""
+        """Validate and queue; raises EdgedError at once for bad, unknown or overloaded requests.
+
+        A pipeline's request runs on the pipeline loop; its model steps come back here."""
+        pipeline = self._pipeline(req)
+        if pipeline is not None:
+            return start_pipeline_request(pipeline, req, self.manager.runner)
         return self._dispatch(req, Scheduler.submit)
 
     def infer(self, req: InferRequest, timeout: float | None = None) -> InferResponse:
@@ -72,7 +81,14 @@ class InferenceService:
 
     def infer_blocking(self, req: InferRequest) -> InferResponse:
         """For callers that own a thread: runs inline when the model is idle (lowest latency)."""
+        pipeline = self._pipeline(req)
+        if pipeline is not None:
+            return start_pipeline_request(pipeline, req, self.manager.runner).result()
         return self._dispatch(req, Scheduler.run_inline)
+
+    def _pipeline(self, req: InferRequest) -> ModelVersion | None:
+        mv = self.manager.table.find(req.model, req.version)
+        return mv if mv is not None and mv.pipeline is not None else None
 
     async def infer_async(self, req: InferRequest) -> InferResponse:
         return await asyncio.wrap_future(self.submit(req))
@@ -93,7 +109,8 @@ class InferenceService:
         return {
             "name": name,
             "versions": versions,
-            "platform": {"onnxruntime": "onnxruntime_onnx", "openvino": "openvino", "tensorrt": "tensorrt_plan"}.get(
+            "platform": "ensemble" if mv.entry.pipeline else {
+                "onnxruntime": "onnxruntime_onnx", "openvino": "openvino", "tensorrt": "tensorrt_plan"}.get(
                 c.backend if c else "", "unknown"),
             "inputs": tensors(mv.inputs),
             "outputs": tensors(mv.outputs),

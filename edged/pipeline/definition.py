@@ -85,8 +85,20 @@ class StepSpec(_Strict):
         return self
 
 
+class FileDigest(_Strict):
+    """A file of the version folder a step reads (labels, character lists, custom modules), with its digest.
+
+    Checked when the pipeline loads, like a model's variant files: a missing or changed
+    file refuses the pipeline. Every such file must be listed (see ``files_read``).
+    """
+
+    file: str = Field(min_length=1)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
 class PipelineSpec(_Strict):
     description: str = ""
+    files: list[FileDigest] = Field(default_factory=list)
     inputs: list[TensorSpec] = Field(min_length=1)
     outputs: list[TensorSpec] = Field(min_length=1)
     steps: list[StepSpec] = Field(min_length=1)
@@ -116,3 +128,26 @@ def load_pipeline(folder: Path) -> PipelineSpec:
     except (OSError, UnicodeDecodeError) as exc:
         raise PipelineDefinitionError(f"{PIPELINE_FILE}: cannot read: {exc}", file=str(path)) from None
     return parse_pipeline(text)
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def files_read(spec: PipelineSpec, folder: Path) -> dict[str, str]:
+    """Files of ``folder`` the steps will read -> the step reading them: custom modules, and any
+    string param naming a file there (labels, characters). Each must be listed in ``files``."""
+    out: dict[str, str] = {}
+    for step in spec.steps:
+        if step.function is not None:
+            out.setdefault(step.function.partition(":")[0] + ".py", step.name)
+        for value in _strings(step.params):
+            if value and "\x00" not in value and (folder / value).is_file():
+                out.setdefault(value, step.name)
+    return out

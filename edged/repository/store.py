@@ -11,6 +11,7 @@ from pathlib import Path
 
 from edged.config import ModelsSection
 from edged.errors import ManifestError
+from edged.pipeline.definition import PIPELINE_FILE
 from edged.repository.digests import DigestCache
 from edged.repository.manifest import MANIFEST_NAME, ModelManifest, Variant, parse_manifest, valid_model_name
 
@@ -26,6 +27,7 @@ class VersionEntry:
     error: str | None = None
     # variant file -> why it cannot be used (missing file, digest mismatch)
     bad_variants: dict[str, str] = field(default_factory=dict)
+    pipeline: bool = False  # the folder holds PIPELINE_FILE instead of a manifest: compiled by the core
 
     @property
     def usable_variants(self) -> list[Variant]:
@@ -42,7 +44,7 @@ def list_versions(model_dir: Path) -> list[int]:
     return sorted(out)
 
 
-def _check_file(version_dir: Path, rel: str, expected: str, digests: DigestCache) -> str | None:
+def check_file(version_dir: Path, rel: str, expected: str, digests: DigestCache) -> str | None:
     path = version_dir / rel
     try:
         resolved = path.resolve(strict=True)
@@ -66,7 +68,7 @@ def verify_version(entry: VersionEntry, digests: DigestCache) -> None:
     assert entry.manifest is not None
     for variant in entry.manifest.variants:
         for art in [variant, *variant.extra_files]:
-            problem = _check_file(entry.path, art.file, art.sha256, digests)
+            problem = check_file(entry.path, art.file, art.sha256, digests)
             if problem:
                 entry.bad_variants[variant.file] = problem
                 break
@@ -85,6 +87,12 @@ def verify_version(entry: VersionEntry, digests: DigestCache) -> None:
 
 def load_version(model: str, version: int, path: Path, digests: DigestCache) -> VersionEntry:
     entry = VersionEntry(model, version, path)
+    if (path / PIPELINE_FILE).is_file():
+        entry.pipeline = True
+        if (path / MANIFEST_NAME).exists():
+            entry.error = (f"model {model!r} version {version}: the folder holds both {MANIFEST_NAME} and "
+                           f"{PIPELINE_FILE}; a version is a model or a pipeline")
+        return entry
     try:
         entry.manifest = parse_manifest(path / MANIFEST_NAME, model=model, version=version)
     except ManifestError as e:

