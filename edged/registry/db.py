@@ -3,6 +3,7 @@
 Times are Unix seconds in double-precision columns: portable across both databases and
 free of time-zone handling. The schema itself is created and evolved by the Alembic
 migrations in ``edged/registry/migrations``; these classes must match them (a test checks).
+The whole schema, these tables and the telemetry tables, is :func:`edged.registry.schema.metadata`.
 """
 
 from __future__ import annotations
@@ -306,7 +307,3 @@ def readonly(engine: Engine) -> Engine:
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Any]:
     return sessionmaker(engine, expire_on_commit=False)
-
-
-# The telemetry tables share this metadata, so Alembic and the schema check see them (created by 0002_telemetry).
-from edged.registry import telemetry_tables as _telemetry_tables  # noqa: E402, F401

@@ -34,7 +34,7 @@ from edged.errors import EdgedError
 from edged.profiles import BackendPreference
 from edged.protocol.fleet.telemetry import INGEST_PATH, Hist, ModelWindow, TelemetrySample
 from edged.registry.auth import token_hash
-from edged.registry.db import Base, DeviceRow, make_engine, make_sessionmaker
+from edged.registry.db import DeviceRow, make_engine, make_sessionmaker
 from edged.registry.service import RegistryError
 from edged.sync.state import Credential, StateStore
 from edged.telemetry.agent import TelemetryAgent
@@ -75,13 +75,12 @@ class IngestRegistry:
     """The telemetry router on a FastAPI app over SQLite, served by uvicorn; stop and start it at will."""
 
     def __init__(self, workdir: Path) -> None:
-        # Imported here, not at collection: its tables join the registry's metadata, which the registry's
-        # migration check compares against until the 0002_telemetry migration is part of the registry.
+        from edged.registry.schema import metadata
         from edged.registry.telemetry_ingest import telemetry_router
 
         workdir.mkdir(parents=True, exist_ok=True)
         self.engine = make_engine(f"sqlite:///{workdir / 'registry.db'}")
-        Base.metadata.create_all(self.engine)
+        metadata().create_all(self.engine)
         self.sessions = make_sessionmaker(self.engine)
         self.credential = "edgd_test-device-credential"
         with self.sessions() as s, s.begin():

@@ -64,14 +64,15 @@ def test_migrations_match_the_models(env: Env) -> None:
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext
 
-    from edged.registry.db import Base, make_engine
+    from edged.registry.db import make_engine
     from edged.registry.migrate import current_revision, head_revision
+    from edged.registry.schema import metadata
 
     engine = make_engine(env.database_url or f"sqlite:///{env.server.data_dir / 'registry.db'}")
     try:
         assert current_revision(engine) == head_revision()
         with engine.connect() as conn:
-            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
+            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), metadata())
         assert diff == []
         if env.backend == "sqlite":
             with engine.connect() as conn:

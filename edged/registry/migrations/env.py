@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from alembic import context
 
-from edged.registry.db import Base
+from edged.registry.schema import metadata
 
 config = context.config
 connection = config.attributes.get("connection")
 if connection is None:  # pragma: no cover - only reached when someone runs the alembic CLI directly
     raise RuntimeError("run migrations with `edged-registry migrate`, which supplies the database connection")
 
-context.configure(connection=connection, target_metadata=Base.metadata, render_as_batch=True,
+context.configure(connection=connection, target_metadata=metadata(), render_as_batch=True,
                   compare_type=True)
 with context.begin_transaction():
     context.run_migrations()
