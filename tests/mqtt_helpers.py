@@ -540,3 +540,23 @@ url = "{broker.url}"
 
     def stop(self) -> None:
         terminate(self.proc, 15)
+
+
+@contextlib.contextmanager
+def mosquitto_sub(port: int, topic: str, count: int, *, fmt: str = "%t|%D|%p") -> Iterator[subprocess.Popen[str]]:
+    """mosquitto_sub (MQTT 5) that is known to be subscribed before the body runs.
+
+    A retained marker on a second topic arrives only once both subscriptions exist.
+    """
+    marker = f"sync/{uuid.uuid4().hex}"
+    subprocess.run(["mosquitto_pub", "-p", str(port), "-t", marker, "-r", "-m", "x"], check=True)
+    proc = subprocess.Popen(["mosquitto_sub", "-V", "mqttv5", "-p", str(port), "-t", topic, "-t", marker,
+                             "-C", str(count + 1), "-W", "30", "-F", fmt], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith(marker)
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait()

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ from tests.mqtt_helpers import (
     TestClient,
     closed_loop,
     make_test_ca,
+    mosquitto_sub,
     process_fds,
     publish_properties,
     user_properties,
@@ -188,26 +188,6 @@ def test_mqtt311_reply_to_with_json_and_prefixed_binary(
         np.testing.assert_array_equal(_probs(msg.payload), want)
     finally:
         c.close()
-
-
-@contextlib.contextmanager
-def mosquitto_sub(port: int, topic: str, count: int, *, fmt: str = "%t|%D|%p") -> Iterator[subprocess.Popen[str]]:
-    """mosquitto_sub (MQTT 5) that is known to be subscribed before the body runs.
-
-    A retained marker on a second topic arrives only once both subscriptions exist.
-    """
-    marker = f"sync/{uuid.uuid4().hex}"
-    subprocess.run(["mosquitto_pub", "-p", str(port), "-t", marker, "-r", "-m", "x"], check=True)
-    proc = subprocess.Popen(["mosquitto_sub", "-V", "mqttv5", "-p", str(port), "-t", topic, "-t", marker,
-                             "-C", str(count + 1), "-W", "30", "-F", fmt], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().startswith(marker)
-        yield proc
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        proc.wait()
 
 
 def test_mosquitto_cli_v5_json_request_gets_the_right_digit(

@@ -39,6 +39,7 @@ from edged.errors import (
     OverloadedError,
     ResourceExhaustedError,
 )
+from edged.protocol import media
 from edged.protocol import mqtt as codec
 from edged.protocol.fleet.telemetry import MqttWindow
 from edged.protocol.mqtt import Form, Topics
@@ -80,6 +81,7 @@ class _Reply:
     qos: int
     deadline: float | None
     received: float = 0.0  # monotonic: when the request arrived
+    media: str | None = None  # a raw image/sound request: answered with plain JSON (edged.protocol.media)
 
 
 @dataclass
@@ -94,6 +96,7 @@ class _Incoming:
     request_qos: int = 0
     received: float = 0.0  # monotonic
     parts: tuple[Form, memoryview, memoryview] | None = None  # the payload split, once known
+    media: str | None = None  # the payload is a raw image/sound of this type, not a v2 request
 
 
 class MqttTransport:
@@ -374,6 +377,9 @@ class MqttTransport:
                         correlation=getattr(props, "CorrelationData", None) if props else None,
                         header_length=_user_property(props, codec.HEADER_LENGTH_PROPERTY),
                         deadline=_deadline(props), request_qos=msg.qos, received=time.monotonic())
+        declared = (getattr(props, "ContentType", None) or _user_property(props, media.CONTENT_TYPE_PROPERTY)
+                    if props else None)
+        inc.media = media.media_type(msg.payload, declared)
         self._count("requests")
         if self._stopping:
             self._process(inc, reject=ModelNotReadyError("the daemon is shutting down"))
@@ -393,7 +399,7 @@ class MqttTransport:
                 f"payload of {size} bytes exceeds the limit of {self.cfg.mqtt.max_payload_mb:g} MB "
                 "([mqtt] max_payload_mb)"))
             return
-        if self._json_bytes(inc) <= INLINE_HEADER_BYTES:
+        if inc.media is not None or self._json_bytes(inc) <= INLINE_HEADER_BYTES:
             self._process(inc)
             return
         # Parsing a large JSON body takes milliseconds: do it off paho's thread, within a bound.
@@ -444,7 +450,10 @@ class MqttTransport:
                     return
                 form = Form.BINARY_PROPERTY if inc.header_length is not None else (
                     Form.BINARY_PREFIX if inc.payload[:1] == b"\0" else Form.JSON)
-                reply = _Reply(inc.response_topic, inc.correlation, None, form, inc.qos, inc.deadline)
+                if inc.media is not None:
+                    form = Form.JSON
+                reply = _Reply(inc.response_topic, inc.correlation, None, form, inc.qos, inc.deadline,
+                               media=inc.media)
                 # A refused request is not remembered: its retry (same correlation) deserves an answer.
                 if reject is None and self._duplicate(inc.topic, reply):
                     return
@@ -460,6 +469,12 @@ class MqttTransport:
                     reply.qos = 0
                 raise reject
             model, version = self.topics.parse_infer(inc.topic)
+            if inc.media is not None:
+                if reply is None:
+                    self._drop(inc.topic, "a raw image/sound request needs an MQTT 5 response topic")
+                    return
+                self._submit_media(inc, reply, model, version)
+                return
             parts = inc.parts or codec.split(inc.payload, codec.header_length_property(inc.header_length))
             fr = codec.parse_split(*parts)
             if reply is not None:
@@ -502,6 +517,24 @@ class MqttTransport:
             self._inflight += 1
         future.add_done_callback(partial(self._finish, decoded, reply))
 
+    def _submit_media(self, inc: _Incoming, reply: _Reply, model: str, version: int | None) -> None:
+        """A raw image/sound payload: the one BYTES input of the model or pipeline, answered as plain JSON."""
+        try:
+            mv = self.service.model(model, version)
+            name = media.media_input(model, [(s.name, s.datatype) for s in mv.inputs])
+            if inc.deadline is not None and time.monotonic() > inc.deadline:
+                raise DeadlineExceededError("the request expired before it could be computed")
+            request = InferRequest(model=model, version=version, inputs={name: media.media_tensor(inc.payload)},
+                                   deadline=inc.deadline)
+            reply.received = inc.received
+            future = self.service.submit(request)
+        except EdgedError as e:
+            self._reply_error(reply, e, inc.topic)
+            return
+        with self._inflight_cv:
+            self._inflight += 1
+        future.add_done_callback(partial(self._finish, DecodedRequest(request), reply))
+
     def _reply_from_small_header(self, inc: _Incoming) -> _Reply | None:
         """For a rejected 3.1.1 request: the reply address, if reading it is cheap (a small header)."""
         try:
@@ -521,7 +554,11 @@ class MqttTransport:
         try:
             try:
                 resp = future.result()
-                header, chunks = encode_response(resp, decoded)
+                if reply.media is not None:
+                    header = media.answer(resp.model, resp.version, resp.outputs, media=reply.media)
+                    chunks: list[bytes] = []
+                else:
+                    header, chunks = encode_response(resp, decoded)
                 form, payload, hlen = codec.frame(reply.form, header, chunks, properties=self.options.v5)
                 if self._send(reply, payload, form, hlen):
                     self._stall.replied(reply.topic, time.monotonic() - reply.received)

