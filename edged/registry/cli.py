@@ -422,6 +422,12 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     return rollout_cli.run(args, lambda: _client(args), parse_duration, _print)
 
 
+def cmd_rollback(args: argparse.Namespace) -> int:
+    from edged.registry import rollout_cli
+
+    return rollout_cli.run_rollback(args, lambda: _client(args), _print)
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from edged.registry.sim import command as simulate
 
@@ -433,7 +439,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "revoke": cmd_revoke, "releases": cmd_releases, "models": cmd_models, "devices": cmd_devices,
     "device": cmd_device, "status": cmd_status, "enroll-token": cmd_enroll_token, "label": cmd_label,
     "reenroll": cmd_reenroll,
-    "pin": cmd_pin, "rollout": cmd_rollout, "simulate": cmd_simulate,
+    "pin": cmd_pin, "rollout": cmd_rollout, "rollback": cmd_rollback, "simulate": cmd_simulate,
 }
 
 

@@ -32,7 +32,15 @@ from edged.protocol.fleet.messages import (
     VersionInfo,
 )
 from edged.protocol.fleet.release import FileEntry, ReleaseManifest, SignedRelease, TargetSelector, sign_release
-from edged.registry.rollout_wire import RolloutAction, RolloutCreate, RolloutInfo, RolloutStatus
+from edged.registry.rollout_wire import (
+    RollbackPlan,
+    RollbackRequest,
+    RollbackResult,
+    RolloutAction,
+    RolloutCreate,
+    RolloutInfo,
+    RolloutStatus,
+)
 
 if TYPE_CHECKING:
     import httpx
@@ -270,6 +278,34 @@ class RegistryClient:
                        content=RolloutAction(reason=reason).model_dump_json(),
                        headers={"Content-Type": "application/json"})
         return RolloutInfo.model_validate_json(r.content)
+
+    def rollback_plan(self, model: str, to: str = "previous") -> RollbackPlan:
+        return RollbackPlan.model_validate_json(self._call("GET", f"/models/{model}/rollback",
+                                                           params={"to": to}).content)
+
+    def rollback(self, key: Ed25519PrivateKey, model: str, to: str = "previous", *, reason: str = "",
+                 expires_in_s: float, selector: TargetSelector | None = None) -> RollbackResult:
+        """Sign, here, a new release of the version ``to`` names (a release number or "previous") and post it
+        as the model's rollback; retries when another release took the number meanwhile."""
+        for _attempt in range(5):
+            plan = self.rollback_plan(model, to)
+            info = self.version(model, plan.version)
+            notes = f"rollback to release {plan.to_release}" + (f": {reason}" if reason else "")
+
+            def post(signed: SignedRelease, plan: RollbackPlan = plan) -> RollbackResult:
+                body = RollbackRequest(to_release=plan.to_release, signed=signed, reason=reason)
+                r = self._call("POST", f"/models/{model}/rollback", content=body.model_dump_json(),
+                               headers={"Content-Type": "application/json"})
+                return RollbackResult.model_validate_json(r.content)
+
+            try:
+                return self._sign_and_post(key, info, expires_in_s=expires_in_s, selector=selector or plan.selector,
+                                           notes=notes[:4096], number=plan.next_release, post=post)
+            except RegistryClientError as e:
+                if e.status == 409 and "release number" in str(e):
+                    continue  # "previous" may name another release now: plan again
+                raise
+        raise RegistryClientError("could not get a release number after 5 attempts (concurrent releases?)")
 
     def evaluate_rollouts(self) -> dict[str, str]:
         out: dict[str, str] = self._call("POST", "/rollouts/evaluate").json()

@@ -107,6 +107,8 @@ class ReleaseRow(Base):
     notes: Mapped[str] = mapped_column(Text, default="")
     created_at: Mapped[float] = mapped_column(Double, default=now)
     revoked_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    # a rollback release: the number of the earlier release whose version it brings back
+    restores: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class DeviceRow(Base):
@@ -153,6 +155,23 @@ class DeviceModelRow(Base):
     reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     updated_at: Mapped[float | None] = mapped_column(Double, nullable=True)
     last_seq: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class QualityScoreRow(Base):
+    """A device's evaluation-set score for a release at trial start, and its last-known-good's on the same set."""
+
+    __tablename__ = "quality_scores"
+    __table_args__ = (Index("ix_quality_scores_model_id_release_number", "model_id", "release_number"),)
+    device_id: Mapped[str] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"), primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"), primary_key=True)
+    release_number: Mapped[int] = mapped_column(Integer, primary_key=True)
+    version: Mapped[int] = mapped_column(Integer)
+    metric: Mapped[str] = mapped_column(String(32))
+    samples: Mapped[int] = mapped_column(Integer)
+    score: Mapped[float] = mapped_column(Double)
+    baseline_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    baseline_score: Mapped[float | None] = mapped_column(Double, nullable=True)
+    received_at: Mapped[float] = mapped_column(Double, default=now)
 
 
 class DeviceEventRow(Base):

@@ -254,11 +254,31 @@ def decide(snap: Snapshot, dev: DeviceView) -> Desired:
         pick = pin or pick
         if pick is not None:
             chosen.append(pick)
+            trial = _trial_to_stop(releases, pick, dev, dm)
+            if trial is not None:
+                back.append(trial.number)
+                why = why or (trial.rollout.reason if trial.rollout else "")
         if back:
             revert.append((releases[0].model, sorted(back), why))
     chosen.sort(key=lambda r: r.model)
     revert.sort()
     return Desired(dev.id, chosen, revert)
+
+
+def _trial_to_stop(releases: list[ReleaseView], pick: ReleaseView, dev: DeviceView,
+                   dm: DeviceModelView | None) -> ReleaseView | None:
+    """A release below the one offered that this device is on trial with, whose rollout was halted or rolled
+    back (e.g. by a fleet rollback, whose new release is higher): the trial stops now instead of committing it
+    first. Devices that committed it simply move on to the offered release."""
+    if dm is None or dm.state != "active-trial" or dm.release_number is None or dm.release_number >= pick.number:
+        return None
+    for r in releases:
+        if r.number == dm.release_number:
+            ro = r.rollout
+            if ro is not None and ro.state in REVERT_STATES and ro.membership.member(dev.id, dev.labels, dev.facts):
+                return r
+            return None
+    return None
 
 
 def blob_allowed(conn: Connection, desired: Desired, sha256: str, cache: SnapshotCache | None = None) -> bool:

@@ -131,6 +131,20 @@ def add_parser(sub: Any, client_args: Callable[[argparse.ArgumentParser], None],
     p = rsub.add_parser("evaluate", help="evaluate running rollouts now instead of at the next tick")
     client_args(p)
 
+    p = sub.add_parser("rollback", help="bring an earlier release back to every device, as a new signed release "
+                                        "(stops the model's running rollout)")
+    client_args(p)
+    p.add_argument("model")
+    p.add_argument("--to", default="previous", help="the release number to bring back, or 'previous' (default): "
+                                                    "the fully rolled-out release before the current one")
+    p.add_argument("--key", type=Path, required=True, help="your private signing key (never sent)")
+    p.add_argument("--reason", default="")
+    p.add_argument("--expires", type=duration, default=duration("90d"), help="release validity (default 90d)")
+    p.add_argument("--label", type=label, action="append", default=[],
+                   help="signed selector (default: the earlier release's)")
+    p.add_argument("--device", action="append", default=[], help="signed selector (default: the earlier release's)")
+    p.add_argument("--dry-run", action="store_true", help="show which release would come back, sign nothing")
+
 
 def build_spec(args: argparse.Namespace, duration: Callable[[str], float]) -> RolloutCreate:
     target = RolloutTarget(labels=dict(args.target_label), facts=dict(args.target_fact),
@@ -241,4 +255,26 @@ def run(args: argparse.Namespace, client: Callable[[], Any], duration: Callable[
                 time.sleep(args.watch)
         info = c.rollout_action(args.rollout_id, cmd, args.reason)
         emit(args, info, lambda: format_info(info))
+        return 0
+
+
+def run_rollback(args: argparse.Namespace, client: Callable[[], Any],
+                 emit: Callable[[argparse.Namespace, Any, Callable[[], str]], None]) -> int:
+    with client() as c:
+        if args.dry_run:
+            plan = c.rollback_plan(args.model, args.to)
+            emit(args, plan, lambda: f"model {plan.model}: release {plan.current_release} (version "
+                                     f"{plan.current_version}) -> release {plan.to_release} (version {plan.version}) "
+                                     f"as new release {plan.next_release}")
+            return 0
+        from edged.protocol.fleet.release import TargetSelector, load_private_key
+
+        selector = (TargetSelector(labels=dict(args.label), devices=list(args.device))
+                    if args.label or args.device else None)
+        out = c.rollback(load_private_key(args.key), args.model, args.to, reason=args.reason,
+                         expires_in_s=args.expires, selector=selector)
+        emit(args, out, lambda: f"model {out.model}: release {out.restores} (version {out.version}) is back as "
+                                f"release {out.release}" + (f"; rolled back rollout(s) "
+                                                            f"{', '.join(map(str, out.stopped_rollouts))}"
+                                                            if out.stopped_rollouts else ""))
         return 0

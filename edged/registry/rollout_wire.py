@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from edged.protocol.fleet.release import SignedRelease
+from edged.protocol.fleet.release import SignedRelease, TargetSelector
 from edged.registry.targets import RolloutTarget
 
 RolloutState = Literal["running", "paused", "halted", "aborted", "rolled-back", "completed"]
@@ -154,3 +154,32 @@ class RolloutStatus(_Wire):
     steps: list[StepProgress]
     gates: list[GateReading]
     soak_left_s: float | None
+
+
+# ---- fleet rollback -------------------------------------------------------------------------------
+class RollbackPlan(_Wire):
+    """What ``rollback MODEL --to X`` would do: the operator signs a new release of ``version`` numbered
+    ``next_release`` with ``selector`` and posts it back as a :class:`RollbackRequest`."""
+
+    model: str
+    current_release: int | None = Field(description="the release the fleet is meant to run now")
+    current_version: int | None
+    to_release: int = Field(description="the earlier release whose version comes back")
+    version: int
+    selector: TargetSelector = Field(description="the earlier release's signed selector, reused by default")
+    next_release: int
+
+
+class RollbackRequest(_Wire):
+    to_release: int = Field(ge=1, description="the release resolved by the plan; the signed version must be its")
+    signed: SignedRelease
+    reason: str = Field(default="", max_length=1000)
+
+
+class RollbackResult(_Wire):
+    model: str
+    release: int = Field(description="the new release that carries the restored version")
+    version: int
+    restores: int
+    stopped_rollouts: list[int] = Field(default_factory=list, description="running or paused rollouts of the model "
+                                                                          "now rolled back")

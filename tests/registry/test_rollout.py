@@ -237,7 +237,10 @@ def test_operator_pause_resume_abort_and_rollback(env: Env) -> None:
     # the model is free for the next rollout, whose members still remember to stay off release 2
     ro3 = f.rollout(3, [StepSpec(percent=100)])
     assert f.on(ro3.release) == set(f.devices)
-    assert all(dev.reverts(m) == [] for dev in f.devices.values())  # release 3 is above it: nothing to revert
+    # release 3 is above it: nothing to revert, except for a device whose last report says it is still on
+    # trial with release 2 (it stops that trial now rather than commit it before taking release 3)
+    assert f.devices[started].reverts(m) == [ro.release]
+    assert all(dev.reverts(m) == [] for d, dev in f.devices.items() if d != started)
     f.client.close()
 
 
@@ -302,4 +305,49 @@ def test_cli_create_status_and_controls(env: Env) -> None:
     r = srv.cli("rollout", "create", m, "--release", str(f.r1), "--steps", "100%", "--target-label", f"fleet={m}",
                 "--json")
     assert json.loads(r.stdout)["release"] == f.r1
+    f.client.close()
+
+
+def _complete(f: Fleet, version: int) -> int:
+    """Roll ``version`` out to the whole fleet (one 100 % step) with every device committing it."""
+    ro = f.rollout(version, [StepSpec(percent=100)])
+    for dev in f.devices.values():
+        dev.report(f.model, "committed", ro.release, version)
+    assert f.evaluate() == {str(ro.id): "completed"}
+    return int(ro.release)
+
+
+def test_fleet_rollback_to_previous_twice_and_to_a_named_release(env: Env) -> None:
+    f = make_fleet(env, plain(4), versions=3)
+    m, key = f.model, env.keys.load()
+    r2 = _complete(f, 2)
+    r3 = _complete(f, 3)
+    plan = f.client.rollback_plan(m)
+    assert (plan.current_release, plan.to_release, plan.version, plan.next_release) == (r3, r2, 2, r3 + 1)
+    # "previous" once: version 2 comes back as a new, higher release, so no device refuses it as older
+    back = f.client.rollback(key, m, reason="bad answers", expires_in_s=3600)
+    assert (back.release, back.version, back.restores, back.stopped_rollouts) == (r3 + 1, 2, r2, [])
+    assert f.on(back.release) == set(f.devices) and all(d.reverts(m) == [] for d in f.devices.values())
+    # "previous" again walks back past what the rollback restored (version 1), not back up to version 3
+    again = f.client.rollback(key, m, expires_in_s=3600)
+    assert (again.version, again.restores) == (1, f.r1) and f.on(again.release) == set(f.devices)
+    # a rollback during a rollout: it is rolled back, its device on trial stops now, everyone gets the target
+    ro = f.rollout(2, [StepSpec(percent=50), StepSpec(percent=100)])
+    members = sorted(f.on(ro.release))
+    f.devices[members[0]].report(m, "active-trial", ro.release, 2)
+    out = json.loads(env.server.cli("rollback", m, "--to", str(r3), "--key", str(env.keys.path), "--json").stdout)
+    assert out["version"] == 3 and out["restores"] == r3 and out["stopped_rollouts"] == [ro.id]
+    assert f.client.rollout(ro.id).rollout.state == "rolled-back"
+    assert f.on(out["release"]) == set(f.devices)
+    assert f.devices[members[0]].reverts(m) == [ro.release]  # on trial with it: stop now
+    assert all(f.devices[d].reverts(m) == [] for d in set(f.devices) - {members[0]})
+    assert (f.client.releases(m)[-1].notes or "").startswith(f"rollback to release {r3}")
+    # refusals: nothing to go back to, the current release itself, a revoked one
+    with pytest.raises(Exception, match="already the current release"):
+        f.client.rollback_plan(m, str(out["release"]))
+    f.client.revoke(m, r2)
+    with pytest.raises(Exception, match="revoked"):
+        f.client.rollback_plan(m, str(r2))
+    dry = env.server.cli("rollback", m, "--to", "1", "--key", str(env.keys.path), "--dry-run").stdout
+    assert f"-> release {f.r1} (version 1)" in dry
     f.client.close()

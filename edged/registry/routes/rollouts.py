@@ -7,10 +7,18 @@ import logging
 from fastapi import APIRouter
 
 from edged.protocol.fleet.messages import API_PREFIX
-from edged.registry import rollouts
+from edged.registry import rollback, rollouts
 from edged.registry.deps import AppContext
 from edged.registry.evaluator import tick
-from edged.registry.rollout_wire import RolloutAction, RolloutCreate, RolloutInfo, RolloutStatus
+from edged.registry.rollout_wire import (
+    RollbackPlan,
+    RollbackRequest,
+    RollbackResult,
+    RolloutAction,
+    RolloutCreate,
+    RolloutInfo,
+    RolloutStatus,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +44,22 @@ def rollouts_router(ctx: AppContext) -> APIRouter:
     def rollout_status(rollout_id: int) -> RolloutStatus:
         with ctx.rtx() as s:
             return rollouts.rollout_status(s, rollout_id)
+
+    @router.get(f"{API_PREFIX}/models/{{model}}/rollback", response_model=RollbackPlan)
+    def rollback_plan(model: str, to: str = rollback.PREVIOUS) -> RollbackPlan:
+        """Which release ``to`` names (a number, or ``previous``) and the number the signed release must carry."""
+        with ctx.rtx() as s:
+            return rollback.plan(s, model, to)
+
+    @router.post(f"{API_PREFIX}/models/{{model}}/rollback", response_model=RollbackResult, status_code=201)
+    def rollback_to(model: str, req: RollbackRequest) -> RollbackResult:
+        """Store the operator-signed release that brings an earlier version back to the fleet."""
+        with ctx.tx() as s:
+            out = rollback.rollback(s, model, req, ctx.settings.public_keys)
+        log.info("model %s rolled back to release %d (version %d) as release %d; rollouts stopped: %s", model,
+                 out.restores, out.version, out.release, out.stopped_rollouts or "none")
+        ctx.nudge({"model": model, "release": out.release, "rollback": out.restores})
+        return out
 
     @router.post(f"{API_PREFIX}/rollouts/evaluate")
     def evaluate_rollouts() -> dict[str, str]:
