@@ -143,3 +143,42 @@ def test_rollouts_across_real_daemons(world: World) -> None:
         assert back and "last-known-good" in (back[-1].reason or "") and back[-1].detail.get("serving") == 1
     for d in w.daemons.values():
         assert d.alive()
+
+
+def on_release(w: World, release: int, version: int) -> bool:
+    return committed(w, release) == set(w.daemons) and all(v == [version] for v in w.serving().values())
+
+
+@pytest.mark.slow  # ~25 s; the fast slice is test_rollout.py::test_fleet_rollback_to_previous_twice_and_to_a_named_release
+def test_fleet_rollbacks_across_real_daemons(world: World) -> None:
+    """Two "previous" rollbacks in a row, the second while the first is still being applied, then a rollback
+    to a named release: every daemon ends on the same intended release, re-downloading pruned versions."""
+    w = world
+    key = w.keys.load()
+    pub = w.tmp / "pub"
+    released = {}
+    for v in (4, 5, 6):
+        w.client.push_folder(make_version(pub / str(v), salt=f"v{v}"), MODEL, v)
+        ro = rollout(w, v, [StepSpec(percent=100)], Gates(max_failure_rate=0.0, min_reporting=1))
+        wait_for(lambda ro=ro, v=v: on_release(w, ro.release, v), 60, 0.1, f"version {v} on every daemon")
+        released[v] = ro.release
+    assert not any((repo / MODEL / "4").exists() for repo in w.repos.values())  # pruned: neither current nor kept
+    t0 = time.monotonic()
+    first = w.client.rollback(key, MODEL, reason="test: back one", expires_in_s=3600)
+    second = w.client.rollback(key, MODEL, reason="test: back two", expires_in_s=3600)
+    assert (first.version, first.restores) == (5, released[5])
+    assert (second.version, second.restores) == (4, released[4]) and second.release > first.release
+    wait_for(lambda: on_release(w, second.release, 4), 60, 0.1, "every daemon on version 4 after two rollbacks")
+    two_rollbacks_s = time.monotonic() - t0
+    t0 = time.monotonic()
+    named = w.client.rollback(key, MODEL, str(released[6]), reason="test: named", expires_in_s=3600)
+    assert named.version == 6
+    wait_for(lambda: on_release(w, named.release, 6), 60, 0.1, "every daemon on version 6, named")
+    named_s = time.monotonic() - t0
+    print(f"fleet rollback convergence, {N} daemons: two in a row {two_rollbacks_s:.1f} s, named {named_s:.1f} s")
+    for d in w.daemons:
+        failed = [e for e in w.events(d) if e.release in (first.release, second.release, named.release)
+                  and e.step == "failed"]
+        assert failed == [], f"{d}: {[(e.release, e.reason) for e in failed]}"
+    for d in w.daemons.values():
+        assert d.alive()
