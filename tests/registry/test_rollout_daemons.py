@@ -149,7 +149,8 @@ def on_release(w: World, release: int, version: int) -> bool:
     return committed(w, release) == set(w.daemons) and all(v == [version] for v in w.serving().values())
 
 
-@pytest.mark.slow  # ~25 s; the fast slice is test_rollout.py::test_fleet_rollback_to_previous_twice_and_to_a_named_release
+# ~25 s; the fast slice: test_rollout.py::test_fleet_rollback_to_previous_twice_and_to_a_named_release
+@pytest.mark.slow
 def test_fleet_rollbacks_across_real_daemons(world: World) -> None:
     """Two "previous" rollbacks in a row, the second while the first is still being applied, then a rollback
     to a named release: every daemon ends on the same intended release, re-downloading pruned versions."""
