@@ -23,6 +23,7 @@ import numpy as np
 from edged import datatypes
 from edged.errors import InvalidInputError
 from edged.protocol import shm as p
+from edged.protocol.v2 import bytes_from_buffer, bytes_to_buffer
 
 PAGE = mmap.PAGESIZE
 MEMFD_NAME = "edged-shm"
@@ -141,7 +142,8 @@ class Slot:
     out_off: int
     out_cap: int
     # completion output descriptors seen on this slot (they repeat call after call), checked once
-    decoded: dict[bytes, list[tuple[str, np.dtype[Any], tuple[int, ...], int]]] = field(default_factory=dict)
+    decoded: dict[bytes, list[tuple[str, np.dtype[Any] | None, tuple[int, ...], int, int]]] = field(
+        default_factory=dict)
 
     @classmethod
     def layout(cls, in_need: int, out_need: int) -> tuple[int, int, int]:
@@ -159,20 +161,24 @@ class PackedInputs:
     """Inputs split into those sent by reference and those to copy into the slot."""
 
     refs: list[tuple[str, np.ndarray, ClientSegment, int]]
-    staged: list[tuple[str, np.ndarray]]
+    staged: list[tuple[str, np.ndarray, bytes | None]]  # with a BYTES tensor's serialized elements
     staged_bytes: int
 
 
 def plan_inputs(segments: Mapping[int, ClientSegment], inputs: Mapping[str, Any]) -> PackedInputs:
     refs: list[tuple[str, np.ndarray, ClientSegment, int]] = []
-    staged: list[tuple[str, np.ndarray]] = []
+    staged: list[tuple[str, np.ndarray, bytes | None]] = []
     need = 0
     for name, value in inputs.items():
         arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+        if arr.dtype.kind in "SUO":  # BYTES (encoded images...): copied into the slot serialized
+            if arr.ndim > p.MAX_DIMS:
+                raise InvalidInputError(f"input {name!r} has {arr.ndim} dimensions (at most {p.MAX_DIMS})")
+            blob = bytes_to_buffer(arr)
+            staged.append((name, arr, blob))
+            need = p.align(need) + len(blob)
+            continue
         if arr.dtype not in p.NUMPY_CODE:
-            if arr.dtype.kind in "SUO":
-                raise InvalidInputError(f"input {name!r}: BYTES tensors cannot be sent over shared memory; "
-                                        "use HTTP or MQTT")
             if arr.dtype.newbyteorder("=") in p.NUMPY_CODE:
                 arr = arr.astype(arr.dtype.newbyteorder("="))
             else:
@@ -183,7 +189,7 @@ def plan_inputs(segments: Mapping[int, ClientSegment], inputs: Mapping[str, Any]
         if hit is not None:
             refs.append((name, arr, hit[0], hit[1]))
         else:
-            staged.append((name, arr))
+            staged.append((name, arr, None))
             need = p.align(need) + arr.nbytes
     return PackedInputs(refs, staged, need)
 
@@ -197,8 +203,14 @@ def encode_request(rid: int, model: str, version: int | None, slot: Slot, packed
     for name, arr, rseg, off in packed.refs:
         tensors.append(enc(name, p.NUMPY_CODE[arr.dtype], arr.shape, segment=rseg.id, offset=off, nbytes=arr.nbytes))
     off = 0
-    for name, arr in packed.staged:
+    for name, arr, blob in packed.staged:
         off = p.align(off)
+        if blob is not None:
+            if blob:
+                seg.view(np.dtype(np.uint8), (len(blob),), off)[:] = np.frombuffer(blob, np.uint8)
+            tensors.append(enc(name, p.BYTES, arr.shape, segment=seg.id, offset=off, nbytes=len(blob)))
+            off += len(blob)
+            continue
         if arr.nbytes:
             np.copyto(seg.view(arr.dtype, arr.shape, off), arr, casting="no")
         tensors.append(enc(name, p.NUMPY_CODE[arr.dtype], arr.shape, segment=seg.id, offset=off, nbytes=arr.nbytes))
@@ -217,15 +229,23 @@ def read_outputs(slot: Slot, count: int, body: memoryview | bytes, copy: bool) -
         places = []
         lo, hi = slot.out_off, slot.out_off + slot.out_cap
         for o in p.decode_outputs(body, count)[1]:
+            if o.dtype == p.BYTES and lo <= o.offset and o.nbytes <= hi - o.offset:
+                places.append((o.name, None, o.shape, o.offset, o.nbytes))
+                continue
             dt = p.NUMPY_DTYPES[o.dtype] if 0 < o.dtype < len(p.NUMPY_DTYPES) else None
             if dt is None or not (lo <= o.offset and o.nbytes <= hi - o.offset) or \
                     o.nbytes != dt.itemsize * math.prod(o.shape):
                 raise InvalidInputError(f"output {o.name!r}: the daemon sent a descriptor outside the output slot")
-            places.append((o.name, dt, o.shape, o.offset))
+            places.append((o.name, dt, o.shape, o.offset, o.nbytes))
         if len(slot.decoded) >= 64:
             slot.decoded.clear()
         slot.decoded[key] = places
     view = slot.segment.view
-    if copy:
-        return {name: view(dt, shape, off).copy() for name, dt, shape, off in places}
-    return {name: view(dt, shape, off) for name, dt, shape, off in places}
+    out: dict[str, np.ndarray] = {}
+    for name, dt, shape, off, nbytes in places:
+        if dt is None:  # BYTES: always decoded into new Python bytes objects
+            data = view(np.dtype(np.uint8), (nbytes,), off)
+            out[name] = bytes_from_buffer(data.tobytes(), math.prod(shape), f"output {name!r}").reshape(shape)
+        else:
+            out[name] = view(dt, shape, off).copy() if copy else view(dt, shape, off)
+    return out

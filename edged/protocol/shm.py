@@ -52,8 +52,12 @@ Requests (client -> daemon) and their successful replies:
   model metadata as JSON, plus ``max_batch_size`` and the serving ``version``.
 
 dtype codes (:data:`DTYPES`): 1 BOOL, 2 UINT8, 3 UINT16, 4 UINT32, 5 UINT64,
-6 INT8, 7 INT16, 8 INT32, 9 INT64, 10 FP16, 11 FP32, 12 FP64. BYTES tensors have no
-fixed size and go over HTTP or MQTT instead.
+6 INT8, 7 INT16, 8 INT32, 9 INT64, 10 FP16, 11 FP32, 12 FP64, and 13 BYTES: a BYTES
+tensor's range holds its elements serialized as in v2's binary form (each a 4-byte
+little-endian length followed by the bytes: an encoded image for a pipeline), so its
+``nbytes`` is the data's length, not the shape's; the daemon checks that the shape's
+element count fits the range before allocating, copies the elements out, and writes
+BYTES outputs (JSON documents, labels) into the output range in the same form.
 
 The daemon checks every range against its segment (offset <= size and nbytes
 <= size - offset, on Python integers, so no wrap-around), that nbytes equals the
@@ -88,6 +92,7 @@ from edged.protocol import shm_wire
 # The wire format itself lives in shm_wire (one copy, shared with the engine worker); re-exported here.
 from edged.protocol.shm_wire import (
     ALIGNMENT,
+    BYTES,
     DTYPES,
     ERROR,
     FLAG_QUEUE,
@@ -119,6 +124,7 @@ from edged.protocol.shm_wire import (
 
 __all__ = [
     "ALIGNMENT",
+    "BYTES",
     "DEFAULT_SOCKET",
     "DTYPES",
     "DTYPE_CODE",

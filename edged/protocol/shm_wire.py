@@ -39,6 +39,9 @@ INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, INTERNAL = 1, 2, 3, 8
 DTYPES = (
     None, "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64",
 )
+# BYTES (13) lives outside those tables: its range holds the elements serialized as in v2's binary
+# form (each a 4-byte little-endian length, then the bytes), so its size is the data's, not the shape's.
+BYTES = 13
 # numpy's names for the same codes (numpy is optional here: the worker has it, this module does not need it).
 NUMPY_NAMES = (
     None, "bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64", "float16", "float32",

@@ -43,6 +43,7 @@ from edged.errors import (
 )
 from edged.protocol import shm as p
 from edged.protocol.redact import Scrubber
+from edged.protocol.v2 import bytes_from_buffer, bytes_to_buffer
 from edged.transports.shm.segments import Segment, SegmentError, check_range, map_segment
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class _Plan:
     """A checked INFER descriptor: its inputs' places, the segments it uses, output layouts seen."""
 
     desc: p.InferDesc
-    inputs: list[tuple[str, Segment, np.dtype[Any], tuple[int, ...], int]]
+    inputs: list[tuple[str, Segment, np.dtype[Any] | None, tuple[int, ...], int, int]]  # dtype None: BYTES
     used: tuple[Segment, ...]  # input segments, then the output segment last
     outputs: dict[tuple[Any, ...], tuple[list[int], bytes]] = field(default_factory=dict)
 
@@ -302,12 +303,20 @@ class Connection:
         if d.version < 0:
             raise InvalidInputError(f"model version {d.version} is negative")
         segments = self.segments
-        inputs: list[tuple[str, Segment, np.dtype[Any], tuple[int, ...], int]] = []
+        inputs: list[tuple[str, Segment, np.dtype[Any] | None, tuple[int, ...], int, int]] = []
         seen: set[str] = set()
         for t in d.inputs:
             seg = segments.get(t.segment)
             if seg is None:
                 raise InvalidInputError(f"input {t.name!r}: unknown segment {t.segment}")
+            if t.name in seen:
+                raise InvalidInputError(f"input {t.name!r} appears twice")
+            if t.dtype == p.BYTES:  # sized by its data: the element count is checked against it when read
+                datatypes.element_count(t.shape, f"input {t.name!r}")
+                check_range(seg, t.offset, t.nbytes, f"input {t.name!r}")
+                seen.add(t.name)
+                inputs.append((t.name, seg, None, t.shape, t.offset, t.nbytes))
+                continue
             if not 0 < t.dtype < len(p.NUMPY_DTYPES):
                 raise InvalidInputError(f"input {t.name!r}: unknown dtype code {t.dtype}")
             dt = p.NUMPY_DTYPES[t.dtype]
@@ -319,10 +328,8 @@ class Connection:
             check_range(seg, t.offset, t.nbytes, f"input {t.name!r}")
             if t.offset % dt.itemsize:
                 raise InvalidInputError(f"input {t.name!r}: offset {t.offset} is not aligned to {dt.itemsize} bytes")
-            if t.name in seen:
-                raise InvalidInputError(f"input {t.name!r} appears twice")
             seen.add(t.name)
-            inputs.append((t.name, seg, dt, t.shape, t.offset))
+            inputs.append((t.name, seg, dt, t.shape, t.offset, t.nbytes))
         oseg = segments.get(d.out_segment)
         if oseg is None:
             raise InvalidInputError(f"output slot: unknown segment {d.out_segment}")
@@ -342,7 +349,8 @@ class Connection:
                 self._plans.clear()
             self._plans[key] = plan
         d, used = plan.desc, plan.used
-        inputs = {name: seg.view(dt, shape, off) for name, seg, dt, shape, off in plan.inputs}
+        inputs = {name: seg.view(dt, shape, off) if dt is not None else _bytes_input(name, seg, shape, off, n)
+                  for name, seg, dt, shape, off, n in plan.inputs}
         deadline = time.monotonic() + d.timeout_us / 1e6 if d.timeout_us else None
         req = InferRequest(d.model, inputs, d.version or None, d.outputs, deadline=deadline)
         with self._lock:
@@ -402,35 +410,59 @@ class Connection:
     def _write_outputs(self, rid: int, plan: _Plan, resp: InferResponse) -> bytes:
         """Pack outputs into the client's output slot (one copy each) and build the completion."""
         outs = resp.outputs
+        seg = plan.used[-1]
+        if any(arr.dtype == object for arr in outs.values()):
+            # BYTES outputs are sized by their contents: serialized, laid out afresh each time.
+            blobs = {name: bytes_to_buffer(arr) for name, arr in outs.items() if arr.dtype == object}
+            offsets, descs = self._layout(plan.desc, outs, blobs)
+            for (name, arr), off in zip(outs.items(), offsets, strict=True):
+                blob = blobs.get(name)
+                if blob is not None:
+                    seg.mm[off:off + len(blob)] = blob
+                elif arr.nbytes:
+                    np.copyto(seg.view(arr.dtype, arr.shape, off), arr, casting="no")
+            return p.HEADER.pack(_INFER_REPLY, 0, len(outs), rid) + p.U32.pack(resp.version) + descs
         sig = tuple((name, arr.dtype, arr.shape) for name, arr in outs.items())
         layout = plan.outputs.get(sig)
         if layout is None:
             if len(plan.outputs) >= _PLAN_CACHE:
                 plan.outputs.clear()
             layout = plan.outputs[sig] = self._layout(plan.desc, outs)
-        seg = plan.used[-1]
         for (_, arr), off in zip(outs.items(), layout[0], strict=True):
             if arr.nbytes:
                 np.copyto(seg.view(arr.dtype, arr.shape, off), arr, casting="no")
         return p.HEADER.pack(_INFER_REPLY, 0, len(outs), rid) + p.U32.pack(resp.version) + layout[1]
 
     @staticmethod
-    def _layout(d: p.InferDesc, outs: dict[str, np.ndarray]) -> tuple[list[int], bytes]:
-        """Where each output goes in the slot and its encoded descriptors; raises when the slot is too small."""
+    def _layout(d: p.InferDesc, outs: dict[str, np.ndarray],
+                blobs: dict[str, bytes] | None = None) -> tuple[list[int], bytes]:
+        """Where each output goes in the slot and its encoded descriptors; raises when the slot is too small.
+
+        ``blobs`` holds the serialized BYTES outputs (their size is their data's)."""
         pos = d.out_offset
-        plan: list[tuple[str, np.ndarray, int, int]] = []
+        plan: list[tuple[str, np.ndarray, int, int, int]] = []
         for name, arr in outs.items():
-            code = p.NUMPY_CODE.get(arr.dtype)
+            blob = blobs.get(name) if blobs else None
+            code = p.BYTES if blob is not None else p.NUMPY_CODE.get(arr.dtype)
             if code is None:
                 raise InvalidInputError(f"output {name!r} of datatype {arr.dtype} cannot be returned over shared "
                                         "memory; use HTTP or MQTT for it")
             pos = p.align(pos)
-            plan.append((name, arr, code, pos))
-            pos += arr.nbytes
+            nbytes = len(blob) if blob is not None else arr.nbytes
+            plan.append((name, arr, code, pos, nbytes))
+            pos += nbytes
         needed = pos - d.out_offset
         if needed > d.out_capacity:
             raise ResourceExhaustedError(f"output slot of {d.out_capacity} bytes is too small; the outputs need "
                                          f"{needed} bytes", needed_bytes=needed)
-        return ([off for *_, off in plan],
-                b"".join(p.encode_output(name, code, arr.shape, offset=off, nbytes=arr.nbytes)
-                         for name, arr, code, off in plan))
+        return ([off for *_, off, _ in plan],
+                b"".join(p.encode_output(name, code, arr.shape, offset=off, nbytes=nbytes)
+                         for name, arr, code, off, nbytes in plan))
+
+
+def _bytes_input(name: str, seg: Segment, shape: tuple[int, ...], offset: int, nbytes: int) -> np.ndarray:
+    """A BYTES input's elements, copied out of the client's range (which it may change under us)."""
+    where = f"input {name!r}"
+    count = datatypes.element_count(shape, where)
+    with memoryview(seg.mm) as whole, whole[offset:offset + nbytes] as data:
+        return bytes_from_buffer(data, count, where).reshape(shape)

@@ -1,4 +1,5 @@
-"""Raw images to the served example pipelines over MQTT (mosquitto_pub/mosquitto_sub), answered as JSON.
+"""Images to the served example pipelines over MQTT (the raw JPEG via mosquitto_pub/mosquitto_sub, answered
+as JSON) and the native shm client (a BYTES tensor in shared memory).
 
 The detection answer must match rapid-layout's own API on the same JPEG (IoU >= 0.99, same labels);
 a corrupt JPEG gets an error reply naming the input and the next request is served.
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ import pytest
 from edged.config import parse_config
 from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
+from edged.errors import EdgedError, ErrorCode
 from edged.protocol.media import CONTENT_TYPE_PROPERTY
 from edged.transports.mqtt.transport import MqttTransport
 from tests.device.pipeline.examples import UnavailableError, run_pipeline, wheel
@@ -140,3 +144,57 @@ def test_raw_png_by_content_type_and_a_corrupt_jpeg_is_an_error_naming_the_input
         assert "BYTES" in json.loads(msg.payload)["error"]
     finally:
         client.close()
+
+
+@pytest.fixture
+def shm(service: InferenceService) -> Iterator[str]:
+    from edged.transports.shm.transport import ShmTransport
+
+    short = Path(tempfile.mkdtemp(prefix="edged-pipe-"))  # AF_UNIX paths are limited to 107 bytes
+    cfg = parse_config(f'[device]\nstate_dir = "{short}/state"\nruntime_dir = "{short}/run"\n')
+    transport = ShmTransport(cfg, service)
+    transport.start_blocking()
+    try:
+        yield str(transport.path)
+    finally:
+        transport.stop_blocking()
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def test_shm_client_sends_the_jpeg_bytes_and_gets_rapid_layouts_regions(shm: str, rapid_layout: Any) -> None:
+    from edged.client.shm import ShmClient
+
+    data = _jpeg(_page(1))
+    with ShmClient(shm) as client:
+        out = client.infer("layout_detect", {"image": np.array([data], dtype=object)})
+        regions = json.loads(out["detections"][0])
+        assert int(out["count"][0]) == len(regions) >= 2
+        assert out["labels"].dtype == object and out["boxes"].shape == (1, len(regions), 4)
+        assert_matches_reference(regions, rapid_layout(data))
+        with pytest.raises(EdgedError) as err:
+            client.infer("layout_detect", {"image": np.array([data[:500]], dtype=object)})
+        assert err.value.code is ErrorCode.INVALID_ARGUMENT and "'image'" in err.value.message
+        again = client.infer("orientation_classify", {"image": np.array([data], dtype=object)})
+        assert again["labels"].shape == (1, 4)
+
+
+def test_shm_bytes_descriptor_claiming_more_elements_than_its_range_holds_is_refused(shm: str) -> None:
+    from edged.client.shm import ShmClient
+    from edged.protocol import shm as p
+
+    with ShmClient(shm) as client:
+        seg = client._register(4096)
+        seg.view(np.dtype(np.uint8), (8,), 0)[:] = np.frombuffer(b"\x04\0\0\0abcd", np.uint8)
+        # 2^31 elements claimed in 8 bytes: refused before any allocation, the connection serves on
+        tensor = p.encode_tensor("image", p.BYTES, (1 << 31,), segment=seg.id, offset=0, nbytes=8)
+        msg = p.encode_infer(client._next(), "orientation_classify", 0, [tensor], out_segment=seg.id,
+                             out_offset=1024, out_capacity=3072)
+        status, _, body = client._call(msg)
+        assert status == 1 and "2147483648 BYTES elements" in p.decode_error(body)[1]
+        tensor = p.encode_tensor("image", p.BYTES, (1,), segment=seg.id, offset=4090, nbytes=8)
+        msg = p.encode_infer(client._next(), "orientation_classify", 0, [tensor], out_segment=seg.id,
+                             out_offset=1024, out_capacity=3072)
+        status, _, body = client._call(msg)
+        assert status == 1 and "input 'image'" in p.decode_error(body)[1]
+        out = client.infer("orientation_classify", {"image": np.array([_jpeg(_page(0))], dtype=object)})
+        assert out["labels"].shape == (1, 4)
