@@ -56,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.add_argument("model")
     p.add_argument("--input", "-i", type=Path, required=True,
-                   help=".npy for the model's single input, or .npz with one array per input name")
+                   help=".npy for the model's single input, .npz with one array per input name, or an image or "
+                        "sound file (JPEG, PNG, WebP, WAV) for a model or pipeline whose one input is BYTES "
+                        "(the answer is printed as JSON)")
     p.add_argument("--model-version", type=int, default=None, dest="model_version")
     p.add_argument("--json", action="store_true", help="print exactly the v2 inference response")
     p.add_argument("--transport", choices=["local", "shm", "http", "grpc", "mqtt"], default="local",
@@ -221,11 +223,40 @@ def cmd_models_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_inputs(path: Path, specs: Any, max_batch_size: int) -> dict[str, Any]:
+MAX_MEDIA_FILE = 256 << 20  # an image or sound for one request; checked before reading
+
+
+def _media_file(path: Path) -> str | None:
+    """The media type of an image/sound file given as --input (by its first bytes), None for .npy/.npz."""
+    from edged.protocol.media import sniff_media_type
+
+    try:
+        with path.open("rb") as f:
+            return sniff_media_type(f.read(12))
+    except OSError as e:
+        raise EdgedError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def _read_media(path: Path, model: str, specs: Any) -> dict[str, Any]:
+    from edged.protocol.media import media_input, media_tensor
+
+    name = media_input(model, [(s.name, s.datatype) for s in specs])
+    try:
+        size = path.stat().st_size
+        if size > MAX_MEDIA_FILE:
+            raise EdgedError(f"{path}: {size} bytes, more than {MAX_MEDIA_FILE} for one request")
+        return {name: media_tensor(path.read_bytes())}
+    except OSError as e:
+        raise EdgedError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def _read_inputs(path: Path, specs: Any, max_batch_size: int, model: str = "") -> dict[str, Any]:
     import numpy as np
 
     from edged import datatypes
 
+    if _media_file(path) is not None:
+        return _read_media(path, model, specs)
     try:
         loaded = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as e:
@@ -277,7 +308,7 @@ def _infer_remote(args: argparse.Namespace) -> tuple[Any, int]:
     try:
         meta = remote.metadata(args.model, args.model_version)
         specs, mbs = specs_from_metadata(meta)
-        inputs = _read_inputs(args.input, specs, mbs)
+        inputs = _read_inputs(args.input, specs, mbs, args.model)
         outputs = remote.infer(args.model, inputs, args.model_version)
     finally:
         remote.close()
@@ -299,16 +330,21 @@ def cmd_infer(args: argparse.Namespace) -> int:
         rt = build_runtime(_config(args), only=args.model)
         try:
             mv = rt.service.ready_model(args.model, args.model_version)
-            inputs = _read_inputs(args.input, mv.inputs, mv.max_batch_size)
+            inputs = _read_inputs(args.input, mv.inputs, mv.max_batch_size, args.model)
             resp = rt.service.infer(InferRequest(model=args.model, version=args.model_version, inputs=inputs))
         finally:
             rt.manager.shutdown()
         mbs = mv.max_batch_size
-        where = f"on {mv.candidate.label if mv.candidate else '?'}"
-        if mv.manifest.labels:
+        where = "as a pipeline" if mv.pipeline is not None else f"on {mv.candidate.label if mv.candidate else '?'}"
+        if mv.entry.manifest is not None and mv.manifest.labels:
             labels = (mv.entry.path / mv.manifest.labels).read_text().split("\n")
+    media_type = _media_file(args.input)
     if args.json:
         print(json.dumps(response_json(resp)))
+    elif media_type is not None:
+        from edged.protocol.media import answer
+
+        print(json.dumps(answer(resp.model, resp.version, resp.outputs, media=media_type), indent=1))
     else:
         _print_outputs(resp, where, mbs, labels)
     return 0

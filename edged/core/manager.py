@@ -21,7 +21,8 @@ from edged.core.models import ModelLoader, ModelState, ModelTable, ModelVersion
 from edged.core.pipelines import PipelineRunner, ServiceGateway, load_pipeline_version
 from edged.core.scheduler import Scheduler
 from edged.core.stats import ModelStats
-from edged.errors import ModelNotFoundError, ResourceExhaustedError
+from edged.errors import EdgedError, ModelNotFoundError, ResourceExhaustedError
+from edged.pipeline.definition import load_pipeline
 from edged.repository.digests import DigestCache
 from edged.repository.store import VersionEntry, list_versions, load_version, scan_repository
 
@@ -126,47 +127,71 @@ class ModelManager:
 
         With ``versions`` None the config's version policy decides. New versions are
         published only once ready; versions no longer wanted are drained and unloaded.
+        A pipeline's models that are not being served are loaded first (as Triton loads
+        an ensemble's composing models).
         """
         with self._lock:
-            model_dir = self.repository / name
-            if not model_dir.is_dir():
-                raise ModelNotFoundError(f"model {name!r} is not in the repository")
-            available = list_versions(model_dir)
-            self.operator_unloaded.discard(name)
-            wanted = list(versions) if versions is not None else self.models_cfg.policy_for(name).select(available)
-            missing = [v for v in wanted if v not in available]
-            if missing:
-                raise ModelNotFoundError(f"model {name!r} has no version(s) {missing} in the repository")
-            results = []
-            for v in wanted:
-                entry = load_version(name, v, model_dir / str(v), self.digests)
-                mv = self._load_entry(entry)
-                results.append(mv)
-                current = self.table.find(name, v)
-                if mv.state is ModelState.READY:
-                    if mv.stats is not None and current is not None and current.stats is not None:
-                        mv.stats.continue_activation(current.stats)
-                    old = self.table.put(mv)
-                    with self._failed_lock:
-                        self.failed.pop((name, v), None)
-                    if old is not None and old is not mv:
-                        self._retire(old)
-                elif current is None or current.state is not ModelState.READY:
-                    self.table.put(mv)
-                else:
-                    # Keep serving the copy that works; remember why the reload failed.
-                    with self._failed_lock:
-                        self.failed[(name, v)] = mv
-                    log.error("model=%s version=%s reload failed, previous copy keeps serving: %s",
-                              name, v, mv.reason)
-            ready_new = any(mv.state is ModelState.READY for mv in results)
-            if ready_new or not results:
-                for old in self.table.versions(name):
-                    if old.version not in wanted:
-                        self.table.remove(name, old.version)
-                        self._retire(old)
-            self.digests.save()
-            return results
+            return self._load_model(name, versions, dependencies=True)
+
+    def _load_dependencies(self, entry: VersionEntry) -> None:
+        """Load the models a pipeline version names that are not served; what fails is left to its compile."""
+        try:
+            spec = load_pipeline(entry.path)
+        except EdgedError:
+            return
+        for step in spec.steps:
+            if step.model is None or step.model == entry.model:
+                continue
+            mv = self.table.find(step.model, step.version)
+            if mv is not None and mv.state is ModelState.READY:
+                continue
+            try:
+                self._load_model(step.model, None, dependencies=False)
+            except EdgedError as exc:
+                log.warning("pipeline=%s: its model %s could not be loaded: %s", entry.model, step.model, exc)
+
+    def _load_model(self, name: str, versions: Sequence[int] | None, *, dependencies: bool) -> list[ModelVersion]:
+        model_dir = self.repository / name
+        if not model_dir.is_dir():
+            raise ModelNotFoundError(f"model {name!r} is not in the repository")
+        available = list_versions(model_dir)
+        self.operator_unloaded.discard(name)
+        wanted = list(versions) if versions is not None else self.models_cfg.policy_for(name).select(available)
+        missing = [v for v in wanted if v not in available]
+        if missing:
+            raise ModelNotFoundError(f"model {name!r} has no version(s) {missing} in the repository")
+        results = []
+        for v in wanted:
+            entry = load_version(name, v, model_dir / str(v), self.digests)
+            if entry.pipeline and dependencies and not entry.error:
+                self._load_dependencies(entry)
+            mv = self._load_entry(entry)
+            results.append(mv)
+            current = self.table.find(name, v)
+            if mv.state is ModelState.READY:
+                if mv.stats is not None and current is not None and current.stats is not None:
+                    mv.stats.continue_activation(current.stats)
+                old = self.table.put(mv)
+                with self._failed_lock:
+                    self.failed.pop((name, v), None)
+                if old is not None and old is not mv:
+                    self._retire(old)
+            elif current is None or current.state is not ModelState.READY:
+                self.table.put(mv)
+            else:
+                # Keep serving the copy that works; remember why the reload failed.
+                with self._failed_lock:
+                    self.failed[(name, v)] = mv
+                log.error("model=%s version=%s reload failed, previous copy keeps serving: %s",
+                          name, v, mv.reason)
+        ready_new = any(mv.state is ModelState.READY for mv in results)
+        if ready_new or not results:
+            for old in self.table.versions(name):
+                if old.version not in wanted:
+                    self.table.remove(name, old.version)
+                    self._retire(old)
+        self.digests.save()
+        return results
 
     def unload_model(self, name: str, *, by_operator: bool = False) -> None:
         with self._lock:

@@ -239,11 +239,13 @@ def test_repository_unload_and_load_a_pipeline(served: tuple[Served, dict[str, t
     assert _get(s, "/v2/models/orientation/ready")[0] == 200  # its model serves on
     assert _post(s, "/v2/repository/models/orientation_classify/load", {}, AUTH)[0] == 200
     assert _get(s, "/v2/models/orientation_classify/ready")[0] == 200
-    # a pipeline loaded while its model is away is refused, naming the step; it loads once the model is back
+    # loading a pipeline loads the models it calls that are not served (as Triton loads an ensemble's)
     assert _post(s, "/v2/repository/models/orientation/unload", {}, AUTH)[0] == 200
-    code, body = _post(s, "/v2/repository/models/orientation_classify/load", {}, AUTH)
-    assert code == 409 and "classifier" in body["error"] and "orientation" in body["error"], body
-    assert _post(s, "/v2/repository/models/orientation/load", {}, AUTH)[0] == 200
+    assert _get(s, "/v2/models/orientation/ready")[0] in (404, 503)
     assert _post(s, "/v2/repository/models/orientation_classify/load", {}, AUTH)[0] == 200
+    assert _get(s, "/v2/models/orientation/ready")[0] == 200
+    # one whose model is not in the repository at all is refused, naming the step and the model
+    code, body = _post(s, "/v2/repository/models/pipe_missing_model/load", {}, AUTH)
+    assert code == 409 and "classifier" in body["error"] and "nosuch" in body["error"], body
     client = httpclient.InferenceServerClient(s.url)
     assert _infer(client, "orientation_classify", [_jpeg(_page(4))], ["labels"]).as_numpy("labels").shape == (1, 4)

@@ -25,6 +25,7 @@ from edged.core.service import InferenceService
 from edged.errors import EdgedError, ErrorCode
 from edged.protocol.media import CONTENT_TYPE_PROPERTY
 from edged.transports.mqtt.transport import MqttTransport
+from tests.conftest import EDGED
 from tests.device.pipeline.examples import UnavailableError, run_pipeline, wheel
 from tests.device.pipeline.test_serve import _jpeg, _page, example_repo
 from tests.http_helpers import ORT
@@ -147,18 +148,26 @@ def test_raw_png_by_content_type_and_a_corrupt_jpeg_is_an_error_naming_the_input
 
 
 @pytest.fixture
-def shm(service: InferenceService) -> Iterator[str]:
+def shm_config(service: InferenceService) -> Iterator[Path]:
+    """The shm transport on the example service; yields a config file that points the CLI at it."""
     from edged.transports.shm.transport import ShmTransport
 
     short = Path(tempfile.mkdtemp(prefix="edged-pipe-"))  # AF_UNIX paths are limited to 107 bytes
-    cfg = parse_config(f'[device]\nstate_dir = "{short}/state"\nruntime_dir = "{short}/run"\n')
-    transport = ShmTransport(cfg, service)
+    text = (f'[device]\nstate_dir = "{short}/state"\nruntime_dir = "{short}/run"\n'
+            f'model_repository = "{service.manager.repository}"\n')
+    (short / "edged.toml").write_text(text)
+    transport = ShmTransport(parse_config(text), service)
     transport.start_blocking()
     try:
-        yield str(transport.path)
+        yield short / "edged.toml"
     finally:
         transport.stop_blocking()
         shutil.rmtree(short, ignore_errors=True)
+
+
+@pytest.fixture
+def shm(shm_config: Path) -> str:
+    return str(parse_config(shm_config.read_text()).shm_socket)
 
 
 def test_shm_client_sends_the_jpeg_bytes_and_gets_rapid_layouts_regions(shm: str, rapid_layout: Any) -> None:
@@ -198,3 +207,24 @@ def test_shm_bytes_descriptor_claiming_more_elements_than_its_range_holds_is_ref
         assert status == 1 and "input 'image'" in p.decode_error(body)[1]
         out = client.infer("orientation_classify", {"image": np.array([_jpeg(_page(0))], dtype=object)})
         assert out["labels"].shape == (1, 4)
+
+
+@pytest.mark.parametrize("transport", ["local", "shm"])
+def test_edged_infer_with_a_jpeg_prints_rapid_layouts_regions(
+        shm_config: Path, rapid_layout: Any, tmp_path: Path, transport: str) -> None:
+    """`edged infer layout_detect --input page.jpg`: in the process (the pipeline's model loaded with it)
+    and through the running daemon's shm socket; the JSON printed holds the reference's regions."""
+    data = _jpeg(_page(0))
+    (tmp_path / "page.jpg").write_bytes(data)
+    run = subprocess.run([*EDGED, "infer", "layout_detect", "--input", str(tmp_path / "page.jpg"),
+                          "--config", str(shm_config), "--transport", transport],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    answer = json.loads(run.stdout)
+    assert answer["model_name"] == "layout_detect" and answer["content_type"] == "image/jpeg"
+    assert_matches_reference(answer["outputs"]["detections"][0], rapid_layout(data))
+    (tmp_path / "bad.jpg").write_bytes(data[:300])
+    run = subprocess.run([*EDGED, "infer", "layout_detect", "--input", str(tmp_path / "bad.jpg"),
+                          "--config", str(shm_config), "--transport", transport],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "'image'" in run.stderr
