@@ -1,9 +1,12 @@
 """The daemon's start and stop order, and what it tells systemd along the way.
 
 probe hardware -> match a device profile -> load the model repository -> self-test every
-ready version -> start transports -> READY=1 -> serve (WATCHDOG=1 while an end-to-end probe
-passes; SIGHUP reloads the config) -> SIGTERM: STOPPING=1 -> finish in-flight requests
-(bounded) -> stop transports -> release engines -> exit 0.
+ready version -> start transports -> start services (fleet sync, telemetry) -> READY=1 -> serve
+(WATCHDOG=1 while an end-to-end probe passes; SIGHUP reloads the config) -> SIGTERM: STOPPING=1
+-> finish in-flight requests (bounded) -> stop services -> stop transports -> release engines -> exit 0.
+
+The daemon wires everything: it hands the probed facts, the profile, the config and one
+``/metrics`` renderer to what it starts; nothing it starts reaches back up into it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from edged.config import Config, load_config
 from edged.core.manager import ModelManager
@@ -35,7 +38,8 @@ from edged.systemd.notify import Notifier, watchdog_interval
 from edged.transports.base import Transport
 
 if TYPE_CHECKING:
-    from edged.telemetry.agent import TelemetryAgent
+    from edged.sync.settings import SyncSettings
+    from edged.telemetry.prometheus import MetricsRenderer
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +102,16 @@ def _ready(mvs: list[ModelVersion]) -> list[ModelVersion]:
     return [mv for mv in mvs if mv.state is ModelState.READY]
 
 
+class Service(Protocol):
+    """What the daemon runs beside the transports (fleet sync, telemetry): started after them, stopped first."""
+
+    name: str
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
 def _log_crash(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("%s stopped: no more watchdog pings, systemd will restart edged", task.get_name(),
@@ -110,16 +124,19 @@ def _in_flight(rt: Runtime) -> int:
 
 
 class Daemon:
-    def __init__(self, cfg: Config, *, notifier: Notifier | None = None) -> None:
+    def __init__(self, cfg: Config, *, notifier: Notifier | None = None,
+                 sync_settings: SyncSettings | None = None) -> None:
+        """``sync_settings`` override what the sync agent reads from ``[registry]`` (``edged.sync_runner --set``)."""
         self.cfg = cfg
+        self.sync_settings = sync_settings
         self.runtime: Runtime | None = None
         self.transports: list[Transport] = []
+        self.services: list[Service] = []
         self.notifier = notifier or Notifier()
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
         self._reload_requested = False
         self._tasks: list[asyncio.Task[None]] = []
-        self.telemetry: TelemetryAgent | None = None
         self.owner: StateOwner | None = None
 
     # ---- signals ------------------------------------------------------------------------------
@@ -131,7 +148,7 @@ class Daemon:
         self._reload_requested = True
         self._wake.set()
 
-    def _make_transports(self, rt: Runtime) -> list[Transport]:
+    def _make_transports(self, rt: Runtime, metrics: MetricsRenderer) -> list[Transport]:
         # Transports are imported only when enabled: their libraries cost start-up time and memory.
         cfg = self.cfg
         out: list[Transport] = []
@@ -146,16 +163,24 @@ class Daemon:
             regions = system_shm_registry(cfg)
         if cfg.http.enabled:
             from edged.transports.http.transport import HttpTransport
-            out.append(HttpTransport(cfg, rt.service, shm=regions))
+            out.append(HttpTransport(cfg, rt.service, shm=regions, metrics=metrics))
         if grpc:
             from edged.transports.grpc.server import GrpcTransport
             out.append(GrpcTransport(cfg, rt.service, shm=regions))
         if cfg.mqtt.enabled:
             from edged.transports.mqtt.transport import MqttTransport
-            out.append(MqttTransport(cfg, rt.service, rt.profile.name))
-        if cfg.registry.enabled:
+            out.append(MqttTransport(cfg, rt.service, rt.profile.name, metrics=metrics))
+        return out
+
+    def _make_services(self, rt: Runtime, metrics: MetricsRenderer) -> list[Service]:
+        """Fleet sync (with [registry]) and telemetry, given what they need; made once the transports run."""
+        out: list[Service] = []
+        if self.cfg.registry.enabled:
             from edged.sync.agent import SyncAgent, device_facts
-            out.append(SyncAgent(cfg, rt.service, facts=device_facts(rt.facts, rt.profile.name)))
+            out.append(SyncAgent(self.cfg, rt.service, settings=self.sync_settings,
+                                 facts=device_facts(rt.facts, rt.profile.name)))
+        # Always: with [telemetry] enabled = false the agent still keeps the status file `edged status` reads.
+        out.append(self._telemetry_agent(rt, metrics))
         return out
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -206,7 +231,7 @@ class Daemon:
             # Crash-loop check and version pins must come before any model loads: a version that
             # crashes while loading would otherwise be loaded again on every start.
             from edged.sync.boot import prepare_boot
-            await asyncio.to_thread(prepare_boot, self.cfg)
+            await asyncio.to_thread(prepare_boot, self.cfg, self.sync_settings)
         self.runtime = rt = await asyncio.to_thread(build_runtime, self.cfg)
         if self._stop.is_set():
             return False
@@ -215,12 +240,16 @@ class Daemon:
         failed = await asyncio.to_thread(self_test, rt.service, ready, SELF_TEST_TIMEOUT_S)
         if self._stop.is_set():
             return False
+        from edged.telemetry.prometheus import MetricsRenderer
+
+        metrics = MetricsRenderer(rt.service)  # /metrics: served by HTTP, fed by telemetry and MQTT
         n.status("starting transports")
-        for t in self._make_transports(rt):
+        for t in self._make_transports(rt, metrics):
             await t.start()
             self.transports.append(t)
-        # Always: with [telemetry] enabled = false the agent still keeps the status file `edged status` reads.
-        await self._start_telemetry(rt)
+        for s in self._make_services(rt, metrics):
+            await s.start()
+            self.services.append(s)
         all_mvs = rt.manager.table.all()
         log.info("edged ready in %.2fs: %d model version(s) serving, %d unavailable (%d failed the self-test), "
                  "profile %s", time.monotonic() - t0, len(_ready(all_mvs)), len(all_mvs) - len(_ready(all_mvs)),
@@ -228,7 +257,7 @@ class Daemon:
         n.ready(self.status_text())
         return True
 
-    async def _start_telemetry(self, rt: Runtime) -> None:
+    def _telemetry_agent(self, rt: Runtime, metrics: MetricsRenderer) -> Service:
         """Metrics sampling, the MQTT telemetry message, upload, and the status file `edged status` reads."""
         from edged.telemetry.agent import TelemetryAgent
 
@@ -237,9 +266,8 @@ class Daemon:
         if mqtt is not None:
             def publish(topic: str, payload: bytes, _m: Any = mqtt) -> bool:
                 return bool(_m.publish(topic, payload, qos=0))
-        self.telemetry = TelemetryAgent(self.cfg, rt.service, publish=publish, profile=rt.profile.name,
-                                        mqtt_stats=getattr(mqtt, "stats", None))
-        await self.telemetry.start()
+        return TelemetryAgent(self.cfg, rt.service, publish=publish, profile=rt.profile.name,
+                              mqtt_stats=getattr(mqtt, "stats", None), metrics=metrics)
 
     async def _serve_until_stopped(self) -> None:
         if self.notifier.enabled:
@@ -272,12 +300,12 @@ class Daemon:
             drained = await asyncio.to_thread(self._drain_all, rt, STOP_DRAIN_S if drain else 0.0)
             if drain and not drained:
                 log.warning("some requests did not finish within %.0fs; they were failed", STOP_DRAIN_S)
-        if self.telemetry is not None:
+        for s in reversed(self.services):  # before the transports: telemetry's last message still goes out
             try:
-                await self.telemetry.stop()  # before the transports: its last message still goes out
+                await s.stop()
             except Exception:
-                log.exception("telemetry did not stop cleanly")
-            self.telemetry = None
+                log.exception("%s did not stop cleanly", s.name)
+        self.services.clear()
         for t in reversed(self.transports):
             try:
                 await t.stop()
@@ -319,7 +347,8 @@ class Daemon:
         if len(mvs) > len(ready):
             text += f" ({len(mvs) - len(ready)} unavailable)"
         names = ", ".join(t.name for t in self.transports)
-        return f"{text} on profile {rt.profile.name}; transports: {names or 'none'}"
+        services = ", ".join(s.name for s in self.services)
+        return f"{text} on profile {rt.profile.name}; transports: {names or 'none'}; services: {services or 'none'}"
 
     async def _heartbeat(self) -> None:
         """WATCHDOG=1 every half interval while the end-to-end probe passes; STATUS= when it changes.

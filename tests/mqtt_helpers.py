@@ -489,9 +489,11 @@ class MosquittoCliRequester:
 
 
 class EdgedRun:
-    """A real ``edged run`` (MQTT only, the bundled ``digits``) in its own process, serving once started."""
+    """A real ``edged run`` (MQTT, HTTP when asked; the bundled ``digits``) in its own process, serving once started."""
 
-    def __init__(self, tmp: Path, broker: Broker, device: str, extra_mqtt: str = "", *, timeout: float = 120) -> None:
+    def __init__(self, tmp: Path, broker: Broker, device: str, extra_mqtt: str = "", *, timeout: float = 120,
+                 http_listen: str | None = None) -> None:
+        """``http_listen``: also serve HTTP there (off otherwise)."""
         from tests.conftest import EDGED, MODELS, REPO_ROOT
 
         tmp.mkdir(parents=True, exist_ok=True)
@@ -506,7 +508,7 @@ runtime_dir = "{self.runtime_dir}"
 model_repository = "{tmp / 'models'}"
 profile = "generic"
 [http]
-enabled = false
+{f'listen = "{http_listen}"' if http_listen else 'enabled = false'}
 [shm]
 enabled = false
 [telemetry]

@@ -92,12 +92,18 @@ class _Window:
 
 
 class TelemetryAgent:
+    name = "telemetry"
+
     def __init__(self, cfg: Config, service: InferenceService, *, publish: Publish | None = None,
                  profile: str | None = None, sampler: DeviceSampler | None = None,
                  upload: UploadSettings | None = None, status_interval_s: float | None = None,
-                 mqtt_stats: Callable[[], MqttWindow] | None = None) -> None:
+                 mqtt_stats: Callable[[], MqttWindow] | None = None,
+                 metrics: prometheus.MetricsRenderer | None = None) -> None:
         """``publish(topic, payload)`` sends over MQTT (any thread) and returns False when it could not;
-        ``upload`` overrides what cfg says; ``mqtt_stats`` reads the MQTT transport's counts since start."""
+        ``upload`` overrides what cfg says; ``mqtt_stats`` reads the MQTT transport's counts since start;
+        ``metrics``, the daemon's ``/metrics`` renderer, gets this agent's families and device readings
+        while it runs."""
+        self.metrics = metrics
         self.cfg = cfg
         self.service = service
         self.publish = publish
@@ -150,7 +156,11 @@ class TelemetryAgent:
                     self.uploader = Uploader(self.upload_settings, self.buffer)
                 except EdgedError as e:
                     log.error("telemetry upload disabled: %s (samples are kept in the buffer)", e)
-        prometheus.renderer_for(self.service, self.sampler).collector.telemetry = self
+        if self.metrics is not None:
+            collector = self.metrics.collector
+            collector.telemetry = self
+            if collector.sampler is None:
+                collector.sampler = self.sampler
         baseline = self.sampler.read(0)
         snaps = self.models.snapshot()
         # No model baseline for telemetry: the first window counts each activation from its start,
@@ -206,9 +216,10 @@ class TelemetryAgent:
                 self._guard("final telemetry sample", self.sample_now)
             with contextlib.suppress(OSError):
                 self.write_status(state="stopped")
-        renderer = prometheus.renderer_for(self.service)
-        if renderer.collector.telemetry is self:
-            renderer.collector.telemetry = None
+        if self.metrics is not None and self.metrics.collector.telemetry is self:
+            self.metrics.collector.telemetry = None
+            if self.metrics.collector.sampler is self.sampler:
+                self.metrics.collector.sampler = None
         if self.buffer is not None and not stuck:
             self.buffer.close()
             self.buffer = None

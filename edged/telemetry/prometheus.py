@@ -5,15 +5,16 @@ Names and labels are listed in docs/telemetry.md. Model series carry ``model``,
 which keeps them monotonic when a version is reloaded. Latency histograms use the
 scheduler's own buckets (seconds), so nothing is observed twice.
 
-The HTTP transport serves :func:`render_metrics`; one collector per service is kept for
-the life of the process (a fresh one per scrape would lose the reload carry-over).
+The daemon makes one :class:`MetricsRenderer` per start and hands it to what feeds it (the
+telemetry agent, the MQTT transport: each binds its part while it runs) and to the HTTP
+transport, which serves it; nothing is looked up in a module-level table. A fresh renderer per
+scrape would still count right (the reload carry-over lives in :func:`~edged.telemetry.models.shared`)
+but would lose those bound parts.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -276,23 +277,3 @@ class MetricsRenderer:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-_renderers: weakref.WeakKeyDictionary[InferenceService, MetricsRenderer] = weakref.WeakKeyDictionary()
-_renderers_lock = threading.Lock()
-
-
-def renderer_for(service: InferenceService, sampler: DeviceSampler | None = None) -> MetricsRenderer:
-    """The process-wide renderer of ``service`` (created on first use; a sampler given later is adopted)."""
-    with _renderers_lock:
-        r = _renderers.get(service)
-        if r is None:
-            r = _renderers[service] = MetricsRenderer(service, sampler)
-        elif sampler is not None and r.collector.sampler is None:
-            r.collector.sampler = sampler
-        return r
-
-
-def render_metrics(service: InferenceService, sampler: DeviceSampler | None = None) -> bytes:
-    """The ``/metrics`` body. Blocking (device reads): call it from a thread."""
-    return renderer_for(service, sampler).render()

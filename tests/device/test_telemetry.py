@@ -34,7 +34,7 @@ from edged.telemetry.buffer import TelemetryBuffer
 from edged.telemetry.device import DeviceSampler
 from edged.telemetry.intel_gpu import IntelGpuReader
 from edged.telemetry.nvml import NvmlReader
-from edged.telemetry.prometheus import EdgedCollector, MetricsRenderer, render_metrics
+from edged.telemetry.prometheus import EdgedCollector, MetricsRenderer
 from edged.telemetry.snapshot import read_snapshot
 from edged.telemetry.sysfs import SysRoot
 from edged.telemetry.thermal import read_thermal_zones
@@ -316,10 +316,11 @@ def test_counters_stay_monotonic_across_a_reload(model_repo: Callable[..., Path]
         mgr.shutdown()
 
 
-def test_render_metrics_keeps_one_collector_per_service(digits: InferenceService) -> None:
+def test_a_renderer_renders_the_same_counts_on_every_scrape(digits: InferenceService) -> None:
     send(digits, 2)
-    a = families(render_metrics(digits).decode())
-    b = families(render_metrics(digits).decode())
+    renderer = MetricsRenderer(digits)
+    a = families(renderer.render().decode())
+    b = families(renderer.render().decode())
     assert value(a, "edged_inference_request_success", "edged_inference_request_success_total", **DIGITS) == 2
     assert a["edged_inference_request_success"] == b["edged_inference_request_success"]
     assert isinstance(EdgedCollector(digits), EdgedCollector)
@@ -585,7 +586,8 @@ def test_agent_keeps_sampling_when_mqtt_publish_fails(model_repo: Callable[..., 
         calls.set()
         raise ConnectionError("broker away")
 
-    agent = TelemetryAgent(cfg, svc, publish=broken)
+    metrics = MetricsRenderer(svc)
+    agent = TelemetryAgent(cfg, svc, publish=broken, metrics=metrics)
     try:
         asyncio.run(agent.start())
         send(svc, 3)
@@ -593,7 +595,7 @@ def test_agent_keeps_sampling_when_mqtt_publish_fails(model_repo: Callable[..., 
         s2 = agent.sample_now()
         assert calls.is_set() and agent.publish_failures == 2 and agent.samples_total == 2
         assert sum(m.success for m in s1.models + s2.models) == 3
-        text = families(render_metrics(svc).decode())
+        text = families(metrics.render().decode())
         assert value(text, "edged_telemetry_publish_failures", "edged_telemetry_publish_failures_total") == 2
     finally:
         asyncio.run(agent.stop())

@@ -39,7 +39,7 @@ from edged.registry.service import RegistryError
 from edged.sync.state import Credential, StateStore
 from edged.telemetry.agent import TelemetryAgent
 from edged.telemetry.buffer import BufferStats, TelemetryBuffer
-from edged.telemetry.prometheus import render_metrics
+from edged.telemetry.prometheus import MetricsRenderer
 from edged.telemetry.upload import Outcome, Uploader, UploadSettings, UploadStats
 from tests.netutil import free_port
 
@@ -486,7 +486,8 @@ def test_cap_holds_under_a_long_outage_and_drops_are_reported(ingest: IngestRegi
     settings = UploadSettings(url=ingest.url, state_dir=cfg.device.state_dir, interval_s=0.1, min_backoff_s=0.05,
                               max_backoff_s=0.2, timeout_s=5)
     mgr, svc = make_service(repo)
-    agent = TelemetryAgent(cfg, svc, upload=settings)
+    metrics = MetricsRenderer(svc)
+    agent = TelemetryAgent(cfg, svc, upload=settings, metrics=metrics)
     asyncio.run(agent.start())
     try:
         assert agent.buffer is not None
@@ -499,7 +500,7 @@ def test_cap_holds_under_a_long_outage_and_drops_are_reported(ingest: IngestRegi
         b = bstats(agent)
         assert largest <= cap, f"buffer files reached {largest} bytes, over {cap}"
         assert b.dropped_total == agent.samples_total - b.samples > 0
-        fams = {f.name: f for f in text_string_to_metric_families(render_metrics(svc).decode())}
+        fams = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
         assert fams["edged_telemetry_dropped_samples"].samples[0].value == b.dropped_total
         assert fams["edged_telemetry_buffer_samples"].samples[0].value == b.samples
         kept = b.samples
@@ -553,7 +554,6 @@ def test_rollback_reactivation_and_restart_under_load_count_each_request_once(
         tmp_path: Path, model_repo: Callable[..., Path], write_config: Callable[..., Path]) -> None:
     """The registry's per-version totals equal what the client got answered (minus at most the one request
     in flight at each switch), and /metrics, the status file and the registry agree on the current activation."""
-    from edged.telemetry.prometheus import render_metrics
     from tests.device.test_telemetry import families, value
 
     reg = RealRegistry(tmp_path / "registry")
@@ -575,7 +575,8 @@ def test_rollback_reactivation_and_restart_under_load_count_each_request_once(
 
         def run(during: Callable[[ModelManager, InferenceService, TelemetryAgent], None]) -> None:
             mgr, svc = make_service(repo)  # a daemon (re)start: serves version 2, the latest
-            agent = TelemetryAgent(cfg, svc, upload=settings, status_interval_s=0.2)
+            metrics = MetricsRenderer(svc)
+            agent = TelemetryAgent(cfg, svc, upload=settings, status_interval_s=0.2, metrics=metrics)
             asyncio.run(agent.start())
             try:
                 during(mgr, svc, agent)
@@ -614,7 +615,8 @@ def test_rollback_reactivation_and_restart_under_load_count_each_request_once(
             agent.upload_now()
             wait_until(lambda: bstats(agent).samples == 0, "this run's windows to reach the registry")
             # This activation, three ways: /metrics, the status file, the registry's windows since the restart.
-            fams = families(render_metrics(svc).decode())
+            assert agent.metrics is not None  # the renderer run() handed to the agent
+            fams = families(agent.metrics.render().decode())
             metric = value(fams, "edged_inference_request_success", "edged_inference_request_success_total",
                            model="digits", version="2", backend="onnxruntime")
             (status,) = [m for m in agent.status().models if m.model == "digits"]

@@ -30,6 +30,7 @@ from edged.errors import ConfigError, DeadlineExceededError, EdgedError, ErrorCo
 from edged.profiles import BackendPreference
 from edged.protocol import mqtt as codec
 from edged.protocol.v2 import dumps
+from edged.telemetry.prometheus import MetricsRenderer
 from edged.transports.mqtt.bindings import BindingBuffer, Item, validate_bindings
 from edged.transports.mqtt.connection import MqttOptions
 from edged.transports.mqtt.dedup import RecentKeys
@@ -74,10 +75,11 @@ def broker(tmp_path: Path) -> Iterator[Broker]:
 def transports(service: InferenceService) -> Iterator[Callable[..., MqttTransport]]:
     made: list[MqttTransport] = []
 
-    def make(url: str, extra: str = "", *, device: str = "dev", ready: bool = True, **options: Any) -> MqttTransport:
+    def make(url: str, extra: str = "", *, device: str = "dev", ready: bool = True,
+             metrics: MetricsRenderer | None = None, **options: Any) -> MqttTransport:
         cfg = parse_config(f'[device]\nid = "{device}"\n[mqtt]\nurl = "{url}"\n{extra}')
         opts = dataclasses.replace(MqttOptions.from_config(cfg), **options) if options else None
-        t = MqttTransport(cfg, service, "test-profile", options=opts)
+        t = MqttTransport(cfg, service, "test-profile", options=opts, metrics=metrics)
         asyncio.run(t.start())
         made.append(t)
         if ready:
@@ -775,7 +777,8 @@ def test_qos1_flood_gets_a_reply_for_every_request(tmp_path: Path, transports: C
                                                    digits: Digits, reply_qos: int) -> None:
     broker = Broker(tmp_path / "flood-broker", nodelay=True).start()
     try:
-        t = transports(broker.url, max_pending_replies=16, reply_qos=reply_qos)
+        renderer = MetricsRenderer(digits.service)  # the daemon's /metrics, handed to the transport
+        t = transports(broker.url, max_pending_replies=16, reply_qos=reply_qos, metrics=renderer)
         c = TestClient(broker.port).wait_connected()
         c.subscribe("replies/flood", qos=1)
         n = 1000  # mosquitto queues at most 1000 QoS 1 messages per client (max_queued_messages): no broker drops
@@ -811,9 +814,7 @@ def test_qos1_flood_gets_a_reply_for_every_request(tmp_path: Path, transports: C
         while t.backlog() and time.monotonic() < settle:
             time.sleep(0.01)
         assert t.backlog() == 0
-        from edged.telemetry.prometheus import render_metrics
-
-        metrics = render_metrics(digits.service).decode()
+        metrics = renderer.render().decode()
         assert f"edged_mqtt_overloaded_total {float(kinds['overloaded'])}" in metrics
         assert "edged_mqtt_replies_dropped_total 0.0" in metrics
     finally:

@@ -29,7 +29,7 @@ from edged.transports.http.server import HttpServer, Limits
 from edged.transports.shm.sysshm import SystemShmRegistry
 
 if TYPE_CHECKING:
-    from edged.transports.http.metrics import MetricsEndpoint
+    from edged.telemetry.prometheus import MetricsRenderer
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +109,12 @@ def system_shm_registry(cfg: Config) -> SystemShmRegistry:
 class HttpTransport:
     name = "http"
 
-    def __init__(self, cfg: Config, service: InferenceService, *, shm: SystemShmRegistry | None = None) -> None:
+    def __init__(self, cfg: Config, service: InferenceService, *, shm: SystemShmRegistry | None = None,
+                 metrics: MetricsRenderer | None = None) -> None:
+        """``metrics``: the daemon's ``/metrics`` renderer (others bind their families to it); without
+        one, a renderer of the service's own series is made at the first scrape."""
         self.cfg = cfg
+        self.metrics = metrics
         self.service = service
         self.listen = cfg.http.listen
         self.shm = shm if shm is not None else system_shm_registry(cfg)
@@ -118,7 +122,6 @@ class HttpTransport:
         self.authority = Authority(cfg.control)
         self.app = V2App(service, self.shm, max_body=int(cfg.http.max_request_mb * 1024 * 1024), scrub=scrub,
                          metrics=self._metrics, authority=self.authority)
-        self._metrics_endpoint: MetricsEndpoint | None = None
         h = cfg.http
         self.limits = Limits(max_body=int(h.max_request_mb * 1024 * 1024), keep_alive_s=KEEP_ALIVE_S,
                              max_connections=h.max_connections, max_client_connections=h.max_client_connections,
@@ -128,12 +131,11 @@ class HttpTransport:
         self.address: str = self.listen  # the real address once listening (port 0 resolved)
 
     def _metrics(self) -> tuple[bytes, str]:
-        if self._metrics_endpoint is None:
-            from edged.transports.http.metrics import MetricsEndpoint
+        if self.metrics is None:
+            from edged.telemetry.prometheus import MetricsRenderer
 
-            self._metrics_endpoint = MetricsEndpoint(self.service)
-        ep = self._metrics_endpoint
-        return ep.render(), str(ep.content_type)
+            self.metrics = MetricsRenderer(self.service)
+        return self.metrics.render(), str(self.metrics.content_type)
 
     @property
     def open_connections(self) -> int:

@@ -19,7 +19,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.properties import Properties
@@ -57,6 +57,9 @@ from edged.transports.mqtt.dedup import RecentKeys
 from edged.transports.mqtt.properties import publish_properties
 from edged.transports.mqtt.stall import StallDetector
 from edged.transports.mqtt.status import device_offline, device_online, model_statuses
+
+if TYPE_CHECKING:
+    from edged.telemetry.prometheus import MetricsRenderer
 
 log = logging.getLogger("edged.transports.mqtt.transport")
 
@@ -103,9 +106,11 @@ class MqttTransport:
     name = "mqtt"
 
     def __init__(self, cfg: Config, service: InferenceService, profile_name: str, *,
-                 options: MqttOptions | None = None) -> None:
-        """``options`` overrides what is read from ``cfg`` (tools and tests); errors are ConfigError."""
+                 options: MqttOptions | None = None, metrics: MetricsRenderer | None = None) -> None:
+        """``options`` overrides what is read from ``cfg`` (tools and tests); errors are ConfigError.
+        ``metrics``, the daemon's ``/metrics`` renderer, shows this transport's counts while it runs."""
         self.cfg = cfg
+        self.metrics = metrics
         self.service = service
         self.profile_name = profile_name
         self.options = options or MqttOptions.from_config(cfg)
@@ -172,9 +177,8 @@ class MqttTransport:
                  self.topics.base + "/", len(self.bindings))
         client.connect_async(opts.host, opts.port, keepalive=opts.keepalive_s, **kwargs)
         client.loop_start()
-        from edged.telemetry import prometheus
-
-        prometheus.renderer_for(self.service).collector.mqtt = self.stats
+        if self.metrics is not None:
+            self.metrics.collector.mqtt = self.stats
         self._watch = threading.Thread(target=self._watch_models, name="edged-mqtt-status", daemon=True)
         self._watch.start()
 
@@ -214,11 +218,8 @@ class MqttTransport:
         client.loop_stop()
         if self._watch is not None:
             self._watch.join(1.0)
-        from edged.telemetry import prometheus
-
-        collector = prometheus.renderer_for(self.service).collector
-        if collector.mqtt == self.stats:
-            collector.mqtt = None
+        if self.metrics is not None and self.metrics.collector.mqtt == self.stats:
+            self.metrics.collector.mqtt = None
         log.info("MQTT transport stopped (%s)", self._summary())
 
     def wait_ready(self, timeout: float | None = None) -> bool:
