@@ -50,8 +50,8 @@ def self_test(service: InferenceService, versions: list[ModelVersion], timeout: 
     """
     failures: dict[Key, str] = {}
     for mv in versions:
-        if mv.state is not ModelState.READY:
-            continue
+        if mv.state is not ModelState.READY or mv.pipeline is not None:
+            continue  # a pipeline has no sample input; its models are tested themselves
         if mv.warmup_skipped:  # the same made-up input would be refused again; that is not a fault
             log.warning("model=%s version=%s self-test skipped: %s", mv.name, mv.version, mv.warmup_note,
                         extra=log_fields(mv.name, mv.version, SELF_TEST_ID))
@@ -127,7 +127,9 @@ class Prober:
     async def probe(self, timeout: float) -> ProbeResult:
         """One round: submit where no probe is pending, then wait up to ``timeout`` for all of them."""
         now = time.monotonic()
-        versions = [mv for mv in self.service.manager.table.all() if mv.state is ModelState.READY]
+        # Pipelines are not probed: their models are, and a pipeline has no sample input of its own.
+        versions = [mv for mv in self.service.manager.table.all()
+                    if mv.state is ModelState.READY and mv.pipeline is None]
         live = {(mv.name, mv.version) for mv in versions}
         for key in [k for k in self._pending if k not in live]:
             del self._pending[key]

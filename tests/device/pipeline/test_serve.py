@@ -249,3 +249,17 @@ def test_repository_unload_and_load_a_pipeline(served: tuple[Served, dict[str, t
     assert code == 409 and "classifier" in body["error"] and "nosuch" in body["error"], body
     client = httpclient.InferenceServerClient(s.url)
     assert _infer(client, "orientation_classify", [_jpeg(_page(4))], ["labels"]).as_numpy("labels").shape == (1, 4)
+
+
+def test_start_self_test_and_health_probes_leave_pipelines_to_their_models(
+        served: tuple[Served, dict[str, tuple[str, ...]]]) -> None:
+    """A pipeline has no sample input: the daemon's start self-test and its health probes test its models."""
+    import asyncio
+
+    from edged.systemd.health import Prober, self_test
+
+    s, _ = served
+    assert self_test(s.service, s.manager.table.all(), 60) == {}
+    result = asyncio.run(Prober(s.service).probe(60))
+    assert result.ok and result.checked == 3  # digits, layout, orientation
+    assert _get(s, "/v2/models/layout_detect/ready")[0] == 200
