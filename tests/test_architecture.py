@@ -42,6 +42,10 @@ def test_the_rules_catch_each_kind_of_breach() -> None:
     assert any("shared module edged.errors imports device module edged.config" in v for v in found)
     assert any("edged.core.models imports edged.daemon from below" in v for v in found)
     assert any("cycle" in v and "hardware" in v and "profiles" in v for v in found)
+    # Modules inside one package may not import each other either (the diagram cannot show it).
+    inner = ag.violations({"edged.telemetry.agent": {"edged.telemetry.prometheus"},
+                           "edged.telemetry.prometheus": {"edged.telemetry.agent"}})
+    assert inner == ["module import cycle: edged.telemetry.agent <-> edged.telemetry.prometheus"]
     # The simulator is a part of its own that may use both wings' code.
     assert ag.violations({"edged.registry.sim.device": {"edged.sync.plan", "edged.registry.service"},
                           "edged.sync.plan": set(), "edged.registry.service": set()}) == []

@@ -79,8 +79,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from edged.optimize.pipeline import OptimizeOptions, optimize
+    from edged.optimize.pipeline import optimize
     from edged.optimize.report import render_table, report_dict
+    from edged.optimize.results import OptimizeOptions
 
     try:
         opts = OptimizeOptions(

@@ -17,7 +17,6 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -31,75 +30,16 @@ from edged.optimize import deps, quantize
 from edged.optimize.data import SampleSet, load_labels, load_samples
 from edged.optimize.engines import BACKENDS_FOR_FORMAT, NATIVE_BACKEND, EngineSpec, load_engine, run_outputs
 from edged.optimize.errors import OptimizeInputError
-from edged.optimize.gate import GatePolicy, Metrics, check_labels, judge, measure
+from edged.optimize.gate import GatePolicy, check_labels, judge, measure
 from edged.optimize.modelio import ModelIO, inspect_onnx
 from edged.optimize.progress import Progress
-from edged.optimize.recipes import DEFAULT_VARIANTS, FP32, RECIPES, Recipe
-from edged.optimize.timing import Timing, host_label, time_engine
+from edged.optimize.recipes import FP32, RECIPES, Recipe
+from edged.optimize.results import OptimizeOptions, OptimizeResult, Outcome
+from edged.optimize.timing import host_label, time_engine
 from edged.optimize.writer import check_target, parse_target, publish, stage
 from edged.repository.manifest import ArtifactFile, Variant, VariantTiming
 
-DEFAULT_BACKENDS = ("onnxruntime", "openvino")
 WARMUP_SAMPLES = 4
-
-
-@dataclass(frozen=True)
-class OptimizeOptions:
-    model: Path
-    calibration: Path
-    out: Path
-    eval: Path | None = None
-    labels: Path | None = None
-    max_drop: float = 1.0
-    max_abs_error: float | None = None
-    calibration_method: str = "minmax"
-    calibration_samples: int = 1000
-    max_batch_size: int | None = None
-    variants: tuple[str, ...] = DEFAULT_VARIANTS
-    backends: tuple[str, ...] = DEFAULT_BACKENDS
-    timing_budget_s: float = 1.0
-    threads: int = 0
-    metric_output: str | None = None
-    description: str | None = None
-    reduce_range: bool = True
-    force: bool = False
-    progress: bool = True
-
-
-@dataclass
-class Outcome:
-    """What happened to one variant."""
-
-    recipe: Recipe
-    status: str = "built"  # reference | kept | left out | skipped | failed
-    reasons: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    metrics: Metrics | None = None
-    timings: dict[str, list[Timing]] = field(default_factory=dict)
-    build_s: float = 0.0
-    variant: Variant | None = None
-
-    @property
-    def kept(self) -> bool:
-        return self.status in ("reference", "kept")
-
-
-@dataclass
-class OptimizeResult:
-    out: Path
-    name: str
-    version: int
-    model_io: ModelIO
-    outcomes: list[Outcome]
-    with_labels: bool
-    eval_samples: int
-    calibration_samples: int
-    host: str
-    notes: list[str] = field(default_factory=list)
-    warmup_atol: float = 0.0
-
-    def outcome(self, key: str) -> Outcome:
-        return next(o for o in self.outcomes if o.recipe.key == key)
 
 
 class _Run:

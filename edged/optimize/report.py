@@ -10,7 +10,7 @@ from edged.optimize.writer import manifest_toml
 from edged.repository.manifest import ModelManifest, Warmup
 
 if TYPE_CHECKING:
-    from edged.optimize.pipeline import OptimizeOptions, OptimizeResult, Outcome
+    from edged.optimize.results import OptimizeOptions, OptimizeResult, Outcome
 
 # Differences smaller than this are within run-to-run timing noise on a busy small device.
 SLOWER_MARGIN = 0.03

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -31,7 +31,8 @@ from edged.telemetry.models import shared
 from edged.telemetry.readings import DeviceReading
 
 if TYPE_CHECKING:
-    from edged.telemetry.agent import TelemetryAgent
+    from edged.telemetry.buffer import BufferStats
+    from edged.telemetry.upload import UploadStats
 
 log = logging.getLogger(__name__)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -55,11 +56,22 @@ def _batch_buckets(batches: dict[int, int]) -> tuple[list[tuple[str, float]], fl
     return out, float(sum(bs * n for bs, n in batches.items()))
 
 
+class TelemetryCounts(Protocol):
+    """What ``/metrics`` reads of the telemetry agent (which binds itself while it runs)."""
+
+    samples_total: int
+    publish_failures: int
+
+    def buffer_stats(self) -> BufferStats | None: ...
+
+    def upload_stats(self) -> UploadStats | None: ...
+
+
 class EdgedCollector:
     """A prometheus_client collector: model metrics always, device metrics with a sampler, telemetry when bound."""
 
     def __init__(self, service: InferenceService, device_sampler: DeviceSampler | None = None, *,
-                 telemetry: TelemetryAgent | None = None, prefix: str = "edged") -> None:
+                 telemetry: TelemetryCounts | None = None, prefix: str = "edged") -> None:
         self.service = service
         self.sampler = device_sampler
         self.telemetry = telemetry
@@ -234,7 +246,7 @@ class EdgedCollector:
         return out
 
     # ---- telemetry ------------------------------------------------------------------------------
-    def _telemetry_families(self, agent: TelemetryAgent) -> Iterable[Metric]:
+    def _telemetry_families(self, agent: TelemetryCounts) -> Iterable[Metric]:
         p = self.prefix
         out: list[Metric] = []
 
