@@ -80,10 +80,10 @@ def _when(ts: float | None) -> str:
     return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def _ago(ts: float | None) -> str:
+def _ago(ts: float | None, now: float | None = None) -> str:
     if ts is None:
         return "never"
-    d = max(0.0, time.time() - ts)
+    d = max(0.0, (time.time() if now is None else now) - ts)
     if d < 90:
         return f"{d:.0f} s ago"
     if d < 5400:
@@ -167,6 +167,7 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
     router = APIRouter(prefix=PREFIX, include_in_schema=False)
     poll_s = settings.dashboard_poll_s
     online_s = settings.dashboard_online_s
+    fleet_cache = views.FleetCache(ttl_s=poll_s)
 
     @contextlib.contextmanager
     def rtx() -> Iterator[DbSession]:
@@ -178,6 +179,7 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
                 "Cache-Control": "no-store", "X-Frame-Options": "DENY", **(extra or {})}
 
     def session_of(request: Request, *, live: bool = False) -> Session:
+        request.state.t0 = time.perf_counter()  # for the Server-Timing header of what it answers
         sess = auth.check(request.cookies.get(COOKIE))
         if sess is None:
             raise LoginRequiredError(live)
@@ -194,11 +196,14 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
         etag = _etag(live)
         if request.query_params.get("part") == "live":
             inm = request.headers.get("if-none-match")
+            timing = {"ETag": etag, "Server-Timing": f"app;dur={(time.perf_counter() - request.state.t0) * 1e3:.1f}"}
             if inm is not None and etag in [t.strip() for t in inm.split(",")]:
-                return Response(status_code=304, headers=headers({"ETag": etag}))
-            return HTMLResponse(live, headers=headers({"ETag": etag}))
+                return Response(status_code=304, headers=headers(timing))
+            return HTMLResponse(live, headers=headers(timing))
         here = request.url.path + ("?" + request.url.query if request.url.query else "")
-        return render(template, title=title, nav=nav, csrf=sess.csrf, live=live, live_etag=etag, here=here, **ctx)
+        resp = render(template, title=title, nav=nav, csrf=sess.csrf, live=live, live_etag=etag, here=here, **ctx)
+        resp.headers["Server-Timing"] = f"app;dur={(time.perf_counter() - request.state.t0) * 1e3:.1f}"
+        return resp
 
     async def form_of(request: Request) -> dict[str, str]:
         if request.headers.get("content-type", "").split(";")[0].strip() != "application/x-www-form-urlencoded":
@@ -285,8 +290,8 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
         except ValueError:
             offset = 0
         with rtx() as s:
-            data = views.fleet(s, snapshots.get(s.connection()), flt, online_s=online_s, limit=FLEET_PAGE,
-                               offset=offset)
+            every = fleet_cache.get(s, snapshots.get(s.connection()), online_s=online_s)
+        data = views.fleet(every, flt, limit=FLEET_PAGE, offset=offset)
         return page(request, "fleet.html", "fleet_live.html",
                     title="Fleet", nav="fleet", sess=sess, fleet=data, flt=flt,
                     page_size=FLEET_PAGE)

@@ -9,21 +9,24 @@ cached release snapshot), so the page and the devices never disagree about it.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import select
+import orjson
+from sqlalchemy import Text, cast, select
 from sqlalchemy.orm import Session
 
 from edged.protocol.fleet.telemetry import HistCounts
 from edged.registry import desired as desired_state
 from edged.registry import rollouts, service
 from edged.registry.db import DeviceModelRow, DeviceRow, ModelRow, ReleaseRow, VersionRow
+from edged.registry.gates import NOT_MODEL_ERRORS, Side
 from edged.registry.rollout_wire import RolloutInfo, RolloutStatus
-from edged.registry.telemetry_ingest import ModelSummary, device_series, model_summary
+from edged.registry.telemetry_ingest import ModelSummary, device_series
 from edged.registry.telemetry_tables import TelemetryModelRow
 
 ENGINE_RECENT_S = 300.0
@@ -57,6 +60,10 @@ class FleetRow:
     serving: list[Serving]
     last_error: str | None
 
+    @property
+    def off_target(self) -> bool:
+        return any(not sv.on_target for sv in self.serving)
+
 
 @dataclass
 class Fleet:
@@ -66,6 +73,7 @@ class Fleet:
     models: list[str]
     profiles: list[str]
     label_keys: list[str]
+    at: float  # when the lines were read: "last contact" is relative to it, so an unchanged read renders the same
     shown_from: int = 0
 
 
@@ -85,14 +93,20 @@ def accelerator_of(facts: dict[str, Any]) -> str:
 Engines = dict[str, dict[str, tuple[float, str, int]]]  # device -> model -> (t, engine, version)
 
 
-def _recent_engines(s: Session, models: list[str], now: float) -> Engines:
-    """Per (device, model), the engine and version of its latest telemetry sample in the last few minutes."""
+def _recent_engines(s: Session, models: list[str], now: float, device_id: str | None = None) -> Engines:
+    """Per (device, model), the engine and version of its latest telemetry sample in the last few minutes.
+
+    One statement per model, so that each is a range of the (model, t) index.
+    """
     out: Engines = defaultdict(dict)
+    conn = s.connection()
     for m in models:
         q = (select(TelemetryModelRow.device_id, TelemetryModelRow.t, TelemetryModelRow.backend,
                     TelemetryModelRow.version)
              .where(TelemetryModelRow.model == m, TelemetryModelRow.t >= now - ENGINE_RECENT_S))
-        for dev, t, backend, version in s.execute(q):
+        if device_id is not None:
+            q = q.where(TelemetryModelRow.device_id == device_id)
+        for dev, t, backend, version in conn.execute(q):
             mine = out[dev]
             if m not in mine or mine[m][0] < t:
                 mine[m] = (t, backend, version)
@@ -109,6 +123,17 @@ class FleetFilter:
     def label_pair(self) -> tuple[str, str] | None:
         key, sep, value = self.label.partition("=")
         return (key.strip(), value.strip()) if sep and key.strip() else None
+
+    def keeps(self, row: FleetRow) -> bool:
+        pair = self.label_pair()
+        if pair is not None and row.labels.get(pair[0]) != pair[1]:
+            return False
+        if self.model and self.model not in {sv.model for sv in row.serving}:
+            return False
+        if self.profile and row.profile != self.profile:
+            return False
+        return not self.state or {"online": row.online, "offline": not row.online, "off-target": row.off_target,
+                                  "error": row.last_error is not None}.get(self.state, True)
 
 
 def _row(dev_id: str, *, labels: dict[str, str], facts: dict[str, Any], last_seen_at: float | None,
@@ -139,64 +164,108 @@ def _row(dev_id: str, *, labels: dict[str, str], facts: dict[str, Any], last_see
                     accelerator=accelerator_of(facts), serving=serving, last_error=last_error)
 
 
-def fleet(s: Session, snap: desired_state.Snapshot, flt: FleetFilter, *, online_s: float, limit: int,
-          offset: int = 0, now: float | None = None) -> Fleet:
+@dataclass
+class FleetRows:
+    """Every device's line, worked out at ``at`` from the snapshot of ``revision``: what pages filter."""
+
+    rows: list[FleetRow]
+    models: list[str]
+    revision: int
+    at: float
+
+
+def _json(raw: Any) -> Any:
+    """A JSON column read as text (one fast parse instead of the driver's per-type processing)."""
+    return orjson.loads(raw) if isinstance(raw, (str, bytes)) else raw
+
+
+def fleet_rows(s: Session, snap: desired_state.Snapshot, *, online_s: float, now: float | None = None) -> FleetRows:
+    """The whole fleet in three statements: devices, their per-model rows, recent engines from telemetry.
+
+    JSON columns are read as text and parsed here: at 10,000 devices the driver's JSON
+    processing was a third of the page's time.
+    """
     now = time.time() if now is None else now
-    model_names = {mid: name for mid, name in s.execute(select(ModelRow.id, ModelRow.name))}
-    q = (select(DeviceRow.id, DeviceRow.admin_labels, DeviceRow.facts, DeviceRow.serving, DeviceRow.last_seen_at,
-                DeviceModelRow.model_id, DeviceModelRow.pinned_release_id, DeviceModelRow.state,
-                DeviceModelRow.release_number, DeviceModelRow.reason, DeviceModelRow.updated_at)
-         .select_from(DeviceRow).outerjoin(DeviceModelRow, DeviceModelRow.device_id == DeviceRow.id)
-         .order_by(DeviceRow.id))
+    conn = s.connection()
+    model_names = {mid: name for mid, name in conn.execute(select(ModelRow.id, ModelRow.name))}
+    per_dev: dict[str, list[Any]] = defaultdict(list)
+    for r in conn.execute(select(DeviceModelRow.device_id, DeviceModelRow.model_id, DeviceModelRow.pinned_release_id,
+                                 DeviceModelRow.state, DeviceModelRow.release_number, DeviceModelRow.reason,
+                                 DeviceModelRow.updated_at)):
+        per_dev[r.device_id].append(r)
     engines = _recent_engines(s, sorted(model_names.values()), now)
-    by_dev: dict[str, list[Any]] = defaultdict(list)
-    for r in s.execute(q):
-        by_dev[r.id].append(r)
-    counts: Counter[str] = Counter()
-    profiles: set[str] = set()
-    label_keys: set[str] = set()
     rows: list[FleetRow] = []
-    want_label = flt.label_pair()
-    for dev_id, rs in by_dev.items():
-        first = rs[0]
-        labels = {str(k): str(v) for k, v in (first.admin_labels or {}).items()}
-        facts = first.facts or {}
+    q = select(DeviceRow.id, cast(DeviceRow.admin_labels, Text), cast(DeviceRow.facts, Text),
+               cast(DeviceRow.serving, Text), DeviceRow.last_seen_at).order_by(DeviceRow.id)
+    for dev_id, labels_raw, facts_raw, serving_raw, last_seen_at in conn.execute(q):
+        labels = {str(k): str(v) for k, v in (_json(labels_raw) or {}).items()}
+        facts = _json(facts_raw) or {}
         view = desired_state.DeviceView(id=dev_id, credential_hash="", labels=labels, facts=facts,
-                                        last_seen_at=first.last_seen_at, models={})
+                                        last_seen_at=last_seen_at, models={})
         last_error: tuple[float, str] | None = None
-        for r in rs:
-            if r.model_id is None:
-                continue
+        for r in per_dev.get(dev_id, ()):
             view.models[r.model_id] = desired_state.DeviceModelView(r.pinned_release_id, r.state, r.release_number)
             if r.state in ERROR_STATES and r.reason and (last_error is None or (r.updated_at or 0) > last_error[0]):
                 last_error = (r.updated_at or 0.0, f"{model_names.get(r.model_id, '?')}: {r.reason}")
         wants = {rv.model: rv for rv in desired_state.decide(snap, view).releases}
-        row = _row(dev_id, labels=labels, facts=facts, last_seen_at=first.last_seen_at, serving_json=first.serving,
-                   wants=wants, engines=engines, last_error=last_error[1] if last_error else None,
-                   online_s=online_s, now=now)
+        rows.append(_row(dev_id, labels=labels, facts=facts, last_seen_at=last_seen_at,
+                         serving_json=_json(serving_raw), wants=wants, engines=engines,
+                         last_error=last_error[1] if last_error else None, online_s=online_s, now=now))
+    return FleetRows(rows=rows, models=sorted(model_names.values()), revision=snap.revision, at=now)
+
+
+def fleet(all_rows: FleetRows, flt: FleetFilter, *, limit: int, offset: int = 0) -> Fleet:
+    """Counts over the whole fleet, and one page of the devices the filter keeps."""
+    counts: Counter[str] = Counter({k: 0 for k in ("devices", "online", "offline", "off-target", "error")})
+    profiles: set[str] = set()
+    label_keys: set[str] = set()
+    kept: list[FleetRow] = []
+    for row in all_rows.rows:
         profiles.add(row.profile)
-        label_keys.update(labels)
-        off_target = any(not sv.on_target for sv in row.serving)
-        online = row.online
+        label_keys.update(row.labels)
         counts["devices"] += 1
-        counts["online" if online else "offline"] += 1
-        counts["off-target"] += off_target
-        counts["error"] += last_error is not None
-        if want_label is not None and labels.get(want_label[0]) != want_label[1]:
-            continue
-        if flt.model and flt.model not in {sv.model for sv in row.serving}:
-            continue
-        if flt.profile and row.profile != flt.profile:
-            continue
-        if flt.state and not {"online": online, "offline": not online, "off-target": off_target,
-                              "error": last_error is not None}.get(flt.state, True):
-            continue
-        rows.append(row)
-    for k in ("devices", "online", "offline", "off-target", "error"):
-        counts.setdefault(k, 0)
-    return Fleet(rows=rows[offset:offset + limit], matching=len(rows), counts=dict(counts),
-                 models=sorted(model_names.values()), profiles=sorted(profiles), label_keys=sorted(label_keys),
-                 shown_from=offset)
+        counts["online" if row.online else "offline"] += 1
+        counts["off-target"] += row.off_target
+        counts["error"] += row.last_error is not None
+        if flt.keeps(row):
+            kept.append(row)
+    return Fleet(rows=kept[offset:offset + limit], matching=len(kept), counts=dict(counts),
+                 models=all_rows.models, profiles=sorted(profiles), label_keys=sorted(label_keys),
+                 at=all_rows.at, shown_from=offset)
+
+
+class FleetCache:
+    """The fleet's lines shared by every open page, read again at most every ``ttl_s``.
+
+    Working out every device's line is the dashboard's one costly read (about a second at
+    10,000 devices on a small machine). With this cache any number of open fleet pages,
+    filters and pages cost the registry one such read per period, concurrent requests wait
+    for the read in progress instead of starting their own, and the period stretches to
+    ``cost_factor`` times the last read's duration, so that open dashboards never take more
+    than about 1/cost_factor of one core however large the fleet. A release or rollout
+    change (a new snapshot revision) is shown at the next request.
+    """
+
+    def __init__(self, ttl_s: float, cost_factor: float = 10.0) -> None:
+        self.ttl_s = ttl_s
+        self.cost_factor = cost_factor
+        self._lock = threading.Lock()
+        self._rows: FleetRows | None = None
+        self._at = -1e18
+        self._cost_s = 0.0
+        self.reads = 0
+
+    def get(self, s: Session, snap: desired_state.Snapshot, *, online_s: float) -> FleetRows:
+        with self._lock:
+            cur = self._rows
+            period = max(self.ttl_s, self.cost_factor * self._cost_s)
+            if cur is None or cur.revision != snap.revision or time.monotonic() - self._at >= period:
+                t0 = time.monotonic()
+                cur = fleet_rows(s, snap, online_s=online_s)
+                self._at = time.monotonic()
+                self._rows, self._cost_s = cur, self._at - t0
+                self.reads += 1
+            return cur
 
 
 # ---- charts -----------------------------------------------------------------------------------------
@@ -300,11 +369,11 @@ def device(s: Session, snap: desired_state.Snapshot, device_id: str, *, online_s
     dev = s.get_one(DeviceRow, device_id)
     view, _ = desired_state.lookup_device(s.connection(), device_id)
     wants = {rv.model: rv for rv in desired_state.decide(snap, view).releases} if view is not None else {}
-    names = list(s.scalars(select(ModelRow.name)))
     now = time.time()
     errs = [m for m in info.models if m.state in ERROR_STATES and m.reason]
     row = _row(device_id, labels=dev.effective_labels(), facts=dev.facts, last_seen_at=dev.last_seen_at,
-               serving_json=dev.serving, wants=wants, engines=_recent_engines(s, names, now),
+               serving_json=dev.serving, wants=wants,
+               engines=_recent_engines(s, list(s.scalars(select(ModelRow.name))), now, device_id),
                last_error=f"{errs[-1].model}: {errs[-1].reason}" if errs else None, online_s=online_s, now=now)
     serving = row.serving
     models = sorted({m.model for m in info.models} | {sv.model for sv in serving})
@@ -321,6 +390,10 @@ class VersionView:
     created_at: float | None
     devices: int
     summary: ModelSummary
+    side: Side  # the version's requests as a rollout gate counts them (model errors only)
+    base: int | None = None  # the next older version with requests in the window: what the gates compare with
+    error_delta: float | None = None  # model-error rate minus the base's (the error_rate gate's value)
+    p99_ratio: float | None = None  # p99 over the base's (the p99_ratio gate's value)
 
 
 @dataclass
@@ -331,22 +404,95 @@ class ModelView:
     charts: list[Chart]
 
 
+MAX_MODEL_SAMPLES = 200_000
+
+
+@dataclass
+class _Acc:
+    """One version's (or one chart bucket's) telemetry added up: requests, failures, merged histogram."""
+
+    success: int = 0
+    failures: int = 0
+    hist: Any = None  # numpy counts, summed
+    total_s: float = 0.0
+    devices: set[str] = field(default_factory=set)
+    samples: int = 0
+    by_code: Counter[str] = field(default_factory=Counter)
+
+    def add(self, success: int, failures: int, counts: Any, total_s: float) -> None:
+        self.success += success
+        self.failures += failures
+        self.hist = counts if self.hist is None else self.hist + counts
+        self.total_s += total_s
+        self.samples += 1
+
+    def histogram(self) -> HistCounts:
+        size = len(HistCounts().counts)
+        return HistCounts([int(c) for c in self.hist] if self.hist is not None else [0] * size, self.total_s)
+
+
+def _counts(raw: Any, size: int) -> Any:
+    import numpy as np
+
+    c = np.zeros(size, dtype=np.int64)
+    vals = _json(raw) or []
+    n = min(size, len(vals))
+    c[:n] = vals[:n]
+    return c
+
+
 def models(s: Session, since: float, *, bucket_s: float) -> list[ModelView]:
+    """Every model with its versions' fleet telemetry side by side: one read of each model's samples.
+
+    The per-version figures are the same merge of histograms the rollout gates make
+    (:class:`HistCounts`); at most ``MAX_MODEL_SAMPLES`` newest samples per model are read.
+    """
+    conn = s.connection()
+    running: dict[str, Counter[Any]] = defaultdict(Counter)
+    for raw, in conn.execute(select(cast(DeviceRow.serving, Text))):
+        for sm in _json(raw) or []:
+            running[str(sm.get("model"))][sm.get("version")] += 1
+    size = len(HistCounts().counts)
     out = []
     for m in s.scalars(select(ModelRow).order_by(ModelRow.name)):
-        running = Counter(sm.get("version") for sv, in s.execute(select(DeviceRow.serving)) for sm in sv or []
-                          if sm.get("model") == m.name)
+        per_version: dict[int, _Acc] = defaultdict(_Acc)
+        buckets: dict[tuple[float, int], _Acc] = defaultdict(_Acc)
+        q = (select(TelemetryModelRow.version, TelemetryModelRow.t, TelemetryModelRow.device_id,
+                    TelemetryModelRow.success, TelemetryModelRow.failures,
+                    cast(TelemetryModelRow.failures_by_code, Text), cast(TelemetryModelRow.latency_counts, Text),
+                    TelemetryModelRow.latency_sum_s)
+             .where(TelemetryModelRow.model == m.name, TelemetryModelRow.t >= since)
+             .order_by(TelemetryModelRow.t.desc()).limit(MAX_MODEL_SAMPLES))
+        for version, t, dev, success, failures, codes, counts_raw, sum_s in conn.execute(q):
+            counts = _counts(counts_raw, size)
+            acc = per_version[version]
+            acc.add(success, failures, counts, sum_s)
+            acc.devices.add(dev)
+            for code, n in (_json(codes) or {}).items():
+                acc.by_code[str(code)] += int(n)
+            buckets[(t // bucket_s * bucket_s, version)].add(success, failures, counts, sum_s)
         pushed = {v.version: v for v in s.scalars(select(VersionRow).where(VersionRow.model_id == m.id))}
-        seen = set(s.scalars(select(TelemetryModelRow.version).distinct().where(
-            TelemetryModelRow.model == m.name, TelemetryModelRow.t >= since)))
+        here = running.get(m.name, Counter())
         # versions devices run or report that were never pushed (installed locally) are shown too
-        numbers = sorted(set(pushed) | seen | {v for v in running if isinstance(v, int)}, reverse=True)
-        versions = [VersionView(version=n, size=pushed[n].total_size if n in pushed else None,
-                                created_at=pushed[n].created_at if n in pushed else None,
-                                devices=running.get(n, 0), summary=model_summary(s, m.name, version=n, since=since))
-                    for n in numbers]
-        vnum = dict(s.execute(select(VersionRow.id, VersionRow.version).where(VersionRow.model_id == m.id)).all())
-        rel_devices = Counter(n for n, in s.execute(select(DeviceModelRow.release_number).where(
+        numbers = sorted(set(pushed) | set(per_version) | {v for v in here if isinstance(v, int)}, reverse=True)
+        versions = []
+        for n in numbers:
+            acc = per_version.get(n, _Acc())
+            h = acc.histogram()
+            total = acc.success + acc.failures
+            summary = ModelSummary(model=m.name, version=n, since=since, until=None, devices=len(acc.devices),
+                                   samples=acc.samples, success=acc.success, failures=acc.failures,
+                                   failures_by_code=dict(sorted(acc.by_code.items())),
+                                   error_rate=acc.failures / total if total else None, p50_s=h.quantile(0.5),
+                                   p90_s=h.quantile(0.9), p99_s=h.quantile(0.99))
+            side = Side(ok=acc.success, errors=sum(c for code, c in acc.by_code.items()
+                                                   if code not in NOT_MODEL_ERRORS), hist=h)
+            versions.append(VersionView(version=n, size=pushed[n].total_size if n in pushed else None,
+                                        created_at=pushed[n].created_at if n in pushed else None,
+                                        devices=here.get(n, 0), summary=summary, side=side))
+        compare(versions)
+        vnum = dict(conn.execute(select(VersionRow.id, VersionRow.version).where(VersionRow.model_id == m.id)).all())
+        rel_devices = Counter(n for n, in conn.execute(select(DeviceModelRow.release_number).where(
             DeviceModelRow.model_id == m.id, DeviceModelRow.state == "committed")))
         releases = [{"number": r.number, "version": vnum.get(r.version_id), "key_id": r.key_id,
                      "signature": r.signature, "issued_at": r.issued_at, "expires_at": r.expires_at,
@@ -355,23 +501,28 @@ def models(s: Session, since: float, *, bucket_s: float) -> list[ModelView]:
                     for r in s.scalars(select(ReleaseRow).where(ReleaseRow.model_id == m.id)
                                        .order_by(ReleaseRow.number.desc()))]
         out.append(ModelView(name=m.name, versions=versions, releases=releases,
-                             charts=version_charts(s, m.name, since, bucket_s)))
+                             charts=version_charts(m.name, buckets, bucket_s)))
     return out
 
 
-def version_charts(s: Session, model: str, since: float, bucket_s: float) -> list[Chart]:
+def compare(versions: list[VersionView]) -> None:
+    """Each version against the next older one with requests: the two figures the telemetry gates judge."""
+    for i, v in enumerate(versions):
+        base = next((b for b in versions[i + 1:] if b.side.total), None)
+        if base is None or not v.side.total:
+            continue
+        v.base = base.version
+        v.error_delta = v.side.error_rate - base.side.error_rate
+        p_new, p_base = v.side.p99_s(), base.side.p99_s()
+        v.p99_ratio = p_new / p_base if p_new is not None and p_base else None
+
+
+def version_charts(model: str, buckets: dict[tuple[float, int], _Acc], bucket_s: float) -> list[Chart]:
     """Per-version fleet series side by side: what a rollout's telemetry gates compare."""
-    reqs: dict[tuple[float, int], float] = defaultdict(float)
-    errs: dict[tuple[float, int], float] = defaultdict(float)
-    hists: dict[tuple[float, int], HistCounts] = {}
-    for r in _model_rows(s, model, since):
-        key = (r.t // bucket_s * bucket_s, r.version)
-        reqs[key] += r.success + r.failures
-        errs[key] += r.failures
-        hists[key] = hists[key].plus(_hist(r)) if key in hists else _hist(r)
-    rate = [(t, f"v{v} req/s", round(n / bucket_s, 3)) for (t, v), n in reqs.items()]
-    erate = [(t, f"v{v} error %", round(100 * errs[(t, v)] / n, 3) if n else None) for (t, v), n in reqs.items()]
-    p99 = [(t, f"v{v} p99", _ms(h.quantile(0.99))) for (t, v), h in hists.items()]
+    rate = [(t, f"v{v} req/s", round((a.success + a.failures) / bucket_s, 3)) for (t, v), a in buckets.items()]
+    erate = [(t, f"v{v} error %", round(100 * a.failures / (a.success + a.failures), 3)
+              if a.success + a.failures else None) for (t, v), a in buckets.items()]
+    p99 = [(t, f"v{v} p99", _ms(a.histogram().quantile(0.99))) for (t, v), a in buckets.items()]
     return [_chart(f"{model}-rate", f"{model}: fleet requests per second by version", "/s", rate),
             _chart(f"{model}-errors", f"{model}: error rate by version", "%", erate),
             _chart(f"{model}-p99", f"{model}: fleet p99 by version (merged histograms)", "ms", p99)]

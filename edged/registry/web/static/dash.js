@@ -56,6 +56,7 @@
     url += (url.indexOf("?") < 0 ? "?" : "&") + "part=live";
     var status = document.getElementById("updated");
     var busy = false;
+    var failed = false;
 
     function poll() {
       if (busy || document.hidden) { return; }
@@ -72,11 +73,18 @@
           if (html !== null && html !== undefined) {
             live.innerHTML = html;
             drawCharts(live);
+            // the status line is a polite live region: say something only when the page changed
+            if (status) { status.textContent = "Updated at " + new Date().toLocaleTimeString() + "."; }
+          } else if (failed && status) {
+            status.textContent = "Up to date again at " + new Date().toLocaleTimeString() + ".";
           }
-          if (status) { status.textContent = "Up to date at " + new Date().toLocaleTimeString() + "."; }
+          failed = false;
           live.setAttribute("data-polls", String(parseInt(live.getAttribute("data-polls") || "0", 10) + 1));
         })
-        .catch(function (e) { if (status) { status.textContent = "Update failed (" + e.message + "); retrying."; } })
+        .catch(function (e) {
+          failed = true;
+          if (status) { status.textContent = "Update failed (" + e.message + "); retrying."; }
+        })
         .then(function () { busy = false; });
     }
     setInterval(poll, interval);
