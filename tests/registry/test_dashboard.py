@@ -188,8 +188,11 @@ class Page:
         self.d.get(self.base + path)
 
     def text(self, css: str) -> str:
-        els = self.d.find_elements(self.by.CSS_SELECTOR, css)
-        return str(els[0].text) if els else ""
+        def once() -> str:
+            els = self.d.find_elements(self.by.CSS_SELECTOR, css)
+            return str(els[0].text) if els else ""
+
+        return str(self.read(once))
 
     def all(self, css: str) -> list[Any]:
         return list(self.d.find_elements(self.by.CSS_SELECTOR, css))
@@ -207,6 +210,17 @@ class Page:
             return wait_for(safe, timeout, what)
         except AssertionError as e:
             raise AssertionError(f"{e}; the page showed:\n{self.text('main')[:3000]}") from None
+
+    def read(self, fn: Callable[[], Any]) -> Any:
+        """fn's value, read again when a live update replaced the elements it was reading."""
+        from selenium.common.exceptions import StaleElementReferenceException
+
+        for _ in range(20):
+            try:
+                return fn()
+            except StaleElementReferenceException:
+                continue
+        return fn()
 
     def screenshot(self, name: str) -> None:
         """Desktop and phone width; at phone width the page itself must not scroll sideways."""
@@ -285,7 +299,7 @@ def test_dashboard_in_chromium(world: World, browser: Any, shots: Path) -> None:
     p.until(lambda: all("digits v1" in r["serves"] and r["state"].startswith("online")
                         for d, r in fleet_rows(p).items() if d != "unplugged") and len(fleet_rows(p)) == N + 1,
             "three online daemons serving digits v1 on the fleet page")
-    rows = fleet_rows(p)
+    rows = p.read(lambda: fleet_rows(p))
     assert rows["unplugged"]["state"].startswith("offline")
     assert p.text("#count-devices") == str(N + 1) and p.text("#count-online") == str(N)
     assert p.text("#count-offline") == "1"
@@ -300,11 +314,12 @@ def test_dashboard_in_chromium(world: World, browser: Any, shots: Path) -> None:
         return bool(rows) and all(r["state"].startswith(state) for r in rows.values())
 
     filter_fleet(p, state="offline")
-    p.until(lambda: "unplugged" in fleet_rows(p) and only("offline"), "only offline devices listed")
-    assert p.text("#count-devices") == str(N + 1) and f"{len(fleet_rows(p))} match" in p.text("#live")
+    # (reads of the live region go through p.until: a poll may replace it mid-read)
+    p.until(lambda: "unplugged" in fleet_rows(p) and only("offline") and p.text("#count-devices") == str(N + 1)
+            and f"{len(fleet_rows(p))} match" in p.text("#live"), "only offline devices listed, the fleet counted")
     polls = p.polls()
     p.until(lambda: p.polls() > polls, "a live update of the filtered page")
-    assert "unplugged" in fleet_rows(p) and only("offline")
+    p.until(lambda: "unplugged" in fleet_rows(p) and only("offline"), "the live update still filtered")
     filter_fleet(p, state="online")
     p.until(lambda: "unplugged" not in fleet_rows(p) and only("online"), "only online devices listed")
     filter_fleet(p, label="fleet=dash-test")
@@ -327,13 +342,13 @@ def test_dashboard_in_chromium(world: World, browser: Any, shots: Path) -> None:
             and dict(p.d.execute_script(drawn)).get("chart-load", 0) > 0
             and dict(p.d.execute_script(drawn)).get("chart-latency", 0) > 0
             and p.all("#chart-rate canvas"), "the device's request and load charts drawn from telemetry", 90)
-    label = p.d.find_element(p.by.CSS_SELECTOR, "#chart-rate .plot").get_attribute("aria-label")
+    label = p.read(lambda: p.d.find_element(p.by.CSS_SELECTOR, "#chart-rate .plot").get_attribute("aria-label"))
     assert "digits v1 req/s" in label, label
-    latency = p.d.find_element(p.by.CSS_SELECTOR, "#chart-latency .plot").get_attribute("aria-label")
+    latency = p.read(lambda: p.d.find_element(p.by.CSS_SELECTOR, "#chart-latency .plot").get_attribute("aria-label"))
     assert "digits v1 p99 latest" in latency and "latest none" not in latency.split("p99")[1], latency
     assert "digits" in p.text("#device-models") and "onnxruntime" in p.text("#device-models")
     p.until(lambda: dict(p.d.execute_script(drawn)).get("chart-memory", 0) > 0, "the memory chart")
-    memory = p.d.find_element(p.by.CSS_SELECTOR, "#chart-memory .plot").get_attribute("aria-label")
+    memory = p.read(lambda: p.d.find_element(p.by.CSS_SELECTOR, "#chart-memory .plot").get_attribute("aria-label"))
     assert "used MB latest" in memory and "edged RSS MB latest" in memory, memory
     p.screenshot("device")
     # a chosen window: the charts are drawn again over the last hour
@@ -370,8 +385,8 @@ def test_dashboard_in_chromium(world: World, browser: Any, shots: Path) -> None:
     # -- a broken release: halts in its first step with the failure-rate gate over its limit
     bad = start_rollout(p, w.signed(3), "50, 100", min_devices=2, soak_s=0.5, max_failure_pct=10, min_reporting=2)
     p.until(lambda: p.text("#rollout-state") == "halted", "the broken rollout halted, on the page", 90)
-    gate = p.all("#gates tr[data-gate='failure_rate'] td")
-    assert gate and float(gate[0].text) > float(gate[1].text) and gate[3].text == "CROSSED", [g.text for g in gate]
+    gate = p.read(lambda: [c.text for c in p.all("#gates tr[data-gate='failure_rate'] td")])
+    assert gate and float(gate[0]) > float(gate[1]) and gate[3] == "CROSSED", gate
     assert "failure_rate" in p.text("#rollout-reason")
     assert p.text("#rollout-step").startswith("1 of 2")
     p.screenshot("rollout-halted")
@@ -402,14 +417,14 @@ def test_dashboard_in_chromium(world: World, browser: Any, shots: Path) -> None:
     # -- models and releases: versions, signatures, who runs what, per-version telemetry side by side
     p.open("/ui/models")
     p.until(lambda: p.all("tr[data-release]") and p.all("tr[data-version='3']"), "the models page")
-    releases = {r.get_attribute("data-release"): r.text for r in p.all("tr[data-release]")}
+    releases = p.read(lambda: {r.get_attribute("data-release"): r.text for r in p.all("tr[data-release]")})
     key_id = w.client.releases(MODEL)[0].key_id
     assert len(releases) == 2 and all(key_id in t for t in releases.values()), releases
     v1 = p.text("tr[data-version='1']").split()
     assert v1[0] == "v1" and int(v1[1]) == N and int(v1[2]) >= N * 5, v1  # devices running it, requests
     # version 2 against version 1, the figures the telemetry gates judge: error-rate change and p99 ratio
     p.until(lambda: "v1" in p.text("tr[data-version='2'] td:nth-of-type(7)"), "version 2 compared with version 1")
-    cells = [c.text for c in p.all("tr[data-version='2'] td")]
+    cells = p.read(lambda: [c.text for c in p.all("tr[data-version='2'] td")])
     assert int(cells[1]) >= N * 5 and cells[7] == "+0.00 pp" and cells[8].endswith("\u00d7"), cells
     assert float(cells[8].rstrip("\u00d7")) > 0
     p.until(lambda: int(dict(p.d.execute_script(drawn)).get("chart-digits-rate", 0)) > 0, "the per-version chart")
