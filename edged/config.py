@@ -301,6 +301,10 @@ class RegistrySection(_Section):
                                         description="allowed increase over the previous version's error rate")
     trial_max_p99_ratio: float = Field(default=3.0, gt=1, description="allowed p99 as a multiple of the previous one's")
     trial_p99_floor_ms: float = Field(default=10.0, ge=0, description="a p99 below this never fails a trial")
+    trial_extend_s: float = Field(default=0, ge=0, description="a trial that saw fewer than trial_min_requests "
+                                                               "requests (and has no evaluation set to go by) "
+                                                               "waits up to this much longer for traffic; the "
+                                                               "commit report says what it was judged on")
     crash_loop_restarts: int = Field(default=3, ge=2, description="N starts within crash_loop_window_s after an "
                                                                   "activation: serve the last-known-good")
     crash_loop_window_s: float = Field(default=600, gt=0)

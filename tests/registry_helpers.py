@@ -227,8 +227,42 @@ class RegistryServer:
 
 
 # ---- model versions -------------------------------------------------------------------------------
+def write_evaluation_set(dst: Path, samples: int = 300) -> str:
+    """The digits model's held-out split (true labels) as ``[evaluation]`` files; returns the TOML section."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    _, x_test, _, y_test = train_test_split(x, y, test_size=0.25, random_state=0, stratify=y)
+    (dst / "eval").mkdir(exist_ok=True)
+    np.savez(dst / "eval" / "inputs.npz", pixels=x_test[:samples].astype(np.float32))
+    np.save(dst / "eval" / "labels.npy", y_test[:samples].astype(np.int64))
+    return '\n[evaluation]\ninputs = "eval/inputs.npz"\nlabels = "eval/labels.npy"\n'
+
+
+def randomize_weights(dst: Path, seed: int = 0) -> None:
+    """Random weights, and a golden file regenerated from them: wrong answers that pass the golden check."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    m = onnx.load(str(dst / "model.onnx"))
+    rng = np.random.default_rng(seed)
+    for init in m.graph.initializer:
+        w = numpy_helper.to_array(init)
+        if w.dtype.kind == "f":
+            init.CopyFrom(numpy_helper.from_array(rng.normal(0, float(w.std()) or 0.1, w.shape).astype(w.dtype),
+                                                  init.name))
+    onnx.save(m, str(dst / "model.onnx"))
+    sess = ort.InferenceSession(str(dst / "model.onnx"), providers=["CPUExecutionProvider"])
+    with np.load(dst / "warmup.npz") as w:
+        feeds = {k: w[k] for k in w.files}
+    names = [o.name for o in sess.get_outputs()]
+    np.savez(dst / "expected.npz", **dict(zip(names, sess.run(names, feeds), strict=True)))
+
+
 def make_version(dst: Path, *, golden_fail: bool = False, fixed_batch: bool = False, pad_mb: float = 0,
-                 salt: str = "") -> Path:
+                 salt: str = "", evaluation: bool = False, random_weights: bool = False) -> Path:
     """A copy of the bundled digits version, optionally broken in a realistic way.
 
     ``golden_fail``: the expected output shipped with it is wrong (the golden check fails).
@@ -265,6 +299,8 @@ def make_version(dst: Path, *, golden_fail: bool = False, fixed_batch: bool = Fa
         with np.load(dst / "expected.npz") as e:
             bad = {k: np.roll(e[k], 3, axis=-1) for k in e.files}
         np.savez(dst / "expected.npz", **bad)
+    if random_weights:
+        randomize_weights(dst)
     if salt:
         with (dst / "labels.txt").open("a") as f:
             f.write(f"\n# {salt}\n")
@@ -273,7 +309,8 @@ def make_version(dst: Path, *, golden_fail: bool = False, fixed_batch: bool = Fa
     digest = sha256_file(dst / model_file)
     variants = "\n".join(
         (f'sha256 = "{digest}"' if line.startswith("sha256") else line) for line in variants.splitlines())
-    (dst / "model.toml").write_text(head + "[[variants]]" + variants + "\n" + tail)
+    (dst / "model.toml").write_text(head + "[[variants]]" + variants + "\n" + tail
+                                    + (write_evaluation_set(dst) if evaluation else ""))
     if pad_mb:
         (dst / "padding.bin").write_bytes(os.urandom(int(pad_mb * (1 << 20))))
     return dst

@@ -19,7 +19,18 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from edged.protocol.fleet.release import TargetSelector
 from edged.registry.db import ModelRow, ReleaseRow, RolloutRow, VersionRow
-from edged.registry.gates import Side, accumulate, crossed, halt_reason, needed_reports, readings, release_counts
+from edged.registry.gates import (
+    Quality,
+    Side,
+    accumulate,
+    crossed,
+    halt_reason,
+    needed_reports,
+    quality_scores,
+    readings,
+    release_counts,
+    waiting_for_quality,
+)
 from edged.registry.rollout_wire import Gates, StepSpec
 from edged.registry.rollouts import enter_step, recount, step_base
 from edged.registry.service import bump_revision
@@ -46,7 +57,10 @@ def evaluate(s: Session, ro: RolloutRow, now: float | None = None) -> str | None
     new, base = Side.load(None), Side.load(None)
     if gates.max_error_rate is not None or gates.max_p99_ratio is not None:
         new, base = accumulate(s, ro, model, s.get_one(VersionRow, rel.version_id).version)
-    rs = readings(gates, counts, ro.step_members, new, base)
+    quality = Quality()
+    if gates.max_quality_drop is not None or gates.min_quality is not None:
+        quality = quality_scores(s, ro.model_id, rel.number)
+    rs = readings(gates, counts, ro.step_members, new, base, quality=quality)
     bad = crossed(rs)
     if bad:
         ro.state, ro.reason, ro.updated_at, ro.finished_at = "halted", halt_reason(bad), t, t
@@ -60,7 +74,7 @@ def evaluate(s: Session, ro: RolloutRow, now: float | None = None) -> str | None
         # enough of the step's own devices committed (all of them when there are fewer than min_devices)
         required = min(max(1, spec.min_devices), max(0, members - base_members))
         if (members > 0 and counts.committed >= base_committed + required
-                and counts.finished >= needed_reports(gates, members)):
+                and counts.finished >= needed_reports(gates, members) and not waiting_for_quality(rs)):
             ro.step_ready_at = t
             ro.updated_at = t
     if ro.step_ready_at is None or t - ro.step_ready_at < spec.soak_s:

@@ -16,7 +16,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from edged.protocol.fleet.telemetry import LATENCY_BUCKETS_S, HistCounts, Outcomes
-from edged.registry.db import DeviceModelRow, RolloutRow
+from edged.registry.db import DeviceModelRow, QualityScoreRow, RolloutRow
 from edged.registry.rollout_wire import GateReading, Gates
 from edged.registry.telemetry_tables import TelemetryModelRow
 
@@ -51,6 +51,32 @@ def release_counts(s: Session, model_id: int, release: int) -> Counts:
         DeviceModelRow.model_id == model_id, DeviceModelRow.release_number == release,
         DeviceModelRow.state.is_not(None)).group_by(DeviceModelRow.state)).all()
     return Counts({str(st): int(n) for st, n in rows})
+
+
+# ---- evaluation-set scores ------------------------------------------------------------------------
+@dataclass
+class Quality:
+    """Scores the release's devices reported at trial start; ``drop`` pairs each device with itself."""
+
+    devices: int = 0
+    score: float | None = None  # mean over devices
+    paired: int = 0  # devices that also scored their last-known-good
+    baseline: float | None = None  # mean last-known-good score over those
+    drop: float | None = None  # mean (baseline - score) over those
+
+
+def quality_scores(s: Session, model_id: int, release: int) -> Quality:
+    rows = s.execute(select(QualityScoreRow.score, QualityScoreRow.baseline_score).where(
+        QualityScoreRow.model_id == model_id, QualityScoreRow.release_number == release)).all()
+    if not rows:
+        return Quality()
+    scores = [float(r.score) for r in rows]
+    pairs = [(float(r.baseline_score), float(r.score)) for r in rows if r.baseline_score is not None]
+    q = Quality(devices=len(rows), score=sum(scores) / len(scores), paired=len(pairs))
+    if pairs:
+        q.baseline = sum(b for b, _ in pairs) / len(pairs)
+        q.drop = sum(b - n for b, n in pairs) / len(pairs)
+    return q
 
 
 # ---- telemetry, incrementally -------------------------------------------------------------------
@@ -112,7 +138,29 @@ def needed_reports(gates: Gates, members: int) -> int:
     return max(1, min(gates.min_reporting, members)) if members > 0 else gates.min_reporting
 
 
-def readings(gates: Gates, counts: Counts, members: int, new: Side, base: Side) -> list[GateReading]:
+def quality_readings(gates: Gates, q: Quality, need: int) -> list[GateReading]:
+    """Judged once ``need`` devices scored the release (the reporting minimum, or every member)."""
+    out = []
+    enough = q.devices >= need
+    scored = (f"{q.devices} device(s) scored the new version {q.score:.4f}" if q.score is not None
+              else "no evaluation-set scores reported yet (the release needs [evaluation] in its model.toml)")
+    if gates.max_quality_drop is not None:
+        judged = enough and q.drop is not None
+        ok = not judged or (q.drop is not None and q.drop <= gates.max_quality_drop)
+        detail = (f"{scored}; {q.paired} of them scored the last-known-good {q.baseline:.4f} on the same set"
+                  if q.baseline is not None else f"{scored}; none scored a last-known-good")
+        out.append(GateReading(gate="quality_drop", value=q.drop, limit=gates.max_quality_drop, judged=judged,
+                               ok=ok, detail=detail))
+    if gates.min_quality is not None:
+        judged = enough and q.score is not None
+        ok = not judged or (q.score is not None and q.score >= gates.min_quality)
+        out.append(GateReading(gate="min_quality", value=q.score, limit=gates.min_quality, judged=judged, ok=ok,
+                               detail=scored))
+    return out
+
+
+def readings(gates: Gates, counts: Counts, members: int, new: Side, base: Side, *,
+             quality: Quality | None = None) -> list[GateReading]:
     out = []
     need = needed_reports(gates, members)
     fin = counts.finished
@@ -143,6 +191,7 @@ def readings(gates: Gates, counts: Counts, members: int, new: Side, base: Side) 
                                detail=(f"p99 {p_new * 1000:.1f} ms over {new.ok} requests, previous "
                                        f"{p_base * 1000:.1f} ms over {base.ok}" if judged and p_new and p_base else
                                        f"{new.ok} and {base.ok} requests so far, {gates.min_requests} needed")))
+    out += quality_readings(gates, quality or Quality(), need)
     return out
 
 
@@ -151,7 +200,14 @@ def crossed(rs: list[GateReading]) -> list[GateReading]:
     return [g for g in rs if g.judged and not g.ok and g.gate != "min_reporting"]
 
 
+def waiting_for_quality(rs: list[GateReading]) -> bool:
+    """A quality gate is set but not judged yet: the step must not count as ready (fail closed)."""
+    return any(g.gate in ("quality_drop", "min_quality") and not g.judged for g in rs)
+
+
 def halt_reason(bad: list[GateReading]) -> str:
     return "health gate crossed: " + "; ".join(
+        f"{g.gate} {g.value:.3g} < {g.limit:.3g} ({g.detail})" if g.gate == "min_quality" and g.value is not None
+        and g.limit is not None else
         f"{g.gate} {g.value:.3g} > {g.limit:.3g} ({g.detail})" if g.value is not None and g.limit is not None
         else f"{g.gate} ({g.detail})" for g in bad)

@@ -99,6 +99,9 @@ def add_parser(sub: Any, client_args: Callable[[argparse.ArgumentParser], None],
     p.add_argument("--p99-floor-ms", type=float, default=10.0)
     p.add_argument("--min-reporting", type=int, default=3)
     p.add_argument("--min-requests", type=int, default=200)
+    p.add_argument("--max-quality-drop", type=_rate, default=None,
+                   help="evaluation set: allowed score drop against the last-known-good (e.g. 0.02)")
+    p.add_argument("--min-quality", type=_rate, default=None, help="evaluation set: the lowest mean score allowed")
     p.add_argument("--salt", default=None, help="stable-hash salt (default: the model name)")
     p.add_argument("--baseline-version", type=int, default=None)
     p.add_argument("--notes", default="")
@@ -151,7 +154,8 @@ def build_spec(args: argparse.Namespace, duration: Callable[[str], float]) -> Ro
                            profiles=list(args.target_profile), devices=list(args.target_device))
     gates = Gates(max_failure_rate=args.max_failure_rate, max_error_rate=args.max_error_rate,
                   max_p99_ratio=args.max_p99_ratio, p99_floor_ms=args.p99_floor_ms,
-                  min_reporting=args.min_reporting, min_requests=args.min_requests)
+                  min_reporting=args.min_reporting, min_requests=args.min_requests,
+                  max_quality_drop=args.max_quality_drop, min_quality=args.min_quality)
     steps = parse_steps(args.steps, soak_s=args.soak, min_devices=args.min_devices, duration=duration)
     # Without --release the client signs a new release and puts it in ``signed`` (release 0 is a placeholder).
     return RolloutCreate(model=args.model, release=args.release if args.release is not None else 0, target=target,

@@ -63,6 +63,13 @@ class Gates(_Wire):
                                                            "rate is judged and before a step may complete")
     min_requests: int = Field(default=200, ge=1, description="requests each side needs before telemetry gates "
                                                             "are judged")
+    max_quality_drop: float | None = Field(default=None, ge=0, le=1,
+                                           description="evaluation set: allowed drop of the new version's score "
+                                                       "below the last-known-good's on the same devices (0.02 = two "
+                                                       "points of top-1 accuracy); needs [evaluation] in the "
+                                                       "version's model.toml")
+    min_quality: float | None = Field(default=None, ge=0, le=1,
+                                      description="evaluation set: the new version's mean score must reach this")
 
     def describe(self) -> str:
         out = []
@@ -72,6 +79,10 @@ class Gates(_Wire):
             out.append(f"error rate <= previous + {self.max_error_rate:.1%}")
         if self.max_p99_ratio is not None:
             out.append(f"p99 <= {self.max_p99_ratio:g}x previous")
+        if self.max_quality_drop is not None:
+            out.append(f"quality >= previous - {self.max_quality_drop:g}")
+        if self.min_quality is not None:
+            out.append(f"quality >= {self.min_quality:g}")
         out.append(f"min {self.min_reporting} reporting")
         return ", ".join(out)
 

@@ -11,6 +11,7 @@ that alters what devices are offered bumps the registry revision.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,7 @@ from edged.registry.db import (
     RolloutRow,
     VersionRow,
 )
-from edged.registry.gates import Side, readings, release_counts, telemetry_watermark
+from edged.registry.gates import Side, quality_scores, readings, release_counts, telemetry_watermark
 from edged.registry.rollout_wire import (
     ACTIVE_STATES,
     PROGRESS,
@@ -41,6 +42,11 @@ from edged.registry.rollout_wire import (
 )
 from edged.registry.service import bump_revision, conflict, create_release, get_model, invalid, not_found
 from edged.registry.targets import Membership, RolloutTarget, percent_cutoff, rank, selector_matches
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 ACTIONS = ("pause", "resume", "abort", "rollback")
 
@@ -139,6 +145,17 @@ def default_baseline(s: Session, model_id: int, below: int) -> int | None:
     return None
 
 
+def _require_evaluation(v: VersionRow, model: str) -> None:
+    """A quality gate on a version without an evaluation set could never be judged: refuse it up front."""
+    try:
+        has = "evaluation" in tomllib.loads(v.manifest_toml)
+    except tomllib.TOMLDecodeError:
+        has = False
+    if not has:
+        raise invalid(f"model {model!r} version {v.version} has no [evaluation] set in its model.toml: the quality "
+                      "gates (max_quality_drop, min_quality) could never be judged")
+
+
 def create_rollout(s: Session, req: RolloutCreate, public_keys: list[str]) -> RolloutInfo:
     m = get_model(s, req.model)
     active = s.scalar(select(RolloutRow).where(RolloutRow.model_id == m.id, RolloutRow.state.in_(ACTIVE_STATES)))
@@ -156,6 +173,8 @@ def create_rollout(s: Session, req: RolloutCreate, public_keys: list[str]) -> Ro
     rel = _release_row(s, m.id, number)
     if rel.revoked_at is not None:
         raise conflict(f"release {number} of model {req.model!r} is revoked")
+    if req.gates.max_quality_drop is not None or req.gates.min_quality is not None:
+        _require_evaluation(s.get_one(VersionRow, rel.version_id), req.model)
     now = time.time()
     baseline = req.baseline_version if req.baseline_version is not None else default_baseline(s, m.id, number)
     ro = RolloutRow(model_id=m.id, release_id=rel.id, state="running", target=req.target.model_dump(mode="json"),
@@ -232,7 +251,7 @@ def rollout_status(s: Session, rollout_id: int) -> RolloutStatus:
     counts = release_counts(s, ro.model_id, info.release)
     acc = ro.gate_state or {}
     gate_readings = readings(info.gates, counts, ro.step_members, Side.load(acc.get("new")),
-                             Side.load(acc.get("base")))
+                             Side.load(acc.get("base")), quality=quality_scores(s, ro.model_id, info.release))
     soak_left = None
     if ro.state in ACTIVE_STATES and ro.step_ready_at is not None and ro.step < len(ro.steps):
         soak_left = max(0.0, info.steps[ro.step].soak_s - (time.time() - ro.step_ready_at))

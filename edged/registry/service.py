@@ -151,7 +151,9 @@ def _check_manifest(toml_text: str, files: dict[str, FileEntry]) -> None:
                 raise invalid(f"{MANIFEST_NAME} names {art.file}, which is not among the pushed files")
             if f.sha256 != art.sha256:
                 raise invalid(f"{art.file}: sha256 in {MANIFEST_NAME} differs from the pushed file")
+    ev = manifest.evaluation
     named = [manifest.warmup.file, manifest.warmup.expected, manifest.labels,
+             *((ev.inputs, ev.labels) if ev is not None else ()),
              *(v.calibration_cache for v in manifest.variants)]
     for rel in named:
         if rel and rel not in files:

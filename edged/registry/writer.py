@@ -23,7 +23,7 @@ from sqlalchemy import Connection, Engine, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from edged.protocol.fleet.messages import ReportEvent
-from edged.registry.db import DeviceEventRow, DeviceModelRow, ModelRow
+from edged.registry.db import DeviceEventRow, DeviceModelRow, ModelRow, QualityScoreRow
 from edged.registry.service import json_safe
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,11 @@ def store_reports(conn: Connection, device_id: str, events: list[ReportEvent], m
         {"device_id": device_id, "seq": e.seq, "model": e.model, "step": e.step, "version": e.version,
          "release_number": e.release, "reason": e.reason, "detail": json_safe(e.detail), "device_time": e.at,
          "received_at": t} for e in new])
+    for e in new:
+        mid = model_ids.get(e.model)
+        q = e.quality
+        if q is not None and mid is not None and e.release is not None and e.version is not None:
+            _store_quality(conn, device_id, mid, e, t)
     for mid, e in latest.items():
         values = {"last_seq": e.seq, "state": e.step, "version": e.version, "release_number": e.release,
                   "reason": e.reason, "updated_at": t}
@@ -149,3 +154,16 @@ def store_reports(conn: Connection, device_id: str, events: list[ReportEvent], m
             conn.execute(insert(DeviceModelRow).values(device_id=device_id, model_id=mid, pinned_release_id=None,
                                                        **values))
     return len(new)
+
+
+def _store_quality(conn: Connection, device_id: str, model_id: int, e: ReportEvent, t: float) -> None:
+    """One row per device and release: a repeated trial (after a restart) replaces the earlier scores."""
+    q = e.quality
+    assert q is not None and e.release is not None and e.version is not None
+    key = (QualityScoreRow.device_id == device_id, QualityScoreRow.model_id == model_id,
+           QualityScoreRow.release_number == e.release)
+    values = {"version": e.version, "metric": q.metric, "samples": q.samples, "score": q.score,
+              "baseline_version": q.baseline_version, "baseline_score": q.baseline_score, "received_at": t}
+    if conn.execute(update(QualityScoreRow).where(*key).values(**values)).rowcount == 0:
+        conn.execute(insert(QualityScoreRow).values(device_id=device_id, model_id=model_id,
+                                                    release_number=e.release, **values))

@@ -112,6 +112,21 @@ class Warmup(_Strict):
         default_factory=dict, description="per input name: the shapes it really sees, when no file is given")
 
 
+class Evaluation(_Strict):
+    """A labelled evaluation set shipped with the version.
+
+    The device scores the new version on it at trial start, and the version it replaces on
+    the same samples; the registry's quality gate compares the two (docs/rollout.md). A golden
+    file only proves the model answers as it did when the file was made; this proves it
+    answers right.
+    """
+
+    inputs: str = Field(description=".npz with one array per model input, samples on the first axis")
+    labels: str = Field(description=".npy of integer class ids, one per sample")
+    output: str | None = Field(default=None, description="the output whose argmax is the answer (default: the first)")
+    metric: Literal["top1"] = "top1"
+
+
 class ModelManifest(_Strict):
     description: str = ""
     max_batch_size: int = Field(default=0, ge=0, description="0: the model has no batch dimension")
@@ -122,6 +137,7 @@ class ModelManifest(_Strict):
     instances: Instances = Field(default_factory=Instances)
     warmup: Warmup = Field(default_factory=Warmup)
     labels: str | None = Field(default=None, description="text file with one class label per line")
+    evaluation: Evaluation | None = Field(default=None, description="labelled evaluation set for the quality gate")
     memory_mb: float | None = Field(default=None, ge=0, description="expected resident memory, for admission")
 
     @model_validator(mode="after")

@@ -22,6 +22,7 @@ from edged.protocol.fleet.messages import (
     DeviceFactsUpdate,
     EnrollRequest,
     EnrollResponse,
+    QualityReport,
     ReportBatch,
     ReportEvent,
     ServingModel,
@@ -145,13 +146,14 @@ class DeviceClient:
 
     # ---- reports ----------------------------------------------------------------------------
     def report(self, model: str, step: str, *, version: int | None, release: int | None,
-               reason: str | None = None, detail: dict[str, Any] | None = None, quiet: bool = False) -> None:
+               reason: str | None = None, detail: dict[str, Any] | None = None, quiet: bool = False,
+               quality: QualityReport | None = None) -> None:
         """Queue a report for the registry; ``quiet``: the caller logs it (one line per event)."""
         with self.store.lock:
             self.state.seq += 1
             ev = ReportEvent(seq=self.state.seq, model=model, step=step,
                              version=version, release=release, reason=reason[:4000] if reason else None,
-                             detail=detail or {}, at=time.time())
+                             detail=detail or {}, quality=quality, at=time.time())
             self.state.outbox.append(ev)
             self.store.save(self.state)
         log.log(logging.DEBUG if quiet else logging.INFO, "model=%s release=%s version=%s %s%s", model, release,

@@ -20,11 +20,12 @@ from edged.config import Config, VersionPolicy
 from edged.core.models import ModelState
 from edged.core.service import InferenceService
 from edged.errors import EdgedError
-from edged.protocol.fleet.messages import DesiredModel, ServingModel
+from edged.protocol.fleet.messages import DesiredModel, QualityReport, ServingModel
 from edged.protocol.fleet.release import ReleaseManifest
 from edged.repository.digests import DigestCache
+from edged.repository.manifest import MANIFEST_NAME, Evaluation, parse_manifest
 from edged.repository.store import load_version
-from edged.sync import localfault, plan
+from edged.sync import localfault, plan, quality
 from edged.sync.client import DeviceClient
 from edged.sync.download import fetch_release
 from edged.sync.faults import fault_point
@@ -53,6 +54,7 @@ class Updater:
         # During a trial: asks the registry whether this release must be reverted (reason) or not (None).
         self.revert_check: Callable[[str, int], str | None] | None = None
         self._unrevertable: set[tuple[str, int]] = set()
+        self.quality: dict[str, QualityReport] = {}  # per model: the trial's evaluation-set scores
 
     # ---- helpers ----------------------------------------------------------------------------
     def _ms(self, model: str) -> ModelSync:
@@ -319,11 +321,33 @@ class Updater:
         self.client.report(model, "prepared", version=m.version, release=m.release, detail={"engine": label})
         return True
 
+    def _evaluation(self, model: str, version: int) -> Evaluation | None:
+        try:
+            return parse_manifest(self.repo.version_dir(model, version) / MANIFEST_NAME, model=model,
+                                  version=version).evaluation
+        except EdgedError:
+            return None  # it loaded moments ago; a manifest gone bad now fails the activation itself
+
+    def _score_previous(self, model: str, cur_version: int, folder: Any, ev: Evaluation) -> float | None:
+        """The replaced version on the new release's evaluation set, scored while it still serves."""
+        try:
+            return quality.score(self.service.model(model, cur_version), folder, ev).score
+        except EdgedError as e:  # e.g. its inputs changed shape: the registry compares with other figures
+            log.warning("model=%s version %d could not be scored on the new evaluation set: %s", model,
+                        cur_version, e)
+            return None
+
     def _activate(self, model: str, m: ReleaseManifest) -> bool:
         ms = self._ms(model)
         cur = ms.current
         at_switch = sample(self.service, model, cur.version) if cur is not None else None
         self.baselines[model] = baseline(self.run_up.pop(model, None), at_switch, self.s)
+        folder = self.repo.version_dir(model, m.version)
+        ev = self._evaluation(model, m.version)
+        base_score = None
+        if ev is not None and cur is not None and cur.version in self._loaded(model):
+            base_score = self._score_previous(model, cur.version, folder, ev)
+        self.quality.pop(model, None)
         fault_point("activate.before")
         self._pin(model, m.version)
         results = self.service.manager.load_model(model, [m.version])
@@ -332,13 +356,26 @@ class Updater:
             self._rollback(model, f"activation failed: {mv.reason if mv else 'not loaded'}")
             return False
         fault_point("activate.loaded")
+        if ev is not None:
+            try:
+                got = quality.score(mv, folder, ev)
+            except EdgedError as e:
+                self._rollback(model, f"evaluation set failed: {e}")
+                return False
+            self.quality[model] = QualityReport(metric=ev.metric, samples=got.samples, score=got.score,
+                                                baseline_version=cur.version if base_score is not None and cur
+                                                else None, baseline_score=base_score)
+            log.info("model=%s version %d scores %.4f on its evaluation set (%d samples); version %s: %s", model,
+                     m.version, got.score, got.samples, cur.version if cur else "-",
+                     f"{base_score:.4f}" if base_score is not None else "not scored")
         with self.store.lock:
             p = ms.pending
             assert p is not None
             p.step = "trial"
             self.store.save(self.state)
         self.client.report(model, "active-trial", version=m.version, release=m.release,
-                           detail={"engine": mv.candidate.label if mv.candidate else None, "trial_s": self.s.trial_s})
+                           detail={"engine": mv.candidate.label if mv.candidate else None, "trial_s": self.s.trial_s},
+                           quality=self.quality.get(model))
         return True
 
     def _trial(self, model: str, m: ReleaseManifest) -> None:
@@ -346,6 +383,7 @@ class Updater:
         base = self.baselines.get(model)
         start = time.monotonic()
         end = start + self.s.trial_s
+        cap = end + self.s.trial_extend_s
         settle_at = start + min(SETTLE_MAX_S, self.s.trial_s * SETTLE_FRACTION)
         settled: Sample | None = None
         new: Sample | None = None
@@ -371,9 +409,12 @@ class Updater:
                     paused, settled = False, None
                     start = now
                     end = start + self.s.trial_s
+                    cap = end + self.s.trial_extend_s
                     settle_at = start + min(SETTLE_MAX_S, self.s.trial_s * SETTLE_FRACTION)
                 if settled is None and now >= settle_at:
                     settled = new
+                if now >= end and end < cap and new.total < self.s.trial_min_requests and model not in self.quality:
+                    end = min(cap, now + TRIAL_TICK_S)  # too little traffic to judge, no evaluation set: wait on
                 left = end - now
                 reason = judge(new, base, self.s, final=left <= 0, latency=new.since(settled) if settled else None)
                 if reason is not None:
@@ -404,8 +445,25 @@ class Updater:
         detail: dict[str, Any] = {}
         if trial is not None:
             detail = {"requests": trial.total, "errors": trial.errors, "p99_ms": trial.p99_s * 1000}
+        detail.update(self._judged_on(model, m, trial))
         self.baselines.pop(model, None)
         self.client.report(model, "committed", version=m.version, release=m.release, detail=detail)
+
+    def _judged_on(self, model: str, m: ReleaseManifest, trial: Sample | None) -> dict[str, Any]:
+        """What the commit rests on, said in the report: live traffic, the evaluation set alone, or nothing."""
+        n = self.s.trial_min_requests
+        seen = trial.total if trial is not None else 0
+        q = self.quality.pop(model, None)
+        if seen >= n:
+            return {"judged": "traffic"}
+        if q is not None:
+            return {"judged": "evaluation-set",
+                    "note": f"{seen} of {n} requests in trial: committed on the evaluation set alone "
+                            f"(score {q.score:.4f} over {q.samples} samples)"}
+        note = (f"{seen} of {n} requests in trial (waited up to {self.s.trial_extend_s:g}s more) and no evaluation "
+                "set: committed unjudged")
+        log.warning("model=%s release %d: %s", model, m.release, note)
+        return {"judged": "unjudged", "note": note}
 
     def _rollback(self, model: str, reason: str) -> None:
         """Serve the committed version again, drop the new one, never retry this release."""

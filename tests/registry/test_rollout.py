@@ -18,7 +18,7 @@ import pytest
 from edged.registry.rollout_wire import Gates, RolloutCreate, StepSpec
 from edged.registry.targets import Membership, RolloutTarget, percent_cutoff, rank
 from tests.registry.conftest import Env, registry_env
-from tests.registry_helpers import make_version
+from tests.registry_helpers import make_version, write_evaluation_set
 from tests.rollout_helpers import ApiDevice
 
 _n = itertools.count(1)
@@ -350,4 +350,51 @@ def test_fleet_rollback_to_previous_twice_and_to_a_named_release(env: Env) -> No
         f.client.rollback_plan(m, str(r2))
     dry = env.server.cli("rollback", m, "--to", "1", "--key", str(env.keys.path), "--dry-run").stdout
     assert f"-> release {f.r1} (version 1)" in dry
+    f.client.close()
+
+
+def test_quality_gate_compares_evaluation_scores_with_last_known_good(env: Env) -> None:
+    f = make_fleet(env, plain(6), versions=3)
+    m = f.model
+    gates = Gates(max_quality_drop=0.02, min_quality=0.5, min_reporting=2)
+    # a version without an evaluation set cannot carry a quality gate: refused before any device sees it
+    with pytest.raises(Exception, match=r"no \[evaluation\] set"):
+        f.rollout(2, [StepSpec(percent=50), StepSpec(percent=100)], gates=gates)
+    for v in (4, 5):
+        folder = make_version(env.tmp / "pub" / m / str(v), salt=f"{m}-{v}")
+        with (folder / "model.toml").open("a") as out:
+            out.write(write_evaluation_set(folder, samples=20))
+        f.client.push_folder(folder, m, v)
+    # good: scores within the allowed drop; the step waits for enough scores before it is ready
+    ro = f.rollout(4, [StepSpec(percent=50), StepSpec(percent=100)], gates=gates)
+    members = sorted(f.on(ro.release))
+    assert len(members) == 3
+    for d in members[:1]:
+        f.devices[d].report(m, "active-trial", ro.release, 4,
+                            quality={"samples": 20, "score": 0.95, "baseline_version": 1, "baseline_score": 0.96})
+        f.devices[d].report(m, "committed", ro.release, 4)
+    assert f.evaluate() == {}  # one score of the two needed: not judged, so not ready
+    reading = next(g for g in f.client.rollout(ro.id).gates if g.gate == "quality_drop")
+    assert reading.judged is False
+    f.devices[members[1]].report(m, "active-trial", ro.release, 4,
+                                 quality={"samples": 20, "score": 0.97, "baseline_version": 1, "baseline_score": 0.96})
+    f.devices[members[1]].report(m, "committed", ro.release, 4)
+    assert f.evaluate() == {str(ro.id): "step 2"}
+    st = f.client.rollout(ro.id)
+    reading = next(g for g in st.gates if g.gate == "quality_drop")
+    assert reading.judged and reading.ok and abs((reading.value or 0) - 0.0) < 1e-9
+    assert f.client.rollout_action(ro.id, "abort").state == "aborted"
+    # bad: right answers fell from 0.96 to 0.1 on the same samples: halted, members told to revert
+    bad = f.rollout(5, [StepSpec(percent=50), StepSpec(percent=100)], gates=gates)
+    members = sorted(f.on(bad.release))
+    for d in members[:2]:
+        f.devices[d].report(m, "active-trial", bad.release, 5,
+                            quality={"samples": 20, "score": 0.1, "baseline_version": 4, "baseline_score": 0.96})
+    assert f.evaluate() == {str(bad.id): "halted"}
+    st = f.client.rollout(bad.id)
+    assert st.rollout.step == 0 and "quality_drop" in (st.rollout.reason or "")
+    assert "min_quality" in (st.rollout.reason or "")
+    assert all(f.devices[d].reverts(m) == [bad.release] for d in members)
+    text = env.server.cli("rollout", "status", str(bad.id)).stdout
+    assert "gate quality_drop: 0.86 (limit 0.02) CROSSED" in text
     f.client.close()

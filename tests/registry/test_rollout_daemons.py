@@ -183,3 +183,38 @@ def test_fleet_rollbacks_across_real_daemons(world: World) -> None:
         assert failed == [], f"{d}: {[(e.release, e.reason) for e in failed]}"
     for d in w.daemons.values():
         assert d.alive()
+
+
+# ~30 s; the fast slice: test_rollout.py::test_quality_gate_compares_evaluation_scores_with_last_known_good
+@pytest.mark.slow
+def test_quality_gate_halts_wrong_but_self_consistent_answers(world: World) -> None:
+    """Random weights whose golden file was regenerated from them pass the golden check and any trial; the
+    devices score them on the release's labelled evaluation set at trial start, against the version they
+    replace, and the quality gate halts the rollout in its first step. A good version passes the gate."""
+    w = world
+    pub = w.tmp / "pub"
+    w.client.push_folder(make_version(pub / "7", salt="v7", evaluation=True), MODEL, 7)
+    w.client.push_folder(make_version(pub / "8", salt="v8", evaluation=True, random_weights=True), MODEL, 8)
+    gates = Gates(max_failure_rate=0.1, min_reporting=2, max_quality_drop=0.02)
+    good = rollout(w, 7, [StepSpec(percent=34, min_devices=2), StepSpec(percent=100)], gates)
+    wait_for(lambda: on_release(w, good.release, 7), 90, 0.1, "the good version with an evaluation set everywhere")
+    st = w.client.rollout(good.id)
+    assert st.rollout.state == "completed"
+    q = next(g for g in st.gates if g.gate == "quality_drop")
+    assert q.judged and q.ok and q.value is not None and q.value <= 0.02, q
+    for d in w.daemons:  # no traffic in trial: the commit says it rests on the evaluation set alone
+        done = [e for e in w.events(d) if e.release == good.release and e.step == "committed"]
+        assert done and done[-1].detail.get("judged") == "evaluation-set", done
+    t0 = time.monotonic()
+    bad = rollout(w, 8, [StepSpec(percent=34, min_devices=2), StepSpec(percent=100)], gates)
+    wait_for(lambda: w.client.rollout(bad.id).rollout.state == "halted", 60, 0.1, "the quality gate to halt")
+    halted_s = time.monotonic() - t0
+    st = w.client.rollout(bad.id)
+    assert st.rollout.step == 0 and "quality_drop" in (st.rollout.reason or ""), st.rollout.reason
+    q = next(g for g in st.gates if g.gate == "quality_drop")
+    assert q.value is not None and q.value > 0.5, q  # top-1 accuracy fell from ~0.97 to ~0.1
+    wait_for(lambda: all(v == [7] for v in w.serving().values()), 60, 0.1, "every daemon back on version 7")
+    print(f"quality gate: good version {next(g for g in w.client.rollout(good.id).gates if g.gate == 'quality_drop')}"
+          f"\nbad version halted {halted_s:.1f} s after its rollout began: {q}")
+    for d in w.daemons.values():
+        assert d.alive()

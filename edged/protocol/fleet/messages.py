@@ -91,6 +91,17 @@ class DesiredState(_Wire):
     revert: list[RevertModel] = Field(default_factory=list)
 
 
+class QualityReport(_Wire):
+    """The version's score on its release's labelled evaluation set, measured by the device at trial start,
+    and the score of the version it replaced (its last-known-good) on the same samples."""
+
+    metric: Literal["top1"] = "top1"
+    samples: int = Field(ge=1)
+    score: float = Field(ge=0, le=1)
+    baseline_version: int | None = None
+    baseline_score: float | None = Field(default=None, ge=0, le=1)
+
+
 class ReportEvent(_Wire):
     seq: int = Field(ge=1, description="per device, increasing; the registry ignores repeats")
     model: str = Field(max_length=128)
@@ -99,6 +110,7 @@ class ReportEvent(_Wire):
     release: int | None = None
     reason: str | None = Field(default=None, max_length=4096)
     detail: dict[str, Any] = Field(default_factory=dict)
+    quality: QualityReport | None = Field(default=None, description="with active-trial: the evaluation-set scores")
     at: float = Field(description="device wall clock, Unix seconds (informational: edge clocks jump)")
 
 
