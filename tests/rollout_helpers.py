@@ -51,7 +51,7 @@ class ApiDevice:
         return next((list(v["releases"]) for v in self.desired()["revert"] if v["model"] == model), [])
 
     def report(self, model: str, step: str, release: int, version: int | None = None,
-               reason: str | None = None, quality: dict[str, Any] | None = None) -> None:
+               reason: str | None = None, *, quality: dict[str, Any] | None = None) -> None:
         self.seq += 1
         r = httpx.post(f"{self.url}/api/v1/device/reports", headers=self.auth, json={"events": [
             {"seq": self.seq, "model": model, "step": step, "version": version, "release": release,
