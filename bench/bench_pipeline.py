@@ -9,12 +9,13 @@ One run, on the same inputs and the same machine:
   2. the orientation_classify and layout_detect example pipelines (models/) run step by step in
      this process, against the same work written by hand (cv2 + numpy + an ONNX Runtime session):
      what the step abstraction costs;
-  3. when the daemon serves pipelines: ``edged run`` (device profile ``generic``: ONNX Runtime on the
-     CPU, as the hand chain) with the example models, the pipeline over HTTP (tritonclient, a BYTES
-     input) at concurrency 1 against hand chain + the transport's overhead for the plain model
-     measured in the same run (HTTP call of ``orientation`` with the tensor minus the same call on
-     the in-process session; goal: ratio <= 1.1), and at concurrency 8 against the hand chain's
-     batch-1 throughput (goal >= 1). Without pipeline support it says so and measures the rest.
+  3. orientation_classify through the graph runtime in this process (no transport), c1 and c8;
+  4. ``edged run`` (device profile ``generic``: ONNX Runtime on the CPU, as the hand chain) serving
+     the pipeline, over HTTP (tritonclient, a BYTES input), shm (the native client, a BYTES tensor)
+     and MQTT (the raw JPEG, a JSON answer; mosquitto started here): at concurrency 1 against hand
+     chain + that transport's overhead for the plain model measured in the same run (the call of
+     ``orientation`` with its tensor minus the in-process session; goal: ratio <= 1.1), and at
+     concurrency 8 against the hand chain's batch-1 throughput (goal >= 1).
 Needs the example models: it fetches them like tools/fetch_example_models.py (into a temporary
 repository). Prints the load average before and after; ratios only compare figures of this run.
 """
@@ -38,7 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_http import http_only_config, start_daemon  # noqa: E402
+from bench.bench_http import start_daemon  # noqa: E402
 from bench.common import Result, measure, ratio_line, stop_process  # noqa: E402
 from tests.device.pipeline.examples import model_file, run_pipeline, session  # noqa: E402
 from tests.netutil import free_port  # noqa: E402
@@ -218,59 +219,112 @@ def graph_part(tmp: Path, data: bytes, seconds: float) -> None:
                                 hand_now.throughput, 1.0))
 
 
+def daemon_config(tmp: Path, repo: Path, port: int, broker_url: str) -> Path:
+    """``edged run`` on the generic profile (ONNX Runtime on the CPU, as the hand chain) with HTTP, shm, MQTT."""
+    cfg_path = tmp / "edged.toml"
+    cfg_path.write_text(f"""
+[device]
+id = "bench"
+state_dir = "{tmp / 'state'}"
+runtime_dir = "{tmp / 'run'}"
+model_repository = "{repo}"
+profile = "generic"
+[http]
+listen = "127.0.0.1:{port}"
+[mqtt]
+url = "{broker_url}"
+[telemetry]
+enabled = false
+[logging]
+level = "warning"
+""")
+    return cfg_path
+
+
+class PerThread:
+    """One client per calling thread (tritonclient.http runs on gevent; a shm client serializes its calls)."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.make, self.local, self.made = make, threading.local(), []  # type: ignore[var-annotated]
+
+    def __call__(self) -> Any:
+        if not hasattr(self.local, "c"):
+            self.local.c = self.make()
+            self.made.append(self.local.c)
+        return self.local.c
+
+    def close(self) -> None:
+        for c in self.made:
+            c.close()
+
+
 def daemon_part(tmp: Path, data: bytes, seconds: float, hand: Result) -> None:
+    """The pipeline through the running daemon on each transport, against hand chain + that transport's
+    own overhead for the plain model (c=1), and against the hand chain's batch-1 throughput (c=8)."""
     import tritonclient.http as th
+
+    from edged.client.mqtt import MqttClient
+    from edged.client.shm import ShmClient
+    from edged.config import load_config
+    from tests.mqtt_helpers import Broker
 
     repo = tmp / "models"
     for name in ("orientation", "orientation_classify"):
         shutil.copytree(ROOT / "models" / name, repo / name, ignore=shutil.ignore_patterns("model.onnx"))
     shutil.copyfile(model_file("orientation"), repo / "orientation" / "1" / "model.onnx")
+    broker = Broker(tmp / "broker").start()
     port = free_port()
-    cfg = http_only_config(tmp, repo, port, device_extra='profile = "generic"')
+    cfg_path = daemon_config(tmp, repo, port, broker.url)
     url = f"127.0.0.1:{port}"
-    proc = start_daemon(cfg, url, False, model="orientation")
+    proc = start_daemon(cfg_path, url, False, model="orientation_classify")
+    socket_path = str(load_config(cfg_path).shm_socket)
+    http = PerThread(lambda: th.InferenceServerClient(url))
+    shm = PerThread(lambda: ShmClient(socket_path))
+    mqtt = MqttClient(broker.url, "bench")
     try:
-        local = threading.local()
-
-        def tc() -> Any:  # tritonclient.http runs on gevent: one client per thread
-            if not hasattr(local, "c"):
-                local.c = th.InferenceServerClient(url)
-            return local.c
-
         x = np.random.default_rng(0).random((1, 3, 224, 224), dtype=np.float32)
 
         def plain_http() -> object:
             inp = th.InferInput("x", [1, 3, 224, 224], "FP32")
             inp.set_data_from_numpy(x, binary_data=True)
-            return tc().infer("orientation", [inp]).as_numpy("fetch_name_0")
-
-        print("plain model (orientation, FP32 [1,3,224,224]):")
-        plain = interleaved({"in-process ONNX Runtime session": lambda: session("orientation").run(None, {"x": x}),
-                             "HTTP binary (tritonclient), c=1": plain_http}, seconds)
-        direct, over_http = (show(r) for r in plain.values())
-        overhead_ms = over_http.median_ms - direct.median_ms
-        print(f"  HTTP overhead for the plain model: {overhead_ms:.3f} ms")
-        deadline = time.monotonic() + 30
-        while not tc().is_model_ready("orientation_classify"):
-            if time.monotonic() > deadline:
-                print("pipeline through the daemon: orientation_classify is not served by this build (the daemon "
-                      "does not load pipeline.toml yet); c1 and c8 goals not measured")
-                return
-            time.sleep(0.2)
+            return http().infer("orientation", [inp]).as_numpy("fetch_name_0")
 
         def pipeline_http() -> object:
             inp = th.InferInput("image", [1], "BYTES")
             inp.set_data_from_numpy(one(data), binary_data=True)
-            return tc().infer("orientation_classify", [inp]).as_numpy("labels")
+            return http().infer("orientation_classify", [inp]).as_numpy("labels")
 
-        print("orientation_classify through the daemon (HTTP, BYTES input):")
-        c1 = show(measure("pipeline HTTP, c=1", pipeline_http, seconds=seconds))
-        c8 = show(measure("pipeline HTTP, c=8", pipeline_http, seconds=seconds, concurrency=8))
-        print(ratio_line("c1 median / (hand chain + plain-model HTTP overhead)", c1.median_ms,
-                         hand.median_ms + overhead_ms, 1.1, higher_is_better=False))
-        print(ratio_line("c8 throughput / hand chain batch-1 throughput", c8.throughput, hand.throughput, 1.0))
+        transports: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {
+            "HTTP (tritonclient, binary)": (plain_http, pipeline_http),
+            "shm (native client)": (lambda: shm().infer("orientation", {"x": x}),
+                                    lambda: shm().infer("orientation_classify", {"image": one(data)})),
+            "MQTT (plain: v2 binary; pipeline: the raw JPEG)": (
+                lambda: mqtt.infer("orientation", {"x": x}),
+                lambda: mqtt.infer_media("orientation_classify", data)),
+        }
+        print("plain model (orientation, FP32 [1,3,224,224]): each transport's own overhead")
+        plain = interleaved({"in-process ONNX Runtime session": lambda: session("orientation").run(None, {"x": x}),
+                             **{f"{t}, c=1": fns[0] for t, fns in transports.items()}}, seconds)
+        direct = show(plain["in-process ONNX Runtime session"])
+        overhead = {}
+        for t in transports:
+            overhead[t] = show(plain[f"{t}, c=1"]).median_ms - direct.median_ms
+            print(f"    overhead {overhead[t]:.3f} ms")
+        print(f"orientation_classify through the daemon (hand chain from part 2: {hand.median_ms:.3f} ms, "
+              f"{hand.throughput:.1f}/s):")
+        for t, (_, fn) in transports.items():
+            c1 = show(measure(f"{t.split(' (')[0]} pipeline, c=1", fn, seconds=seconds))
+            c8 = show(measure(f"{t.split(' (')[0]} pipeline, c=8", fn, seconds=seconds, concurrency=8))
+            print("  " + ratio_line(f"{t.split(' (')[0]}: c1 median / (hand + overhead)", c1.median_ms,
+                                    hand.median_ms + overhead[t], 1.1, higher_is_better=False))
+            print("  " + ratio_line(f"{t.split(' (')[0]}: c8 throughput / hand batch-1", c8.throughput,
+                                    hand.throughput, 1.0))
     finally:
+        http.close()
+        shm.close()
+        mqtt.close()
         stop_process(proc)
+        broker.stop()
 
 
 def main() -> int:

@@ -176,8 +176,11 @@ class StreamBinding(BaseModel):
     output_topic: str = Field(
         default="{prefix}/{device}/results/{model}",
         description="template with {topic} (the input topic), {device}, {model}, {version}, {prefix}")
-    input_format: Literal["v2", "raw"] = Field(
-        default="v2", description="v2: a v2 JSON (or binary-form) request; raw: bare tensor bytes")
+    input_format: Literal["v2", "raw", "media"] = Field(
+        default="v2", description="v2: a v2 JSON (or binary-form) request; raw: bare tensor bytes; media: an "
+        "encoded image or sound (JPEG, PNG, WebP, WAV) for a model or pipeline with one BYTES input")
+    content_type: str | None = Field(default=None, description="media: the payloads' type (image/jpeg, ...); "
+                                     "default: the message's MQTT 5 content type, else its first bytes")
     input_name: str | None = Field(default=None, description="raw: the model input the bytes feed")
     datatype: str | None = Field(default=None, description="raw: the v2 datatype of the bytes")
     shape: list[int] | None = Field(default=None, description="raw: full shape incl. batch; one -1 allowed")
@@ -234,8 +237,14 @@ class StreamBinding(BaseModel):
         raw = (self.input_name, self.datatype, self.shape)
         if self.input_format == "raw" and any(x is None for x in raw):
             raise ValueError("input_format 'raw' needs input_name, datatype and shape")
-        if self.input_format == "v2" and any(x is not None for x in raw):
+        if self.input_format != "raw" and any(x is not None for x in raw):
             raise ValueError("input_name, datatype and shape are only for input_format 'raw'")
+        if self.content_type is not None:
+            if self.input_format != "media":
+                raise ValueError("content_type is only for input_format 'media'")
+            from edged.protocol.media import MEDIA_TYPES, declared_media_type
+            if declared_media_type(self.content_type) is None:
+                raise ValueError(f"content_type must be one of {list(MEDIA_TYPES)}")
         return self
 
 

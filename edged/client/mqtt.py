@@ -199,6 +199,35 @@ class MqttClient:
             raise EdgedError(f"malformed status for model {model!r}", code=ErrorCode.INTERNAL)
         return doc
 
+    def infer_media(self, model: str, payload: bytes, version: int | None = None, timeout: float = 10.0,
+                    content_type: str | None = None) -> dict[str, Any]:
+        """Send a raw image or sound (MQTT 5 only) and return the daemon's plain-JSON answer
+        (edged.protocol.media.answer); an error answer raises MqttServerError."""
+        from edged.transports.mqtt.properties import publish_properties
+
+        if not self.v5:
+            raise EdgedError("raw image/sound requests need MQTT 5 (a response topic)")
+        corr = uuid.uuid4().hex
+        props = publish_properties(response_topic=self.reply_topic, correlation=corr.encode(),
+                                   expiry_s=max(1, math.ceil(timeout)), content_type=content_type)
+        fut: Future[tuple[dict[str, Any], memoryview]] = Future()
+        with self._lock:
+            self._pending[corr] = fut
+        topic = f"{self.base}/infer/{model}" + (f"/{version}" if version is not None else "")
+        try:
+            info = self._client.publish(topic, payload, qos=self.qos, properties=props)
+            if info.rc != self._mqtt.MQTT_ERR_SUCCESS:
+                raise EdgedError(f"cannot publish to the MQTT broker at {self.url}: "
+                                 f"{self._mqtt.error_string(info.rc)}", code=ErrorCode.UNAVAILABLE)
+            answer, _ = fut.result(timeout)
+        except FutureTimeout:
+            raise DeadlineExceededError(f"no reply from edged for model {model!r} within {timeout}s") from None
+        finally:
+            with self._lock:
+                self._pending.pop(corr, None)
+        _raise_if_error(answer)
+        return answer
+
     def _encode(self, inputs: Mapping[str, np.ndarray],
                 outputs: list[str] | None) -> tuple[dict[str, Any], list[bytes]]:
         from edged.protocol.v2 import bytes_to_buffer
@@ -234,15 +263,19 @@ class MqttClient:
         self.close()
 
 
-def _decode_outputs(header: Any, tail: Any) -> dict[str, np.ndarray]:
-    from edged.protocol.v2 import bytes_from_buffer
-
+def _raise_if_error(header: Any) -> None:
     if "error" in header:
         try:
             code = ErrorCode(header.get("code"))
         except ValueError:
             code = ErrorCode.INTERNAL
         raise MqttServerError(str(header["error"]), code=code)
+
+
+def _decode_outputs(header: Any, tail: Any) -> dict[str, np.ndarray]:
+    from edged.protocol.v2 import bytes_from_buffer
+
+    _raise_if_error(header)
     out: dict[str, np.ndarray] = {}
     pos = 0
     view = memoryview(tail)

@@ -240,6 +240,20 @@ class EdgedCollector:
                              for name, text, v in counters]
         out.append(GaugeMetricFamily(f"{p}_mqtt_backlog", "MQTT requests computing plus replies the broker has "
                                      "not taken yet", value=float(m.backlog)))
+        if m.streams:
+            labels = ["topic", "model"]
+            fams = {k: GaugeMetricFamily(f"{p}_stream_{k}", text, labels=labels) for k, text in (
+                ("fps", "stream binding: answers per second over its recent window"),
+                ("latency_ms_p50", "stream binding: arrival to result published, median over its recent window"),
+                ("latency_ms_p99", "stream binding: arrival to result published, p99 over its recent window"))}
+            counts = {k: CounterMetricFamily(f"{p}_stream_{k}", f"stream binding: messages {k}", labels=labels)
+                      for k in ("received", "processed", "dropped", "errors")}
+            for st in m.streams:
+                for k, gauge in fams.items():
+                    gauge.add_metric([st.topic, st.model], float(getattr(st, k)))
+                for k, counter in counts.items():
+                    counter.add_metric([st.topic, st.model], float(getattr(st, k)))
+            out += [*fams.values(), *counts.values()]
         out.append(GaugeMetricFamily(f"{p}_mqtt_broker_delayed_ack_stall", "1 once replies were seen held at the "
                                      "broker's delayed-ACK interval (see edged status)",
                                      value=1.0 if m.broker_stall else 0.0))

@@ -177,6 +177,21 @@ class SystemWindow(_Wire):
     emc_utilization: float | None = None
 
 
+class StreamWindow(_Wire):
+    """One MQTT stream binding (a camera topic into a model or pipeline): counts since start, and its real
+    answer rate and latency (arrival to result published) over its last seconds."""
+
+    topic: str = Field(max_length=256, description="the binding's input topic filter")
+    model: str = Field(max_length=128)
+    received: Count = 0
+    processed: Count = Field(default=0, description="answered (results published)")
+    dropped: Count = Field(default=0, description="dropped by the binding's policy (and at shutdown)")
+    errors: Count = 0
+    fps: float = Field(default=0.0, ge=0, description="answers per second over the binding's recent window")
+    latency_ms_p50: float = Field(default=0.0, ge=0)
+    latency_ms_p99: float = Field(default=0.0, ge=0)
+
+
 class MqttWindow(_Wire):
     """The MQTT transport's request/reply counts (over the window in a sample, since start in the status file)."""
 
@@ -189,12 +204,14 @@ class MqttWindow(_Wire):
     backlog: Count = Field(default=0, description="at the end: requests computing plus replies not yet taken")
     broker_stall: str | None = Field(default=None, max_length=2000,
                                      description="the broker's delayed-ACK stall, once recognised, with the fix")
+    streams: list[StreamWindow] = Field(default_factory=list, max_length=256,
+                                        description="per stream binding (its counts stay since start)")
 
     def minus(self, prev: MqttWindow | None) -> MqttWindow:
         if prev is None:
             return self
         counts = {k: max(0, getattr(self, k) - getattr(prev, k)) for k in _MQTT_COUNTS}
-        return MqttWindow(**counts, backlog=self.backlog, broker_stall=self.broker_stall)
+        return MqttWindow(**counts, backlog=self.backlog, broker_stall=self.broker_stall, streams=self.streams)
 
 
 _MQTT_COUNTS = ("requests", "replies", "error_replies", "overloaded", "replies_dropped", "requests_dropped")

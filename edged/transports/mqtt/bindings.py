@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,8 @@ from edged.errors import ConfigError, EdgedError, InternalError, InvalidInputErr
 from edged.protocol.mqtt_topics import topic_matches, valid_publish_topic
 
 log = logging.getLogger("edged.transports.mqtt.transport")
+RATE_WINDOW_S = 10.0  # a stream's fps and latency are over this many recent seconds
+MAX_RECENT = 4096  # answers remembered for that (bounded whatever the rate)
 
 def validate_bindings(raw: Sequence[Any]) -> list[StreamBinding]:
     """Validate ``[mqtt] bindings``; every problem is named ``mqtt.bindings[i].<key>``."""
@@ -58,6 +60,9 @@ class Item:
     header_length: int | None
     received_at: float  # wall clock, for the output's timestamp
     deadline: float | None  # monotonic; from the message expiry
+    frame_timestamp: str | None = None  # the publisher's own (MQTT 5 user property), carried to the output
+    content_type: str | None = None  # the message's MQTT 5 content type
+    arrived: float = 0.0  # monotonic, for the stream's latency
 
 
 @dataclass
@@ -68,6 +73,20 @@ class BindingStats:
     processed: int = 0
     errors: int = 0
     high_water: int = 0
+    # (monotonic end, seconds from arrival to published) of the answers of the last RATE_WINDOW_S
+    recent: collections.deque[tuple[float, float]] = field(default_factory=collections.deque)
+
+    def answered(self, now: float, latency: float) -> None:
+        self.recent.append((now, latency))
+        while self.recent and (self.recent[0][0] < now - RATE_WINDOW_S or len(self.recent) > MAX_RECENT):
+            self.recent.popleft()
+
+    def rate(self, now: float) -> tuple[float, float, float]:
+        """Answers per second over the last RATE_WINDOW_S, and their latency p50/p99 in ms (0 when none)."""
+        lat = sorted(x for t, x in list(self.recent) if t >= now - RATE_WINDOW_S)
+        if not lat:
+            return 0.0, 0.0, 0.0
+        return (len(lat) / RATE_WINDOW_S, lat[len(lat) // 2] * 1e3, lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3)
 
 
 class BindingBuffer:
@@ -76,6 +95,7 @@ class BindingBuffer:
     def __init__(self, policy: Policy, size: int) -> None:
         self.policy, self.size = policy, size
         self.stats = BindingStats()
+        self.lock = threading.Lock()  # the stats' window (worker writes, telemetry reads)
         self._cv = threading.Condition()
         self._fifo: collections.deque[Item] = collections.deque()
         self._latest: collections.OrderedDict[str, Item] = collections.OrderedDict()
@@ -171,6 +191,11 @@ class BindingWorker:
     def stats(self) -> BindingStats:
         return self.buffer.stats
 
+    def rate(self) -> tuple[float, float, float]:
+        """The stream's real answers per second and latency p50/p99 (ms) over the last RATE_WINDOW_S."""
+        with self.buffer.lock:
+            return self.stats.rate(time.monotonic())
+
     def start(self) -> None:
         self._thread.start()
 
@@ -219,6 +244,9 @@ class BindingWorker:
             err = InternalError(f"internal error: {type(e).__name__}")
             payload, header_length = self._error_payload(b, item, err), None
         self._publish(out_topic, payload, b.qos, header_length)
+        now = time.monotonic()
+        with self.buffer.lock:
+            self.stats.answered(now, now - item.arrived if item.arrived else 0.0)
 
     def _log_error(self, msg: str) -> None:
         # One bad sensor can produce thousands of errors a second: log at most every 30 s.

@@ -41,7 +41,7 @@ from edged.errors import (
 )
 from edged.protocol import media
 from edged.protocol import mqtt as codec
-from edged.protocol.fleet.telemetry import MqttWindow
+from edged.protocol.fleet.telemetry import MqttWindow, StreamWindow
 from edged.protocol.mqtt import Form, Topics
 from edged.protocol.redact import Scrubber
 from edged.protocol.v2 import DecodedRequest, decode_request, dumps, encode_response, loads
@@ -71,6 +71,9 @@ STOP_GRACE_S = 2.0
 # before it writes their refusals. Only a broker that stops reading fills it; then replies are dropped.
 REFUSAL_RESERVE = 1024
 STATUS_POLL_S = 2.0
+# An MQTT 5 user property a camera sets on a frame (its capture time, any text up to 64 characters):
+# the binding's output carries it as "frame_timestamp".
+FRAME_TIMESTAMP_PROPERTY = "Frame-Timestamp"
 
 
 @dataclass
@@ -249,7 +252,15 @@ class MqttTransport:
         return MqttWindow(requests=c.get("requests", 0), replies=c.get("replies", 0), error_replies=errors,
                           overloaded=c.get("overloaded", 0), replies_dropped=c.get("replies_dropped", 0),
                           requests_dropped=c.get("dropped", 0), backlog=self.backlog(),
-                          broker_stall=self._stall.message)
+                          broker_stall=self._stall.message, streams=[self._stream(w) for w in self._workers])
+
+    @staticmethod
+    def _stream(w: BindingWorker) -> StreamWindow:
+        fps, p50, p99 = w.rate()
+        st = w.stats
+        return StreamWindow(topic=w.binding.topic[:256], model=w.binding.model, received=st.received,
+                            processed=st.processed, dropped=st.dropped, errors=st.errors, fps=round(fps, 3),
+                            latency_ms_p50=round(p50, 3), latency_ms_p99=round(p99, 3))
 
     def binding_stats(self) -> list[BindingStats]:
         return [w.stats for w in self._workers]
@@ -365,7 +376,10 @@ class MqttTransport:
             header_length = codec.header_length_property(hlen)
         except InvalidInputError:
             header_length = None
-        w.offer(Item(topic, msg.payload, header_length, time.time(), _deadline(props)))
+        w.offer(Item(topic, msg.payload, header_length, time.time(), _deadline(props),
+                     frame_timestamp=(_user_property(props, FRAME_TIMESTAMP_PROPERTY) or "")[:64] or None,
+                     content_type=getattr(props, "ContentType", None) if props else None,
+                     arrived=time.monotonic()))
 
     def _reply_qos(self, request_qos: int) -> int:
         policy = self.options.reply_qos
@@ -651,6 +665,8 @@ class MqttTransport:
 
     def _process_binding(self, b: StreamBinding, item: Item) -> tuple[bytes, int | None]:
         """Run one buffered message through the model (a binding's own thread)."""
+        if b.input_format == "media":
+            return self._process_media_binding(b, item), None
         if b.input_format == "raw":
             assert b.input_name is not None and b.datatype is not None and b.shape is not None
             arr = raw_tensor(item.payload, b.datatype, b.shape)
@@ -665,12 +681,34 @@ class MqttTransport:
         header, chunks = encode_response(resp, decoded)
         header["input_topic"] = item.topic
         header["timestamp"] = item.received_at
+        if item.frame_timestamp is not None:
+            header["frame_timestamp"] = item.frame_timestamp
         form, payload, hlen = codec.frame(form, header, chunks, properties=self.options.v5)
         return payload, hlen if form is Form.BINARY_PROPERTY else None
 
+    def _process_media_binding(self, b: StreamBinding, item: Item) -> bytes:
+        """A camera frame (or sound chunk): the model's one BYTES input, answered as plain JSON."""
+        kind = media.declared_media_type(b.content_type) or media.media_type(item.payload, item.content_type)
+        if kind is None:
+            raise InvalidInputError("the message is not a JPEG, PNG, WebP or WAV (set the binding's content_type "
+                                    "or the message's MQTT 5 content type)")
+        mv = self.service.model(b.model, b.version)
+        name = media.media_input(b.model, [(s.name, s.datatype) for s in mv.inputs])
+        resp = self.service.infer_blocking(InferRequest(model=b.model, version=b.version, deadline=item.deadline,
+                                                        inputs={name: media.media_tensor(item.payload)}))
+        body = media.answer(resp.model, resp.version, resp.outputs, media=kind)
+        body["input_topic"] = item.topic
+        body["timestamp"] = item.received_at
+        if item.frame_timestamp is not None:
+            body["frame_timestamp"] = item.frame_timestamp
+        return dumps(body)
+
     def _binding_error(self, b: StreamBinding, item: Item, err: EdgedError) -> bytes:
-        return dumps({"error": self.scrub.text(err.message), "code": err.code.value, "model_name": b.model,
-                      "input_topic": item.topic, "timestamp": item.received_at})
+        body: dict[str, Any] = {"error": self.scrub.text(err.message), "code": err.code.value, "model_name": b.model,
+                                "input_topic": item.topic, "timestamp": item.received_at}
+        if item.frame_timestamp is not None:
+            body["frame_timestamp"] = item.frame_timestamp
+        return dumps(body)
 
     def _publish_plain(self, topic: str, payload: bytes, qos: int, hlen: int | None) -> None:
         client = self._client

@@ -12,6 +12,7 @@ import json
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -228,3 +229,62 @@ def test_edged_infer_with_a_jpeg_prints_rapid_layouts_regions(
                           "--config", str(shm_config), "--transport", transport],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "'image'" in run.stderr
+
+
+def test_camera_stream_binding_to_a_pipeline_drops_by_policy_and_reports_its_real_rate(
+        broker: Broker, service: InferenceService) -> None:
+    """A camera publishing JPEG frames at 30/s into layout_detect, which cannot keep up here: frames are
+    dropped by the binding's policy (the buffer never holds more than queue_size), every answer carries
+    its frame's timestamp, and the stream's real fps and latency are in the transport's telemetry."""
+    import os
+
+    import psutil
+
+    cfg = parse_config(f'[device]\nid = "dev"\n[mqtt]\nurl = "{broker.url}"\n'
+                       '[[mqtt.bindings]]\ntopic = "cameras/+/jpeg"\nmodel = "layout_detect"\n'
+                       'output_topic = "results/{topic}"\ninput_format = "media"\n'
+                       'policy = "latest_per_topic"\nqueue_size = 1\n')
+    t = MqttTransport(cfg, service, "test-profile")
+    asyncio.run(t.start())
+    sub = TestClient(broker.port).wait_connected()
+    sub.subscribe("results/#")
+    cam = TestClient(broker.port).wait_connected()
+    frames = [_jpeg(_page(i % 3)) for i in range(3)]
+    try:
+        assert t.wait_ready(10)
+        cam.publish("cameras/warmup/jpeg", frames[0], qos=0)  # first use of the engines is not the stream's
+        assert "outputs" in json.loads(sub.get(timeout=60).payload)
+        rss0 = psutil.Process(os.getpid()).memory_info().rss
+        sent = 0
+        start = time.monotonic()
+        while time.monotonic() - start < 4.0:  # 30 frames per second for 4 s
+            cam.publish("cameras/door/jpeg", frames[sent % 3], qos=0,
+                        UserProperty=[("Frame-Timestamp", f"frame-{sent}")])
+            sent += 1
+            time.sleep(max(0.0, start + sent / 30 - time.monotonic()))
+        answers = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            st = t.binding_stats()[0]
+            if st.received > sent and st.processed + st.dropped + st.errors >= st.received:
+                break
+            time.sleep(0.2)
+        answers = [json.loads(m.payload) for m in sub.drain(1.0)]
+        grown_mb = (psutil.Process(os.getpid()).memory_info().rss - rss0) / 1e6
+        stream = t.stats().streams[0]
+    finally:
+        cam.close()
+        sub.close()
+        asyncio.run(t.stop())
+    assert stream.received == sent + 1 and sent >= 100
+    assert stream.dropped > 0 and stream.processed + stream.dropped + stream.errors == sent + 1, stream
+    assert t.binding_stats()[0].high_water <= 1
+    assert len(answers) == stream.processed - 1 and stream.errors == 0
+    for a in answers:
+        assert a["input_topic"] == "cameras/door/jpeg" and a["frame_timestamp"].startswith("frame-")
+        assert a["model_name"] == "layout_detect" and len(a["outputs"]["detections"][0]) >= 1
+    # the real rate: what was answered, far below the 30 frames/s offered
+    assert 0 < stream.fps < 30 and stream.latency_ms_p50 > 0
+    print(f"camera stream: {sent} frames offered at 30/s, {stream.processed} answered ({stream.fps:.2f}/s, "
+          f"latency p50 {stream.latency_ms_p50:.0f} ms), {stream.dropped} dropped; RSS grew {grown_mb:.1f} MB")
+    assert grown_mb < 50
