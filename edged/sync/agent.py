@@ -24,8 +24,8 @@ from edged.core.service import InferenceService
 from edged.errors import EdgedError
 from edged.hardware.facts import HardwareFacts
 from edged.sync.boot import prepare_boot
+from edged.sync.capped_http import RegistryHttp, StoppedError, SyncHttpError, TransferError
 from edged.sync.client import DeviceClient
-from edged.sync.http import RegistryHttp, StoppedError, SyncHttpError, TransferError
 from edged.sync.localfault import LocalFaultError
 from edged.sync.settings import SyncSettings
 from edged.sync.state import RISKY_STEPS, StateStore

@@ -27,7 +27,7 @@ from edged.protocol.fleet.messages import (
     ReportEvent,
     ServingModel,
 )
-from edged.sync.http import RegistryHttp, SyncHttpError
+from edged.sync.capped_http import RegistryHttp, SyncHttpError
 from edged.sync.settings import SyncSettings
 from edged.sync.state import Credential, StateStore, SyncState
 

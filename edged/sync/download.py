@@ -16,8 +16,8 @@ from pathlib import Path
 from edged.fsutil import fsync_dir, sha256_file
 from edged.protocol.fleet.messages import API_PREFIX
 from edged.protocol.fleet.release import ReleaseManifest
+from edged.sync.capped_http import RegistryHttp, TransferError
 from edged.sync.faults import fault_point
-from edged.sync.http import RegistryHttp, TransferError
 from edged.sync.repo import PARTS, file_ok
 
 log = logging.getLogger(__name__)

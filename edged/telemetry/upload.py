@@ -91,7 +91,7 @@ def batch_body(p: Pending) -> bytes:
 
 class Uploader:
     def __init__(self, settings: UploadSettings, buffer: TelemetryBuffer) -> None:
-        from edged.sync.http import RegistryHttp
+        from edged.sync.capped_http import RegistryHttp
         from edged.sync.state import StateStore
 
         self.settings = settings

@@ -302,7 +302,7 @@ class _HostileRegistry(http.server.BaseHTTPRequestHandler):
 
 
 def test_oversized_response_is_refused(tmp_path: Path, world: World) -> None:
-    from edged.sync.http import RegistryHttp, TransferError
+    from edged.sync.capped_http import RegistryHttp, TransferError
 
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _HostileRegistry)
     t = threading.Thread(target=srv.serve_forever, daemon=True)
