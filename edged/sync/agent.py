@@ -25,8 +25,8 @@ from edged.errors import EdgedError
 from edged.hardware.facts import HardwareFacts
 from edged.sync.boot import prepare_boot
 from edged.sync.capped_http import RegistryHttp, StoppedError, SyncHttpError, TransferError
-from edged.sync.client import DeviceClient
 from edged.sync.localfault import LocalFaultError
+from edged.sync.registry_client import DeviceClient
 from edged.sync.settings import SyncSettings
 from edged.sync.state import RISKY_STEPS, StateStore
 from edged.sync.updater import Updater

@@ -27,9 +27,9 @@ from edged.repository.manifest import MANIFEST_NAME, Evaluation, parse_manifest
 from edged.repository.store import load_version
 from edged.sync import localfault, plan, quality
 from edged.sync.capped_http import RegistryHttp, StoppedError, SyncHttpError, TransferError
-from edged.sync.client import DeviceClient
 from edged.sync.download import fetch_release
 from edged.sync.faults import fault_point
+from edged.sync.registry_client import DeviceClient
 from edged.sync.repo import DeviceRepo, folder_matches
 from edged.sync.settings import SyncSettings
 from edged.sync.state import ModelSync, Pending, PendingStep, StateStore, SyncState, VersionRef
