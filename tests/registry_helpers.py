@@ -210,7 +210,7 @@ class RegistryServer:
         self.proc = None
 
     def client(self) -> Any:
-        from edged.registry.client import RegistryClient
+        from edged.registry.admin_client import RegistryClient
 
         cert, key = self.client_cert or (None, None)
         return RegistryClient(self.url, ADMIN_TOKEN, ca_file=self.ca_file, client_cert=cert, client_key=key)

@@ -247,7 +247,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from edged.registry.client import RegistryClient
+    from edged.registry.admin_client import RegistryClient
 
     if args.token_file is not None:
         token = args.token_file.read_text(encoding="utf-8").strip()

@@ -117,7 +117,7 @@ def test_cli_push_release_and_inspect(env: Env, model: str) -> None:
 def test_push_refuses_inconsistent_versions(env: Env, model: str) -> None:
     folder = push(env, model, 1)
     with env.server.client() as c:
-        from edged.registry.client import RegistryClientError, folder_files
+        from edged.registry.admin_client import RegistryClientError, folder_files
 
         files = [e for e, _ in folder_files(folder)]
         # versions are immutable: different files under the same number
@@ -141,7 +141,7 @@ def test_release_checks(env: Env, model: str) -> None:
     push(env, model, 1)
     key = env.keys.load()
     with env.server.client() as c:
-        from edged.registry.client import RegistryClientError
+        from edged.registry.admin_client import RegistryClientError
 
         files = c.version(model, 1).files
 

@@ -116,7 +116,7 @@ def make_ca_and_cert(folder: Path) -> tuple[Path, Path, Path]:
 
 
 def test_tls_registry_serves_a_device_end_to_end(tmp_path: Path) -> None:
-    from edged.registry.client import RegistryClient, RegistryClientError
+    from edged.registry.admin_client import RegistryClient, RegistryClientError
     from edged.sync.capped_http import RegistryHttp, SyncHttpError
 
     keys = Keys.make(tmp_path)
@@ -169,7 +169,7 @@ def test_tls_settings_go_together(tmp_path: Path) -> None:
 
 def test_registry_requiring_client_certificates(tmp_path: Path) -> None:
     """``--tls-client-ca``: devices and operators without a certificate from that CA are turned away."""
-    from edged.registry.client import RegistryClient, RegistryClientError
+    from edged.registry.admin_client import RegistryClient, RegistryClientError
     from edged.sync.capped_http import RegistryHttp, SyncHttpError
 
     keys = Keys.make(tmp_path)
