@@ -31,7 +31,7 @@ from edged.protocol.fleet.telemetry import ModelWindow, MqttWindow, TelemetrySam
 from edged.telemetry import message, prometheus
 from edged.telemetry.buffer import BufferStats, TelemetryBuffer
 from edged.telemetry.device import DeviceSampler
-from edged.telemetry.models import Key, ModelCounters, ModelMetrics, ModelSnapshot, shared
+from edged.telemetry.model_metrics import Key, ModelCounters, ModelMetrics, ModelSnapshot, shared
 from edged.telemetry.readings import DeviceReading
 from edged.telemetry.snapshot import (
     STATUS_FILE,

@@ -7,7 +7,7 @@ differenced here, so every window is exact no matter how often anyone else reads
 from __future__ import annotations
 
 from edged.protocol.fleet.telemetry import Accelerator, Hist, HistCounts, ModelWindow, Rail, SystemWindow
-from edged.telemetry.models import ModelCounters, ModelSnapshot
+from edged.telemetry.model_metrics import ModelCounters, ModelSnapshot
 from edged.telemetry.readings import DeviceReading
 
 _IDLE_MODES = ("idle", "iowait")

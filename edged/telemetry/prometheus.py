@@ -1,14 +1,14 @@
 """``/metrics`` in the Prometheus text format: model, device and telemetry families, read at scrape time.
 
 Names and labels are listed in docs/telemetry.md. Model series carry ``model``,
-``version`` and ``backend``; counters come from :class:`~edged.telemetry.models.ModelMetrics`,
+``version`` and ``backend``; counters come from :class:`~edged.telemetry.model_metrics.ModelMetrics`,
 which keeps them monotonic when a version is reloaded. Latency histograms use the
 scheduler's own buckets (seconds), so nothing is observed twice.
 
 The daemon makes one :class:`MetricsRenderer` per start and hands it to what feeds it (the
 telemetry agent, the MQTT transport: each binds its part while it runs) and to the HTTP
 transport, which serves it; nothing is looked up in a module-level table. A fresh renderer per
-scrape would still count right (the reload carry-over lives in :func:`~edged.telemetry.models.shared`)
+scrape would still count right (the reload carry-over lives in :func:`~edged.telemetry.model_metrics.shared`)
 but would lose those bound parts.
 """
 
@@ -27,7 +27,7 @@ from edged.core.models import ModelState
 from edged.core.service import InferenceService
 from edged.protocol.fleet.telemetry import HistCounts, MqttWindow
 from edged.telemetry.device import DeviceSampler
-from edged.telemetry.models import shared
+from edged.telemetry.model_metrics import shared
 from edged.telemetry.readings import DeviceReading
 
 if TYPE_CHECKING:
