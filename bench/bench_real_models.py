@@ -34,7 +34,7 @@ from bench.common import ratio_line
 from edged.backends.benchmark import typical_call_s
 from edged.config import ModelsSection
 from edged.core.manager import ModelManager
-from edged.core.models import ModelState
+from edged.core.model_versions import ModelState
 from edged.profiles import BackendPreference
 from tests import corpus
 

@@ -30,7 +30,7 @@ from edged.backends.factory import get_backend
 from edged.backends.selection import Candidate, candidates
 from edged.config import ModelsSection
 from edged.core.manager import ModelManager
-from edged.core.models import ModelState
+from edged.core.model_versions import ModelState
 from edged.errors import EdgedError
 from edged.hardware.probe import probe
 from edged.profiles import BackendPreference, load_profiles, match_profile

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from edged.config import Config, load_config
 from edged.core.manager import ModelManager
-from edged.core.models import ModelState, ModelVersion
+from edged.core.model_versions import ModelState, ModelVersion
 from edged.core.service import InferenceService
 from edged.errors import ConfigError, EdgedError
 from edged.fsutil import ensure_private_dir

@@ -403,7 +403,7 @@ class InProcessDevice:
             self.manager.shutdown()
 
     def serving(self, model: str = "digits") -> list[int]:
-        from edged.core.models import ModelState
+        from edged.core.model_versions import ModelState
 
         return [mv.version for mv in self.manager.table.versions(model) if mv.state is ModelState.READY]
 

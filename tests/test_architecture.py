@@ -30,17 +30,17 @@ def test_the_rules_catch_each_kind_of_breach() -> None:
         "edged.sync.registry_client": {"edged.registry.service"},  # device -> registry server
         "edged.registry.gates": {"edged.core.stats"},  # registry -> device
         "edged.errors": {"edged.config"},  # a shared leaf reaching into the device
-        "edged.core.models": {"edged.daemon"},  # from below the daemon
+        "edged.core.model_versions": {"edged.daemon"},  # from below the daemon
         "edged.hardware.facts": {"edged.profiles"},  # hardware <-> profiles
         "edged.profiles": {"edged.hardware.facts"},
-        "edged.daemon": {"edged.core.models"},
+        "edged.daemon": {"edged.core.model_versions"},
         "edged.config": set(), "edged.core.stats": set(), "edged.registry.service": set(),
     }
     found = ag.violations(graph)
     assert any("edged.sync.registry_client imports the registry server" in v for v in found)
     assert any("edged.registry.gates imports device code" in v for v in found)
     assert any("shared module edged.errors imports device module edged.config" in v for v in found)
-    assert any("edged.core.models imports edged.daemon from below" in v for v in found)
+    assert any("edged.core.model_versions imports edged.daemon from below" in v for v in found)
     assert any("cycle" in v and "hardware" in v and "profiles" in v for v in found)
     # Modules inside one package may not import each other either (the diagram cannot show it).
     inner = ag.violations({"edged.telemetry.agent": {"edged.telemetry.prometheus"},

@@ -17,7 +17,7 @@ import pytest
 
 from edged.client.shm import ShmClient
 from edged.config import parse_config
-from edged.core.models import ModelState
+from edged.core.model_versions import ModelState
 from edged.transports.shm.transport import ShmTransport
 from tests import corpus, perf_analyzer
 from tests.http_helpers import AUTH, TOKEN, Served, served

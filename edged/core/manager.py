@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from edged.config import ModelsSection
-from edged.core.models import ModelLoader, ModelState, ModelTable, ModelVersion
+from edged.core.model_versions import ModelLoader, ModelState, ModelTable, ModelVersion
 from edged.core.pipelines import PipelineRunner, ServiceGateway, load_pipeline_version
 from edged.core.scheduler import Scheduler
 from edged.core.stats import ModelStats

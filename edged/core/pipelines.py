@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from edged.core.models import ModelState, ModelTable, ModelVersion
+from edged.core.model_versions import ModelState, ModelTable, ModelVersion
 from edged.core.stats import ModelStats
 from edged.core.types import InferRequest, InferResponse
 from edged.errors import DeadlineExceededError, EdgedError, InternalError, InvalidInputError, ModelNotReadyError

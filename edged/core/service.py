@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from edged.core.manager import ModelManager
-from edged.core.models import ModelState, ModelVersion
+from edged.core.model_versions import ModelState, ModelVersion
 from edged.core.pipelines import start_pipeline_request
 from edged.core.scheduler import Scheduler
 from edged.core.types import InferRequest, InferResponse

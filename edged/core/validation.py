@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edged import datatypes
-from edged.core.models import ModelVersion
+from edged.core.model_versions import ModelVersion
 from edged.core.types import InferRequest
 from edged.errors import InvalidInputError
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from edged.config import Config, VersionPolicy
-from edged.core.models import ModelState
+from edged.core.model_versions import ModelState
 from edged.core.service import InferenceService
 from edged.errors import EdgedError
 from edged.protocol.fleet.messages import DesiredModel, QualityReport, ServingModel

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edged.core.models import ModelState, ModelVersion, sample_inputs
+from edged.core.model_versions import ModelState, ModelVersion, sample_inputs
 from edged.core.service import InferenceService
 from edged.core.types import InferRequest, InferResponse
 from edged.errors import EdgedError, ModelNotFoundError, ModelNotReadyError, OverloadedError

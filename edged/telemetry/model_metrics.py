@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from edged.core.models import ModelState, ModelVersion
+from edged.core.model_versions import ModelState, ModelVersion
 from edged.core.service import InferenceService
 from edged.core.stats import ModelStats
 from edged.protocol.fleet.telemetry import HistCounts

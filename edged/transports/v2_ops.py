@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 import edged
-from edged.core.models import ModelState
+from edged.core.model_versions import ModelState
 from edged.core.service import InferenceService
 from edged.core.types import InferResponse
 from edged.errors import EdgedError, ErrorCode, InvalidInputError, ModelNotFoundError

@@ -15,7 +15,7 @@ import pytest
 from edged.config import ModelsSection
 from edged.core.batch_policy import PROBE_EVERY, BatchPolicy
 from edged.core.manager import ModelManager
-from edged.core.models import ModelState
+from edged.core.model_versions import ModelState
 from edged.core.service import InferenceService
 from edged.core.types import InferRequest, InferResponse
 from edged.errors import (

@@ -22,7 +22,7 @@ import pytest
 from edged.client.http import HttpClient, HttpStatusError
 from edged.config import ModelsSection
 from edged.core.manager import ModelManager
-from edged.core.models import ModelState
+from edged.core.model_versions import ModelState
 from edged.core.service import InferenceService
 from edged.core.types import InferRequest
 from edged.errors import ErrorCode, InternalError, InvalidInputError

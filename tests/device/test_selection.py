@@ -28,7 +28,7 @@ from edged.backends.factory import get_backend
 from edged.backends.selection import Candidate, candidates
 from edged.config import ModelsSection
 from edged.core.manager import ModelManager
-from edged.core.models import ModelVersion
+from edged.core.model_versions import ModelVersion
 from edged.core.service import InferenceService
 from edged.core.types import InferRequest
 from edged.errors import EngineUnavailableError
