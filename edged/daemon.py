@@ -159,8 +159,8 @@ class Daemon:
         regions = None
         if cfg.http.enabled or grpc:
             # One set of Triton system shared memory regions for both v2 listeners, as in Triton.
-            from edged.transports.http.transport import system_shm_registry
-            regions = system_shm_registry(cfg)
+            from edged.transports.http.transport import system_shm_regions
+            regions = system_shm_regions(cfg)
         if cfg.http.enabled:
             from edged.transports.http.transport import HttpTransport
             out.append(HttpTransport(cfg, rt.service, shm=regions, metrics=metrics))

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from edged.client.http import HttpClient
 from edged.core.types import InferRequest
 from edged.errors import EdgedError, InvalidInputError
-from edged.transports.shm.sysshm import ShmCaller, SystemShmRegistry, check_key
+from edged.transports.shm.sysshm import ShmCaller, SystemShmRegions, check_key
 from tests.http_helpers import TOKEN, Segment, Served, copy_models, served
 
 pytestmark = pytest.mark.timeout(180)
@@ -218,7 +218,7 @@ def test_random_offsets_and_sizes_are_refused_without_crashing(srv: Served, offs
        size=st.one_of(st.integers(), st.sampled_from(BIG), st.none(), st.floats()))
 def test_registry_bounds_property(offset: object, size: object) -> None:
     seg = Segment(f"/shmtest_{tag()}", 1024)
-    reg = SystemShmRegistry(1 * MB, tcp_prefix="shmtest_")
+    reg = SystemShmRegions(1 * MB, tcp_prefix="shmtest_")
     try:
         reg.register(ME, "r", seg.key, 0, 1024)
         ok = (isinstance(offset, int) and isinstance(size, int) and not isinstance(size, bool)
@@ -248,7 +248,7 @@ def _fds_on(file: tuple[int, int]) -> set[int]:
 
 
 def test_registry_unregister_waits_for_users(segment: Segment) -> None:
-    reg = SystemShmRegistry(MB, tcp_prefix="shmtest_")
+    reg = SystemShmRegions(MB, tcp_prefix="shmtest_")
     reg.register(ME, "r", segment.key, 0, 4096)
     fd = reg._regions[(ME.scope, "r")].fd
     st = os.fstat(fd)
@@ -268,7 +268,7 @@ def test_registry_unregister_waits_for_users(segment: Segment) -> None:
 
 def test_registry_limits_region_count() -> None:
     segs = [Segment(f"/shmtest_{tag()}", 64) for _ in range(3)]
-    reg = SystemShmRegistry(MB, max_regions=2, tcp_prefix="shmtest_")
+    reg = SystemShmRegions(MB, max_regions=2, tcp_prefix="shmtest_")
     try:
         reg.register(ME, "a", segs[0].key, 0, 64)
         reg.register(ME, "b", segs[1].key, 0, 64)

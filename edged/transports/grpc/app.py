@@ -33,7 +33,7 @@ from edged.transports.grpc.codec import decode_infer, encode_infer, error_respon
 from edged.transports.grpc.gen import grpc_service_pb2 as pb
 from edged.transports.grpc.gen import model_config_pb2 as mc
 from edged.transports.http.config import model_config
-from edged.transports.shm.sysshm import ShmCaller, ShmView, SystemShmRegistry
+from edged.transports.shm.sysshm import ShmCaller, ShmView, SystemShmRegions
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def peer_of(context: Any) -> Peer:
 @dataclass(kw_only=True)
 class GrpcApp:
     service: InferenceService
-    shm: SystemShmRegistry  # the listener's system shared memory regions
+    shm: SystemShmRegions  # the listener's system shared memory regions
     scrub: Scrubber
     authority: Authority
     stream_inflight: int  # [grpc] max_stream_inflight

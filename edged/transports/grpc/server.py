@@ -25,9 +25,9 @@ from edged.transports.http.transport import (
     UNIX_SOCKET_MODE,
     clear_unix_path,
     remove_socket_file,
-    system_shm_registry,
+    system_shm_regions,
 )
-from edged.transports.shm.sysshm import SystemShmRegistry
+from edged.transports.shm.sysshm import SystemShmRegions
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def check_config(cfg: Config) -> list[str]:
 class GrpcTransport:
     name = "grpc"
 
-    def __init__(self, cfg: Config, service: InferenceService, *, shm: SystemShmRegistry | None = None) -> None:
+    def __init__(self, cfg: Config, service: InferenceService, *, shm: SystemShmRegions | None = None) -> None:
         self._grpc = require_grpc()
         from edged.transports.grpc.app import GrpcApp
 
@@ -77,7 +77,7 @@ class GrpcTransport:
         self.cfg = cfg.grpc
         self.listen = self.cfg.listen
         self.max_message = int(self.cfg.max_message_mb * 1024 * 1024)
-        self.shm = shm if shm is not None else system_shm_registry(cfg)  # shared with HTTP in the daemon
+        self.shm = shm if shm is not None else system_shm_regions(cfg)  # shared with HTTP in the daemon
         self.app = GrpcApp(service=service, shm=self.shm, scrub=Scrubber.for_config(cfg),
                            authority=Authority(cfg.control), stream_inflight=self.cfg.max_stream_inflight)
         self._server: Any = None

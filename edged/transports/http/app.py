@@ -26,7 +26,7 @@ from edged.protocol.v2_json import loads_request
 from edged.transports.authority import Authority, Peer, bearer
 from edged.transports.http.config import model_config
 from edged.transports.http.server import Headers, Request, Response
-from edged.transports.shm.sysshm import ShmCaller, ShmView, SystemShmRegistry
+from edged.transports.shm.sysshm import ShmCaller, ShmView, SystemShmRegions
 from edged.transports.v2_ops import (
     HEAVY,
     check_model_control,
@@ -69,7 +69,7 @@ class HttpError(Exception):
 
 
 class V2App:
-    def __init__(self, service: InferenceService, shm: SystemShmRegistry, *, max_body: int,
+    def __init__(self, service: InferenceService, shm: SystemShmRegions, *, max_body: int,
                  scrub: Scrubber, metrics: Callable[[], tuple[bytes, str]], authority: Authority) -> None:
         self.service = service
         self.shm = shm

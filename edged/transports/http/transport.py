@@ -26,7 +26,7 @@ from edged.protocol.redact import Scrubber
 from edged.transports.authority import Authority
 from edged.transports.http.app import V2App
 from edged.transports.http.server import HttpServer, Limits
-from edged.transports.shm.sysshm import SystemShmRegistry
+from edged.transports.shm.sysshm import SystemShmRegions
 
 if TYPE_CHECKING:
     from edged.telemetry.prometheus import MetricsRenderer
@@ -101,15 +101,15 @@ def _bind_unix(path: Path, listen: str) -> socket.socket:
     return sock
 
 
-def system_shm_registry(cfg: Config) -> SystemShmRegistry:
+def system_shm_regions(cfg: Config) -> SystemShmRegions:
     """Triton's system shared memory regions, one registry for the daemon's v2 listeners (HTTP and gRPC)."""
-    return SystemShmRegistry(int(cfg.shm.max_region_mb * 1024 * 1024), tcp_prefix=cfg.shm.system_shm_prefix)
+    return SystemShmRegions(int(cfg.shm.max_region_mb * 1024 * 1024), tcp_prefix=cfg.shm.system_shm_prefix)
 
 
 class HttpTransport:
     name = "http"
 
-    def __init__(self, cfg: Config, service: InferenceService, *, shm: SystemShmRegistry | None = None,
+    def __init__(self, cfg: Config, service: InferenceService, *, shm: SystemShmRegions | None = None,
                  metrics: MetricsRenderer | None = None) -> None:
         """``metrics``: the daemon's ``/metrics`` renderer (others bind their families to it); without
         one, a renderer of the service's own series is made at the first scrape."""
@@ -117,7 +117,7 @@ class HttpTransport:
         self.metrics = metrics
         self.service = service
         self.listen = cfg.http.listen
-        self.shm = shm if shm is not None else system_shm_registry(cfg)
+        self.shm = shm if shm is not None else system_shm_regions(cfg)
         scrub = Scrubber.for_config(cfg)
         self.authority = Authority(cfg.control)
         self.app = V2App(service, self.shm, max_body=int(cfg.http.max_request_mb * 1024 * 1024), scrub=scrub,

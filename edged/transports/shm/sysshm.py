@@ -126,7 +126,7 @@ class Region:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
 
 
-class SystemShmRegistry:
+class SystemShmRegions:
     """Registered regions, safe to use from the event loop and worker threads at once.
 
     A region being read or written holds a use count; unregister removes it at once
@@ -324,7 +324,7 @@ class SystemShmRegistry:
 class ShmView:
     """One caller's regions: what a request may read and write (the codec's resolver)."""
 
-    registry: SystemShmRegistry
+    registry: SystemShmRegions
     scope: str
 
     def read(self, name: object, offset: object, byte_size: object) -> memoryview:
