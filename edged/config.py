@@ -118,7 +118,8 @@ class HttpSection(_Section):
     max_request_mb: float = Field(default=64, gt=0)
     max_connections: int = Field(default=1000, ge=1, description="open connections in all")
     max_client_connections: int = Field(default=64, ge=1, description="open connections per client: peer "
-                                        "address over TCP, uid on a Unix socket")
+                                        "address over TCP, uid on a Unix socket; a new one replaces the "
+                                        "client's longest-idle one")
     header_timeout_s: float = Field(default=10, gt=0, description="a request line and headers (or a first "
                                     "request on a new connection) must arrive within this")
 

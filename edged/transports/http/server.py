@@ -63,7 +63,7 @@ class Limits:
     header_timeout_s: float = 10.0  # from connecting / the first byte of a request to its last header byte
     max_pipelined: int = 32  # queued requests per connection before reading pauses
     max_connections: int = 1000
-    max_client_connections: int = 64  # per peer address (TCP) or uid (Unix socket)
+    max_client_connections: int = 64  # per peer address (TCP) or uid (Unix socket); the idlest gives way
     write_high_water: int = 4 * 1024 * 1024
 
 
@@ -121,6 +121,18 @@ class _State:
             mine.discard(conn)
             if not mine:
                 del self.clients[conn.client]
+
+    def make_room_within(self, conn: HttpConnection, why: str) -> bool:
+        """A client at its own limit: its longest-idle (or still header-less) connection gives way to the
+        new one, so a process hoarding idle connections cannot lock out other processes behind the same
+        address (every local TCP client is 127.0.0.1); refused only when all of them are busy."""
+        victim = min((c for c in self.clients.get(conn.client, ()) if c is not conn and c.evictable),
+                     key=lambda c: c.since, default=None)
+        if victim is None or victim.transport is None:
+            return False
+        victim._refuse(503, why)
+        self.discard(victim)
+        return True
 
     def evict_for(self, conn: HttpConnection) -> bool:
         """Server full: close an idle (or still header-less) connection of the biggest other holder."""
@@ -183,8 +195,10 @@ class HttpConnection(asyncio.Protocol):
             self._refuse(503, "server is stopping")
             return
         if len(st.clients[self.client]) > self.limits.max_client_connections:
-            self._refuse(503, f"too many connections from this client (at most {self.limits.max_client_connections})")
-            return
+            why = f"too many connections from this client (at most {self.limits.max_client_connections})"
+            if not st.make_room_within(self, why):
+                self._refuse(503, why)
+                return
         if len(st.connections) > self.limits.max_connections and not st.evict_for(self):
             self._refuse(503, "too many connections")
             return
