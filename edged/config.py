@@ -311,6 +311,9 @@ class RegistrySection(_Section):
                                         description="allowed increase over the previous version's error rate")
     trial_max_p99_ratio: float = Field(default=3.0, gt=1, description="allowed p99 as a multiple of the previous one's")
     trial_p99_floor_ms: float = Field(default=10.0, ge=0, description="a p99 below this never fails a trial")
+    trial_max_quality_drop: float = Field(default=0.05, ge=0, le=1,
+                                          description="a version that scores this much below the one it replaces "
+                                                      "on its evaluation set is rolled back at trial start")
     trial_extend_s: float = Field(default=0, ge=0, description="a trial that saw fewer than trial_min_requests "
                                                                "requests (and has no evaluation set to go by) "
                                                                "waits up to this much longer for traffic; the "

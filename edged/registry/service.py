@@ -234,7 +234,7 @@ def _release_info(s: Session, r: ReleaseRow, model: str | None = None, with_sign
     return ReleaseInfo(model=model, release=r.number, version=version, key_id=r.key_id,
                        selector=TargetSelector.model_validate(r.selector), issued_at=r.issued_at,
                        expires_at=r.expires_at, created_at=r.created_at, revoked=r.revoked_at is not None,
-                       notes=r.notes, signed=_signed(r) if with_signed else None)
+                       notes=r.notes, signed=_signed(r) if with_signed else None, restores=r.restores)
 
 
 def _signed(r: ReleaseRow) -> SignedRelease:

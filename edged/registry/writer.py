@@ -136,7 +136,9 @@ def store_reports(conn: Connection, device_id: str, events: list[ReportEvent], m
         return 0
     conn.execute(insert(DeviceEventRow), [
         {"device_id": device_id, "seq": e.seq, "model": e.model, "step": e.step, "version": e.version,
-         "release_number": e.release, "reason": e.reason, "detail": json_safe(e.detail), "device_time": e.at,
+         "release_number": e.release, "reason": e.reason,
+         "detail": json_safe({**e.detail, "quality": e.quality.model_dump()} if e.quality else e.detail),
+         "device_time": e.at,
          "received_at": t} for e in new])
     for e in new:
         mid = model_ids.get(e.model)

@@ -49,6 +49,7 @@ class SyncSettings:
     trial_max_p99_ratio: float = _default("trial_max_p99_ratio")
     trial_p99_floor_ms: float = _default("trial_p99_floor_ms")
     trial_extend_s: float = _default("trial_extend_s")
+    trial_max_quality_drop: float = _default("trial_max_quality_drop")
     crash_loop_restarts: int = _default("crash_loop_restarts")
     crash_loop_window_s: float = _default("crash_loop_window_s")
     max_download_mb: float = _default("max_download_mb")

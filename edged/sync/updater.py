@@ -362,12 +362,18 @@ class Updater:
             except EdgedError as e:
                 self._rollback(model, f"evaluation set failed: {e}")
                 return False
-            self.quality[model] = QualityReport(metric=ev.metric, samples=got.samples, score=got.score,
-                                                baseline_version=cur.version if base_score is not None and cur
-                                                else None, baseline_score=base_score)
+            q = QualityReport(metric=ev.metric, samples=got.samples, score=got.score,
+                              baseline_version=cur.version if base_score is not None and cur else None,
+                              baseline_score=base_score)
             log.info("model=%s version %d scores %.4f on its evaluation set (%d samples); version %s: %s", model,
                      m.version, got.score, got.samples, cur.version if cur else "-",
                      f"{base_score:.4f}" if base_score is not None else "not scored")
+            if base_score is not None and cur is not None and base_score - got.score > self.s.trial_max_quality_drop:
+                self._rollback(model, f"evaluation set: version {m.version} scores {got.score:.4f}, version "
+                                      f"{cur.version} {base_score:.4f} on the same {got.samples} samples (allowed "
+                                      f"drop {self.s.trial_max_quality_drop:g})", quality=q)
+                return False
+            self.quality[model] = q
         with self.store.lock:
             p = ms.pending
             assert p is not None
@@ -465,7 +471,7 @@ class Updater:
         log.warning("model=%s release %d: %s", model, m.release, note)
         return {"judged": "unjudged", "note": note}
 
-    def _rollback(self, model: str, reason: str) -> None:
+    def _rollback(self, model: str, reason: str, *, quality: QualityReport | None = None) -> None:
         """Serve the committed version again, drop the new one, never retry this release."""
         ms = self._ms(model)
         with self.store.lock:
@@ -488,7 +494,7 @@ class Updater:
             ms.pending = None
             self.store.save(self.state)
         self.client.report(model, "rolled-back", version=p.version, release=p.release, reason=reason,
-                           detail={"serving": ms.current.version if ms.current else None})
+                           detail={"serving": ms.current.version if ms.current else None}, quality=quality)
 
     # ---- instructions from the registry ---------------------------------------------------------
     def revert(self, model: str, releases: list[int], reason: str) -> None:

@@ -420,6 +420,47 @@ def test_local_unload_during_trial_needs_authority_and_is_never_a_failed_release
         dev.stop()
 
 
+# ---- evaluation set and trials without traffic ----------------------------------------------------
+def test_trial_without_traffic_says_what_it_committed_on(case: Case) -> None:
+    """No traffic: without an evaluation set the trial waits trial_extend_s more, then commits unjudged; with one
+    it commits on the set alone, scoring the version it replaced on the same samples."""
+    dev = at_v1(case, trial_s=0.3, trial_extend_s=1.0)
+    try:
+        case.push(2)
+        r2 = case.release(2)
+        done = case.event("committed", r2)
+        began = case.event("active-trial", r2)
+        assert done.detail["judged"] == "unjudged" and "no evaluation set" in done.detail["note"], done.detail
+        assert done.at - began.at >= 1.2  # 0.3 s of trial, then up to 1 s more waiting for traffic
+        case.push(3, evaluation=True)
+        r3 = case.release(3)
+        done = case.event("committed", r3)
+        began = case.event("active-trial", r3)
+        q = began.detail["quality"]
+        assert q["samples"] == 300 and q["score"] > 0.9 and q["baseline_version"] == 2
+        assert abs(q["baseline_score"] - q["score"]) < 0.02
+        assert done.detail["judged"] == "evaluation-set" and done.at - began.at < 1.2
+    finally:
+        dev.stop()
+
+
+def test_version_answering_its_evaluation_set_worse_is_rolled_back(case: Case) -> None:
+    """Random weights with a golden file made from them pass the golden check; the evaluation set catches them
+    at trial start, on a device with no rollout and no traffic."""
+    dev = at_v1(case)
+    try:
+        case.push(2, evaluation=True, random_weights=True)
+        r2 = case.release(2)
+        ev = case.event("rolled-back", r2)
+        assert "evaluation set: version 2 scores" in (ev.reason or ""), ev.reason
+        q = ev.detail["quality"]
+        assert q["score"] < 0.3 and q["baseline_score"] > 0.9, q
+        assert dev.serving(case.model) == [1]
+        assert r2 in dev.state().models[case.model].rejected
+    finally:
+        dev.stop()
+
+
 # ---- offline and restarts --------------------------------------------------------------------------
 def test_offline_keeps_serving_then_updates(case: Case, tmp_path: Path) -> None:
     keys = case.world.keys

@@ -341,7 +341,8 @@ def test_fleet_rollback_to_previous_twice_and_to_a_named_release(env: Env) -> No
     assert f.on(out["release"]) == set(f.devices)
     assert f.devices[members[0]].reverts(m) == [ro.release]  # on trial with it: stop now
     assert all(f.devices[d].reverts(m) == [] for d in set(f.devices) - {members[0]})
-    assert (f.client.releases(m)[-1].notes or "").startswith(f"rollback to release {r3}")
+    last = f.client.releases(m)[-1]
+    assert last.restores == r3 and (last.notes or "").startswith(f"rollback to release {r3}")
     # refusals: nothing to go back to, the current release itself, a revoked one
     with pytest.raises(Exception, match="already the current release"):
         f.client.rollback_plan(m, str(out["release"]))

@@ -180,6 +180,7 @@ class ReleaseInfo(_Wire):
     revoked: bool
     notes: str = ""
     signed: SignedRelease | None = None
+    restores: int | None = Field(default=None, description="a fleet rollback: the earlier release it brings back")
 
 
 class NextRelease(_Wire):
