@@ -7,6 +7,7 @@ with the ``openssl`` command (server and client certificates signed by it).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import queue
 import shutil
@@ -433,6 +434,7 @@ class MosquittoCliRequester:
         self.pub = subprocess.Popen(["mosquitto_pub", *common, "-q", str(qos), "-t", infer_topic, "-l"],
                                     stdin=subprocess.PIPE, stderr=subprocess.DEVNULL)
         self.run = uuid.uuid4().hex[:8]
+        self.sent = itertools.count()  # request ids never repeat: edged rightly ignores a repeated one
         # mosquitto_pub reads stdin before its CONNACK: a QoS 0 line sent too early is lost. Retry until served.
         for k in range(int(self.timeout)):
             with contextlib.suppress(AssertionError):
@@ -468,7 +470,7 @@ class MosquittoCliRequester:
 
     def _round_trip(self, i: str, timeout: float) -> bool:
         assert self.pub.stdin is not None
-        rid = f"{self.run}-{i}"
+        rid = f"{self.run}-{next(self.sent)}-{i}"
         self.pub.stdin.write(digits_json(rid, self.reply_topic) + b"\n")
         self.pub.stdin.flush()
         end = time.monotonic() + timeout

@@ -34,6 +34,7 @@ from edged.telemetry.prometheus import MetricsRenderer
 from edged.transports.mqtt.bindings import BindingBuffer, Item, validate_bindings
 from edged.transports.mqtt.connection import MqttOptions
 from edged.transports.mqtt.dedup import RecentKeys
+from edged.transports.mqtt.stall import STALL_HIGH_S, STALL_LOW_S
 from edged.transports.mqtt.transport import MqttTransport
 from tests.conftest import EDGED, MODELS, REPO_ROOT
 from tests.mqtt_helpers import (
@@ -729,25 +730,26 @@ def stock(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Broker, Ed
         broker.stop()
 
 
-def _rate(call: Callable[[int], bool], floor: float, seconds: float = 1.0, attempts: int = 8) -> LoopResult:
-    """Round trips at concurrency 1 must reach ``floor`` per second in one window. The stall being fixed
-    costs 44 ms (23/s) in every window, 20x below the floors; a busy shared machine gets up to eight."""
-    best: LoopResult | None = None
-    for _ in range(attempts):
-        res = closed_loop(call, seconds)
-        assert res.errors == 0
-        if best is None or res.rate > best.rate:
-            best = res
-        if res.rate >= floor:
-            break
-    assert best is not None
-    print(f"{best.done} round trips in {best.seconds:.1f}s: {best.rate:,.0f}/s, p50 {best.p50_ms:.2f} ms")
-    assert best.done >= floor * seconds, f"{best.rate:.0f}/s (p50 {best.p50_ms:.1f} ms) is below {floor:.0f}/s"
-    return best
+def _no_stall(call: Callable[[int], bool], seconds: float = 1.0) -> LoopResult:
+    """Round trips at concurrency 1 for ``seconds``: none may sit at the broker's delayed-ACK stall.
+
+    The stall puts *every* QoS 1 round trip at 40-52 ms (23/s); without it they take about a millisecond
+    here, a few under load. So the test judges the shape of the latencies, not a rate a busy shared
+    machine may miss: the median far below the timer and almost no round trip at it. The rates the
+    issue asks for (>= 500/s at QoS 1, >= 1000/s at QoS 0) are measured by bench/mqtt_stall.py."""
+    res = closed_loop(call, seconds)
+    assert res.errors == 0
+    at_timer = sum(1 for ms in res.latencies_ms if STALL_LOW_S * 1e3 <= ms <= STALL_HIGH_S * 1e3)
+    print(f"{res.done} round trips in {res.seconds:.1f}s: {res.rate:,.0f}/s, p50 {res.p50_ms:.2f} ms, "
+          f"{at_timer} at the delayed-ACK interval")
+    assert res.done >= 20, "too few round trips to judge"
+    assert res.p50_ms < STALL_LOW_S * 1e3 / 4, f"p50 {res.p50_ms:.1f} ms: round trips wait for a timer"
+    assert at_timer <= res.done // 10, f"{at_timer} of {res.done} round trips sat at the delayed-ACK interval"
+    return res
 
 
-@pytest.mark.parametrize(("qos", "floor"), [(1, 500), (0, 1000)])
-def test_stock_broker_edged_client_has_no_stall(stock: tuple[Broker, EdgedRun], qos: int, floor: float,
+@pytest.mark.parametrize("qos", [1, 0])
+def test_stock_broker_edged_client_has_no_stall(stock: tuple[Broker, EdgedRun], qos: int,
                                                 digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
     broker, _ = stock
     x = {"pixels": digits_holdout[0][:1]}
@@ -757,16 +759,15 @@ def test_stock_broker_edged_client_has_no_stall(stock: tuple[Broker, EdgedRun], 
         def call(i: int) -> bool:
             return bool(np.array_equal(c.infer("digits", x)["probabilities"], expected))
 
-        _rate(call, floor)
+        _no_stall(call)
 
 
-@pytest.mark.parametrize(("qos", "reply_qos", "floor"), [(1, 1, 500), (1, 0, 500), (0, 0, 1000)])
-def test_stock_broker_mosquitto_cli_has_no_stall(stock: tuple[Broker, EdgedRun], qos: int, reply_qos: int,
-                                                 floor: float) -> None:
+@pytest.mark.parametrize(("qos", "reply_qos"), [(1, 1), (1, 0), (0, 0)])
+def test_stock_broker_mosquitto_cli_has_no_stall(stock: tuple[Broker, EdgedRun], qos: int, reply_qos: int) -> None:
     broker, _ = stock
     cli = MosquittoCliRequester(broker.port, "edged/stock/infer/digits", qos=qos, reply_qos=reply_qos)
     try:
-        _rate(cli, floor)
+        _no_stall(cli)
     finally:
         cli.close()
 
@@ -859,7 +860,7 @@ def test_packaged_broker_dropin_removes_the_stall_for_any_client(tmp_path: Path,
         transports(broker.url)
         paho = PahoRequester(broker.port, "edged/dev/infer/digits", qos=1, reply_qos=1)
         try:
-            _rate(paho, 500)
+            _no_stall(paho)
         finally:
             paho.close()
     finally:

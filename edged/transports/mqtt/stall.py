@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 STALL_LOW_S = 0.036  # Linux's minimum delayed-ACK time is 40 ms (HZ/25); a little slack below...
 STALL_HIGH_S = 0.052  # ...and above, for scheduling on a busy device
-FAST_OWN_S = 0.001  # edged's own time per request that makes a 40 ms round trip suspicious
+FAST_OWN_S = 0.005  # edged's own time per request (median) under which a 40 ms gap cannot be edged's doing
 WINDOW = 64  # recent samples judged
 SHARE = 0.75  # this share of them at the timer is a pattern, not chance
 
