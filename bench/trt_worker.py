@@ -77,9 +77,9 @@ def main() -> None:
         plan.write_text(json.dumps(spec))
         engine = WorkerEngine(str(python), plan, "bench")
         try:
-            np.testing.assert_allclose(engine.infer({"x": x})["y"], x @ weight + bias, rtol=1e-5)
+            np.testing.assert_allclose(engine.infer({"x": x})["y"], x @ weight + bias, rtol=1e-5, atol=1e-5)
             in_process()
-            np.testing.assert_allclose(y, x @ weight + bias, rtol=1e-5)
+            np.testing.assert_allclose(y, x @ weight + bias, rtol=1e-5, atol=1e-5)
             worker_python_version = engine.health()["python"]
             floor = statistics.median(round_trips(args.rounds * 2, args.rounds // 5)) * 1e6
             through_worker = _median_us(lambda: engine.infer({"x": x}), args.rounds)
