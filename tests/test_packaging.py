@@ -25,6 +25,9 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 
+# Building a Debian root and installing into it: 3-5 minutes on a quiet 2-core VM, twice that under load.
+pytestmark = pytest.mark.timeout(900)
+
 SUITE = "bookworm"
 # dpkg/apt bookkeeping and logs change by design; shadow's tools leave *- backups of what they edit.
 IGNORED = ("proc", "sys", "dev", "tmp", "var/lib/dpkg", "var/lib/apt", "var/log", "var/cache/apt",
