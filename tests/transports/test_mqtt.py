@@ -748,7 +748,7 @@ def _no_stall(call: Callable[[int], bool], seconds: float = 1.0) -> LoopResult:
     return res
 
 
-@pytest.mark.parametrize("qos", [1, 0])
+@pytest.mark.parametrize("qos", [2, 1, 0])
 def test_stock_broker_edged_client_has_no_stall(stock: tuple[Broker, EdgedRun], qos: int,
                                                 digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
     broker, _ = stock
