@@ -50,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sample shape of an input with dynamic dimensions (repeatable)")
     p.add_argument("--input-data", default="random", metavar="FILE|random|zero",
                    help=".npy (single input), .npz (one array per input; many samples are sent in turn), "
-                        "perf_analyzer's JSON, or generated data (default random)")
+                        "perf_analyzer's JSON, an image or sound file (JPEG, PNG, WebP, WAV) for a pipeline or "
+                        "model whose one input is BYTES, or generated data (default random)")
     p.add_argument("--input-tensor-format", choices=("binary", "json"), default="binary",
                    help="http and mqtt: tensors as binary (default) or as JSON numbers")
     p.add_argument("-p", "--measurement-interval", type=float, default=2000, metavar="MS",

@@ -169,7 +169,8 @@ def _reshape_flat(arr: np.ndarray, sample: tuple[int, ...]) -> np.ndarray:
 
 def build_inputs(info: ModelInfo, source: str, *, batch_size: int = 1,
                  shapes: Mapping[str, tuple[int, ...]] | None = None, seed: int = 0) -> list[Inputs]:
-    """One or more ready-to-send requests. ``source``: ``random``, ``zero``, or an .npy/.npz/.json file."""
+    """One or more ready-to-send requests. ``source``: ``random``, ``zero``, an .npy/.npz/.json file, or an
+    image or sound file (JPEG, PNG, WebP, WAV) for a model or pipeline whose one input is BYTES."""
     shapes = shapes or {}
     batching = info.batching
     if batch_size < 1:
@@ -178,6 +179,9 @@ def build_inputs(info: ModelInfo, source: str, *, batch_size: int = 1,
         raise InvalidInputError(f"model {info.name!r} has no batch dimension: -b must be 1")
     if info.max_batch_size and batch_size > info.max_batch_size:
         raise InvalidInputError(f"-b {batch_size} exceeds the model's max_batch_size {info.max_batch_size}")
+    media = _media_request(info, source)
+    if media is not None:
+        return [media]
     unknown = set(shapes) - {t.name for t in info.inputs}
     if unknown:
         raise InvalidInputError(f"--shape names unknown input(s) {sorted(unknown)}; the model has "
@@ -202,6 +206,29 @@ def build_inputs(info: ModelInfo, source: str, *, batch_size: int = 1,
             if len(requests) >= MAX_REQUESTS:
                 return requests
     return requests
+
+
+MAX_MEDIA_FILE = 256 << 20
+
+
+def _media_request(info: ModelInfo, source: str) -> Inputs | None:
+    """An image or sound file (by its first bytes) for a model or pipeline whose one input is BYTES."""
+    from edged.protocol.media import media_input, media_tensor, sniff_media_type
+
+    path = Path(source)
+    if source in ("random", "zero") or not path.is_file():
+        return None
+    try:
+        with path.open("rb") as f:
+            if sniff_media_type(f.read(12)) is None:
+                return None
+        if path.stat().st_size > MAX_MEDIA_FILE:
+            raise InvalidInputError(f"{path}: larger than {MAX_MEDIA_FILE} bytes")
+        data = path.read_bytes()
+    except OSError as e:
+        raise InvalidInputError(f"{path}: cannot read: {e.strerror}") from None
+    name = media_input(info.name, [(t.name, t.datatype) for t in info.inputs])
+    return {name: media_tensor(data)}
 
 
 def _split(arrays: dict[str, np.ndarray], samples: Mapping[str, tuple[int, ...]], batching: bool,

@@ -288,3 +288,18 @@ def test_camera_stream_binding_to_a_pipeline_drops_by_policy_and_reports_its_rea
     print(f"camera stream: {sent} frames offered at 30/s, {stream.processed} answered ({stream.fps:.2f}/s, "
           f"latency p50 {stream.latency_ms_p50:.0f} ms), {stream.dropped} dropped; RSS grew {grown_mb:.1f} MB")
     assert grown_mb < 50
+
+
+def test_edged_perf_loads_a_pipeline_with_an_image_file(shm_config: Path, tmp_path: Path) -> None:
+    """`edged perf -m orientation_classify --input-data page.jpg` over shm: every request is the image."""
+    (tmp_path / "page.jpg").write_bytes(_jpeg(_page(0)))
+    out = tmp_path / "perf.json"
+    run = subprocess.run([*EDGED, "--config", str(shm_config), "perf", "-m", "orientation_classify",
+                          "--transport", "shm", "--http-url", "none", "--input-data", str(tmp_path / "page.jpg"),
+                          "--concurrency-range", "1,2", "-p", "500", "-r", "3", "-s", "100", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = json.loads(out.read_text())
+    rows = rows["results"] if isinstance(rows, dict) else rows
+    assert [str(r["concurrency"]) for r in rows] == ["1", "2"]
+    assert all(float(r["requests_per_s"]) > 0 and int(r["errors"]) == 0 for r in rows), rows
