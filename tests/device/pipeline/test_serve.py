@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import urllib.error
@@ -80,7 +81,29 @@ def _broken(repo: Path) -> dict[str, tuple[str, ...]]:
         (folder / "pipeline.toml").write_text(text)
         out[name] = words
     (repo / "pipe_tampered" / "1" / "labels.txt").write_text("up\nright\ndown\nleft\n")
+    # a custom step's module is a file the pipeline reads: listed with its digest it serves, else refused
+    custom = base.replace('[[steps]]\nname = "top"', CUSTOM_STEP + '[[steps]]\nname = "top"').replace(
+        'inputs = { scores = "probabilities" }', 'inputs = { scores = "sharpened" }')
+    module = "def identity(inputs, params):\n    return {'p': inputs['p']}\n"
+    digest = hashlib.sha256(module.encode()).hexdigest()
+    for name, listed in (("pipe_custom", True), ("pipe_custom_unlisted", False)):
+        folder = repo / name / "1"
+        shutil.copytree(EXAMPLES / "orientation_classify" / "1", folder)
+        files = f'[[files]]\nfile = "mystep.py"\nsha256 = "{digest}"\n\n' if listed else ""
+        (folder / "pipeline.toml").write_text(custom.replace("[[inputs]]", files + "[[inputs]]", 1))
+        (folder / "mystep.py").write_text(module)
+    out["pipe_custom_unlisted"] = ("sharpen", "mystep.py", "[[files]]")
     return out
+
+
+CUSTOM_STEP = """[[steps]]
+name = "sharpen"
+function = "mystep:identity"
+inputs = { p = "probabilities" }
+outputs = { p = "sharpened" }
+output_ports = { p = { datatype = "FP32", shape = [-1, 4] } }
+
+"""
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +251,7 @@ def test_broken_pipelines_are_refused_naming_step_and_tensor_while_the_rest_serv
         assert entry["state"] == "UNAVAILABLE", entry
         assert all(w in entry["reason"] for w in words), (name, entry["reason"])
         assert _get(s, f"/v2/models/{name}/ready")[0] == 503
-    for name in ("digits", *PIPELINES):
+    for name in ("digits", "pipe_custom", *PIPELINES):
         assert _get(s, f"/v2/models/{name}/ready")[0] == 200, name
 
 
