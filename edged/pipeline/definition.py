@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from edged.datatypes import DataType
 from edged.pipeline.contract import PipelineDefinitionError
+from edged.repository.manifest import format_validation_error
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -113,7 +114,7 @@ def parse_pipeline(text: str, *, source: str = PIPELINE_FILE) -> PipelineSpec:
     try:
         return PipelineSpec.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(format_validation_error(exc))
         raise PipelineDefinitionError(f"{source}: {problems}", file=source) from None
 
 

@@ -85,21 +85,23 @@ class AppContext:
             yield s
 
     def authenticate(self, conn: Connection, request: Request) -> desired_state.DeviceView:
-        token = bearer_token(request.headers.get("authorization"))
-        view, _rev = desired_state.lookup_credential(conn, token_hash(token)) if token else (None, 0)
-        if view is None:
-            raise unauthorized()
-        return view
+        return self._credential(conn, request)[0]
 
     def decide(self, conn: Connection, request: Request) -> desired_state.Desired:
         """The hot path of a large fleet: one read-only query, the cached snapshot, no write."""
+        view, rev = self._credential(conn, request)
+        out = desired_state.decide(self.snapshots.get(conn, rev), view)
+        self.last_seen.note(view.id, view.last_seen_at)
+        return out
+
+    @staticmethod
+    def _credential(conn: Connection, request: Request) -> tuple[desired_state.DeviceView, int]:
+        """The device holding the request's credential and the registry revision (401 when none does)."""
         token = bearer_token(request.headers.get("authorization"))
         view, rev = desired_state.lookup_credential(conn, token_hash(token)) if token else (None, 0)
         if view is None:
             raise unauthorized()
-        out = desired_state.decide(self.snapshots.get(conn, rev), view)
-        self.last_seen.note(view.id, view.last_seen_at)
-        return out
+        return view, rev
 
     def nudge(self, payload: dict[str, Any]) -> None:
         if self.nudger is not None:

@@ -169,11 +169,12 @@ def valid_model_name(name: str) -> bool:
     return bool(_NAME_RE.match(name))
 
 
-def format_validation_error(err: ValidationError) -> list[str]:
-    """One ``key.path: message`` line per pydantic problem."""
+def format_validation_error(err: ValidationError, prefix: str = "") -> list[str]:
+    """One ``key.path: message`` line per pydantic problem (paths under ``prefix``, e.g. ``mqtt.bindings[2]``)."""
     out = []
     for e in err.errors():
-        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e["loc"]).lstrip(".") or "(top level)"
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e["loc"])
+        loc = (prefix + path).lstrip(".") or "(top level)"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key"

@@ -28,6 +28,7 @@ from edged import datatypes
 from edged.config import Policy, StreamBinding
 from edged.errors import ConfigError, EdgedError, InternalError, InvalidInputError
 from edged.protocol.mqtt_topics import topic_matches, valid_publish_topic
+from edged.repository.manifest import format_validation_error
 
 log = logging.getLogger("edged.transports.mqtt.transport")
 RATE_WINDOW_S = 10.0  # a stream's fps and latency are over this many recent seconds
@@ -44,10 +45,7 @@ def validate_bindings(raw: Sequence[Any]) -> list[StreamBinding]:
         try:
             out.append(StreamBinding.model_validate(item))
         except ValidationError as e:
-            for err in e.errors():
-                loc = "".join(f".{p}" for p in err["loc"])
-                msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-                problems.append(f"mqtt.bindings[{i}]{loc}: {msg}")
+            problems += format_validation_error(e, f"mqtt.bindings[{i}]")
     if problems:
         raise ConfigError(f"{len(problems)} problem(s) in mqtt.bindings: " + "; ".join(problems), problems)
     return out
