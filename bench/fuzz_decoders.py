@@ -1,10 +1,11 @@
-"""Fuzz every request decoder with hostile sizes: HTTP JSON, HTTP binary, MQTT (JSON and binary), shm frames.
+"""Fuzz every request decoder with hostile sizes: HTTP JSON, HTTP binary, MQTT (JSON and binary), gRPC, shm frames.
 
     .venv/bin/python -m bench.fuzz_decoders --seconds 600 [--seed 1]
 
 Cases are built around the attack of issue #20 (declared shapes, element counts, byte sizes and
 header lengths that disagree with the bytes present), then mutated (bit flips, truncation, splices).
-The HTTP and MQTT decoders are the functions their transports call on a request's bytes; shm
+The HTTP, MQTT and gRPC decoders are the functions their transports call on a request's bytes (for
+gRPC: a ModelInferRequest serialized, then mutated as bytes, parsed and decoded); shm
 frames go over a real ``SOCK_SEQPACKET`` to a real shm ``Connection`` thread with a registered memfd,
 serving the bundled digits model. A crash is any exception that is not a typed ``EdgedError``
 (for shm: an ``internal`` reply or no reply). Memory: the process's peak RSS (VmHWM) growth over the
@@ -40,7 +41,7 @@ from edged.protocol.v2 import decode_request
 from edged.protocol.v2_json import loads_request
 
 ROOT = Path(__file__).resolve().parent.parent
-DECODERS = ("http_json", "http_binary", "mqtt_json", "mqtt_binary", "shm_frame")
+DECODERS = ("http_json", "http_binary", "mqtt_json", "mqtt_binary", "grpc", "shm_frame")
 _DIMS = (0, 1, 2, 3, 7, 64, 255, 256, 4096, 2**16, 2**29, 2**31, 2**32 + 1, 2**40, 2**62, 2**63 - 1, 2**64, -1)
 _TYPES = (*sorted(datatypes.ALL_DATATYPES), "BYTES", "BYTES", "FP128", "", None, 3)
 
@@ -68,6 +69,51 @@ def http_binary(body: bytes, hlen: int) -> None:
 def mqtt(payload: bytes, hlen: int | None) -> None:
     fr = codec.parse(payload, hlen)
     decode_request(fr.header, fr.tail, model="m", version=None)
+
+
+def grpc(message: bytes) -> None:
+    """edged.transports.grpc.app's path: protobuf parse, then the codec, with no shm region registered."""
+    from edged.transports.grpc import codec as grpc_codec
+    from edged.transports.grpc.gen import grpc_service_pb2 as pb
+
+    req = grpc_codec.parse(pb.ModelInferRequest, message)
+    grpc_codec.decode_infer(req, _no_regions())
+
+
+def _no_regions() -> Any:
+    from edged.transports.shm.sysshm import ShmView, SystemShmRegions
+
+    return ShmView(SystemShmRegions(1 << 20), "fuzz")
+
+
+def _grpc_message(rng: random.Random) -> bytes:
+    """A ModelInferRequest built from the same hostile tensors: raw contents for the binary ones, typed
+    contents for some of the others, odd shapes kept where protobuf's int64 can hold them."""
+    from edged.transports.grpc import codec as grpc_codec
+    from edged.transports.grpc.gen import grpc_service_pb2 as pb
+
+    binary = rng.random() < 0.6
+    req = pb.ModelInferRequest(model_name=rng.choice(("m", "m", "")), id="f")
+    for _ in range(rng.choice((1, 1, 2, 3, 0))):
+        t, tail = _tensor(rng, binary)
+        dt = t["datatype"] if isinstance(t["datatype"], str) else ""
+        dims = t["shape"] if isinstance(t["shape"], list) else []
+        shape = [d for d in dims if isinstance(d, int) and not isinstance(d, bool) and -2**63 <= d < 2**63]
+        tensor = req.inputs.add(name=str(t["name"]), datatype=dt, shape=shape)
+        if binary:
+            req.raw_input_contents.append(tail)
+        elif dt in ("FP32", "INT64", "INT32", "UINT8", "BOOL") and isinstance(t.get("data"), list):
+            field = grpc_codec.CONTENTS[dt]
+            values = [v for v in t["data"] if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            with contextlib.suppress(TypeError, ValueError):  # values the field's type cannot hold: none sent
+                getattr(tensor.contents, field).extend(
+                    [bool(v) for v in values] if dt == "BOOL" else [int(v) for v in values] if dt != "FP32"
+                    else [float(v) for v in values])
+        if rng.random() < 0.05:
+            tensor.parameters["shared_memory_region"].string_param = "r"
+    if rng.random() < 0.2:  # more raw contents than inputs, or one where typed contents were given
+        req.raw_input_contents.append(os.urandom(rng.randrange(0, 16)))
+    return req.SerializeToString()
 
 
 # ---- case generation ----------------------------------------------------------------------------
@@ -161,6 +207,9 @@ def _mutate(rng: random.Random, data: bytes) -> bytes:
 
 def case(rng: random.Random, decoder: str) -> Callable[[], None]:
     """One fuzz case for ``decoder`` as a call that decodes it."""
+    if decoder == "grpc":
+        message = _mutate(rng, _grpc_message(rng))
+        return lambda: grpc(message)
     binary = decoder in ("http_binary", "mqtt_binary")
     head, tail = _header(rng, binary)
     head, tail = _mutate(rng, head), _mutate(rng, tail)
@@ -301,7 +350,7 @@ def run(seconds: float, seed: int = 1) -> Report:
         # Warm-up outside the measured window: the model's first run and the allocator's arenas.
         for _ in range(50):
             shm.send(shm.frame(rng))
-            for d in DECODERS[:4]:
+            for d in DECODERS[:5]:
                 with contextlib.suppress(EdgedError):
                     case(rng, d)()
         base = peak_rss()

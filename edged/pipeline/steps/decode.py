@@ -23,10 +23,14 @@ from edged.pipeline.steps.image import ResizeParams, resize_one, stack
 
 class DecodeImageParams(StepParams):
     """``color``: channel order of the pixels; ``max_pixels``: the largest width x height taken;
-    ``resize``: resize each image as it is decoded (images of one request may then differ in size)."""
+    ``resize``: resize each image as it is decoded (images of one request may then differ in size);
+    ``max_total_pixels``: all images of one request together, checked from their headers before any
+    is decoded (a few KB of flat PNG can declare 100 MB of pixels: one request of many such images
+    must not decode them all)."""
 
     color: Literal["RGB", "BGR"] = "RGB"
     max_pixels: int = Field(default=40_000_000, gt=0)
+    max_total_pixels: int = Field(default=64_000_000, gt=0)
     max_images: int = Field(default=256, gt=0)
     resize: ResizeParams | None = None
 
@@ -53,10 +57,9 @@ class DecodeImage(BuiltinStep):
             raise StepInputError(f"input 'image' holds {len(items)} images, more than {self.params.max_images}",
                                  input="image")
         cv2 = opencv()
-        images: list[np.ndarray] = []
-        sizes = np.zeros((len(items), 2), dtype=np.int32)
-        transforms = np.zeros((len(items), 4), dtype=np.float32)
-        for i, data in enumerate(items):
+        formats: list[str] = []
+        total = 0
+        for i, data in enumerate(items):  # every header first: nothing is decoded for a request over budget
             try:
                 fmt, width, height = image_size(data)
             except HeaderError as exc:
@@ -64,6 +67,15 @@ class DecodeImage(BuiltinStep):
             if width == 0 or height == 0 or width * height > self.params.max_pixels:
                 raise StepInputError(f"input 'image'[{i}]: a {width}x{height} {fmt.upper()} is over the "
                                      f"{self.params.max_pixels}-pixel limit or empty", input="image")
+            total += width * height
+            if total > self.params.max_total_pixels:
+                raise StepInputError(f"input 'image': images 0-{i} declare {total} pixels together, over the "
+                                     f"request's {self.params.max_total_pixels}-pixel limit", input="image")
+            formats.append(fmt)
+        images: list[np.ndarray] = []
+        sizes = np.zeros((len(items), 2), dtype=np.int32)
+        transforms = np.zeros((len(items), 4), dtype=np.float32)
+        for i, (data, fmt) in enumerate(zip(items, formats)):
             try:
                 img = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_COLOR)
             except cv2.error as exc:

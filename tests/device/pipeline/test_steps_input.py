@@ -109,6 +109,17 @@ def test_oversized_header_refused_before_decoding() -> None:
     assert err.value.context["input"] == "image"
 
 
+def test_many_images_over_the_request_budget_refused_before_any_is_decoded() -> None:
+    """Each image is under max_pixels, together they are not: the budget is read from the headers, so a
+    request of many small, flat PNGs declaring large sizes decodes nothing (huge_png's bodies are not even
+    valid: decoding one would fail with a different error)."""
+    step = make_step("decode_image", {"max_pixels": 10_000_000, "max_total_pixels": 25_000_000})
+    flat = [huge_png(3000, 3000) for _ in range(3)]  # 9 MP each; 27 MP together
+    with pytest.raises(StepInputError, match=r"images 0-2 declare 27000000 pixels together.*25000000") as err:
+        step.run({"image": bytes_tensor(*flat)})
+    assert err.value.context["input"] == "image"
+
+
 @pytest.mark.parametrize("data,why", [
     (b"GIF89a....", "not a JPEG, PNG or WebP"),
     (b"\xff\xd8\xff\xe0\x00\x10JFIF\x00", "without a frame header"),
