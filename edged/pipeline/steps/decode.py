@@ -75,7 +75,7 @@ class DecodeImage(BuiltinStep):
         images: list[np.ndarray] = []
         sizes = np.zeros((len(items), 2), dtype=np.int32)
         transforms = np.zeros((len(items), 4), dtype=np.float32)
-        for i, (data, fmt) in enumerate(zip(items, formats)):
+        for i, (data, fmt) in enumerate(zip(items, formats, strict=True)):
             try:
                 img = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_COLOR)
             except cv2.error as exc:
