@@ -113,7 +113,7 @@ def _grpc_message(rng: random.Random) -> bytes:
             tensor.parameters["shared_memory_region"].string_param = "r"
     if rng.random() < 0.2:  # more raw contents than inputs, or one where typed contents were given
         req.raw_input_contents.append(os.urandom(rng.randrange(0, 16)))
-    return req.SerializeToString()
+    return bytes(req.SerializeToString())
 
 
 # ---- case generation ----------------------------------------------------------------------------
