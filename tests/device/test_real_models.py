@@ -341,3 +341,50 @@ def test_true_scalar_over_the_native_shm_client_and_system_shm(vad_http: Served,
         triton.unregister_system_shared_memory(headers=dict(AUTH))
         tshm.destroy_shared_memory_region(h)
         triton.close()
+
+
+def test_true_scalar_over_mqtt_and_grpc(tmp_path: Path) -> None:
+    """The transports not covered above: MQTT (binary and JSON payloads, MQTT 5 and 3.1.1) and gRPC
+    (tritonclient.grpc, raw and typed contents), each with the sample rate as a 0-d INT64."""
+    import asyncio
+
+    import tritonclient.grpc as tg
+
+    from edged.client.mqtt import MqttClient
+    from edged.config import parse_config
+    from edged.transports.mqtt.transport import MqttTransport
+    from tests.mqtt_helpers import Broker
+
+    x = vad_inputs(320)
+    want = made_models.vad_reference(x["input"], 16000, x["state"])["output"]
+    with served(make_repo(tmp_path / "models", "vad", VAD_SHAPES), tmp_path, grpc="") as s:
+        broker = Broker(tmp_path / "broker").start()
+        mqtt = MqttTransport(parse_config(f'[device]\nid = "scalar"\n[mqtt]\nurl = "{broker.url}"\n'), s.service,
+                             "test-profile")
+        try:
+            asyncio.run(mqtt.start())
+            assert mqtt.wait_ready(10), "the MQTT transport did not connect and subscribe"
+            for protocol in ("5", "3.1.1"):
+                for binary in (True, False):
+                    with MqttClient(broker.url, "scalar", protocol=protocol, binary=binary) as c:
+                        np.testing.assert_allclose(c.infer("vad", x)["output"], want, rtol=1e-5)
+        finally:
+            asyncio.run(mqtt.stop())
+            broker.stop()
+        triton = tg.InferenceServerClient(s.grpc_url)
+        try:
+            for typed in (False, True):
+                inputs = []
+                for name, dt in (("input", "FP32"), ("sr", "INT64"), ("state", "FP32")):
+                    i = tg.InferInput(name, list(x[name].shape), dt)
+                    if typed:  # the values in the typed contents field instead of raw bytes
+                        getattr(i._get_tensor().contents, "fp32_contents" if dt == "FP32" else "int64_contents") \
+                            .extend(x[name].ravel().tolist())
+                    else:
+                        i.set_data_from_numpy(x[name])
+                    inputs.append(i)
+                assert inputs[1]._get_tensor().shape == []
+                got = triton.infer("vad", inputs).as_numpy("output")
+                np.testing.assert_allclose(got, want, rtol=1e-5)
+        finally:
+            triton.close()
