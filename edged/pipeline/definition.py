@@ -14,14 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from edged.datatypes import DataType
 from edged.pipeline.contract import PipelineDefinitionError
-from edged.repository.manifest import format_validation_error
+from edged.repository.manifest import PIPELINE_NAME, format_validation_error
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-PIPELINE_FILE = "pipeline.toml"
+PIPELINE_FILE = PIPELINE_NAME
 MAX_PIPELINE_FILE = 1 << 20  # a pipeline file is a few kB; refuse anything absurd before parsing
 
 

@@ -53,7 +53,13 @@ from edged.registry.db import (
     VersionFileRow,
     VersionRow,
 )
-from edged.repository.manifest import MANIFEST_NAME, ModelManifest, format_validation_error, valid_model_name
+from edged.repository.manifest import (
+    MANIFEST_NAME,
+    PIPELINE_NAME,
+    ModelManifest,
+    format_validation_error,
+    valid_model_name,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -160,6 +166,28 @@ def _check_manifest(toml_text: str, files: dict[str, FileEntry]) -> None:
             raise invalid(f"{MANIFEST_NAME} names {rel}, which is not among the pushed files")
 
 
+def _check_pipeline_files(toml_text: str, files: dict[str, FileEntry]) -> None:
+    """A pipeline version: every file its ``[[files]]`` lists must be pushed with the listed digest.
+
+    The wiring is the device's to check (against the models it serves) when it prepares the release."""
+    try:
+        doc = tomllib.loads(toml_text)
+    except tomllib.TOMLDecodeError as e:
+        raise invalid(f"{PIPELINE_NAME} is not valid TOML: {e}") from None
+    listed = doc.get("files", [])
+    if not isinstance(listed, list) or not all(isinstance(f, dict) for f in listed):
+        raise invalid(f"{PIPELINE_NAME}: [[files]] must be a list of tables")
+    for f in listed:
+        rel, sha = f.get("file"), f.get("sha256")
+        if not isinstance(rel, str) or not isinstance(sha, str):
+            raise invalid(f"{PIPELINE_NAME}: each [[files]] entry needs a file and a sha256")
+        pushed = files.get(rel)
+        if pushed is None:
+            raise invalid(f"{PIPELINE_NAME} lists {rel}, which is not among the pushed files")
+        if pushed.sha256 != sha:
+            raise invalid(f"{rel}: sha256 in {PIPELINE_NAME} differs from the pushed file")
+
+
 def push_version(s: Session, store: BlobStore, model: str, version: int, files: list[FileEntry]) -> VersionInfo:
     """Create an immutable version from already-uploaded blobs; pushing identical content again is a no-op."""
     if version < 1:
@@ -167,8 +195,8 @@ def push_version(s: Session, store: BlobStore, model: str, version: int, files: 
     by_path = {f.path: f for f in files}
     if len(by_path) != len(files):
         raise invalid("files has duplicate paths")
-    if MANIFEST_NAME not in by_path:
-        raise invalid(f"a version needs its {MANIFEST_NAME}")
+    if (MANIFEST_NAME in by_path) == (PIPELINE_NAME in by_path):
+        raise invalid(f"a version needs its {MANIFEST_NAME} (a model) or its {PIPELINE_NAME} (a pipeline), not both")
     missing = missing_blobs(s, store, (f.sha256 for f in files))
     if missing:
         raise conflict(f"{len(missing)} blob(s) not uploaded yet, first {missing[0]}")
@@ -176,11 +204,15 @@ def push_version(s: Session, store: BlobStore, model: str, version: int, files: 
         size = store.size(f.sha256)
         if size != f.size:
             raise invalid(f"{f.path}: size {f.size} given, the stored blob has {size}")
-    mf = by_path[MANIFEST_NAME]
+    name = MANIFEST_NAME if MANIFEST_NAME in by_path else PIPELINE_NAME
+    mf = by_path[name]
     if mf.size > MAX_MANIFEST_TOML:
-        raise invalid(f"{MANIFEST_NAME} is too large")
+        raise invalid(f"{name} is too large")
     toml_text = store.path(mf.sha256).read_text(encoding="utf-8", errors="replace")
-    _check_manifest(toml_text, by_path)
+    if name == MANIFEST_NAME:
+        _check_manifest(toml_text, by_path)
+    else:
+        _check_pipeline_files(toml_text, by_path)
     m = ensure_model(s, model)
     existing = s.scalar(select(VersionRow).where(VersionRow.model_id == m.id, VersionRow.version == version))
     if existing is not None:

@@ -22,6 +22,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 MANIFEST_NAME = "model.toml"
+PIPELINE_NAME = "pipeline.toml"  # a version folder holds one of the two: a model or a pipeline (edged.pipeline)
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 
 Format = Literal["onnx", "openvino", "tensorrt"]

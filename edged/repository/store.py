@@ -11,9 +11,15 @@ from pathlib import Path
 
 from edged.config import ModelsSection
 from edged.errors import ManifestError
-from edged.pipeline.definition import PIPELINE_FILE
 from edged.repository.digests import DigestCache
-from edged.repository.manifest import MANIFEST_NAME, ModelManifest, Variant, parse_manifest, valid_model_name
+from edged.repository.manifest import (
+    MANIFEST_NAME,
+    PIPELINE_NAME,
+    ModelManifest,
+    Variant,
+    parse_manifest,
+    valid_model_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +33,7 @@ class VersionEntry:
     error: str | None = None
     # variant file -> why it cannot be used (missing file, digest mismatch)
     bad_variants: dict[str, str] = field(default_factory=dict)
-    pipeline: bool = False  # the folder holds PIPELINE_FILE instead of a manifest: compiled by the core
+    pipeline: bool = False  # the folder holds PIPELINE_NAME instead of a manifest: compiled by the core
 
     @property
     def usable_variants(self) -> list[Variant]:
@@ -87,11 +93,11 @@ def verify_version(entry: VersionEntry, digests: DigestCache) -> None:
 
 def load_version(model: str, version: int, path: Path, digests: DigestCache) -> VersionEntry:
     entry = VersionEntry(model, version, path)
-    if (path / PIPELINE_FILE).is_file():
+    if (path / PIPELINE_NAME).is_file():
         entry.pipeline = True
         if (path / MANIFEST_NAME).exists():
             entry.error = (f"model {model!r} version {version}: the folder holds both {MANIFEST_NAME} and "
-                           f"{PIPELINE_FILE}; a version is a model or a pipeline")
+                           f"{PIPELINE_NAME}; a version is a model or a pipeline")
         return entry
     try:
         entry.manifest = parse_manifest(path / MANIFEST_NAME, model=model, version=version)

@@ -18,6 +18,7 @@ from typing import Any
 
 from edged.config import Config, VersionPolicy
 from edged.core.model_versions import ModelState
+from edged.core.pipelines import load_pipeline_version
 from edged.core.service import InferenceService
 from edged.errors import EdgedError
 from edged.protocol.fleet.messages import DesiredModel, QualityReport, ServingModel
@@ -299,7 +300,11 @@ class Updater:
         entry = load_version(model, m.version, where, DigestCache(None))
         reason = entry.error
         label = None
-        if reason is None:
+        if reason is None and entry.pipeline:
+            # A pipeline has no engine: compiled against the models served now, its files checked.
+            mv = load_pipeline_version(entry, self.service.manager.gateway, DigestCache(None))
+            label, reason = ("pipeline", None) if mv.state is ModelState.READY else (None, mv.reason)
+        elif reason is None:
             mv = self.service.manager.loader.load(entry)
             if mv.upgrade is not None:
                 # A better engine is being built (e.g. TensorRT): let it finish now, so its cache is warm

@@ -462,6 +462,72 @@ def test_version_answering_its_evaluation_set_worse_is_rolled_back(case: Case) -
 
 
 # ---- offline and restarts --------------------------------------------------------------------------
+PIPELINE = """description = "the digits model's top 3, as a pipeline"
+
+[[files]]
+file = "labels.txt"
+sha256 = "{sha}"
+
+[[inputs]]
+name = "pixels"
+datatype = "FP32"
+shape = [-1, 64]
+
+[[outputs]]
+name = "labels"
+datatype = "BYTES"
+shape = [-1, 3]
+
+[[steps]]
+name = "classifier"
+model = "{model}"
+inputs = {{ pixels = "pixels" }}
+outputs = {{ probabilities = "probabilities" }}
+
+[[steps]]
+name = "top"
+kind = "topk"
+inputs = {{ scores = "probabilities" }}
+outputs = {{ labels = "labels" }}
+params = {{ k = 3, labels = "labels.txt" }}
+"""
+
+
+def test_a_pipeline_is_released_and_updated_like_a_model(case: Case) -> None:
+    """A pipeline version (pipeline.toml, its listed files) is pushed, signed, released, downloaded,
+    prepared against the device's models and served; a tampered [[files]] digest is refused at push."""
+    import hashlib
+
+    from edged.core.types import InferRequest
+
+    dev = at_v1(case)
+    try:
+        labels = "".join(f"digit {i}\n" for i in range(10))
+        folder = case.tmp / "pub" / "pipe" / "1"
+        folder.mkdir(parents=True)
+        (folder / "labels.txt").write_text(labels)
+        text = PIPELINE.format(sha=hashlib.sha256(labels.encode()).hexdigest(), model=case.model)
+        (folder / "pipeline.toml").write_text(text)
+        pipe = f"pipe-{case.model}"
+        case.world.client.push_folder(folder, pipe, 1)
+        info = case.world.client.release(case.world.keys.load(), pipe, 1, expires_in_s=3600,
+                                         selector=TargetSelector(devices=[case.device_id]))
+        wait_for(lambda: committed(dev, pipe, int(info.release)), 60, 0.05, "the pipeline release committed")
+        assert dev.serving(pipe) == [1]
+        x = pixels(2)
+        want = np.argsort(-dev.infer(x, case.model).outputs["probabilities"], axis=1, kind="stable")[:, :3]
+        got = dev.service.infer(InferRequest(model=pipe, inputs={"pixels": x}), timeout=30).outputs["labels"]
+        assert [[v.decode() for v in row] for row in got] == [[f"digit {i}" for i in row] for row in want]
+
+        bad = case.tmp / "pub" / "pipe" / "2"
+        shutil.copytree(folder, bad)
+        (bad / "labels.txt").write_text(labels + "extra\n")
+        with pytest.raises(Exception, match=r"sha256 in pipeline\.toml differs"):
+            case.world.client.push_folder(bad, pipe, 2)
+    finally:
+        dev.stop()
+
+
 def test_offline_keeps_serving_then_updates(case: Case, tmp_path: Path) -> None:
     keys = case.world.keys
     server = RegistryServer(tmp_path / "own", [keys.public]).start()

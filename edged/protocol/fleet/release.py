@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from edged.errors import ConfigError, EdgedError, ErrorCode
-from edged.repository.manifest import MANIFEST_NAME, format_validation_error, valid_model_name
+from edged.repository.manifest import MANIFEST_NAME, PIPELINE_NAME, format_validation_error, valid_model_name
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -89,8 +89,9 @@ class ReleaseManifest(_Frozen):
         paths = [f.path for f in self.files]
         if len(paths) != len(set(paths)):
             raise ValueError("files has duplicate paths")
-        if MANIFEST_NAME not in paths:
-            raise ValueError(f"files must include {MANIFEST_NAME}")
+        if (MANIFEST_NAME in paths) == (PIPELINE_NAME in paths):
+            raise ValueError(f"files must include {MANIFEST_NAME} (a model) or {PIPELINE_NAME} (a pipeline), "
+                             "not both")
         folded = {p.lower() for p in paths}
         dirs = {str(PurePosixPath(p).parent).lower() for p in paths}
         if folded & dirs:
