@@ -1,13 +1,14 @@
 """Real public models from PyPI wheels, served from variant-only manifests on every transport.
 
 Each model must answer like raw ONNX Runtime over tritonclient (JSON, binary, system shared
-memory) and the native shm client (`edged infer` on an unbatched model:
-test_real_models.py). Skipped with the reason when the wheels
+memory), the native shm client and `edged infer` (the command line, over HTTP). Skipped with the reason when the wheels
 cannot be fetched (tests/corpus.py).
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from edged.config import parse_config
 from edged.core.model_versions import ModelState
 from edged.transports.shm.transport import ShmTransport
 from tests import corpus, perf_analyzer
+from tests.conftest import EDGED
 from tests.http_helpers import AUTH, TOKEN, Served, served
 
 pytestmark = pytest.mark.timeout(600)
@@ -118,6 +120,16 @@ def test_variant_only_manifest_serves_like_raw_ort(m: corpus.CorpusModel, files:
         triton.close()
     with ShmClient(shm_path) as c:
         close(c.infer(m.name, {m.input: x}), want, "native shm client")
+    # the command line a user types: edged infer MODEL --input x.npy, against the serving daemon
+    np.save(tmp_path / "x.npy", x)
+    cfg = tmp_path / "edged.toml"
+    cfg.write_text(f'[device]\nstate_dir = "{tmp_path}/state"\n[http]\nlisten = "{srv.url.removeprefix("http://")}"\n')
+    r = subprocess.run([*EDGED, "infer", m.name, "--input", str(tmp_path / "x.npy"), "--transport", "http",
+                        "--config", str(cfg), "--json"], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    printed = {o["name"]: np.asarray(o["data"], np.float32).reshape(o["shape"])
+               for o in json.loads(r.stdout)["outputs"]}
+    close(printed, want, "edged infer")
 
 
 
