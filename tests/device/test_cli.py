@@ -92,6 +92,22 @@ def test_models_list_shows_the_broken_model_and_why(model_repo: Callable[..., Pa
     assert "max_batch: unknown key" in text.stdout and "ready" in text.stdout
 
 
+def test_models_list_remeasure_forgets_the_remembered_engine_choices(
+        model_repo: Callable[..., Path], write_config: Callable[..., Path], tmp_path: Path) -> None:
+    cfg = write_config(model_repo("digits"))
+    select = tmp_path / "state" / "cache" / "select"
+    select.mkdir(parents=True)
+    remembered = [select / "digits-1-0123456789abcdef.json", select / "mobilenet-1-fedcba9876543210.json"]
+    for f in remembered:
+        f.write_text('{"winner": "onnxruntime/CPU/fp32"}')
+    (select / "notes.txt").write_text("not a remembered choice")
+    r = _run("models", "list", "--json", "--remeasure", "--config", str(cfg))
+    assert r.returncode == 0, r.stderr
+    assert "forgot 2 remembered engine choice(s); measuring again" in r.stderr  # no daemon runs: measured now
+    assert not any(f.exists() for f in remembered) and (select / "notes.txt").exists()
+    assert {m["name"]: m["state"] for m in json.loads(r.stdout)["models"]} == {"digits": "ready"}
+
+
 def test_run_serves_until_sigterm(model_repo: Callable[..., Path], write_config: Callable[..., Path]) -> None:
     cfg = write_config(model_repo("digits", "mobilenet"), NO_TRANSPORTS)
     proc = subprocess.Popen([*EDGED, "run", "--config", str(cfg)], stderr=subprocess.PIPE, text=True,
