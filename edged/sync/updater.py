@@ -389,8 +389,22 @@ class Updater:
                            quality=self.quality.get(model))
         return True
 
+    def _rescore(self, model: str, m: ReleaseManifest) -> None:
+        """A trial resumed after a restart: score the evaluation set again (the replaced version is gone)."""
+        ev = self._evaluation(model, m.version)
+        if ev is None or model in self.quality:
+            return
+        try:
+            got = quality.score(self.service.model(model, m.version), self.repo.version_dir(model, m.version), ev)
+        except EdgedError as e:
+            log.warning("model=%s version %d: evaluation set not scored on resuming the trial: %s", model,
+                        m.version, e)
+            return
+        self.quality[model] = QualityReport(metric=ev.metric, samples=got.samples, score=got.score)
+
     def _trial(self, model: str, m: ReleaseManifest) -> None:
         fault_point("trial.start")
+        self._rescore(model, m)
         base = self.baselines.get(model)
         start = time.monotonic()
         end = start + self.s.trial_s

@@ -444,6 +444,23 @@ def test_trial_without_traffic_says_what_it_committed_on(case: Case) -> None:
         dev.stop()
 
 
+def test_trial_resumed_after_a_restart_scores_its_evaluation_set_again(case: Case) -> None:
+    at_v1(case).stop()
+    dev = case.device(trial_s=30.0)
+    try:
+        case.push(2, evaluation=True)
+        r2 = case.release(2)
+        case.event("active-trial", r2)
+    finally:
+        dev.stop()  # mid-trial: the next start carries on with the trial
+    dev = case.device(trial_s=0.3)
+    try:
+        done = case.event("committed", r2)
+        assert done.detail["judged"] == "evaluation-set", done.detail
+    finally:
+        dev.stop()
+
+
 def test_version_answering_its_evaluation_set_worse_is_rolled_back(case: Case) -> None:
     """Random weights with a golden file made from them pass the golden check; the evaluation set catches them
     at trial start, on a device with no rollout and no traffic."""
