@@ -31,7 +31,7 @@ from edged.protocol.fleet.telemetry import ModelWindow, MqttWindow, TelemetrySam
 from edged.telemetry import message, prometheus
 from edged.telemetry.buffer import BufferStats, TelemetryBuffer
 from edged.telemetry.device import DeviceSampler
-from edged.telemetry.model_metrics import Key, ModelCounters, ModelMetrics, ModelSnapshot, shared
+from edged.telemetry.model_metrics import Key, ModelCounters, ModelMetrics, ModelSnapshot
 from edged.telemetry.readings import DeviceReading
 from edged.telemetry.snapshot import (
     STATUS_FILE,
@@ -119,7 +119,8 @@ class TelemetryAgent:
         self.upload_settings = upload if upload is not None else UploadSettings.from_config(cfg)
         self.run_id = uuid.uuid4().hex
         self.sampler = sampler or DeviceSampler(cfg.device.state_dir)
-        self.models = shared(service)
+        # One series for /metrics, the status file and the windows: the renderer's, when there is one.
+        self.models = metrics.collector.models if metrics is not None else ModelMetrics(service)
         self.buffer: TelemetryBuffer | None = None
         self.uploader: Uploader | None = None
         self.samples_total = 0

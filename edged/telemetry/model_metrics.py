@@ -10,14 +10,14 @@ with a new ``activated_at``, which is what ``/metrics`` exposes as ``_created``,
 file as ``activated_at`` and telemetry windows as ``activation``. Nothing of an earlier
 activation can leak into a later one's windows.
 
-One ModelMetrics per service (:func:`shared`): ``/metrics``, ``edged status`` and the
-telemetry windows read the same carry-over state, so they agree.
+One ModelMetrics per daemon start, kept by the ``/metrics`` renderer the daemon makes and read by
+the telemetry agent it is handed to: ``/metrics``, ``edged status`` and the telemetry windows read
+the same carry-over state, so they agree.
 """
 
 from __future__ import annotations
 
 import threading
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -142,7 +142,7 @@ class _Track:
 
 
 class ModelMetrics:
-    """Reads every loaded version's statistics; use :func:`shared` (one per service, for the process lifetime)."""
+    """Reads every loaded version's statistics; make one per service and hand it to every reader."""
 
     def __init__(self, service: InferenceService) -> None:
         self.service = service
@@ -210,19 +210,6 @@ class ModelMetrics:
 
     def versions(self) -> list[VersionState]:
         return [_state(mv) for mv in self.service.manager.table.all()]
-
-
-_shared: weakref.WeakKeyDictionary[InferenceService, ModelMetrics] = weakref.WeakKeyDictionary()
-_shared_lock = threading.Lock()
-
-
-def shared(service: InferenceService) -> ModelMetrics:
-    """The one ModelMetrics of ``service``: every reader sees the same series."""
-    with _shared_lock:
-        m = _shared.get(service)
-        if m is None:
-            m = _shared[service] = ModelMetrics(service)
-        return m
 
 
 def _state(mv: ModelVersion) -> VersionState:

@@ -7,9 +7,10 @@ scheduler's own buckets (seconds), so nothing is observed twice.
 
 The daemon makes one :class:`MetricsRenderer` per start and hands it to what feeds it (the
 telemetry agent, the MQTT transport: each binds its part while it runs) and to the HTTP
-transport, which serves it; nothing is looked up in a module-level table. A fresh renderer per
-scrape would still count right (the reload carry-over lives in :func:`~edged.telemetry.model_metrics.shared`)
-but would lose those bound parts.
+transport, which serves it; nothing is looked up in a module-level table. The renderer keeps the
+service's one :class:`~edged.telemetry.model_metrics.ModelMetrics` (the agent reads its windows
+and status from the same one), so it lives as long as the daemon: a renderer made later would
+not know the carry-over of reloads that happened before it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from edged.core.model_versions import ModelState
 from edged.core.service import InferenceService
 from edged.protocol.fleet.telemetry import HistCounts, MqttWindow
 from edged.telemetry.device import DeviceSampler
-from edged.telemetry.model_metrics import shared
+from edged.telemetry.model_metrics import ModelMetrics
 from edged.telemetry.readings import DeviceReading
 
 if TYPE_CHECKING:
@@ -72,12 +73,13 @@ class EdgedCollector:
 
     def __init__(self, service: InferenceService, device_sampler: DeviceSampler | None = None, *,
                  telemetry: TelemetryCounts | None = None, prefix: str = "edged") -> None:
+        """Keeps the service's one :class:`ModelMetrics` (the telemetry agent reads it from here)."""
         self.service = service
         self.sampler = device_sampler
         self.telemetry = telemetry
         self.mqtt: Callable[[], MqttWindow] | None = None  # bound by the MQTT transport while it runs
         self.prefix = prefix
-        self.models = shared(service)
+        self.models = ModelMetrics(service)
 
     def collect(self) -> Iterator[Metric]:
         yield from self._model_families()
