@@ -140,7 +140,8 @@ def add_parser(sub: Any, client_args: Callable[[argparse.ArgumentParser], None],
     p.add_argument("model")
     p.add_argument("--to", default="previous", help="the release number to bring back, or 'previous' (default): "
                                                     "the fully rolled-out release before the current one")
-    p.add_argument("--key", type=Path, required=True, help="your private signing key (never sent)")
+    p.add_argument("--key", type=Path, default=None, help="your private signing key (never sent; not needed "
+                                                         "with --dry-run)")
     p.add_argument("--reason", default="")
     p.add_argument("--expires", type=duration, default=duration("90d"), help="release validity (default 90d)")
     p.add_argument("--label", type=label, action="append", default=[],
@@ -271,6 +272,8 @@ def run_rollback(args: argparse.Namespace, client: Callable[[], Any],
                                      f"{plan.current_version}) -> release {plan.to_release} (version {plan.version}) "
                                      f"as new release {plan.next_release}")
             return 0
+        if args.key is None:
+            raise ConfigError("rollback: --key is required to sign the release that brings the version back")
         from edged.protocol.fleet.release import TargetSelector, load_private_key
 
         selector = (TargetSelector(labels=dict(args.label), devices=list(args.device))

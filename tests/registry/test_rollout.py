@@ -349,7 +349,7 @@ def test_fleet_rollback_to_previous_twice_and_to_a_named_release(env: Env) -> No
     f.client.revoke(m, r2)
     with pytest.raises(Exception, match="revoked"):
         f.client.rollback_plan(m, str(r2))
-    dry = env.server.cli("rollback", m, "--to", "1", "--key", str(env.keys.path), "--dry-run").stdout
+    dry = env.server.cli("rollback", m, "--to", "1", "--dry-run").stdout
     assert f"-> release {f.r1} (version 1)" in dry
     f.client.close()
 
