@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from edged.core.model_versions import ModelState, ModelTable, ModelVersion
@@ -81,6 +81,7 @@ class PipelineRunner:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._settle = ThreadPoolExecutor(max_workers=4, thread_name_prefix="edged-pipeline-done")
 
     def _ensure(self) -> asyncio.AbstractEventLoop:
         with self._lock:
@@ -92,7 +93,27 @@ class PipelineRunner:
             return self._loop
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self._ensure())
+        """Run ``coro`` on the loop; its future is settled from a worker thread, so the callers'
+        completion callbacks (encoding, a socket write to a slow client) never run on the loop.
+        Cancelling the returned future cancels the request."""
+        out: Future[T] = Future()
+        loop = self._ensure()
+        settle = self._settle
+
+        async def run() -> None:
+            try:
+                value = await coro
+            except asyncio.CancelledError:
+                out.cancel()
+                raise
+            except BaseException as exc:  # the request's failure, whatever it is, is the caller's to see
+                await loop.run_in_executor(settle, _settle, out, None, exc)
+            else:
+                await loop.run_in_executor(settle, _settle, out, value, None)
+
+        task = asyncio.run_coroutine_threadsafe(run(), loop)
+        out.add_done_callback(lambda f: task.cancel() if f.cancelled() else None)
+        return out
 
     def stop(self, timeout: float = 5.0) -> None:
         """Cancel what still runs (its callers get CancelledError, never a hang), then end the loop."""
@@ -108,6 +129,16 @@ class PipelineRunner:
             thread.join(5.0)
             if not thread.is_alive():
                 loop.close()
+
+
+def _settle(out: Future[T], value: T | None, exc: BaseException | None) -> None:
+    try:
+        if exc is not None:
+            out.set_exception(exc)
+        else:
+            out.set_result(value)  # type: ignore[arg-type]
+    except InvalidStateError:  # the caller cancelled it meanwhile
+        pass
 
 
 async def _cancel_all() -> None:

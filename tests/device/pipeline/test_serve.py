@@ -111,7 +111,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Served, d
     tmp = tmp_path_factory.mktemp("serve")
     repo = example_repo(tmp / "models")
     broken = _broken(repo)
-    s = Served(repo, tmp)
+    s = Served(repo, tmp, grpc="")  # HTTP and gRPC on one service
     try:
         yield s, broken
     finally:
@@ -286,3 +286,18 @@ def test_start_self_test_and_health_probes_leave_pipelines_to_their_models(
     result = asyncio.run(Prober(s.service).probe(60))
     assert result.ok and result.checked == 3  # digits, layout, orientation
     assert _get(s, "/v2/models/layout_detect/ready")[0] == 200
+
+
+def test_tritonclient_grpc_bytes_jpeg_equals_the_http_answer(served: tuple[Served, dict[str, tuple[str, ...]]]) -> None:
+    """gRPC's BYTES input (raw_input_contents) reaches the pipeline as HTTP's does: the same regions."""
+    tg = pytest.importorskip("tritonclient.grpc")
+    s, _ = served
+    data = _jpeg(_page(0))
+    x = tg.InferInput("image", [1], "BYTES")
+    x.set_data_from_numpy(_one(data))
+    assert s.grpc_url is not None
+    res = tg.InferenceServerClient(s.grpc_url).infer("layout_detect", [x], outputs=[
+        tg.InferRequestedOutput("detections"), tg.InferRequestedOutput("count")])
+    want = _infer(httpclient.InferenceServerClient(s.url), "layout_detect", [data], ["detections", "count"])
+    assert int(res.as_numpy("count")[0]) == int(want.as_numpy("count")[0]) >= 2
+    assert json.loads(res.as_numpy("detections")[0]) == json.loads(want.as_numpy("detections")[0])
