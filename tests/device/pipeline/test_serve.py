@@ -301,3 +301,35 @@ def test_tritonclient_grpc_bytes_jpeg_equals_the_http_answer(served: tuple[Serve
     want = _infer(httpclient.InferenceServerClient(s.url), "layout_detect", [data], ["detections", "count"])
     assert int(res.as_numpy("count")[0]) == int(want.as_numpy("count")[0]) >= 2
     assert json.loads(res.as_numpy("detections")[0]) == json.loads(want.as_numpy("detections")[0])
+
+
+def test_concurrent_requests_to_a_served_pipeline_batch_in_its_models_scheduler(
+        served: tuple[Served, dict[str, tuple[str, ...]]]) -> None:
+    """No scheduler in front of the pipeline: requests submitted while the model is busy all reach the
+    model's queue (they overlap), and its dynamic batcher runs them together."""
+    import time
+
+    from edged.core.types import InferRequest
+    from tests.http_helpers import held_engine
+
+    s, _ = served
+    mv = s.service.ready_model("orientation")
+    assert mv.stats is not None and mv.scheduler is not None
+
+    def batched_runs() -> int:
+        assert mv.stats is not None
+        return sum(b["compute_infer"]["count"] for b in mv.stats.to_triton()["batch_stats"] if b["batch_size"] >= 2)
+
+    before = batched_runs()
+    data = _jpeg(_page(5))
+    with held_engine(s.service, "orientation") as entered:
+        first = s.service.submit(InferRequest("orientation_classify", {"image": _one(data)}))
+        assert entered.wait(60)
+        rest = [s.service.submit(InferRequest("orientation_classify", {"image": _one(data)})) for _ in range(3)]
+        deadline = time.monotonic() + 60
+        while mv.scheduler.queued < 3:  # all three wait behind the held call, none behind each other
+            assert time.monotonic() < deadline, "pipeline requests never reached the model's queue together"
+            time.sleep(0.01)
+    results = [f.result(60) for f in (first, *rest)]
+    assert all(r.outputs["labels"].shape == (1, 4) for r in results)
+    assert batched_runs() > before  # the three queued requests ran as one batch
