@@ -210,11 +210,17 @@ def test_shm_bytes_descriptor_claiming_more_elements_than_its_range_holds_is_ref
         assert out["labels"].shape == (1, 4)
 
 
-@pytest.mark.parametrize("transport", ["local", "shm"])
+@pytest.mark.parametrize("transport", ["local", "shm", "mqtt"])
 def test_edged_infer_with_a_jpeg_prints_rapid_layouts_regions(
-        shm_config: Path, rapid_layout: Any, tmp_path: Path, transport: str) -> None:
-    """`edged infer layout_detect --input page.jpg`: in the process (the pipeline's model loaded with it)
-    and through the running daemon's shm socket; the JSON printed holds the reference's regions."""
+        shm_config: Path, rapid_layout: Any, tmp_path: Path, transport: str, request: pytest.FixtureRequest) -> None:
+    """`edged infer layout_detect --input page.jpg`: in the process (the pipeline's model loaded with it),
+    through the running daemon's shm socket and over MQTT; the JSON printed holds the reference's regions."""
+    if transport == "mqtt":
+        broker = request.getfixturevalue("broker")
+        request.getfixturevalue("mqtt")  # the MQTT transport on the same service, device id "dev"
+        text = shm_config.read_text().replace("[device]\n", '[device]\nid = "dev"\n', 1)
+        shm_config = tmp_path / "mqtt.toml"
+        shm_config.write_text(text + f'[mqtt]\nurl = "{broker.url}"\n')
     data = _jpeg(_page(0))
     (tmp_path / "page.jpg").write_bytes(data)
     run = subprocess.run([*EDGED, "infer", "layout_detect", "--input", str(tmp_path / "page.jpg"),
