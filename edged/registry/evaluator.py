@@ -32,7 +32,7 @@ from edged.registry.gates import (
     waiting_for_quality,
 )
 from edged.registry.rollout_wire import Gates, StepSpec
-from edged.registry.rollouts import enter_step, recount, step_base
+from edged.registry.rollouts import enter_step, recount, rollout_members, step_base
 from edged.registry.service import bump_revision
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def evaluate(s: Session, ro: RolloutRow, now: float | None = None) -> str | None
         new, base = accumulate(s, ro, model, s.get_one(VersionRow, rel.version_id).version)
     quality = Quality()
     if gates.max_quality_drop is not None or gates.min_quality is not None:
-        quality = quality_scores(s, ro.model_id, rel.number)
+        quality = quality_scores(s, ro.model_id, rel.number, members=rollout_members(ro, selector))
     rs = readings(gates, counts, ro.step_members, new, base, quality=quality)
     bad = crossed(rs)
     if bad:

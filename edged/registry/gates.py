@@ -9,6 +9,7 @@ reads only what arrived since the last one, however long the rollout runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from edged.protocol.fleet.telemetry import LATENCY_BUCKETS_S, HistCounts, Outcomes
-from edged.registry.db import DeviceModelRow, QualityScoreRow, RolloutRow
+from edged.registry.db import DeviceModelRow, DeviceRow, QualityScoreRow, RolloutRow
 from edged.registry.rollout_wire import GateReading, Gates
 from edged.registry.telemetry_tables import TelemetryModelRow
 
@@ -65,9 +66,18 @@ class Quality:
     drop: float | None = None  # mean (baseline - score) over those
 
 
-def quality_scores(s: Session, model_id: int, release: int) -> Quality:
-    rows = s.execute(select(QualityScoreRow.score, QualityScoreRow.baseline_score).where(
+def quality_scores(s: Session, model_id: int, release: int,
+                   members: Callable[[str, dict[str, Any], dict[str, Any]], bool] | None = None) -> Quality:
+    """``members(device_id, labels, facts)``: whose scores count. Any enrolled device can send a score for
+    any release; a gate must judge only the devices its rollout put the release on (else one device
+    outside the rollout could pass a bad release or halt a good one)."""
+    rows = s.execute(select(QualityScoreRow.device_id, QualityScoreRow.score, QualityScoreRow.baseline_score).where(
         QualityScoreRow.model_id == model_id, QualityScoreRow.release_number == release)).all()
+    if members is not None and rows:
+        devices = s.execute(select(DeviceRow.id, DeviceRow.admin_labels, DeviceRow.facts).where(
+            DeviceRow.id.in_({r.device_id for r in rows}))).all()
+        counted = {d.id for d in devices if members(d.id, dict(d.admin_labels or {}), dict(d.facts or {}))}
+        rows = [r for r in rows if r.device_id in counted]
     if not rows:
         return Quality()
     scores = [float(r.score) for r in rows]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,13 @@ def targeted(s: Session, ro: RolloutRow, selector: TargetSelector) -> list[Candi
 def membership(ro: RolloutRow, step: int | None = None) -> Membership:
     return Membership.of(RolloutTarget.model_validate(ro.target), ro.salt, list(ro.steps), list(ro.cutoffs),
                          ro.step if step is None else step)
+
+
+def rollout_members(ro: RolloutRow, selector: TargetSelector) -> Callable[[str, dict[str, Any], dict[str, Any]], bool]:
+    """Whether a device is in the rollout up to its current step (and selected by the release itself)."""
+    members = membership(ro)
+    return lambda device, labels, facts: (selector_matches(selector, device, labels)
+                                          and members.member(device, labels, facts))
 
 
 def enter_step(s: Session, ro: RolloutRow, k: int, now: float, selector: TargetSelector, *,
@@ -226,7 +234,8 @@ def rollout_status(s: Session, rollout_id: int) -> RolloutStatus:
     ro = get_rollout(s, rollout_id)
     info = rollout_info(s, ro)
     rel = s.get_one(ReleaseRow, ro.release_id)
-    devices = targeted(s, ro, TargetSelector.model_validate(rel.selector))
+    selector = TargetSelector.model_validate(rel.selector)
+    devices = targeted(s, ro, selector)
     reported = {d: (st, n) for d, st, n in s.execute(
         select(DeviceModelRow.device_id, DeviceModelRow.state, DeviceModelRow.release_number)
         .where(DeviceModelRow.model_id == ro.model_id))}
@@ -250,8 +259,9 @@ def rollout_status(s: Session, rollout_id: int) -> RolloutStatus:
     totals = {p: sum(x[p] for x in per_step) for p in PROGRESS}
     counts = release_counts(s, ro.model_id, info.release)
     acc = ro.gate_state or {}
+    quality = quality_scores(s, ro.model_id, info.release, members=rollout_members(ro, selector))
     gate_readings = readings(info.gates, counts, ro.step_members, Side.load(acc.get("new")),
-                             Side.load(acc.get("base")), quality=quality_scores(s, ro.model_id, info.release))
+                             Side.load(acc.get("base")), quality=quality)
     soak_left = None
     if ro.state in ACTIVE_STATES and ro.step_ready_at is not None and ro.step < len(ro.steps):
         soak_left = max(0.0, info.steps[ro.step].soak_s - (time.time() - ro.step_ready_at))

@@ -375,6 +375,11 @@ def test_quality_gate_compares_evaluation_scores_with_last_known_good(env: Env) 
                             quality={"samples": 20, "score": 0.95, "baseline_version": 1, "baseline_score": 0.96})
         f.devices[d].report(m, "committed", ro.release, 4)
     assert f.evaluate() == {}  # one score of the two needed: not judged, so not ready
+    # a device outside the rollout sends a score for the release too: it does not count
+    outsider = sorted(set(f.devices) - set(members))[0]
+    f.devices[outsider].report(m, "active-trial", ro.release, 4,
+                               quality={"samples": 20, "score": 0.96, "baseline_version": 1, "baseline_score": 0.96})
+    assert f.evaluate() == {}
     reading = next(g for g in f.client.rollout(ro.id).gates if g.gate == "quality_drop")
     assert reading.judged is False
     f.devices[members[1]].report(m, "active-trial", ro.release, 4,
@@ -391,6 +396,9 @@ def test_quality_gate_compares_evaluation_scores_with_last_known_good(env: Env) 
     for d in members[:2]:
         f.devices[d].report(m, "active-trial", bad.release, 5,
                             quality={"samples": 20, "score": 0.1, "baseline_version": 4, "baseline_score": 0.96})
+    for d in sorted(set(f.devices) - set(members)):  # outsiders claiming perfect scores dilute nothing
+        f.devices[d].report(m, "active-trial", bad.release, 5,
+                            quality={"samples": 20, "score": 1.0, "baseline_version": 4, "baseline_score": 0.96})
     assert f.evaluate() == {str(bad.id): "halted"}
     st = f.client.rollout(bad.id)
     assert st.rollout.step == 0 and "quality_drop" in (st.rollout.reason or "")
