@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("keygen", help="create an Ed25519 release-signing key pair")
     p.add_argument("--out", type=Path, required=True, help="private key file (PEM, mode 0600); .pub beside it")
 
+    sub.add_parser("operator-hash", help="read a dashboard operator's password (stdin, or asked for on a "
+                                         "terminal) and print its hash for [registry.operators]")
+
     p = sub.add_parser("push", help="upload a model version folder (model.toml and its files)")
     _client_args(p)
     p.add_argument("folder", type=Path, help="<model>/<version> folder")
@@ -277,6 +280,26 @@ def _table(rows: Sequence[tuple[str, ...]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
+def cmd_operator_hash(args: argparse.Namespace) -> int:
+    from edged.registry.passwords import hash_password
+
+    if sys.stdin.isatty():
+        import getpass
+
+        password = getpass.getpass("operator password: ")
+        if getpass.getpass("again: ") != password:
+            print("the two passwords differ", file=sys.stderr)
+            return 1
+    else:
+        password = sys.stdin.readline().rstrip("\r\n")
+    try:
+        print(hash_password(password))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_push(args: argparse.Namespace) -> int:
     folder: Path = args.folder.resolve()
     model = args.model or folder.parent.name
@@ -435,7 +458,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "serve": cmd_serve, "migrate": cmd_migrate, "keygen": cmd_keygen, "push": cmd_push, "release": cmd_release,
+    "serve": cmd_serve, "migrate": cmd_migrate, "keygen": cmd_keygen, "operator-hash": cmd_operator_hash,
+    "push": cmd_push, "release": cmd_release,
     "revoke": cmd_revoke, "releases": cmd_releases, "models": cmd_models, "devices": cmd_devices,
     "device": cmd_device, "status": cmd_status, "enroll-token": cmd_enroll_token, "label": cmd_label,
     "reenroll": cmd_reenroll,

@@ -13,11 +13,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from edged.errors import ConfigError
 from edged.fsutil import make_private_dir
 from edged.protocol.fleet.release import check_public_keys
+from edged.registry.passwords import NAME, is_password_hash
 from edged.repository.manifest import format_validation_error
 
 if sys.version_info >= (3, 11):
@@ -53,6 +54,20 @@ class RegistrySettings(BaseModel):
                                     description="how often an open dashboard page asks for changes")
     dashboard_online_s: float = Field(default=180.0, gt=0,
                                       description="the dashboard shows a device online when it called this recently")
+    operators: dict[str, str] = Field(default_factory=dict,
+                                      description="dashboard operator accounts: name = password hash printed by "
+                                                  "edged-registry operator-hash (the admin token also signs in)")
+
+    @field_validator("operators")
+    @classmethod
+    def _operators(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, hashed in v.items():
+            if not NAME.match(name) or name == "admin":
+                raise ValueError(f"operator {name!r}: a name is 1-64 of a-z 0-9 _ - (starting with a letter or "
+                                 "digit), not 'admin'")
+            if not is_password_hash(hashed):
+                raise ValueError(f"operator {name!r}: not a hash from edged-registry operator-hash")
+        return v
 
     @model_validator(mode="after")
     def _tls_pair(self) -> RegistrySettings:

@@ -23,10 +23,12 @@ import httpx
 import numpy as np
 import pytest
 
+from edged.registry.passwords import hash_password
 from tests.registry_helpers import ADMIN_TOKEN, EdgedRun, Keys, RegistryServer, device_toml, free_port, make_version
 from tests.registry_helpers import wait_for as _wait_for
 
 MODEL = "digits"
+OPERATOR_PASSWORD = "alice's long passphrase"
 N = 3
 FLEET = {"fleet": "dash-test"}
 CHROMIUM = Path("/usr/bin/chromium")
@@ -63,7 +65,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     # online = called in the last 10 s: the daemons poll every 0.2 s and last-seen times are written every 0.5 s
     # (a loaded 2-core machine delays both by seconds now and then)
     conf = tmp / "registry.toml"
-    conf.write_text("[registry]\ndashboard_online_s = 10.0\nlast_seen_flush_s = 0.5\n")
+    conf.write_text("[registry]\ndashboard_online_s = 10.0\nlast_seen_flush_s = 0.5\n"
+                    f"[registry.operators]\nalice = \"{hash_password(OPERATOR_PASSWORD)}\"\n")
     server = RegistryServer(tmp, [keys.public], extra_args=["--config", str(conf), "--rollout-tick", "0.2s",
                                                           "--dashboard-poll", "1s"])
     server.start()
@@ -122,6 +125,18 @@ def test_pages_and_data_refuse_without_an_admin_session(world: World) -> None:
         # a forged or altered cookie is no session
         h.cookies.set("edged_session", "v1.99999999999.abc.0000", path="/ui")
         assert h.get("/ui/fleet", params={"part": "live"}).status_code == 401
+        h.cookies.clear()
+        # an operator account opens it too; a wrong password, the admin token or a device credential given as
+        # an operator's password, an unknown operator, or 'admin' as a name do not
+        for name, secret in (("alice", "wrong"), ("alice", ADMIN_TOKEN), ("alice", world.unplugged_credential),
+                             ("mallory", OPERATOR_PASSWORD), ("admin", ADMIN_TOKEN)):
+            r = h.post("/ui/login", data={"name": name, "token": secret})
+            assert r.status_code == 401 and "set-cookie" not in r.headers, (name, r.status_code)
+        r = h.post("/ui/login", data={"name": "alice", "token": OPERATOR_PASSWORD, "next": "/ui/rollouts"})
+        assert r.status_code == 303 and r.headers["location"] == "/ui/rollouts"
+        assert "HttpOnly" in r.headers["set-cookie"]
+        page = h.get("/ui/rollouts")
+        assert page.status_code == 200 and "Signed in as alice" in page.text
         h.cookies.clear()
         r = h.post("/ui/login", data={"token": ADMIN_TOKEN, "next": "/ui/models"})
         assert r.status_code == 303 and r.headers["location"] == "/ui/models"

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from sqlalchemy.orm import Session as DbSession
 from sqlalchemy.orm import sessionmaker
@@ -34,12 +35,13 @@ from edged.protocol.fleet.release import SignedRelease
 from edged.registry import desired as desired_state
 from edged.registry import rollouts
 from edged.registry.auth import is_admin
+from edged.registry.passwords import check_password
 from edged.registry.rollout_wire import Gates, RolloutCreate, StepSpec
 from edged.registry.service import RegistryError
 from edged.registry.settings import RegistrySettings
 from edged.registry.targets import RolloutTarget
 from edged.registry.web import views
-from edged.registry.web.session import COOKIE, Session, Sessions
+from edged.registry.web.session import ADMIN, COOKIE, Session, Sessions
 
 PREFIX = "/ui"
 HERE = Path(__file__).parent
@@ -163,7 +165,7 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
                      read_sessions: sessionmaker[DbSession], snapshots: desired_state.SnapshotCache,
                      on_rollout_change: Callable[[int, str], None]) -> APIRouter:
     env = _env()
-    auth = Sessions(admin_hash)
+    auth = Sessions(admin_hash, operators=settings.operators)
     router = APIRouter(prefix=PREFIX, include_in_schema=False)
     poll_s = settings.dashboard_poll_s
     online_s = settings.dashboard_online_s
@@ -186,6 +188,7 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
         return sess
 
     def render(name: str, status: int = 200, **ctx: Any) -> HTMLResponse:
+        ctx.setdefault("who", "")
         html = env.get_template(name).render(prefix=PREFIX, poll_s=poll_s, **ctx)
         return HTMLResponse(html, status_code=status, headers=headers())
 
@@ -201,7 +204,8 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
                 return Response(status_code=304, headers=headers(timing))
             return HTMLResponse(live, headers=headers(timing))
         here = request.url.path + ("?" + request.url.query if request.url.query else "")
-        resp = render(template, title=title, nav=nav, csrf=sess.csrf, live=live, live_etag=etag, here=here, **ctx)
+        resp = render(template, title=title, nav=nav, csrf=sess.csrf, live=live, live_etag=etag, here=here,
+                      who=sess.who, **ctx)
         resp.headers["Server-Timing"] = f"app;dur={(time.perf_counter() - request.state.t0) * 1e3:.1f}"
         return resp
 
@@ -239,18 +243,29 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
     # ---- login -----------------------------------------------------------------------------------
     @router.get("/login")
     def login_page(request: Request) -> Response:
-        return render("login.html", title="Sign in", nav="", csrf="", error=None,
+        return render("login.html", title="Sign in", nav="", csrf="", error=None, operator="",
                       next=request.query_params.get("next", ""))
 
     @router.post("/login")
     async def login(request: Request) -> Response:
         form = await form_of(request)
         nxt = form.get("next", "")
-        if not is_admin(f"Bearer {form.get('token', '').strip()}", admin_hash):
+        name = form.get("name", "").strip()
+        secret = form.get("token", "")
+        if name:
+            # an operator account: scrypt, ~50 ms, off the event loop
+            stored = settings.operators.get(name) if name != ADMIN and len(name) <= 64 else None
+            ok = await run_in_threadpool(check_password, secret, stored)
+            who = name
+        else:
             # device credentials and enrollment tokens end here too: only the admin token opens the dashboard
-            return render("login.html", status=401, title="Sign in", nav="", csrf="", next=nxt,
-                          error="That is not the registry's admin token.")
-        value, _ = auth.issue()
+            ok = is_admin(f"Bearer {secret.strip()}", admin_hash)
+            who = ADMIN
+        if not ok:
+            return render("login.html", status=401, title="Sign in", nav="", csrf="", next=nxt, operator=name[:64],
+                          error="That is not an operator's password." if name else
+                          "That is not the registry's admin token.")
+        value, _ = auth.issue(who)
         target = nxt if nxt.startswith(PREFIX + "/") and not nxt.startswith("//") else f"{PREFIX}/fleet"
         resp = RedirectResponse(target, status_code=303, headers=headers())
         resp.set_cookie(COOKIE, value, max_age=auth.lifetime_s, path=PREFIX, httponly=True, samesite="strict",
@@ -347,6 +362,7 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
             return render("confirm.html", title="Confirm the rollout", nav="rollouts", csrf=sess.csrf,
                           action=f"{PREFIX}/rollouts", form=form, what="start this rollout", req=req,
                           back=f"{PREFIX}/rollouts")
+        req = req.model_copy(update={"notes": f"{req.notes} (started by {sess.who} from the dashboard)".strip()[:4096]})
         with sessions() as s, s.begin():
             info = rollouts.create_rollout(s, req, settings.public_keys)
         on_rollout_change(info.id, "created")
@@ -365,8 +381,10 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
                           what=f"{ACTIONS[action].lower()} rollout {rollout_id} ({st.rollout.model} release "
                                f"{st.rollout.release}, now {st.rollout.state})", req=None,
                           back=f"{PREFIX}/rollouts/{rollout_id}")
+        reason = form.get("reason", "").strip()[:1000]
+        reason = f"{reason} ({sess.who}, dashboard)" if reason else f"{action} by {sess.who} from the dashboard"
         with sessions() as s, s.begin():
-            info = rollouts.act(s, rollout_id, action, form.get("reason", "")[:1000] or f"{action} from the dashboard")
+            info = rollouts.act(s, rollout_id, action, reason)
         on_rollout_change(rollout_id, info.state)
         return RedirectResponse(f"{PREFIX}/rollouts/{rollout_id}", status_code=303, headers=headers())
 
