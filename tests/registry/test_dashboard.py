@@ -311,9 +311,11 @@ def test_dashboard_in_chromium(world: World, browser: Any, shots: Path) -> None:
     p.until(lambda: p.d.current_url.endswith("/ui/fleet"), "the fleet page after login")
 
     # -- fleet: every daemon online with what it serves (reported by the daemon) and what it should
+    # (the unplugged device called once, at its enrollment: offline once that is dashboard_online_s old)
     p.until(lambda: all("digits v1" in r["serves"] and r["state"].startswith("online")
-                        for d, r in fleet_rows(p).items() if d != "unplugged") and len(fleet_rows(p)) == N + 1,
-            "three online daemons serving digits v1 on the fleet page")
+                        for d, r in fleet_rows(p).items() if d != "unplugged") and len(fleet_rows(p)) == N + 1
+            and fleet_rows(p)["unplugged"]["state"].startswith("offline"),
+            "three online daemons serving digits v1 and the unplugged device offline on the fleet page")
     rows = p.read(lambda: fleet_rows(p))
     assert rows["unplugged"]["state"].startswith("offline")
     assert p.text("#count-devices") == str(N + 1) and p.text("#count-online") == str(N)
