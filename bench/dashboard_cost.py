@@ -1,23 +1,22 @@
 """What one open dashboard costs a registry serving a simulated fleet (default 10,000 devices).
 
 One registry process (``edged-registry serve``) and, in a separate process, ``edged-registry
-simulate`` with N devices polling every ``--poll`` seconds and uploading telemetry. Then,
-each for ``--phase`` seconds:
+simulate`` with N devices polling every ``--poll`` seconds and uploading telemetry. Then
+windows of ``--phase`` seconds alternate: without a dashboard (the fleet only: device polls,
+reports, telemetry), and with one open dashboard page (a client that does what the page's
+script does: ``GET <page>?part=live`` with ``If-None-Match`` every ``--dashboard-poll``),
+``without, with, without, with, without`` for two ``--rounds``, so that the drift of a shared
+machine hits both kinds alike.
 
-1. ``without``: the fleet only (device polls, reports, telemetry);
-2. ``with``: the same plus one open dashboard page: a client that does what the page's
-   script does (``GET <page>?part=live`` with ``If-None-Match`` every ``--dashboard-poll``);
-3. ``without again``: the fleet only, to see the drift of a shared machine.
-
-Reported per phase: device polls per second and their p50/p99 (client side, every poll of
-the phase), the registry process's CPU use; for the dashboard: its requests per second,
+Reported per kind of window: device polls per second and their p50/p99 (client side, every poll of
+the windows), the registry process's CPU use; for the dashboard: its requests per second,
 how many were 304 (unchanged), bytes, and the server-side time of each (``Server-Timing``).
 Then each page once more with a full load (fleet twice: a fresh read of the fleet and one
 from the shared cache) and the SQL statements each page's read makes, counted in this
 process against the registry's database. Goals: the fleet page under 1 s server-side,
 device poll p99 under 50 ms with a dashboard open.
 
-    .venv/bin/python bench/dashboard_cost.py --devices 10000 --poll 30 --phase 60
+    .venv/bin/python bench/dashboard_cost.py --devices 10000 --poll 30
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.fleet_sim import MODEL, Cpu, phase_stats, read_status, wait  # noqa: E402
+from bench.fleet_sim import KIND_POLL, MODEL, Cpu, phase_stats, read_status, wait  # noqa: E402
 from tests.registry_helpers import ADMIN_TOKEN, PY, Keys, PgCluster, RegistryServer, make_version  # noqa: E402
 
 
@@ -151,8 +150,10 @@ def run(args: argparse.Namespace, tmp: Path, pg_url: str | None) -> dict[str, An
     server = RegistryServer(tmp, [keys.public], database_url=pg_url,
                             extra_args=["--config", str(conf), "--log-level", "warning"]).start()
     sim: subprocess.Popen[bytes] | None = None
+    windows: list[tuple[str, float, float, float, float]] = []  # kind, t0, t1, registry CPU s, load average
     result: dict[str, Any] = {"devices": args.devices, "poll_s": args.poll, "telemetry_s": args.telemetry,
-                              "dashboard_poll_s": args.dashboard_poll, "db": "postgresql" if pg_url else "sqlite"}
+                              "dashboard_poll_s": args.dashboard_poll, "phase_s": args.phase,
+                              "db": "postgresql" if pg_url else "sqlite"}
     try:
         cpu = Cpu(server.proc.pid)  # type: ignore[union-attr]
         client = server.client()
@@ -169,29 +170,36 @@ def run(args: argparse.Namespace, tmp: Path, pg_url: str | None) -> dict[str, An
         t = time.time()
         wait(lambda: read_status(status_file).get("enrolled") == args.devices, 1800, "enrollment", 1.0)
         print(f"{args.devices} devices enrolled in {time.time() - t:.0f}s", flush=True)
-        time.sleep(args.poll * 1.2 + 5)  # the first round of polls fetches full answers and sends facts
-        phases: dict[str, tuple[float, float, float]] = {}
+        # the first rounds of polls fetch full answers and send facts
+        time.sleep(args.warmup if args.warmup is not None else args.poll * 2 + 10)
+        # windows alternate without and with an open page, so that a shared machine's drift hits both alike
         pages: list[OpenPage] = []
-        for name in ("without", "with", "without again"):
-            if name == "with":
+        open_log: list[tuple[float, int, float, float | None, int]] = []
+        kinds = ["without"] + ["with", "without"] * args.rounds
+        for i, kind in enumerate(kinds):
+            if kind == "with":
                 pages = [OpenPage(server.url, p, args.dashboard_poll) for p in args.pages.split(",")]
                 for pg in pages:
                     pg.start()
-            t0, c0 = time.time(), cpu.seconds()
+            t0, c0, load = time.time(), cpu.seconds(), os.getloadavg()[0]
             time.sleep(args.phase)
-            phases[name] = (t0, time.time(), cpu.seconds() - c0)
+            windows.append((kind, t0, time.time(), cpu.seconds() - c0, load))
             for pg in pages:
                 pg.stop.set()
             for pg in pages:
                 pg.join()
-            if name == "with":
-                result["open_pages"] = [pg.stats(args.phase) for pg in pages]
-            print(f"phase {name!r} measured for {args.phase:.0f}s", flush=True)
+                open_log += pg.log
+            if kind == "with":
+                result.setdefault("open_pages", []).extend(pg.stats(args.phase) for pg in pages)
+            pages = []
+            print(f"window {i + 1}/{len(kinds)} ({kind} a dashboard) measured for {args.phase:.0f}s, "
+                  f"load average {load:.1f}", flush=True)
         device_id = "sim-" + "0" * len(str(args.devices))
         result["full_loads"] = full_loads(server.url, [f"/ui/devices/{device_id}", "/ui/models", "/ui/rollouts"],
                                           args.fleet_period)
         db_url = pg_url or f"sqlite:///{server.data_dir / 'registry.db'}"
         result["reads"] = sql_counts(db_url, device_id)
+        result["sim_loop_lag_max_ms"] = round(float(read_status(status_file).get("loop_lag_max_ms", 0.0)), 1)
     finally:
         if sim is not None and sim.poll() is None:
             sim.send_signal(signal.SIGINT)
@@ -199,10 +207,26 @@ def run(args: argparse.Namespace, tmp: Path, pg_url: str | None) -> dict[str, An
         server.stop()
     samples = dict(np.load(samples_file))
     result["phases"] = {}
-    for name, (a, b, cpu_s) in phases.items():
-        ph = phase_stats(samples, a, b)
-        ph["registry_cpu_pct"] = round(100 * cpu_s / max(1e-9, b - a), 1)
-        result["phases"][name] = ph
+    for kind in ("without", "with"):
+        mine = [w for w in windows if w[0] == kind]
+        sel = np.zeros(len(samples["t"]), dtype=bool)
+        for _, a, b, _, _ in mine:
+            sel |= (samples["t"] >= a) & (samples["t"] < b)
+        part = {k: v[sel] for k, v in samples.items()}
+        seconds = sum(b - a for _, a, b, _, _ in mine)
+        ph = phase_stats(part, 0.0, float("inf"))
+        ph["seconds"] = round(seconds, 1)
+        ph["polls_per_s"] = round(float((part["kind"] == KIND_POLL).sum()) / seconds, 1)
+        ph["requests_per_s"] = round(float(len(part["t"])) / seconds, 1)
+        ph["registry_cpu_pct"] = round(100 * sum(w[3] for w in mine) / seconds, 1)
+        ph["windows"] = len(mine)
+        ph["load_average"] = [round(w[4], 1) for w in mine]
+        per = []
+        for _, a, b, _, _ in mine:
+            w = phase_stats(samples, a, b)
+            per.append(w["poll_p99_ms"])
+        ph["poll_p99_ms_per_window"] = per
+        result["phases"][kind] = ph
     return result
 
 
@@ -213,6 +237,9 @@ def report(r: dict[str, Any]) -> None:
     for name, ph in r["phases"].items():
         print(f"{name:<15} {ph['polls_per_s']:>7}  {ph['poll_p50_ms']:>5} ms  {ph['poll_p99_ms']:>5} ms "
               f"{ph['poll_max_ms']:>6} ms  {ph['registry_cpu_pct']:>14}  {ph['errors']:>6}")
+        print(f"  {ph['windows']} window(s) of {r['phase_s']:g} s: poll p99 per window "
+              f"{ph['poll_p99_ms_per_window']} ms, load average at their start {ph['load_average']}")
+    print(f"simulator event-loop lag max {r['sim_loop_lag_max_ms']} ms (client-side latencies include it)")
     for pg in r.get("open_pages", []):
         print(f"open page {pg['page']}: {pg['requests_per_s']} requests/s ({pg['requests']}, {pg['not_modified']} "
               f"unchanged 304), {pg['bytes_per_s']} B/s, server time p50 {pg['server_ms_p50']} ms max "
@@ -229,7 +256,9 @@ def main() -> int:
     p.add_argument("--devices", type=int, default=10000)
     p.add_argument("--poll", type=float, default=30.0)
     p.add_argument("--telemetry", type=float, default=300.0, help="telemetry upload interval of every device")
-    p.add_argument("--phase", type=float, default=60.0, help="seconds per phase")
+    p.add_argument("--phase", type=float, default=45.0, help="seconds per window")
+    p.add_argument("--warmup", type=float, default=None, help="seconds after enrollment (default 2 polls + 10)")
+    p.add_argument("--rounds", type=int, default=2, help="windows with a dashboard open (between windows without)")
     p.add_argument("--dashboard-poll", type=float, default=5.0, help="the registry's dashboard_poll_s")
     p.add_argument("--pages", default="/ui/fleet", help="open pages, comma-separated (default: the fleet page)")
     p.add_argument("--fleet-period", type=float, default=15.0,
