@@ -159,6 +159,12 @@ class MqttClient:
             users = [(codec.HEADER_LENGTH_PROPERTY, str(hlen))] if form is codec.Form.BINARY_PROPERTY else []
             props = publish_properties(response_topic=self.reply_topic, correlation=corr.encode(),
                                        expiry_s=max(1, math.ceil(timeout)), user=users)
+        reply_header, tail = self._round_trip(model, version, payload, props, corr=corr, timeout=timeout)
+        return _decode_outputs(reply_header, tail)
+
+    def _round_trip(self, model: str, version: int | None, payload: bytes, props: Any, *, corr: str,
+                    timeout: float) -> tuple[dict[str, Any], memoryview]:
+        """Publish one request and wait for the reply that carries its correlation id."""
         fut: Future[tuple[dict[str, Any], memoryview]] = Future()
         with self._lock:
             self._pending[corr] = fut
@@ -168,13 +174,12 @@ class MqttClient:
             if info.rc != self._mqtt.MQTT_ERR_SUCCESS:
                 raise EdgedError(f"cannot publish to the MQTT broker at {self.url}: "
                                  f"{self._mqtt.error_string(info.rc)}", code=ErrorCode.UNAVAILABLE)
-            reply_header, tail = fut.result(timeout)
+            return fut.result(timeout)
         except FutureTimeout:
             raise DeadlineExceededError(f"no reply from edged for model {model!r} within {timeout}s") from None
         finally:
             with self._lock:
                 self._pending.pop(corr, None)
-        return _decode_outputs(reply_header, tail)
 
     def model_status(self, model: str, timeout: float = 5.0) -> dict[str, Any]:
         """The daemon's retained status of ``model`` (state, version, backend, inputs, outputs)."""
@@ -210,21 +215,7 @@ class MqttClient:
         corr = uuid.uuid4().hex
         props = publish_properties(response_topic=self.reply_topic, correlation=corr.encode(),
                                    expiry_s=max(1, math.ceil(timeout)), content_type=content_type)
-        fut: Future[tuple[dict[str, Any], memoryview]] = Future()
-        with self._lock:
-            self._pending[corr] = fut
-        topic = f"{self.base}/infer/{model}" + (f"/{version}" if version is not None else "")
-        try:
-            info = self._client.publish(topic, payload, qos=self.qos, properties=props)
-            if info.rc != self._mqtt.MQTT_ERR_SUCCESS:
-                raise EdgedError(f"cannot publish to the MQTT broker at {self.url}: "
-                                 f"{self._mqtt.error_string(info.rc)}", code=ErrorCode.UNAVAILABLE)
-            answer, _ = fut.result(timeout)
-        except FutureTimeout:
-            raise DeadlineExceededError(f"no reply from edged for model {model!r} within {timeout}s") from None
-        finally:
-            with self._lock:
-                self._pending.pop(corr, None)
+        answer, _ = self._round_trip(model, version, payload, props, corr=corr, timeout=timeout)
         _raise_if_error(answer)
         return answer
 
