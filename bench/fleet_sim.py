@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
@@ -38,7 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.registry_helpers import PY, Keys, PgCluster, RegistryServer, make_version  # noqa: E402
+from tests.registry_helpers import PY, Keys, PgCluster, RegistryServer, free_port, make_version  # noqa: E402
 
 MODEL = "digits"
 KIND_POLL = 0
@@ -100,9 +101,11 @@ def run_one(db: str, args: argparse.Namespace, tmp: Path, keys: Keys, cluster: P
     root = tmp / db
     root.mkdir()
     server = RegistryServer(root, [keys.public], database_url=pg_url,
+                            blob_port=None if args.inline_blobs else free_port(),
                             extra_args=["--rollout-tick", "1s", "--log-level", "warning"]).start()
     sim: subprocess.Popen[bytes] | None = None
-    result: dict[str, Any] = {"db": db, "devices": args.devices, "poll_s": args.poll}
+    result: dict[str, Any] = {"db": db, "devices": args.devices, "poll_s": args.poll,
+                              "blobs": "registry API" if args.inline_blobs else "blob server"}
     try:
         cpu = Cpu(server.proc.pid)  # type: ignore[union-attr]
         client = server.client()
@@ -140,12 +143,18 @@ def run_one(db: str, args: argparse.Namespace, tmp: Path, keys: Keys, cluster: P
         t0, c0 = time.time(), cpu.seconds()
         good = client.release_with_rollout(key, MODEL, 2, spec, expires_in_s=86400)
 
+        last_step: list[float] = []  # when the 100 % step began: the full download wave
+
         def converged() -> bool:
+            if not last_step and client.rollout(good.id).rollout.step == len(spec.steps) - 1:
+                last_step.append(time.time())
             st = read_status(status_file)
-            return int(st.get("current", {}).get(str(good.release), 0)) == args.devices
+            return bool(int(st.get("current", {}).get(str(good.release), 0)) == args.devices)
 
         wait(converged, args.timeout, "the good release on every device", 1.0)
         result["good_converge_s"] = round(time.time() - t0, 1)
+        if last_step:
+            phases["100% wave"] = (last_step[0], time.time(), float("nan"))
         info = client.rollout(good.id).rollout
         wait(lambda: client.rollout(good.id).rollout.state == "completed", 120, "the rollout to complete", 1.0)
         phases["good rollout"] = (t0, time.time(), cpu.seconds() - c0)
@@ -186,7 +195,7 @@ def run_one(db: str, args: argparse.Namespace, tmp: Path, keys: Keys, cluster: P
     result["phases"] = {}
     for name, (a, b, cpu_s) in phases.items():
         ph = phase_stats(samples, a, b)
-        ph["registry_cpu_pct"] = round(100 * cpu_s / max(1e-9, b - a), 1)
+        ph["registry_cpu_pct"] = None if math.isnan(cpu_s) else round(100 * cpu_s / max(1e-9, b - a), 1)
         result["phases"][name] = ph
     return result
 
@@ -197,9 +206,10 @@ def print_table(results: list[dict[str, Any]]) -> None:
         for name, ph in r["phases"].items():
             print(f"{r['db']:<11} {name:<16} {ph['seconds']:>7}  {ph['requests_per_s']:>6}  {ph['polls_per_s']:>7}  "
                   f"{ph['poll_p50_ms']:>6} ms {ph['poll_p99_ms']:>6} ms {ph['poll_max_ms']:>6} ms "
-                  f"{ph['registry_cpu_pct']:>5}  {ph['errors']:>6}")
+                  f"{ph['registry_cpu_pct'] if ph['registry_cpu_pct'] is not None else '-':>5}  {ph['errors']:>6}")
     for r in results:
-        print(f"\n{r['db']}: {r['devices']} devices polling every {r['poll_s']:g}s; enrolled in {r['enroll_s']}s; "
+        print(f"\n{r['db']}: {r['devices']} devices polling every {r['poll_s']:g}s, blobs from the {r['blobs']}; "
+              f"enrolled in {r['enroll_s']}s; "
               f"good release on every device {r['good_converge_s']}s after the rollout began; broken release halted "
               f"in step {r['bad_step']} after {r['bad_halt_s']}s, activated by {r['bad_activated']} device(s) "
               f"({r['bad_activated_pct']}% of the fleet), downloaded by {r['bad_downloaded']}; database "
@@ -218,6 +228,8 @@ def main() -> int:
     p.add_argument("--telemetry", type=float, default=300.0, help="telemetry upload interval of every device")
     p.add_argument("--timeout", type=float, default=1200.0)
     p.add_argument("--json", type=Path, default=None, help="write the results here too")
+    p.add_argument("--inline-blobs", action="store_true",
+                   help="serve blobs from the registry API process (before the blob server; for comparison)")
     args = p.parse_args()
     dbs = [d.strip() for d in args.db.split(",") if d.strip()]
     results = []

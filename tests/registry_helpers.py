@@ -147,10 +147,15 @@ class RegistryServer:
     tls: tuple[Path, Path, Path] | None = None  # certificate, key, and the CA that signed them: serve HTTPS
     umask: int | None = None
     client_cert: tuple[Path, Path] | None = None  # what this helper's own requests present (certificate, key)
+    blob_port: int | None = None  # serve blobs from a blob server process on this port (devices redirected)
 
     @property
     def url(self) -> str:
         return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    @property
+    def blob_url(self) -> str | None:
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.blob_port}" if self.blob_port else None
 
     @property
     def ca_file(self) -> Path | None:
@@ -175,6 +180,8 @@ class RegistryServer:
             argv += ["--database-url", self.database_url]
         if self.tls:
             argv += ["--tls-cert", str(self.tls[0]), "--tls-key", str(self.tls[1])]
+        if self.blob_port:
+            argv += ["--blob-listen", f"127.0.0.1:{self.blob_port}"]
         argv += self.extra_args
         log = (self.root / f"registry-{self.port}.log").open("wb")
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
@@ -190,7 +197,8 @@ class RegistryServer:
             assert self.proc is not None
             if self.proc.poll() is not None:
                 raise RuntimeError("registry exited: " + self.log()[-2000:])
-            return httpx.get(f"{self.url}/healthz", timeout=1, verify=verify).status_code == 200
+            return all(httpx.get(f"{u}/healthz", timeout=1, verify=verify).status_code == 200
+                       for u in (self.url, self.blob_url) if u)
 
         wait_for(up, 60, 0.1, "the registry server")
         return self

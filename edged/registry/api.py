@@ -36,6 +36,7 @@ from edged import __version__
 from edged.errors import ErrorCode
 from edged.protocol.fleet.messages import API_PREFIX
 from edged.protocol.fleet.nudge import Nudger
+from edged.registry.blob_urls import UrlSigner, signing_key
 from edged.registry.blobs import BlobError, BlobStore, SmallBlobCache
 from edged.registry.db import make_engine, make_sessionmaker, readonly
 from edged.registry.deps import AppContext
@@ -116,6 +117,9 @@ def create_app(settings: RegistrySettings) -> FastAPI:
         read_sessions=make_sessionmaker(ro_engine), ro_engine=ro_engine, snapshots=SnapshotCache(),
         last_seen=LastSeen(engine, flush_s=settings.last_seen_flush_s), report_writer=ReportWriter(engine),
         store=store, blob_cache=SmallBlobCache(store),
+        # With a blob server, devices are redirected to it: no file's bytes cross this process's event loop.
+        blob_signer=(UrlSigner(signing_key(settings.blobs), settings.blob_url_ttl_s)
+                     if settings.blob_listen is not None or settings.blob_url is not None else None),
         nudger=Nudger(settings.nudge_mqtt_url, settings.nudge_topic_prefix) if settings.nudge_mqtt_url else None)
     evaluator = Evaluator(sessions, settings.rollout_tick_s, on_change=ctx.rollout_changed,
                           read_sessions=ctx.read_sessions)

@@ -78,6 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how often running rollouts are evaluated (default 2s)")
     p.add_argument("--dashboard-poll", type=parse_duration, default=None, dest="dashboard_poll_s",
                    help="how often an open dashboard page asks for changes (default 5s)")
+    p.add_argument("--blob-listen", default=None,
+                   help="host:port: start a blob server process there and redirect devices' downloads to it")
+    p.add_argument("--blob-url", default=None, help="base URL devices fetch blobs from (a proxy in front of it)")
+
+    p = sub.add_parser("serve-blobs", help="serve release files for URLs the API signed (serve --blob-listen "
+                                           "starts one itself)")
+    _server_args(p)
+    p.add_argument("--blob-listen", default=None, help="host:port (or [registry] blob_listen)")
+    p.add_argument("--tls-cert", type=Path, default=None)
+    p.add_argument("--tls-key", type=Path, default=None)
+    p.add_argument("--tls-client-ca", type=Path, default=None)
+    p.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+    p.add_argument("--exit-with", type=int, default=None, help=argparse.SUPPRESS)
 
     p = sub.add_parser("migrate", help="upgrade the database schema to the newest version")
     _server_args(p)
@@ -172,7 +185,8 @@ def _settings(args: argparse.Namespace) -> Any:
 
     overrides = {k: getattr(args, k, None) for k in ("data_dir", "database_url", "blob_dir", "admin_token_file",
                                                     "public_keys", "listen", "log_level", "rollout_tick_s",
-                                                    "dashboard_poll_s", "tls_cert", "tls_key", "tls_client_ca")}
+                                                    "dashboard_poll_s", "tls_cert", "tls_key", "tls_client_ca",
+                                                    "blob_listen", "blob_url")}
     return load_settings(args.config, overrides)
 
 
@@ -192,18 +206,89 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(settings)
     where = parse_listen(settings.listen)
     # log_config=None: uvicorn logs through our root handler, one format for everything.
-    common: dict[str, Any] = {"log_level": settings.log_level, "access_log": False, "log_config": None}
-    if settings.tls_cert is not None:
-        common.update(ssl_certfile=str(settings.tls_cert), ssl_keyfile=str(settings.tls_key))
-        if settings.tls_client_ca is not None:
-            import ssl
-
-            common.update(ssl_ca_certs=str(settings.tls_client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
-    elif not isinstance(where, Path) and not _loopback(where[0]):
+    common: dict[str, Any] = {"log_level": settings.log_level, "access_log": False, "log_config": None,
+                              **settings.uvicorn_tls()}
+    if settings.tls_cert is None and not isinstance(where, Path) and not _loopback(where[0]):
         logging.getLogger("edged.registry").warning(
             "serving plain HTTP on %s: device credentials and tokens cross the network in clear; give "
             "--tls-cert/--tls-key (or [registry] tls_cert/tls_key), or listen on loopback behind a TLS proxy",
             settings.listen)
+    blobs = _start_blob_server(settings) if settings.blob_listen is not None else None
+    try:
+        if isinstance(where, Path):
+            uvicorn.run(app, uds=str(where), **common)
+        else:
+            uvicorn.run(app, host=where[0], port=where[1], **common)
+    finally:
+        if blobs is not None:
+            _stop(blobs)
+    return 0
+
+
+def _start_blob_server(settings: Any) -> Any:
+    """``serve-blobs`` as a child process; if it dies, this one stops too (a supervisor restarts both)."""
+    import logging
+    import signal
+    import subprocess
+    import threading
+
+    argv = [sys.executable, "-m", "edged.registry", "serve-blobs", "--data-dir", str(settings.data_dir),
+            "--blob-dir", str(settings.blobs), "--blob-listen", settings.blob_listen,
+            "--log-level", settings.log_level, "--exit-with", str(os.getpid())]
+    for flag, value in (("--tls-cert", settings.tls_cert), ("--tls-key", settings.tls_key),
+                        ("--tls-client-ca", settings.tls_client_ca)):
+        if value is not None:
+            argv += [flag, str(value)]
+    child = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+
+    def watch() -> None:
+        code = child.wait()
+        if not getattr(child, "stopping", False):
+            logging.getLogger("edged.registry").error("the blob server (%s) exited with status %s; stopping",
+                                                      settings.blob_listen, code)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="blob-server-watch", daemon=True).start()
+    return child
+
+
+def _stop(child: Any) -> None:
+    import subprocess
+
+    child.stopping = True
+    if child.poll() is None:
+        child.terminate()
+        try:
+            child.wait(15)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def cmd_serve_blobs(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from edged.listen import parse_listen
+    from edged.logs import setup_logging
+    from edged.registry.blobserve import create_blob_app, exit_with_parent
+    from edged.registry.settings import load_settings
+
+    overrides = {k: getattr(args, k, None) for k in ("data_dir", "blob_dir", "blob_listen", "log_level", "tls_cert",
+                                                    "tls_key", "tls_client_ca")}
+    settings = load_settings(args.config, overrides)
+    if settings.blob_listen is None:
+        raise ConfigError("serve-blobs: give --blob-listen (or [registry] blob_listen)")
+    setup_logging(settings.log_level)
+    settings.prepare_storage()
+    app = create_blob_app(settings)
+    if args.exit_with is not None:
+        exit_with_parent(args.exit_with)
+    common: dict[str, Any] = {"log_level": settings.log_level, "access_log": False, "log_config": None,
+                              **settings.uvicorn_tls()}
+    where = parse_listen(settings.blob_listen)
+    logging.getLogger("edged.registry").info("blob server on %s", settings.blob_listen)
     if isinstance(where, Path):
         uvicorn.run(app, uds=str(where), **common)
     else:
@@ -458,7 +543,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "serve": cmd_serve, "migrate": cmd_migrate, "keygen": cmd_keygen, "operator-hash": cmd_operator_hash,
+    "serve": cmd_serve, "serve-blobs": cmd_serve_blobs, "migrate": cmd_migrate, "keygen": cmd_keygen,
+    "operator-hash": cmd_operator_hash,
     "push": cmd_push, "release": cmd_release,
     "revoke": cmd_revoke, "releases": cmd_releases, "models": cmd_models, "devices": cmd_devices,
     "device": cmd_device, "status": cmd_status, "enroll-token": cmd_enroll_token, "label": cmd_label,

@@ -19,6 +19,7 @@ from edged.protocol.fleet.nudge import Nudger
 from edged.registry import desired as desired_state
 from edged.registry import service
 from edged.registry.auth import bearer_token, is_admin, token_hash
+from edged.registry.blob_urls import UrlSigner
 from edged.registry.blobs import BlobStore, SmallBlobCache
 from edged.registry.db import DeviceRow
 from edged.registry.lastseen import LastSeen
@@ -70,6 +71,7 @@ class AppContext:
     store: BlobStore
     blob_cache: SmallBlobCache
     nudger: Nudger | None
+    blob_signer: UrlSigner | None = None  # set: devices fetch blobs from the blob server (signed URLs)
 
     def admin(self) -> Any:
         """``dependencies=[ctx.admin()]``: the route answers the admin token only."""

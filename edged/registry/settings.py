@@ -12,11 +12,13 @@ import os
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from edged.errors import ConfigError
+from edged.errors import ConfigError, EdgedError
 from edged.fsutil import make_private_dir
+from edged.listen import parse_listen
 from edged.protocol.fleet.release import check_public_keys
 from edged.registry.passwords import NAME, is_password_hash
 from edged.repository.manifest import format_validation_error
@@ -44,6 +46,11 @@ class RegistrySettings(BaseModel):
     admin_token_file: Path | None = Field(default=None, description=f"else the {ADMIN_TOKEN_ENV} variable")
     public_keys: list[str] = Field(default_factory=list, description="trusted Ed25519 release keys (base64)")
     max_upload_mb: float = Field(default=4096, gt=0)
+    blob_listen: str | None = Field(default=None, description="host:port of a blob server process `serve` starts "
+                                    "beside the API; devices are redirected there (unset: the API serves blobs)")
+    blob_url: str | None = Field(default=None, description="base URL devices fetch blobs from (default: "
+                                 "http(s)://<blob_listen>); set it when a proxy or CDN fronts the blob server")
+    blob_url_ttl_s: float = Field(default=600.0, ge=10, le=86400, description="how long a signed blob URL works")
     migrate: bool = Field(default=True, description="upgrade the schema at start")
     nudge_mqtt_url: str | None = Field(default=None, description="publish a nudge here when a release is made")
     nudge_topic_prefix: str = "edged"
@@ -75,7 +82,48 @@ class RegistrySettings(BaseModel):
             raise ValueError("tls_cert and tls_key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca needs tls_cert and tls_key")
+        if self.blob_listen is not None:
+            try:
+                where = parse_listen(self.blob_listen)
+            except EdgedError as e:
+                raise ValueError(f"blob_listen: {e}") from None
+            if isinstance(where, Path) and self.blob_url is None:
+                raise ValueError("blob_listen on a Unix socket needs blob_url (what devices are sent to)")
+            if self.blob_listen == self.listen:
+                raise ValueError("blob_listen must differ from listen")
+        if self.blob_url is not None:
+            parts = urlsplit(self.blob_url)
+            if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+                raise ValueError(f"blob_url {self.blob_url!r}: expected http(s)://host[:port][/path]")
+            if self.tls_cert is not None and parts.scheme != "https":
+                raise ValueError("blob_url must be https when the API serves HTTPS (devices refuse a downgrade)")
         return self
+
+    def blob_base(self, request_host: str | None) -> str | None:
+        """Where devices fetch blobs (None: from the API itself). A wildcard ``blob_listen`` host is
+        replaced by the host the device reached the API at."""
+        if self.blob_url is not None:
+            return self.blob_url.rstrip("/")
+        if self.blob_listen is None:
+            return None
+        where = parse_listen(self.blob_listen)
+        assert not isinstance(where, Path)  # checked above
+        host = where[0]
+        if host in ("0.0.0.0", "::", "") and request_host:
+            host = request_host
+        host = f"[{host}]" if ":" in host else host
+        return f"{'https' if self.tls_cert is not None else 'http'}://{host}:{where[1]}"
+
+    def uvicorn_tls(self) -> dict[str, Any]:
+        """uvicorn's TLS options; the API and the blob server use the same (and the same client-CA rule)."""
+        out: dict[str, Any] = {}
+        if self.tls_cert is not None:
+            out.update(ssl_certfile=str(self.tls_cert), ssl_keyfile=str(self.tls_key))
+            if self.tls_client_ca is not None:
+                import ssl
+
+                out.update(ssl_ca_certs=str(self.tls_client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
+        return out
 
     def prepare_storage(self) -> None:
         """The blob folder 0700 whatever the umask (the database file: :func:`edged.registry.db.make_engine`)."""

@@ -13,11 +13,13 @@ import ssl
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import urljoin, urlsplit
 
 from edged.errors import EdgedError, ErrorCode
 
 MAX_JSON_BYTES = 4 << 20
+REDIRECTS = (301, 302, 303, 307, 308)
+Origin = tuple[bool, str, int]  # https, host, port
 
 
 class SyncHttpError(EdgedError):
@@ -62,36 +64,62 @@ class RegistryHttp:
                 except (OSError, ssl.SSLError) as e:
                     raise SyncHttpError(f"registry client certificate {client_cert}: {e}") from None
         self._local = threading.local()
+        self.origin: Origin = (self.https, self.host, self.port)
 
-    def _conn(self) -> http.client.HTTPConnection:
-        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+    def _conn(self, origin: Origin | None = None) -> http.client.HTTPConnection:
+        origin = origin or self.origin
+        conns: dict[Origin, http.client.HTTPConnection] = self._local.__dict__.setdefault("conns", {})
+        conn = conns.get(origin)
         if conn is None:
-            if self.https:
-                conn = http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout, context=self._ctx)
+            https, host, port = origin
+            if https:
+                conn = http.client.HTTPSConnection(host, port, timeout=self.timeout, context=self._tls())
             else:
-                conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
-            self._local.conn = conn
+                conn = http.client.HTTPConnection(host, port, timeout=self.timeout)
+            conns[origin] = conn
         return conn
 
+    def _tls(self) -> ssl.SSLContext:
+        if self._ctx is None:  # an http registry redirecting to an https blob server: the system's CAs
+            self._ctx = ssl.create_default_context()
+        return self._ctx
+
     def close(self) -> None:
-        conn = getattr(self._local, "conn", None)
+        """Close this thread's connections (to the registry and any blob server)."""
+        for conn in self._local.__dict__.pop("conns", {}).values():
+            conn.close()
+
+    def _drop(self, origin: Origin | None = None) -> None:
+        conn = self._local.__dict__.get("conns", {}).pop(origin or self.origin, None)
         if conn is not None:
             conn.close()
-            self._local.conn = None
 
-    def _send(self, method: str, path: str, body: bytes | None, headers: dict[str, str]
-              ) -> http.client.HTTPResponse:
+    def _send(self, method: str, path: str, body: bytes | None, headers: dict[str, str],
+              origin: Origin | None = None) -> http.client.HTTPResponse:
         for attempt in (0, 1):  # one retry on a stale kept-alive connection
-            conn = self._conn()
+            conn = self._conn(origin)
             try:
-                conn.request(method, self.base + path, body=body, headers=headers)
+                conn.request(method, (self.base if origin is None else "") + path, body=body, headers=headers)
                 return conn.getresponse()
             except (ConnectionError, http.client.HTTPException, OSError) as e:
-                self.close()
+                self._drop(origin)
                 if attempt == 1 or not isinstance(e, (http.client.RemoteDisconnected, BrokenPipeError,
                                                       ConnectionResetError)):
-                    raise SyncHttpError(f"registry unreachable: {type(e).__name__}: {e}") from None
+                    what = "registry" if origin is None else "blob server"
+                    raise SyncHttpError(f"{what} unreachable: {type(e).__name__}: {e}") from None
         raise AssertionError("unreachable")
+
+    def _redirect(self, location: str | None) -> tuple[Origin, str]:
+        """Where a download was sent (the registry's blob server or a CDN): never from https to http."""
+        parts = urlsplit(urljoin(f"{'https' if self.https else 'http'}://{self.host}:{self.port}{self.base}/",
+                                 location or ""))
+        if not location or parts.scheme not in ("http", "https") or not parts.hostname:
+            raise SyncHttpError(f"download redirected to {location!r}, not an http(s) URL")
+        if self.https and parts.scheme != "https":
+            raise SyncHttpError(f"download redirected from https to {parts.scheme}: refused")
+        https = parts.scheme == "https"
+        target = parts.path + (f"?{parts.query}" if parts.query else "")
+        return (https, parts.hostname, parts.port or (443 if https else 80)), target
 
     def request(self, method: str, path: str, *, token: str | None = None, body: bytes | None = None,
                 headers: dict[str, str] | None = None, max_bytes: int = MAX_JSON_BYTES
@@ -106,18 +134,18 @@ class RegistryHttp:
         try:
             length = resp.getheader("Content-Length")
             if length is not None and length.isdigit() and int(length) > max_bytes:
-                self.close()
+                self._drop()
                 raise TransferError(f"registry answer of {length} bytes is over the {max_bytes}-byte limit")
             data = resp.read(max_bytes + 1)
             if len(data) > max_bytes:
-                self.close()
+                self._drop()
                 raise TransferError(f"registry answer is over the {max_bytes}-byte limit")
         except (OSError, http.client.HTTPException) as e:
-            self.close()
+            self._drop()
             raise SyncHttpError(f"registry connection broke: {e}") from None
         hdrs = {k.lower(): v for k, v in resp.getheaders()}
         if resp.will_close:
-            self.close()
+            self._drop()
         return resp.status, hdrs, data
 
     def download(self, path: str, *, token: str, dest: Path, size: int, etag: str, chunk: int,
@@ -137,6 +165,20 @@ class RegistryHttp:
             h["Range"] = f"bytes={offset}-"
             h["If-Range"] = etag
         resp = self._send("GET", path, None, h)
+        origin = self.origin
+        if resp.status in REDIRECTS:
+            # The registry authorised the download and sent it to a blob server with a signed URL: the
+            # credential stays here; Range / If-Range go along (size and digest are checked as ever).
+            location = resp.getheader("Location")
+            resp.read(4096)
+            if resp.will_close or not resp.isclosed():
+                self._drop()
+            origin, target = self._redirect(location)
+            del h["Authorization"]
+            resp = self._send("GET", target, None, h, origin)
+            if resp.status in REDIRECTS:
+                self._drop(origin)
+                raise SyncHttpError(f"download redirected twice (to {resp.getheader('Location')!r}): refused")
         got = 0
         try:
             if resp.status == 416:
@@ -180,7 +222,7 @@ class RegistryHttp:
             raise SyncHttpError(f"download broke off after {got} bytes: {e}") from None
         finally:
             if not resp.isclosed():
-                self.close()  # a body left unread: the connection cannot be reused
+                self._drop(origin)  # a body left unread: the connection cannot be reused
         if resp.will_close:
-            self.close()
+            self._drop(origin)
         return got

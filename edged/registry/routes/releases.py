@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request, Response
@@ -51,6 +52,12 @@ def releases_router(ctx: AppContext) -> APIRouter:
                 if not desired_state.blob_allowed(conn, ctx.decide(conn, request), sha256, ctx.snapshots):
                     raise RegistryError("this file is not part of a release for this device", 403,
                                         ErrorCode.NOT_FOUND)
+            base = settings.blob_base(request.url.hostname)
+            if ctx.blob_signer is not None and base is not None:
+                # The device's client keeps its Range / If-Range headers and drops its credential on the way.
+                return Response(status_code=307, headers={
+                    "Location": f"{base}/blobs/{sha256}?{ctx.blob_signer.query(sha256, time.time())}",
+                    "Cache-Control": "no-store"})
         headers = {"ETag": f'"{sha256}"', "Cache-Control": "private, max-age=31536000, immutable",
                    "Accept-Ranges": "bytes"}
         if "range" not in request.headers:

@@ -186,7 +186,7 @@ class Fleet:
         writer.cancel()
         if self.args.status_file is not None:
             atomic_write_text(self.args.status_file, json.dumps(self.status()))
-        self.http.close()
+        self.ctx.close()
 
     def save_samples(self, path: Path) -> None:
         import numpy as np

@@ -23,6 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 
@@ -86,9 +87,21 @@ class FleetContext:
     telemetry_s: float = 0.0
     download: bool = True
     max_bytes: int = 2048 << 20
+    blob_pools: dict[str, HttpPool] = field(default_factory=dict)  # blob servers the registry redirects to
 
     def behaviour(self, version: int) -> Behaviour:
         return self.behaviours.get(version, Behaviour())
+
+    def blob_pool(self, origin: str) -> HttpPool:
+        pool = self.blob_pools.get(origin)
+        if pool is None:
+            pool = self.blob_pools[origin] = HttpPool(origin, limit=self.http.limit, timeout=self.http.timeout)
+        return pool
+
+    def close(self) -> None:
+        self.http.close()
+        for pool in self.blob_pools.values():
+            pool.close()
 
 
 def sim_settings(trial_s: float) -> SyncSettings:
@@ -141,6 +154,21 @@ class SimDevice:
             self.ctx.stats.record(kind, 0, time.perf_counter() - t0)
             raise
         self.ctx.stats.record(kind, a.status, time.perf_counter() - t0)
+        return a
+
+    async def follow(self, location: str) -> Answer:
+        """A download the registry sent to its blob server (signed URL): fetched without the credential."""
+        parts = urlsplit(location)
+        if parts.scheme != "http" or not parts.hostname:
+            raise SimHttpError(f"blob redirect to {location!r}: the simulator follows http:// only")
+        pool = self.ctx.blob_pool(f"http://{parts.netloc}")
+        t0 = time.perf_counter()
+        try:
+            a = await pool.request("GET", parts.path + (f"?{parts.query}" if parts.query else ""))
+        except SimHttpError:
+            self.ctx.stats.record("blob", 0, time.perf_counter() - t0)
+            raise
+        self.ctx.stats.record("blob", a.status, time.perf_counter() - t0)
         return a
 
     async def enroll(self, token: str) -> None:
@@ -257,6 +285,8 @@ class SimDevice:
             if self.ctx.download:
                 for f in m.files:
                     a = await self.call("blob", "GET", f"{API_PREFIX}/blobs/{f.sha256}")
+                    if a.status in (301, 302, 303, 307, 308):
+                        a = await self.follow(a.headers.get("location", ""))
                     if a.status != 200 or len(a.body) != f.size or hashlib.sha256(a.body).hexdigest() != f.sha256:
                         ms.pending = None
                         await self.refuse(model, ms, m.release, m.version,
