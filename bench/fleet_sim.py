@@ -146,7 +146,8 @@ def run_one(db: str, args: argparse.Namespace, tmp: Path, keys: Keys, cluster: P
         last_step: list[float] = []  # when the 100 % step began: the full download wave
 
         def converged() -> bool:
-            if not last_step and client.rollout(good.id).rollout.step == len(spec.steps) - 1:
+            # the rollout list is cheap (no per-device work), unlike a rollout's status
+            if not last_step and next(r.step for r in client.rollouts(MODEL) if r.id == good.id) == len(spec.steps) - 1:
                 last_step.append(time.time())
             st = read_status(status_file)
             return bool(int(st.get("current", {}).get(str(good.release), 0)) == args.devices)
@@ -186,6 +187,9 @@ def run_one(db: str, args: argparse.Namespace, tmp: Path, keys: Keys, cluster: P
         result["loop_lag_max_ms"] = round(float(s.get("loop_lag_max_ms", 0.0)), 1)
         result["db_bytes"] = db_size(server, pg_url)
         client.close()
+    except BaseException:
+        print(f"[{db}] failed; the registry's log ends with:\n{server.log()[-4000:]}", flush=True)
+        raise
     finally:
         if sim is not None and sim.poll() is None:
             sim.send_signal(signal.SIGINT)

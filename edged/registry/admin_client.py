@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     import httpx
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+    from edged.registry.telemetry_ingest import ModelSummary
+
 CHUNK = 1 << 20
 _T = TypeVar("_T")
 
@@ -270,8 +272,20 @@ class RegistryClient:
         params = {k: v for k, v in (("model", model), ("state", state)) if v is not None}
         return TypeAdapter(list[RolloutInfo]).validate_json(self._call("GET", "/rollouts", params=params).content)
 
-    def rollout(self, rollout_id: int) -> RolloutStatus:
-        return RolloutStatus.model_validate_json(self._call("GET", f"/rollouts/{rollout_id}").content)
+    def telemetry_summary(self, model: str, *, version: int | None = None, device_id: str | None = None,
+                          since: float | None = None, labels: dict[str, str] | None = None) -> ModelSummary:
+        from edged.registry.telemetry_ingest import ModelSummary
+
+        params: list[tuple[str, str | int | float]] = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        for key, value in (("version", version), ("device_id", device_id), ("since", since)):
+            if value is not None:
+                params.append((key, value))
+        r = self._call("GET", f"/models/{model}/telemetry/summary", params=params)
+        return ModelSummary.model_validate_json(r.content)
+
+    def rollout(self, rollout_id: int, *, members: bool = False) -> RolloutStatus:
+        r = self._call("GET", f"/rollouts/{rollout_id}", params={"members": "true"} if members else None)
+        return RolloutStatus.model_validate_json(r.content)
 
     def rollout_action(self, rollout_id: int, action: str, reason: str = "") -> RolloutInfo:
         r = self._call("POST", f"/rollouts/{rollout_id}/{action}",

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -94,9 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("migrate", help="upgrade the database schema to the newest version")
     _server_args(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
 
     p = sub.add_parser("keygen", help="create an Ed25519 release-signing key pair")
     p.add_argument("--out", type=Path, required=True, help="private key file (PEM, mode 0600); .pub beside it")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
 
     sub.add_parser("operator-hash", help="read a dashboard operator's password (stdin, or asked for on a "
                                          "terminal) and print its hash for [registry.operators]")
@@ -148,6 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="per release: how many devices are in which step")
     _client_args(p)
     p.add_argument("model", nargs="?", default=None)
+
+    p = sub.add_parser("telemetry", help="a model's request rate, error rate and latency percentiles, per version")
+    _client_args(p)
+    p.add_argument("model")
+    p.add_argument("--device", default=None, dest="device_id", help="one device only")
+    p.add_argument("--version", type=int, default=None, dest="model_version", help="one version only")
+    p.add_argument("--since", type=parse_duration, default=parse_duration("1h"),
+                   help="how far back (default 1h; e.g. 15m, 24h, 7d)")
+    p.add_argument("--label", type=parse_label, action="append", default=[], help="devices with key=value only")
 
     p = sub.add_parser("enroll-token", help="create an enrollment token for [registry] enrollment_token")
     _client_args(p)
@@ -314,7 +326,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     settings = _settings(args)
     engine = make_engine(settings.db_url)
     upgrade(engine)
-    print(f"schema at revision {current_revision(engine)}")
+    rev = current_revision(engine)
+    _print(args, {"revision": rev}, lambda: f"schema at revision {rev}")
     return 0
 
 
@@ -330,7 +343,8 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     atomic_write_bytes(out, private_key_pem(key), mode=0o600)
     pub = public_key_b64(key)
     atomic_write_text(out.with_name(out.name + ".pub"), pub + "\n")
-    print(pub)
+    _print(args, {"public_key": pub, "private_key_file": str(out), "public_key_file": str(out) + ".pub"},
+           lambda: pub)
     return 0
 
 
@@ -448,28 +462,87 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_lines(d: Any) -> list[tuple[str, Any, Any]]:
+    """Per model of a device: (model, what it serves, its last report), models from either side."""
+    serving = {sv.model: sv for sv in d.serving}
+    reports = {m.model: m for m in d.models}
+    return [(name, serving.get(name), reports.get(name)) for name in sorted(set(serving) | set(reports))]
+
+
+def _report(m: Any) -> str:
+    if m is None or m.state is None:
+        return "-"
+    return f"{m.state} r{m.release}" if m.release is not None else m.state
+
+
 def cmd_devices(args: argparse.Namespace) -> int:
+    from edged.registry.cli_format import ago, table, version_ref, wrapped
+
     with _client(args) as c:
         devs = c.devices(dict(args.label))
-    rows = [("DEVICE", "MODEL", "STATE", "VERSION", "RELEASE", "REASON")]
-    for d in devs:
-        if not d.models:
-            rows.append((d.device_id, "-", "-", "-", "-", ""))
-        for m in d.models:
-            rows.append((d.device_id, m.model, m.state or "-", str(m.version or "-"), str(m.release or "-"),
-                         (m.reason or "")[:80]))
-    _print(args, devs, lambda: _table(rows))
+
+    def text() -> str:
+        now = time.time()
+        head = ("DEVICE", "MODEL", "SERVING", "ENGINE", "DESIRED", "LAST REPORT", "LAST CONTACT")
+        blocks: list[tuple[tuple[str, ...], list[str]]] = []
+        for d in devs:
+            seen = ago(d.last_seen_at, now)
+            lines = _model_lines(d)
+            if not lines:
+                blocks.append(((d.device_id, "-", "-", "-", "-", "-", seen), []))
+            for name, sv, rep in lines:
+                serving = "not serving" if sv is None or sv.state == "not serving" else (
+                    version_ref(sv.version, sv.release) + (" trial" if sv.state == "active-trial" else "")
+                    + (" local" if sv.state == "local" else ""))
+                desired = version_ref(sv.desired_version, sv.desired_release) if sv is not None else "-"
+                row = (d.device_id, name, serving, (sv.engine if sv else None) or "-", desired, _report(rep), seen)
+                reason = wrapped("reason: ", rep.reason, 4) if rep is not None and rep.reason else []
+                blocks.append((row, reason))
+        if not blocks:
+            return "no devices"
+        rendered = table([head, *(r for r, _ in blocks)]).split("\n")
+        out = [rendered[0]]
+        for line, (_row, reason) in zip(rendered[1:], blocks, strict=True):
+            out += [line, *reason]
+        return "\n".join(out)
+
+    _print(args, devs, text)
     return 0
 
 
 def cmd_device(args: argparse.Namespace) -> int:
+    from edged.registry.cli_format import ago, utc, version_ref, wrapped
+
     with _client(args) as c:
         d = c.device(args.device_id, args.events)
 
     def text() -> str:
-        lines = [f"device {d.device_id}  labels {json.dumps(d.labels)}  last seen {d.last_seen_at}"]
-        lines += [f"  {m.model}: {m.state} version {m.version} release {m.release} {m.reason or ''}" for m in d.models]
-        lines += [f"  #{e.seq} {e.model} {e.step} v{e.version} r{e.release} {e.reason or ''}" for e in d.events]
+        now = time.time()
+        lines = [f"device {d.device_id}",
+                 f"  last contact {ago(d.last_seen_at, now)} ({utc(d.last_seen_at)}), enrolled {utc(d.enrolled_at)}",
+                 f"  labels {json.dumps(d.labels, sort_keys=True)}",
+                 f"  profile {d.facts.get('profile', 'unknown')}"]
+        for name, sv, rep in _model_lines(d):
+            lines.append(f"model {name}")
+            if sv is not None and sv.state != "not serving":
+                lines.append(f"  serving {version_ref(sv.version, sv.release)} ({sv.state}), engine {sv.engine or '-'}")
+            else:
+                lines.append("  serving nothing")
+            if sv is not None:
+                lines.append(f"  desired {version_ref(sv.desired_version, sv.desired_release)}"
+                             if sv.desired_release is not None else "  desired: nothing offered")
+            if rep is not None and rep.state is not None:
+                lines.append(f"  last report {_report(rep)} (v{rep.version}) {ago(rep.updated_at, now)}"
+                             + (f", pinned to r{rep.pinned_release}" if rep.pinned_release else ""))
+                if rep.reason:
+                    lines += wrapped("reason: ", rep.reason, 4)
+        if d.events:
+            lines.append(f"events (last {len(d.events)}, oldest first)")
+        for e in d.events:
+            lines.append(f"  #{e.seq} {ago(e.received_at, now):>9}  {e.model} {e.step} "
+                         f"{version_ref(e.version, e.release)}")
+            if e.reason:
+                lines += wrapped("reason: ", e.reason, 6)
         return "\n".join(lines)
 
     _print(args, d, text)
@@ -484,13 +557,61 @@ def cmd_status(args: argparse.Namespace) -> int:
         lines = [f"{st.devices} device(s)"]
         for m in st.models:
             lines.append(f"model {m.model}")
-            for r in m.releases:
-                counts = ", ".join(f"{k} {v}" for k, v in sorted(r.devices.items())) or "no reports"
-                lines.append(f"  release {r.release} (version {r.version}{', revoked' if r.revoked else ''}): "
+            later = 0  # devices on releases above this one
+            shown: list[str] = []
+            for r in reversed(m.releases):
+                counts = ", ".join(f"{k} {v}" for k, v in sorted(r.devices.items()))
+                if not counts:
+                    earlier = f"; {r.committed_ever} device(s) committed it earlier" if r.committed_ever else ""
+                    counts = (f"no device on it now{earlier}" if later or r.committed_ever else "no reports yet")
+                later += sum(r.devices.values())
+                shown.append(f"  release {r.release} (version {r.version}{', revoked' if r.revoked else ''}): "
                              f"{counts}")
+            lines += reversed(shown)
         return "\n".join(lines)
 
     _print(args, st, text)
+    return 0
+
+
+def cmd_telemetry(args: argparse.Namespace) -> int:
+    from edged.registry.cli_format import table
+
+    since = time.time() - args.since
+    with _client(args) as c:
+        def one(version: int | None) -> Any:
+            return c.telemetry_summary(args.model, version=version, device_id=args.device_id, since=since,
+                                       labels=dict(args.label))
+
+        total = one(args.model_version)
+        per_version = [one(v) for v in total.versions] if args.model_version is None else [total]
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1000:.1f}"
+
+    def text() -> str:
+        scope = (f"device {args.device_id}" if args.device_id else "all devices") + (
+            "".join(f", {k}={v}" for k, v in args.label))
+        if not total.samples:
+            return f"no telemetry for model {args.model} ({scope}) in the last {args.since:g}s"
+        head = ("VERSION", "DEVICES", "REQUESTS", "REQ/S", "ERRORS", "ERROR RATE", "P50 MS", "P90 MS", "P99 MS",
+                "ENGINES")
+        rows = [head]
+        for sm, name in [*((x, str(x.version)) for x in per_version),
+                         *([(total, "all")] if len(per_version) > 1 else [])]:
+            rows.append((name, str(sm.devices), str(sm.success + sm.failures),
+                         "-" if sm.rate_per_s is None else f"{sm.rate_per_s:.2f}", str(sm.failures),
+                         "-" if sm.error_rate is None else f"{sm.error_rate:.2%}", ms(sm.p50_s), ms(sm.p90_s),
+                         ms(sm.p99_s), ",".join(sm.backends) or "-"))
+        lines = [f"model {args.model}, {scope}, last {args.since:g}s "
+                 f"({total.samples} window(s) over {total.span_s or 0:.0f}s)", table(rows)]
+        codes = ", ".join(f"{k} {v}" for k, v in total.failures_by_code.items())
+        if codes:
+            lines.append(f"errors by code: {codes}")
+        return "\n".join(lines)
+
+    _print(args, per_version if args.model_version is not None or len(per_version) < 2 else [*per_version, total],
+           text)
     return 0
 
 
@@ -547,7 +668,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "operator-hash": cmd_operator_hash,
     "push": cmd_push, "release": cmd_release,
     "revoke": cmd_revoke, "releases": cmd_releases, "models": cmd_models, "devices": cmd_devices,
-    "device": cmd_device, "status": cmd_status, "enroll-token": cmd_enroll_token, "label": cmd_label,
+    "device": cmd_device, "status": cmd_status, "telemetry": cmd_telemetry, "enroll-token": cmd_enroll_token,
+    "label": cmd_label,
     "reenroll": cmd_reenroll,
     "pin": cmd_pin, "rollout": cmd_rollout, "rollback": cmd_rollback, "simulate": cmd_simulate,
 }

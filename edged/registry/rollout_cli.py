@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from edged.errors import ConfigError
+from edged.registry.cli_format import ago, table, wrapped
 from edged.registry.rollout_wire import PROGRESS, Gates, RolloutCreate, RolloutInfo, RolloutStatus, StepSpec
 from edged.registry.targets import RolloutTarget
 
 TERMINAL = ("halted", "aborted", "rolled-back", "completed")
 HEADINGS = {"pending": "PENDING", "updating": "UPDATING", "in_trial": "IN TRIAL", "committed": "COMMITTED",
-            "rolled_back": "ROLLED BACK", "failed": "FAILED"}
+            "rolled_back": "ROLLED BACK", "failed": "FAILED", "not_started": "NOT STARTED"}
 
 
 def _pairs(items: list[str], what: str) -> dict[str, str]:
@@ -116,6 +117,8 @@ def add_parser(sub: Any, client_args: Callable[[argparse.ArgumentParser], None],
     p.add_argument("--model", default=None)
     p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
                    help="refresh until the rollout ends")
+    p.add_argument("--members", action="store_true", help="also list every member with its progress and trial "
+                                                          "figures")
 
     p = rsub.add_parser("list", help="rollouts, newest last")
     client_args(p)
@@ -165,18 +168,6 @@ def build_spec(args: argparse.Namespace, duration: Callable[[str], float]) -> Ro
 
 
 # ---- display --------------------------------------------------------------------------------------
-def _table(rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
-
-
-def _ago(t: float | None) -> str:
-    if t is None:
-        return "-"
-    s = max(0.0, time.time() - t)
-    return f"{s:.0f}s ago" if s < 120 else f"{s / 60:.0f}m ago" if s < 7200 else f"{s / 3600:.1f}h ago"
-
-
 def format_info(r: RolloutInfo) -> str:
     step = f"step {min(r.step + 1, len(r.steps))}/{len(r.steps)}"
     return (f"rollout {r.id}  model {r.model}  release {r.release} (version {r.version})  {r.state}  {step}"
@@ -187,11 +178,13 @@ def format_status(st: RolloutStatus) -> str:
     r = st.rollout
     lines = [format_info(r),
              f"target: {r.target.describe()} ({st.targeted} device(s)); gates: {r.gates.describe()}; "
-             f"started {_ago(r.created_at)}"]
+             f"started {ago(r.created_at)}"]
     rows: list[tuple[str, ...]] = [("STEP", "SELECT", "SOAK", "STATUS", "DEVICES", *(HEADINGS[p] for p in PROGRESS))]
     for sp in st.steps:
         status: str = sp.status
-        if sp.status == "current" and st.soak_left_s is not None:
+        if sp.status == "current" and st.soak_left_s is not None and r.state == "paused":
+            status = f"paused, {st.soak_left_s:.0f}s of soak left"
+        elif sp.status == "current" and st.soak_left_s is not None:
             status = f"soaking, {st.soak_left_s:.0f}s left"
         elif sp.status == "current" and r.state == "running":
             status = "updating"
@@ -200,7 +193,7 @@ def format_status(st: RolloutStatus) -> str:
         rows.append((str(sp.index + 1), sp.select, f"{sp.soak_s:g}s", status, str(sp.members),
                      *(str(sp.counts.get(p, 0)) for p in PROGRESS)))
     rows.append(("", "total", "", "", str(sum(st.totals.values())), *(str(st.totals.get(p, 0)) for p in PROGRESS)))
-    lines.append(_table(rows))
+    lines.append(table(rows))
     for g in st.gates:
         mark = "ok" if g.ok else ("CROSSED" if g.gate != "min_reporting" else "waiting")
         if not g.judged:
@@ -208,7 +201,26 @@ def format_status(st: RolloutStatus) -> str:
         value = "-" if g.value is None else f"{g.value:.3g}"
         limit = "-" if g.limit is None else f"{g.limit:.3g}"
         lines.append(f"gate {g.gate}: {value} (limit {limit}) {mark}: {g.detail}")
+    if st.members:
+        lines.append(format_members(st))
     return "\n".join(lines)
+
+
+def format_members(st: RolloutStatus) -> str:
+    """One line per member (its trial figures where it reported them), its full reason wrapped below."""
+    now = time.time()
+    head = ("DEVICE", "STEP", "PROGRESS", "LAST REPORT", "WHEN", "REQUESTS", "ERRORS", "P99 MS")
+    rows = [(m.device_id, str(m.step + 1), HEADINGS.get(m.progress, m.progress).lower(), m.report or "-",
+             ago(m.at, now) if m.at is not None else "-", "-" if m.requests is None else str(m.requests),
+             "-" if m.errors is None else str(m.errors), "-" if m.p99_ms is None else f"{m.p99_ms:.1f}")
+            for m in st.members]
+    rendered = table([head, *rows]).split("\n")
+    out = [rendered[0]]
+    for line, m in zip(rendered[1:], st.members, strict=True):
+        out.append(line)
+        if m.reason:
+            out += wrapped("reason: ", m.reason, 4)
+    return "\n".join(out)
 
 
 def run(args: argparse.Namespace, client: Callable[[], Any], duration: Callable[[str], float],
@@ -246,7 +258,7 @@ def run(args: argparse.Namespace, client: Callable[[], Any], duration: Callable[
                     raise ConfigError("no rollouts" + (f" of model {args.model!r}" if args.model else ""))
                 rid = items[-1].id
             while True:
-                st = c.rollout(rid)
+                st = c.rollout(rid, members=args.members)
                 if args.watch is not None and not args.json:
                     print("\033[2J\033[H", end="")
                 shown = format_status(st)

@@ -14,7 +14,8 @@ ACTIVE_STATES: frozenset[str] = frozenset({"running", "paused"})
 # Members of a rollout in these states are told to return to their last-known-good.
 REVERT_STATES: frozenset[str] = frozenset({"halted", "rolled-back"})
 # Per-device progress, from the device's last report for the rollout's release.
-PROGRESS = ("pending", "updating", "in_trial", "committed", "rolled_back", "failed")
+# not_started: a member that never reported the release before its rollout ended (it never will now).
+PROGRESS = ("pending", "updating", "in_trial", "committed", "rolled_back", "failed", "not_started")
 STEP_PROGRESS = {"downloading": "updating", "verifying": "updating", "prepared": "updating",
                  "active-trial": "in_trial", "committed": "committed", "rolled-back": "rolled_back",
                  "failed": "failed"}
@@ -158,6 +159,21 @@ class GateReading(_Wire):
     detail: str = ""
 
 
+class MemberProgress(_Wire):
+    """One member: its progress from its last report about the rollout's release, with its trial figures."""
+
+    device_id: str
+    step: int = Field(description="index of the step that admitted it")
+    progress: str = Field(description="one of PROGRESS")
+    report: str | None = Field(description="its last reported step for the release")
+    version: int | None = None
+    reason: str | None = None
+    at: float | None = Field(default=None, description="when the registry received that report")
+    requests: int | None = Field(default=None, description="trial requests (committed or trial-failed reports)")
+    errors: int | None = None
+    p99_ms: float | None = None
+
+
 class RolloutStatus(_Wire):
     rollout: RolloutInfo
     targeted: int = Field(description="enrolled devices the target matches")
@@ -165,6 +181,7 @@ class RolloutStatus(_Wire):
     steps: list[StepProgress]
     gates: list[GateReading]
     soak_left_s: float | None
+    members: list[MemberProgress] = Field(default_factory=list, description="per member, when asked for")
 
 
 # ---- fleet rollback -------------------------------------------------------------------------------

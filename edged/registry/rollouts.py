@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from edged.protocol.fleet.release import TargetSelector
 from edged.registry.db import (
-    DeviceModelRow,
+    DeviceEventRow,
     DeviceRow,
     ModelRow,
     ReleaseRow,
@@ -35,6 +35,7 @@ from edged.registry.rollout_wire import (
     PROGRESS,
     STEP_PROGRESS,
     Gates,
+    MemberProgress,
     RolloutCreate,
     RolloutInfo,
     RolloutStatus,
@@ -229,26 +230,58 @@ def list_rollouts(s: Session, model: str | None = None, state: str | None = None
     return [rollout_info(s, ro) for ro in s.scalars(q)]
 
 
-def rollout_status(s: Session, rollout_id: int) -> RolloutStatus:
-    """Progress per step (O(fleet): an operator's query, not a device's) and the gate readings."""
+def _last_reports(s: Session, model: str, release: int, *, full: bool) -> dict[str, Any]:
+    """Each device's last report about one release: its progress there, even after it moved on to another.
+    Rows with device_id and step (``full``: also version, reason, detail, received_at)."""
+    e = DeviceEventRow
+    cols = [e.device_id, e.step] + ([e.version, e.reason, e.detail, e.received_at] if full else [])
+    out: dict[str, Any] = {}
+    for row in s.execute(select(*cols).where(e.model == model, e.release_number == release).order_by(e.seq)):
+        out[row.device_id] = row
+    return out
+
+
+def _member(d: str, joined: int, progress: str, ev: Any) -> MemberProgress:
+    detail = ev.detail if ev is not None and isinstance(ev.detail, dict) else {}
+
+    def num(key: str) -> float | None:
+        v = detail.get(key)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    req, err = num("requests"), num("errors")
+    return MemberProgress(device_id=d, step=joined, progress=progress, report=ev.step if ev else None,
+                          version=ev.version if ev else None, reason=ev.reason if ev else None,
+                          at=ev.received_at if ev else None, requests=None if req is None else int(req),
+                          errors=None if err is None else int(err), p99_ms=num("p99_ms"))
+
+
+def rollout_status(s: Session, rollout_id: int, *, with_members: bool = False) -> RolloutStatus:
+    """Progress per step (O(fleet): an operator's query, not a device's) and the gate readings.
+
+    A member's progress is its last report about this release, not the last report it made at
+    all: after a rollback a device reports its last-known-good release again, and still counts
+    here as rolled back. When the rollout ended, members that never began are "not started".
+    """
     ro = get_rollout(s, rollout_id)
     info = rollout_info(s, ro)
     rel = s.get_one(ReleaseRow, ro.release_id)
     selector = TargetSelector.model_validate(rel.selector)
     devices = targeted(s, ro, selector)
-    reported = {d: (st, n) for d, st, n in s.execute(
-        select(DeviceModelRow.device_id, DeviceModelRow.state, DeviceModelRow.release_number)
-        .where(DeviceModelRow.model_id == ro.model_id))}
+    reports = _last_reports(s, info.model, info.release, full=with_members)
+    waiting = "pending" if ro.state in ACTIVE_STATES else "not_started"
     last = min(ro.step, len(ro.steps) - 1)
     members = [membership(ro, k) for k in range(last + 1)]
     per_step = [dict.fromkeys(PROGRESS, 0) for _ in ro.steps]
+    listed: list[MemberProgress] = []
     for d in devices:
         joined = next((k for k, mem in enumerate(members) if mem.member(d.id, d.labels, d.facts)), None)
         if joined is None:
             continue
-        st, number = reported.get(d.id, (None, None))
-        where = STEP_PROGRESS.get(st or "", "pending") if number == info.release else "pending"
+        ev = reports.get(d.id)
+        where = STEP_PROGRESS.get(ev.step, waiting) if ev is not None else waiting
         per_step[joined][where] += 1
+        if with_members:
+            listed.append(_member(d.id, joined, where, ev))
     steps = []
     for k, spec in enumerate(info.steps):
         status = "done" if k < ro.step else ("current" if k == ro.step and ro.state != "completed" else "waiting")
@@ -264,9 +297,10 @@ def rollout_status(s: Session, rollout_id: int) -> RolloutStatus:
                              Side.load(acc.get("base")), quality=quality)
     soak_left = None
     if ro.state in ACTIVE_STATES and ro.step_ready_at is not None and ro.step < len(ro.steps):
-        soak_left = max(0.0, info.steps[ro.step].soak_s - (time.time() - ro.step_ready_at))
+        clock = float((ro.gate_state or {}).get("paused_at") or time.time()) if ro.state == "paused" else time.time()
+        soak_left = max(0.0, info.steps[ro.step].soak_s - (clock - ro.step_ready_at))
     return RolloutStatus(rollout=info, targeted=len(devices), totals=totals, steps=steps, gates=gate_readings,
-                         soak_left_s=soak_left)
+                         soak_left_s=soak_left, members=listed)
 
 
 # ---- the operator's controls ----------------------------------------------------------------------
@@ -300,5 +334,14 @@ def act(s: Session, rollout_id: int, action: str, reason: str = "") -> RolloutIn
         ro.finished_at = now
     if action == "resume":
         ro.finished_at = None
+    # A paused rollout's soak clock stands still: resuming moves the moment the step became ready
+    # forward by the pause (a paused rollout is not evaluated, so it cannot have become ready meanwhile).
+    paused_at = (ro.gate_state or {}).get("paused_at")
+    if action == "pause":
+        ro.gate_state = {**(ro.gate_state or {}), "paused_at": now}
+    elif paused_at is not None:
+        if action == "resume" and ro.step_ready_at is not None:
+            ro.step_ready_at += max(0.0, now - float(paused_at))
+        ro.gate_state = {k: v for k, v in (ro.gate_state or {}).items() if k != "paused_at"}
     bump_revision(s)
     return rollout_info(s, ro)

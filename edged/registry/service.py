@@ -575,11 +575,16 @@ def registry_status(s: Session, model: str | None = None) -> RegistryStatus:
                 .group_by(DeviceModelRow.release_number, DeviceModelRow.state)).all():
             if number is not None and state is not None:
                 counts.setdefault(number, {})[state] = n
+        ever = {number: n for number, n in s.execute(
+            select(DeviceEventRow.release_number, func.count(func.distinct(DeviceEventRow.device_id)))
+            .where(DeviceEventRow.model == m.name, DeviceEventRow.step == "committed")
+            .group_by(DeviceEventRow.release_number)).all()}
         rels = []
         for r, version in s.execute(select(ReleaseRow, VersionRow.version)
                                     .join(VersionRow, VersionRow.id == ReleaseRow.version_id)
                                     .where(ReleaseRow.model_id == m.id).order_by(ReleaseRow.number)).all():
             rels.append(ReleaseStatus(release=r.number, version=version, revoked=r.revoked_at is not None,
-                                      expires_at=r.expires_at, devices=counts.get(r.number, {})))
+                                      expires_at=r.expires_at, devices=counts.get(r.number, {}),
+                                      committed_ever=int(ever.get(r.number, 0))))
         out.append(ModelStatus(model=m.name, releases=rels))
     return RegistryStatus(devices=total, models=out)

@@ -92,6 +92,12 @@ class ModelSummary(_Out):
     p50_s: float | None
     p90_s: float | None
     p99_s: float | None
+    device_id: str | None = None
+    span_s: float | None = Field(default=None, description="from the start of the first window to the end of the "
+                                                          "last")
+    rate_per_s: float | None = Field(default=None, description="requests per second over span_s, all devices")
+    versions: list[int] = Field(default_factory=list)
+    backends: list[str] = Field(default_factory=list)
 
 
 # ---- storage --------------------------------------------------------------------------------------
@@ -191,8 +197,9 @@ def model_series(s: Session, model: str, *, version: int | None = None, device_i
 
 
 def model_summary(s: Session, model: str, *, version: int | None = None, since: float | None = None,
-                  until: float | None = None, labels: dict[str, str] | None = None) -> ModelSummary:
-    rows = list(s.scalars(_model_rows(model, version=version, device_id=None, since=since, until=until)))
+                  until: float | None = None, labels: dict[str, str] | None = None,
+                  device_id: str | None = None) -> ModelSummary:
+    rows = list(s.scalars(_model_rows(model, version=version, device_id=device_id, since=since, until=until)))
     if labels:
         ids = {r.device_id for r in rows}
         devs: list[DeviceRow] = list(s.scalars(select(DeviceRow).where(DeviceRow.id.in_(ids)))) if ids else []
@@ -209,11 +216,14 @@ def model_summary(s: Session, model: str, *, version: int | None = None, since: 
         counts = [int(c) for c in r.latency_counts][: len(hist.counts)]
         hist = hist.plus(HistCounts(counts + [0] * (len(hist.counts) - len(counts)), float(r.latency_sum_s)))
     total = success + failures
+    span = (max(r.t for r in rows) - min(r.t - r.window_s for r in rows)) if rows else None
     return ModelSummary(model=model, version=version, since=since, until=until,
                         devices=len({r.device_id for r in rows}), samples=len(rows), success=success,
                         failures=failures, failures_by_code=dict(sorted(by_code.items())),
                         error_rate=failures / total if total else None, p50_s=hist.quantile(0.5),
-                        p90_s=hist.quantile(0.9), p99_s=hist.quantile(0.99))
+                        p90_s=hist.quantile(0.9), p99_s=hist.quantile(0.99), device_id=device_id, span_s=span,
+                        rate_per_s=total / span if span else None, versions=sorted({r.version for r in rows}),
+                        backends=sorted({r.backend for r in rows}))
 
 
 # ---- the router -----------------------------------------------------------------------------------
@@ -265,9 +275,10 @@ def telemetry_router(sessions: sessionmaker[Session], admin_hash: str) -> APIRou
     @router.get(f"{API_PREFIX}/models/{{model}}/telemetry/summary", tags=["admin"], response_model=ModelSummary,
                 dependencies=admin)
     def model_telemetry_summary(model: str, *, version: int | None = None, since: float | None = None,
-                                until: float | None = None,
+                                until: float | None = None, device_id: str | None = None,
                                 label: Annotated[list[str] | None, Query()] = None) -> ModelSummary:
         with tx() as s:
-            return model_summary(s, model, version=version, since=since, until=until, labels=_labels(label))
+            return model_summary(s, model, version=version, since=since, until=until, labels=_labels(label),
+                                 device_id=device_id)
 
     return router

@@ -231,14 +231,27 @@ class EventInfo(_Wire):
     received_at: float
 
 
+class ServingInfo(_Wire):
+    """What a device serves now (its own word, engine from its telemetry) beside what the registry offers it."""
+
+    model: str
+    version: int | None
+    release: int | None
+    state: str = Field(description="committed | active-trial | local | not serving")
+    engine: str | None = None
+    desired_release: int | None = None
+    desired_version: int | None = None
+
+
 class DeviceInfo(_Wire):
     device_id: str
     labels: dict[str, str]
     facts: dict[str, Any]
     enrolled_at: float
     last_seen_at: float | None
-    models: list[DeviceModelInfo]
+    models: list[DeviceModelInfo] = Field(description="per model, the device's last report")
     events: list[EventInfo] = Field(default_factory=list)
+    serving: list[ServingInfo] = Field(default_factory=list)
 
 
 class LabelsUpdate(_Wire):
@@ -255,6 +268,8 @@ class ReleaseStatus(_Wire):
     revoked: bool
     expires_at: int
     devices: dict[str, int] = Field(description="device count per last reported step for this release")
+    committed_ever: int = Field(default=0, description="devices that ever committed this release (some may have "
+                                                       "moved on since)")
 
 
 class ModelStatus(_Wire):

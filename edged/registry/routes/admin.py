@@ -8,6 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 from sqlalchemy import text
+from sqlalchemy.orm import Session
 
 from edged.protocol.fleet.messages import (
     API_PREFIX,
@@ -18,6 +19,7 @@ from edged.protocol.fleet.messages import (
     PinRequest,
     ReenrollRequest,
     RegistryStatus,
+    ServingInfo,
 )
 from edged.registry import service
 from edged.registry.deps import AppContext
@@ -45,16 +47,30 @@ def admin_router(ctx: AppContext) -> APIRouter:
         with ctx.tx() as s:
             return service.create_enrollment_token(s, req)
 
+    def with_serving(s: Session, infos: list[DeviceInfo]) -> list[DeviceInfo]:
+        """What each device serves and should serve, worked out as the dashboard does (so both agree)."""
+        from edged.registry.web.views import FleetFilter, fleet
+
+        rows = fleet(s, ctx.snapshots.get(s.connection()), FleetFilter(), online_s=ctx.settings.dashboard_online_s,
+                     limit=1 << 30)
+        by_id = {r.id: r for r in rows.rows}
+        for info in infos:
+            row = by_id.get(info.device_id)
+            info.serving = [ServingInfo(model=sv.model, version=sv.version, release=sv.release, state=sv.state,
+                                        engine=sv.engine, desired_release=sv.want_release,
+                                        desired_version=sv.want_version) for sv in (row.serving if row else [])]
+        return infos
+
     @router.get(f"{API_PREFIX}/devices", response_model=list[DeviceInfo])
     def devices(label: Annotated[list[str] | None, Query()] = None) -> list[DeviceInfo]:
         wanted = dict(item.split("=", 1) for item in label or [] if "=" in item)
         with ctx.rtx() as s:
-            return service.list_devices(s, wanted)
+            return with_serving(s, service.list_devices(s, wanted))
 
     @router.get(f"{API_PREFIX}/devices/{{device_id}}", response_model=DeviceInfo)
     def device(device_id: str, events: int = 50) -> DeviceInfo:
         with ctx.rtx() as s:
-            return service.get_device(s, device_id, max(0, min(events, 1000)))
+            return with_serving(s, [service.get_device(s, device_id, max(0, min(events, 1000)))])[0]
 
     @router.patch(f"{API_PREFIX}/devices/{{device_id}}/labels", response_model=DeviceInfo)
     def labels(device_id: str, req: LabelsUpdate) -> DeviceInfo:

@@ -41,9 +41,9 @@ def rollouts_router(ctx: AppContext) -> APIRouter:
             return rollouts.list_rollouts(s, model, state)
 
     @router.get(f"{API_PREFIX}/rollouts/{{rollout_id}}", response_model=RolloutStatus)
-    def rollout_status(rollout_id: int) -> RolloutStatus:
+    def rollout_status(rollout_id: int, members: bool = False) -> RolloutStatus:
         with ctx.rtx() as s:
-            return rollouts.rollout_status(s, rollout_id)
+            return rollouts.rollout_status(s, rollout_id, with_members=members)
 
     @router.get(f"{API_PREFIX}/models/{{model}}/rollback", response_model=RollbackPlan)
     def rollback_plan(model: str, to: str = rollback.PREVIOUS) -> RollbackPlan:
