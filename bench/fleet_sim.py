@@ -82,6 +82,38 @@ def db_size(server: RegistryServer, pg_url: str | None) -> int:
         return int(conn.execute("SELECT pg_database_size(current_database())").fetchone()[0])  # type: ignore[index]
 
 
+class AdminProbe:
+    """An operator's request every 2 s (``GET /models``, served from the thread pool): is the control plane there?"""
+
+    def __init__(self, server: RegistryServer) -> None:
+        import threading
+
+        self.server = server
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.server.token_file.read_text().strip()}"}
+        while not self._stop.wait(2.0):
+            t0 = time.time()
+            try:
+                httpx.get(f"{self.server.url}/api/v1/models", headers=headers, timeout=300)
+            except httpx.HTTPError:
+                pass
+            self.samples.append((t0, time.time() - t0))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def worst_ms(self, t0: float, t1: float) -> float | None:
+        lat = [x for t, x in self.samples if t0 <= t < t1]
+        return round(max(lat) * 1000, 1) if lat else None
+
+
 def phase_stats(samples: dict[str, np.ndarray], t0: float, t1: float) -> dict[str, Any]:
     t, kind, status, lat = samples["t"], samples["kind"], samples["status"], samples["latency"]
     sel = (t >= t0) & (t < t1)
@@ -93,7 +125,8 @@ def phase_stats(samples: dict[str, np.ndarray], t0: float, t1: float) -> dict[st
             "poll_p50_ms": round(float(np.percentile(pl, 50)), 2) if pl.size else None,
             "poll_p99_ms": round(float(np.percentile(pl, 99)), 2) if pl.size else None,
             "poll_max_ms": round(float(pl.max()), 1) if pl.size else None,
-            "errors": int((sel & ((status == 0) | (status >= 500))).sum())}
+            "errors": int((sel & ((status == 0) | (status >= 500))).sum()),
+            "poll_errors": int((polls & ((status == 0) | (status >= 500))).sum())}
 
 
 def run_one(db: str, args: argparse.Namespace, tmp: Path, keys: Keys, cluster: PgCluster | None) -> dict[str, Any]:
@@ -104,10 +137,12 @@ def run_one(db: str, args: argparse.Namespace, tmp: Path, keys: Keys, cluster: P
                             blob_port=None if args.inline_blobs else free_port(),
                             extra_args=["--rollout-tick", "1s", "--log-level", "warning"]).start()
     sim: subprocess.Popen[bytes] | None = None
+    probe: AdminProbe | None = None
     result: dict[str, Any] = {"db": db, "devices": args.devices, "poll_s": args.poll,
                               "blobs": "registry API" if args.inline_blobs else "blob server"}
     try:
         cpu = Cpu(server.proc.pid)  # type: ignore[union-attr]
+        probe = AdminProbe(server)
         client = server.client()
         key = keys.load()
         for v in (1, 2, 3):
@@ -191,6 +226,8 @@ def run_one(db: str, args: argparse.Namespace, tmp: Path, keys: Keys, cluster: P
         print(f"[{db}] failed; the registry's log ends with:\n{server.log()[-4000:]}", flush=True)
         raise
     finally:
+        if probe is not None:
+            probe.stop()
         if sim is not None and sim.poll() is None:
             sim.send_signal(signal.SIGINT)
             sim.wait(120)
@@ -200,17 +237,20 @@ def run_one(db: str, args: argparse.Namespace, tmp: Path, keys: Keys, cluster: P
     for name, (a, b, cpu_s) in phases.items():
         ph = phase_stats(samples, a, b)
         ph["registry_cpu_pct"] = None if math.isnan(cpu_s) else round(100 * cpu_s / max(1e-9, b - a), 1)
+        ph["admin_max_ms"] = probe.worst_ms(a, b) if probe is not None else None
         result["phases"][name] = ph
     return result
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    print("\nDB          PHASE            SECONDS  REQ/S   POLLS/S  POLL P50  POLL P99  POLL MAX  CPU %  ERRORS")
+    print("\nDB          PHASE            SECONDS  REQ/S   POLLS/S  POLL P50  POLL P99  POLL MAX  CPU %  ERRORS"
+          "  ADMIN MAX")
     for r in results:
         for name, ph in r["phases"].items():
             print(f"{r['db']:<11} {name:<16} {ph['seconds']:>7}  {ph['requests_per_s']:>6}  {ph['polls_per_s']:>7}  "
                   f"{ph['poll_p50_ms']:>6} ms {ph['poll_p99_ms']:>6} ms {ph['poll_max_ms']:>6} ms "
-                  f"{ph['registry_cpu_pct'] if ph['registry_cpu_pct'] is not None else '-':>5}  {ph['errors']:>6}")
+                  f"{ph['registry_cpu_pct'] if ph['registry_cpu_pct'] is not None else '-':>5}  {ph['errors']:>6}  "
+                  f"{ph['admin_max_ms']} ms")
     for r in results:
         print(f"\n{r['db']}: {r['devices']} devices polling every {r['poll_s']:g}s, blobs from the {r['blobs']}; "
               f"enrolled in {r['enroll_s']}s; "

@@ -14,8 +14,10 @@ time range and label selector that rollout gates read).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
@@ -33,6 +35,8 @@ from edged.registry.service import RegistryError
 from edged.registry.telemetry_tables import TelemetryDeviceRow, TelemetryModelRow, TelemetrySampleRow
 
 MAX_POINTS = 10_000
+INGEST_THREADS = 2  # writes serialise on the database anyway
+MAX_WAITING_UPLOADS = 512
 
 
 # ---- answers --------------------------------------------------------------------------------------
@@ -247,14 +251,30 @@ def telemetry_router(sessions: sessionmaker[Session], admin_hash: str) -> APIRou
 
     admin = [Depends(admin_check(admin_hash))]
 
-    @router.post(INGEST_PATH, tags=["device"], response_model=UploadAck)
-    def upload(batch: UploadBatch, auth: Bearer) -> UploadAck:
+    # Uploads are writes that queue on the database; they get threads of their own, so a fleet's
+    # telemetry never occupies the server's shared thread pool (operators' requests, the dashboard).
+    # A device whose upload finds too many waiting is told to come back later (its buffer keeps it).
+    pool = ThreadPoolExecutor(max_workers=INGEST_THREADS, thread_name_prefix="telemetry-ingest")
+    waiting = 0
+
+    def store(batch: UploadBatch, credential: str | None) -> UploadAck:
         with tx() as s:
-            dev = service.device_for_credential(s, auth.credentials) if auth is not None else None
+            dev = service.device_for_credential(s, credential) if credential is not None else None
             if dev is None:
                 raise RegistryError("a valid device credential is required", 401, ErrorCode.INVALID_ARGUMENT)
             service.touch(dev)
             return ingest(s, dev, batch)
+
+    @router.post(INGEST_PATH, tags=["device"], response_model=UploadAck)
+    async def upload(batch: UploadBatch, auth: Bearer) -> UploadAck:
+        nonlocal waiting
+        if waiting >= MAX_WAITING_UPLOADS:
+            raise RegistryError("telemetry ingest is busy; try again later", 503, ErrorCode.UNAVAILABLE)
+        waiting += 1
+        try:
+            return await asyncio.wrap_future(pool.submit(store, batch, auth.credentials if auth else None))
+        finally:
+            waiting -= 1
 
     @router.get(f"{API_PREFIX}/devices/{{device_id}}/telemetry", tags=["admin"], response_model=DeviceTelemetry,
                 dependencies=admin)
