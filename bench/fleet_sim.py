@@ -223,7 +223,12 @@ def run_one(db: str, args: argparse.Namespace, tmp: Path, keys: Keys, cluster: P
         result["db_bytes"] = db_size(server, pg_url)
         client.close()
     except BaseException:
-        print(f"[{db}] failed; the registry's log ends with:\n{server.log()[-4000:]}", flush=True)
+        if server.proc is not None and server.proc.poll() is None:
+            server.proc.send_signal(signal.SIGUSR1)  # the registry prints where its threads are
+            time.sleep(2)
+        worst = max(probe.samples, key=lambda x: x[1]) if probe is not None and probe.samples else None
+        print(f"[{db}] failed; slowest operator probe {worst}; the registry's log ends with:\n{server.log()[-12000:]}",
+              flush=True)
         raise
     finally:
         if probe is not None:

@@ -215,6 +215,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     setup_logging(settings.log_level)
     if settings.log_level != "debug":
         logging.getLogger("alembic").setLevel(logging.WARNING)
+    _stack_dumps()
     app = create_app(settings)
     where = parse_listen(settings.listen)
     # log_config=None: uvicorn logs through our root handler, one format for everything.
@@ -235,6 +236,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if blobs is not None:
             _stop(blobs)
     return 0
+
+
+def _stack_dumps() -> None:
+    """SIGUSR1 writes every thread's stack to stderr: what a registry that stopped answering waits on."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def _start_blob_server(settings: Any) -> Any:
