@@ -35,7 +35,7 @@ from edged.registry.service import RegistryError
 from edged.registry.telemetry_tables import TelemetryDeviceRow, TelemetryModelRow, TelemetrySampleRow
 
 MAX_POINTS = 10_000
-INGEST_THREADS = 2  # writes serialise on the database anyway
+INGEST_THREADS = 4  # SQLite writes serialise anyway; PostgreSQL takes a few at once
 MAX_WAITING_UPLOADS = 512
 
 
