@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from edged.registry.blob_urls import UrlSigner, signing_key
-from edged.sync.http import RegistryHttp, SyncHttpError
+from edged.sync.capped_http import RegistryHttp, SyncHttpError
 from tests.registry_helpers import ADMIN_TOKEN, PY, REPO_ROOT, Keys, RegistryServer, free_port, make_version, wait_for
 
 MODEL = "blobby"

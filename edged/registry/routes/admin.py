@@ -49,10 +49,9 @@ def admin_router(ctx: AppContext) -> APIRouter:
 
     def with_serving(s: Session, infos: list[DeviceInfo]) -> list[DeviceInfo]:
         """What each device serves and should serve, worked out as the dashboard does (so both agree)."""
-        from edged.registry.web.views import FleetFilter, fleet
+        from edged.registry.web.views import fleet_rows
 
-        rows = fleet(s, ctx.snapshots.get(s.connection()), FleetFilter(), online_s=ctx.settings.dashboard_online_s,
-                     limit=1 << 30)
+        rows = fleet_rows(s, ctx.snapshots.get(s.connection()), online_s=ctx.settings.dashboard_online_s)
         by_id = {r.id: r for r in rows.rows}
         for info in infos:
             row = by_id.get(info.device_id)
