@@ -219,7 +219,7 @@ def test_simulated_fleet_downloads_through_the_blob_server(setup: Setup) -> None
                             token, "--public-key", setup.keys.public, "--devices", "20", "--poll", "1",
                             "--start", f"{MODEL}:1:{r1}", "--trial", "0.5", "--prepare", "0.1",
                             "--id-prefix", "slice-", "--status-file", str(status)],
-                           cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                           cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=(setup.tmp / "sim.log").open("wb"))
     try:
         def read() -> dict[str, Any]:
             try:
@@ -241,4 +241,8 @@ def test_simulated_fleet_downloads_through_the_blob_server(setup: Setup) -> None
         assert len(setup.proxy.seen) == 20 * files and all("authorization" not in h for h in setup.proxy.seen)
     finally:
         sim.send_signal(signal.SIGINT)
-        sim.wait(30)
+        try:
+            sim.wait(60)
+        except subprocess.TimeoutExpired:
+            sim.kill()
+            sim.wait()
