@@ -142,3 +142,19 @@ def test_open_pages_share_one_fleet_read(db: Engine) -> None:
     with Session(db) as s:
         a = fresh.get(s, snaps.get(s.connection()), online_s=ONLINE_S)
         assert fresh.get(s, snaps.get(s.connection()), online_s=ONLINE_S) is not a
+
+
+def test_shared_reads_are_per_key_and_revision() -> None:
+    """The models page shares its read per chart window the same way (router: models_read)."""
+    shared: views.SharedRead[list[str]] = views.SharedRead(ttl_s=60)
+    calls: list[str] = []
+
+    def read(what: str) -> list[str]:
+        calls.append(what)
+        return [what]
+
+    a = shared.get("15m", 1, lambda: read("15m"))
+    assert shared.get("15m", 1, lambda: read("again")) is a
+    assert shared.get("1h", 1, lambda: read("1h")) == ["1h"]
+    assert shared.get("15m", 2, lambda: read("15m new")) == ["15m new"]  # a release or rollout changed
+    assert calls == ["15m", "1h", "15m new"] and shared.reads == 3

@@ -170,6 +170,7 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
     poll_s = settings.dashboard_poll_s
     online_s = settings.dashboard_online_s
     fleet_cache = views.FleetCache(ttl_s=poll_s)
+    models_read: views.SharedRead[list[views.ModelView]] = views.SharedRead(ttl_s=poll_s)
 
     @contextlib.contextmanager
     def rtx() -> Iterator[DbSession]:
@@ -326,7 +327,8 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
         sess = session_of(request, live=request.query_params.get("part") == "live")
         window, since = window_of(request)
         with rtx() as s:
-            data = views.models(s, since, bucket_s=max(10.0, views.WINDOWS[window] / 90))
+            data = models_read.get(window, snapshots.get(s.connection()).revision,
+                                   lambda: views.models(s, since, bucket_s=max(10.0, views.WINDOWS[window] / 90)))
         return page(request, "models.html", "models_live.html",
                     title="Models and releases", nav="models", sess=sess,
                     models=data, window=window, windows=list(views.WINDOWS))

@@ -12,9 +12,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import orjson
 from sqlalchemy import Text, cast, select
@@ -30,6 +30,7 @@ from edged.registry.telemetry_ingest import ModelSummary, device_series
 from edged.registry.telemetry_tables import TelemetryModelRow
 
 ENGINE_RECENT_S = 300.0
+T = TypeVar("T")
 WINDOWS = {"15m": 900, "1h": 3600, "6h": 6 * 3600, "24h": 86400}
 ERROR_STATES = frozenset({"rolled-back", "failed"})
 
@@ -234,38 +235,51 @@ def fleet(all_rows: FleetRows, flt: FleetFilter, *, limit: int, offset: int = 0)
                  at=all_rows.at, shown_from=offset)
 
 
-class FleetCache:
-    """The fleet's lines shared by every open page, read again at most every ``ttl_s``.
+class SharedRead(Generic[T]):
+    """A costly page read shared by every open page, done again at most every ``ttl_s`` per key.
 
-    Working out every device's line is the dashboard's one costly read (about a second at
-    10,000 devices on a small machine). With this cache any number of open fleet pages,
-    filters and pages cost the registry one such read per period, concurrent requests wait
+    Any number of open pages cost the registry one read per period, concurrent requests wait
     for the read in progress instead of starting their own, and the period stretches to
     ``cost_factor`` times the last read's duration, so that open dashboards never take more
-    than about 1/cost_factor of one core however large the fleet. A release or rollout
-    change (a new snapshot revision) is shown at the next request.
+    than about 1/cost_factor of one core however large the fleet. A release or rollout change
+    (a new snapshot revision) is read at the next request.
     """
 
     def __init__(self, ttl_s: float, cost_factor: float = 10.0) -> None:
         self.ttl_s = ttl_s
         self.cost_factor = cost_factor
         self._lock = threading.Lock()
-        self._rows: FleetRows | None = None
-        self._at = -1e18
+        self._held: dict[str, tuple[int, float, T]] = {}  # key -> revision, when read, value
         self._cost_s = 0.0
         self.reads = 0
 
-    def get(self, s: Session, snap: desired_state.Snapshot, *, online_s: float) -> FleetRows:
+    def get(self, key: str, revision: int, read: Callable[[], T]) -> T:
         with self._lock:
-            cur = self._rows
+            held = self._held.get(key)
             period = max(self.ttl_s, self.cost_factor * self._cost_s)
-            if cur is None or cur.revision != snap.revision or time.monotonic() - self._at >= period:
+            if held is None or held[0] != revision or time.monotonic() - held[1] >= period:
                 t0 = time.monotonic()
-                cur = fleet_rows(s, snap, online_s=online_s)
-                self._at = time.monotonic()
-                self._rows, self._cost_s = cur, self._at - t0
+                value = read()
+                now = time.monotonic()
+                self._held[key] = (revision, now, value)
+                self._cost_s = now - t0
                 self.reads += 1
-            return cur
+                return value
+            return held[2]
+
+
+class FleetCache:
+    """The fleet's lines (the dashboard's costliest read: every device's line) as a :class:`SharedRead`."""
+
+    def __init__(self, ttl_s: float, cost_factor: float = 10.0) -> None:
+        self.shared: SharedRead[FleetRows] = SharedRead(ttl_s, cost_factor)
+
+    @property
+    def reads(self) -> int:
+        return self.shared.reads
+
+    def get(self, s: Session, snap: desired_state.Snapshot, *, online_s: float) -> FleetRows:
+        return self.shared.get("fleet", snap.revision, lambda: fleet_rows(s, snap, online_s=online_s))
 
 
 # ---- charts -----------------------------------------------------------------------------------------
