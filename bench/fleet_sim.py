@@ -114,6 +114,12 @@ class AdminProbe:
         return round(max(lat) * 1000, 1) if lat else None
 
 
+def rollout_info(client: Any, rollout_id: int) -> Any:
+    """From the rollout list (cheap), not the rollout's status (a pass over the whole fleet and its reports,
+    which timed out while a 10,000-device wave saturated the registry)."""
+    return next(r for r in client.rollouts(MODEL) if r.id == rollout_id)
+
+
 def phase_stats(samples: dict[str, np.ndarray], t0: float, t1: float) -> dict[str, Any]:
     t, kind, status, lat = samples["t"], samples["kind"], samples["status"], samples["latency"]
     sel = (t >= t0) & (t < t1)
@@ -199,20 +205,20 @@ def run_one(db: str, args: argparse.Namespace, tmp: Path, keys: Keys, cluster: P
         result["good_converge_s"] = round(time.time() - t0, 1)
         if last_step:
             phases["100% wave"] = (last_step[0], time.time(), float("nan"))
-        info = client.rollout(good.id).rollout
-        wait(lambda: client.rollout(good.id).rollout.state == "completed", 120, "the rollout to complete", 1.0)
+        info = rollout_info(client, good.id)
+        wait(lambda: rollout_info(client, good.id).state == "completed", 120, "the rollout to complete", 1.0)
         phases["good rollout"] = (t0, time.time(), cpu.seconds() - c0)
         result["good_state"] = info.state
         print(f"[{db}] good release on all {args.devices} devices after {result['good_converge_s']}s", flush=True)
 
         t0, c0 = time.time(), cpu.seconds()
         bad = client.release_with_rollout(key, MODEL, 3, spec, expires_in_s=86400)
-        wait(lambda: client.rollout(bad.id).rollout.state == "halted", args.timeout, "the broken rollout to halt")
+        wait(lambda: rollout_info(client, bad.id).state == "halted", args.timeout, "the broken rollout to halt")
         result["bad_halt_s"] = round(time.time() - t0, 1)
-        st = client.rollout(bad.id)
-        result["bad_reason"] = st.rollout.reason
-        result["bad_step"] = st.rollout.step + 1
-        result["bad_members"] = st.rollout.members
+        bad_info = rollout_info(client, bad.id)
+        result["bad_reason"] = bad_info.reason
+        result["bad_step"] = bad_info.step + 1
+        result["bad_members"] = bad_info.members
 
         def settled() -> bool:
             s = read_status(status_file)
