@@ -17,8 +17,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from edged import datatypes
-from edged.errors import ConfigError
-from edged.repository.manifest import format_validation_error
+from edged.errors import ConfigError, format_validation_error
 
 if sys.version_info >= (3, 11):
     import tomllib

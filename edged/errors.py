@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import enum
 import sys
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 
 class ErrorCode(str, enum.Enum):
@@ -144,3 +147,16 @@ def exit_status(err: EdgedError, stream: TextIO | None = None) -> int:
         return 2
     print(f"error: {err}", file=out)
     return 1
+
+
+def format_validation_error(err: ValidationError, prefix: str = "") -> list[str]:
+    """One ``key.path: message`` line per pydantic problem (paths under ``prefix``, e.g. ``mqtt.bindings[2]``)."""
+    out = []
+    for e in err.errors():
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e["loc"])
+        loc = (prefix + path).lstrip(".") or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        out.append(f"{loc}: {msg}")
+    return out

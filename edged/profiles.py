@@ -40,10 +40,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 import edged
-from edged.errors import ConfigError
+from edged.errors import ConfigError, format_validation_error
 from edged.hardware.facts import FactValue, HardwareFacts, fact_keys, facts_as_dict
 from edged.hardware.jetpack import ReleaseRow, row_for
-from edged.repository.manifest import format_validation_error
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -63,7 +63,7 @@ class ApiDevice:
 
     def telemetry(self, model: str, version: int, *, ok: int, errors: int = 0, latency_s: float = 0.004) -> None:
         """One window of traffic: ``ok`` requests at about ``latency_s`` and ``errors`` failures."""
-        from edged.protocol.fleet.telemetry import LATENCY_BUCKETS_S
+        from edged.latency_buckets import LATENCY_BUCKETS_S
 
         counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
         counts[next((i for i, b in enumerate(LATENCY_BUCKETS_S) if latency_s <= b), len(LATENCY_BUCKETS_S))] = ok

@@ -46,6 +46,12 @@ def test_the_rules_catch_each_kind_of_breach() -> None:
     inner = ag.violations({"edged.telemetry.agent": {"edged.telemetry.prometheus"},
                            "edged.telemetry.prometheus": {"edged.telemetry.agent"}})
     assert inner == ["module import cycle: edged.telemetry.agent <-> edged.telemetry.prometheus"]
+    # Two top-level packages importing each other through modules the diagram draws apart (protocol's
+    # wire formats are boxes of their own): core.stats -> protocol.fleet, protocol.v2 -> core.types.
+    split = ag.violations({"edged.core.stats": {"edged.protocol.fleet.telemetry"},
+                           "edged.protocol.v2": {"edged.core.types"},
+                           "edged.protocol.fleet.telemetry": set(), "edged.core.types": set()})
+    assert split == ["top-level packages import each other: core <-> protocol"], split
     # The simulator is a part of its own that may use both wings' code.
     assert ag.violations({"edged.registry.sim.device": {"edged.sync.plan", "edged.registry.service"},
                           "edged.sync.plan": set(), "edged.registry.service": set()}) == []

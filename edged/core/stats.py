@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from edged.protocol.fleet.telemetry import LATENCY_BUCKETS_S  # the buckets are part of the telemetry contract
+from edged.latency_buckets import LATENCY_BUCKETS_S  # the buckets the telemetry contract carries
 
 
 @dataclass

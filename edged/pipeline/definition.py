@@ -13,8 +13,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from edged.datatypes import DataType
+from edged.errors import format_validation_error
 from edged.pipeline.contract import PipelineDefinitionError
-from edged.repository.manifest import PIPELINE_NAME, format_validation_error
+from edged.repository.manifest import PIPELINE_NAME
 
 if sys.version_info >= (3, 11):
     import tomllib

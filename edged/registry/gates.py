@@ -16,7 +16,8 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from edged.protocol.fleet.telemetry import LATENCY_BUCKETS_S, HistCounts, Outcomes
+from edged.latency_buckets import LATENCY_BUCKETS_S
+from edged.protocol.fleet.telemetry import HistCounts, Outcomes
 from edged.registry.db import DeviceModelRow, DeviceRow, QualityScoreRow, RolloutRow
 from edged.registry.rollout_wire import GateReading, Gates
 from edged.registry.telemetry_tables import TelemetryModelRow

@@ -18,7 +18,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased
 
-from edged.errors import EdgedError, ErrorCode
+from edged.errors import EdgedError, ErrorCode, format_validation_error
 from edged.protocol.fleet.messages import (
     DesiredState,
     DeviceFactsUpdate,
@@ -57,7 +57,6 @@ from edged.repository.manifest import (
     MANIFEST_NAME,
     PIPELINE_NAME,
     ModelManifest,
-    format_validation_error,
     valid_model_name,
 )
 

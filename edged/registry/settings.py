@@ -16,12 +16,11 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from edged.errors import ConfigError, EdgedError
+from edged.errors import ConfigError, EdgedError, format_validation_error
 from edged.fsutil import make_private_dir
 from edged.listen import parse_listen
 from edged.protocol.fleet.release import check_public_keys
 from edged.registry.passwords import NAME, is_password_hash
-from edged.repository.manifest import format_validation_error
 
 if sys.version_info >= (3, 11):
     import tomllib

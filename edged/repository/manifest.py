@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from edged.datatypes import DataType
-from edged.errors import ManifestError
+from edged.errors import ManifestError, format_validation_error
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -168,19 +168,6 @@ class ModelManifest(_Strict):
 
 def valid_model_name(name: str) -> bool:
     return bool(_NAME_RE.match(name))
-
-
-def format_validation_error(err: ValidationError, prefix: str = "") -> list[str]:
-    """One ``key.path: message`` line per pydantic problem (paths under ``prefix``, e.g. ``mqtt.bindings[2]``)."""
-    out = []
-    for e in err.errors():
-        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e["loc"])
-        loc = (prefix + path).lstrip(".") or "(top level)"
-        msg = e["msg"]
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key"
-        out.append(f"{loc}: {msg}")
-    return out
 
 
 def parse_manifest(path: Path, *, model: str = "", version: int | None = None) -> ModelManifest:

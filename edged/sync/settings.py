@@ -9,9 +9,8 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from edged.config import Config, RegistrySection
-from edged.errors import ConfigError
+from edged.errors import ConfigError, format_validation_error
 from edged.protocol.fleet.release import check_public_keys
-from edged.repository.manifest import format_validation_error
 
 # The [registry] keys sync reads beyond enabled/url/enrollment_token/public_keys/poll_interval_s/labels;
 # their defaults and meaning are those of edged.config.RegistrySection (the one place they are written).

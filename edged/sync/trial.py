@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from edged.core.service import InferenceService
 from edged.errors import EdgedError
-from edged.protocol.fleet.telemetry import LATENCY_BUCKETS_S, Outcomes
+from edged.latency_buckets import LATENCY_BUCKETS_S
+from edged.protocol.fleet.telemetry import Outcomes
 from edged.sync.settings import SyncSettings
 
 NOT_MODEL_ERRORS = frozenset({"invalid_argument", "overloaded", "cancelled"})

@@ -757,7 +757,7 @@ def test_boot_pins_and_counts_crash_loops(tmp_path: Path, world: World) -> None:
 
 
 def test_trial_judgement() -> None:
-    from edged.protocol.fleet.telemetry import LATENCY_BUCKETS_S
+    from edged.latency_buckets import LATENCY_BUCKETS_S
     from edged.sync.settings import SyncSettings
     from edged.sync.trial import Sample, baseline, judge
 

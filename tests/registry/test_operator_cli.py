@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from edged.protocol.fleet.telemetry import INGEST_PATH, LATENCY_BUCKETS_S
+from edged.latency_buckets import LATENCY_BUCKETS_S
+from edged.protocol.fleet.telemetry import INGEST_PATH
 from edged.registry.rollout_wire import Gates, RolloutCreate, StepSpec
 from tests.registry.conftest import Env, registry_env
 from tests.registry_helpers import make_version

@@ -24,9 +24,9 @@ from edged.config import Config, parse_config
 from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
 from edged.profiles import BackendPreference
-from edged.protocol.redact import Scrubber
 from edged.transports.http.transport import HttpTransport
 from edged.transports.mqtt.transport import MqttTransport
+from edged.transports.redact import Scrubber
 from edged.transports.shm.transport import ShmTransport
 from tests.conftest import MODELS
 from tests.mqtt_helpers import Broker, TestClient

@@ -18,13 +18,13 @@ from typing import Annotated, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# The bounds every device counts into: part of this contract, defined in a leaf the core reads too.
+from edged.latency_buckets import LATENCY_BUCKETS_S
+
 SCHEMA_VERSION = 1
 INGEST_PATH = "/api/v1/device/telemetry"
 MAX_BATCH_ITEMS = 1000
 
-# Latency buckets in seconds, shared by queue/compute/total histograms (Prometheus convention).
-LATENCY_BUCKETS_S: tuple[float, ...] = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class Outcomes:

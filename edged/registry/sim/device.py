@@ -27,9 +27,10 @@ from urllib.parse import urlsplit
 
 import orjson
 
+from edged.latency_buckets import LATENCY_BUCKETS_S
 from edged.protocol.fleet.messages import API_PREFIX, DesiredModel, DesiredState, RevertModel
 from edged.protocol.fleet.release import ReleaseManifest
-from edged.protocol.fleet.telemetry import INGEST_PATH, LATENCY_BUCKETS_S
+from edged.protocol.fleet.telemetry import INGEST_PATH
 from edged.registry.sim.http_pool import Answer, HttpPool, SimHttpError
 from edged.sync import plan
 from edged.sync.settings import SyncSettings

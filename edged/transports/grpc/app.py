@@ -25,7 +25,6 @@ from google.protobuf import json_format
 
 from edged.core.service import InferenceService
 from edged.errors import EdgedError, ErrorCode, InvalidInputError
-from edged.protocol.redact import Scrubber
 from edged.protocol.v2 import dumps, loads
 from edged.transports import v2_ops
 from edged.transports.authority import Authority, Peer, bearer
@@ -33,6 +32,7 @@ from edged.transports.grpc.codec import decode_infer, encode_infer, error_respon
 from edged.transports.grpc.gen import grpc_service_pb2 as pb
 from edged.transports.grpc.gen import model_config_pb2 as mc
 from edged.transports.http.config import model_config
+from edged.transports.redact import Scrubber
 from edged.transports.shm.sysshm import ShmCaller, ShmView, SystemShmRegions
 
 log = logging.getLogger(__name__)

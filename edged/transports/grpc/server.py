@@ -18,7 +18,6 @@ from edged.config import Config, GrpcTlsSection
 from edged.core.service import InferenceService
 from edged.errors import ConfigError, EdgedError, ErrorCode
 from edged.listen import parse_listen
-from edged.protocol.redact import Scrubber
 from edged.transports.authority import Authority
 from edged.transports.grpc import require_grpc
 from edged.transports.http.transport import (
@@ -27,6 +26,7 @@ from edged.transports.http.transport import (
     remove_socket_file,
     system_shm_regions,
 )
+from edged.transports.redact import Scrubber
 from edged.transports.shm.sysshm import SystemShmRegions
 
 log = logging.getLogger(__name__)

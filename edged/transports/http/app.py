@@ -20,12 +20,12 @@ from urllib.parse import unquote
 
 from edged.core.service import InferenceService
 from edged.errors import EdgedError, ErrorCode, InvalidInputError
-from edged.protocol.redact import Scrubber
 from edged.protocol.v2 import DecodedRequest, decode_request, dumps, loads
 from edged.protocol.v2_json import loads_request
 from edged.transports.authority import Authority, Peer, bearer
 from edged.transports.http.config import model_config
 from edged.transports.http.server import Headers, Request, Response
+from edged.transports.redact import Scrubber
 from edged.transports.shm.sysshm import ShmCaller, ShmView, SystemShmRegions
 from edged.transports.v2_ops import (
     HEAVY,

@@ -22,10 +22,10 @@ from edged.core.service import InferenceService
 from edged.errors import EdgedError, ErrorCode
 from edged.fsutil import ensure_private_dir
 from edged.listen import parse_listen
-from edged.protocol.redact import Scrubber
 from edged.transports.authority import Authority
 from edged.transports.http.app import V2App
 from edged.transports.http.server import HttpServer, Limits
+from edged.transports.redact import Scrubber
 from edged.transports.shm.sysshm import SystemShmRegions
 
 if TYPE_CHECKING:

@@ -26,9 +26,8 @@ from pydantic import ValidationError
 
 from edged import datatypes
 from edged.config import Policy, StreamBinding
-from edged.errors import ConfigError, EdgedError, InternalError, InvalidInputError
+from edged.errors import ConfigError, EdgedError, InternalError, InvalidInputError, format_validation_error
 from edged.protocol.mqtt_topics import topic_matches, valid_publish_topic
-from edged.repository.manifest import format_validation_error
 
 log = logging.getLogger("edged.transports.mqtt.transport")
 RATE_WINDOW_S = 10.0  # a stream's fps and latency are over this many recent seconds

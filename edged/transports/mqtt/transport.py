@@ -43,7 +43,6 @@ from edged.protocol import media
 from edged.protocol import mqtt as codec
 from edged.protocol.fleet.telemetry import MqttWindow, StreamWindow
 from edged.protocol.mqtt import Form, Topics
-from edged.protocol.redact import Scrubber
 from edged.protocol.v2 import DecodedRequest, decode_request, dumps, encode_response, loads
 from edged.transports.mqtt.bindings import (
     BindingStats,
@@ -57,6 +56,7 @@ from edged.transports.mqtt.dedup import RecentKeys
 from edged.transports.mqtt.properties import publish_properties
 from edged.transports.mqtt.stall import StallDetector
 from edged.transports.mqtt.status import device_offline, device_online, model_statuses
+from edged.transports.redact import Scrubber
 
 if TYPE_CHECKING:
     from edged.telemetry.prometheus import MetricsRenderer

@@ -42,8 +42,8 @@ from edged.errors import (
     ResourceExhaustedError,
 )
 from edged.protocol import shm as p
-from edged.protocol.redact import Scrubber
 from edged.protocol.v2 import bytes_from_buffer, bytes_to_buffer
+from edged.transports.redact import Scrubber
 from edged.transports.shm.segments import Segment, SegmentError, check_range, map_segment
 
 log = logging.getLogger(__name__)
