@@ -35,6 +35,7 @@ from edged.protocol.fleet.release import SignedRelease
 from edged.registry import desired as desired_state
 from edged.registry import rollouts
 from edged.registry.auth import is_admin
+from edged.registry.cli_format import ago
 from edged.registry.passwords import check_password
 from edged.registry.rollout_wire import Gates, RolloutCreate, StepSpec
 from edged.registry.service import RegistryError
@@ -69,7 +70,7 @@ def _env() -> Any:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True,
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.filters["when"] = _when
-    env.filters["ago"] = _ago
+    env.filters["ago"] = ago
     env.filters["ms"] = lambda s: "-" if s is None else f"{s * 1e3:.2f} ms"
     env.filters["pct"] = lambda x: "-" if x is None else f"{x * 100:.2f} %"
     env.filters["mb"] = lambda n: f"{n / 2**20:.1f} MB"
@@ -80,19 +81,6 @@ def _when(ts: float | None) -> str:
     if ts is None:
         return "never"
     return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def _ago(ts: float | None, now: float | None = None) -> str:
-    if ts is None:
-        return "never"
-    d = max(0.0, (time.time() if now is None else now) - ts)
-    if d < 90:
-        return f"{d:.0f} s ago"
-    if d < 5400:
-        return f"{d / 60:.0f} min ago"
-    if d < 2 * 86400:
-        return f"{d / 3600:.1f} h ago"
-    return f"{d / 86400:.0f} d ago"
 
 
 def _etag(body: str) -> str:
