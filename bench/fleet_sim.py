@@ -131,7 +131,8 @@ def phase_stats(samples: dict[str, np.ndarray], t0: float, t1: float) -> dict[st
             "poll_p50_ms": round(float(np.percentile(pl, 50)), 2) if pl.size else None,
             "poll_p99_ms": round(float(np.percentile(pl, 99)), 2) if pl.size else None,
             "poll_max_ms": round(float(pl.max()), 1) if pl.size else None,
-            "errors": int((sel & ((status == 0) | (status >= 500))).sum()),
+            "errors": int((sel & ((status == 0) | ((status >= 500) & (status != 503)))).sum()),
+            "shed": int((sel & (status == 503)).sum()),
             "poll_errors": int((polls & ((status == 0) | (status >= 500))).sum())}
 
 
@@ -139,9 +140,12 @@ def run_one(db: str, args: argparse.Namespace, tmp: Path, keys: Keys, cluster: P
     pg_url = cluster.new_database() if cluster is not None else None
     root = tmp / db
     root.mkdir()
+    config = root / "registry.toml"
+    config.write_text(f"[registry]\nshed_loop_lag_s = {args.shed_lag}\n")
     server = RegistryServer(root, [keys.public], database_url=pg_url,
                             blob_port=None if args.inline_blobs else free_port(),
-                            extra_args=["--rollout-tick", "1s", "--log-level", "warning"]).start()
+                            extra_args=["--rollout-tick", "1s", "--log-level", "warning", "--config",
+                                        str(config)]).start()
     sim: subprocess.Popen[bytes] | None = None
     probe: AdminProbe | None = None
     result: dict[str, Any] = {"db": db, "devices": args.devices, "poll_s": args.poll,
@@ -269,12 +273,13 @@ def run_one(db: str, args: argparse.Namespace, tmp: Path, keys: Keys, cluster: P
 
 def print_table(results: list[dict[str, Any]]) -> None:
     print("\nDB          PHASE            SECONDS  REQ/S   POLLS/S  POLL P50  POLL P99  POLL MAX  CPU %  ERRORS"
-          "  ADMIN MAX")
+          "    SHED  ADMIN MAX")
     for r in results:
         for name, ph in r["phases"].items():
             print(f"{r['db']:<11} {name:<16} {ph['seconds']:>7}  {ph['requests_per_s']:>6}  {ph['polls_per_s']:>7}  "
                   f"{ph['poll_p50_ms']:>6} ms {ph['poll_p99_ms']:>6} ms {ph['poll_max_ms']:>6} ms "
                   f"{ph['registry_cpu_pct'] if ph['registry_cpu_pct'] is not None else '-':>5}  {ph['errors']:>6}  "
+                  f"{ph['shed']:>6}  "
                   f"{ph['admin_max_ms']} ms")
     for r in results:
         print(f"\n{r['db']}: {r['devices']} devices polling every {r['poll_s']:g}s, blobs from the {r['blobs']}; "
@@ -297,6 +302,8 @@ def main() -> int:
     p.add_argument("--telemetry", type=float, default=300.0, help="telemetry upload interval of every device")
     p.add_argument("--timeout", type=float, default=1200.0)
     p.add_argument("--json", type=Path, default=None, help="write the results here too")
+    p.add_argument("--shed-lag", type=float, default=0.1,
+                   help="the registry's shed_loop_lag_s (0: never shed device writes; for comparison)")
     p.add_argument("--inline-blobs", action="store_true",
                    help="serve blobs from the registry API process (before the blob server; for comparison)")
     args = p.parse_args()

@@ -36,12 +36,14 @@ from edged import __version__
 from edged.errors import ErrorCode
 from edged.protocol.fleet.messages import API_PREFIX
 from edged.protocol.fleet.nudge import Nudger
+from edged.protocol.fleet.telemetry import INGEST_PATH
 from edged.registry.blob_urls import UrlSigner, signing_key
 from edged.registry.blobs import BlobError, BlobStore, SmallBlobCache
 from edged.registry.db import make_engine, make_sessionmaker, readonly
 from edged.registry.deps import AppContext
 from edged.registry.desired import SnapshotCache
 from edged.registry.evaluator import Evaluator
+from edged.registry.fastpath import DeviceFastPath
 from edged.registry.lastseen import LastSeen
 from edged.registry.migrate import upgrade
 from edged.registry.routes.admin import admin_router, health_router
@@ -50,6 +52,7 @@ from edged.registry.routes.releases import releases_router
 from edged.registry.routes.rollouts import rollouts_router
 from edged.registry.service import RegistryError
 from edged.registry.settings import RegistrySettings
+from edged.registry.shed import LoadSignal, ShedDeviceWrites
 from edged.registry.telemetry_ingest import telemetry_router
 from edged.registry.web import install as install_dashboard
 from edged.registry.writer import ReportWriter
@@ -124,12 +127,17 @@ def create_app(settings: RegistrySettings) -> FastAPI:
     evaluator = Evaluator(sessions, settings.rollout_tick_s, on_change=ctx.rollout_changed,
                           read_sessions=ctx.read_sessions)
 
+    load = LoadSignal(max_lag_s=settings.shed_loop_lag_s or float("inf"), backlog=ctx.report_writer.backlog)
+
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         ctx.last_seen.start()
         ctx.report_writer.start()
         evaluator.start()
+        if settings.shed_loop_lag_s > 0:
+            load.start()
         yield
+        await load.stop()
         await asyncio.to_thread(evaluator.stop)
         await asyncio.to_thread(ctx.report_writer.stop)
         await asyncio.to_thread(ctx.last_seen.stop)
@@ -139,7 +147,14 @@ def create_app(settings: RegistrySettings) -> FastAPI:
 
     app = FastAPI(title="edged registry", version=__version__, lifespan=lifespan,
                   description="Model versions, signed releases, device enrollment, desired state and reports.")
+    app.state.load_signal = load
     app.add_middleware(BodyLimit, limit=MAX_JSON_BYTES, exempt_prefix=f"{API_PREFIX}/blobs/")
+    app.add_middleware(DeviceFastPath, ctx=ctx, max_body=MAX_JSON_BYTES)
+    if settings.shed_loop_lag_s > 0:  # outermost: a shed request costs no parsing, no authentication
+        app.add_middleware(ShedDeviceWrites, signal=load, retry_after_s=settings.shed_retry_after_s,
+                           routes=[("POST", INGEST_PATH, 2.0), ("PUT", f"{API_PREFIX}/device/facts", 1.5),
+                                   ("POST", f"{API_PREFIX}/device/reports", 1.0),
+                                   ("GET", f"{API_PREFIX}/blobs/", 0.5)])
     app.include_router(telemetry_router(sessions, admin_hash))
     _install_error_handlers(app)
     for router in (health_router, devices_router, releases_router, admin_router, rollouts_router):

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import Depends, Request
+from fastapi import Depends
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
@@ -86,20 +86,21 @@ class AppContext:
         with self.read_sessions() as s, s.begin():
             yield s
 
-    def authenticate(self, conn: Connection, request: Request) -> desired_state.DeviceView:
-        return self._credential(conn, request)[0]
+    def authenticate(self, conn: Connection, authorization: str | None) -> desired_state.DeviceView:
+        """The device holding the credential in this ``Authorization`` header value (401 when none does)."""
+        return self._credential(conn, authorization)[0]
 
-    def decide(self, conn: Connection, request: Request) -> desired_state.Desired:
+    def decide(self, conn: Connection, authorization: str | None) -> desired_state.Desired:
         """The hot path of a large fleet: one read-only query, the cached snapshot, no write."""
-        view, rev = self._credential(conn, request)
+        view, rev = self._credential(conn, authorization)
         out = desired_state.decide(self.snapshots.get(conn, rev), view)
         self.last_seen.note(view.id, view.last_seen_at)
         return out
 
     @staticmethod
-    def _credential(conn: Connection, request: Request) -> tuple[desired_state.DeviceView, int]:
-        """The device holding the request's credential and the registry revision (401 when none does)."""
-        token = bearer_token(request.headers.get("authorization"))
+    def _credential(conn: Connection, authorization: str | None) -> tuple[desired_state.DeviceView, int]:
+        """The device holding the credential and the registry revision (401 when none does)."""
+        token = bearer_token(authorization)
         view, rev = desired_state.lookup_credential(conn, token_hash(token)) if token else (None, 0)
         if view is None:
             raise unauthorized()

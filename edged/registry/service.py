@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -452,8 +453,17 @@ def json_safe(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def facts_changed(dev: DeviceRow, upd: DeviceFactsUpdate) -> bool:
-    return dev.facts != json_safe(upd.facts) or dev.serving != [m.model_dump(mode="json") for m in upd.serving]
+@dataclass(frozen=True)
+class FactsWrite:
+    """What a device says about itself, made JSON-safe; stored with ``last_seen_at`` (report writer)."""
+
+    facts: dict[str, Any]
+    serving: list[Any]
+
+
+def facts_write(upd: DeviceFactsUpdate) -> FactsWrite:
+    """The update as stored: facts made JSON-safe, serving entries as JSON."""
+    return FactsWrite(json_safe(upd.facts), [m.model_dump(mode="json") for m in upd.serving])
 
 
 def refuse_self_labels(upd: DeviceFactsUpdate) -> None:
@@ -461,20 +471,6 @@ def refuse_self_labels(upd: DeviceFactsUpdate) -> None:
         raise RegistryError(f"labels: a device cannot set its own labels ({', '.join(sorted(upd.labels))}); "
                             "operators set them with `edged-registry devices label`", 403,
                             ErrorCode.PERMISSION_DENIED)
-
-
-def update_facts(s: Session, dev: DeviceRow, upd: DeviceFactsUpdate) -> bool:
-    """Store what the device says about itself (after :func:`refuse_self_labels`); writes only what changed."""
-    facts = json_safe(upd.facts)
-    serving = [m.model_dump(mode="json") for m in upd.serving]
-    changed = False
-    if dev.facts != facts:
-        dev.facts, changed = facts, True
-    if dev.serving != serving:
-        dev.serving, changed = serving, True
-    if changed:
-        dev.last_seen_at = time.time()
-    return changed
 
 
 # ---- devices (admin) ----------------------------------------------------------------------------

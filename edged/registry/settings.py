@@ -55,6 +55,11 @@ class RegistrySettings(BaseModel):
     nudge_topic_prefix: str = "edged"
     rollout_tick_s: float = Field(default=2.0, gt=0, description="how often running rollouts are evaluated")
     last_seen_flush_s: float = Field(default=5.0, gt=0, description="how often batched last-seen times are written")
+    shed_loop_lag_s: float = Field(default=0.1, ge=0, description="when the event loop runs this late, device "
+                                   "reports, facts, telemetry and blob requests answer 503 + Retry-After so polls "
+                                   "stay prompt (0: never shed)")
+    shed_retry_after_s: int = Field(default=5, ge=1, le=60, description="the Retry-After of a request shed at "
+                                    "the lowest level; up to 5x that at the highest")
     log_level: str = "info"
     dashboard_poll_s: float = Field(default=5.0, ge=0.5, le=3600,
                                     description="how often an open dashboard page asks for changes")

@@ -62,6 +62,7 @@ class SyncAgent:
         self.client: DeviceClient | None = None
         self.cycles = 0
         self._facts_at = 0.0
+        self._facts_due = True  # changed since the registry last took them (it may answer 503 when busy)
         self._retry: Backoff | None = None
 
     async def start(self) -> None:
@@ -146,8 +147,14 @@ class SyncAgent:
             except StoppedError:
                 break
             except (SyncHttpError, TransferError) as e:
-                delay = retry.next_delay()
-                log.warning("registry not reachable (%s); keeping the current versions, retry in %.1fs", e, delay)
+                busy = e.retry_after_s if isinstance(e, SyncHttpError) else None
+                if busy is not None:  # not a failure: the registry is shedding load and said when to return
+                    delay = busy * random.uniform(1.0, 1.5)
+                    log.info("registry busy (%s); retry in %.1fs", e, delay)
+                else:
+                    delay = retry.next_delay()
+                    log.warning("registry not reachable (%s); keeping the current versions, retry in %.1fs", e,
+                                delay)
             except LocalFaultError as e:  # reported to the registry and kept in the state: one line, no traceback
                 delay = retry.next_delay()
                 log.error("update blocked by a local fault: %s; retry in %.1fs", e, delay)
@@ -215,9 +222,11 @@ class SyncAgent:
                 with contextlib.suppress(Exception):
                     c.report(dm.model, "failed", version=dm.version, release=dm.release,
                              reason=f"internal error: {type(e).__name__}")
-        if changed or time.monotonic() - self._facts_at > self.settings.facts_interval_s:
-            c.send_facts(u.serving())
-            self._facts_at = time.monotonic()
+        if changed:
+            self._facts_due = True
+        due = self._facts_due or time.monotonic() - self._facts_at > self.settings.facts_interval_s
+        if due and c.send_facts(u.serving()):
+            self._facts_at, self._facts_due = time.monotonic(), False
         c.flush()
         if faults:
             raise LocalFaultError("; ".join(str(e) for e in faults))

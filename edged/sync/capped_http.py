@@ -27,9 +27,10 @@ class SyncHttpError(EdgedError):
 
     code = ErrorCode.UNAVAILABLE
 
-    def __init__(self, message: str, status: int = 0) -> None:
+    def __init__(self, message: str, status: int = 0, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after_s = retry_after_s  # a busy registry's 503 said when to come back
 
 
 class TransferError(EdgedError):
@@ -186,7 +187,9 @@ class RegistryHttp:
                 raise TransferError(f"the registry has fewer bytes than the release's {size} (resume at {offset})")
             if resp.status not in (200, 206):
                 body = resp.read(4096)
-                raise SyncHttpError(f"download refused: {resp.status} {body[:200]!r}", resp.status)
+                wait = resp.getheader("Retry-After", "").strip()
+                raise SyncHttpError(f"download refused: {resp.status} {body[:200]!r}", resp.status,
+                                    min(300.0, float(wait)) if resp.status == 503 and wait.isdigit() else None)
             if resp.status == 200:
                 offset = 0  # the server sent the whole file: start over
             else:

@@ -46,6 +46,12 @@ def _error_message(data: bytes) -> str:
         return data[:200].decode("utf-8", "replace")
 
 
+def retry_after_s(headers: dict[str, str]) -> float:
+    """A 503's Retry-After (seconds form, capped at 5 min); without one, the outbox's own retry."""
+    value = headers.get("retry-after", "").strip()
+    return min(300.0, float(value)) if value.isdigit() else FLUSH_RETRY_S
+
+
 class DeviceClient:
     def __init__(self, settings: SyncSettings, http: RegistryHttp, store: StateStore, state: SyncState) -> None:
         self.s, self.http, self.store, self.state = settings, http, store, state
@@ -57,6 +63,7 @@ class DeviceClient:
         self._kick = threading.Event()
         self._stopping = threading.Event()
         self._flusher: threading.Thread | None = None
+        self._busy_until = 0.0  # monotonic: the registry said it is busy (503 + Retry-After) until then
         self.extra_facts: dict[str, Any] = {}  # device profile and hardware facts, for rollout targets
         if settings.labels:
             log.warning("[registry] labels (%s) are not sent: labels are set by operators "
@@ -170,15 +177,21 @@ class DeviceClient:
 
     def _flush(self) -> bool:
         while True:
+            if time.monotonic() < self._busy_until:
+                return False  # the registry asked us to come back later; the outbox keeps everything
             with self.store.lock:
                 batch = list(self.state.outbox[:REPORT_BATCH])
             if not batch:
                 return True
             try:
-                status, _, data = self._authed("POST", f"{API_PREFIX}/device/reports",
+                status, hdrs, data = self._authed("POST", f"{API_PREFIX}/device/reports",
                                                body=ReportBatch(events=batch).model_dump_json().encode())
             except SyncHttpError as e:
                 log.debug("reports not sent: %s", e)
+                return False
+            if status == 503:
+                self._busy_until = time.monotonic() + retry_after_s(hdrs)
+                log.info("registry busy: %d report(s) wait %.0f s", len(batch), self._busy_until - time.monotonic())
                 return False
             if status != 200:
                 log.warning("registry refused reports (%d): %s", status, _error_message(data))
@@ -192,8 +205,13 @@ class DeviceClient:
     def facts(self) -> dict[str, Any]:
         return {**self.extra_facts, "edged_version": __version__, "hostname": socket.gethostname()}
 
-    def send_facts(self, serving: list[ServingModel]) -> None:
+    def send_facts(self, serving: list[ServingModel]) -> bool:
+        """True when the registry took them; a busy registry (503) hears them at a later poll."""
         upd = DeviceFactsUpdate(facts=self.facts(), serving=serving)
         status, _, data = self._authed("PUT", f"{API_PREFIX}/device/facts", body=upd.model_dump_json().encode())
+        if status == 503:
+            log.debug("registry busy: facts sent again at the next poll")
+            return False
         if status != 200:
             log.warning("registry refused facts (%d): %s", status, _error_message(data))
+        return True

@@ -56,6 +56,7 @@ class Updater:
         self.revert_check: Callable[[str, int], str | None] | None = None
         self._unrevertable: set[tuple[str, int]] = set()
         self.quality: dict[str, QualityReport] = {}  # per model: the trial's evaluation-set scores
+        self._download_reported: set[tuple[str, int]] = set()  # "downloading" sent for (model, release)
 
     # ---- helpers ----------------------------------------------------------------------------
     def _ms(self, model: str) -> ModelSync:
@@ -257,8 +258,10 @@ class Updater:
                                detail={"downloaded_bytes": 0, "note": "already in the repository"})
             self._set_step(model, "prepare")
             return True
-        self.client.report(model, "downloading", version=m.version, release=m.release,
-                           detail={"bytes": m.total_size, "files": len(m.files)})
+        if (model, m.release) not in self._download_reported:  # once, not at every resumed attempt
+            self._download_reported.add((model, m.release))
+            self.client.report(model, "downloading", version=m.version, release=m.release,
+                               detail={"bytes": m.total_size, "files": len(m.files)})
         try:
             stats = fetch_release(self.http, self.client.credential(), m, staged,
                                   chunk=self.s.download_chunk_kb * 1024, should_stop=self.stop.is_set)
@@ -584,6 +587,7 @@ class Updater:
 
     def _refuse(self, model: str, release: int, version: int | None, reason: str, *, permanent: bool = False) -> None:
         ms = self._ms(model)
+        self._download_reported.discard((model, release))  # a later attempt is a new download
         with self.store.lock:
             if permanent:
                 ms.rejected[release] = reason

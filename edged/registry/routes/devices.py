@@ -1,7 +1,9 @@
 """What devices call: enroll, poll their desired state, report, send their facts, rotate their credential.
 
 Polls, reports and fact updates run on the event loop: one short read-only query each, then the
-cached snapshot or the report writer's queue (see :mod:`edged.registry.api`).
+cached snapshot or the report writer's queue (see :mod:`edged.registry.api`). Their work is in the
+functions at the end, which :mod:`edged.registry.fastpath` calls too: these routes describe them
+in the OpenAPI schema and serve them when the fast path is off.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import logging
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
+from sqlalchemy import bindparam, select
 
 from edged.protocol.fleet.messages import (
     API_PREFIX,
@@ -26,6 +29,7 @@ from edged.registry.db import DeviceRow
 from edged.registry.deps import AppContext, Bearer, device_of
 
 log = logging.getLogger(__name__)
+_STORED_FACTS = select(DeviceRow.facts, DeviceRow.serving).where(DeviceRow.id == bindparam("id"))
 _BEARER: dict[str, Any] = {"security": [{"HTTPBearer": []}]}
 
 
@@ -44,41 +48,17 @@ def devices_router(ctx: AppContext) -> APIRouter:
                 openapi_extra={**_BEARER, "parameters": [
                     {"name": "If-None-Match", "in": "header", "required": False, "schema": {"type": "string"}}]})
     async def desired(request: Request) -> Response:
-        # Runs on the event loop: one short read-only query, no thread hand-off.
-        with ctx.ro_engine.connect() as conn:
-            d = ctx.decide(conn, request)
-        etag = d.etag()
-        headers = {"ETag": etag, "Cache-Control": "no-cache"}
-        if_none_match = request.headers.get("if-none-match")
-        if if_none_match is not None and etag in [t.strip() for t in if_none_match.split(",")]:
-            return Response(status_code=304, headers=headers)
-        return Response(d.body(), media_type="application/json", headers=headers)
+        status, headers, body = poll(ctx, request.headers.get("authorization"), request.headers.get("if-none-match"))
+        return Response(body, status_code=status, headers=headers,
+                        media_type="application/json" if status == 200 else None)
 
     @router.post(f"{API_PREFIX}/device/reports", response_model=Accepted, openapi_extra=_BEARER)
     async def reports(batch: ReportBatch, request: Request) -> Accepted:
-        with ctx.ro_engine.connect() as conn:
-            view = ctx.authenticate(conn, request)
-        ctx.last_seen.note(view.id, view.last_seen_at)
-        n = await asyncio.wrap_future(ctx.report_writer.submit(view.id, batch.events))
-        return Accepted(accepted=n)
+        return await take_reports(ctx, request.headers.get("authorization"), batch)
 
     @router.put(f"{API_PREFIX}/device/facts", response_model=Accepted, openapi_extra=_BEARER)
     async def facts(upd: DeviceFactsUpdate, request: Request) -> Accepted:
-        # Devices resend their facts periodically; most of the time nothing changed and nothing is written.
-        with ctx.read_sessions() as s:
-            view = ctx.authenticate(s.connection(), request)
-            service.refuse_self_labels(upd)
-            dev = s.get_one(DeviceRow, view.id)
-            if not service.facts_changed(dev, upd):
-                ctx.last_seen.note(dev.id, dev.last_seen_at)
-                return Accepted(accepted=0)
-
-        def write() -> None:
-            with ctx.tx() as s:
-                service.update_facts(s, s.get_one(DeviceRow, view.id), upd)
-
-        await asyncio.to_thread(write)
-        return Accepted(accepted=1)
+        return await take_facts(ctx, request.headers.get("authorization"), upd)
 
     @router.post(f"{API_PREFIX}/device/credential", response_model=EnrollResponse, openapi_extra=_BEARER)
     def rotate_credential(auth: Bearer) -> EnrollResponse:
@@ -89,3 +69,36 @@ def devices_router(ctx: AppContext) -> APIRouter:
         return out
 
     return router
+
+
+# ---- the device calls themselves: served by these routes and by the fast path (edged/registry/fastpath.py) ----
+def poll(ctx: AppContext, authorization: str | None, if_none_match: str | None) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body) of a desired-state poll: one short read-only query on the event loop."""
+    with ctx.ro_engine.connect() as conn:
+        d = ctx.decide(conn, authorization)
+    etag = d.etag()
+    headers = {"ETag": etag, "Cache-Control": "no-cache"}
+    if if_none_match is not None and etag in [t.strip() for t in if_none_match.split(",")]:
+        return 304, headers, b""
+    return 200, headers, d.body()
+
+
+async def take_reports(ctx: AppContext, authorization: str | None, batch: ReportBatch) -> Accepted:
+    with ctx.ro_engine.connect() as conn:
+        view = ctx.authenticate(conn, authorization)
+    ctx.last_seen.note(view.id, view.last_seen_at)
+    return Accepted(accepted=await asyncio.wrap_future(ctx.report_writer.submit(view.id, batch.events)))
+
+
+async def take_facts(ctx: AppContext, authorization: str | None, upd: DeviceFactsUpdate) -> Accepted:
+    # Devices resend their facts periodically; most of the time nothing changed and nothing is written.
+    # A change goes through the report writer's group commit (a download wave changes thousands).
+    service.refuse_self_labels(upd)
+    with ctx.ro_engine.connect() as conn:
+        view = ctx.authenticate(conn, authorization)
+        stored = conn.execute(_STORED_FACTS, {"id": view.id}).one()
+    ctx.last_seen.note(view.id, view.last_seen_at)
+    write = service.facts_write(upd)
+    if stored.facts == write.facts and stored.serving == write.serving:
+        return Accepted(accepted=0)
+    return Accepted(accepted=await asyncio.wrap_future(ctx.report_writer.submit_facts(view.id, write)))

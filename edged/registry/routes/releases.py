@@ -49,7 +49,8 @@ def releases_router(ctx: AppContext) -> APIRouter:
             raise service.invalid("not a lower-case hex sha256")
         if not is_admin(credential(auth), ctx.admin_hash):
             with ctx.ro_engine.connect() as conn:
-                if not desired_state.blob_allowed(conn, ctx.decide(conn, request), sha256, ctx.snapshots):
+                if not desired_state.blob_allowed(conn, ctx.decide(conn, request.headers.get("authorization")), sha256,
+                                                  ctx.snapshots):
                     raise RegistryError("this file is not part of a release for this device", 403,
                                         ErrorCode.NOT_FOUND)
             base = settings.blob_base(request.url.hostname)

@@ -39,8 +39,18 @@ from edged.sync.trial import Sample, judge
 from edged.sync.verify import RefusedError, check_release
 
 REVERT_PREFIX = "the registry asked to return to the last-known-good"
+REPORT_BATCH = 200  # events per report request, as the daemon's outbox sends them
+FLUSH_RETRY_S = 5.0  # the daemon's retry of an unsent outbox when the registry gave no Retry-After
 TRIAL_REQUESTS = 600  # requests a device serves during a trial (enough for the p99 judgement)
 KINDS = ("poll", "report", "facts", "blob", "telemetry", "enroll")
+
+
+class SimBusyError(SimHttpError):
+    """The registry shed the request (503 + Retry-After): not a failure, a time to come back."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__(f"the registry is busy; back in {retry_after_s:g} s")
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)
@@ -111,6 +121,12 @@ def sim_settings(trial_s: float) -> SyncSettings:
                         repository=Path("/nonexistent"), trial_s=trial_s)
 
 
+def retry_after(a: Answer | None) -> float:
+    """The answer's Retry-After in seconds (the daemon's fixed retry when absent or unusable)."""
+    value = a.headers.get("retry-after", "") if a is not None else ""
+    return min(300.0, float(value)) if value.isdigit() else FLUSH_RETRY_S
+
+
 def _bucket(seconds: float) -> int:
     for i, bound in enumerate(LATENCY_BUCKETS_S):
         if seconds <= bound:
@@ -137,9 +153,13 @@ class SimDevice:
         self.desired: DesiredState | None = None
         self.state = SyncState()
         self.facts_at = -1e9
+        self.facts_due = True
         self.run = uuid.uuid4().hex[:16]
         self.telemetry_seq = 0
         self.failures = 0
+        self.outbox: list[dict[str, Any]] = []  # reports not yet taken by the registry (as the daemon's)
+        self._flusher: asyncio.Task[None] | None = None
+        self.download_reported: set[int] = set()
 
     # ---- http -------------------------------------------------------------------------------
     async def call(self, kind: str, method: str, path: str, *, body: Any = None,
@@ -190,6 +210,8 @@ class SimDevice:
                     await self.cycle()
                     self.failures = 0
                     delay = self.ctx.poll_s * self.rng.uniform(0.8, 1.2)
+                except SimBusyError as e:
+                    delay = e.retry_after_s * self.rng.uniform(1.0, 1.5)
                 except SimHttpError:
                     self.failures += 1
                     self.ctx.stats.cycle_failures += 1
@@ -218,10 +240,13 @@ class SimDevice:
             await self.revert(rv)
         for dm in d.models if d is not None else []:
             await self.process(dm)
-        if changed or time.monotonic() - self.facts_at > self.ctx.facts_s:
-            await self.call("facts", "PUT", f"{API_PREFIX}/device/facts", body={
+        if changed:
+            self.facts_due = True
+        if self.facts_due or time.monotonic() - self.facts_at > self.ctx.facts_s:
+            a = await self.call("facts", "PUT", f"{API_PREFIX}/device/facts", body={
                 "facts": self.facts, "serving": self.serving()})
-            self.facts_at = time.monotonic()
+            if a.status == 200:  # a busy registry (503) hears them at the next poll
+                self.facts_at, self.facts_due = time.monotonic(), False
 
     def serving(self) -> list[dict[str, Any]]:
         out = []
@@ -236,13 +261,27 @@ class SimDevice:
 
     async def report(self, model: str, step: str, *, version: int | None, release: int | None,
                      reason: str | None = None, detail: dict[str, Any] | None = None) -> None:
+        """Queue a report; a task sends the outbox (as the daemon's sender thread), so a busy registry
+        delays reports, never the update itself."""
         self.state.seq += 1
-        ev = {"seq": self.state.seq, "model": model, "step": step, "version": version, "release": release,
-              "reason": reason, "detail": detail or {}, "at": time.time()}
+        self.outbox.append({"seq": self.state.seq, "model": model, "step": step, "version": version,
+                            "release": release, "reason": reason, "detail": detail or {}, "at": time.time()})
         self.ctx.stats.steps[f"{release}:{step}"] += 1
-        a = await self.call("report", "POST", f"{API_PREFIX}/device/reports", body={"events": [ev]})
-        if a.status != 200:
-            raise SimHttpError(f"reports refused: {a.status}")
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        while self.outbox:
+            batch = self.outbox[:REPORT_BATCH]
+            try:
+                a = await self.call("report", "POST", f"{API_PREFIX}/device/reports", body={"events": batch})
+            except SimHttpError:
+                a = None
+            if a is not None and a.status == 200:
+                sent = batch[-1]["seq"]
+                self.outbox = [e for e in self.outbox if e["seq"] > sent]
+                continue
+            await asyncio.sleep(retry_after(a) * self.rng.uniform(1.0, 1.5))
 
     # ---- one desired model (as Updater.process) ---------------------------------------------
     async def process(self, dm: DesiredModel) -> None:
@@ -268,6 +307,7 @@ class SimDevice:
 
     async def refuse(self, model: str, ms: ModelSync, release: int, version: int | None, reason: str, *,
                      permanent: bool) -> None:
+        self.download_reported.discard(release)
         if permanent:
             ms.rejected[release] = reason
         else:
@@ -280,14 +320,18 @@ class SimDevice:
         assert p is not None
         beh = self.ctx.behaviour(m.version)
         if p.step == "download":
-            await self.report(model, "downloading", version=m.version, release=m.release,
-                              detail={"bytes": m.total_size, "files": len(m.files)})
-            self.ctx.stats.downloads[m.release] += 1
+            if m.release not in self.download_reported:  # once, not at every attempt (as the daemon)
+                self.download_reported.add(m.release)
+                await self.report(model, "downloading", version=m.version, release=m.release,
+                                  detail={"bytes": m.total_size, "files": len(m.files)})
+                self.ctx.stats.downloads[m.release] += 1
             if self.ctx.download:
                 for f in m.files:
                     a = await self.call("blob", "GET", f"{API_PREFIX}/blobs/{f.sha256}")
                     if a.status in (301, 302, 303, 307, 308):
                         a = await self.follow(a.headers.get("location", ""))
+                    if a.status == 503:  # busy: the daemon's cycle ends and comes back after Retry-After
+                        raise SimBusyError(retry_after(a))
                     if a.status != 200 or len(a.body) != f.size or hashlib.sha256(a.body).hexdigest() != f.sha256:
                         ms.pending = None
                         await self.refuse(model, ms, m.release, m.version,
