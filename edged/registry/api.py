@@ -152,9 +152,11 @@ def create_app(settings: RegistrySettings) -> FastAPI:
     app.add_middleware(DeviceFastPath, ctx=ctx, max_body=MAX_JSON_BYTES)
     if settings.shed_loop_lag_s > 0:  # outermost: a shed request costs no parsing, no authentication
         app.add_middleware(ShedDeviceWrites, signal=load, retry_after_s=settings.shed_retry_after_s,
-                           routes=[("POST", INGEST_PATH, 2.0), ("PUT", f"{API_PREFIX}/device/facts", 1.5),
-                                   ("POST", f"{API_PREFIX}/device/reports", 1.0),
-                                   ("GET", f"{API_PREFIX}/blobs/", 0.5)])
+                           # weights: at the top level (2) telemetry and facts are all shed, reports 90 %,
+                           # blob requests 70 %: some updates always progress, or a wave never ends
+                           routes=[("POST", INGEST_PATH, 2.0), ("PUT", f"{API_PREFIX}/device/facts", 1.0),
+                                   ("POST", f"{API_PREFIX}/device/reports", 0.45),
+                                   ("GET", f"{API_PREFIX}/blobs/", 0.35)])
     app.include_router(telemetry_router(sessions, admin_hash))
     _install_error_handlers(app)
     for router in (health_router, devices_router, releases_router, admin_router, rollouts_router):

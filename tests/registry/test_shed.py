@@ -101,13 +101,18 @@ def test_a_busy_registry_sheds_device_writes_but_answers_polls_and_operators(reg
                   ("POST", INGEST_PATH, telemetry),
                   ("GET", f"{API_PREFIX}/blobs/{info.files[0].sha256}", None)]
         shed_before = registry.signal.shed
+        tries, shed = 40, dict.fromkeys(range(len(writes)), 0)
         with Busy(registry.signal):
-            for method, path, body in writes:
-                r = http.request(method, path, headers={**auth, "Content-Type": "application/json"},
-                                 content=orjson.dumps(body) if body else None)
-                assert r.status_code == 503, (path, r.status_code, r.text)
-                assert r.headers["retry-after"] == "5"  # 1 s at the lowest level, 5x at the top
-                assert r.json()["error"]["code"] == "overloaded"
+            for _ in range(tries):
+                for i, (method, path, body) in enumerate(writes):
+                    r = http.request(method, path, headers={**auth, "Content-Type": "application/json"},
+                                     content=orjson.dumps(body) if body else None)
+                    if r.status_code == 503:
+                        shed[i] += 1
+                        assert r.headers["retry-after"] == "5"  # 1 s at the lowest level, 5x at the top
+                        assert r.json()["error"]["code"] == "overloaded"
+                    else:
+                        assert r.status_code in (200, 307), (path, r.status_code, r.text)
             # the control plane still answers: the device's poll (a full answer, then 304), and operators
             poll = http.get(f"{API_PREFIX}/device/desired-state", headers=auth)
             assert poll.status_code == 200 and [m["model"] for m in poll.json()["models"]] == ["shed-http"]
@@ -115,16 +120,20 @@ def test_a_busy_registry_sheds_device_writes_but_answers_polls_and_operators(reg
                              headers={**auth, "If-None-Match": poll.headers["etag"]})
             assert again.status_code == 304
             assert [m.name for m in registry.client.models()] == ["shed-http"]
-            # the connection a shed request came on stays usable (its body was read and dropped)
+            # the connection shed requests came on stays usable (their bodies were read and dropped)
             assert http.get("/healthz").status_code == 200
-        assert registry.signal.shed - shed_before == len(writes)
-        # nothing was stored while shedding; once the loop keeps up the same writes are taken
-        assert registry.client.device("shed-http-dev", events=10).events == []
+        # at the top level: telemetry and facts always wait; reports and blob requests mostly (90 %, 70 %),
+        # so that some updates still progress in a lasting overload
+        assert (shed[2], shed[1]) == (tries, tries)
+        assert 0.75 * tries <= shed[0] < tries and 0.45 * tries <= shed[3] < tries, shed
+        assert registry.signal.shed - shed_before == sum(shed.values())
+        # the reports that got through were stored once (same sequence number); once the loop keeps up
+        # every write is taken
+        assert [e.step for e in registry.client.device("shed-http-dev", events=10).events] == ["downloading"]
         for method, path, body in writes:
             r = http.request(method, path, headers={**auth, "Content-Type": "application/json"},
-                                 content=orjson.dumps(body) if body else None)
+                             content=orjson.dumps(body) if body else None)
             assert r.status_code in (200, 307), (path, r.status_code, r.text)
-        assert [e.step for e in registry.client.device("shed-http-dev", events=10).events] == ["downloading"]
 
 
 def test_a_device_updating_through_a_busy_spell_loses_nothing_and_reports_no_failure(registry: Registry,

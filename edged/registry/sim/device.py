@@ -160,6 +160,7 @@ class SimDevice:
         self.outbox: list[dict[str, Any]] = []  # reports not yet taken by the registry (as the daemon's)
         self._flusher: asyncio.Task[None] | None = None
         self.download_reported: set[int] = set()
+        self.fetched: set[tuple[int, str]] = set()  # (release, sha256) of files already downloaded and checked
 
     # ---- http -------------------------------------------------------------------------------
     async def call(self, kind: str, method: str, path: str, *, body: Any = None,
@@ -327,6 +328,8 @@ class SimDevice:
                 self.ctx.stats.downloads[m.release] += 1
             if self.ctx.download:
                 for f in m.files:
+                    if (m.release, f.sha256) in self.fetched:  # kept from an earlier attempt (as the daemon's staging)
+                        continue
                     a = await self.call("blob", "GET", f"{API_PREFIX}/blobs/{f.sha256}")
                     if a.status in (301, 302, 303, 307, 308):
                         a = await self.follow(a.headers.get("location", ""))
@@ -337,6 +340,7 @@ class SimDevice:
                         await self.refuse(model, ms, m.release, m.version,
                                           f"download refused: {f.path} answered {a.status}", permanent=False)
                         return
+                    self.fetched.add((m.release, f.sha256))
             await self.report(model, "verifying", version=m.version, release=m.release,
                               detail={"downloaded_bytes": m.total_size})
             p.step = "prepare"
