@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import orjson
 from pydantic import BaseModel, ValidationError
@@ -26,6 +27,7 @@ from edged.registry.service import RegistryError
 
 log = logging.getLogger(__name__)
 
+M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[dict[bytes, bytes], bytes], Awaitable[tuple[int, dict[str, str], bytes]]]
 
 
@@ -112,18 +114,16 @@ class DeviceFastPath:
         return status, out, data
 
     async def _reports(self, headers: dict[bytes, bytes], body: bytes) -> tuple[int, dict[str, str], bytes]:
-        try:
-            batch = ReportBatch.model_validate_json(body)
-        except ValidationError as e:
-            return _invalid(e)
-        return _json(await take_reports(self.ctx, self._header(headers, b"authorization"), batch))
+        return await self._take(headers, body, ReportBatch, take_reports)
 
     async def _facts(self, headers: dict[bytes, bytes], body: bytes) -> tuple[int, dict[str, str], bytes]:
+        return await self._take(headers, body, DeviceFactsUpdate, take_facts)
+
+    async def _take(self, headers: dict[bytes, bytes], body: bytes, model: type[M],
+                    call: Callable[[AppContext, str | None, M], Awaitable[BaseModel]]
+                    ) -> tuple[int, dict[str, str], bytes]:
         try:
-            upd = DeviceFactsUpdate.model_validate_json(body)
+            parsed = model.model_validate_json(body)
         except ValidationError as e:
             return _invalid(e)
-        return _json(await take_facts(self.ctx, self._header(headers, b"authorization"), upd))
-
-
-
+        return _json(await call(self.ctx, self._header(headers, b"authorization"), parsed))

@@ -245,7 +245,7 @@ class SharedRead(Generic[T]):
     (a new snapshot revision) is read at the next request.
     """
 
-    def __init__(self, ttl_s: float, cost_factor: float = 10.0) -> None:
+    def __init__(self, ttl_s: float, cost_factor: float = 100.0) -> None:
         self.ttl_s = ttl_s
         self.cost_factor = cost_factor
         self._lock = threading.Lock()
@@ -271,7 +271,7 @@ class SharedRead(Generic[T]):
 class FleetCache:
     """The fleet's lines (the dashboard's costliest read: every device's line) as a :class:`SharedRead`."""
 
-    def __init__(self, ttl_s: float, cost_factor: float = 10.0) -> None:
+    def __init__(self, ttl_s: float, cost_factor: float = 100.0) -> None:
         self.shared: SharedRead[FleetRows] = SharedRead(ttl_s, cost_factor)
 
     @property
