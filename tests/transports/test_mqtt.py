@@ -807,7 +807,12 @@ def test_qos1_flood_gets_a_reply_for_every_request(tmp_path: Path, transports: C
         print(f"{n} requests at QoS 1 -> {dict(kinds)} (replies at QoS {reply_qos}); counters {dict(t.counters)}")
         assert len(answers) == n, f"{n - len(answers)} requests got no reply: {dict(kinds)}"
         assert set(kinds) <= {"answer", "overloaded"}
-        assert kinds["overloaded"] > 0, "the flood never reached max_pending_replies: the test proves nothing"
+        # With QoS 1 replies the backlog holds every reply until the broker acknowledges it, so a flood always
+        # reaches the limit; with QoS 0 replies it holds only requests being decoded or computed, and on a
+        # machine where digits computes faster than the broker delivers it may not (seen once in CI): there
+        # the test still checks one reply per request and the counters, but cannot insist on refusals.
+        if reply_qos == 1:
+            assert kinds["overloaded"] > 0, "the flood never reached max_pending_replies: the test proves nothing"
         assert t.counters["requests"] == n
         assert t.counters["overloaded"] == kinds["overloaded"]
         assert t.counters["replies_dropped"] == 0
