@@ -67,21 +67,18 @@ class ReportWriter:
 
     def submit(self, device_id: str, events: list[ReportEvent]) -> Future[int]:
         """Queue a device's reports; the future gives how many were new once they are committed."""
-        fut: Future[int] = Future()
-        if self._thread is None:
-            fut.set_exception(RuntimeError("the report writer is not running"))
-            return fut
-        self._q.put(_Item(device_id, events, fut))
-        return fut
+        return self._enqueue(_Item(device_id, events, Future()))
 
     def submit_facts(self, device_id: str, facts: FactsWrite) -> Future[int]:
         """Queue a device's changed facts; the future gives 1 once they are committed."""
-        fut: Future[int] = Future()
+        return self._enqueue(_Item(device_id, [], Future(), facts))
+
+    def _enqueue(self, item: _Item) -> Future[int]:
         if self._thread is None:
-            fut.set_exception(RuntimeError("the report writer is not running"))
-            return fut
-        self._q.put(_Item(device_id, [], fut, facts))
-        return fut
+            item.done.set_exception(RuntimeError("the report writer is not running"))
+        else:
+            self._q.put(item)
+        return item.done
 
     def _loop(self) -> None:
         while True:

@@ -33,6 +33,12 @@ class SyncHttpError(EdgedError):
         self.retry_after_s = retry_after_s  # a busy registry's 503 said when to come back
 
 
+def parse_retry_after(value: str | None) -> float | None:
+    """A 503's Retry-After in seconds (the seconds form, capped at 5 min); None when absent or not seconds."""
+    value = (value or "").strip()
+    return min(300.0, float(value)) if value.isdigit() else None
+
+
 class TransferError(EdgedError):
     """A download's content is not what the release promised (length, digest, range)."""
 
@@ -187,9 +193,8 @@ class RegistryHttp:
                 raise TransferError(f"the registry has fewer bytes than the release's {size} (resume at {offset})")
             if resp.status not in (200, 206):
                 body = resp.read(4096)
-                wait = resp.getheader("Retry-After", "").strip()
                 raise SyncHttpError(f"download refused: {resp.status} {body[:200]!r}", resp.status,
-                                    min(300.0, float(wait)) if resp.status == 503 and wait.isdigit() else None)
+                                    parse_retry_after(resp.getheader("Retry-After")) if resp.status == 503 else None)
             if resp.status == 200:
                 offset = 0  # the server sent the whole file: start over
             else:

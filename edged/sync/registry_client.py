@@ -27,7 +27,7 @@ from edged.protocol.fleet.messages import (
     ReportEvent,
     ServingModel,
 )
-from edged.sync.capped_http import RegistryHttp, SyncHttpError
+from edged.sync.capped_http import RegistryHttp, SyncHttpError, parse_retry_after
 from edged.sync.settings import SyncSettings
 from edged.sync.state import Credential, StateStore, SyncState
 
@@ -47,9 +47,9 @@ def _error_message(data: bytes) -> str:
 
 
 def retry_after_s(headers: dict[str, str]) -> float:
-    """A 503's Retry-After (seconds form, capped at 5 min); without one, the outbox's own retry."""
-    value = headers.get("retry-after", "").strip()
-    return min(300.0, float(value)) if value.isdigit() else FLUSH_RETRY_S
+    """How long a 503 asks the outbox to wait: its Retry-After, else the outbox's own retry."""
+    wait = parse_retry_after(headers.get("retry-after"))
+    return FLUSH_RETRY_S if wait is None else wait
 
 
 class DeviceClient:

@@ -33,14 +33,13 @@ from edged.protocol.fleet.release import ReleaseManifest
 from edged.protocol.fleet.telemetry import INGEST_PATH
 from edged.registry.sim.http_pool import Answer, HttpPool, SimHttpError
 from edged.sync import plan
+from edged.sync.registry_client import FLUSH_RETRY_S, REPORT_BATCH, retry_after_s
 from edged.sync.settings import SyncSettings
 from edged.sync.state import ModelSync, Pending, SyncState, VersionRef
 from edged.sync.trial import Sample, judge
 from edged.sync.verify import RefusedError, check_release
 
 REVERT_PREFIX = "the registry asked to return to the last-known-good"
-REPORT_BATCH = 200  # events per report request, as the daemon's outbox sends them
-FLUSH_RETRY_S = 5.0  # the daemon's retry of an unsent outbox when the registry gave no Retry-After
 TRIAL_REQUESTS = 600  # requests a device serves during a trial (enough for the p99 judgement)
 KINDS = ("poll", "report", "facts", "blob", "telemetry", "enroll")
 
@@ -122,9 +121,8 @@ def sim_settings(trial_s: float) -> SyncSettings:
 
 
 def retry_after(a: Answer | None) -> float:
-    """The answer's Retry-After in seconds (the daemon's fixed retry when absent or unusable)."""
-    value = a.headers.get("retry-after", "") if a is not None else ""
-    return min(300.0, float(value)) if value.isdigit() else FLUSH_RETRY_S
+    """How long the daemon waits after this answer (its Retry-After, else the outbox's own retry)."""
+    return retry_after_s(a.headers) if a is not None else FLUSH_RETRY_S
 
 
 def _bucket(seconds: float) -> int:
