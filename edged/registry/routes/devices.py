@@ -2,8 +2,9 @@
 
 Polls, reports and fact updates run on the event loop: one short read-only query each, then the
 cached snapshot or the report writer's queue (see :mod:`edged.registry.api`). Their work is in the
-functions at the end, which :mod:`edged.registry.fastpath` calls too: these routes describe them
-in the OpenAPI schema and serve them when the fast path is off.
+functions at the end. :mod:`edged.registry.fastpath` sits in front of the application and serves
+these three calls itself with those functions, so their routes here are what the OpenAPI schema
+shows (and would answer only if the fast path were taken out of the middleware stack).
 """
 
 from __future__ import annotations
