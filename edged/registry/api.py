@@ -124,10 +124,10 @@ def create_app(settings: RegistrySettings) -> FastAPI:
         blob_signer=(UrlSigner(signing_key(settings.blobs), settings.blob_url_ttl_s)
                      if settings.blob_listen is not None or settings.blob_url is not None else None),
         nudger=Nudger(settings.nudge_mqtt_url, settings.nudge_topic_prefix) if settings.nudge_mqtt_url else None)
-    evaluator = Evaluator(sessions, settings.rollout_tick_s, on_change=ctx.rollout_changed,
-                          read_sessions=ctx.read_sessions)
-
     load = LoadSignal(max_lag_s=settings.shed_loop_lag_s or float("inf"), backlog=ctx.report_writer.backlog)
+    # While the registry sheds load, running rollouts let no more devices start updating.
+    evaluator = Evaluator(sessions, settings.rollout_tick_s, on_change=ctx.rollout_changed,
+                          read_sessions=ctx.read_sessions, busy=load.busy if settings.shed_loop_lag_s > 0 else None)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -197,6 +197,8 @@ class RolloutRow(Base):
 
     ``cutoffs`` holds, per step reached, the stable-hash rank under which a device is a member
     (percent steps) or null (group steps); it only grows, so no device flips out of a rollout.
+    ``admission``, while a percent step still lets its new members in at ``admit_per_minute``,
+    is the ramp of its cutoff (see :class:`edged.registry.targets.Ramp`); null once all are in.
     """
 
     __tablename__ = "rollouts"
@@ -222,6 +224,8 @@ class RolloutRow(Base):
     created_at: Mapped[float] = mapped_column(Double, default=now)
     updated_at: Mapped[float] = mapped_column(Double, default=now)
     finished_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    admit_per_minute: Mapped[float | None] = mapped_column(Double, nullable=True)
+    admission: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class RegistryMetaRow(Base):

@@ -14,7 +14,9 @@ Per model the device gets: its pinned release, else the highest unrevoked releas
 signed selector matches and which is live for it: a release without a rollout is live for
 everyone it selects; one with a rollout only for the rollout's members (running, paused,
 completed), for the members that already activated it (aborted), or for nobody, its
-members being told to return to their last-known-good instead (halted, rolled back).
+members being told to return to their last-known-good instead (halted, rolled back). A step
+that admits at a pace widens its membership with the clock (:class:`~edged.registry.targets.Ramp`),
+so the snapshot stays valid while devices are let in one after another.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from edged.registry.db import (
     VersionRow,
 )
 from edged.registry.rollout_wire import REVERT_STATES
-from edged.registry.targets import Membership, RolloutTarget, selector_matches
+from edged.registry.targets import Membership, Ramp, RolloutTarget, selector_matches
 
 ACTIVATED_STEPS = frozenset({"active-trial", "committed"})
 
@@ -128,7 +130,7 @@ def load_snapshot(conn: Connection) -> Snapshot:
     ro: Any
     for ro in conn.execute(select(RolloutRow.id, RolloutRow.release_id, RolloutRow.state, RolloutRow.target,
                                   RolloutRow.salt, RolloutRow.steps, RolloutRow.cutoffs, RolloutRow.step,
-                                  RolloutRow.reason).order_by(RolloutRow.id)):
+                                  RolloutRow.reason, RolloutRow.admission).order_by(RolloutRow.id)):
         latest[ro.release_id] = ro  # the newest rollout of a release decides
     rows = conn.execute(
         select(ReleaseRow.id, ReleaseRow.model_id, ModelRow.name, ReleaseRow.number, VersionRow.version,
@@ -141,7 +143,7 @@ def load_snapshot(conn: Connection) -> Snapshot:
         ro = latest.get(r.id)
         if ro is not None:
             member = Membership.of(RolloutTarget.model_validate(ro.target), ro.salt, list(ro.steps),
-                                   list(ro.cutoffs), ro.step)
+                                   list(ro.cutoffs), ro.step, ramp=Ramp.load(ro.admission))
             view = RolloutView(ro.id, ro.state, member, ro.reason or f"rollout {ro.id} {ro.state}")
             if ro.state in ("running", "paused"):
                 snap.active_rollouts += 1

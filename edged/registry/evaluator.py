@@ -4,7 +4,8 @@ Each evaluation locks the rollout's row (PostgreSQL: ``FOR UPDATE SKIP LOCKED``,
 several processes one evaluates while the others skip it; SQLite: the write transaction
 serialises), re-reads it, and decides from the database alone, so any process may do it
 and a restart loses nothing. Times are wall-clock seconds because several processes
-compare them; a step's soak time counts from the moment it had enough committed devices.
+compare them; a step's soak time counts from the moment it had let all its members in
+(see :func:`pace`) and enough of them committed.
 """
 
 from __future__ import annotations
@@ -34,13 +35,44 @@ from edged.registry.gates import (
 from edged.registry.rollout_wire import Gates, StepSpec
 from edged.registry.rollouts import enter_step, recount, rollout_members, step_base
 from edged.registry.service import bump_revision
+from edged.registry.targets import Ramp
 
 log = logging.getLogger(__name__)
 RECOUNT_S = 15.0  # a step short of devices looks for newly enrolled ones this often
+HOLD_MIN_S = 10.0  # admission held for a busy registry stays held at least this long (each change is a revision)
+Busy = Callable[[], str | None]
 
 
-def evaluate(s: Session, ro: RolloutRow, now: float | None = None) -> str | None:
-    """One evaluation of a running rollout; returns what changed ("halted", "step 2", "completed") or None."""
+def pace(s: Session, ro: RolloutRow, t: float, busy: Busy | None) -> bool:
+    """Hold the current step's admission while the registry is behind, let it go on once it is not;
+    returns whether the step has let all its members in."""
+    ramp = Ramp.load(ro.admission)
+    if ramp is None:
+        return True
+    if ramp.done(t):
+        ro.admission = None  # the same members as the ramp's end: no revision needed
+        return True
+    why = busy() if busy is not None else None
+    held_at = (ro.gate_state or {}).get("admission_held_at")
+    if why is not None and ramp.per_s > 0:
+        ro.admission = ramp.held(t).dump()
+        ro.gate_state = {**(ro.gate_state or {}), "admission_held": why, "admission_held_at": t}
+        bump_revision(s)
+        log.info("rollout %d: admission held: %s", ro.id, why)
+    elif why is None and ramp.per_s <= 0 and (held_at is None or t - float(held_at) >= HOLD_MIN_S):
+        ro.admission = ramp.resumed(t).dump()
+        ro.gate_state = {k: v for k, v in (ro.gate_state or {}).items()
+                         if k not in ("admission_held", "admission_held_at")}
+        bump_revision(s)
+        log.info("rollout %d: admission goes on", ro.id)
+    return False
+
+
+def evaluate(s: Session, ro: RolloutRow, now: float | None = None, busy: Busy | None = None) -> str | None:
+    """One evaluation of a running rollout; returns what changed ("halted", "step 2", "completed") or None.
+
+    ``busy``: why the registry should not let more devices start updating now (None: it may).
+    """
     if ro.state != "running":
         return None
     t = time.time() if now is None else now
@@ -64,12 +96,15 @@ def evaluate(s: Session, ro: RolloutRow, now: float | None = None) -> str | None
     bad = crossed(rs)
     if bad:
         ro.state, ro.reason, ro.updated_at, ro.finished_at = "halted", halt_reason(bad), t, t
+        if (ramp := Ramp.load(ro.admission)) is not None:
+            ro.admission = ramp.held(t).dump()
         bump_revision(s)
         log.warning("rollout %d (model %s release %d) halted in step %d: %s", ro.id, model, rel.number,
                     ro.step + 1, ro.reason)
         return "halted"
+    admitted = pace(s, ro, t, busy)
     members = ro.step_members
-    if ro.step_ready_at is None:
+    if ro.step_ready_at is None and admitted:
         base_members, base_committed = step_base(ro)
         # enough of the step's own devices committed (all of them when there are fewer than min_devices)
         required = min(max(1, spec.min_devices), max(0, members - base_members))
@@ -92,7 +127,7 @@ def evaluate(s: Session, ro: RolloutRow, now: float | None = None) -> str | None
 
 
 def tick(sessions: sessionmaker[Session], now: float | None = None, *,
-         read_sessions: sessionmaker[Session] | None = None) -> dict[int, str]:
+         read_sessions: sessionmaker[Session] | None = None, busy: Busy | None = None) -> dict[int, str]:
     """Evaluate every running rollout once, each in its own transaction."""
     with (read_sessions or sessions)() as s:
         ids = list(s.scalars(select(RolloutRow.id).where(RolloutRow.state == "running")))
@@ -103,7 +138,7 @@ def tick(sessions: sessionmaker[Session], now: float | None = None, *,
                           .with_for_update(skip_locked=True))
             if ro is None:
                 continue  # finished meanwhile, or another process is evaluating it
-            what = evaluate(s, ro, now)
+            what = evaluate(s, ro, now, busy)
             if what is not None:
                 out[rid] = what
     return out
@@ -114,9 +149,9 @@ class Evaluator:
 
     def __init__(self, sessions: sessionmaker[Session], interval_s: float,
                  on_change: Callable[[dict[int, str]], None] | None = None,
-                 read_sessions: sessionmaker[Session] | None = None) -> None:
+                 read_sessions: sessionmaker[Session] | None = None, busy: Busy | None = None) -> None:
         self.sessions, self.interval_s, self.on_change = sessions, interval_s, on_change
-        self.read_sessions = read_sessions
+        self.read_sessions, self.busy = read_sessions, busy
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.ticks = 0
@@ -133,7 +168,7 @@ class Evaluator:
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                changed = tick(self.sessions, read_sessions=self.read_sessions)
+                changed = tick(self.sessions, read_sessions=self.read_sessions, busy=self.busy)
                 self.ticks += 1
                 if changed and self.on_change is not None:
                     self.on_change(changed)

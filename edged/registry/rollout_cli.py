@@ -105,6 +105,9 @@ def add_parser(sub: Any, client_args: Callable[[argparse.ArgumentParser], None],
     p.add_argument("--min-quality", type=_rate, default=None, help="evaluation set: the lowest mean score allowed")
     p.add_argument("--salt", default=None, help="stable-hash salt (default: the model name)")
     p.add_argument("--baseline-version", type=int, default=None)
+    p.add_argument("--admit-per-minute", type=float, default=None, metavar="N",
+                   help="let each percent step's new devices in at most N a minute (0: all at once; default: the "
+                        "registry's rollout_admit_per_minute)")
     p.add_argument("--notes", default="")
     p.add_argument("--expires", type=duration, default=duration("90d"), help="release validity (default 90d)")
     p.add_argument("--label", type=label, action="append", default=[], help="signed selector, as for release")
@@ -164,7 +167,7 @@ def build_spec(args: argparse.Namespace, duration: Callable[[str], float]) -> Ro
     # Without --release the client signs a new release and puts it in ``signed`` (release 0 is a placeholder).
     return RolloutCreate(model=args.model, release=args.release if args.release is not None else 0, target=target,
                          steps=steps, gates=gates, salt=args.salt, baseline_version=args.baseline_version,
-                         notes=args.notes)
+                         notes=args.notes, admit_per_minute=args.admit_per_minute)
 
 
 # ---- display --------------------------------------------------------------------------------------
@@ -186,6 +189,8 @@ def format_status(st: RolloutStatus) -> str:
             status = f"paused, {st.soak_left_s:.0f}s of soak left"
         elif sp.status == "current" and st.soak_left_s is not None:
             status = f"soaking, {st.soak_left_s:.0f}s left"
+        elif sp.status == "current" and r.admission is not None:
+            status = _admitting(st)
         elif sp.status == "current" and r.state == "running":
             status = "updating"
         elif sp.status == "current":
@@ -201,9 +206,22 @@ def format_status(st: RolloutStatus) -> str:
         value = "-" if g.value is None else f"{g.value:.3g}"
         limit = "-" if g.limit is None else f"{g.limit:.3g}"
         lines.append(f"gate {g.gate}: {value} (limit {limit}) {mark}: {g.detail}")
+    if r.admission is not None and r.admission.reason:
+        lines.append(f"admission held: {r.admission.reason}")
     if st.members:
         lines.append(format_members(st))
     return "\n".join(lines)
+
+
+def _admitting(st: RolloutStatus) -> str:
+    """A step still letting its devices in: how many wait, at what pace, until when."""
+    a, r = st.rollout.admission, st.rollout
+    assert a is not None
+    if a.held:
+        return f"admission held, {st.not_admitted} waiting"
+    pace = f" at {r.admit_per_minute:g}/min" if r.admit_per_minute else ""
+    until = f", all in {max(0.0, a.done_at - time.time()):.0f}s" if a.done_at is not None else ""
+    return f"admitting{pace}, {st.not_admitted} waiting{until}"
 
 
 def format_members(st: RolloutStatus) -> str:

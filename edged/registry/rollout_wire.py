@@ -101,6 +101,11 @@ class RolloutCreate(_Wire):
     baseline_version: int | None = Field(default=None, description="the version telemetry gates compare against "
                                                                    "(default: the release the fleet runs now)")
     notes: str = Field(default="", max_length=4096)
+    admit_per_minute: float | None = Field(
+        default=None, ge=0, le=10_000_000,
+        description="a percent step lets its new members in at most this many a minute, in rank order "
+                    "(0: all at once; default: the registry's rollout_admit_per_minute); a step's soak "
+                    "starts once all its members are in")
 
     @model_validator(mode="after")
     def _check(self) -> RolloutCreate:
@@ -117,6 +122,16 @@ class RolloutCreate(_Wire):
 
 class RolloutAction(_Wire):
     reason: str = Field(default="", max_length=1000)
+
+
+class Admission(_Wire):
+    """A percent step still letting its new members in (rank order, at the rollout's pace)."""
+
+    cutoff: float = Field(description="rank under which devices are in now")
+    to: float = Field(description="the step's own cutoff")
+    held: bool = Field(description="nobody new is let in now (paused rollout, or the registry is shedding load)")
+    done_at: float | None = Field(description="when the last member will be in at the current pace")
+    reason: str | None = Field(default=None, description="why admission is held")
 
 
 class RolloutInfo(_Wire):
@@ -139,6 +154,8 @@ class RolloutInfo(_Wire):
     updated_at: float
     finished_at: float | None
     notes: str = ""
+    admit_per_minute: float | None = Field(default=None, description="the pace of percent steps (None: at once)")
+    admission: Admission | None = Field(default=None, description="the current step's admission, while it lasts")
 
 
 class StepProgress(_Wire):
@@ -181,6 +198,7 @@ class RolloutStatus(_Wire):
     steps: list[StepProgress]
     gates: list[GateReading]
     soak_left_s: float | None
+    not_admitted: int = Field(default=0, description="devices of the current step its ramp has not let in yet")
     members: list[MemberProgress] = Field(default_factory=list, description="per member, when asked for")
 
 

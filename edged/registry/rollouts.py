@@ -34,6 +34,7 @@ from edged.registry.rollout_wire import (
     ACTIVE_STATES,
     PROGRESS,
     STEP_PROGRESS,
+    Admission,
     Gates,
     MemberProgress,
     RolloutCreate,
@@ -43,7 +44,7 @@ from edged.registry.rollout_wire import (
     StepSpec,
 )
 from edged.registry.service import bump_revision, conflict, create_release, get_model, invalid, not_found
-from edged.registry.targets import Membership, RolloutTarget, percent_cutoff, rank, selector_matches
+from edged.registry.targets import Membership, Ramp, RolloutTarget, percent_cutoff, rank, selector_matches
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -74,9 +75,13 @@ def targeted(s: Session, ro: RolloutRow, selector: TargetSelector) -> list[Candi
     return out
 
 
-def membership(ro: RolloutRow, step: int | None = None) -> Membership:
-    return Membership.of(RolloutTarget.model_validate(ro.target), ro.salt, list(ro.steps), list(ro.cutoffs),
-                         ro.step if step is None else step)
+def membership(ro: RolloutRow, step: int | None = None, *, admitted: bool = True) -> Membership:
+    """Members up to ``step`` (default: the current one); ``admitted=False``: the whole current step, also
+    the devices its ramp has not let in yet."""
+    k = ro.step if step is None else step
+    ramp = Ramp.load(ro.admission) if admitted and k == ro.step else None
+    return Membership.of(RolloutTarget.model_validate(ro.target), ro.salt, list(ro.steps), list(ro.cutoffs), k,
+                         ramp=ramp)
 
 
 def rollout_members(ro: RolloutRow, selector: TargetSelector) -> Callable[[str, dict[str, Any], dict[str, Any]], bool]:
@@ -86,9 +91,13 @@ def rollout_members(ro: RolloutRow, selector: TargetSelector) -> Callable[[str, 
                                           and members.member(device, labels, facts))
 
 
+ADMIT_FIRST_S = 2.0  # a paced step lets in this many seconds' worth of devices at once
+
+
 def enter_step(s: Session, ro: RolloutRow, k: int, now: float, selector: TargetSelector, *,
                committed: int, devices: list[Candidate] | None = None) -> None:
-    """Start step ``k``: fix its rank cutoff (percent steps) and count the members so far.
+    """Start step ``k``: fix its rank cutoff (percent steps), count the members so far, and with
+    ``admit_per_minute`` set, ramp the cutoff up from the previous step's instead of jumping to it.
 
     ``committed``: devices that committed the release before this step; the step is ready
     when enough of its own devices committed on top of them.
@@ -107,19 +116,44 @@ def enter_step(s: Session, ro: RolloutRow, k: int, now: float, selector: TargetS
         cutoffs.append(None)
     ro.cutoffs = cutoffs
     ro.step = k
+    ro.admission = None
     members = membership(ro, k)
     ro.step_members = sum(1 for d in devices if members.member(d.id, d.labels, d.facts))
+    if spec.percent is not None and ro.admit_per_minute and devices:
+        ro.admission = _ramp(ro, cutoffs, devices, now)
     ro.step_started_at = now
     ro.step_ready_at = None
     ro.updated_at = now
 
 
+def _ramp(ro: RolloutRow, cutoffs: list[Any], devices: list[Candidate], now: float) -> dict[str, float] | None:
+    """The ramp of a percent step's cutoff, or None when its new members are few enough to let in at once.
+
+    Ranks are evenly spread, so ``admit_per_minute`` devices a minute is that share of the targeted
+    devices' rank range a minute; a step admits its first ``ADMIT_FIRST_S`` seconds' worth at once.
+    """
+    assert ro.admit_per_minute is not None
+    to = float(cutoffs[-1])
+    start = max([float(c) for c in cutoffs[:-1] if c is not None], default=-1.0)
+    fresh = sum(1 for d in devices if start < rank(ro.salt, d.id) <= to)
+    if fresh <= ro.admit_per_minute / 60.0 * ADMIT_FIRST_S:
+        return None
+    rate_s = ro.admit_per_minute / 60.0 / len(devices)
+    begin = max(start, 0.0)
+    ramp = Ramp(begin, now - ADMIT_FIRST_S, rate_s, rate_s, to)
+    return (ramp.held(now) if ro.state == "paused" else ramp).dump()
+
+
 def recount(s: Session, ro: RolloutRow, selector: TargetSelector) -> None:
     """A step short of devices (a small or growing fleet): place devices that enrolled since it began."""
-    started, ready, base = ro.step_started_at, ro.step_ready_at, step_base(ro)
+    started, ready, base, admission = ro.step_started_at, ro.step_ready_at, step_base(ro), ro.admission
     enter_step(s, ro, ro.step, ro.step_started_at, selector, committed=base[1])
     ro.gate_state = {**ro.gate_state, "step_base": {"members": base[0], "committed": base[1]}}
     ro.step_started_at, ro.step_ready_at = started, ready
+    if admission is None or ro.admission is None:
+        ro.admission = None
+    else:  # keep admitting from where it was, up to the (possibly moved) cutoff
+        ro.admission = {**admission, "to": ro.admission["to"]}
 
 
 def step_base(ro: RolloutRow) -> tuple[int, int]:
@@ -165,7 +199,9 @@ def _require_evaluation(v: VersionRow, model: str) -> None:
                       "gates (max_quality_drop, min_quality) could never be judged")
 
 
-def create_rollout(s: Session, req: RolloutCreate, public_keys: list[str]) -> RolloutInfo:
+def create_rollout(s: Session, req: RolloutCreate, public_keys: list[str], *,
+                   admit_per_minute: float = 0.0) -> RolloutInfo:
+    """``admit_per_minute``: the registry's default pace for a rollout that names none (0: at once)."""
     m = get_model(s, req.model)
     active = s.scalar(select(RolloutRow).where(RolloutRow.model_id == m.id, RolloutRow.state.in_(ACTIVE_STATES)))
     if active is not None:
@@ -190,7 +226,9 @@ def create_rollout(s: Session, req: RolloutCreate, public_keys: list[str]) -> Ro
                     steps=[st.model_dump(mode="json") for st in req.steps], gates=req.gates.model_dump(mode="json"),
                     salt=req.salt or req.model, step=0, cutoffs=[], step_members=0, step_started_at=now,
                     baseline_version=baseline, gate_state={"watermark": telemetry_watermark(s)}, notes=req.notes,
-                    created_at=now, updated_at=now)
+                    created_at=now, updated_at=now,
+                    admit_per_minute=(req.admit_per_minute if req.admit_per_minute is not None
+                                      else admit_per_minute) or None)
     enter_step(s, ro, 0, now, TargetSelector.model_validate(rel.selector),
                committed=release_counts(s, m.id, number).committed)
     s.add(ro)
@@ -218,7 +256,20 @@ def rollout_info(s: Session, ro: RolloutRow) -> RolloutInfo:
                        target=RolloutTarget.model_validate(ro.target), gates=Gates.model_validate(ro.gates),
                        salt=ro.salt, baseline_version=ro.baseline_version, reason=ro.reason,
                        members=ro.step_members, step_started_at=ro.step_started_at, step_ready_at=ro.step_ready_at,
-                       created_at=ro.created_at, updated_at=ro.updated_at, finished_at=ro.finished_at, notes=ro.notes)
+                       created_at=ro.created_at, updated_at=ro.updated_at, finished_at=ro.finished_at, notes=ro.notes,
+                       admit_per_minute=ro.admit_per_minute, admission=admission_info(ro))
+
+
+def admission_info(ro: RolloutRow, now: float | None = None) -> Admission | None:
+    """Where the current step's ramp stands, while it still has devices to let in."""
+    ramp = Ramp.load(ro.admission)
+    t = time.time() if now is None else now
+    if ramp is None or ramp.done(t):
+        return None
+    held = ramp.per_s <= 0
+    why = str((ro.gate_state or {}).get("admission_held") or "") if held and ro.state == "running" else ""
+    return Admission(cutoff=ramp.cutoff(t), to=ramp.to, held=held, done_at=ramp.finish_at(t),
+                     reason=why or (f"rollout {ro.state}" if held else None))
 
 
 def list_rollouts(s: Session, model: str | None = None, state: str | None = None) -> list[RolloutInfo]:
@@ -271,11 +322,15 @@ def rollout_status(s: Session, rollout_id: int, *, with_members: bool = False) -
     waiting = "pending" if ro.state in ACTIVE_STATES else "not_started"
     last = min(ro.step, len(ro.steps) - 1)
     members = [membership(ro, k) for k in range(last + 1)]
+    whole_step = membership(ro, admitted=False) if ro.admission is not None else None
+    not_admitted = 0
     per_step = [dict.fromkeys(PROGRESS, 0) for _ in ro.steps]
     listed: list[MemberProgress] = []
     for d in devices:
         joined = next((k for k, mem in enumerate(members) if mem.member(d.id, d.labels, d.facts)), None)
         if joined is None:
+            if whole_step is not None and whole_step.member(d.id, d.labels, d.facts):
+                not_admitted += 1
             continue
         ev = reports.get(d.id)
         where = STEP_PROGRESS.get(ev.step, waiting) if ev is not None else waiting
@@ -300,7 +355,7 @@ def rollout_status(s: Session, rollout_id: int, *, with_members: bool = False) -
         clock = float((ro.gate_state or {}).get("paused_at") or time.time()) if ro.state == "paused" else time.time()
         soak_left = max(0.0, info.steps[ro.step].soak_s - (clock - ro.step_ready_at))
     return RolloutStatus(rollout=info, targeted=len(devices), totals=totals, steps=steps, gates=gate_readings,
-                         soak_left_s=soak_left, members=listed)
+                         soak_left_s=soak_left, not_admitted=not_admitted, members=listed)
 
 
 # ---- the operator's controls ----------------------------------------------------------------------
@@ -336,6 +391,9 @@ def act(s: Session, rollout_id: int, action: str, reason: str = "") -> RolloutIn
         ro.finished_at = None
     # A paused rollout's soak clock stands still: resuming moves the moment the step became ready
     # forward by the pause (a paused rollout is not evaluated, so it cannot have become ready meanwhile).
+    ramp = Ramp.load(ro.admission)
+    if ramp is not None:  # a paused or stopped rollout lets nobody else in; resuming goes on from there
+        ro.admission = (ramp.resumed(now) if action == "resume" else ramp.held(now)).dump()
     paused_at = (ro.gate_state or {}).get("paused_at")
     if action == "pause":
         ro.gate_state = {**(ro.gate_state or {}), "paused_at": now}

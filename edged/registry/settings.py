@@ -54,6 +54,9 @@ class RegistrySettings(BaseModel):
     nudge_mqtt_url: str | None = Field(default=None, description="publish a nudge here when a release is made")
     nudge_topic_prefix: str = "edged"
     rollout_tick_s: float = Field(default=2.0, gt=0, description="how often running rollouts are evaluated")
+    rollout_admit_per_minute: float = Field(
+        default=1000.0, ge=0, description="a rollout's percent steps let in at most this many new devices a minute "
+        "unless the rollout names its own pace (0: all at once); admission also waits while the registry sheds load")
     last_seen_flush_s: float = Field(default=5.0, gt=0, description="how often batched last-seen times are written")
     shed_loop_lag_s: float = Field(default=0.1, ge=0, description="when the event loop runs this late, device "
                                    "reports, facts, telemetry and blob requests answer 503 + Retry-After so polls "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 from collections.abc import Callable
 
 import orjson
@@ -32,6 +33,7 @@ TICK_S = 0.05
 LEVEL_MAX = 2.0
 STEP_UP = 0.25  # per late tick
 STEP_DOWN = 0.05  # per timely tick: from the top back to nothing in 2 s of a loop that keeps up
+HOLD_LEVEL = 1.0  # rollouts let no new devices in while shedding at least this much
 
 
 class LoadSignal:
@@ -52,6 +54,8 @@ class LoadSignal:
         self.lag_s = 0.0
         self.level = 0.0
         self.shed = 0
+        self.late_at = float("-inf")  # monotonic time of the last late tick
+        self.late_s = 0.0  # and how late it was
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -75,8 +79,22 @@ class LoadSignal:
         self.lag_s = lag_s
         if lag_s > self.max_lag_s:
             self.level = min(LEVEL_MAX, self.level + STEP_UP)
+            self.late_at, self.late_s = time.monotonic(), lag_s
         else:
             self.level = max(0.0, self.level - STEP_DOWN)
+
+    def busy(self, level: float = HOLD_LEVEL) -> str | None:
+        """Why new work should wait (the registry sheds at least at ``level``, i.e. its loop has been late
+        again and again, or its report writer is backed up), or None. A late tick now and then, which a
+        large fleet's steady state has, is no reason. Called from other threads (the rollout evaluator):
+        reads plain attributes only."""
+        if self._backlogged():
+            return f"the registry is behind (over {self.max_backlog} report writes queued)"
+        if self.level >= level:
+            ago = time.monotonic() - self.late_at
+            return (f"the registry is behind (shedding at level {self.level:.2f} of {LEVEL_MAX:g}; its event loop "
+                    f"ran {self.late_s:.2f} s late {ago:.0f} s ago)")
+        return None
 
     def behind(self) -> bool:
         return self.level > 0 or self._backlogged()

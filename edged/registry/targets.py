@@ -7,13 +7,20 @@ globs (``Orin Nano*``). Step membership comes from a stable hash of the rollout'
 the device id: a device's rank in [0, 1) never changes, a percent step admits every
 device ranked at or below its cutoff, and cutoffs only grow, so a device never flips out
 of a rollout it joined, and a device that enrolls later is placed the same way.
+
+A percent step may let its new members in at a rate (:class:`Ramp`): its cutoff then rises
+from the previous step's to its own over time, in rank order, so a step of 5,000 devices
+becomes a stream of downloads instead of one wave; the ramp is a function of the clock, so
+every registry process admits the same devices without writing anything per device.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -109,27 +116,78 @@ def percent_cutoff(ranks: list[float], percent: float, min_devices: int) -> floa
     return sorted(ranks)[want - 1]
 
 
+@dataclass(frozen=True)
+class Ramp:
+    """A percent step's cutoff rising from ``start`` at wall-clock time ``at`` by ``per_s`` rank a second,
+    up to ``to`` (the step's own cutoff). ``per_s`` is 0 while admission is held (paused rollout, busy
+    registry); ``rate_s`` is the rank a second to go back to. Wall-clock, as processes compare it."""
+
+    start: float
+    at: float
+    per_s: float
+    rate_s: float
+    to: float
+
+    @classmethod
+    def load(cls, data: Mapping[str, Any] | None) -> Ramp | None:
+        if not data:
+            return None
+        return cls(float(data["start"]), float(data["at"]), float(data["per_s"]), float(data["rate_s"]),
+                   float(data["to"]))
+
+    def dump(self) -> dict[str, float]:
+        return {"start": self.start, "at": self.at, "per_s": self.per_s, "rate_s": self.rate_s, "to": self.to}
+
+    def cutoff(self, now: float) -> float:
+        return min(self.to, self.start + self.per_s * max(0.0, now - self.at))
+
+    def done(self, now: float) -> bool:
+        return self.cutoff(now) >= self.to
+
+    def held(self, now: float) -> Ramp:
+        """Admission stands still from ``now`` (those already in stay in)."""
+        return Ramp(self.cutoff(now), now, 0.0, self.rate_s, self.to)
+
+    def resumed(self, now: float) -> Ramp:
+        return Ramp(self.cutoff(now), now, self.rate_s, self.rate_s, self.to)
+
+    def finish_at(self, now: float) -> float | None:
+        """When the last member will be in at the current pace (None while held)."""
+        if self.per_s <= 0:
+            return None
+        return now + max(0.0, self.to - self.cutoff(now)) / self.per_s
+
+
 class Membership:
-    """Who is in a rollout up to its current step: the target, then a rank cutoff or a group."""
+    """Who is in a rollout up to its current step: the target, then a rank cutoff (rising along a
+    ramp while a step admits at a rate) or a group."""
 
-    __slots__ = ("cutoff", "groups", "salt", "target")
+    __slots__ = ("cutoff", "groups", "ramp", "salt", "target")
 
-    def __init__(self, target: RolloutTarget, salt: str, cutoff: float, groups: tuple[RolloutTarget, ...]) -> None:
-        self.target, self.salt, self.cutoff, self.groups = target, salt, cutoff, groups
+    def __init__(self, target: RolloutTarget, salt: str, cutoff: float, groups: tuple[RolloutTarget, ...],
+                 ramp: Ramp | None = None) -> None:
+        self.target, self.salt, self.cutoff, self.groups, self.ramp = target, salt, cutoff, groups, ramp
 
     @classmethod
     def of(cls, target: RolloutTarget, salt: str, steps: list[dict[str, Any]], cutoffs: list[Any],
-           step: int) -> Membership:
-        """``steps`` and ``cutoffs`` as stored; steps up to and including ``step`` count."""
+           step: int, *, ramp: Ramp | None = None) -> Membership:
+        """``steps`` and ``cutoffs`` as stored; steps up to and including ``step`` count, the last one
+        only up to ``ramp`` when it is still admitting."""
         cut = -1.0
         groups: list[RolloutTarget] = []
-        for i in range(min(step + 1, len(steps))):
+        last = min(step + 1, len(steps))
+        for i in range(last):
             spec = steps[i]
             if spec.get("group") is not None:
                 groups.append(RolloutTarget.model_validate(spec["group"]))
-            elif i < len(cutoffs) and cutoffs[i] is not None:
+            elif i < len(cutoffs) and cutoffs[i] is not None and not (ramp is not None and i == last - 1):
                 cut = max(cut, float(cutoffs[i]))
-        return cls(target, salt, cut, tuple(groups))
+        return cls(target, salt, cut, tuple(groups), ramp)
+
+    def current_cutoff(self, now: float | None = None) -> float:
+        if self.ramp is None:
+            return self.cutoff
+        return max(self.cutoff, self.ramp.cutoff(time.time() if now is None else now))
 
     def targeted(self, device_id: str, labels: Mapping[str, Any], facts: Mapping[str, Any]) -> bool:
         return self.target.matches(device_id, labels, facts)
@@ -137,6 +195,7 @@ class Membership:
     def member(self, device_id: str, labels: Mapping[str, Any], facts: Mapping[str, Any]) -> bool:
         if not self.target.matches(device_id, labels, facts):
             return False
-        if self.cutoff >= 0 and rank(self.salt, device_id) <= self.cutoff:
+        cut = self.cutoff if self.ramp is None else self.current_cutoff()
+        if cut >= 0 and rank(self.salt, device_id) <= cut:
             return True
         return any(g.matches(device_id, labels, facts) for g in self.groups)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 
 from edged.registry.rollout_wire import Gates, RolloutCreate, StepSpec
-from edged.registry.targets import Membership, RolloutTarget, percent_cutoff, rank
+from edged.registry.targets import Membership, Ramp, RolloutTarget, percent_cutoff, rank
 from tests.registry.conftest import Env, registry_env
 from tests.registry_helpers import make_version, write_evaluation_set
 from tests.rollout_helpers import ApiDevice
@@ -71,6 +72,33 @@ def test_rollout_request_validation() -> None:
         StepSpec()
 
 
+def test_a_ramp_admits_in_rank_order_at_its_pace_and_holds() -> None:
+    ids = [f"dev-{i}" for i in range(2000)]
+    steps: list[dict[str, Any]] = [{"percent": 10}, {"percent": 100}]
+    cutoffs = [percent_cutoff([rank("m", d) for d in ids], 10, 1), 1.0]
+    # 600 devices a minute out of 2,000 targeted: 0.005 of the rank range a second, from the 10 % step's cutoff
+    ramp = Ramp(cutoffs[0], 1000.0, 600 / 60 / len(ids), 600 / 60 / len(ids), 1.0)
+    before = Membership.of(RolloutTarget(), "m", steps, cutoffs, 0)
+    counts = []
+    for t in (1000.0, 1030.0, 1060.0, 1120.0, 2000.0):
+        m = Membership.of(RolloutTarget(), "m", steps, cutoffs, 1, ramp=ramp)
+        cut = m.current_cutoff(t)
+        members = {d for d in ids if rank("m", d) <= cut}
+        assert {d for d in ids if before.member(d, {}, {})} <= members  # nobody of an earlier step waits
+        counts.append(len(members))
+    assert counts[0] == pytest.approx(200, abs=1) and counts[-1] == 2000
+    assert counts[1] - counts[0] == pytest.approx(300, rel=0.2)  # 30 s at 10 a second (ranks are even)
+    assert counts[2] - counts[1] == pytest.approx(300, rel=0.2)
+    finish = ramp.finish_at(1000.0)
+    assert finish == pytest.approx(1000.0 + 1800 / 10, rel=0.02)  # 1,800 devices at 10 a second
+    assert ramp.done(finish) and not ramp.done(finish - 5)
+    held = ramp.held(1030.0)  # held: the cutoff stands still, and goes on from there when resumed
+    assert held.cutoff(1500.0) == pytest.approx(ramp.cutoff(1030.0)) and held.finish_at(1500.0) is None
+    resumed = held.resumed(1500.0)
+    assert resumed.cutoff(1530.0) == pytest.approx(ramp.cutoff(1060.0))
+    assert Ramp.load(resumed.dump()) == resumed and Ramp.load(None) is None
+
+
 # ---- a registry with devices ----------------------------------------------------------------------
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
 def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
@@ -86,12 +114,12 @@ class Fleet:
     r1: int
 
     def rollout(self, version: int, steps: list[StepSpec], gates: Gates | None = None,
-                target: RolloutTarget | None = None) -> Any:
+                target: RolloutTarget | None = None, admit_per_minute: float | None = None) -> Any:
         # the server is shared by the tests: a rollout targets this fleet's devices only
         mine = RolloutTarget(labels={"fleet": self.model})
         target = mine if target is None else target.model_copy(update={"labels": {**target.labels, **mine.labels}})
         spec = RolloutCreate(model=self.model, release=0, steps=steps, gates=gates or Gates(min_reporting=1),
-                             target=target)
+                             target=target, admit_per_minute=admit_per_minute)
         return self.client.release_with_rollout(self.env.keys.load(), self.model, version, spec, expires_in_s=3600)
 
     def evaluate(self) -> dict[str, str]:
@@ -241,6 +269,51 @@ def test_operator_pause_resume_abort_and_rollback(env: Env) -> None:
     # trial with release 2 (it stops that trial now rather than commit it before taking release 3)
     assert f.devices[started].reverts(m) == [ro.release]
     assert all(dev.reverts(m) == [] for d, dev in f.devices.items() if d != started)
+    f.client.close()
+
+
+def test_a_paced_step_lets_its_devices_in_over_time_and_is_ready_only_when_all_are_in(env: Env) -> None:
+    f = make_fleet(env, plain(40), versions=3)
+    m = f.model
+    # one device a second: two at once, the other 38 over 38 s
+    ro = f.rollout(2, [StepSpec(percent=100)], admit_per_minute=60)
+    assert ro.admit_per_minute == 60 and ro.admission is not None and not ro.admission.held
+    deadline = time.monotonic() + 20
+    while not f.on(ro.release) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    st = f.client.rollout(ro.id)
+    assert sum(st.totals.values()) + st.not_admitted == 40 and st.not_admitted > 20
+    now_on = f.releases()
+    admitted = {d for d, r in now_on.items() if r == ro.release}
+    assert 0 < len(admitted) < 40 and set(now_on.values()) == {ro.release, f.r1}
+    sha = f.blob(2)  # a device not let in yet may not fetch the new files
+    codes = {d: f.devices[d].blob(sha) for d in set(f.devices) - admitted}
+    assert 403 in codes.values() and {d for d, c in codes.items() if c != 403} <= f.on(ro.release)
+    for d in admitted:
+        f.devices[d].report(m, "committed", ro.release, 2)
+    assert f.evaluate() == {}  # every member so far committed, but the step is still letting devices in
+    out = env.server.cli("rollout", "status", str(ro.id)).stdout
+    assert "admitting at 60/min" in out and "waiting" in out
+    # pausing holds admission: nobody else is let in until it resumes
+    assert f.client.rollout_action(ro.id, "pause").state == "paused"
+    held = f.client.rollout(ro.id)
+    assert held.rollout.admission is not None and held.rollout.admission.held
+    assert held.rollout.admission.reason == "rollout paused"
+    frozen = f.on(ro.release)
+    time.sleep(2.5)
+    assert f.on(ro.release) == frozen
+    assert f.client.rollout_action(ro.id, "abort").state == "aborted"
+    # a rollout at its own, faster pace: everyone in within seconds, then ready and complete
+    ro3 = f.rollout(3, [StepSpec(percent=100)], admit_per_minute=600)
+    assert ro3.admission is not None and len(f.on(ro3.release)) < 40
+    deadline = time.monotonic() + 30
+    while len(f.on(ro3.release)) < 40 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert f.on(ro3.release) == set(f.devices)
+    for dev in f.devices.values():
+        dev.report(m, "committed", ro3.release, 3)
+    assert f.evaluate() == {str(ro3.id): "completed"}
+    assert f.client.rollout(ro3.id).rollout.admission is None
     f.client.close()
 
 

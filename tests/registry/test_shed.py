@@ -200,3 +200,37 @@ def test_the_shedding_level_follows_the_loop_and_sheds_by_weight() -> None:
     assert s.level == 0 and not s.behind()
     backlog[0] = 101  # the report writer is behind: every write waits whatever the loop says
     assert s.behind() and s.refuse(0.5)
+
+
+def test_a_busy_registry_holds_a_rollouts_admission_and_goes_on_after(registry: Registry, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from edged.registry import evaluator
+    from edged.registry.rollout_wire import RolloutCreate, StepSpec
+    from edged.registry.targets import RolloutTarget
+    from tests.rollout_helpers import ApiDevice
+
+    monkeypatch.setattr(evaluator, "HOLD_MIN_S", 0.5)
+    model = "shed-admit"
+    for v in (1, 2):
+        registry.client.push_folder(make_version(tmp_path / str(v), salt=f"{model}-{v}"), model, v)
+    r1 = registry.client.release(registry.keys.load(), model, 1, expires_in_s=3600).release
+    devices = [ApiDevice.enroll(registry.url, registry.client.enrollment_token(labels={"fleet": model}).token,
+                                f"{model}-{i}", {"fleet": model}) for i in range(30)]
+
+    def on(release: int) -> set[str]:
+        return {d.id for d in devices if d.release(model) == release}
+
+    spec = RolloutCreate(model=model, release=0, steps=[StepSpec(percent=100)],
+                         target=RolloutTarget(labels={"fleet": model}), admit_per_minute=120)
+    ro = registry.client.release_with_rollout(registry.keys.load(), model, 2, spec, expires_in_s=3600)
+    with Busy(registry.signal):
+        wait_for(lambda: (a := registry.client.rollout(ro.id).rollout.admission) is not None and a.held, 5, 0.05,
+                 "admission held while the registry is behind")
+        admission = registry.client.rollout(ro.id).rollout.admission
+        assert admission is not None and admission.reason and "behind" in admission.reason
+        frozen = on(ro.release)
+        time.sleep(2.0)  # two devices a second would have come in meanwhile
+        assert on(ro.release) == frozen and len(frozen) < len(devices)
+        assert on(r1) == {d.id for d in devices} - frozen
+    wait_for(lambda: len(on(ro.release)) == len(devices), 60, 0.2, "every device let in once the registry keeps up")
+    assert registry.client.rollout(ro.id).rollout.admission is None

@@ -29,7 +29,8 @@ def rollouts_router(ctx: AppContext) -> APIRouter:
     @router.post(f"{API_PREFIX}/rollouts", response_model=RolloutInfo, status_code=201)
     def create_rollout(req: RolloutCreate) -> RolloutInfo:
         with ctx.tx() as s:
-            info = rollouts.create_rollout(s, req, ctx.settings.public_keys)
+            info = rollouts.create_rollout(s, req, ctx.settings.public_keys,
+                                           admit_per_minute=ctx.settings.rollout_admit_per_minute)
         log.info("rollout %d of model %s release %d (version %d) started: %d step(s), %d device(s) in the first",
                  info.id, info.model, info.release, info.version, len(info.steps), info.members)
         ctx.nudge({"model": info.model, "release": info.release, "rollout": info.id})

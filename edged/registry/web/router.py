@@ -354,7 +354,8 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
                           back=f"{PREFIX}/rollouts")
         req = req.model_copy(update={"notes": f"{req.notes} (started by {sess.who} from the dashboard)".strip()[:4096]})
         with sessions() as s, s.begin():
-            info = rollouts.create_rollout(s, req, settings.public_keys)
+            info = rollouts.create_rollout(s, req, settings.public_keys,
+                                           admit_per_minute=settings.rollout_admit_per_minute)
         on_rollout_change(info.id, "created")
         return RedirectResponse(f"{PREFIX}/rollouts/{info.id}", status_code=303, headers=headers())
 
