@@ -144,6 +144,7 @@ def create_app(settings: RegistrySettings) -> FastAPI:
         if ctx.nudger is not None:
             ctx.nudger.close()
         engine.dispose()
+        ro_engine.dispose()
 
     app = FastAPI(title="edged registry", version=__version__, lifespan=lifespan,
                   description="Model versions, signed releases, device enrollment, desired state and reports.")

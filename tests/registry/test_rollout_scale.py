@@ -140,3 +140,33 @@ def test_listing_devices_does_not_query_per_device(db: Engine, devices: int) -> 
         listed = service.list_devices(s)
         assert len(listed) == devices and listed[0].models[0].state == "committed"
         assert len([q for q in count.take() if q.lstrip().upper().startswith("SELECT")]) <= 2
+
+
+def test_a_postgresql_poll_is_one_statement_in_autocommit_without_a_ping(pg_cluster: Any) -> None:
+    """PostgreSQL: device reads run on a pool of their own, in autocommit and without a ping at checkout, so a
+    poll is one round trip to the server (a transaction's BEGIN and ROLLBACK and a ping were three more)."""
+    if pg_cluster is None:
+        pytest.skip("PostgreSQL is not installed (apt-get install postgresql)")
+    engine = make_engine(pg_cluster.new_database())
+    upgrade(engine)
+    populate(engine, 20)
+    ro = readonly(engine)
+    try:
+        assert ro.pool is not engine.pool and not ro.pool._pre_ping  # type: ignore[attr-defined]
+        count = Statements(ro)
+        cache = desired.SnapshotCache()
+        seen = LastSeen(engine)
+        answers = []
+        for i in range(20):
+            with ro.connect() as conn:
+                assert conn.connection.dbapi_connection.autocommit  # type: ignore[union-attr]
+                view, rev = desired.lookup_credential(conn, token_hash(f"cred-{i}"))
+                assert view is not None and view.id == f"dev-{i}"
+                answers.append(desired.decide(cache.get(conn, rev), view))
+        sql = count.take()
+        assert cache.loads == 1 and len(sql) == 20 + 3, sql  # the snapshot's three reads, then one per poll
+        assert all(q.lstrip().upper().startswith("SELECT") for q in sql)
+        assert {a.releases[0].model for a in answers} == {"alpha"}
+    finally:
+        ro.dispose()
+        engine.dispose()
