@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -141,7 +142,9 @@ def run_one(db: str, args: argparse.Namespace, tmp: Path, keys: Keys, cluster: P
     root = tmp / db
     root.mkdir()
     config = root / "registry.toml"
-    config.write_text(f"[registry]\nshed_loop_lag_s = {args.shed_lag}\n")
+    config.write_text(f"[registry]\nshed_loop_lag_s = {args.shed_lag}\n"
+                      + (f"rollout_admit_per_minute = {args.admit_per_minute}\n"
+                         if args.admit_per_minute is not None else ""))
     server = RegistryServer(root, [keys.public], database_url=pg_url,
                             blob_port=None if args.inline_blobs else free_port(),
                             extra_args=["--rollout-tick", "1s", "--log-level", "warning", "--config",
@@ -149,7 +152,8 @@ def run_one(db: str, args: argparse.Namespace, tmp: Path, keys: Keys, cluster: P
     sim: subprocess.Popen[bytes] | None = None
     probe: AdminProbe | None = None
     result: dict[str, Any] = {"db": db, "devices": args.devices, "poll_s": args.poll,
-                              "blobs": "registry API" if args.inline_blobs else "blob server"}
+                              "blobs": "registry API" if args.inline_blobs else "blob server",
+                              "admit_per_minute": args.admit_per_minute}
     try:
         cpu = Cpu(server.proc.pid)  # type: ignore[union-attr]
         probe = AdminProbe(server)
@@ -198,15 +202,21 @@ def run_one(db: str, args: argparse.Namespace, tmp: Path, keys: Keys, cluster: P
 
         last_step: list[float] = []  # when the 100 % step began: the full download wave
 
+        admission: list[bool] = []  # per check while a step was letting devices in: held?
+
         def converged() -> bool:
             # the rollout list is cheap (no per-device work), unlike a rollout's status
-            if not last_step and next(r.step for r in client.rollouts(MODEL) if r.id == good.id) == len(spec.steps) - 1:
+            ro = next(r for r in client.rollouts(MODEL) if r.id == good.id)
+            if ro.admission is not None:
+                admission.append(ro.admission.held)
+            if not last_step and ro.step == len(spec.steps) - 1:
                 last_step.append(time.time())
             st = read_status(status_file)
             return bool(int(st.get("current", {}).get(str(good.release), 0)) == args.devices)
 
         wait(converged, args.timeout, "the good release on every device", 1.0)
         result["good_converge_s"] = round(time.time() - t0, 1)
+        result["admission_held_pct"] = round(100.0 * sum(admission) / max(1, len(admission)), 1)
         if last_step:
             phases["100% wave"] = (last_step[0], time.time(), float("nan"))
         info = rollout_info(client, good.id)
@@ -287,7 +297,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
               f"good release on every device {r['good_converge_s']}s after the rollout began; broken release halted "
               f"in step {r['bad_step']} after {r['bad_halt_s']}s, activated by {r['bad_activated']} device(s) "
               f"({r['bad_activated_pct']}% of the fleet), downloaded by {r['bad_downloaded']}; database "
-              f"{r['db_bytes'] / 1e6:.1f} MB; simulator loop lag max {r['loop_lag_max_ms']} ms")
+              f"{r['db_bytes'] / 1e6:.1f} MB; simulator loop lag max {r['loop_lag_max_ms']} ms; steps admitting "
+              f"at {r['admit_per_minute'] or 'the registry default'}/min, held {r['admission_held_pct']}% of the time")
         print(f"  halt reason: {r['bad_reason']}")
 
 
@@ -302,6 +313,9 @@ def main() -> int:
     p.add_argument("--telemetry", type=float, default=300.0, help="telemetry upload interval of every device")
     p.add_argument("--timeout", type=float, default=1200.0)
     p.add_argument("--json", type=Path, default=None, help="write the results here too")
+    p.add_argument("--admit-per-minute", type=float, default=None,
+                   help="the registry's rollout_admit_per_minute (default: the registry's own; 0: a step's "
+                        "devices all at once)")
     p.add_argument("--shed-lag", type=float, default=0.1,
                    help="the registry's shed_loop_lag_s (0: never shed device writes; for comparison)")
     p.add_argument("--inline-blobs", action="store_true",
@@ -309,20 +323,24 @@ def main() -> int:
     args = p.parse_args()
     dbs = [d.strip() for d in args.db.split(",") if d.strip()]
     results = []
-    with tempfile.TemporaryDirectory(prefix="edged-fleet-") as d:
-        tmp = Path(d)
-        os.chmod(tmp, 0o755)
-        keys = Keys.make(tmp)
-        cluster = None
-        try:
-            for db in dbs:
-                if db == "postgresql" and cluster is None:
-                    cluster = PgCluster()
-                    cluster.start()
-                results.append(run_one(db, args, tmp, keys, cluster if db == "postgresql" else None))
-        finally:
-            if cluster is not None:
-                cluster.stop()
+    tmp = Path(tempfile.mkdtemp(prefix="edged-fleet-"))  # kept when a run fails: its logs say why
+    os.chmod(tmp, 0o755)
+    keys = Keys.make(tmp)
+    cluster = None
+    try:
+        for db in dbs:
+            if db == "postgresql" and cluster is None:
+                cluster = PgCluster()
+                cluster.start()
+            results.append(run_one(db, args, tmp, keys, cluster if db == "postgresql" else None))
+    except BaseException:
+        print(f"the run's files (registry and simulator logs, status file) are kept in {tmp}", flush=True)
+        raise
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        if cluster is not None:
+            cluster.stop()
     print_table(results)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))

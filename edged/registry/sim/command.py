@@ -92,6 +92,7 @@ class Fleet:
 
         self.args = args
         self.stats = Stats()
+        self.samples_saved = False
         self.http = HttpPool(args.url, limit=args.connections)
         behaviours = {v: Behaviour(**kw) for v, kw in args.behave}
         self.ctx = FleetContext(http=self.http, public_keys=list(args.public_keys), poll_s=args.poll,
@@ -180,9 +181,11 @@ class Fleet:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), self.args.duration or None)
         self.phase = "stopped"
+        if self.args.samples is not None:  # first: what the benchmark needs, however the rest goes
+            self.save_samples(self.args.samples)
         for t in [*tasks, monitor]:
             t.cancel()
-        await asyncio.gather(*tasks, monitor, return_exceptions=True)
+        await asyncio.wait([*tasks, monitor], timeout=60)
         writer.cancel()
         if self.args.status_file is not None:
             atomic_write_text(self.args.status_file, json.dumps(self.status()))
@@ -191,6 +194,9 @@ class Fleet:
     def save_samples(self, path: Path) -> None:
         import numpy as np
 
+        if self.samples_saved:
+            return
+        self.samples_saved = True
         a = self.stats.samples
         np.savez(path, t=np.array([x[0] for x in a], dtype=np.float64),
                  kind=np.array([x[1] for x in a], dtype=np.int8), status=np.array([x[2] for x in a], dtype=np.int16),
