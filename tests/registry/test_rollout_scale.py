@@ -155,7 +155,6 @@ def test_a_postgresql_poll_is_one_statement_in_autocommit_without_a_ping(pg_clus
         assert ro.pool is not engine.pool and not ro.pool._pre_ping  # type: ignore[attr-defined]
         count = Statements(ro)
         cache = desired.SnapshotCache()
-        seen = LastSeen(engine)
         answers = []
         for i in range(20):
             with ro.connect() as conn:
