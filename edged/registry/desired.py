@@ -75,7 +75,6 @@ class Snapshot:
     by_model: dict[int, list[ReleaseView]] = field(default_factory=dict)  # highest number first
     by_id: dict[int, ReleaseView] = field(default_factory=dict)
     active_rollouts: int = 0
-    paced: bool = False  # a rollout step is letting devices in at a pace: decisions change with time
 
 
 @dataclass
@@ -148,7 +147,6 @@ def load_snapshot(conn: Connection) -> Snapshot:
             view = RolloutView(ro.id, ro.state, member, ro.reason or f"rollout {ro.id} {ro.state}")
             if ro.state in ("running", "paused"):
                 snap.active_rollouts += 1
-            snap.paced = snap.paced or member.ramp is not None
         fragment = orjson.dumps({"model": r.name, "version": r.version, "release": r.number, "signed": {
             "manifest": r.manifest_b64, "signature": r.signature, "key_id": r.key_id}})
         rv = ReleaseView(r.id, r.model_id, r.name, r.number, r.version, r.version_id,

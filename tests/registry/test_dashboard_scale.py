@@ -18,9 +18,8 @@ from sqlalchemy import Engine, update
 from sqlalchemy.orm import Session
 
 from edged.registry import desired, service
-from edged.registry.db import DeviceModelRow, DeviceRow, RolloutRow, make_engine, make_sessionmaker
+from edged.registry.db import DeviceModelRow, DeviceRow, make_engine, make_sessionmaker
 from edged.registry.migrate import upgrade
-from edged.registry.targets import Ramp
 from edged.registry.web import views
 from tests.registry.test_rollout_scale import Statements, populate
 
@@ -159,36 +158,3 @@ def test_shared_reads_are_per_key_and_revision() -> None:
     assert shared.get("1h", 1, lambda: read("1h")) == ["1h"]
     assert shared.get("15m", 2, lambda: read("15m new")) == ["15m new"]  # a release or rollout changed
     assert calls == ["15m", "1h", "15m new"] and shared.reads == 3
-
-
-def test_a_fleet_read_works_out_again_only_the_lines_that_changed(db: Engine) -> None:
-    populate(db, 30)
-    snaps = desired.SnapshotCache()
-    sessions = make_sessionmaker(db)
-    lines: views.Lines = {}
-
-    def get(memo: views.Lines | None) -> dict[str, views.FleetRow]:
-        with sessions() as s, s.begin():
-            return {r.id: r for r in views.fleet_rows(s, snaps.get(s.connection()), online_s=ONLINE_S,
-                                                      lines=memo).rows}
-
-    first = get(lines)
-    assert len(lines) == 30
-    with sessions() as s, s.begin():
-        s.execute(update(DeviceRow).where(DeviceRow.id == "dev-5").values(serving=[
-            {"model": "alpha", "version": 2, "release": 2, "state": "committed"}]))
-        s.execute(update(DeviceRow).where(DeviceRow.id == "dev-7").values(last_seen_at=time.time()))
-    second = get(lines)
-    assert second["dev-1"] is first["dev-1"]  # nothing changed: the same line, not worked out again
-    assert second["dev-5"] is not first["dev-5"] and second["dev-5"].serving[0].release == 2
-    assert second["dev-7"].online and not first["dev-7"].online
-    assert second == get(None)  # the same lines as a read from scratch
-    with sessions() as s, s.begin():  # a release or rollout changed: every decision is made again
-        service.bump_revision(s)
-    third = get(lines)
-    assert not any(third[d] is second[d] for d in third) and third == get(None)
-    with sessions() as s, s.begin():  # a step letting devices in at a pace decides with the clock: no reuse
-        s.execute(update(RolloutRow).values(admission=Ramp(0.0, time.time(), 0.01, 0.01, 0.5).dump()))
-        service.bump_revision(s)
-    fourth, fifth = get(lines), get(lines)
-    assert not any(fourth[d] is fifth[d] for d in fourth)

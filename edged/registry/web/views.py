@@ -13,7 +13,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import orjson
@@ -180,22 +180,13 @@ def _json(raw: Any) -> Any:
     return orjson.loads(raw) if isinstance(raw, (str, bytes)) else raw
 
 
-Lines = dict[str, tuple[Any, FleetRow]]  # device -> what its line was worked out from, and the line
-
-
-def fleet_rows(s: Session, snap: desired_state.Snapshot, *, online_s: float, now: float | None = None,
-               lines: Lines | None = None) -> FleetRows:
+def fleet_rows(s: Session, snap: desired_state.Snapshot, *, online_s: float, now: float | None = None) -> FleetRows:
     """The whole fleet in three statements: devices, their per-model rows, recent engines from telemetry.
 
     JSON columns are read as text and parsed here: at 10,000 devices the driver's JSON
-    processing was a third of the page's time. ``lines``, kept from the previous read, spares
-    the parsing and the decision for every device whose rows, engines and snapshot are as they
-    were (most of a fleet between two reads); it is updated in place.
+    processing was a third of the page's time.
     """
     now = time.time() if now is None else now
-    # a rollout letting devices in at a pace decides differently as time passes: no line is reused then
-    reuse = lines is not None and not snap.paced
-    kept: Lines = {}
     conn = s.connection()
     model_names = {mid: name for mid, name in conn.execute(select(ModelRow.id, ModelRow.name))}
     per_dev: dict[str, list[Any]] = defaultdict(list)
@@ -208,18 +199,6 @@ def fleet_rows(s: Session, snap: desired_state.Snapshot, *, online_s: float, now
     q = select(DeviceRow.id, cast(DeviceRow.admin_labels, Text), cast(DeviceRow.facts, Text),
                cast(DeviceRow.serving, Text), DeviceRow.last_seen_at).order_by(DeviceRow.id)
     for dev_id, labels_raw, facts_raw, serving_raw, last_seen_at in conn.execute(q):
-        mine = engines.get(dev_id)
-        key = (snap.revision, labels_raw, facts_raw, serving_raw, tuple(map(tuple, per_dev.get(dev_id, ()))),
-               tuple(sorted((m, e[1], e[2]) for m, e in mine.items())) if mine else ())
-        held = lines.get(dev_id) if reuse and lines is not None else None
-        if held is not None and held[0] == key:
-            line = held[1]
-            online = last_seen_at is not None and now - last_seen_at <= online_s
-            if line.last_seen_at != last_seen_at or line.online != online:
-                line = replace(line, last_seen_at=last_seen_at, online=online)
-            rows.append(line)
-            kept[dev_id] = (key, line)
-            continue
         labels = {str(k): str(v) for k, v in (_json(labels_raw) or {}).items()}
         facts = _json(facts_raw) or {}
         view = desired_state.DeviceView(id=dev_id, credential_hash="", labels=labels, facts=facts,
@@ -233,10 +212,6 @@ def fleet_rows(s: Session, snap: desired_state.Snapshot, *, online_s: float, now
         rows.append(_row(dev_id, labels=labels, facts=facts, last_seen_at=last_seen_at,
                          serving_json=_json(serving_raw), wants=wants, engines=engines,
                          last_error=last_error[1] if last_error else None, online_s=online_s, now=now))
-        kept[dev_id] = (key, rows[-1])
-    if lines is not None:
-        lines.clear()
-        lines.update(kept)
     return FleetRows(rows=rows, models=sorted(model_names.values()), revision=snap.revision, at=now)
 
 
@@ -298,15 +273,13 @@ class FleetCache:
 
     def __init__(self, ttl_s: float, cost_factor: float = 100.0) -> None:
         self.shared: SharedRead[FleetRows] = SharedRead(ttl_s, cost_factor)
-        self.lines: Lines = {}  # only touched inside the shared read (one reader at a time)
 
     @property
     def reads(self) -> int:
         return self.shared.reads
 
     def get(self, s: Session, snap: desired_state.Snapshot, *, online_s: float) -> FleetRows:
-        return self.shared.get("fleet", snap.revision,
-                               lambda: fleet_rows(s, snap, online_s=online_s, lines=self.lines))
+        return self.shared.get("fleet", snap.revision, lambda: fleet_rows(s, snap, online_s=online_s))
 
 
 # ---- charts -----------------------------------------------------------------------------------------
