@@ -9,8 +9,11 @@ script does: ``GET <page>?part=live`` with ``If-None-Match`` every ``--dashboard
 machine hits both kinds alike.
 
 Reported per kind of window: device polls per second and their p50/p99 (client side, every poll of
-the windows), the registry process's CPU use; for the dashboard: its requests per second,
-how many were 304 (unchanged), bytes, and the server-side time of each (``Server-Timing``).
+the windows, as the simulator times them inside its own busy event loop), the same for one extra
+device polling ``--probe-rate`` times a second from a process of its own (``bench/poll_probe.py``:
+the registry's answer without the simulator's loop lag), the registry process's CPU use; for the
+dashboard: its requests per second, how many were 304 (unchanged), bytes, and the server-side
+time of each (``Server-Timing``).
 Then each page once more with a full load (fleet twice: a fresh read of the fleet and one
 from the shared cache) and the SQL statements each page's read makes, counted in this
 process against the registry's database. Goals: the fleet page under 1 s server-side,
@@ -150,6 +153,8 @@ def run(args: argparse.Namespace, tmp: Path, pg_url: str | None) -> dict[str, An
     server = RegistryServer(tmp, [keys.public], database_url=pg_url,
                             extra_args=["--config", str(conf), "--log-level", "warning"]).start()
     sim: subprocess.Popen[bytes] | None = None
+    probe: subprocess.Popen[bytes] | None = None
+    probe_file = tmp / "probe.npz"
     windows: list[tuple[str, float, float, float, float]] = []  # kind, t0, t1, registry CPU s, load average
     result: dict[str, Any] = {"devices": args.devices, "poll_s": args.poll, "telemetry_s": args.telemetry,
                               "dashboard_poll_s": args.dashboard_poll, "phase_s": args.phase,
@@ -160,6 +165,7 @@ def run(args: argparse.Namespace, tmp: Path, pg_url: str | None) -> dict[str, An
         client.push_folder(make_version(tmp / "pub" / "1", salt="dash-1"), MODEL, 1)
         r1 = client.release(keys.load(), MODEL, 1, expires_in_s=86400).release
         token = client.enrollment_token(uses=args.devices, ttl_s=86400, labels={"site": "sim"}).token
+        probe_token = client.enrollment_token(uses=1, ttl_s=86400, labels={"site": "sim"}).token
         client.close()
         status_file, samples_file = tmp / "fleet.json", tmp / "samples.npz"
         argv = [PY, "-m", "edged.registry", "simulate", "--url", server.url, "--enroll-token", token,
@@ -170,6 +176,10 @@ def run(args: argparse.Namespace, tmp: Path, pg_url: str | None) -> dict[str, An
         t = time.time()
         wait(lambda: read_status(status_file).get("enrolled") == args.devices, 1800, "enrollment", 1.0)
         print(f"{args.devices} devices enrolled in {time.time() - t:.0f}s", flush=True)
+        if args.probe_rate > 0:
+            probe = subprocess.Popen([PY, str(ROOT / "bench" / "poll_probe.py"), "--url", server.url, "--token",
+                                      probe_token, "--rate", str(args.probe_rate), "--out", str(probe_file)],
+                                     cwd=ROOT, stderr=(tmp / "probe.log").open("wb"))
         # the first rounds of polls fetch full answers and send facts
         time.sleep(args.warmup if args.warmup is not None else args.poll * 2 + 10)
         # windows alternate without and with an open page, so that a shared machine's drift hits both alike
@@ -201,11 +211,15 @@ def run(args: argparse.Namespace, tmp: Path, pg_url: str | None) -> dict[str, An
         result["reads"] = sql_counts(db_url, device_id)
         result["sim_loop_lag_max_ms"] = round(float(read_status(status_file).get("loop_lag_max_ms", 0.0)), 1)
     finally:
+        if probe is not None and probe.poll() is None:
+            probe.send_signal(signal.SIGINT)
+            probe.wait(60)
         if sim is not None and sim.poll() is None:
             sim.send_signal(signal.SIGINT)
             sim.wait(120)
         server.stop()
     samples = dict(np.load(samples_file))
+    probe_samples = dict(np.load(probe_file)) if probe is not None and probe_file.exists() else None
     result["phases"] = {}
     for kind in ("without", "with"):
         mine = [w for w in windows if w[0] == kind]
@@ -226,8 +240,28 @@ def run(args: argparse.Namespace, tmp: Path, pg_url: str | None) -> dict[str, An
             w = phase_stats(samples, a, b)
             per.append(w["poll_p99_ms"])
         ph["poll_p99_ms_per_window"] = per
+        if probe_samples is not None:
+            ph["probe"] = probe_stats(probe_samples, [(a, b) for _, a, b, _, _ in mine])
         result["phases"][kind] = ph
     return result
+
+
+def probe_stats(samples: dict[str, Any], windows: list[tuple[float, float]]) -> dict[str, Any]:
+    """The probe's polls in these windows: p50/p99/max over all of them, p99 per window, failures."""
+    def pick(a: float, b: float) -> Any:
+        return (samples["t"] >= a) & (samples["t"] < b)
+
+    sel = np.zeros(len(samples["t"]), dtype=bool)
+    for a, b in windows:
+        sel |= pick(a, b)
+    ms = samples["latency_s"][sel] * 1e3
+    if len(ms) == 0:
+        return {"polls": 0}
+    return {"polls": len(ms), "failed": int((samples["status"][sel] == 0).sum()),
+            "p50_ms": round(float(np.percentile(ms, 50)), 2), "p99_ms": round(float(np.percentile(ms, 99)), 1),
+            "max_ms": round(float(ms.max()), 1),
+            "p99_ms_per_window": [round(float(np.percentile(samples["latency_s"][pick(a, b)] * 1e3, 99)), 1)
+                                  for a, b in windows if pick(a, b).any()]}
 
 
 def report(r: dict[str, Any]) -> None:
@@ -239,6 +273,11 @@ def report(r: dict[str, Any]) -> None:
               f"{ph['poll_max_ms']:>6} ms  {ph['registry_cpu_pct']:>14}  {ph['errors']:>6}")
         print(f"  {ph['windows']} window(s) of {r['phase_s']:g} s: poll p99 per window "
               f"{ph['poll_p99_ms_per_window']} ms, load average at their start {ph['load_average']}")
+        pr = ph.get("probe")
+        if pr and pr.get("polls"):
+            print(f"  probe (one device polling from its own process): {pr['polls']} polls, p50 {pr['p50_ms']} ms, "
+                  f"p99 {pr['p99_ms']} ms (per window {pr['p99_ms_per_window']}), max {pr['max_ms']} ms, "
+                  f"{pr['failed']} failed")
     print(f"simulator event-loop lag max {r['sim_loop_lag_max_ms']} ms (client-side latencies include it)")
     for pg in r.get("open_pages", []):
         print(f"open page {pg['page']}: {pg['requests_per_s']} requests/s ({pg['requests']}, {pg['not_modified']} "
@@ -263,6 +302,8 @@ def main() -> int:
     p.add_argument("--pages", default="/ui/fleet", help="open pages, comma-separated (default: the fleet page)")
     p.add_argument("--fleet-period", type=float, default=15.0,
                    help="seconds to wait before the fresh full load of the fleet page (its cache expires)")
+    p.add_argument("--probe-rate", type=float, default=10.0,
+                   help="polls per second of the probe device in its own process (0: no probe)")
     p.add_argument("--db", choices=("sqlite", "postgresql"), default="sqlite")
     p.add_argument("--json", type=Path, default=None, help="write the results here too")
     args = p.parse_args()
