@@ -55,6 +55,7 @@ from edged.registry.settings import RegistrySettings
 from edged.registry.shed import LoadSignal, ShedDeviceWrites
 from edged.registry.telemetry_ingest import telemetry_router
 from edged.registry.web import install as install_dashboard
+from edged.registry.web import renderer as dashboard_renderer
 from edged.registry.writer import ReportWriter
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ def create_app(settings: RegistrySettings) -> FastAPI:
         nudger=Nudger(settings.nudge_mqtt_url, settings.nudge_topic_prefix) if settings.nudge_mqtt_url else None)
     load = LoadSignal(max_lag_s=settings.shed_loop_lag_s or float("inf"), backlog=ctx.report_writer.backlog)
     # While the registry sheds load, running rollouts let no more devices start updating.
+    pages = dashboard_renderer(settings, ctx.read_sessions, ctx.snapshots)
     evaluator = Evaluator(sessions, settings.rollout_tick_s, on_change=ctx.rollout_changed,
                           read_sessions=ctx.read_sessions, busy=load.busy if settings.shed_loop_lag_s > 0 else None)
 
@@ -138,6 +140,7 @@ def create_app(settings: RegistrySettings) -> FastAPI:
             load.start()
         yield
         await load.stop()
+        await asyncio.to_thread(pages.close)
         await asyncio.to_thread(evaluator.stop)
         await asyncio.to_thread(ctx.report_writer.stop)
         await asyncio.to_thread(ctx.last_seen.stop)
@@ -164,7 +167,7 @@ def create_app(settings: RegistrySettings) -> FastAPI:
         app.include_router(router(ctx))
     # The dashboard (/ui) after the error handlers, so that its errors become pages.
     install_dashboard(app, settings=settings, admin_hash=admin_hash, sessions=sessions,
-                      read_sessions=ctx.read_sessions, snapshots=ctx.snapshots,
+                      read_sessions=ctx.read_sessions, renderer=pages,
                       on_rollout_change=lambda rid, what: ctx.rollout_changed({rid: what}))
     return app
 

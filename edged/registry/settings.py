@@ -66,6 +66,8 @@ class RegistrySettings(BaseModel):
     log_level: str = "info"
     dashboard_poll_s: float = Field(default=5.0, ge=0.5, le=3600,
                                     description="how often an open dashboard page asks for changes")
+    dashboard_process: bool = Field(default=True, description="read and render dashboard pages in a process of "
+                                    "their own (started at the first page), so that they never hold up device polls")
     dashboard_online_s: float = Field(default=180.0, gt=0,
                                       description="the dashboard shows a device online when it called this recently")
     operators: dict[str, str] = Field(default_factory=dict,

@@ -7,7 +7,7 @@ package (nothing is fetched from elsewhere at run time). See docs/dashboard.md.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request, Response
 from sqlalchemy.orm import Session, sessionmaker
@@ -16,15 +16,32 @@ from edged.registry.desired import SnapshotCache
 from edged.registry.service import RegistryError
 from edged.registry.settings import RegistrySettings
 
+if TYPE_CHECKING:
+    from edged.registry.web.worker import PageRenderer
+
+
+def renderer(settings: RegistrySettings, read_sessions: sessionmaker[Session],
+             snapshots: SnapshotCache) -> PageRenderer:
+    """Where pages are read and rendered (:mod:`edged.registry.web.worker`): a child process unless
+    ``dashboard_process = false``; nothing starts before the first page or login."""
+    from edged.registry.web.pages import Pages
+    from edged.registry.web.worker import InProcess, PageProcess
+
+    if settings.dashboard_process:
+        return PageProcess(settings.db_url, poll_s=settings.dashboard_poll_s, online_s=settings.dashboard_online_s)
+    return InProcess(Pages(read_sessions, snapshots, poll_s=settings.dashboard_poll_s,
+                           online_s=settings.dashboard_online_s))
+
 
 def install(app: FastAPI, *, settings: RegistrySettings, admin_hash: str, sessions: sessionmaker[Session],
-            read_sessions: sessionmaker[Session], snapshots: SnapshotCache,
+            read_sessions: sessionmaker[Session], renderer: PageRenderer,
             on_rollout_change: Callable[[int, str], None]) -> None:
     """Mount the dashboard; call after the app's own exception handlers so errors under /ui become pages."""
-    from edged.registry.web.router import PREFIX, LoginRequiredError, dashboard_router, error_page, need_login
+    from edged.registry.web.pages import PREFIX
+    from edged.registry.web.router import LoginRequiredError, dashboard_router, error_page, need_login
 
     app.include_router(dashboard_router(settings=settings, admin_hash=admin_hash, sessions=sessions,
-                                        read_sessions=read_sessions, snapshots=snapshots,
+                                        read_sessions=read_sessions, renderer=renderer,
                                         on_rollout_change=on_rollout_change))
     app.add_exception_handler(LoginRequiredError, need_login)
     api_error: Any = app.exception_handlers.get(RegistryError)

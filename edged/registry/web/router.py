@@ -14,14 +14,9 @@ operator confirmed it on a page that says what it will do.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import hashlib
 import time
 import urllib.parse
-from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -32,25 +27,21 @@ from sqlalchemy.orm import sessionmaker
 
 from edged.errors import ErrorCode
 from edged.protocol.fleet.release import SignedRelease
-from edged.registry import desired as desired_state
 from edged.registry import rollouts
 from edged.registry.auth import is_admin
-from edged.registry.cli_format import ago
 from edged.registry.passwords import check_password
-from edged.registry.rollout_wire import Gates, RolloutCreate, StepSpec
+from edged.registry.rollout_wire import Gates, RolloutCreate, RolloutInfo, RolloutStatus, StepSpec
 from edged.registry.service import RegistryError
 from edged.registry.settings import RegistrySettings
 from edged.registry.targets import RolloutTarget
-from edged.registry.web import views
+from edged.registry.web import pages, views
+from edged.registry.web.pages import ACTIONS, HERE, PREFIX, QUERY, PageAsk
 from edged.registry.web.session import ADMIN, COOKIE, Session, Sessions
+from edged.registry.web.worker import PageRenderer
 
-PREFIX = "/ui"
-HERE = Path(__file__).parent
 STATIC = {"uPlot.iife.min.js": "text/javascript", "uPlot.min.css": "text/css", "uPlot.LICENSE": "text/plain",
           "dash.js": "text/javascript", "dash.css": "text/css"}
 MAX_FORM = 64 << 10
-FLEET_PAGE = 200
-ACTIONS = {"pause": "Pause", "resume": "Resume", "abort": "Abort", "rollback": "Roll back"}
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
        "connect-src 'self'; frame-ancestors 'none'; form-action 'self'; base-uri 'none'")
 
@@ -59,32 +50,6 @@ class LoginRequiredError(Exception):
     def __init__(self, live: bool) -> None:
         super().__init__("login required")
         self.live = live
-
-
-@functools.cache
-def _env() -> Any:
-    try:
-        import jinja2
-    except ImportError as e:  # pragma: no cover - part of the registry extra
-        raise RuntimeError("the dashboard needs Jinja2: pip install 'edged[registry]'") from e
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True,
-                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-    env.filters["when"] = _when
-    env.filters["ago"] = ago
-    env.filters["ms"] = lambda s: "-" if s is None else f"{s * 1e3:.2f} ms"
-    env.filters["pct"] = lambda x: "-" if x is None else f"{x * 100:.2f} %"
-    env.filters["mb"] = lambda n: f"{n / 2**20:.1f} MB"
-    return env
-
-
-def _when(ts: float | None) -> str:
-    if ts is None:
-        return "never"
-    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def _etag(body: str) -> str:
-    return '"' + hashlib.sha256(body.encode("utf-8")).hexdigest()[:32] + '"'
 
 
 def parse_steps(text: str, min_devices: int, soak_s: float) -> list[StepSpec]:
@@ -150,20 +115,12 @@ def rollout_request(form: dict[str, str]) -> RolloutCreate:
 
 
 def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: sessionmaker[DbSession],
-                     read_sessions: sessionmaker[DbSession], snapshots: desired_state.SnapshotCache,
+                     read_sessions: sessionmaker[DbSession], renderer: PageRenderer,
                      on_rollout_change: Callable[[int, str], None]) -> APIRouter:
-    env = _env()
+    env = pages.env()
     auth = Sessions(admin_hash, operators=settings.operators)
     router = APIRouter(prefix=PREFIX, include_in_schema=False)
     poll_s = settings.dashboard_poll_s
-    online_s = settings.dashboard_online_s
-    fleet_cache = views.FleetCache(ttl_s=poll_s)
-    models_read: views.SharedRead[list[views.ModelView]] = views.SharedRead(ttl_s=poll_s)
-
-    @contextlib.contextmanager
-    def rtx() -> Iterator[DbSession]:
-        with read_sessions() as s, s.begin():
-            yield s
 
     def headers(extra: dict[str, str] | None = None) -> dict[str, str]:
         return {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin",
@@ -181,22 +138,21 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
         html = env.get_template(name).render(prefix=PREFIX, poll_s=poll_s, **ctx)
         return HTMLResponse(html, status_code=status, headers=headers())
 
-    def page(request: Request, template: str, live_template: str, *, title: str, nav: str, sess: Session,
-             **ctx: Any) -> Response:
-        """A page, or with ``?part=live`` only its live region (ETag'd, 304 when unchanged)."""
-        live = env.get_template(live_template).render(prefix=PREFIX, csrf=sess.csrf, **ctx)
-        etag = _etag(live)
-        if request.query_params.get("part") == "live":
-            inm = request.headers.get("if-none-match")
-            timing = {"ETag": etag, "Server-Timing": f"app;dur={(time.perf_counter() - request.state.t0) * 1e3:.1f}"}
-            if inm is not None and etag in [t.strip() for t in inm.split(",")]:
-                return Response(status_code=304, headers=headers(timing))
-            return HTMLResponse(live, headers=headers(timing))
-        here = request.url.path + ("?" + request.url.query if request.url.query else "")
-        resp = render(template, title=title, nav=nav, csrf=sess.csrf, live=live, live_etag=etag, here=here,
-                      who=sess.who, **ctx)
-        resp.headers["Server-Timing"] = f"app;dur={(time.perf_counter() - request.state.t0) * 1e3:.1f}"
-        return resp
+    async def page(request: Request, name: str, key: str = "") -> Response:
+        """A page, or with ``?part=live`` only its live region (ETag'd, 304 when unchanged), from the renderer."""
+        q = request.query_params
+        live = q.get("part") == "live"
+        sess = session_of(request, live=live)
+        ask = PageAsk(name=name, key=key, query={k: q[k] for k in QUERY if k in q}, csrf=sess.csrf, who=sess.who,
+                      here=request.url.path + ("?" + request.url.query if request.url.query else ""),
+                      if_none_match=request.headers.get("if-none-match") if live else None)
+        out = await renderer.render(ask)
+        out.raise_error()
+        timing = {"ETag": out.etag, "Server-Timing": f"app;dur={(time.perf_counter() - request.state.t0) * 1e3:.1f}, "
+                                                     f"read;dur={out.read_ms:.1f}"}
+        if out.body is None:
+            return Response(status_code=304, headers=headers(timing))
+        return HTMLResponse(out.body, headers=headers(timing))
 
     async def form_of(request: Request) -> dict[str, str]:
         if request.headers.get("content-type", "").split(";")[0].strip() != "application/x-www-form-urlencoded":
@@ -224,11 +180,6 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
                                 ErrorCode.INVALID_ARGUMENT)
         return sess, form
 
-    def window_of(request: Request) -> tuple[str, float]:
-        w = request.query_params.get("window", "15m")
-        w = w if w in views.WINDOWS else "15m"
-        return w, time.time() - views.WINDOWS[w]
-
     # ---- login -----------------------------------------------------------------------------------
     @router.get("/login")
     def login_page(request: Request) -> Response:
@@ -255,6 +206,7 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
                           error="That is not an operator's password." if name else
                           "That is not the registry's admin token.")
         value, _ = auth.issue(who)
+        renderer.warm()  # the page process starts while the browser follows the redirect
         target = nxt if nxt.startswith(PREFIX + "/") and not nxt.startswith("//") else f"{PREFIX}/fleet"
         resp = RedirectResponse(target, status_code=303, headers=headers())
         resp.set_cookie(COOKIE, value, max_age=auth.lifetime_s, path=PREFIX, httponly=True, samesite="strict",
@@ -284,61 +236,24 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
         return RedirectResponse(f"{PREFIX}/fleet", status_code=303)
 
     @router.get("/fleet")
-    def fleet(request: Request) -> Response:
-        q = request.query_params
-        sess = session_of(request, live=q.get("part") == "live")
-        flt = views.FleetFilter(label=q.get("label", "")[:256], model=q.get("model", "")[:128],
-                                profile=q.get("profile", "")[:128], state=q.get("state", "")[:16])
-        try:
-            offset = max(0, int(q.get("from", "0")))
-        except ValueError:
-            offset = 0
-        with rtx() as s:
-            every = fleet_cache.get(s, snapshots.get(s.connection()), online_s=online_s)
-        data = views.fleet(every, flt, limit=FLEET_PAGE, offset=offset)
-        return page(request, "fleet.html", "fleet_live.html",
-                    title="Fleet", nav="fleet", sess=sess, fleet=data, flt=flt,
-                    page_size=FLEET_PAGE)
+    async def fleet(request: Request) -> Response:
+        return await page(request, "fleet")
 
     @router.get("/devices/{device_id}")
-    def device(device_id: str, request: Request) -> Response:
-        sess = session_of(request, live=request.query_params.get("part") == "live")
-        window, since = window_of(request)
-        with rtx() as s:
-            data = views.device(s, snapshots.get(s.connection()), device_id, online_s=online_s, since=since)
-        return page(request, "device.html", "device_live.html",
-                    title=f"Device {device_id}", nav="fleet", sess=sess, d=data,
-                    window=window, windows=list(views.WINDOWS))
+    async def device(device_id: str, request: Request) -> Response:
+        return await page(request, "device", device_id)
 
     @router.get("/models")
-    def models(request: Request) -> Response:
-        sess = session_of(request, live=request.query_params.get("part") == "live")
-        window, since = window_of(request)
-        with rtx() as s:
-            data = models_read.get(window, snapshots.get(s.connection()).revision,
-                                   lambda: views.models(s, since, bucket_s=max(10.0, views.WINDOWS[window] / 90)))
-        return page(request, "models.html", "models_live.html",
-                    title="Models and releases", nav="models", sess=sess,
-                    models=data, window=window, windows=list(views.WINDOWS))
+    async def models(request: Request) -> Response:
+        return await page(request, "models")
 
     @router.get("/rollouts")
-    def rollout_list(request: Request) -> Response:
-        sess = session_of(request, live=request.query_params.get("part") == "live")
-        with rtx() as s:
-            items = views.rollout_list(s)
-            offer = views.releasable(s)
-        return page(request, "rollouts.html", "rollouts_live.html",
-                    title="Rollouts", nav="rollouts", sess=sess, rollouts=items,
-                    offer=offer)
+    async def rollout_list(request: Request) -> Response:
+        return await page(request, "rollouts")
 
     @router.get("/rollouts/{rollout_id}")
-    def rollout(rollout_id: int, request: Request) -> Response:
-        sess = session_of(request, live=request.query_params.get("part") == "live")
-        with rtx() as s:
-            st = views.rollout(s, rollout_id)
-        return page(request, "rollout.html", "rollout_live.html",
-                    title=f"Rollout {rollout_id}", nav="rollouts", sess=sess, st=st,
-                    actions=ACTIONS)
+    async def rollout(rollout_id: int, request: Request) -> Response:
+        return await page(request, "rollout", str(rollout_id))
 
     # ---- actions: a confirmation page first, then the action ------------------------------------
     @router.post("/rollouts")
@@ -353,9 +268,12 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
                           action=f"{PREFIX}/rollouts", form=form, what="start this rollout", req=req,
                           back=f"{PREFIX}/rollouts")
         req = req.model_copy(update={"notes": f"{req.notes} (started by {sess.who} from the dashboard)".strip()[:4096]})
-        with sessions() as s, s.begin():
-            info = rollouts.create_rollout(s, req, settings.public_keys,
-                                           admit_per_minute=settings.rollout_admit_per_minute)
+        def start(r: RolloutCreate) -> RolloutInfo:
+            with sessions() as s, s.begin():
+                return rollouts.create_rollout(s, r, settings.public_keys,
+                                               admit_per_minute=settings.rollout_admit_per_minute)
+
+        info = await run_in_threadpool(start, req)  # the database work off the event loop the devices use
         on_rollout_change(info.id, "created")
         return RedirectResponse(f"{PREFIX}/rollouts/{info.id}", status_code=303, headers=headers())
 
@@ -365,8 +283,11 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
         if action not in ACTIONS:
             raise RegistryError(f"unknown action {action!r}", 404, ErrorCode.NOT_FOUND)
         if form.get("confirmed") != "yes":
-            with rtx() as s:
-                st = views.rollout(s, rollout_id)
+            def status() -> RolloutStatus:
+                with read_sessions() as s, s.begin():
+                    return views.rollout(s, rollout_id)
+
+            st = await run_in_threadpool(status)
             return render("confirm.html", title=f"Confirm: {ACTIONS[action].lower()}", nav="rollouts",
                           csrf=sess.csrf, action=f"{PREFIX}/rollouts/{rollout_id}/{action}", form=form,
                           what=f"{ACTIONS[action].lower()} rollout {rollout_id} ({st.rollout.model} release "
@@ -374,8 +295,11 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
                           back=f"{PREFIX}/rollouts/{rollout_id}")
         reason = form.get("reason", "").strip()[:1000]
         reason = f"{reason} ({sess.who}, dashboard)" if reason else f"{action} by {sess.who} from the dashboard"
-        with sessions() as s, s.begin():
-            info = rollouts.act(s, rollout_id, action, reason)
+        def do() -> RolloutInfo:
+            with sessions() as s, s.begin():
+                return rollouts.act(s, rollout_id, action, reason)
+
+        info = await run_in_threadpool(do)
         on_rollout_change(rollout_id, info.state)
         return RedirectResponse(f"{PREFIX}/rollouts/{rollout_id}", status_code=303, headers=headers())
 
@@ -384,7 +308,7 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
 
 def error_page(e: RegistryError) -> Response:
     """A refused or failed request under /ui as a page that says what was wrong."""
-    html = _env().get_template("error.html").render(prefix=PREFIX, title="Not done", nav="", csrf="",
+    html = pages.env().get_template("error.html").render(prefix=PREFIX, title="Not done", nav="", csrf="",
                                                     message=e.message, back=f"{PREFIX}/fleet")
     return HTMLResponse(html, status_code=e.status, headers={"Content-Security-Policy": CSP,
                                                              "Cache-Control": "no-store"})
