@@ -223,6 +223,8 @@ def run(args: argparse.Namespace, tmp: Path, pg_url: str | None) -> dict[str, An
     result["phases"] = {}
     for kind in ("without", "with"):
         mine = [w for w in windows if w[0] == kind]
+        if not mine:  # --rounds 0: no window with a dashboard
+            continue
         sel = np.zeros(len(samples["t"]), dtype=bool)
         for _, a, b, _, _ in mine:
             sel |= (samples["t"] >= a) & (samples["t"] < b)
