@@ -141,7 +141,7 @@ def _ramp(ro: RolloutRow, cutoffs: list[Any], devices: list[Candidate], now: flo
     rate_s = ro.admit_per_minute / 60.0 / len(devices)
     begin = max(start, 0.0)
     ramp = Ramp(begin, now - ADMIT_FIRST_S, rate_s, rate_s, to)
-    return (ramp.held(now) if ro.state == "paused" else ramp).dump()
+    return ramp.dump()  # a step is only entered by a running rollout: a pause holds the ramp in act()
 
 
 def recount(s: Session, ro: RolloutRow, selector: TargetSelector) -> None:
