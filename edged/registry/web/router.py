@@ -14,6 +14,7 @@ operator confirmed it on a page that says what it will do.
 
 from __future__ import annotations
 
+import math
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from edged.registry.service import RegistryError
 from edged.registry.settings import RegistrySettings
 from edged.registry.targets import RolloutTarget
 from edged.registry.web import pages, views
+from edged.registry.web.login_guard import LoginGuard
 from edged.registry.web.pages import ACTIONS, HERE, PREFIX, QUERY, PageAsk
 from edged.registry.web.session import ADMIN, COOKIE, Session, Sessions
 from edged.registry.web.worker import PageRenderer
@@ -119,6 +121,7 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
                      on_rollout_change: Callable[[int, str], None]) -> APIRouter:
     env = pages.env()
     auth = Sessions(admin_hash, operators=settings.operators)
+    guard = LoginGuard()
     router = APIRouter(prefix=PREFIX, include_in_schema=False)
     poll_s = settings.dashboard_poll_s
 
@@ -192,19 +195,29 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
         nxt = form.get("next", "")
         name = form.get("name", "").strip()
         secret = form.get("token", "")
+        address = request.client.host if request.client is not None else "?"
+        wait_s = guard.retry_after(address)
+        if wait_s is not None:  # refused before any check: a guess costs nothing and proves nothing
+            refused = render("login.html", status=429, title="Sign in", nav="", csrf="", next=nxt, operator=name[:64],
+                          error=f"Too many failed sign-ins from this address: try again in {math.ceil(wait_s)} s.")
+            refused.headers["Retry-After"] = str(math.ceil(wait_s))
+            return refused
         if name:
-            # an operator account: scrypt, ~50 ms, off the event loop
+            # an operator account: scrypt, ~50 ms and 16 MiB, off the event loop and a few at a time
             stored = settings.operators.get(name) if name != ADMIN and len(name) <= 64 else None
-            ok = await run_in_threadpool(check_password, secret, stored)
+            async with guard.checks:
+                ok = await run_in_threadpool(check_password, secret, stored)
             who = name
         else:
             # device credentials and enrollment tokens end here too: only the admin token opens the dashboard
             ok = is_admin(f"Bearer {secret.strip()}", admin_hash)
             who = ADMIN
         if not ok:
+            guard.failed(address)
             return render("login.html", status=401, title="Sign in", nav="", csrf="", next=nxt, operator=name[:64],
                           error="That is not an operator's password." if name else
                           "That is not the registry's admin token.")
+        guard.succeeded(address)
         value, _ = auth.issue(who)
         renderer.warm()  # the page process starts while the browser follows the redirect
         target = nxt if nxt.startswith(PREFIX + "/") and not nxt.startswith("//") else f"{PREFIX}/fleet"
