@@ -11,9 +11,10 @@ machine hits both kinds alike.
 Reported per kind of window: device polls per second and their p50/p99 (client side, every poll of
 the windows, as the simulator times them inside its own busy event loop), the same for one extra
 device polling ``--probe-rate`` times a second from a process of its own (``bench/poll_probe.py``:
-the registry's answer without the simulator's loop lag), the registry process's CPU use; for the
-dashboard: its requests per second, how many were 304 (unchanged), bytes, and the server-side
-time of each (``Server-Timing``).
+the registry's answer without the simulator's loop lag), the registry process's CPU use and that of
+its children (the dashboard's page process, edged/registry/web/worker.py); for the dashboard:
+its requests per second, how many were 304 (unchanged), bytes, and the server-side time of each
+(``Server-Timing``).
 Then each page once more with a full load (fleet twice: a fresh read of the fleet and one
 from the shared cache) and the SQL statements each page's read makes, counted in this
 process against the registry's database. Goals: the fleet page under 1 s server-side,
@@ -53,6 +54,38 @@ def server_ms(r: httpx.Response) -> float | None:
         if name == "app" and rest.startswith("dur="):
             return float(rest[4:])
     return None
+
+
+class ChildrenCpu:
+    """CPU seconds of the registry's child processes (the dashboard's page process), alive ones included."""
+
+    def __init__(self, pid: int) -> None:
+        import psutil
+
+        self.p = psutil.Process(pid)
+
+    def seconds(self) -> dict[int, float]:
+        out = {}
+        for c in self.p.children(recursive=True):
+            try:
+                t = c.cpu_times()
+                out[c.pid] = float(t.user + t.system)
+            except Exception:  # ended meanwhile
+                continue
+        return out
+
+    def rss_mb(self) -> float:
+        total = 0
+        for c in self.p.children(recursive=True):
+            try:
+                total += c.memory_info().rss
+            except Exception:
+                continue
+        return round(total / 2**20, 1)
+
+    @staticmethod
+    def spent(before: dict[int, float], after: dict[int, float]) -> float:
+        return sum(v - before.get(pid, 0.0) for pid, v in after.items())
 
 
 def login(url: str) -> httpx.Client:
@@ -156,11 +189,13 @@ def run(args: argparse.Namespace, tmp: Path, pg_url: str | None) -> dict[str, An
     probe: subprocess.Popen[bytes] | None = None
     probe_file = tmp / "probe.npz"
     windows: list[tuple[str, float, float, float, float]] = []  # kind, t0, t1, registry CPU s, load average
+    child_cpu: dict[str, float] = {}  # kind -> CPU s of the registry's children (the page process)
     result: dict[str, Any] = {"devices": args.devices, "poll_s": args.poll, "telemetry_s": args.telemetry,
                               "dashboard_poll_s": args.dashboard_poll, "phase_s": args.phase,
                               "db": "postgresql" if pg_url else "sqlite"}
     try:
         cpu = Cpu(server.proc.pid)  # type: ignore[union-attr]
+        kids = ChildrenCpu(server.proc.pid)  # type: ignore[union-attr]
         client = server.client()
         client.push_folder(make_version(tmp / "pub" / "1", salt="dash-1"), MODEL, 1)
         r1 = client.release(keys.load(), MODEL, 1, expires_in_s=86400).release
@@ -191,9 +226,10 @@ def run(args: argparse.Namespace, tmp: Path, pg_url: str | None) -> dict[str, An
                 pages = [OpenPage(server.url, p, args.dashboard_poll) for p in args.pages.split(",")]
                 for pg in pages:
                     pg.start()
-            t0, c0, load = time.time(), cpu.seconds(), os.getloadavg()[0]
+            t0, c0, k0, load = time.time(), cpu.seconds(), kids.seconds(), os.getloadavg()[0]
             time.sleep(args.phase)
             windows.append((kind, t0, time.time(), cpu.seconds() - c0, load))
+            child_cpu[kind] = child_cpu.get(kind, 0.0) + kids.spent(k0, kids.seconds())
             for pg in pages:
                 pg.stop.set()
             for pg in pages:
@@ -205,6 +241,7 @@ def run(args: argparse.Namespace, tmp: Path, pg_url: str | None) -> dict[str, An
             print(f"window {i + 1}/{len(kinds)} ({kind} a dashboard) measured for {args.phase:.0f}s, "
                   f"load average {load:.1f}", flush=True)
         device_id = "sim-" + "0" * len(str(args.devices))
+        result["children_rss_mb"] = kids.rss_mb()
         result["full_loads"] = full_loads(server.url, [f"/ui/devices/{device_id}", "/ui/models", "/ui/rollouts"],
                                           args.fleet_period)
         db_url = pg_url or f"sqlite:///{server.data_dir / 'registry.db'}"
@@ -235,6 +272,7 @@ def run(args: argparse.Namespace, tmp: Path, pg_url: str | None) -> dict[str, An
         ph["polls_per_s"] = round(float((part["kind"] == KIND_POLL).sum()) / seconds, 1)
         ph["requests_per_s"] = round(float(len(part["t"])) / seconds, 1)
         ph["registry_cpu_pct"] = round(100 * sum(w[3] for w in mine) / seconds, 1)
+        ph["page_process_cpu_pct"] = round(100 * child_cpu.get(kind, 0.0) / seconds, 1)
         ph["windows"] = len(mine)
         ph["load_average"] = [round(w[4], 1) for w in mine]
         per = []
@@ -280,6 +318,9 @@ def report(r: dict[str, Any]) -> None:
             print(f"  probe (one device polling from its own process): {pr['polls']} polls, p50 {pr['p50_ms']} ms, "
                   f"p99 {pr['p99_ms']} ms (per window {pr['p99_ms_per_window']}), max {pr['max_ms']} ms, "
                   f"{pr['failed']} failed")
+    print("registry's child processes (the page process): CPU % per kind of window "
+          f"{ {k: ph.get('page_process_cpu_pct') for k, ph in r['phases'].items()} }, RSS at the end "
+          f"{r.get('children_rss_mb')} MB")
     print(f"simulator event-loop lag max {r['sim_loop_lag_max_ms']} ms (client-side latencies include it)")
     for pg in r.get("open_pages", []):
         print(f"open page {pg['page']}: {pg['requests_per_s']} requests/s ({pg['requests']}, {pg['not_modified']} "
