@@ -206,7 +206,7 @@ def _settings(args: argparse.Namespace) -> Any:
 # A thread that wants the interpreter lock waits up to the switch interval (5 ms by default) for a
 # busy one to let go, and a poll lets go of it at every SQLite call and socket write, so under a
 # fleet's uploads its waits added up to tens of ms at the p99. Half a millisecond keeps them short
-# and cost no throughput at 10,000 devices (docs/dashboard.md, "Poll latency").
+# and cost no CPU at 10,000 devices (docs/dashboard.md, "Pages in their own process").
 SWITCH_INTERVAL_S = 0.0005
 
 
