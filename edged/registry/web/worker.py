@@ -90,21 +90,29 @@ class PageProcess:
             self._executor().submit(_child_ready)
 
     async def render(self, ask: PageAsk) -> Rendered:
-        for attempt in (1, 2):
-            pool = self._executor()
-            try:
-                fut: Future[Rendered] = pool.submit(_child_render, ask)
-                return await asyncio.wrap_future(fut)
-            except BrokenProcessPool:
-                # the child died (killed, out of memory): a new one for the next try
-                log.warning("the dashboard's page process ended; starting another")
-                self._drop(pool)
-                if attempt == 2:
-                    raise RegistryError("the dashboard's page process failed twice; see the registry's log", 503,
-                                        ErrorCode.UNAVAILABLE) from None
-            except RuntimeError:  # submit after shutdown: the registry is stopping
-                raise RegistryError("the registry is stopping", 503, ErrorCode.UNAVAILABLE) from None
-        raise AssertionError("unreachable")
+        try:
+            return await self._submit(ask)
+        except BrokenProcessPool:
+            # the child died (killed, out of memory): the ask goes once more, to a new one
+            log.warning("the dashboard's page process ended; starting another")
+        try:
+            return await self._submit(ask)
+        except BrokenProcessPool:
+            raise RegistryError("the dashboard's page process failed twice; see the registry's log", 503,
+                                ErrorCode.UNAVAILABLE) from None
+
+    async def _submit(self, ask: PageAsk) -> Rendered:
+        pool = self._executor()  # 503 once the registry is stopping
+        try:
+            fut: Future[Rendered] = pool.submit(_child_render, ask)
+        except RuntimeError:  # broken, or shut down by a concurrent ask that found it broken
+            self._drop(pool)
+            raise BrokenProcessPool("the dashboard's page process is gone") from None
+        try:
+            return await asyncio.wrap_future(fut)
+        except BrokenProcessPool:
+            self._drop(pool)
+            raise
 
     def pid(self) -> int:
         """The child's process id, starting it if needed (for logs and tests)."""
