@@ -646,15 +646,20 @@ class ModelTable:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._versions: dict[str, dict[int, ModelVersion]] = {}
+        # The version an unpinned request gets, per name: found once, dropped on any put or remove.
+        # Versions are published READY or not at all; one that stops being READY misses the cache.
+        self._current: dict[str, ModelVersion] = {}
 
     def put(self, mv: ModelVersion) -> ModelVersion | None:
         with self._lock:
+            self._current.clear()
             old = self._versions.setdefault(mv.name, {}).get(mv.version)
             self._versions[mv.name][mv.version] = mv
             return old
 
     def remove(self, name: str, version: int) -> ModelVersion | None:
         with self._lock:
+            self._current.clear()
             versions = self._versions.get(name, {})
             mv = versions.pop(version, None)
             if not versions:
@@ -675,6 +680,10 @@ class ModelTable:
 
     def find(self, name: str, version: int | None = None) -> ModelVersion | None:
         """The named version, or with None the newest READY one (else the newest known)."""
+        if version is None:
+            mv = self._current.get(name)
+            if mv is not None and mv.state is ModelState.READY:
+                return mv
         with self._lock:
             versions = self._versions.get(name)
             if not versions:
@@ -682,4 +691,7 @@ class ModelTable:
             if version is not None:
                 return versions.get(version)
             ready = [v for v, mv in versions.items() if mv.state is ModelState.READY]
-            return versions[max(ready)] if ready else versions[max(versions)]
+            if not ready:
+                return versions[max(versions)]
+            mv = self._current[name] = versions[max(ready)]
+            return mv

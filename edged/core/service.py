@@ -49,19 +49,21 @@ class InferenceService:
         return mv is not None and mv.state is ModelState.READY
 
     # ---- inference --------------------------------------------------------------------------
-    def _dispatch(self, req: InferRequest, run: Callable[[Scheduler, InferRequest, int], T]) -> T:
-        """Look up, validate and hand to the model's scheduler.
+    def _dispatch(self, req: InferRequest, run: Callable[[Scheduler, InferRequest, int], T],
+                  pipeline: Callable[[ModelVersion], T]) -> T:
+        """Look up (once), validate and hand to the model's scheduler, or start the pipeline.
 
         A version swapped out between lookup and queueing refuses with ModelNotReadyError;
         an unpinned request then goes to whatever version is current.
         """
         for attempt in range(3):
             mv = self.ready_model(req.model, req.version)
-            if mv.scheduler is None:
-                raise ModelNotReadyError(f"{req.model!r} version {mv.version} is a pipeline, not a model")
+            scheduler = mv.scheduler
+            if scheduler is None:
+                return pipeline(mv)  # ready_model: no scheduler means a pipeline
             batch = validate(mv, req)
             try:
-                return run(mv.scheduler, req, batch)
+                return run(scheduler, req, batch)
             except ModelNotReadyError:
                 if req.version is not None or attempt == 2:
                     raise
@@ -71,24 +73,17 @@ class InferenceService:
         """Validate and queue; raises EdgedError at once for bad, unknown or overloaded requests.
 
         A pipeline's request runs on the pipeline loop; its model steps come back here."""
-        pipeline = self._pipeline(req)
-        if pipeline is not None:
-            return start_pipeline_request(pipeline, req, self.manager.runner)
-        return self._dispatch(req, Scheduler.submit)
+        return self._dispatch(req, Scheduler.submit, lambda mv: self._start_pipeline(mv, req))
 
     def infer(self, req: InferRequest, timeout: float | None = None) -> InferResponse:
         return self.submit(req).result(timeout)
 
     def infer_blocking(self, req: InferRequest) -> InferResponse:
         """For callers that own a thread: runs inline when the model is idle (lowest latency)."""
-        pipeline = self._pipeline(req)
-        if pipeline is not None:
-            return start_pipeline_request(pipeline, req, self.manager.runner).result()
-        return self._dispatch(req, Scheduler.run_inline)
+        return self._dispatch(req, Scheduler.run_inline, lambda mv: self._start_pipeline(mv, req).result())
 
-    def _pipeline(self, req: InferRequest) -> ModelVersion | None:
-        mv = self.manager.table.find(req.model, req.version)
-        return mv if mv is not None and mv.pipeline is not None else None
+    def _start_pipeline(self, mv: ModelVersion, req: InferRequest) -> Future[InferResponse]:
+        return start_pipeline_request(mv, req, self.manager.runner)
 
     async def infer_async(self, req: InferRequest) -> InferResponse:
         return await asyncio.wrap_future(self.submit(req))

@@ -125,19 +125,36 @@ class ModelStats:
             self.fail.add(total_ns)
             self.failures_by_code[code] = self.failures_by_code.get(code, 0) + 1
 
+    def record_inline(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int, total_ns: int) -> None:
+        """A request that ran on its caller's thread: its one engine run and its success, under one lock."""
+        with self._lock:
+            self._batch(batch_size, 1, input_ns, infer_ns, output_ns)
+            self.in_flight -= 1
+            self.inline_count += 1
+            self.success.add(total_ns)
+            self.queue.count += 1  # waited 0 ns
+            self.queue_hist.observe(0.0)
+            self.total_hist.observe(total_ns / 1e9)
+
     def record_batch(self, batch_size: int, requests: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         with self._lock:
-            self.execution_count += 1
-            self.inference_count += batch_size
-            self.compute_input.add(input_ns, requests)
-            self.compute_infer.add(infer_ns, requests)
-            self.compute_output.add(output_ns, requests)
-            b = self.batches.setdefault(batch_size, _BatchStat())
-            b.compute_input.add(input_ns)
-            b.compute_infer.add(infer_ns)
-            b.compute_output.add(output_ns)
-            self.compute_hist.observe((input_ns + infer_ns + output_ns) / 1e9)
-            self.last_inference_ms = time.time_ns() // 1_000_000
+            self._batch(batch_size, requests, input_ns, infer_ns, output_ns)
+
+    def _batch(self, batch_size: int, requests: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
+        """One engine run (the lock is held)."""
+        self.execution_count += 1
+        self.inference_count += batch_size
+        self.compute_input.add(input_ns, requests)
+        self.compute_infer.add(infer_ns, requests)
+        self.compute_output.add(output_ns, requests)
+        b = self.batches.get(batch_size)
+        if b is None:
+            b = self.batches[batch_size] = _BatchStat()
+        b.compute_input.add(input_ns)
+        b.compute_infer.add(infer_ns)
+        b.compute_output.add(output_ns)
+        self.compute_hist.observe((input_ns + infer_ns + output_ns) / 1e9)
+        self.last_inference_ms = time.time_ns() // 1_000_000
 
     def to_triton(self) -> dict[str, Any]:
         batching = self.batching() if self.batching is not None else None
