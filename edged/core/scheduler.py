@@ -75,6 +75,10 @@ class Scheduler:
         self._concurrent_until = 0.0
         self._recent_sizes: collections.deque[int] = collections.deque(maxlen=8)
         self._instances = instances
+        # Moving average of one request's engine run alone (ns); unknown until a run has been seen,
+        # so an event loop never runs a model inline before knowing how long it blocks.
+        self.typical_run_ns = 1 << 62
+        self._runs_seen = 0
         self._workers = [
             threading.Thread(target=self._work, name=f"edged-{name}-v{version}-{i}", daemon=True)
             for i in range(instances)
@@ -105,17 +109,33 @@ class Scheduler:
         Handing a request to a worker thread and back costs tens of microseconds of
         wake-ups; a blocking caller (a shm connection thread) skips that when nothing
         is queued and an instance is free. Otherwise it queues like everyone else.
-        This is the hot path at concurrency 1: one lock to claim an instance, one to
-        give it back, one for the statistics.
         """
-        stats = self.stats
-        with self._lock:
-            idle = (self._running and not self._queue and self._busy < self._instances
-                    and time.monotonic() >= self._concurrent_until)
-            if idle:
-                self._busy += 1
-        if not idle:
+        if not self._claim():
             return self.submit(req, batch).result()
+        return self._run_claimed(req, batch)
+
+    def try_inline(self, req: InferRequest, batch: int, max_run_ns: int) -> InferResponse | None:
+        """Run on the caller's thread if the model is idle and its runs take at most ``max_run_ns``.
+
+        None: the caller queues it (``submit``). For an event loop, which may block for a
+        short run but must never wait for a queue or a long one.
+        """
+        if self.typical_run_ns > max_run_ns or not self._claim():
+            return None
+        return self._run_claimed(req, batch)
+
+    def _claim(self) -> bool:
+        """Take an instance for the caller if nothing is queued and no traffic overlapped lately."""
+        with self._lock:
+            if (self._running and not self._queue and self._busy < self._instances
+                    and time.monotonic() >= self._concurrent_until):
+                self._busy += 1
+                return True
+            return False
+
+    def _run_claimed(self, req: InferRequest, batch: int) -> InferResponse:
+        """The inline hot path: one lock to give the instance back, one for the statistics."""
+        stats = self.stats
         stats.enter()
         start_ns = time.monotonic_ns()
         try:
@@ -152,7 +172,13 @@ class Scheduler:
             outputs = {n: outputs[n] for n in wanted}
         t3 = time.monotonic_ns()
         self.stats.record_inline(batch, t1 - start_ns, t2 - t1, t3 - t2, t3 - start_ns)
+        self._note_run(t3 - start_ns)
         return outputs
+
+    def _note_run(self, ns: int) -> None:
+        """Fold one lone request's run into ``typical_run_ns`` (a plain store: readers tolerate a stale value)."""
+        self._runs_seen += 1
+        self.typical_run_ns = ns if self._runs_seen == 1 else int(self.typical_run_ns + (ns - self.typical_run_ns) / 8)
 
     @property
     def queued(self) -> int:
@@ -309,6 +335,8 @@ class Scheduler:
         t3 = time.monotonic_ns()
         samples = sum(b for _, b in reqs)
         self.stats.record_batch(samples, len(reqs), t1 - t0, t2 - t1, t3 - t2)
+        if len(reqs) == 1:
+            self._note_run(t3 - t0)
         if queued:
             self.policy.record(samples, len(reqs), t3 - t0)
         return results

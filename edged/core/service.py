@@ -82,6 +82,14 @@ class InferenceService:
         """For callers that own a thread: runs inline when the model is idle (lowest latency)."""
         return self._dispatch(req, Scheduler.run_inline, lambda mv: self._start_pipeline(mv, req).result())
 
+    def infer_or_submit(self, req: InferRequest, max_run_ns: int) -> InferResponse | Future[InferResponse]:
+        """The answer at once when the model is idle and its runs are short enough to block the
+        caller (an event loop) for; otherwise the request is queued and its future returned."""
+        def run(scheduler: Scheduler, r: InferRequest, batch: int) -> InferResponse | Future[InferResponse]:
+            resp = scheduler.try_inline(r, batch, max_run_ns)
+            return resp if resp is not None else scheduler.submit(r, batch)
+        return self._dispatch(req, run, lambda mv: self._start_pipeline(mv, req))
+
     def _start_pipeline(self, mv: ModelVersion, req: InferRequest) -> Future[InferResponse]:
         return start_pipeline_request(mv, req, self.manager.runner)
 

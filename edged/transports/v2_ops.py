@@ -110,6 +110,10 @@ def prepare_infer(decoded: DecodedRequest, shm: ShmView, deadline_s: float | Non
 
 
 HEAVY = 1 << 20  # bodies/outputs above this are (de)coded in a worker thread to keep the loop responsive
+# A request alone on the server runs on the event loop itself when its model is idle and its runs
+# take at most this long (the scheduler's moving average): no hand-off to a worker thread and back,
+# which costs about as much as a small model's run; the loop is never held longer than a GC pause.
+LOOP_INLINE_MAX_NS = 2_000_000
 
 
 def encode_outputs(resp: InferResponse, decoded: DecodedRequest, shm: ShmView) -> tuple[dict[str, Any], list[bytes]]:

@@ -6,7 +6,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -274,6 +274,30 @@ def test_inline_path_matches_the_queued_path(digits_service: InferenceService,
     stats = svc.statistics("digits")[0]
     assert stats["failures_by_code"]["deadline_exceeded"] == 1
     assert stats["in_flight"] == 0
+
+
+def test_try_inline_runs_only_short_runs_of_an_idle_model(digits_service: InferenceService,
+                                                          digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    """What an event loop may run itself: the model idle and its typical run within the caller's limit."""
+    x, _ = digits_holdout
+    svc = digits_service
+    mv = svc.ready_model("digits")
+    sched = mv.scheduler
+    assert sched is not None
+    svc.infer(InferRequest("digits", {"pixels": x[:1]}), timeout=10)  # a run seen: the typical time is known
+    typical = sched.typical_run_ns
+    assert 0 < typical < 10**9
+    before = svc.statistics("digits")[0]["inline_count"]
+    done = svc.infer_or_submit(InferRequest("digits", {"pixels": x[:1]}), max_run_ns=10**9)
+    assert isinstance(done, InferResponse)  # idle and short: answered on this thread
+    queued = svc.infer_or_submit(InferRequest("digits", {"pixels": x[:1]}), max_run_ns=0)
+    assert isinstance(queued, Future)  # its runs are longer than the caller can block for
+    np.testing.assert_allclose(queued.result(10).outputs["probabilities"], done.outputs["probabilities"], rtol=1e-6)
+    with sched._cv:  # a request waiting in the queue: the model is not idle
+        waiting = svc.submit(InferRequest("digits", {"pixels": x[:1]}))
+        assert isinstance(svc.infer_or_submit(InferRequest("digits", {"pixels": x[:1]}), max_run_ns=10**9), Future)
+    waiting.result(10)
+    assert svc.statistics("digits")[0]["inline_count"] == before + 1
 
 
 def test_traffic_moving_between_inline_and_queued_paths_counts_every_request_once(

@@ -618,3 +618,39 @@ def test_graceful_stop_answers_the_request_in_progress(tmp_path: Path) -> None:
             assert status == 200 and headers[b"connection"] == b"close"
             assert orjson.loads(data)["outputs"][0]["shape"] == [1, 10]
             stopping.result(10)
+
+
+def test_a_lone_request_runs_on_the_loop_and_pipelined_ones_are_queued(
+        tmp_path: Path, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    """Serial requests skip the worker hand-off (the model is idle, its runs short); requests that
+    arrive together are queued for the batcher; every answer is the in-process one, counted once."""
+    x, _ = digits_holdout
+    with served(copy_models(tmp_path / "models", "digits"), tmp_path) as s:
+        want = in_process(s, "digits", x[:40])
+        before = s.service.statistics("digits")[0]
+        with HttpClient(s.url) as c:
+            for i in range(20):
+                got = c.infer("digits", {"pixels": x[i:i + 1]}, binary=bool(i % 2))["probabilities"]
+                np.testing.assert_allclose(got[0], want[i], rtol=1e-5, atol=1e-6)
+        serial = s.service.statistics("digits")[0]
+        assert serial["inline_count"] - before["inline_count"] == 20
+        assert s.service.ready_model("digits").scheduler.typical_run_ns < 2_000_000  # type: ignore[union-attr]
+
+        reqs = b""
+        for i in range(20, 40):  # written at once: parsed together, so none of them is alone
+            body = orjson.dumps({"id": str(i), "inputs": [
+                {"name": "pixels", "datatype": "FP32", "shape": [1, 64], "data": x[i].tolist()}]})
+            reqs += b"POST /v2/models/digits/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (
+                len(body), body)
+        with connect(s.url) as sock:
+            sock.sendall(reqs)
+            got_all = read_responses(sock, 20)
+        assert [g[0] for g in got_all] == [200] * 20
+        for i, (_, _, body_out) in zip(range(20, 40), got_all, strict=True):
+            out = orjson.loads(body_out)
+            assert out["id"] == str(i)
+            np.testing.assert_allclose(out["outputs"][0]["data"], want[i], rtol=1e-5, atol=1e-6)
+        after = s.service.statistics("digits")[0]
+        assert after["inline_count"] - serial["inline_count"] < 20, "pipelined requests all ran on the loop"
+        assert after["inference_stats"]["success"]["count"] == before["inference_stats"]["success"]["count"] + 40
+        assert after["inference_stats"]["fail"]["count"] == 0 and after["in_flight"] == 0

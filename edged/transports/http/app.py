@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from edged.core.service import InferenceService
+from edged.core.types import InferResponse
 from edged.errors import EdgedError, ErrorCode, InvalidInputError
 from edged.protocol.v2 import DecodedRequest, decode_request, dumps, loads
 from edged.protocol.v2_json import loads_request
@@ -29,6 +30,7 @@ from edged.transports.redact import Scrubber
 from edged.transports.shm.sysshm import ShmCaller, ShmView, SystemShmRegions
 from edged.transports.v2_ops import (
     HEAVY,
+    LOOP_INLINE_MAX_NS,
     check_model_control,
     encode_is_heavy,
     encode_outputs,
@@ -180,7 +182,11 @@ class V2App:
             decoded = await asyncio.to_thread(self._decode, body, hlen_raw, model, version, shm)
         else:
             decoded = self._decode(body, hlen_raw, model, version, shm)
-        resp = await asyncio.wrap_future(self.service.submit(decoded.request))
+        if req.load is not None and req.load.pending <= 1:
+            done = self.service.infer_or_submit(decoded.request, LOOP_INLINE_MAX_NS)
+            resp = done if isinstance(done, InferResponse) else await asyncio.wrap_future(done)
+        else:
+            resp = await asyncio.wrap_future(self.service.submit(decoded.request))
         if encode_is_heavy(resp, decoded):
             return await asyncio.to_thread(self._encode, resp, decoded, shm)
         return self._encode(resp, decoded, shm)

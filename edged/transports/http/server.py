@@ -42,6 +42,14 @@ Response = tuple[int, Headers, bytes]
 
 
 @dataclass
+class Load:
+    """Requests parsed and not yet answered, on every connection of one server: a handler that
+    sees only its own may use the event loop for a short computation without delaying anyone."""
+
+    pending: int = 0
+
+
+@dataclass
 class Request:
     method: str
     path: bytes  # raw target, query string included, not percent-decoded
@@ -49,6 +57,7 @@ class Request:
     body: bytes
     keep_alive: bool = True
     peer: Peer = field(default_factory=Peer)  # who is connected (kernel credentials on a Unix socket)
+    load: Load | None = None  # the server's; None for a request built outside a server
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -109,6 +118,7 @@ class _State:
     connections: set[HttpConnection] = field(default_factory=set)
     clients: dict[object, set[HttpConnection]] = field(default_factory=dict)  # by client key
     stopping: bool = False
+    load: Load = field(default_factory=Load)
 
     def add(self, conn: HttpConnection) -> None:
         self.connections.add(conn)
@@ -216,6 +226,7 @@ class HttpConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.state.discard(self)
         self.closing = True
+        self.state.load.pending -= len(self.queue)
         self.queue.clear()
         self._writable.set()
         self.transport = None
@@ -326,7 +337,10 @@ class HttpConnection(asyncio.Protocol):
         self.served += 1
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         method = self.parser.get_method().decode("ascii", "replace")
-        self.queue.append(Request(method, b"".join(self._url), self._headers, body, self._keep_alive, self.peer))
+        load = self.state.load
+        self.queue.append(Request(method, b"".join(self._url), self._headers, body, self._keep_alive, self.peer,
+                                  load))
+        load.pending += 1
         self._body = []
         if not self._keep_alive:
             self.closing = True  # read nothing more; this is the last request
@@ -368,6 +382,8 @@ class HttpConnection(asyncio.Protocol):
                 except Exception:  # the handler answers its own errors; this is a last resort
                     log.exception("HTTP handler failed")
                     status, headers, body = error_response(500, "internal error")
+                finally:
+                    self.state.load.pending -= 1
                 if self.transport is None:
                     return
                 last = self.closing and not self.queue and self._final is None

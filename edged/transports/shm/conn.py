@@ -398,7 +398,7 @@ class Connection:
             log.exception("shm client pid=%d: writing outputs failed", self.pid)
             msg = p.encode_error(p.INFER, rid, ErrorCode.INTERNAL, "internal error while writing outputs")
         finally:
-            with self._idle:
+            with self._lock:  # the condition's lock, entered directly (no Python-level wrapper per reply)
                 self.inflight -= 1
                 self.requests += 1
                 for s in plan.used:
