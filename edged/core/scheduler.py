@@ -11,6 +11,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -75,9 +76,11 @@ class Scheduler:
         self._concurrent_until = 0.0
         self._recent_sizes: collections.deque[int] = collections.deque(maxlen=8)
         self._instances = instances
-        # Moving average of one request's engine run alone (ns); unknown until a run has been seen,
-        # so an event loop never runs a model inline before knowing how long it blocks.
+        # Moving averages of one request's engine run alone (ns) and of its input bytes; unknown until
+        # a run has been seen, so an event loop never runs a model inline before knowing how long it
+        # blocks. A request's run is estimated in proportion to its input bytes (dynamic shapes).
         self.typical_run_ns = 1 << 62
+        self._typical_bytes = 1
         self._runs_seen = 0
         self._workers = [
             threading.Thread(target=self._work, name=f"edged-{name}-v{version}-{i}", daemon=True)
@@ -120,7 +123,11 @@ class Scheduler:
         None: the caller queues it (``submit``). For an event loop, which may block for a
         short run but must never wait for a queue or a long one.
         """
-        if self.typical_run_ns > max_run_ns or not self._claim():
+        typical = self.typical_run_ns
+        if typical > max_run_ns:
+            return None
+        nbytes = sum(a.nbytes for a in req.inputs.values())
+        if nbytes * typical > max_run_ns * self._typical_bytes or not self._claim():
             return None
         return self._run_claimed(req, batch)
 
@@ -172,13 +179,18 @@ class Scheduler:
             outputs = {n: outputs[n] for n in wanted}
         t3 = time.monotonic_ns()
         self.stats.record_inline(batch, t1 - start_ns, t2 - t1, t3 - t2, t3 - start_ns)
-        self._note_run(t3 - start_ns)
+        self._note_run(t3 - start_ns, inputs)
         return outputs
 
-    def _note_run(self, ns: int) -> None:
-        """Fold one lone request's run into ``typical_run_ns`` (a plain store: readers tolerate a stale value)."""
+    def _note_run(self, ns: int, inputs: Mapping[str, np.ndarray]) -> None:
+        """Fold one lone request's run into the typical figures (plain stores: readers tolerate stale values)."""
+        nbytes = max(1, sum(a.nbytes for a in inputs.values()))
         self._runs_seen += 1
-        self.typical_run_ns = ns if self._runs_seen == 1 else int(self.typical_run_ns + (ns - self.typical_run_ns) / 8)
+        if self._runs_seen == 1:
+            self.typical_run_ns, self._typical_bytes = ns, nbytes
+        else:
+            self.typical_run_ns = int(self.typical_run_ns + (ns - self.typical_run_ns) / 8)
+            self._typical_bytes = max(1, int(self._typical_bytes + (nbytes - self._typical_bytes) / 8))
 
     @property
     def queued(self) -> int:
@@ -336,7 +348,7 @@ class Scheduler:
         samples = sum(b for _, b in reqs)
         self.stats.record_batch(samples, len(reqs), t1 - t0, t2 - t1, t3 - t2)
         if len(reqs) == 1:
-            self._note_run(t3 - t0)
+            self._note_run(t3 - t0, inputs)
         if queued:
             self.policy.record(samples, len(reqs), t3 - t0)
         return results

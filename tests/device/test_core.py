@@ -293,11 +293,19 @@ def test_try_inline_runs_only_short_runs_of_an_idle_model(digits_service: Infere
     queued = svc.infer_or_submit(InferRequest("digits", {"pixels": x[:1]}), max_run_ns=0)
     assert isinstance(queued, Future)  # its runs are longer than the caller can block for
     np.testing.assert_allclose(queued.result(10).outputs["probabilities"], done.outputs["probabilities"], rtol=1e-6)
+    # Inputs far larger than the usual ones are expected to run longer in proportion (dynamic shapes):
+    # within a limit of twice the typical run, one row runs inline and 64 rows are queued.
+    limit = 2 * sched.typical_run_ns
+    assert isinstance(svc.infer_or_submit(InferRequest("digits", {"pixels": x[:1]}), max_run_ns=limit),
+                      InferResponse)
+    big = svc.infer_or_submit(InferRequest("digits", {"pixels": x[:64]}), max_run_ns=limit)
+    assert isinstance(big, Future)
+    assert big.result(10).outputs["probabilities"].shape == (64, 10)
     with sched._cv:  # a request waiting in the queue: the model is not idle
         waiting = svc.submit(InferRequest("digits", {"pixels": x[:1]}))
         assert isinstance(svc.infer_or_submit(InferRequest("digits", {"pixels": x[:1]}), max_run_ns=10**9), Future)
     waiting.result(10)
-    assert svc.statistics("digits")[0]["inline_count"] == before + 1
+    assert svc.statistics("digits")[0]["inline_count"] == before + 2
 
 
 def test_traffic_moving_between_inline_and_queued_paths_counts_every_request_once(
