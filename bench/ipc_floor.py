@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 from bench.common import stop_process
 
 _PAYLOAD = b"x" * 64
+_WORK = struct.Struct("=d")  # a round trip with work: how long the responder spins before answering
 
 
 class Pinger:
@@ -37,6 +39,16 @@ class Pinger:
         self.sock.send(_PAYLOAD)
         self.sock.recv(256)
 
+    def round_trip_around(self, busy_s: float) -> float:
+        """One round trip in which the responder works (spins) ``busy_s`` before answering, as a
+        daemon computes; returns the round trip minus that work. Meanwhile this side sleeps in
+        ``recv`` as a client does, so the wake-up after an idle stretch is counted: on a VM whose
+        idle vCPUs halt it costs several times what a back-to-back ping-pong shows."""
+        t0 = time.perf_counter()
+        self.sock.send(_WORK.pack(busy_s))
+        self.sock.recv(256)
+        return time.perf_counter() - t0 - busy_s
+
     def close(self) -> None:
         self.sock.close()  # the responder sees end of file and exits
         stop_process(self.proc, 5)
@@ -44,7 +56,12 @@ class Pinger:
 
 def respond(fd: int) -> None:
     s = socket.socket(fileno=fd)
+    pc = time.perf_counter
     while msg := s.recv(256):
+        if len(msg) == _WORK.size:
+            end = pc() + _WORK.unpack(msg)[0]
+            while pc() < end:
+                pass
         s.send(msg)
 
 
