@@ -826,7 +826,8 @@ def main() -> int:
         shm.close()
         for st in [stream1, *streams8]:
             st.close()
-        for conn in [grpc, *grpc8, *http8]:
+        closers: list[Any] = [grpc, *grpc8, *http8]
+        for conn in closers:
             conn.close()
         driver.c.loop_stop()
         rt.manager.shutdown()
