@@ -11,7 +11,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -167,6 +167,17 @@ class Scheduler:
         wanted = req.outputs
         inputs = req.inputs
         t1 = time.monotonic_ns()
+        outputs = self._engine_run(inputs, wanted)
+        t2 = time.monotonic_ns()
+        if wanted is not None:
+            outputs = {n: outputs[n] for n in wanted}
+        t3 = time.monotonic_ns()
+        self.stats.record_inline(batch, t1 - start_ns, t2 - t1, t3 - t2, t3 - start_ns)
+        self._note_run(t3 - start_ns, inputs)
+        return outputs
+
+    def _engine_run(self, inputs: Mapping[str, np.ndarray], wanted: Sequence[str] | None) -> dict[str, np.ndarray]:
+        """One engine run; an engine failure becomes the input's fault or an internal one (engine_errors)."""
         try:
             outputs = self.engine.infer(inputs, wanted)
         except Exception as e:
@@ -174,12 +185,6 @@ class Scheduler:
                 raise
             raise self.good_shapes.explain(f"model {self.name!r} version {self.version}", inputs, e) from None
         self.good_shapes.record(inputs)
-        t2 = time.monotonic_ns()
-        if wanted is not None:
-            outputs = {n: outputs[n] for n in wanted}
-        t3 = time.monotonic_ns()
-        self.stats.record_inline(batch, t1 - start_ns, t2 - t1, t3 - t2, t3 - start_ns)
-        self._note_run(t3 - start_ns, inputs)
         return outputs
 
     def _note_run(self, ns: int, inputs: Mapping[str, np.ndarray]) -> None:
@@ -326,13 +331,7 @@ class Scheduler:
             inputs = {n: np.concatenate([r.inputs[n] for r, _ in reqs], axis=0) for n in names}
         wanted = self._wanted_outputs([r for r, _ in reqs])
         t1 = time.monotonic_ns()
-        try:
-            outputs = self.engine.infer(inputs, wanted)
-        except Exception as e:
-            if isinstance(e, EdgedError) and not isinstance(e, InvalidInputError):
-                raise
-            raise self.good_shapes.explain(f"model {self.name!r} version {self.version}", inputs, e) from None
-        self.good_shapes.record(inputs)
+        outputs = self._engine_run(inputs, wanted)
         t2 = time.monotonic_ns()
         results: list[dict[str, np.ndarray]] = []
         if len(reqs) == 1:
