@@ -223,54 +223,6 @@ def test_stream_answers_each_request_once_in_order_with_errors_in_place(
     np.testing.assert_allclose(got[5][0].as_numpy("probabilities"), in_process(srv, "digits", row), rtol=1e-5)
 
 
-def test_a_lone_request_runs_on_the_loop_and_a_pipelined_stream_is_queued(
-        tmp_path: Path, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
-    """Serial calls skip the worker hand-off (the model idle, its runs short). A stream written faster
-    than the model answers has requests in progress together: they queue for the batcher instead of
-    running one by one on the loop. Every answer matches the in-process one and is counted once."""
-    x, _ = digits_holdout
-    with served(copy_models(tmp_path / "models", "digits", "mobilenet"), tmp_path, grpc="") as s:
-        want = in_process(s, "digits", x[:20])
-        images = np.random.default_rng(3).random((30, 3, 48, 192), dtype=np.float32)
-        want_images = np.concatenate([in_process(s, "mobilenet", images[k:k + 1]) for k in range(30)])
-
-        def stats(model: str) -> dict[str, Any]:
-            out: dict[str, Any] = s.service.statistics(model)[0]
-            return out
-
-        before = stats("digits")
-        c = tg.InferenceServerClient(s.grpc_url)
-        try:
-            for i in range(20):
-                got = c.infer("digits", [digits_request(x[i:i + 1])]).as_numpy("probabilities")
-                np.testing.assert_allclose(got[0], want[i], rtol=1e-5, atol=1e-6)
-            after = stats("digits")
-            assert after["inline_count"] - before["inline_count"] == 20
-            assert after["inference_stats"]["success"]["count"] == before["inference_stats"]["success"]["count"] + 20
-
-            before = stats("mobilenet")
-            answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
-            c.start_stream(callback=lambda result, error: answers.put((result, error)))
-            try:
-                for k in range(30):
-                    inp = tg.InferInput("image", [1, 3, 48, 192], "FP32")
-                    inp.set_data_from_numpy(images[k:k + 1])
-                    c.async_stream_infer("mobilenet", [inp], request_id=str(k))
-                got_all = [answers.get(timeout=60) for _ in range(30)]
-            finally:
-                c.stop_stream()
-        finally:
-            c.close()
-        for k, (result, error) in enumerate(got_all):
-            assert error is None, error
-            assert result.get_response().id == str(k)
-            np.testing.assert_allclose(result.as_numpy("probabilities")[0], want_images[k], rtol=1e-5, atol=1e-6)
-        after = stats("mobilenet")
-        assert after["inline_count"] - before["inline_count"] < 30, "every streamed request ran on the loop"
-        assert after["inference_stats"]["success"]["count"] == before["inference_stats"]["success"]["count"] + 30
-        assert after["inference_stats"]["fail"]["count"] == 0 and after["in_flight"] == 0
-
-
 # ---- refusals: the right status, and the next request is served ----------------------------------
 def _ok(triton: tg.InferenceServerClient, x: np.ndarray) -> None:
     assert triton.infer("digits", [digits_request(x[:1])]).as_numpy("probabilities").shape == (1, 10)

@@ -17,14 +17,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from google.protobuf import json_format
 
 from edged.core.service import InferenceService
-from edged.core.types import InferRequest, InferResponse
 from edged.errors import EdgedError, ErrorCode, InvalidInputError
 from edged.protocol.v2 import dumps, loads
 from edged.transports import v2_ops
@@ -80,7 +79,6 @@ class GrpcApp:
     authority: Authority
     stream_inflight: int  # [grpc] max_stream_inflight
     stopping: bool = False
-    _active: int = field(default=0, init=False)  # inference requests being computed, unary and streamed
 
     def handler(self) -> Any:
         """The generic handler grpcio serves: method name -> raw-bytes handler."""
@@ -237,29 +235,10 @@ class GrpcApp:
         else:
             decoded = decode_infer(req, shm)
         v2_ops.prepare_infer(decoded, shm, context.time_remaining())
-        self._active += 1
-        try:
-            resp = await self._answer(decoded.request)
-        finally:
-            self._active -= 1
+        resp = await asyncio.wrap_future(self.service.submit(decoded.request))
         if v2_ops.encode_is_heavy(resp, decoded):
             return await asyncio.to_thread(encode_infer, resp, decoded, shm)
         return encode_infer(resp, decoded, shm)
-
-    async def _answer(self, request: InferRequest) -> InferResponse:
-        """The answer computed on the event loop when this is the only inference request in
-        progress (see v2_ops.LOOP_INLINE_MAX_NS), else through the model's queue.
-
-        grpcio gives no count of calls that arrived while the loop was busy: they are already
-        scheduled to start, so one turn of the loop lets them begin and count themselves before
-        this one decides; requests that arrive together then all queue and can be batched.
-        """
-        if self._active == 1:
-            await asyncio.sleep(0)
-            if self._active == 1:
-                done = self.service.infer_or_submit(request, v2_ops.LOOP_INLINE_MAX_NS)
-                return done if isinstance(done, InferResponse) else await asyncio.wrap_future(done)
-        return await asyncio.wrap_future(self.service.submit(request))
 
     async def _stream_one(self, data: bytes, context: Any) -> bytes:
         """One stream request's answer, success or error; never raises (the stream goes on)."""
