@@ -141,7 +141,8 @@ class Scheduler:
             return False
 
     def _run_claimed(self, req: InferRequest, batch: int) -> InferResponse:
-        """The inline hot path: one lock to give the instance back, one for the statistics."""
+        """The inline hot path: after the claim, one lock to give the instance back and two for the
+        statistics (in flight, then the run and its success together)."""
         stats = self.stats
         stats.enter()
         start_ns = time.monotonic_ns()
