@@ -109,14 +109,17 @@ class ModelStats:
         with self._lock:
             self.in_flight += 1
 
-    def record_success(self, *, queue_ns: int, total_ns: int, inline: bool = False) -> None:
+    def record_success(self, *, queue_ns: int, total_ns: int) -> None:
         with self._lock:
-            self.in_flight -= 1
-            self.inline_count += inline
-            self.success.add(total_ns)
-            self.queue.add(queue_ns)
-            self.queue_hist.observe(queue_ns / 1e9)
-            self.total_hist.observe(total_ns / 1e9)
+            self._success(queue_ns, total_ns)
+
+    def _success(self, queue_ns: int, total_ns: int) -> None:
+        """One request answered (the lock is held)."""
+        self.in_flight -= 1
+        self.success.add(total_ns)
+        self.queue.add(queue_ns)
+        self.queue_hist.observe(queue_ns / 1e9)
+        self.total_hist.observe(total_ns / 1e9)
 
     def record_failure(self, code: str, *, total_ns: int, started: bool = True) -> None:
         with self._lock:
@@ -129,12 +132,8 @@ class ModelStats:
         """A request that ran on its caller's thread: its one engine run and its success, under one lock."""
         with self._lock:
             self._batch(batch_size, 1, input_ns, infer_ns, output_ns)
-            self.in_flight -= 1
+            self._success(0, total_ns)
             self.inline_count += 1
-            self.success.add(total_ns)
-            self.queue.count += 1  # waited 0 ns
-            self.queue_hist.observe(0.0)
-            self.total_hist.observe(total_ns / 1e9)
 
     def record_batch(self, batch_size: int, requests: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         with self._lock:
