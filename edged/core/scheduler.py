@@ -36,6 +36,12 @@ log = logging.getLogger(__name__)
 
 # How long after seeing concurrent arrivals the batcher keeps waiting for batches to fill.
 _CONCURRENCY_MEMORY_S = 0.1
+# typical_run_ns before any lone run has been seen: longer than any caller will block for.
+_UNKNOWN_RUN_NS = 1 << 62
+
+
+def _nbytes(inputs: Mapping[str, np.ndarray]) -> int:
+    return sum(a.nbytes for a in inputs.values())
 
 
 @dataclass
@@ -79,9 +85,8 @@ class Scheduler:
         # Moving averages of one request's engine run alone (ns) and of its input bytes; unknown until
         # a run has been seen, so an event loop never runs a model inline before knowing how long it
         # blocks. A request's run is estimated in proportion to its input bytes (dynamic shapes).
-        self.typical_run_ns = 1 << 62
+        self.typical_run_ns = _UNKNOWN_RUN_NS
         self._typical_bytes = 1
-        self._runs_seen = 0
         self._workers = [
             threading.Thread(target=self._work, name=f"edged-{name}-v{version}-{i}", daemon=True)
             for i in range(instances)
@@ -115,7 +120,7 @@ class Scheduler:
         """
         if not self._claim():
             return self.submit(req, batch).result()
-        return self._run_claimed(req, batch)
+        return self._run_claimed(req, batch, _nbytes(req.inputs))
 
     def try_inline(self, req: InferRequest, batch: int, max_run_ns: int) -> InferResponse | None:
         """Run on the caller's thread if the model is idle and its runs take at most ``max_run_ns``.
@@ -126,10 +131,10 @@ class Scheduler:
         typical = self.typical_run_ns
         if typical > max_run_ns:
             return None
-        nbytes = sum(a.nbytes for a in req.inputs.values())
+        nbytes = _nbytes(req.inputs)
         if nbytes * typical > max_run_ns * self._typical_bytes or not self._claim():
             return None
-        return self._run_claimed(req, batch)
+        return self._run_claimed(req, batch, nbytes)
 
     def _claim(self) -> bool:
         """Take an instance for the caller if nothing is queued and no traffic overlapped lately."""
@@ -140,7 +145,7 @@ class Scheduler:
                 return True
             return False
 
-    def _run_claimed(self, req: InferRequest, batch: int) -> InferResponse:
+    def _run_claimed(self, req: InferRequest, batch: int, nbytes: int) -> InferResponse:
         """The inline hot path: after the claim, one lock to give the instance back and two for the
         statistics (in flight, then the run and its success together)."""
         stats = self.stats
@@ -149,7 +154,7 @@ class Scheduler:
         try:
             if req.deadline is not None and start_ns / 1e9 > req.deadline:
                 raise DeadlineExceededError(f"model {self.name!r}: request arrived past its deadline")
-            outs = self._compute_one(req, batch, start_ns)
+            outs = self._compute_one(req, batch, start_ns, nbytes)
         except EdgedError as e:
             stats.record_failure(failure_key(e), total_ns=time.monotonic_ns() - start_ns)
             raise
@@ -163,7 +168,7 @@ class Scheduler:
                     self._cv.notify()
         return InferResponse(self.name, self.version, outs, req.id)
 
-    def _compute_one(self, req: InferRequest, batch: int, start_ns: int) -> dict[str, np.ndarray]:
+    def _compute_one(self, req: InferRequest, batch: int, start_ns: int, nbytes: int) -> dict[str, np.ndarray]:
         """``_compute`` for one inline request: no concatenation, no split, statistics in one call."""
         wanted = req.outputs
         inputs = req.inputs
@@ -174,7 +179,7 @@ class Scheduler:
             outputs = {n: outputs[n] for n in wanted}
         t3 = time.monotonic_ns()
         self.stats.record_inline(batch, t1 - start_ns, t2 - t1, t3 - t2, t3 - start_ns)
-        self._note_run(t3 - start_ns, inputs)
+        self._note_run(t3 - start_ns, nbytes)
         return outputs
 
     def _engine_run(self, inputs: Mapping[str, np.ndarray], wanted: Sequence[str] | None) -> dict[str, np.ndarray]:
@@ -188,11 +193,10 @@ class Scheduler:
         self.good_shapes.record(inputs)
         return outputs
 
-    def _note_run(self, ns: int, inputs: Mapping[str, np.ndarray]) -> None:
+    def _note_run(self, ns: int, nbytes: int) -> None:
         """Fold one lone request's run into the typical figures (plain stores: readers tolerate stale values)."""
-        nbytes = max(1, sum(a.nbytes for a in inputs.values()))
-        self._runs_seen += 1
-        if self._runs_seen == 1:
+        nbytes = max(1, nbytes)
+        if self.typical_run_ns == _UNKNOWN_RUN_NS:
             self.typical_run_ns, self._typical_bytes = ns, nbytes
         else:
             self.typical_run_ns = int(self.typical_run_ns + (ns - self.typical_run_ns) / 8)
@@ -348,7 +352,7 @@ class Scheduler:
         samples = sum(b for _, b in reqs)
         self.stats.record_batch(samples, len(reqs), t1 - t0, t2 - t1, t3 - t2)
         if len(reqs) == 1:
-            self._note_run(t3 - t0, inputs)
+            self._note_run(t3 - t0, _nbytes(inputs))
         if queued:
             self.policy.record(samples, len(reqs), t3 - t0)
         return results
