@@ -5,18 +5,21 @@ from __future__ import annotations
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from edged.backends.base import Engine, EngineTensor
 from edged.config import ModelsSection
 from edged.core.batch_policy import PROBE_EVERY, BatchPolicy
 from edged.core.manager import ModelManager
 from edged.core.model_versions import ModelState
+from edged.core.scheduler import Scheduler
 from edged.core.service import InferenceService
+from edged.core.stats import ModelStats
 from edged.core.types import InferRequest, InferResponse
 from edged.errors import (
     DeadlineExceededError,
@@ -27,6 +30,7 @@ from edged.errors import (
     OverloadedError,
 )
 from edged.profiles import BackendPreference
+from edged.repository.manifest import Batching
 from tests.conftest import MODELS
 
 MakeRepo = Callable[..., Path]
@@ -382,3 +386,53 @@ def test_batch_policy_stops_batching_that_does_not_pay_and_probes_back() -> None
     off = BatchPolicy(enabled=False)
     off.record(8, 8, 1)
     assert not off.batch_now() and off.to_json()["mode"] == "off"
+
+
+class _Gated(Engine):
+    """Doubles its input; a run waits while the gate is closed, so a test can hold the worker."""
+
+    backend, device, precision = "gated", "CPU", "fp32"
+    inputs = [EngineTensor("x", "FP32", (-1, 4))]
+    outputs = [EngineTensor("y", "FP32", (-1, 4))]
+
+    def __init__(self) -> None:
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.runs: list[int] = []
+
+    def infer(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        self.entered.set()
+        assert self.gate.wait(10)
+        self.runs.append(len(inputs["x"]))
+        return {"y": inputs["x"] * 2}
+
+
+def test_a_filling_batch_leaves_when_full_not_at_the_delay() -> None:
+    """A partial batch waits for the size recent traffic reached and leaves the moment it gets
+    there: with a 30 s queue delay, paced requests are combined and none waits for the delay."""
+    engine = _Gated()
+    sched = Scheduler("m", 1, engine, max_batch_size=8, instances=1, stats=ModelStats("m", 1),
+                      batching=Batching(max_queue_delay_us=30_000_000, preferred_batch_sizes=[4]))
+    try:
+        x = np.arange(4, dtype=np.float32).reshape(1, 4)
+        # Traffic that overlaps: one run held at the gate while seven queue behind it.
+        first = [sched.submit(InferRequest("m", {"x": x}), 1)]
+        assert engine.entered.wait(10)
+        first += [sched.submit(InferRequest("m", {"x": x + i}), 1) for i in range(7)]
+        engine.gate.set()
+        for f in first:
+            f.result(10)
+        before = len(engine.runs)
+        # Now arrivals paced far apart: each batch waits for its fourth request, then leaves.
+        t0 = time.monotonic()
+        paced = []
+        for i in range(8):
+            paced.append(sched.submit(InferRequest("m", {"x": x + i}), 1))
+            time.sleep(0.03)
+        answers = [f.result(10).outputs["y"] for f in paced]
+        took = time.monotonic() - t0
+        for i, y in enumerate(answers):
+            np.testing.assert_array_equal(y, (x + i) * 2)
+        assert took < 10, f"paced requests waited for the 30 s delay ({took:.1f} s): a wake-up was lost"
+        assert sum(engine.runs[before:]) == 8 and max(engine.runs[before:]) >= 4, engine.runs
+    finally:
+        assert sched.drain(10)
