@@ -26,6 +26,8 @@ from typing import Any
 import httpx
 import numpy as np
 
+from tests.http_client import web
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DIGITS = REPO_ROOT / "models" / "digits" / "1"
 PY = sys.executable
@@ -452,7 +454,7 @@ class DaemonProcess:
             assert self.proc is not None
             if self.proc.poll() is not None:
                 raise AssertionError(f"daemon exited with {self.proc.returncode}")
-            return httpx.get(f"{self.base}/v2/health/live", timeout=1).status_code == 200
+            return web().get(f"{self.base}/v2/health/live", timeout=1).status_code == 200
 
         wait_for(up, timeout, 0.05, "the daemon's HTTP endpoint")
 
@@ -480,14 +482,14 @@ class DaemonProcess:
 
     def versions(self, model: str = "digits") -> list[int]:
         """READY versions of ``model`` as the daemon's repository index reports them."""
-        r = httpx.post(f"{self.base}/v2/repository/index", json={}, timeout=5)
+        r = web().post(f"{self.base}/v2/repository/index", json={}, timeout=5)
         r.raise_for_status()
         return sorted(int(m["version"]) for m in r.json() if m["name"] == model and m.get("state") == "READY")
 
     def infer(self, x: np.ndarray, model: str = "digits") -> httpx.Response:
         body = {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": list(x.shape),
                             "data": x.ravel().tolist()}]}
-        return httpx.post(f"{self.base}/v2/models/{model}/infer", json=body, timeout=10)
+        return web().post(f"{self.base}/v2/models/{model}/infer", json=body, timeout=10)
 
 
 class EdgedRun(DaemonProcess):

@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 
 from edged.protocol.fleet.telemetry import INGEST_PATH
+from tests.http_client import web
 
 
 class ApiDevice:
@@ -23,7 +24,7 @@ class ApiDevice:
     @classmethod
     def enroll(cls, url: str, token: str, device_id: str, labels: dict[str, str] | None = None,
                facts: dict[str, Any] | None = None) -> ApiDevice:
-        r = httpx.post(f"{url}/api/v1/enroll", json={"token": token, "device_id": device_id,
+        r = web().post(f"{url}/api/v1/enroll", json={"token": token, "device_id": device_id,
                                                      "labels": labels or {}, "facts": facts or {}})
         assert r.status_code == 200, r.text
         return cls(url, device_id, str(r.json()["credential"]))
@@ -36,7 +37,7 @@ class ApiDevice:
         h = dict(self.auth)
         if etag:
             h["If-None-Match"] = etag
-        return httpx.get(f"{self.url}/api/v1/device/desired-state", headers=h)
+        return web().get(f"{self.url}/api/v1/device/desired-state", headers=h)
 
     def desired(self) -> dict[str, Any]:
         r = self.poll()
@@ -53,13 +54,13 @@ class ApiDevice:
     def report(self, model: str, step: str, release: int, version: int | None = None,
                reason: str | None = None, *, quality: dict[str, Any] | None = None) -> None:
         self.seq += 1
-        r = httpx.post(f"{self.url}/api/v1/device/reports", headers=self.auth, json={"events": [
+        r = web().post(f"{self.url}/api/v1/device/reports", headers=self.auth, json={"events": [
             {"seq": self.seq, "model": model, "step": step, "version": version, "release": release,
              "reason": reason, "quality": quality, "at": time.time()}]})
         assert r.status_code == 200, r.text
 
     def blob(self, sha256: str) -> int:
-        return httpx.get(f"{self.url}/api/v1/blobs/{sha256}", headers=self.auth).status_code
+        return web().get(f"{self.url}/api/v1/blobs/{sha256}", headers=self.auth).status_code
 
     def telemetry(self, model: str, version: int, *, ok: int, errors: int = 0, latency_s: float = 0.004) -> None:
         """One window of traffic: ``ok`` requests at about ``latency_s`` and ``errors`` failures."""
@@ -73,6 +74,6 @@ class ApiDevice:
                   "latency": {"counts": counts, "sum_s": ok * latency_s}}
         sample = {"device": self.id, "seq": self.tseq, "run": self.run, "t": time.time(), "window_s": 10.0,
                   "uptime_s": 10.0, "models": [window]}
-        r = httpx.post(f"{self.url}{INGEST_PATH}", headers=self.auth,
+        r = web().post(f"{self.url}{INGEST_PATH}", headers=self.auth,
                        json={"buffer_id": self.run, "items": [sample]})
         assert r.status_code == 200, r.text

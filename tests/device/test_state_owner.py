@@ -20,6 +20,7 @@ from edged.protocol.fleet.release import SignedRelease
 from edged.sync.settings import SyncSettings
 from edged.sync.state import STATE_FILE, ModelSync, Pending, StateStore, SyncState, VersionRef
 from tests.conftest import EDGED, REPO_ROOT
+from tests.http_client import web
 from tests.http_helpers import copy_models
 from tests.netutil import free_port
 from tests.registry_helpers import Keys, device_toml, wait_for
@@ -48,7 +49,7 @@ def test_duplicate_starts_change_nothing_in_the_owners_state(tmp_path: Path) -> 
         def live() -> bool:
             assert owner.poll() is None, log.read_text()[-3000:]
             try:
-                return httpx.get(f"http://127.0.0.1:{port}/v2/health/live", timeout=1).status_code == 200
+                return web().get(f"http://127.0.0.1:{port}/v2/health/live", timeout=1).status_code == 200
             except httpx.HTTPError:
                 return False
 

@@ -41,6 +41,7 @@ from edged.telemetry.agent import TelemetryAgent
 from edged.telemetry.buffer import BufferStats, TelemetryBuffer
 from edged.telemetry.prometheus import MetricsRenderer
 from edged.telemetry.upload import Outcome, Uploader, UploadSettings, UploadStats
+from tests.http_client import web
 from tests.netutil import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -125,7 +126,7 @@ def ingest(tmp_path: Path) -> Iterator[IngestRegistry]:
 
 
 def admin_get(url: str, path: str, **params: Any) -> Any:
-    r = httpx.get(url + path, params=params, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+    r = web().get(url + path, params=params, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -165,19 +166,19 @@ def batch(buffer_id: str, seqs: list[int], dropped: int = 0, dropped_total: int 
 def test_ingest_is_idempotent_and_serves_series(ingest: IngestRegistry) -> None:
     dev = {"Authorization": f"Bearer {ingest.credential}", "Content-Type": "application/json"}
     url = ingest.url + INGEST_PATH
-    r = httpx.post(url, content=batch("b1", [1, 2, 3], dropped=4, dropped_total=4), headers=dev)
+    r = web().post(url, content=batch("b1", [1, 2, 3], dropped=4, dropped_total=4), headers=dev)
     assert r.status_code == 200 and r.json() == {"accepted": 3, "duplicates": 0, "last_seq": 3}
     # A lost acknowledgement: the same batch again, one more sample behind it. Stored once; drops not re-added.
-    r = httpx.post(url, content=batch("b1", [1, 2, 3, 4], dropped=4, dropped_total=4), headers=dev)
+    r = web().post(url, content=batch("b1", [1, 2, 3, 4], dropped=4, dropped_total=4), headers=dev)
     assert r.json() == {"accepted": 1, "duplicates": 3, "last_seq": 4}
     # A new buffer (the device lost its state dir): seq restarts, nothing is taken for a duplicate.
-    r = httpx.post(url, content=batch("b2", [1, 2], dropped=2, dropped_total=2, run="r2", success=3, fails=1),
+    r = web().post(url, content=batch("b2", [1, 2], dropped=2, dropped_total=2, run="r2", success=3, fails=1),
                    headers=dev)
     assert r.json()["accepted"] == 2
-    assert httpx.post(url, content=batch("b3", [1]), headers={"Content-Type": "application/json"}).status_code == 401
-    bad = httpx.post(url, content=batch("b3", [0]), headers=dev)
+    assert web().post(url, content=batch("b3", [1]), headers={"Content-Type": "application/json"}).status_code == 401
+    bad = web().post(url, content=batch("b3", [0]), headers=dev)
     assert bad.status_code == 400 and "seq" in bad.json()["error"]["message"]
-    assert httpx.get(ingest.url + f"/api/v1/devices/{DEVICE}/telemetry", headers=dev).status_code == 401
+    assert web().get(ingest.url + f"/api/v1/devices/{DEVICE}/telemetry", headers=dev).status_code == 401
 
     series = admin_get(ingest.url, f"/api/v1/devices/{DEVICE}/telemetry")
     assert [p["seq"] for p in series["points"]] == [1, 2, 3, 4, 1, 2]
@@ -198,7 +199,7 @@ def test_prune_deletes_old_samples(ingest: IngestRegistry) -> None:
     from edged.registry.telemetry_tables import TelemetryModelRow, TelemetrySampleRow
 
     dev = {"Authorization": f"Bearer {ingest.credential}", "Content-Type": "application/json"}
-    assert httpx.post(ingest.url + INGEST_PATH, content=batch("b1", [1, 2]), headers=dev).status_code == 200
+    assert web().post(ingest.url + INGEST_PATH, content=batch("b1", [1, 2]), headers=dev).status_code == 200
     with ingest.sessions() as s, s.begin():
         assert prune(s, time.time() - 3600) == 0
         assert prune(s, time.time() + 1) == 2
@@ -431,7 +432,7 @@ class RealRegistry:
         def up() -> bool:
             assert self.proc is not None and self.proc.poll() is None, "edged-registry serve exited"
             try:
-                return httpx.get(self.url + "/healthz", timeout=2).status_code == 200
+                return web().get(self.url + "/healthz", timeout=2).status_code == 200
             except httpx.HTTPError:
                 return False
 
@@ -445,10 +446,10 @@ class RealRegistry:
 
     def enroll(self) -> None:
         h = {"Authorization": f"Bearer {ADMIN}"}
-        tok = httpx.post(self.url + "/api/v1/enrollment-tokens", json={"uses": 1, "labels": {"site": "a"}},
+        tok = web().post(self.url + "/api/v1/enrollment-tokens", json={"uses": 1, "labels": {"site": "a"}},
                          headers=h, timeout=30)
         assert tok.status_code == 201, tok.text
-        r = httpx.post(self.url + "/api/v1/enroll", json={"token": tok.json()["token"], "device_id": DEVICE},
+        r = web().post(self.url + "/api/v1/enroll", json={"token": tok.json()["token"], "device_id": DEVICE},
                        timeout=30)
         assert r.status_code == 200, r.text
         self.credential = r.json()["credential"]
@@ -463,7 +464,7 @@ def test_outage_and_restart_against_the_real_registry(tmp_path: Path, model_repo
     reg = RealRegistry(tmp_path / "registry")
     reg.start()
     try:
-        paths = httpx.get(reg.url + "/openapi.json", timeout=30).json()["paths"]
+        paths = web().get(reg.url + "/openapi.json", timeout=30).json()["paths"]
         if INGEST_PATH not in paths:
             pytest.skip("edged-registry serve does not mount the telemetry ingest router yet "
                         "(edged/registry/telemetry_ingest.py; integration steps in docs/telemetry.md)")
@@ -559,7 +560,7 @@ def test_rollback_reactivation_and_restart_under_load_count_each_request_once(
     reg = RealRegistry(tmp_path / "registry")
     reg.start()
     try:
-        paths = httpx.get(reg.url + "/openapi.json", timeout=30).json()["paths"]
+        paths = web().get(reg.url + "/openapi.json", timeout=30).json()["paths"]
         if INGEST_PATH not in paths:
             pytest.skip("edged-registry serve does not mount the telemetry ingest router")
         reg.enroll()

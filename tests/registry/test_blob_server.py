@@ -26,6 +26,7 @@ import pytest
 
 from edged.registry.blob_urls import UrlSigner, signing_key
 from edged.sync.capped_http import RegistryHttp, SyncHttpError
+from tests.http_client import web
 from tests.registry_helpers import ADMIN_TOKEN, PY, REPO_ROOT, Keys, RegistryServer, free_port, make_version, wait_for
 
 MODEL = "blobby"
@@ -100,7 +101,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             c.release(keys.load(), MODEL, 1, expires_in_s=600)
             files = {f.path: f.sha256 for f in c.version(MODEL, 1).files}
             token = c.enrollment_token().token
-        r = httpx.post(f"{server.url}/api/v1/enroll", json={"token": token, "device_id": "blob-dev"})
+        r = web().post(f"{server.url}/api/v1/enroll", json={"token": token, "device_id": "blob-dev"})
         assert r.status_code == 200, r.text
         yield Setup(server, proxy, keys, tmp, folder, files, r.json()["credential"])
     finally:
@@ -117,28 +118,28 @@ def direct(setup: Setup, location: str) -> str:
 def test_api_redirects_devices_to_a_signed_url(setup: Setup) -> None:
     sha = setup.files["model.onnx"]
     data = (setup.folder / "model.onnx").read_bytes()
-    r = httpx.get(f"{setup.server.url}/api/v1/blobs/{sha}", headers=setup.device())
+    r = web().get(f"{setup.server.url}/api/v1/blobs/{sha}", headers=setup.device())
     assert r.status_code == 307 and r.headers["cache-control"] == "no-store"
     loc = r.headers["location"]
     assert loc.startswith(f"http://127.0.0.1:{setup.proxy.server.server_address[1]}/blobs/{sha}?exp=")  # type: ignore[union-attr]
-    got = httpx.get(direct(setup, loc))
+    got = web().get(direct(setup, loc))
     assert got.status_code == 200 and got.content == data and got.headers["etag"] == f'"{sha}"'
-    part = httpx.get(direct(setup, loc), headers={"Range": "bytes=100-", "If-Range": f'"{sha}"'})
+    part = web().get(direct(setup, loc), headers={"Range": "bytes=100-", "If-Range": f'"{sha}"'})
     assert part.status_code == 206 and part.content == data[100:]
-    assert httpx.get(direct(setup, loc), headers={"Range": "bytes=100-", "If-Range": '"x"'}).content == data
-    assert httpx.get(direct(setup, loc), headers={"Range": f"bytes={len(data) + 5}-"}).status_code == 416
+    assert web().get(direct(setup, loc), headers={"Range": "bytes=100-", "If-Range": '"x"'}).content == data
+    assert web().get(direct(setup, loc), headers={"Range": f"bytes={len(data) + 5}-"}).status_code == 416
     assert httpx.head(direct(setup, loc)).headers["content-length"] == str(len(data))
     # operators still get the bytes from the API; nobody without a credential gets a URL
-    assert httpx.get(f"{setup.server.url}/api/v1/blobs/{sha}", headers={
+    assert web().get(f"{setup.server.url}/api/v1/blobs/{sha}", headers={
         "Authorization": f"Bearer {ADMIN_TOKEN}"}).content == data
-    assert httpx.get(f"{setup.server.url}/api/v1/blobs/{sha}").status_code == 401
+    assert web().get(f"{setup.server.url}/api/v1/blobs/{sha}").status_code == 401
 
 
 def test_blob_server_refuses_unsigned_forged_expired_and_foreign_urls(setup: Setup) -> None:
     sha = setup.files["model.onnx"]
     other = setup.files["labels.txt"]
     base = f"{setup.server.blob_url}/blobs"
-    loc = direct(setup, httpx.get(f"{setup.server.url}/api/v1/blobs/{sha}", headers=setup.device()).headers["location"])
+    loc = direct(setup, web().get(f"{setup.server.url}/api/v1/blobs/{sha}", headers=setup.device()).headers["location"])
     query = urlsplit(loc).query
     signer = UrlSigner(signing_key(setup.server.data_dir / "blobs"), ttl_s=10)
     expired = signer.query(sha, time.time() - 3600)
@@ -151,10 +152,10 @@ def test_blob_server_refuses_unsigned_forged_expired_and_foreign_urls(setup: Set
         # a valid signature with a credential but no exp: still refused (the bearer is not what counts here)
     }
     for url, why in cases.items():
-        r = httpx.get(url, headers=setup.device())
+        r = web().get(url, headers=setup.device())
         assert r.status_code == 403 and why in r.json()["error"]["message"], (url, r.text)
-    assert httpx.get(f"{base}/url-signing.key?{query}").status_code == 404
-    assert httpx.get(f"{base}/{'0' * 64}?{signer.query('0' * 64, time.time())}").status_code == 404
+    assert web().get(f"{base}/url-signing.key?{query}").status_code == 404
+    assert web().get(f"{base}/{'0' * 64}?{signer.query('0' * 64, time.time())}").status_code == 404
 
 
 def test_device_download_follows_the_redirect_without_its_credential_and_resumes(setup: Setup) -> None:
@@ -199,7 +200,7 @@ def test_blob_server_stops_with_the_api_process(tmp_path: Path) -> None:
 
     def gone() -> bool:
         try:
-            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=0.5)
+            web().get(f"http://127.0.0.1:{port}/healthz", timeout=0.5)
         except httpx.TransportError:
             return True
         return False

@@ -14,12 +14,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 
 from edged.latency_buckets import LATENCY_BUCKETS_S
 from edged.protocol.fleet.telemetry import INGEST_PATH
 from edged.registry.rollout_wire import Gates, RolloutCreate, StepSpec
+from tests.http_client import web
 from tests.registry.conftest import Env, registry_env
 from tests.registry_helpers import make_version
 
@@ -40,7 +40,7 @@ class Device:
         self.env, self.id = env, device_id
         with env.server.client() as c:
             token = c.enrollment_token().token
-        r = httpx.post(f"{env.url}/api/v1/enroll", json={"token": token, "device_id": device_id,
+        r = web().post(f"{env.url}/api/v1/enroll", json={"token": token, "device_id": device_id,
                                                           "facts": {"profile": "x86-64-cpu"}})
         assert r.status_code == 200, r.text
         self.h = {"Authorization": f"Bearer {r.json()['credential']}"}
@@ -50,13 +50,13 @@ class Device:
     def report(self, model: str, step: str, version: int, release: int, *, reason: str | None = None,
                detail: dict[str, Any] | None = None) -> None:
         self.seq += 1
-        r = httpx.post(f"{self.env.url}/api/v1/device/reports", headers=self.h, json={"events": [
+        r = web().post(f"{self.env.url}/api/v1/device/reports", headers=self.h, json={"events": [
             {"seq": self.seq, "model": model, "step": step, "version": version, "release": release,
              "reason": reason, "detail": detail or {}, "at": time.time()}]})
         assert r.status_code == 200, r.text
 
     def serving(self, model: str, version: int, release: int) -> None:
-        r = httpx.put(f"{self.env.url}/api/v1/device/facts", headers=self.h, json={
+        r = web().put(f"{self.env.url}/api/v1/device/facts", headers=self.h, json={
             "facts": {"profile": "x86-64-cpu", "n": next(_seq)},
             "serving": [{"model": model, "version": version, "release": release, "state": "committed"}]})
         assert r.status_code == 200, r.text
@@ -69,7 +69,7 @@ class Device:
         counts[slow] += ok // 20
         counts[fast] += ok - ok // 20
         self.tseq += 1
-        r = httpx.post(f"{self.env.url}{INGEST_PATH}", headers=self.h, json={"buffer_id": f"buf-{self.id}", "items": [
+        r = web().post(f"{self.env.url}{INGEST_PATH}", headers=self.h, json={"buffer_id": f"buf-{self.id}", "items": [
             {"device": self.id, "seq": self.tseq, "run": "run1", "t": time.time(), "window_s": 60.0,
              "uptime_s": 100.0, "profile": "x86-64-cpu",
              "models": [{"model": model, "version": version, "backend": ENGINE, "success": ok,
@@ -195,21 +195,21 @@ def test_pausing_a_rollout_stops_its_soak_clock(env: Env) -> None:
         c.release(env.keys.load(), model, 1, expires_in_s=3600)
         d = Device(env, f"{model}-0")
         ro = c.release_with_rollout(env.keys.load(), model, 2, RolloutCreate(
-            model=model, release=0, target={"devices": [d.id]}, steps=[StepSpec(percent=100, soak_s=8)],
+            model=model, release=0, target={"devices": [d.id]}, steps=[StepSpec(percent=100, soak_s=4)],
             gates=Gates(min_reporting=1)), expires_in_s=3600)
         d.report(model, "committed", 2, ro.release)
         c.evaluate_rollouts()
         ready = c.rollout(ro.id)
         assert ready.rollout.step_ready_at is not None and ready.soak_left_s is not None
         c.rollout_action(ro.id, "pause")
-        time.sleep(9)  # longer than the whole soak
+        time.sleep(5)  # longer than the whole soak
         paused = c.rollout(ro.id)
         assert paused.soak_left_s == pytest.approx(ready.soak_left_s, abs=1.0)  # frozen while paused
         assert f"paused, {paused.soak_left_s:.0f}s of soak left" in cli(env, "rollout", "status", str(ro.id))
         c.rollout_action(ro.id, "resume")
         c.evaluate_rollouts()
         after = c.rollout(ro.id)
-        assert after.rollout.state == "running" and after.soak_left_s is not None and after.soak_left_s > 2
+        assert after.rollout.state == "running" and after.soak_left_s is not None and after.soak_left_s > 1.5
         time.sleep(after.soak_left_s + 0.5)
         c.evaluate_rollouts()
         assert c.rollout(ro.id).rollout.state == "completed"

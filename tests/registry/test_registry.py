@@ -20,6 +20,7 @@ import pytest
 from edged.protocol.fleet.release import ReleaseManifest, TargetSelector, sign_release
 from edged.registry.rollout_wire import Gates, RolloutCreate, StepSpec
 from edged.registry.targets import RolloutTarget
+from tests.http_client import web
 from tests.registry.conftest import Env, registry_env
 from tests.registry_helpers import ADMIN_TOKEN, RegistryServer, make_version
 
@@ -47,7 +48,7 @@ def enroll(env: Env, device_id: str, labels: dict[str, str] | None = None) -> st
     """Enroll a new device; its labels come with the operator's enrollment token."""
     with env.server.client() as c:
         token = c.enrollment_token(labels=labels).token
-    r = httpx.post(f"{env.url}/api/v1/enroll", json={"token": token, "device_id": device_id})
+    r = web().post(f"{env.url}/api/v1/enroll", json={"token": token, "device_id": device_id})
     assert r.status_code == 200, r.text
     return str(r.json()["credential"])
 
@@ -56,7 +57,7 @@ def desired(env: Env, cred: str, etag: str | None = None) -> httpx.Response:
     h = {"Authorization": f"Bearer {cred}"}
     if etag:
         h["If-None-Match"] = etag
-    return httpx.get(f"{env.url}/api/v1/device/desired-state", headers=h)
+    return web().get(f"{env.url}/api/v1/device/desired-state", headers=h)
 
 
 # ---- schema ---------------------------------------------------------------------------------------
@@ -82,11 +83,11 @@ def test_migrations_match_the_models(env: Env) -> None:
 
 
 def test_openapi_document_is_served(env: Env) -> None:
-    doc = httpx.get(f"{env.url}/openapi.json").json()
+    doc = web().get(f"{env.url}/openapi.json").json()
     for path in ("/api/v1/enroll", "/api/v1/device/desired-state", "/api/v1/device/reports",
                  "/api/v1/blobs/{sha256}", "/api/v1/releases", "/api/v1/devices", "/api/v1/status"):
         assert path in doc["paths"], path
-    assert httpx.get(f"{env.url}/docs").status_code == 200
+    assert web().get(f"{env.url}/docs").status_code == 200
 
 
 # ---- publishing -----------------------------------------------------------------------------------
@@ -133,7 +134,7 @@ def test_push_refuses_inconsistent_versions(env: Env, model: str) -> None:
         with pytest.raises(RegistryClientError, match="not uploaded"):
             c._call("PUT", f"/models/{model}/versions/3", json={"files": bogus})
         # an upload whose content does not match its address
-        r = httpx.put(f"{env.url}/api/v1/blobs/{'1' * 64}", content=b"hello", headers=env.admin())
+        r = web().put(f"{env.url}/api/v1/blobs/{'1' * 64}", content=b"hello", headers=env.admin())
         assert r.status_code == 400 and "sha256" in r.json()["error"]["message"]
 
 
@@ -146,7 +147,7 @@ def test_release_checks(env: Env, model: str) -> None:
         files = c.version(model, 1).files
 
         def post(m: ReleaseManifest, k: Any = key) -> httpx.Response:
-            return httpx.post(f"{env.url}/api/v1/releases", content=sign_release(m, k).model_dump_json(),
+            return web().post(f"{env.url}/api/v1/releases", content=sign_release(m, k).model_dump_json(),
                               headers={**env.admin(), "Content-Type": "application/json"})
 
         now = int(time.time())
@@ -166,7 +167,7 @@ def test_release_checks(env: Env, model: str) -> None:
         signed = sign_release(good.model_copy(update={"release": 6}), key)
         forged = signed.model_copy(update={"manifest": base64.b64encode(
             good.model_copy(update={"release": 7}).canonical_bytes()).decode()})
-        r = httpx.post(f"{env.url}/api/v1/releases", content=forged.model_dump_json(),
+        r = web().post(f"{env.url}/api/v1/releases", content=forged.model_dump_json(),
                        headers={**env.admin(), "Content-Type": "application/json"})
         assert r.status_code == 400 and "does not verify" in r.json()["error"]["message"]
         # the client takes the next number itself
@@ -182,16 +183,16 @@ def test_enrollment_tokens_and_credentials(env: Env, model: str) -> None:
     with env.server.client() as c:
         tok = c.enrollment_token(uses=1).token
         short = c.enrollment_token(uses=1, ttl_s=0.001).token
-    first = httpx.post(f"{env.url}/api/v1/enroll", json={"token": tok, "device_id": f"{model}-a"})
+    first = web().post(f"{env.url}/api/v1/enroll", json={"token": tok, "device_id": f"{model}-a"})
     assert first.status_code == 200
     cred = first.json()["credential"]
-    again = httpx.post(f"{env.url}/api/v1/enroll", json={"token": tok, "device_id": f"{model}-b"})
+    again = web().post(f"{env.url}/api/v1/enroll", json={"token": tok, "device_id": f"{model}-b"})
     assert again.status_code == 401  # one-time
-    assert httpx.post(f"{env.url}/api/v1/enroll",
+    assert web().post(f"{env.url}/api/v1/enroll",
                       json={"token": short, "device_id": f"{model}-c"}).status_code == 401  # expired
-    assert httpx.post(f"{env.url}/api/v1/enroll",
+    assert web().post(f"{env.url}/api/v1/enroll",
                       json={"token": "edge_guess", "device_id": f"{model}-d"}).status_code == 401
-    assert httpx.post(f"{env.url}/api/v1/enroll",
+    assert web().post(f"{env.url}/api/v1/enroll",
                       json={"token": tok, "device_id": "bad/id"}).status_code == 422
     assert desired(env, cred).status_code == 200
 
@@ -202,36 +203,36 @@ def test_enrollment_token_cannot_take_over_an_existing_device(env: Env, model: s
     cred = enroll(env, real)
     with env.server.client() as c:
         fleet_token = c.enrollment_token(uses=1).token
-    stolen = httpx.post(f"{env.url}/api/v1/enroll", json={"token": fleet_token, "device_id": real})
+    stolen = web().post(f"{env.url}/api/v1/enroll", json={"token": fleet_token, "device_id": real})
     assert stolen.status_code == 409, stolen.text
     err = stolen.json()["error"]
     assert err["code"] == "failed_precondition" and err["message"].startswith("device_id:")
     assert "credential" not in stolen.json()
     assert desired(env, cred).status_code == 200  # the real device keeps working
     # the refused attempt did not spend the single-use token: a new device still enrolls with it
-    assert httpx.post(f"{env.url}/api/v1/enroll", json={"token": fleet_token, "device_id": f"{model}-new"}
+    assert web().post(f"{env.url}/api/v1/enroll", json={"token": fleet_token, "device_id": f"{model}-new"}
                       ).status_code == 200
 
     # the device itself rotates its credential by proving it holds the current one
     auth = {"Authorization": f"Bearer {cred}"}
-    rotated = httpx.post(f"{env.url}/api/v1/device/credential", headers=auth)
+    rotated = web().post(f"{env.url}/api/v1/device/credential", headers=auth)
     assert rotated.status_code == 200 and rotated.json()["device_id"] == real
     cred2 = rotated.json()["credential"]
     assert desired(env, cred).status_code == 401 and desired(env, cred2).status_code == 200
-    assert httpx.post(f"{env.url}/api/v1/device/credential", headers=auth).status_code == 401
-    assert httpx.post(f"{env.url}/api/v1/device/credential").status_code == 401
+    assert web().post(f"{env.url}/api/v1/device/credential", headers=auth).status_code == 401
+    assert web().post(f"{env.url}/api/v1/device/credential").status_code == 401
 
     # an operator re-enrolls it (lost state, leaked credential): the old credential stops at once and
     # the single-use token enrolls this id only
     out = env.server.cli("reenroll", real, "--ttl", "1h", "--json")
     reenroll_token = json.loads(out.stdout)["token"]
     assert desired(env, cred2).status_code == 401
-    other = httpx.post(f"{env.url}/api/v1/enroll", json={"token": reenroll_token, "device_id": f"{model}-x"})
+    other = web().post(f"{env.url}/api/v1/enroll", json={"token": reenroll_token, "device_id": f"{model}-x"})
     assert other.status_code == 403 and other.json()["error"]["message"].startswith("device_id:")
-    back = httpx.post(f"{env.url}/api/v1/enroll", json={"token": reenroll_token, "device_id": real})
+    back = web().post(f"{env.url}/api/v1/enroll", json={"token": reenroll_token, "device_id": real})
     assert back.status_code == 200, back.text
     assert desired(env, back.json()["credential"]).status_code == 200
-    assert httpx.post(f"{env.url}/api/v1/enroll", json={"token": reenroll_token, "device_id": real}
+    assert web().post(f"{env.url}/api/v1/enroll", json={"token": reenroll_token, "device_id": real}
                       ).status_code == 401  # spent
     assert env.server.cli("reenroll", f"{model}-unknown", check=False).returncode != 0
 
@@ -255,26 +256,26 @@ def test_device_cannot_label_itself_into_another_customers_release(env: Env, mod
     assert (release_of(a), release_of(b)) == (r1, r2)
     before = desired(env, a)
     h = {"Authorization": f"Bearer {a}"}
-    r = httpx.put(f"{env.url}/api/v1/device/facts", headers=h,
+    r = web().put(f"{env.url}/api/v1/device/facts", headers=h,
                   json={"labels": {"customer": "b"}, "facts": {"profile": "x86-64-cpu"}})
     assert r.status_code == 403, r.text
     assert r.json()["error"]["code"] == "permission_denied" and r.json()["error"]["message"].startswith("labels:")
     # nothing changed: same desired state (ETag), B's files still refused, labels as the operator set them
     assert desired(env, a).headers["etag"] == before.headers["etag"] and release_of(a) == r1
-    assert httpx.get(f"{env.url}/api/v1/blobs/{only_v2}", headers=h).status_code == 403
+    assert web().get(f"{env.url}/api/v1/blobs/{only_v2}", headers=h).status_code == 403
     with env.server.client() as c:
         assert c.device(f"{model}-a").labels == {"customer": "a"}
         assert c.device(f"{model}-a").facts == {}
     # facts alone are still accepted
-    ok = httpx.put(f"{env.url}/api/v1/device/facts", headers=h, json={"facts": {"profile": "x86-64-cpu"}})
+    ok = web().put(f"{env.url}/api/v1/device/facts", headers=h, json={"facts": {"profile": "x86-64-cpu"}})
     assert ok.status_code == 200
     # nor can a device choose labels at enrollment beyond those its operator's token carries
     with env.server.client() as c:
         tok = c.enrollment_token(uses=2, labels={"customer": "a"}).token
-    bad = httpx.post(f"{env.url}/api/v1/enroll", json={"token": tok, "device_id": f"{model}-c",
+    bad = web().post(f"{env.url}/api/v1/enroll", json={"token": tok, "device_id": f"{model}-c",
                                                        "labels": {"customer": "b"}})
     assert bad.status_code == 403 and bad.json()["error"]["message"].startswith("labels:")
-    good = httpx.post(f"{env.url}/api/v1/enroll", json={"token": tok, "device_id": f"{model}-c",
+    good = web().post(f"{env.url}/api/v1/enroll", json={"token": tok, "device_id": f"{model}-c",
                                                         "labels": {"customer": "a"}})
     assert good.status_code == 200 and release_of(good.json()["credential"]) == r1
     # operators relabel devices
@@ -294,17 +295,17 @@ def test_access_control(env: Env, model: str) -> None:
         v2 = {f.path: f.sha256 for f in c.version(model, 2).files}
     # publishing needs the admin token; a device credential is not one
     for h in ({}, dev_h, {"Authorization": "Bearer wrong-token-0123456789"}):
-        assert httpx.get(f"{env.url}/api/v1/devices", headers=h).status_code == 401
-        assert httpx.post(f"{env.url}/api/v1/enrollment-tokens", json={}, headers=h).status_code == 401
+        assert web().get(f"{env.url}/api/v1/devices", headers=h).status_code == 401
+        assert web().post(f"{env.url}/api/v1/enrollment-tokens", json={}, headers=h).status_code == 401
     # the admin token is not a device credential either
     assert desired(env, ADMIN_TOKEN).status_code == 401
     # a device reads only the files of releases meant for it
-    assert httpx.get(f"{env.url}/api/v1/blobs/{v1['labels.txt']}", headers=dev_h).status_code == 200
-    assert httpx.get(f"{env.url}/api/v1/blobs/{v2['labels.txt']}", headers=dev_h).status_code == 403
-    assert httpx.get(f"{env.url}/api/v1/blobs/{v2['labels.txt']}").status_code == 401
-    assert httpx.get(f"{env.url}/api/v1/blobs/{v2['labels.txt']}", headers=env.admin()).status_code == 200
+    assert web().get(f"{env.url}/api/v1/blobs/{v1['labels.txt']}", headers=dev_h).status_code == 200
+    assert web().get(f"{env.url}/api/v1/blobs/{v2['labels.txt']}", headers=dev_h).status_code == 403
+    assert web().get(f"{env.url}/api/v1/blobs/{v2['labels.txt']}").status_code == 401
+    assert web().get(f"{env.url}/api/v1/blobs/{v2['labels.txt']}", headers=env.admin()).status_code == 200
     # and its reports land on itself only: there is no device id in the path to forge
-    r = httpx.post(f"{env.url}/api/v1/device/reports", headers=dev_h, json={"events": [
+    r = web().post(f"{env.url}/api/v1/device/reports", headers=dev_h, json={"events": [
         {"seq": 1, "model": model, "step": "committed", "version": 1, "release": 1, "at": 0}]})
     assert r.json() == {"accepted": 1}
     with env.server.client() as c:
@@ -353,14 +354,14 @@ def test_blob_download_supports_ranges(env: Env, model: str) -> None:
         sha = next(f.sha256 for f in c.version(model, 1).files if f.path == "model.onnx")
     data = (folder / "model.onnx").read_bytes()
     url = f"{env.url}/api/v1/blobs/{sha}"
-    full = httpx.get(url, headers=env.admin())
+    full = web().get(url, headers=env.admin())
     assert full.content == data and full.headers["etag"] == f'"{sha}"'
-    part = httpx.get(url, headers={**env.admin(), "Range": "bytes=100-", "If-Range": f'"{sha}"'})
+    part = web().get(url, headers={**env.admin(), "Range": "bytes=100-", "If-Range": f'"{sha}"'})
     assert part.status_code == 206 and part.content == data[100:]
     assert part.headers["content-range"] == f"bytes 100-{len(data) - 1}/{len(data)}"
-    stale = httpx.get(url, headers={**env.admin(), "Range": "bytes=100-", "If-Range": '"other"'})
+    stale = web().get(url, headers={**env.admin(), "Range": "bytes=100-", "If-Range": '"other"'})
     assert stale.status_code == 200 and stale.content == data
-    assert httpx.get(url, headers={**env.admin(), "Range": f"bytes={len(data) + 5}-"}).status_code == 416
+    assert web().get(url, headers={**env.admin(), "Range": f"bytes={len(data) + 5}-"}).status_code == 416
 
 
 def test_reports_are_idempotent_and_summarised(env: Env, model: str) -> None:
@@ -370,7 +371,7 @@ def test_reports_are_idempotent_and_summarised(env: Env, model: str) -> None:
     creds = [enroll(env, f"{model}-{i}") for i in range(3)]
 
     def report(cred: str, events: list[dict[str, Any]]) -> int:
-        r = httpx.post(f"{env.url}/api/v1/device/reports", headers={"Authorization": f"Bearer {cred}"},
+        r = web().post(f"{env.url}/api/v1/device/reports", headers={"Authorization": f"Bearer {cred}"},
                        json={"events": events})
         assert r.status_code == 200, r.text
         return int(r.json()["accepted"])
@@ -391,23 +392,23 @@ def test_reports_are_idempotent_and_summarised(env: Env, model: str) -> None:
         d = c.device(f"{model}-1")
         assert d.models[0].reason == "golden check failed"
         assert [e.step for e in d.events] == ["downloading", "rolled-back"]
-    bad = httpx.post(f"{env.url}/api/v1/device/reports", headers={"Authorization": f"Bearer {creds[0]}"},
+    bad = web().post(f"{env.url}/api/v1/device/reports", headers={"Authorization": f"Bearer {creds[0]}"},
                      json={"events": [{**ev(9, "committed"), "step": "hacked"}]})
     assert bad.status_code == 422
 
 
 def test_oversized_json_body_is_refused(env: Env) -> None:
-    r = httpx.post(f"{env.url}/api/v1/enroll", content=b"{" + b" " * (9 << 20) + b"}",
+    r = web().post(f"{env.url}/api/v1/enroll", content=b"{" + b" " * (9 << 20) + b"}",
                    headers={"Content-Type": "application/json"})
     assert r.status_code == 413
 
 
 def test_no_secrets_in_logs(env: Env, model: str) -> None:
     cred = enroll(env, f"{model}-secret")
-    httpx.get(f"{env.url}/api/v1/device/desired-state", headers={"Authorization": f"Bearer {cred}x"})
+    web().get(f"{env.url}/api/v1/device/desired-state", headers={"Authorization": f"Bearer {cred}x"})
     with env.server.client() as c:
         tok = c.enrollment_token().token
-    httpx.post(f"{env.url}/api/v1/enroll", json={"token": tok + "x", "device_id": "d", "labels": {"a": "b"}})
+    web().post(f"{env.url}/api/v1/enroll", json={"token": tok + "x", "device_id": "d", "labels": {"a": "b"}})
     log = env.server.log()
     for secret in (ADMIN_TOKEN, cred, tok):
         assert secret not in log
@@ -426,11 +427,11 @@ def test_two_registry_processes_share_one_database(env: Env, model: str) -> None
         with second.client() as c:
             assert model in {m.name for m in c.models()}
             rel = c.release(env.keys.load(), model, 1, expires_in_s=600)
-        got = httpx.get(f"{second.url}/api/v1/device/desired-state", headers={"Authorization": f"Bearer {cred}"})
+        got = web().get(f"{second.url}/api/v1/device/desired-state", headers={"Authorization": f"Bearer {cred}"})
         assert {m["model"]: m["release"] for m in got.json()["models"]}[model] == rel.release
         sha = next(m for m in got.json()["models"] if m["model"] == model)["signed"]["manifest"]
         files = json.loads(base64.b64decode(sha))["files"]
-        blob = httpx.get(f"{second.url}/api/v1/blobs/{files[0]['sha256']}", headers={"Authorization": f"Bearer {cred}"})
+        blob = web().get(f"{second.url}/api/v1/blobs/{files[0]['sha256']}", headers={"Authorization": f"Bearer {cred}"})
         assert blob.status_code == 200 and len(blob.content) == files[0]["size"]
     finally:
         second.stop()
