@@ -119,7 +119,8 @@ def create_app(settings: RegistrySettings) -> FastAPI:
     ctx = AppContext(
         settings=settings, admin_hash=admin_hash, engine=engine, sessions=sessions,
         read_sessions=make_sessionmaker(ro_engine), ro_engine=ro_engine, snapshots=SnapshotCache(),
-        last_seen=LastSeen(engine, flush_s=settings.last_seen_flush_s), report_writer=ReportWriter(engine),
+        last_seen=LastSeen(engine, flush_s=settings.last_seen_flush_s,
+                           resolution_s=settings.last_seen_resolution_s), report_writer=ReportWriter(engine),
         store=store, blob_cache=SmallBlobCache(store),
         # With a blob server, devices are redirected to it: no file's bytes cross this process's event loop.
         blob_signer=(UrlSigner(signing_key(settings.blobs), settings.blob_url_ttl_s)
@@ -161,7 +162,7 @@ def create_app(settings: RegistrySettings) -> FastAPI:
                            routes=[("POST", INGEST_PATH, 2.0), ("PUT", f"{API_PREFIX}/device/facts", 1.0),
                                    ("POST", f"{API_PREFIX}/device/reports", 0.45),
                                    ("GET", f"{API_PREFIX}/blobs/", 0.35)])
-    app.include_router(telemetry_router(sessions, admin_hash))
+    app.include_router(telemetry_router(sessions, admin_hash, settings.last_seen_resolution_s))
     _install_error_handlers(app)
     for router in (health_router, devices_router, releases_router, admin_router, rollouts_router):
         app.include_router(router(ctx))

@@ -1,8 +1,9 @@
 """Last-seen times, batched: polls only note them in memory, a background thread writes them together.
 
 A fleet polling every 30 s would otherwise turn every poll into a write transaction (on
-SQLite, one global lock). The time is kept at :data:`RESOLUTION_S` granularity and
-written every ``flush_s``; a process that dies loses at most that much of it.
+SQLite, one global lock). The time is kept at ``resolution_s`` granularity (the settings'
+``last_seen_resolution_s``) and written every ``flush_s``; a process that dies loses at
+most that much of it.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import time
 from sqlalchemy import Engine, bindparam, or_, update
 
 from edged.registry.db import DeviceRow
+from edged.registry.settings import LAST_SEEN_MAX_RESOLUTION_S
 
 log = logging.getLogger(__name__)
-RESOLUTION_S = 60.0
 
 
 class LastSeen:
-    def __init__(self, engine: Engine, *, flush_s: float = 5.0, resolution_s: float = RESOLUTION_S) -> None:
+    def __init__(self, engine: Engine, *, flush_s: float = 5.0,
+                 resolution_s: float = LAST_SEEN_MAX_RESOLUTION_S) -> None:
         self.engine, self.flush_s, self.resolution_s = engine, flush_s, resolution_s
         self._pending: dict[str, float] = {}
         self._lock = threading.Lock()

@@ -67,7 +67,6 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 MAX_MANIFEST_TOML = 1 << 20
-LAST_SEEN_RESOLUTION_S = 60.0  # don't write a row on every poll of a large fleet
 
 
 class RegistryError(EdgedError):
@@ -412,9 +411,9 @@ def device_for_credential(s: Session, credential: str) -> DeviceRow | None:
     return dev
 
 
-def touch(dev: DeviceRow) -> None:
+def touch(dev: DeviceRow, resolution_s: float) -> None:
     t = time.time()
-    if dev.last_seen_at is None or t - dev.last_seen_at >= LAST_SEEN_RESOLUTION_S:
+    if dev.last_seen_at is None or t - dev.last_seen_at >= resolution_s:
         dev.last_seen_at = t
 
 

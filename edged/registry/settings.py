@@ -22,6 +22,10 @@ from edged.listen import parse_listen
 from edged.protocol.fleet.release import check_public_keys
 from edged.registry.passwords import NAME, is_password_hash
 
+# A device's stored last-seen time is rewritten at most this often however often it polls: a large
+# fleet's polls stay reads (settings.last_seen_resolution_s shortens it for a short online window).
+LAST_SEEN_MAX_RESOLUTION_S = 60.0
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -74,6 +78,13 @@ class RegistrySettings(BaseModel):
                                       description="dashboard operator accounts: name = password hash printed by "
                                                   "edged-registry operator-hash (the admin token also signs in)")
 
+    @property
+    def last_seen_resolution_s(self) -> float:
+        """How old a stored last-seen time may get before a call rewrites it: coarse for the write load,
+        but with the flush delay on top still inside the online window, or a device that keeps calling
+        would be shown offline between two writes."""
+        return min(LAST_SEEN_MAX_RESOLUTION_S, (self.dashboard_online_s - self.last_seen_flush_s) / 2)
+
     @field_validator("operators")
     @classmethod
     def _operators(cls, v: dict[str, str]) -> dict[str, str]:
@@ -84,6 +95,13 @@ class RegistrySettings(BaseModel):
             if not is_password_hash(hashed):
                 raise ValueError(f"operator {name!r}: not a hash from edged-registry operator-hash")
         return v
+
+    @model_validator(mode="after")
+    def _online_window(self) -> RegistrySettings:
+        if self.last_seen_flush_s >= self.dashboard_online_s:
+            raise ValueError(f"last_seen_flush_s ({self.last_seen_flush_s:g}) must be below dashboard_online_s "
+                             f"({self.dashboard_online_s:g}), or devices that keep calling are shown offline")
+        return self
 
     @model_validator(mode="after")
     def _tls_pair(self) -> RegistrySettings:

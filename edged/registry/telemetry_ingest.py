@@ -1,6 +1,6 @@
 """Registry side of telemetry: the ingest endpoint devices upload to, its tables, and the series queries.
 
-Mounted into the registry app with ``app.include_router(telemetry_router(sessions, admin_hash))``;
+Mounted into the registry app with ``app.include_router(telemetry_router(sessions, admin_hash, ...))``;
 the tables are in :mod:`edged.registry.telemetry_tables` (created by the registry's
 ``0002_telemetry`` migration, see docs/telemetry.md). Device uploads are authenticated with
 the per-device credential, queries with the admin token, exactly as the rest of the API.
@@ -243,7 +243,8 @@ def _labels(items: list[str] | None) -> dict[str, str]:
     return out
 
 
-def telemetry_router(sessions: sessionmaker[Session], admin_hash: str) -> APIRouter:
+def telemetry_router(sessions: sessionmaker[Session], admin_hash: str,
+                     last_seen_resolution_s: float) -> APIRouter:
     router = APIRouter()
 
     def tx() -> contextlib.AbstractContextManager[Session]:
@@ -262,7 +263,7 @@ def telemetry_router(sessions: sessionmaker[Session], admin_hash: str) -> APIRou
             dev = service.device_for_credential(s, credential) if credential is not None else None
             if dev is None:
                 raise RegistryError("a valid device credential is required", 401, ErrorCode.INVALID_ARGUMENT)
-            service.touch(dev)
+            service.touch(dev, last_seen_resolution_s)
             return ingest(s, dev, batch)
 
     @router.post(INGEST_PATH, tags=["device"], response_model=UploadAck)

@@ -88,7 +88,7 @@ class IngestRegistry:
             s.add(DeviceRow(id=DEVICE, credential_hash=token_hash(self.credential), labels={},
                             admin_labels={"site": "a"}, facts={}, serving=[]))
         self.app = FastAPI()
-        self.app.include_router(telemetry_router(self.sessions, token_hash(ADMIN)))
+        self.app.include_router(telemetry_router(self.sessions, token_hash(ADMIN), 60.0))
 
         @self.app.exception_handler(RegistryError)
         async def _err(_r: Request, e: RegistryError) -> JSONResponse:

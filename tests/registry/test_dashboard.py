@@ -62,7 +62,8 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     tmp = tmp_path_factory.mktemp("dashboard")
     keys = Keys.make(tmp)
-    # online = called in the last 10 s: the daemons poll every 0.2 s and last-seen times are written every 0.5 s
+    # online = called in the last 10 s: the daemons poll every 0.2 s, a stored last-seen time is rewritten once it is
+    # 4.75 s old, in writes every 0.5 s (settings.last_seen_resolution_s)
     # (a loaded 2-core machine delays both by seconds now and then)
     conf = tmp / "registry.toml"
     conf.write_text("[registry]\ndashboard_online_s = 10.0\nlast_seen_flush_s = 0.5\n"

@@ -14,12 +14,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 from sqlalchemy import Engine, update
 from sqlalchemy.orm import Session
 
 from edged.registry import desired, service
 from edged.registry.db import DeviceModelRow, DeviceRow, make_engine, make_sessionmaker
+from edged.registry.lastseen import LastSeen
 from edged.registry.migrate import upgrade
+from edged.registry.settings import RegistrySettings
 from edged.registry.web import views
 from tests.registry.test_rollout_scale import Statements, populate
 
@@ -158,3 +161,36 @@ def test_shared_reads_are_per_key_and_revision() -> None:
     assert shared.get("1h", 1, lambda: read("1h")) == ["1h"]
     assert shared.get("15m", 2, lambda: read("15m new")) == ["15m new"]  # a release or rollout changed
     assert calls == ["15m", "1h", "15m new"] and shared.reads == 3
+
+
+@pytest.mark.parametrize(("online_s", "flush_s"), [(10.0, 0.5), (10.0, 5.0), (180.0, 5.0)])
+def test_a_device_that_keeps_calling_is_online_at_every_moment(db: Engine, online_s: float, flush_s: float) -> None:
+    """Polls only note last-seen times, written coarsely and in batches; however short the online
+    window, a device polling every second is never shown offline between two writes (a 10 s window
+    with the former fixed 60 s resolution showed the whole fleet offline for 50 s of every minute)."""
+    populate(db, 1)
+    settings = RegistrySettings(dashboard_online_s=online_s, last_seen_flush_s=flush_s)
+    seen = LastSeen(db, flush_s=flush_s, resolution_s=settings.last_seen_resolution_s)
+    cache = desired.SnapshotCache()
+    sessions = make_sessionmaker(db)
+    t0, offline, next_flush = time.time(), [], flush_s
+    for step in range(int(4 * online_s)):  # four windows of a poll a second, on a simulated clock
+        t = t0 + step
+        with sessions() as s:
+            dev = s.get(DeviceRow, "dev-0")
+            assert dev is not None
+            seen.note("dev-0", dev.last_seen_at, now=t)
+        if step >= next_flush:
+            seen.flush()
+            next_flush += flush_s
+        with sessions() as s, s.begin():
+            row = views.fleet_rows(s, cache.get(s.connection()), online_s=online_s, now=t).rows[0]
+        if step > flush_s and not row.online:  # the first call is written at the first flush
+            offline.append(step)
+    assert offline == [], f"shown offline at seconds {offline} while polling every second"
+    assert seen.written < 4 * online_s / 2, "a last-seen write for (nearly) every poll"
+
+
+def test_a_flush_period_as_long_as_the_online_window_is_refused() -> None:
+    with pytest.raises(ValidationError, match=r"last_seen_flush_s .* must be below dashboard_online_s"):
+        RegistrySettings(dashboard_online_s=5.0, last_seen_flush_s=5.0)
