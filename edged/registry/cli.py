@@ -229,7 +229,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     where = parse_listen(settings.listen)
     # log_config=None: uvicorn logs through our root handler, one format for everything.
     common: dict[str, Any] = {"log_level": settings.log_level, "access_log": False, "log_config": None,
-                              **settings.uvicorn_tls()}
+                              "timeout_graceful_shutdown": settings.shutdown_grace_s, **settings.uvicorn_tls()}
     if settings.tls_cert is None and not isinstance(where, Path) and not _loopback(where[0]):
         logging.getLogger("edged.registry").warning(
             "serving plain HTTP on %s: device credentials and tokens cross the network in clear; give "
@@ -316,7 +316,7 @@ def cmd_serve_blobs(args: argparse.Namespace) -> int:
     if args.exit_with is not None:
         exit_with_parent(args.exit_with)
     common: dict[str, Any] = {"log_level": settings.log_level, "access_log": False, "log_config": None,
-                              **settings.uvicorn_tls()}
+                              "timeout_graceful_shutdown": settings.shutdown_grace_s, **settings.uvicorn_tls()}
     where = parse_listen(settings.blob_listen)
     logging.getLogger("edged.registry").info("blob server on %s", settings.blob_listen)
     if isinstance(where, Path):

@@ -68,6 +68,10 @@ class RegistrySettings(BaseModel):
     shed_retry_after_s: int = Field(default=5, ge=1, le=60, description="the Retry-After of a request shed at "
                                     "the lowest level; up to 5x that at the highest")
     log_level: str = "info"
+    shutdown_grace_s: float = Field(
+        default=10.0, gt=0, le=25, description="on stop, how long requests in progress may finish before the "
+        "registry flushes its batched writes and exits (below the unit's TimeoutStopSec=30: an idle TLS "
+        "keep-alive connection alone would hold a stop for Python's 30 s TLS shutdown wait)")
     dashboard_poll_s: float = Field(default=5.0, ge=0.5, le=3600,
                                     description="how often an open dashboard page asks for changes")
     dashboard_process: bool = Field(default=True, description="read and render dashboard pages in a process of "

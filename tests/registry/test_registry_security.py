@@ -158,6 +158,35 @@ def test_tls_registry_serves_a_device_end_to_end(tmp_path: Path) -> None:
         server.stop()
 
 
+def test_a_tls_registry_stops_within_its_grace_while_a_client_holds_an_idle_connection(tmp_path: Path) -> None:
+    """An idle keep-alive TLS connection (a device between polls) alone held a stop for Python's 30 s TLS
+    shutdown wait, as long as the unit's TimeoutStopSec: systemd's SIGKILL then lost the batched writes.
+    Now the wait is bounded by shutdown_grace_s and the registry exits cleanly after it."""
+    import signal
+    import socket
+    import ssl
+
+    tls = make_ca_and_cert(tmp_path)
+    conf = tmp_path / "registry.toml"
+    conf.write_text("[registry]\nshutdown_grace_s = 1.0\n")
+    server = RegistryServer(tmp_path, [Keys.make(tmp_path).public], tls=tls, extra_args=["--config", str(conf)]).start()
+    assert server.proc is not None
+    ctx = ssl.create_default_context(cafile=str(tls[2]))
+    with socket.create_connection(("127.0.0.1", server.port)) as raw, \
+            ctx.wrap_socket(raw, server_hostname="127.0.0.1") as idle:
+        idle.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert idle.recv(4096).startswith(b"HTTP/1.1 200")
+        # the connection stays open and unread, as a device's pooled connection does between polls
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            code = server.proc.wait(10)
+        finally:
+            server.stop()
+    # uvicorn re-raises the SIGTERM it handled once it has finished: -15 is its clean exit
+    assert code in (0, -signal.SIGTERM), server.log()[-2000:]
+    assert "Application shutdown complete" in server.log() and "Traceback" not in server.log()
+
+
 def test_tls_settings_go_together(tmp_path: Path) -> None:
     tls = make_ca_and_cert(tmp_path)
     (tmp_path / "admin.token").write_text(ADMIN_TOKEN)
