@@ -10,10 +10,13 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edged import __version__
 from edged.errors import ConfigError, EdgedError, exit_status
+
+if TYPE_CHECKING:
+    from edged.registry.settings import RegistrySettings
 
 URL_ENV = "EDGED_REGISTRY_URL"
 CA_ENV = "EDGED_REGISTRY_CA_FILE"
@@ -213,8 +216,6 @@ SWITCH_INTERVAL_S = 0.0005
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
-    import uvicorn
-
     from edged.listen import parse_listen
     from edged.logs import setup_logging
     from edged.registry.api import create_app
@@ -227,9 +228,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _stack_dumps()
     app = create_app(settings)
     where = parse_listen(settings.listen)
-    # log_config=None: uvicorn logs through our root handler, one format for everything.
-    common: dict[str, Any] = {"log_level": settings.log_level, "access_log": False, "log_config": None,
-                              "timeout_graceful_shutdown": settings.shutdown_grace_s, **settings.uvicorn_tls()}
     if settings.tls_cert is None and not isinstance(where, Path) and not _loopback(where[0]):
         logging.getLogger("edged.registry").warning(
             "serving plain HTTP on %s: device credentials and tokens cross the network in clear; give "
@@ -237,10 +235,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             settings.listen)
     blobs = _start_blob_server(settings) if settings.blob_listen is not None else None
     try:
-        if isinstance(where, Path):
-            uvicorn.run(app, uds=str(where), **common)
-        else:
-            uvicorn.run(app, host=where[0], port=where[1], **common)
+        _run_uvicorn(app, where, settings)
     finally:
         if blobs is not None:
             _stop(blobs)
@@ -298,8 +293,6 @@ def _stop(child: Any) -> None:
 def cmd_serve_blobs(args: argparse.Namespace) -> int:
     import logging
 
-    import uvicorn
-
     from edged.listen import parse_listen
     from edged.logs import setup_logging
     from edged.registry.blobserve import create_blob_app, exit_with_parent
@@ -315,15 +308,19 @@ def cmd_serve_blobs(args: argparse.Namespace) -> int:
     app = create_blob_app(settings)
     if args.exit_with is not None:
         exit_with_parent(args.exit_with)
-    common: dict[str, Any] = {"log_level": settings.log_level, "access_log": False, "log_config": None,
-                              "timeout_graceful_shutdown": settings.shutdown_grace_s, **settings.uvicorn_tls()}
-    where = parse_listen(settings.blob_listen)
     logging.getLogger("edged.registry").info("blob server on %s", settings.blob_listen)
-    if isinstance(where, Path):
-        uvicorn.run(app, uds=str(where), **common)
-    else:
-        uvicorn.run(app, host=where[0], port=where[1], **common)
+    _run_uvicorn(app, parse_listen(settings.blob_listen), settings)
     return 0
+
+
+def _run_uvicorn(app: Any, where: tuple[str, int] | Path, settings: RegistrySettings) -> None:
+    """The API and the blob server alike: on a Unix socket or host:port, with the settings' options."""
+    import uvicorn
+
+    if isinstance(where, Path):
+        uvicorn.run(app, uds=str(where), **settings.uvicorn_options())
+    else:
+        uvicorn.run(app, host=where[0], port=where[1], **settings.uvicorn_options())
 
 
 def _loopback(host: str) -> bool:

@@ -145,9 +145,13 @@ class RegistrySettings(BaseModel):
         host = f"[{host}]" if ":" in host else host
         return f"{'https' if self.tls_cert is not None else 'http'}://{host}:{where[1]}"
 
-    def uvicorn_tls(self) -> dict[str, Any]:
-        """uvicorn's TLS options; the API and the blob server use the same (and the same client-CA rule)."""
-        out: dict[str, Any] = {}
+    def uvicorn_options(self) -> dict[str, Any]:
+        """uvicorn's options, the same for the API and the blob server (TLS and its client-CA rule too).
+
+        log_config None: uvicorn logs through our root handler, one format for everything.
+        """
+        out: dict[str, Any] = {"log_level": self.log_level, "access_log": False, "log_config": None,
+                               "timeout_graceful_shutdown": self.shutdown_grace_s}
         if self.tls_cert is not None:
             out.update(ssl_certfile=str(self.tls_cert), ssl_keyfile=str(self.tls_key))
             if self.tls_client_ca is not None:
