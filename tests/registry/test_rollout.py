@@ -19,7 +19,7 @@ import pytest
 from edged.registry.rollout_wire import Gates, RolloutCreate, StepSpec
 from edged.registry.targets import Membership, Ramp, RolloutTarget, percent_cutoff, rank
 from tests.registry.conftest import Env, registry_env
-from tests.registry_helpers import make_version, write_evaluation_set
+from tests.registry_helpers import make_version, wait_for, write_evaluation_set
 from tests.rollout_helpers import ApiDevice
 
 _n = itertools.count(1)
@@ -311,9 +311,7 @@ def test_a_paced_step_lets_its_devices_in_over_time_and_is_ready_only_when_all_a
         time.sleep(0.5)
     assert f.on(ro3.release) == set(f.devices)
     # membership is by hash: every device may be in a moment before the ramp reaches its end
-    deadline = time.monotonic() + 10
-    while f.client.rollout(ro3.id).rollout.admission is not None and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_for(lambda: f.client.rollout(ro3.id).rollout.admission is None, 10, 0.1, "the admission ramp ended")
     for dev in f.devices.values():
         dev.report(m, "committed", ro3.release, 3)
     assert f.evaluate() == {str(ro3.id): "completed"}
