@@ -57,11 +57,20 @@ def _client(port: int, name: str) -> mqtt.Client:
 
 
 # ---- the echo responder (runs in its own process) ----------------------------------------------
-def serve_echo(port: int) -> None:
+def serve_echo(port: int, model: Path | None = None) -> None:
+    """Answers on bench/echo/#; given a model, runs it once before each answer on bench/echo-engine/#
+    (bench/floor_engine.py): the least an inference over MQTT can take with paho here."""
     ready = threading.Event()
+    run = None
+    if model is not None:
+        from bench.floor_engine import engine_run
+
+        run = engine_run(model)
 
     def on_message(c: mqtt.Client, u: Any, msg: mqtt.MQTTMessage) -> None:
         # The reply mirrors edged's: same size, same properties (content type, header length).
+        if run is not None:
+            run()
         p: Any = msg.properties
         users = dict(p.UserProperty)
         size = int(users.pop(ECHO_SIZE))
@@ -70,10 +79,10 @@ def serve_echo(port: int) -> None:
         c.publish(p.ResponseTopic, body, qos=msg.qos, properties=publish_properties(
             correlation=p.CorrelationData, content_type=content_type, user=list(users.items())))
 
-    c = _client(port, "bench-echo")
+    c = _client(port, "bench-echo" if run is None else "bench-echo-engine")
     c.on_message = on_message
     c.on_subscribe = lambda *a: ready.set()
-    c.subscribe("bench/echo/#", qos=1)
+    c.subscribe("bench/echo/#" if run is None else "bench/echo-engine/#", qos=1)
     c.loop_start()
     ready.wait(10)
     print("ready", flush=True)
@@ -191,9 +200,10 @@ def main() -> int:
                     help="device profile for both the daemon and the raw engine; the default picks one engine "
                          "deterministically (profiles that benchmark candidates may pick differently per process)")
     ap.add_argument("--echo", type=int, help=argparse.SUPPRESS)  # internal: run the echo responder
+    ap.add_argument("--echo-engine", type=Path, help=argparse.SUPPRESS)  # internal: ... with this model run
     args = ap.parse_args()
     if args.echo:
-        serve_echo(args.echo)
+        serve_echo(args.echo, args.echo_engine)
         return 0
 
     tmp = Path(tempfile.mkdtemp(prefix="edged-bench-mqtt-"))

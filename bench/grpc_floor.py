@@ -2,17 +2,21 @@
 answering ModelInfer (and each ModelStreamInfer message) at once with a canned reply of a given size
 and doing nothing else.
 
-    .venv/bin/python -m bench.grpc_floor PORT REPLY_BYTES   # prints "ready", serves until stdin closes
+    .venv/bin/python -m bench.grpc_floor PORT REPLY_BYTES [MODEL.onnx]   # prints "ready", serves until
+                                                                          # stdin closes
 
 The suite (bench/run_suite.py) sends it the bytes edged gets and sets REPLY_BYTES to the size of
-edged's answer, so the difference between the two is edged's own work, not grpcio's.
+edged's answer, so the difference between the two is edged's own work, not grpcio's. Given a model,
+it runs it once on its event loop before each answer (bench/floor_engine.py): the least any grpcio
+server can take for an inference here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -21,12 +25,16 @@ METHOD = "/inference.GRPCInferenceService/ModelInfer"
 STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 
 
-async def _serve(port: int, reply: bytes) -> None:
+async def _serve(port: int, reply: bytes, run: Callable[[], None] | None) -> None:
     async def infer(request: bytes, context: Any) -> bytes:
+        if run is not None:
+            run()
         return reply
 
     async def stream(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
         async for _ in requests:
+            if run is not None:
+                run()
             yield reply
 
     service, method = METHOD.rsplit("/", 1)
@@ -42,4 +50,7 @@ async def _serve(port: int, reply: bytes) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(_serve(int(sys.argv[1]), bytes(int(sys.argv[2]))))
+    from bench.floor_engine import engine_run
+
+    asyncio.run(_serve(int(sys.argv[1]), bytes(int(sys.argv[2])),
+                       engine_run(Path(sys.argv[3])) if len(sys.argv) > 3 else None))

@@ -178,6 +178,54 @@ async def pipelined(client: AsyncShmClient, x: np.ndarray, depth: int, seconds: 
     return Block(len(lat), time.perf_counter() - t0, lat, 0)
 
 
+def floor_server(module: str, *args: object) -> subprocess.Popen[bytes]:
+    """A floor server (bench/http_floor.py, bench/grpc_floor.py) in its own process, once it is ready."""
+    proc = subprocess.Popen([sys.executable, "-m", module, *map(str, args)], cwd=ROOT,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != b"ready":
+        stop_process(proc)
+        raise SystemExit(f"the floor server {module} {' '.join(map(str, args))} did not start")
+    return proc
+
+
+def stop_floor(proc: subprocess.Popen[bytes]) -> None:
+    """Floor servers serve until their stdin closes."""
+    if proc.stdin:
+        proc.stdin.close()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        stop_process(proc)
+
+
+@dataclass
+class GrpcFloorClient:
+    """Unary calls and one stream, driven as edged's own clients drive them (the stream: a queue in,
+    an iterator out), each call serializing the same request as edged's client does."""
+
+    unary: Callable[[], object]
+    stream: Callable[[], object]
+    close: Callable[[], None]
+
+
+def grpc_floor_client(channel: Any, body: Callable[[], bytes]) -> GrpcFloorClient:
+    from bench.grpc_floor import METHOD, STREAM_METHOD
+
+    call = channel.unary_unary(METHOD)
+    requests: queue.Queue[bytes | None] = queue.Queue()
+    replies = channel.stream_stream(STREAM_METHOD)(iter(requests.get, None))
+
+    def round_trip() -> object:
+        requests.put(body())
+        return next(replies)
+
+    def close() -> None:
+        requests.put(None)
+        channel.close()
+    return GrpcFloorClient(lambda: call(body()), round_trip, close)
+
+
 @dataclass
 class Case:
     key: str
@@ -307,8 +355,10 @@ level = "info"
 
 
 @contextlib.contextmanager
-def echo_responder(port: int) -> Iterator[None]:
-    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "bench_mqtt.py"), "--echo", str(port)], cwd=ROOT,
+def echo_responder(port: int, model: Path | None = None) -> Iterator[None]:
+    engine = ["--echo-engine", str(model)] if model else []
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "bench_mqtt.py"), "--echo", str(port), *engine],
+                            cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE)
     try:
@@ -408,6 +458,19 @@ def traffic_value(c: Case) -> str:
     return f"{c.throughput():7.1f}/s  p50 {c.p50() * 1e3:6.3f} ms  p99 {c.p99() * 1e3:6.2f} ms"
 
 
+def engine_floor_row(efl: Case, case: Case, raw1: Case, what: str, goal_ms: float) -> Row:
+    """A floor server that runs the engine once per request and does nothing else: the least an inference
+    can take over this server library here. Its own overhead over raw b1 against the goal says whether
+    the goal is reachable at all on this machine; the case's p50 above it is edged's own share."""
+    over = paired(efl, raw1, lambda x, y: x.p50 - y.p50) * 1e3
+    above = paired(case, efl, lambda x, y: x.p50 - y.p50) * 1e3
+    reach = "below" if over > goal_ms else "above"
+    return Row(efl.label, traffic_value(efl), f"raw b1 p50 {ms(raw1.p50())}",
+               paired(efl, raw1, lambda x, y: x.p50 / y.p50),
+               f"nothing but the engine run behind the same library: {over:.3f} ms over raw b1 (the goal, "
+               f"{goal_ms} ms, is {reach} it); {what} is {above:+.3f} ms above it", "info")
+
+
 def build_rows(cases: dict[str, Case], *, rss: float, engines: list[str], ready: list[float], logged: list[float],
                cold: Started, swap: Swap, rss_after: float, rss_generic: float, serving: str,
                peer_note: str) -> list[Row]:
@@ -472,12 +535,22 @@ def build_rows(cases: dict[str, Case], *, rss: float, engines: list[str], ready:
                         f"(floor {fl.p50() * 1e3:.3f} ms, {above:+.3f} ms above it)",
                         verdict(o <= goal)))
         rows.append(Row(fl.label, traffic_value(fl), "(floor)", 1.0, "the floor under the HTTP path", "info"))
+        if key == "http_bin":
+            rows.append(engine_floor_row(c["http_floor_eng"], c[key], raw1, "HTTP binary c1", goal))
     mq, echo = c["mqtt"], c["echo"]
     margin = rounds(lambda m, e, r1: m.p50 - e.p50 - r1.p50, mq, echo, raw1) * 1e3
     budget = [e.p50 + r.p50 for e, r in zip(echo.blocks, raw1.blocks, strict=True)]
     rows.append(Row(mq.label, traffic_value(mq), f"echo + raw b1 p50 {ms(statistics.median(budget))}",
                     statistics.median(m.p50 / b for m, b in zip(mq.blocks, budget, strict=True)),
                     f"p50 - echo - raw = {margin:.3f} ms <= {GOAL_MQTT_MS} ms", verdict(margin <= GOAL_MQTT_MS)))
+    eng = c["echo_eng"]
+    e_margin = rounds(lambda e2, e, r1: e2.p50 - e.p50 - r1.p50, eng, echo, raw1) * 1e3
+    m_above = paired(mq, eng, lambda x, y: x.p50 - y.p50) * 1e3
+    rows.append(Row(eng.label, traffic_value(eng), f"echo + raw b1 p50 {ms(statistics.median(budget))}",
+                    statistics.median(e.p50 / b for e, b in zip(eng.blocks, budget, strict=True)),
+                    f"a paho responder doing nothing but the engine run: p50 - echo - raw = {e_margin:.3f} ms (the "
+                    f"goal, {GOAL_MQTT_MS} ms, is {'below' if e_margin > GOAL_MQTT_MS else 'above'} it); "
+                    f"MQTT c1 is {m_above:+.3f} ms above it", "info"))
     o = overhead(c["grpc1"], raw1) * 1e3
     gfl = c["grpc_floor"]
     above = rounds(lambda a, b, f: a.p50 - b.p50 - f.p50, c["grpc1"], raw1, gfl) * 1e3
@@ -486,6 +559,7 @@ def build_rows(cases: dict[str, Case], *, rss: float, engines: list[str], ready:
                     f"p50 overhead {o:.3f} ms <= {GOAL_GRPC_UNARY_MS} ms "
                     f"(floor {gfl.p50() * 1e3:.3f} ms, {above:+.3f} ms above it)", verdict(o <= GOAL_GRPC_UNARY_MS)))
     rows.append(Row(gfl.label, traffic_value(gfl), "(floor)", 1.0, "the floor under the gRPC path", "info"))
+    rows.append(engine_floor_row(c["grpc_floor_eng"], c["grpc1"], raw1, "gRPC unary c1", GOAL_GRPC_UNARY_MS))
     for key, ref in (("grpc_s1", c["http_bin"]), ("grpc_s8", c["http_bin8"])):
         r = tput_ratio(c[key], ref)
         rows.append(Row(c[key].label, traffic_value(c[key]), f"{ref.label} {ref.throughput():.1f}/s", r,
@@ -497,6 +571,12 @@ def build_rows(cases: dict[str, Case], *, rss: float, engines: list[str], ready:
     rows.append(Row(sfl.label, traffic_value(sfl), f"{hfl.label} {hfl.throughput():.1f}/s", tput_ratio(sfl, hfl),
                     f"the floor under gRPC streaming (its throughput / the bare HTTP round trip's); "
                     f"streaming c1 is {s_above:+.3f} ms above it and raw b1", "info"))
+    efl = c["grpc_floor_eng_s1"]
+    e_above = rounds(lambda a, f: a.p50 - f.p50, c["grpc_s1"], efl) * 1e3
+    rows.append(Row(efl.label, traffic_value(efl), f"{c['http_bin'].label} {c['http_bin'].throughput():.1f}/s",
+                    tput_ratio(efl, c["http_bin"]),
+                    f"the best gRPC streaming c1 could do against HTTP binary c1 with grpcio here (a server doing "
+                    f"nothing but the engine run); streaming c1 is {e_above:+.3f} ms above it", "info"))
     rows.append(Row(c["http_bin8"].label, traffic_value(c["http_bin8"]), f"raw b8 {raw8.throughput():.1f}/s",
                     tput_ratio(c["http_bin8"], raw8),
                     "the reference of gRPC streaming c8", "info"))
@@ -663,36 +743,27 @@ def main() -> int:
         # The floors, measured in the same rounds: a bare process-to-process round trip (under shm) and
         # the same HTTP server library answering the same bytes with a reply as large as edged's.
         pinger = Pinger()
-        floor_port = free_port()
-        floor_proc = subprocess.Popen([sys.executable, "-m", "bench.http_floor", str(floor_port)], cwd=ROOT,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        assert floor_proc.stdout is not None
-        if floor_proc.stdout.readline().strip() != b"ready":
-            raise SystemExit("the HTTP floor server did not start")
+        model_file = tmp / "models" / MODEL / "1" / "model.onnx"
+        floor_port, floor_eng_port = free_port(), free_port()
+        floor_procs = [floor_server("bench.http_floor", floor_port),
+                       floor_server("bench.http_floor", floor_eng_port, model_file)]
         floor = HttpClient(f"127.0.0.1:{floor_port}")
-        from bench.grpc_floor import METHOD as GRPC_INFER
-        from bench.grpc_floor import STREAM_METHOD as GRPC_STREAM
+        floor_eng = HttpClient(f"127.0.0.1:{floor_eng_port}")
         from edged.transports.grpc.gen.grpc_service_pb2 import ModelInferResponse
 
         grpc_reply = grpc.call("ModelInfer", infer_request(MODEL, {"image": x1}, None), ModelInferResponse)
-        grpc_floor_port = free_port()
-        grpc_floor_proc = subprocess.Popen([sys.executable, "-m", "bench.grpc_floor", str(grpc_floor_port),
-                                            str(grpc_reply.ByteSize())], cwd=ROOT, stdin=subprocess.PIPE,
-                                           stdout=subprocess.PIPE)
-        assert grpc_floor_proc.stdout is not None
-        if grpc_floor_proc.stdout.readline().strip() != b"ready":
-            raise SystemExit("the gRPC floor server did not start")
+        grpc_floor_port, grpc_floor_eng_port = free_port(), free_port()
+        floor_procs += [floor_server("bench.grpc_floor", grpc_floor_port, grpc_reply.ByteSize()),
+                        floor_server("bench.grpc_floor", grpc_floor_eng_port, grpc_reply.ByteSize(), model_file)]
         import grpc as grpcio
 
-        grpc_floor_channel = grpcio.insecure_channel(f"127.0.0.1:{grpc_floor_port}")
-        grpc_floor_call = grpc_floor_channel.unary_unary(GRPC_INFER)
-        # The stream floor is driven like edged's own stream client: a queue in, an iterator out.
-        grpc_floor_requests: queue.Queue[bytes | None] = queue.Queue()
-        grpc_floor_replies = grpc_floor_channel.stream_stream(GRPC_STREAM)(iter(grpc_floor_requests.get, None))
-
-        def grpc_floor_stream_round_trip() -> None:
-            grpc_floor_requests.put(infer_request(MODEL, {"image": x1}, None).SerializeToString())
-            next(grpc_floor_replies)
+        def grpc_body() -> bytes:
+            return bytes(infer_request(MODEL, {"image": x1}, None).SerializeToString())
+        grpc_floors = {port: grpc_floor_client(grpcio.insecure_channel(f"127.0.0.1:{port}"), grpc_body)
+                       for port in (grpc_floor_port, grpc_floor_eng_port)}
+        grpc_floor_call, grpc_floor_stream_round_trip = grpc_floors[grpc_floor_port].unary, \
+            grpc_floors[grpc_floor_port].stream
+        grpc_floor_eng = grpc_floors[grpc_floor_eng_port]
         infer_path = f"/v2/models/{MODEL}/infer"
         bin_header = orjson.dumps({"inputs": [{"name": "image", "datatype": "FP32", "shape": list(x1.shape),
                                                "parameters": {"binary_data_size": x1.nbytes}}],
@@ -722,7 +793,7 @@ def main() -> int:
             else:
                 peer_ctx = peer.mlserver(args.peer_venv.expanduser().resolve(), tmp / "peer", MODEL,
                                          tmp / "models" / MODEL / "1" / "model.onnx")
-        with echo_responder(broker.port), contextlib.ExitStack() as stack:
+        with echo_responder(broker.port), echo_responder(broker.port, model_file), contextlib.ExitStack() as stack:
             peer_url: str | None = None
             try:
                 peer_url = stack.enter_context(peer_ctx)
@@ -772,6 +843,8 @@ def main() -> int:
                     lambda: json_reply(http.request("POST", infer_path, json_body, json_headers)), s)),
                 Case("http_floor_bin", "bare HTTP round trip, binary-sized", lambda s: serial(
                     lambda: floor.request("POST", infer_path, bin_body, bin_headers), s)),
+                Case("http_floor_eng", "bare HTTP round trip with one engine run, binary-sized", lambda s: serial(
+                    lambda: floor_eng.request("POST", infer_path, bin_body, bin_headers), s)),
                 Case("http_floor_json", "bare HTTP round trip, JSON-sized", lambda s: serial(
                     lambda: floor.request("POST", infer_path, json_body, json_headers), s)),
                 Case("http_bin8", "HTTP binary, c8 (8 connections)", lambda s: threaded(
@@ -779,13 +852,17 @@ def main() -> int:
                 Case("grpc_s8", "gRPC streaming, c8 (8 streams)", lambda s: threaded(
                     pooled(streams8, lambda st: st.infer(MODEL, {"image": x1})), 8, s)),
                 Case("grpc1", "gRPC unary, c1", lambda s: serial(lambda: grpc.infer(MODEL, {"image": x1}), s)),
-                Case("grpc_floor", "bare gRPC round trip (grpcio aio echo)", lambda s: serial(
-                    lambda: grpc_floor_call(infer_request(MODEL, {"image": x1}, None).SerializeToString()), s)),
+                Case("grpc_floor", "bare gRPC round trip (grpcio aio echo)", lambda s: serial(grpc_floor_call, s)),
+                Case("grpc_floor_eng", "bare gRPC round trip with one engine run", lambda s: serial(
+                    grpc_floor_eng.unary, s)),
                 Case("grpc_s1", "gRPC streaming, c1", lambda s: serial(lambda: stream1.infer(MODEL, {"image": x1}), s)),
                 Case("grpc_floor_s1", "bare gRPC stream round trip (grpcio aio echo)", lambda s: serial(
                     grpc_floor_stream_round_trip, s)),
+                Case("grpc_floor_eng_s1", "bare gRPC stream round trip with one engine run", lambda s: serial(
+                    grpc_floor_eng.stream, s)),
                 Case("mqtt", "MQTT (QoS 0), c1", mqtt_case(topic, users)),
                 Case("echo", "MQTT echo, same broker, c1", mqtt_case("bench/echo/x", echo_users)),
+                Case("echo_eng", "MQTT echo with one engine run, c1", mqtt_case("bench/echo-engine/x", echo_users)),
             ]
             if peer_http is not None:
                 ph = peer_http
@@ -804,14 +881,11 @@ def main() -> int:
                 peer_http.close()
         pinger.close()
         floor.close()
-        if floor_proc.stdin:
-            floor_proc.stdin.close()
-        floor_proc.wait(10)
-        grpc_floor_requests.put(None)
-        grpc_floor_channel.close()
-        if grpc_floor_proc.stdin:
-            grpc_floor_proc.stdin.close()
-        grpc_floor_proc.wait(10)
+        floor_eng.close()
+        for gf in grpc_floors.values():
+            gf.close()
+        for proc in floor_procs:
+            stop_floor(proc)
         by_key = {c.key: c for c in cases}
         rss_after = rss_mb(daemon.proc.pid)
         # What the daemon's scheduler decided about batching under this traffic, and how much ran inline.

@@ -1,0 +1,33 @@
+"""One engine run for the floor servers: the bundled model in ONNX Runtime, set up as edged's generic
+profile sets it up (CPU, default intra-op threads, one inter-op thread, every graph optimization).
+
+With it, a floor server answers each request after one run of the model on its own event loop, and
+does nothing else: no decoding, no validation, no queue, no statistics. That is the least any server
+on the same library can take for an inference on this machine, with the engine's threads and the
+server's competing for the same cores as they do in edged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+
+def engine_run(model: Path) -> Callable[[], None]:
+    import numpy as np
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.inter_op_num_threads = 1
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3
+    session = ort.InferenceSession(str(model), sess_options=opts, providers=["CPUExecutionProvider"])
+    spec = session.get_inputs()[0]
+    shape = [d if isinstance(d, int) and d > 0 else 1 for d in spec.shape]
+    x = np.random.default_rng(0).random(shape, dtype=np.float32)
+    feed = {spec.name: x}
+    session.run(None, feed)  # the first run allocates; keep it out of the measurement
+
+    def run() -> None:
+        session.run(None, feed)
+    return run
