@@ -88,7 +88,6 @@ class GrpcApp:
             "ModelReady": (pb.ModelReadyRequest, self.model_ready),
             "ServerMetadata": (pb.ServerMetadataRequest, self.server_metadata),
             "ModelMetadata": (pb.ModelMetadataRequest, self.model_metadata),
-            "ModelInfer": (pb.ModelInferRequest, self.model_infer),
             "ModelConfig": (pb.ModelConfigRequest, self.model_config),
             "ModelStatistics": (pb.ModelStatisticsRequest, self.model_statistics),
             "RepositoryIndex": (pb.RepositoryIndexRequest, self.repository_index),
@@ -103,14 +102,18 @@ class GrpcApp:
         }
         methods = {name: grpc.unary_unary_rpc_method_handler(self._unary(name, cls, fn))
                    for name, (cls, fn) in unary.items()}
+        methods["ModelInfer"] = grpc.unary_unary_rpc_method_handler(
+            self._unary("ModelInfer", pb.ModelInferRequest, self._infer, sized=True))
         methods["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(self.model_stream_infer)
         return grpc.method_handlers_generic_handler(SERVICE, methods)
 
-    def _unary(self, name: str, cls: type[Any], fn: Unary) -> Callable[[bytes, Any], Awaitable[bytes]]:
+    def _unary(self, name: str, cls: type[Any], fn: Callable[..., Awaitable[Any]], *,
+               sized: bool = False) -> Callable[[bytes, Any], Awaitable[bytes]]:
+        """``fn(message, context)``, or with ``sized`` ``fn(message, context, its size in bytes)``."""
         async def handle(data: bytes, context: Any) -> bytes:
             try:
                 msg = parse(cls, data)
-                reply = await fn(msg, context)
+                reply = await (fn(msg, context, len(data)) if sized else fn(msg, context))
                 return bytes(reply.SerializeToString())
             except EdgedError as e:
                 code, text = self._status(e)
@@ -183,7 +186,12 @@ class GrpcApp:
         return self.authority.scope(peer_of(context), "use system shared memory")
 
     def _shm_view(self, context: Any) -> ShmView:
-        """The caller's regions; a caller without the credential has none (references fail as unknown)."""
+        """The caller's regions; a caller without the credential has none (references fail as unknown).
+
+        With no region registered by anyone, every reference fails as unknown whoever asks: the caller's
+        identity (metadata and peer, read from grpcio per call) is not looked up."""
+        if not len(self.shm):
+            return self.shm.view("")
         return self.shm.view(self.authority.known_scope(peer_of(context)) or "")
 
     async def sysshm_status(self, req: pb.SystemSharedMemoryStatusRequest,
@@ -225,12 +233,10 @@ class GrpcApp:
         return pb.CudaSharedMemoryUnregisterResponse()
 
     # ---- inference --------------------------------------------------------------------------
-    async def model_infer(self, req: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
-        return await self._infer(req, context)
-
-    async def _infer(self, req: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+    async def _infer(self, req: pb.ModelInferRequest, context: Any, size: int) -> pb.ModelInferResponse:
+        """ModelInfer, and each ModelStreamInfer request; ``size``: the message's bytes on the wire."""
         shm = self._shm_view(context)
-        if req.ByteSize() > v2_ops.HEAVY:
+        if size > v2_ops.HEAVY:
             decoded = await asyncio.to_thread(decode_infer, req, shm)
         else:
             decoded = decode_infer(req, shm)
@@ -245,7 +251,7 @@ class GrpcApp:
         req: pb.ModelInferRequest | None = None
         try:
             req = parse(pb.ModelInferRequest, data)
-            reply = pb.ModelStreamInferResponse(infer_response=await self._infer(req, context))
+            reply = pb.ModelStreamInferResponse(infer_response=await self._infer(req, context, len(data)))
         except EdgedError as e:
             reply = pb.ModelStreamInferResponse(error_message=self._status(e)[1], infer_response=error_response(req))
         except Exception:

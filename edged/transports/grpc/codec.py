@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from typing import Any, TypeVar, cast
 
+import numpy as np
 from google.protobuf.message import DecodeError, Message
 
+from edged import datatypes
 from edged.core.types import InferResponse
 from edged.errors import InvalidInputError
-from edged.protocol.v2 import DecodedRequest, decode_request
+from edged.protocol.v2 import DecodedRequest, bytes_to_buffer, decode_raw_request, decode_request
 from edged.transports.grpc.gen import grpc_service_pb2 as pb
 from edged.transports.shm.sysshm import ShmView
 from edged.transports.v2_ops import encode_outputs, parse_version
@@ -52,6 +54,12 @@ def decode_infer(req: pb.ModelInferRequest, shm: ShmView) -> DecodedRequest:
         raise InvalidInputError("'model_name' is empty")
     version = parse_version(req.model_version) if req.model_version else None
     n_raw = len(req.raw_input_contents)
+    if _plain(req, n_raw):
+        # What tritonclient and perf_analyzer send: raw contents for every input and no parameters.
+        return decode_raw_request(
+            zip((t.name for t in req.inputs), (t.datatype for t in req.inputs), (t.shape for t in req.inputs),
+                req.raw_input_contents, strict=True),
+            model=req.model_name, version=version, outputs=[o.name for o in req.outputs], rid=req.id or None)
     chunks: list[bytes] = []
     inputs: list[dict[str, Any]] = []
     for t in req.inputs:
@@ -88,7 +96,23 @@ def decode_infer(req: pb.ModelInferRequest, shm: ShmView) -> DecodedRequest:
     return decoded
 
 
+def _plain(req: pb.ModelInferRequest, n_raw: int) -> bool:
+    """Every input in raw_input_contents, and no parameters anywhere (no shared memory, no options)."""
+    return (n_raw == len(req.inputs) and not req.parameters
+            and not any(t.parameters or t.HasField("contents") for t in req.inputs)
+            and not any(o.parameters for o in req.outputs))
+
+
 def encode_infer(resp: InferResponse, decoded: DecodedRequest, shm: ShmView) -> pb.ModelInferResponse:
+    if not any(o.shm for o in decoded.outputs.values()):
+        # Every output raw, in order: straight into the message, without a header of dicts first.
+        out = pb.ModelInferResponse(model_name=resp.model, model_version=str(resp.version), id=resp.id or "")
+        for name, arr in resp.outputs.items():
+            dt = datatypes.from_numpy(arr.dtype)
+            out.outputs.add(name=name, datatype=dt, shape=arr.shape)
+            out.raw_output_contents.append(bytes_to_buffer(arr) if dt == "BYTES"
+                                           else np.ascontiguousarray(arr).tobytes())
+        return out
     header, chunks = encode_outputs(resp, decoded, shm)
     out = pb.ModelInferResponse(model_name=header["model_name"], model_version=header["model_version"],
                                 id=header.get("id") or "")
