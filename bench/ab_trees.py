@@ -1,7 +1,7 @@
 """Two checkouts' daemons side by side: the same traffic to each, interleaved, against one raw reference.
 
     .venv/bin/python -m bench.ab_trees OLD_CHECKOUT NEW_CHECKOUT [--rounds 16] [--seconds 0.4]
-        [--transports shm,http,grpc]
+        [--transports shm,http,grpc,grpc_stream]
 
 On a shared VM the machine's speed drifts by more between two suite runs minutes apart than a
 change of tens of microseconds; only a comparison inside one run says whether a change helped.
@@ -74,6 +74,12 @@ def main() -> None:
                 grpc = GrpcClient(f"127.0.0.1:{grpc_port}")
                 stack.callback(grpc.close)
                 cases[f"{label} grpc"] = partial(grpc.infer, MODEL, {"image": x1})
+            if "grpc_stream" in wanted:
+                streaming = GrpcClient(f"127.0.0.1:{grpc_port}")
+                stream = streaming.stream()
+                stack.callback(streaming.close)
+                stack.callback(stream.close)
+                cases[f"{label} grpc_stream"] = partial(stream.infer, MODEL, {"image": x1})
         assert cfg is not None
         rt = build_runtime(load_config(cfg), only=MODEL)
         stack.callback(rt.manager.shutdown)
@@ -90,7 +96,7 @@ def main() -> None:
         print(f"A = {args.trees[0]}, B = {args.trees[1]}; {args.rounds} rounds of {args.seconds} s per case")
         for key, values in p50s.items():
             over = statistics.median(v - r for v, r in zip(values, p50s["raw"], strict=True))
-            print(f"{key:8s} p50 {statistics.median(values) * 1e6:8.1f} us   over raw b1 {over * 1e6:7.1f} us")
+            print(f"{key:14s} p50 {statistics.median(values) * 1e6:8.1f} us   over raw b1 {over * 1e6:7.1f} us")
 
 
 if __name__ == "__main__":
