@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
@@ -20,6 +20,9 @@ from edged import datatypes
 from edged.core.types import InferRequest, InferResponse
 from edged.errors import InvalidInputError
 from edged.protocol.v2_json import NUMERIC_TYPES, JsonArray, array_from_json, numbers_from_list
+
+if TYPE_CHECKING:
+    from edged.protocol.v2_plans import RequestPlan
 
 # (region, offset, byte_size) -> the byte_size bytes of an input slot
 ShmResolver = Callable[[str, int, int], memoryview]
@@ -39,6 +42,7 @@ class DecodedRequest:
     request: InferRequest
     outputs: dict[str, OutputOptions] = field(default_factory=dict)
     binary_default: bool = False
+    plan: RequestPlan | None = None  # the header's plan when it was decoded by one (v2_plans)
 
 
 def _param(params: Any, key: str, where: str, kind: type) -> Any:

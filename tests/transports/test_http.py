@@ -132,6 +132,43 @@ def test_tritonclient_default_outputs_are_binary(srv: Served, triton: th.Inferen
     np.testing.assert_allclose(result.as_numpy("probabilities"), in_process(srv, "digits", x[:3]), rtol=1e-5)
 
 
+def test_repeated_binary_headers_are_decoded_by_plan(srv: Served, triton: th.InferenceServerClient,
+                                                     digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    """A client streaming frames repeats its header: after the first, requests skip parsing it (v2_plans)
+    and get the same answers; a body that does not fit the remembered header is judged afresh."""
+    x, _ = digits_holdout
+    plans = srv.transport.app.plans
+    hits = plans.hits
+    for k in range(4):
+        batch = x[2 * k:2 * k + 2]
+        inp = th.InferInput("pixels", [2, 64], "FP32")
+        inp.set_data_from_numpy(batch, binary_data=True)
+        result = triton.infer("digits", [inp], outputs=[th.InferRequestedOutput("probabilities", binary_data=True)])
+        np.testing.assert_allclose(result.as_numpy("probabilities"), in_process(srv, "digits", batch),
+                                   rtol=1e-5, atol=1e-6)
+    assert plans.hits - hits >= 3
+    header = orjson.dumps({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [2, 64],
+                                       "parameters": {"binary_data_size": 2 * 64 * 4}}],
+                           "parameters": {"binary_data_output": True}})
+    headers = {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(header))}
+    with HttpClient(srv.url) as http:
+        for k in range(3):
+            reply = http.request("POST", "/v2/models/digits/infer", [header, x[k:k + 2].tobytes()], headers)
+            assert reply.status == 200
+            hlen = int(reply.header("Inference-Header-Content-Length") or 0)
+            got = np.frombuffer(reply.body[hlen:], dtype=np.float32).reshape(2, 10)
+            np.testing.assert_allclose(got, in_process(srv, "digits", x[k:k + 2]), rtol=1e-5, atol=1e-6)
+        short = http.request("POST", "/v2/models/digits/infer", [header, x[:1].tobytes()], headers)
+        assert short.status == 400 and b"binary_data_size 512 goes past the end of the body" in short.body
+        long = http.request("POST", "/v2/models/digits/infer", [header, x[:3].tobytes()], headers)
+        assert long.status == 400 and b"256 bytes of binary data are not claimed by any input" in long.body
+        lie = header.replace(b"[2,64]", b"[3,64]")
+        for _ in range(2):
+            refused = http.request("POST", "/v2/models/digits/infer", [lie, x[:2].tobytes()],
+                                   {**headers, "Inference-Header-Content-Length": str(len(lie))})
+            assert refused.status == 400 and b"shape [3, 64] of FP32 needs 768" in refused.body
+
+
 @pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
 def test_tritonclient_compressed_requests(srv: Served, triton: th.InferenceServerClient,
                                           digits_holdout: tuple[np.ndarray, np.ndarray], algorithm: str) -> None:

@@ -18,11 +18,14 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
 
+import numpy as np
+
 from edged.core.service import InferenceService
 from edged.core.types import InferResponse
 from edged.errors import EdgedError, ErrorCode, InvalidInputError
 from edged.protocol.v2 import DecodedRequest, decode_request, dumps, loads
 from edged.protocol.v2_json import loads_request
+from edged.protocol.v2_plans import RequestPlans
 from edged.transports.authority import Authority, Peer, bearer
 from edged.transports.http.config import model_config
 from edged.transports.http.server import Headers, Request, Response
@@ -80,6 +83,7 @@ class V2App:
         self.scrub = scrub
         self.metrics = metrics
         self.stopping = False
+        self.plans = RequestPlans()  # binary requests that repeat their header (protocol/v2_plans.py)
 
     # ---- entry ------------------------------------------------------------------------------
     async def handle(self, req: Request) -> Response:
@@ -202,16 +206,33 @@ class V2App:
                 raise InvalidInputError(
                     f"Inference-Header-Content-Length {hlen} is outside the body ({len(body)} bytes)")
             view = memoryview(body)
-            header, binary = loads_request(view[:hlen]), view[hlen:]
+            key = self.plans.key(model, version, view[:hlen], len(body) - hlen)
+            plan = None if key is None else self.plans.get(key)
+            if plan is not None:
+                decoded = plan.decode(view[hlen:])
+            else:
+                header = loads_request(view[:hlen])
+                decoded = decode_request(header, view[hlen:], model=model, version=version, shm=shm.read)
+                if key is not None:
+                    self.plans.learn(key, header, decoded)
         else:
-            header, binary = loads_request(body), memoryview(b"")
-        decoded = decode_request(header, binary, model=model, version=version, shm=shm.read)
+            decoded = decode_request(loads_request(body), memoryview(b""), model=model, version=version,
+                                     shm=shm.read)
         prepare_infer(decoded, shm)
         return decoded
 
     def _encode(self, resp: Any, decoded: DecodedRequest, shm: ShmView) -> Response:
-        header, chunks = encode_outputs(resp, decoded, shm)
-        hjson = dumps(header)
+        plan = decoded.plan
+        key = None if plan is None else plan.reply_key(resp)
+        if plan is not None and key is not None and (known := plan.replies.get(key)) is not None:
+            # The same outputs as an earlier answer to this header: only the tensor bytes are new.
+            hjson = known
+            chunks = [np.ascontiguousarray(a).tobytes() for a in resp.outputs.values()]
+        else:
+            header, chunks = encode_outputs(resp, decoded, shm)
+            hjson = dumps(header)
+            if plan is not None and key is not None:
+                plan.keep_reply(key, hjson)
         if not chunks:
             return 200, _JSON, hjson
         headers = [(b"content-type", b"application/octet-stream"),

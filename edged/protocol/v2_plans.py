@@ -1,0 +1,134 @@
+"""Binary v2 requests that repeat their header: checked once, then decoded by plan.
+
+A client that streams frames sends the same JSON header before every tensor (the same names,
+shapes, sizes and options); only the bytes after it change. Parsing and checking that header
+again for every frame costs more than everything else edged does for the request in Python. A
+plan remembers what a header meant, keyed by its exact bytes together with the model, the version
+and the length of the tensor bytes, and builds the next request from the new bytes directly; the
+answer's header is kept the same way per output signature.
+
+Only headers whose meaning cannot depend on anything but their own bytes are planned: every input
+sent as raw bytes of a fixed-size type (BYTES elements are checked against their data), no shared
+memory (regions come and go), no request id (a fresh one per request would only churn the cache).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from edged.core.types import InferRequest, InferResponse
+from edged.protocol.v2 import DecodedRequest, OutputOptions
+
+# Longer headers are not planned (a key is the header's bytes); a realistic binary header is ~200 bytes.
+PLAN_HEADER_MAX = 4096
+PLANS_MAX = 64  # per cache; a full cache starts over (a client varying its headers only loses the speed-up)
+_REPLIES_MAX = 8  # answer headers kept per plan (output shapes can vary with dynamic axes)
+
+PlanKey = tuple[str, int | None, bytes, int]
+
+
+@dataclass(frozen=True)
+class _Input:
+    name: str
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+class RequestPlan:
+    """What one header meant: where each input lies in the tensor bytes, and the request's options."""
+
+    __slots__ = ("binary_default", "inputs", "model", "outputs", "parameters", "replies", "version")
+
+    def __init__(self, model: str, version: int | None, inputs: tuple[_Input, ...], *,
+                 outputs: Mapping[str, OutputOptions], binary_default: bool, parameters: Mapping[str, Any]) -> None:
+        self.model, self.version, self.inputs = model, version, inputs
+        self.outputs = {name: OutputOptions(binary=o.binary) for name, o in outputs.items()}
+        self.binary_default = binary_default
+        self.parameters = dict(parameters)
+        self.replies: dict[tuple[Any, ...], bytes] = {}
+
+    def decode(self, tail: memoryview) -> DecodedRequest:
+        """The request for these tensor bytes (the caller keeps them alive for the request's lifetime)."""
+        arrays = {i.name: np.frombuffer(tail[i.start:i.end], dtype=i.dtype).reshape(i.shape) for i in self.inputs}
+        outputs = {name: OutputOptions(binary=o.binary) for name, o in self.outputs.items()}
+        request = InferRequest(model=self.model, version=self.version, inputs=arrays,
+                               outputs=list(outputs) if outputs else None, parameters=dict(self.parameters))
+        return DecodedRequest(request, outputs, self.binary_default, plan=self)
+
+    def reply_key(self, resp: InferResponse) -> tuple[Any, ...] | None:
+        """The answer header's key when it depends only on the outputs' names, types and shapes: every
+        output sent as raw bytes of a fixed-size type, no id. None otherwise."""
+        if resp.id is not None:
+            return None
+        key: list[Any] = [resp.model, resp.version]
+        for name, arr in resp.outputs.items():
+            opt = self.outputs.get(name)
+            if not (opt.binary if opt is not None else self.binary_default) or arr.dtype == object:
+                return None
+            key.append((name, arr.dtype.str, arr.shape))
+        return tuple(key)
+
+    def keep_reply(self, key: tuple[Any, ...], header: bytes) -> None:
+        if len(self.replies) >= _REPLIES_MAX:
+            self.replies.clear()
+        self.replies[key] = header
+
+
+def _plan(model: str, version: int | None, header: Mapping[str, Any], decoded: DecodedRequest) -> RequestPlan | None:
+    """A plan for a header that decoded fine, or None when its meaning could change with the tail or the world."""
+    if "id" in header or any(o.shm is not None for o in decoded.outputs.values()):
+        return None
+    inputs: list[_Input] = []
+    pos = 0
+    for raw in header["inputs"]:  # decode_request accepted them: a list of objects with names
+        params = raw.get("parameters") or {}
+        if "shared_memory_region" in params or "binary_data_size" not in params:
+            return None
+        arr = decoded.request.inputs[raw["name"]]
+        if arr.dtype == object:
+            return None
+        size = params["binary_data_size"]
+        inputs.append(_Input(raw["name"], arr.dtype, arr.shape, pos, pos + size))
+        pos += size
+    return RequestPlan(model, version, tuple(inputs), outputs=decoded.outputs,
+                       binary_default=decoded.binary_default, parameters=decoded.request.parameters)
+
+
+class RequestPlans:
+    """A bounded cache of plans, shared by the threads that decode (the event loop and its helpers)."""
+
+    def __init__(self, max_plans: int = PLANS_MAX) -> None:
+        self.max_plans = max_plans
+        self._plans: dict[PlanKey, RequestPlan] = {}
+        self._lock = threading.Lock()
+        self.hits = 0
+
+    @staticmethod
+    def key(model: str, version: int | None, head: memoryview, tail_bytes: int) -> PlanKey | None:
+        return (model, version, bytes(head), tail_bytes) if len(head) <= PLAN_HEADER_MAX else None
+
+    def get(self, key: PlanKey) -> RequestPlan | None:
+        plan = self._plans.get(key)
+        if plan is not None:
+            self.hits += 1
+        return plan
+
+    def learn(self, key: PlanKey, header: Mapping[str, Any], decoded: DecodedRequest) -> None:
+        """Remember what a header that just decoded fine meant, if it can be planned."""
+        plan = _plan(key[0], key[1], header, decoded)
+        if plan is None:
+            return
+        with self._lock:
+            if len(self._plans) >= self.max_plans:
+                self._plans.clear()
+            self._plans[key] = plan
+
+    def __len__(self) -> int:
+        return len(self._plans)
