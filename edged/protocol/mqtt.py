@@ -91,7 +91,12 @@ def frame(form: Form, header: dict[str, Any], chunks: list[bytes], *,
     A JSON request that asked for binary outputs gets a binary reply (its chunks need a
     header length): the property form where MQTT 5 properties exist, else the prefix.
     """
-    head = dumps(header)
+    return frame_encoded(form, dumps(header), chunks, properties=properties)
+
+
+def frame_encoded(form: Form, head: bytes, chunks: list[bytes], *,
+                  properties: bool) -> tuple[Form, bytes, int | None]:
+    """:func:`frame` for a header already serialised."""
     if form is Form.JSON:
         if not chunks:
             return form, head, None

@@ -15,14 +15,14 @@ memory (regions come and go), no request id (a fresh one per request would only 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from edged.core.types import InferRequest, InferResponse
-from edged.protocol.v2 import DecodedRequest, OutputOptions
+from edged.protocol.v2 import DecodedRequest, OutputOptions, dumps
 
 # Longer headers are not planned (a key is the header's bytes); a realistic binary header is ~200 bytes.
 PLAN_HEADER_MAX = 4096
@@ -79,6 +79,24 @@ class RequestPlan:
         if len(self.replies) >= _REPLIES_MAX:
             self.replies.clear()
         self.replies[key] = header
+
+
+def encode_answer(resp: InferResponse, decoded: DecodedRequest,
+                  encode: Callable[[], tuple[dict[str, Any], list[bytes]]]) -> tuple[bytes, list[bytes]]:
+    """The answer's header bytes and tensor chunks: ``encode()`` (the transport's general encoder) the
+    first time, the header the request's plan kept after that, when the outputs' names, types and shapes
+    are the same."""
+    plan = decoded.plan
+    key = None if plan is None else plan.reply_key(resp)
+    if plan is not None and key is not None:
+        known = plan.replies.get(key)
+        if known is not None:
+            return known, [np.ascontiguousarray(a).tobytes() for a in resp.outputs.values()]
+    header, chunks = encode()
+    head = dumps(header)
+    if plan is not None and key is not None:
+        plan.keep_reply(key, head)
+    return head, chunks
 
 
 def _plan(model: str, version: int | None, header: Mapping[str, Any], decoded: DecodedRequest) -> RequestPlan | None:

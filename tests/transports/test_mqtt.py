@@ -171,6 +171,40 @@ def test_mqtt5_json_and_binary_requests_from_python(
     np.testing.assert_array_equal(_probs(msg.payload, props), want)
 
 
+def test_repeated_binary_headers_are_decoded_by_plan(
+        broker: Broker, transports: Callable[..., MqttTransport], client: TestClient, digits: Digits) -> None:
+    """A publisher streaming frames repeats its header: after the first, requests skip parsing it
+    (protocol/v2_plans.py) and get the same answers; a payload that does not fit is judged afresh."""
+    t = transports(broker.url)
+    header, _ = _binary_request(digits.x[:2])
+    hlen = [(codec.HEADER_LENGTH_PROPERTY, str(len(header)))]
+    for k in range(4):
+        x = digits.x[2 * k:2 * k + 2]
+        client.publish("edged/dev/infer/digits", header + x.astype(np.float32).tobytes(), ResponseTopic="replies/py",
+                       CorrelationData=f"p-{k}".encode(), UserProperty=hlen)
+        msg = client.get(where=_correlated(f"p-{k}".encode()))
+        np.testing.assert_array_equal(_probs(msg.payload, user_properties(msg)), digits.expected(x))
+    assert t._plans.hits == 3
+    client.publish("edged/dev/infer/digits", header + digits.x[:1].astype(np.float32).tobytes(),
+                   ResponseTopic="replies/py", CorrelationData=b"p-short", UserProperty=hlen)
+    msg = client.get(where=_correlated(b"p-short"))
+    props = user_properties(msg)
+    error = json.loads(msg.payload[:int(props[codec.HEADER_LENGTH_PROPERTY])])
+    assert error["code"] == "invalid_argument" and "goes past the end of the body" in error["error"]
+    # A header that names its reply topic (MQTT 3.1.1) is not planned: each request is answered as its own.
+    c = TestClient(broker.port, v5=False).wait_connected()
+    c.subscribe("replies/#")
+    try:
+        for k in range(2):
+            head, tensor = _binary_request(digits.x[k:k + 1], reply_to="replies/311")
+            c.publish("edged/dev/infer/digits", codec.PREFIX.pack(len(head)) + head + tensor)
+            np.testing.assert_array_equal(_probs(c.get(where=lambda m: m.payload[:1] == b"\0").payload),
+                                          digits.expected(digits.x[k:k + 1]))
+    finally:
+        c.close()
+    assert t._plans.hits == 3
+
+
 @pytest.mark.parametrize("daemon_protocol", ["5", "3.1.1"])
 def test_mqtt311_reply_to_with_json_and_prefixed_binary(
         broker: Broker, transports: Callable[..., MqttTransport], digits: Digits, daemon_protocol: str) -> None:

@@ -18,14 +18,12 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
 
-import numpy as np
-
 from edged.core.service import InferenceService
 from edged.core.types import InferResponse
 from edged.errors import EdgedError, ErrorCode, InvalidInputError
 from edged.protocol.v2 import DecodedRequest, decode_request, dumps, loads
 from edged.protocol.v2_json import loads_request
-from edged.protocol.v2_plans import RequestPlans
+from edged.protocol.v2_plans import RequestPlans, encode_answer
 from edged.transports.authority import Authority, Peer, bearer
 from edged.transports.http.config import model_config
 from edged.transports.http.server import Headers, Request, Response
@@ -222,17 +220,7 @@ class V2App:
         return decoded
 
     def _encode(self, resp: Any, decoded: DecodedRequest, shm: ShmView) -> Response:
-        plan = decoded.plan
-        key = None if plan is None else plan.reply_key(resp)
-        if plan is not None and key is not None and (known := plan.replies.get(key)) is not None:
-            # The same outputs as an earlier answer to this header: only the tensor bytes are new.
-            hjson = known
-            chunks = [np.ascontiguousarray(a).tobytes() for a in resp.outputs.values()]
-        else:
-            header, chunks = encode_outputs(resp, decoded, shm)
-            hjson = dumps(header)
-            if plan is not None and key is not None:
-                plan.keep_reply(key, hjson)
+        hjson, chunks = encode_answer(resp, decoded, lambda: encode_outputs(resp, decoded, shm))
         if not chunks:
             return 200, _JSON, hjson
         headers = [(b"content-type", b"application/octet-stream"),

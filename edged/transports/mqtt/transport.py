@@ -44,6 +44,7 @@ from edged.protocol import mqtt as codec
 from edged.protocol.fleet.telemetry import MqttWindow, StreamWindow
 from edged.protocol.mqtt import Form, Topics
 from edged.protocol.v2 import DecodedRequest, decode_request, dumps, encode_response, loads
+from edged.protocol.v2_plans import RequestPlans, encode_answer
 from edged.transports.mqtt.bindings import (
     BindingStats,
     BindingWorker,
@@ -129,6 +130,7 @@ class MqttTransport:
         self.counters: collections.Counter[str] = collections.Counter()
         self._counter_lock = threading.Lock()
         self._recent = RecentKeys()
+        self._plans = RequestPlans()  # binary requests that repeat their header
         self._backoff = Backoff(self.options.reconnect_min_s, self.options.reconnect_max_s)
         self._client: mqtt.Client | None = None
         self._inflight = 0
@@ -490,24 +492,34 @@ class MqttTransport:
                     return
                 self._submit_media(inc, reply, model, version)
                 return
-            parts = inc.parts or codec.split(inc.payload, codec.header_length_property(inc.header_length))
-            fr = codec.parse_split(*parts)
+            form, head, tail = inc.parts or codec.split(inc.payload, codec.header_length_property(inc.header_length))
+            # A binary header seen before needs no parsing (protocol/v2_plans.py); planned headers
+            # carry neither 'reply_to' nor 'id' (see below).
+            key = None if form is Form.JSON else self._plans.key(model, version, head, len(tail))
+            plan = None if key is None else self._plans.get(key)
+            header = None if plan is not None else codec.parse_split(form, head, tail).header
+            reply_to, rid = (None, None) if header is None else codec.reply_address(header)
             if reply is not None:
-                reply.form = fr.form
-            reply_to, rid = codec.reply_address(fr.header)
+                reply.form = form
             if reply is None:
                 if reply_to is None:
                     self._drop(inc.topic, "it has no response topic (MQTT 5) or 'reply_to' (JSON header)")
                     return
-                reply = _Reply(reply_to, None, rid, fr.form, inc.qos, inc.deadline)
+                reply = _Reply(reply_to, None, rid, form, inc.qos, inc.deadline)
                 if self._duplicate(inc.topic, reply):
                     return
             reply.request_id = rid
-            if fr.form is not Form.JSON:
-                params = fr.header.setdefault("parameters", {})
-                if isinstance(params, dict):
-                    params.setdefault("binary_data_output", True)
-            decoded = decode_request(fr.header, fr.tail, model=model, version=version)
+            if header is None:
+                assert plan is not None
+                decoded = plan.decode(tail)
+            else:
+                if form is not Form.JSON:
+                    params = header.setdefault("parameters", {})
+                    if isinstance(params, dict):
+                        params.setdefault("binary_data_output", True)
+                decoded = decode_request(header, tail, model=model, version=version)
+                if key is not None and "reply_to" not in header:
+                    self._plans.learn(key, header, decoded)
             timeout_us = decoded.request.parameters.get("timeout_us")
             deadline = inc.deadline
             if timeout_us:
@@ -571,10 +583,10 @@ class MqttTransport:
                 resp = future.result()
                 if reply.media is not None:
                     header = media.answer(resp.model, resp.version, resp.outputs, media=reply.media)
-                    chunks: list[bytes] = []
+                    form, payload, hlen = codec.frame(reply.form, header, [], properties=self.options.v5)
                 else:
-                    header, chunks = encode_response(resp, decoded)
-                form, payload, hlen = codec.frame(reply.form, header, chunks, properties=self.options.v5)
+                    head, chunks = encode_answer(resp, decoded, partial(encode_response, resp, decoded))
+                    form, payload, hlen = codec.frame_encoded(reply.form, head, chunks, properties=self.options.v5)
                 if self._send(reply, payload, form, hlen):
                     self._stall.replied(reply.topic, time.monotonic() - reply.received)
                 self._count("replies")
