@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import orjson
@@ -20,9 +20,6 @@ from edged import datatypes
 from edged.core.types import InferRequest, InferResponse
 from edged.errors import InvalidInputError
 from edged.protocol.v2_json import NUMERIC_TYPES, JsonArray, array_from_json, numbers_from_list
-
-if TYPE_CHECKING:
-    from edged.protocol.v2_plans import RequestPlan
 
 # (region, offset, byte_size) -> the byte_size bytes of an input slot
 ShmResolver = Callable[[str, int, int], memoryview]
@@ -42,7 +39,8 @@ class DecodedRequest:
     request: InferRequest
     outputs: dict[str, OutputOptions] = field(default_factory=dict)
     binary_default: bool = False
-    plan: RequestPlan | None = None  # the header's plan when it was decoded by one (v2_plans)
+    # The v2_plans.RequestPlan that decoded it, if any (held as an object: v2_plans builds on this module).
+    plan: object = None
 
 
 def _param(params: Any, key: str, where: str, kind: type) -> Any:

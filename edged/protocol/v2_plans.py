@@ -86,7 +86,7 @@ def encode_answer(resp: InferResponse, decoded: DecodedRequest,
     """The answer's header bytes and tensor chunks: ``encode()`` (the transport's general encoder) the
     first time, the header the request's plan kept after that, when the outputs' names, types and shapes
     are the same."""
-    plan = decoded.plan
+    plan = decoded.plan if isinstance(decoded.plan, RequestPlan) else None
     key = None if plan is None else plan.reply_key(resp)
     if plan is not None and key is not None:
         known = plan.replies.get(key)
