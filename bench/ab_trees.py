@@ -1,7 +1,7 @@
 """Two checkouts' daemons side by side: the same traffic to each, interleaved, against one raw reference.
 
     .venv/bin/python -m bench.ab_trees OLD_CHECKOUT NEW_CHECKOUT [--rounds 16] [--seconds 0.4]
-        [--transports shm,http,grpc,grpc_stream]
+        [--transports shm,http,grpc,grpc_stream,mqtt]
 
 On a shared VM the machine's speed drifts by more between two suite runs minutes apart than a
 change of tens of microseconds; only a comparison inside one run says whether a change helped.
@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import run_suite as rs
+from bench.bench_mqtt import Driver, binary_request
 from edged.client.grpc import GrpcClient
 from edged.client.http import HttpClient
 from edged.client.shm import ShmClient
@@ -52,6 +53,8 @@ def main() -> None:
         stack.callback(shutil.rmtree, tmp, True)
         stack.callback(broker.stop)
         cases: dict[str, Callable[[], object]] = {}
+        driver: Driver | None = None
+        payload, users = b"", []
         cfg = None
         x1 = np.random.default_rng(0).random((1, 3, 48, 192), dtype=np.float32)
         for label, tree in zip("AB", args.trees, strict=True):
@@ -60,6 +63,8 @@ def main() -> None:
                 shutil.copytree(tree / "models" / name, here / "models" / name)
             http_port, grpc_port = free_port(), free_port()
             cfg = rs.write_config(here, http_port, broker, "generic", "edged.toml", grpc_port=grpc_port)
+            device = f"{rs.DEVICE}-{label.lower()}"  # each daemon answers its own MQTT topics
+            cfg.write_text(cfg.read_text().replace(f'id = "{rs.DEVICE}"', f'id = "{device}"'))
             rs.ROOT = tree.resolve()  # start_daemon runs `python -m edged` from this tree
             rs.EDGED = [sys.executable, "-m", "edged"]
             started = rs.start_daemon(cfg, here / "edged.log", here / "notify.sock")
@@ -74,6 +79,12 @@ def main() -> None:
                 grpc = GrpcClient(f"127.0.0.1:{grpc_port}")
                 stack.callback(grpc.close)
                 cases[f"{label} grpc"] = partial(grpc.infer, MODEL, {"image": x1})
+            if "mqtt" in wanted:
+                if driver is None:
+                    driver = Driver(broker.port, qos=0)
+                    payload, users = binary_request("image", x1)
+                cases[f"{label} mqtt"] = partial(driver.run, f"edged/{device}/infer/{MODEL}", payload, users,
+                                                 concurrency=1, n=1, timeout=30)
             if "grpc_stream" in wanted:
                 streaming = GrpcClient(f"127.0.0.1:{grpc_port}")
                 stream = streaming.stream()
