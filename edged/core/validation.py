@@ -20,6 +20,7 @@ from edged.errors import InvalidInputError
 @dataclass(frozen=True)
 class _Plan:
     names: frozenset[str]
+    outputs: frozenset[str]  # the outputs a request may ask for
     # (name, numpy dtype, declared shape without the batch dimension); None: always the full check
     specs: tuple[tuple[str, np.dtype[np.generic], tuple[int, ...]], ...] | None
     max_batch_size: int
@@ -33,7 +34,8 @@ def _plan(mv: ModelVersion) -> _Plan:
     simple = all(s.datatype != "BYTES" for s in mv.inputs) and not any(
         b.min is not None or b.max is not None for b in (bounds or {}).values())
     specs = tuple((s.name, datatypes.to_numpy(s.datatype), tuple(s.shape)) for s in mv.inputs) if simple else None
-    plan = _Plan(frozenset(s.name for s in mv.inputs), specs, mv.max_batch_size)
+    plan = _Plan(frozenset(s.name for s in mv.inputs), frozenset(s.name for s in mv.outputs), specs,
+                 mv.max_batch_size)
     mv.validation_plan = plan
     return plan
 
@@ -41,7 +43,8 @@ def _plan(mv: ModelVersion) -> _Plan:
 def _accept(plan: _Plan, req: InferRequest) -> int:
     """The batch size when the request is plainly right, else 0 (then the full check runs)."""
     inputs = req.inputs
-    if plan.specs is None or req.outputs is not None or inputs.keys() != plan.names:
+    if plan.specs is None or inputs.keys() != plan.names or (
+            req.outputs is not None and not plan.outputs.issuperset(req.outputs)):
         return 0
     mbs = plan.max_batch_size
     batch = 0

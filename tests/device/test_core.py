@@ -74,8 +74,32 @@ def test_validation_names_the_problem(digits_service: InferenceService) -> None:
         assert ei.value.code is ErrorCode.INVALID_ARGUMENT
     with pytest.raises(InvalidInputError, match="unknown output"):
         svc.submit(InferRequest("digits", {"pixels": ok}, outputs=["logits"]))
+    with pytest.raises(InvalidInputError, match=r"unknown output\(s\) \['logits'\]"):
+        svc.submit(InferRequest("digits", {"pixels": ok}, outputs=["probabilities", "logits"]))
     with pytest.raises(ModelNotFoundError):
         svc.submit(InferRequest("nope", {"pixels": ok}))
+
+
+def test_the_quick_check_takes_requests_that_name_known_outputs(digits_service: InferenceService,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """tritonclient names the outputs it wants: such a request must not fall back to the full check."""
+    from edged.core import validation
+
+    mv = digits_service.ready_model("digits")
+    full: list[InferRequest] = []
+    real = validation._validate_fully
+
+    def counted(mv_: object, req: InferRequest) -> int:
+        full.append(req)
+        return real(mv_, req)  # type: ignore[arg-type]
+    monkeypatch.setattr(validation, "_validate_fully", counted)
+    ok = np.zeros((3, 64), np.float32)
+    assert validation.validate(mv, InferRequest("digits", {"pixels": ok}, outputs=["probabilities"])) == 3
+    assert validation.validate(mv, InferRequest("digits", {"pixels": ok})) == 3
+    assert full == []
+    with pytest.raises(InvalidInputError, match="unknown output"):
+        validation.validate(mv, InferRequest("digits", {"pixels": ok}, outputs=["logits"]))
+    assert len(full) == 1
 
 
 def test_batched_results_equal_unbatched(digits_service: InferenceService,
