@@ -460,3 +460,30 @@ def test_a_filling_batch_leaves_when_full_not_at_the_delay() -> None:
         assert sum(engine.runs[before:]) == 8 and max(engine.runs[before:]) >= 4, engine.runs
     finally:
         assert sched.drain(10)
+
+
+def test_a_queued_answer_leaves_after_its_instance_is_free() -> None:
+    """A serial caller sends its next request the moment it has an answer. If the instance were still
+    marked busy then, that request would queue, mark the traffic as overlapping, and keep every later
+    request of the same serial caller off the inline path. The worker frees the instance first."""
+    engine = _Gated()
+    sched = Scheduler("m", 1, engine, max_batch_size=8, instances=1, stats=ModelStats("m", 1),
+                      batching=Batching(max_queue_delay_us=100, preferred_batch_sizes=[4]))
+    try:
+        x = np.arange(4, dtype=np.float32).reshape(1, 4)
+        busy_at_answer: list[int] = []
+        fut = sched.submit(InferRequest("m", {"x": x}), 1)
+        assert engine.entered.wait(10)  # the worker holds the run: the callback is added before the answer
+        fut.add_done_callback(lambda f: busy_at_answer.append(sched._busy))
+        engine.gate.set()
+        np.testing.assert_array_equal(fut.result(10).outputs["y"], x * 2)
+        assert busy_at_answer == [0]
+        # After the overlap is forgotten, a serial caller runs inline every time.
+        time.sleep(0.15)
+        inline_before = sched.stats.inline_count
+        for i in range(20):
+            np.testing.assert_array_equal(sched.run_inline(InferRequest("m", {"x": x + i}), 1).outputs["y"],
+                                          (x + i) * 2)
+        assert sched.stats.inline_count - inline_before == 20
+    finally:
+        assert sched.drain(10)
