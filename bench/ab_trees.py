@@ -82,6 +82,7 @@ def main() -> None:
             if "mqtt" in wanted:
                 if driver is None:
                     driver = Driver(broker.port, qos=0)
+                    stack.callback(driver.c.loop_stop)
                     payload, users = binary_request("image", x1)
                 cases[f"{label} mqtt"] = partial(driver.run, f"edged/{device}/infer/{MODEL}", payload, users,
                                                  concurrency=1, n=1, timeout=30)

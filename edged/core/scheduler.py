@@ -280,15 +280,14 @@ class Scheduler:
             if taken is None:
                 return
             batch, informs = taken
-            start_ns, answers = time.monotonic_ns(), []
+            start_ns = time.monotonic_ns()
+            answers: list[tuple[_Item, InferResponse | EdgedError]] = []
             try:
                 answers = self._run(batch, start_ns, informs)
             except BaseException as e:  # never let a worker die: fail the batch instead
                 log.exception("model=%s version=%s worker error", self.name, self.version)
-                failed = InternalError(f"internal error: {type(e).__name__}")
-                for item in batch:
-                    if not item.future.done():
-                        item.future.set_exception(failed)
+                answers = [(item, InternalError(f"internal error: {type(e).__name__}"))
+                           for item in batch if not item.future.done()]
             finally:
                 # The instance is free before anyone hears back: a caller that sends its next request as
                 # soon as it has this answer finds the model idle (and runs inline), instead of finding
@@ -296,38 +295,45 @@ class Scheduler:
                 with self._cv:
                     self._busy -= 1
                     self._cv.notify_all()
-            self._answer(answers, start_ns)
+            try:
+                self._answer(answers, start_ns)
+            except BaseException:
+                log.exception("model=%s version=%s: answering a batch failed", self.name, self.version)
 
-    def _run(self, batch: list[_Item], start_ns: int, informs: bool = False) -> list[tuple[_Item, InferResponse]]:
-        """Run one batch; failures are answered here, successes returned for :meth:`_answer`."""
+    def _run(self, batch: list[_Item], start_ns: int,
+             informs: bool = False) -> list[tuple[_Item, InferResponse | EdgedError]]:
+        """Run one batch; every request's answer (or error) is returned for :meth:`_answer`."""
         now = start_ns / 1e9
+        answers: list[tuple[_Item, InferResponse | EdgedError]] = []
         live: list[_Item] = []
         for item in batch:
             dl = item.request.deadline
             if dl is not None and now > dl:
                 waited_ms = (start_ns - item.enqueued_ns) / 1e6
-                self._fail(item, DeadlineExceededError(
-                    f"model {self.name!r}: request waited {waited_ms:.1f} ms, past its deadline"))
+                answers.append((item, DeadlineExceededError(
+                    f"model {self.name!r}: request waited {waited_ms:.1f} ms, past its deadline")))
             elif not item.future.set_running_or_notify_cancel():
                 self.stats.record_failure("cancelled", total_ns=start_ns - item.enqueued_ns)
             else:
                 live.append(item)
         if not live:
-            return []
+            return answers
         try:
             results = self._compute([(i.request, i.batch) for i in live], queued=informs)
         except EdgedError as e:
-            for item in live:
-                self._fail(item, e)
-            return []
-        return [(item, InferResponse(self.name, self.version, outs, item.request.id))
-                for item, outs in zip(live, results, strict=True)]
+            return answers + [(item, e) for item in live]
+        return answers + [(item, InferResponse(self.name, self.version, outs, item.request.id))
+                          for item, outs in zip(live, results, strict=True)]
 
-    def _answer(self, answers: list[tuple[_Item, InferResponse]], start_ns: int) -> None:
-        for item, resp in answers:
+    def _answer(self, answers: list[tuple[_Item, InferResponse | EdgedError]], start_ns: int) -> None:
+        """Statistics first, then the answer: a caller that reads them after its answer sees itself counted."""
+        for item, answer in answers:
+            if isinstance(answer, EdgedError):
+                self._fail(item, answer)
+                continue
             done_ns = time.monotonic_ns()
             self.stats.record_success(queue_ns=start_ns - item.enqueued_ns, total_ns=done_ns - item.enqueued_ns)
-            item.future.set_result(resp)
+            item.future.set_result(answer)
 
     def _compute(self, reqs: list[tuple[InferRequest, int]], *, queued: bool = True) -> list[dict[str, np.ndarray]]:
         """Concatenate along the batch dimension, run the engine once, split the outputs back.

@@ -70,7 +70,8 @@ class RequestPlan:
         key: list[Any] = [resp.model, resp.version]
         for name, arr in resp.outputs.items():
             opt = self.outputs.get(name)
-            if not (opt.binary if opt is not None else self.binary_default) or arr.dtype == object:
+            # BYTES in any numpy form (objects, fixed-width bytes or text): sized by their contents.
+            if not (opt.binary if opt is not None else self.binary_default) or arr.dtype.kind in "OSU":
                 return None
             key.append((name, arr.dtype.str, arr.shape))
         return tuple(key)
@@ -106,11 +107,12 @@ def _plan(model: str, version: int | None, header: Mapping[str, Any], decoded: D
     inputs: list[_Input] = []
     pos = 0
     for raw in header["inputs"]:  # decode_request accepted them: a list of objects with names
-        params = raw.get("parameters") or {}
-        if "shared_memory_region" in params or "binary_data_size" not in params:
+        params = raw.get("parameters")
+        # decode_request ignores parameters that are not an object; such an input took its data elsewhere.
+        if not isinstance(params, dict) or "shared_memory_region" in params or "binary_data_size" not in params:
             return None
         arr = decoded.request.inputs[raw["name"]]
-        if arr.dtype == object:
+        if arr.dtype.kind in "OSU":
             return None
         size = params["binary_data_size"]
         inputs.append(_Input(raw["name"], arr.dtype, arr.shape, pos, pos + size))

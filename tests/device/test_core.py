@@ -478,6 +478,20 @@ def test_a_queued_answer_leaves_after_its_instance_is_free() -> None:
         engine.gate.set()
         np.testing.assert_array_equal(fut.result(10).outputs["y"], x * 2)
         assert busy_at_answer == [0]
+        # A failure is answered the same way: a request that waited past its deadline behind a held run.
+        engine.gate.clear()
+        engine.entered.clear()
+        held = sched.submit(InferRequest("m", {"x": x}), 1)
+        assert engine.entered.wait(10)
+        late = sched.submit(InferRequest("m", {"x": x}, deadline=time.monotonic() + 0.01), 1)
+        late.add_done_callback(lambda f: busy_at_answer.append(sched._busy))
+        time.sleep(0.05)
+        engine.gate.set()
+        held.result(10)
+        with pytest.raises(DeadlineExceededError):
+            late.result(10)
+        assert busy_at_answer == [0, 0]
+        assert sched.stats.in_flight == 0
         # After the overlap is forgotten, a serial caller runs inline every time.
         time.sleep(0.15)
         inline_before = sched.stats.inline_count

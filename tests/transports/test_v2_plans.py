@@ -71,7 +71,8 @@ def test_a_plan_decodes_new_tensor_bytes_as_the_general_decoder(extra: dict[str,
     _same(plan.decode(memoryview(tail2)), general)
 
 
-@pytest.mark.parametrize("what", ["id", "BYTES input", "JSON data", "shared memory input", "shared memory output"])
+@pytest.mark.parametrize("what", ["id", "BYTES input", "JSON data", "shared memory input", "shared memory output",
+                                  "parameters not an object"])
 def test_headers_whose_meaning_can_change_are_not_planned(what: str) -> None:
     head, tail = _binary([("x", x)])
     header = orjson.loads(head)
@@ -83,6 +84,10 @@ def test_headers_whose_meaning_can_change_are_not_planned(what: str) -> None:
                              "parameters": {"binary_data_size": len(tail)}}]
     elif what == "JSON data":
         header["inputs"][0] = {"name": "x", "datatype": "FP32", "shape": [2], "data": [1.0, 2.0]}
+        tail = b""
+    elif what == "parameters not an object":  # the decoder ignores them; the input's data is JSON
+        header["inputs"][0] = {"name": "x", "datatype": "FP32", "shape": [2], "data": [1.0, 2.0],
+                               "parameters": "binary_data_size"}
         tail = b""
     elif what == "shared memory input":
         header["inputs"][0]["parameters"] = {"shared_memory_region": "r", "shared_memory_byte_size": x.nbytes}
@@ -126,5 +131,8 @@ def test_answer_headers_are_kept_only_for_raw_fixed_size_outputs() -> None:
     assert plan.reply_key(InferResponse("m", 3, {"y": y})) != plan.reply_key(InferResponse("m", 2, {"y": y}))
     assert plan.reply_key(InferResponse("m", 2, {"y": y}, "an-id")) is None
     assert plan.reply_key(InferResponse("m", 2, {"s": np.array([b"a"], dtype=object)})) is None
+    # OpenVINO hands string outputs over as fixed-width numpy bytes or text: BYTES on the wire all the same.
+    assert plan.reply_key(InferResponse("m", 2, {"s": np.array([b"ab", b"c"], dtype="S2")})) is None
+    assert plan.reply_key(InferResponse("m", 2, {"s": np.array(["ab"], dtype="<U2")})) is None
     # Outputs as JSON numbers (the default without binary_data_output) have no fixed header.
     assert _plan_for(*_binary([("x", x)])).reply_key(InferResponse("m", 2, {"y": y})) is None
