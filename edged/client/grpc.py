@@ -17,7 +17,7 @@ import numpy as np
 
 from edged import datatypes
 from edged.errors import EdgedError, ErrorCode
-from edged.protocol.v2 import bytes_from_buffer, bytes_to_buffer
+from edged.protocol.v2 import bytes_from_buffer, tensor_bytes
 from edged.transports.grpc import require_grpc
 
 _SERVICE = "/inference.GRPCInferenceService/"
@@ -35,7 +35,7 @@ def infer_request(model: str, inputs: Mapping[str, np.ndarray], version: int | N
     for name, arr in inputs.items():
         dt = datatypes.from_numpy(arr.dtype)
         req.inputs.add(name=name, datatype=dt, shape=list(arr.shape))
-        req.raw_input_contents.append(bytes_to_buffer(arr) if dt == "BYTES" else np.ascontiguousarray(arr).tobytes())
+        req.raw_input_contents.append(tensor_bytes(arr, dt))
     return req
 
 

@@ -221,7 +221,7 @@ class MqttClient:
 
     def _encode(self, inputs: Mapping[str, np.ndarray],
                 outputs: list[str] | None) -> tuple[dict[str, Any], list[bytes]]:
-        from edged.protocol.v2 import bytes_to_buffer
+        from edged.protocol.v2 import tensor_bytes
 
         entries = []
         chunks: list[bytes] = []
@@ -230,7 +230,7 @@ class MqttClient:
             dt = datatypes.from_numpy(arr.dtype)
             entry: dict[str, Any] = {"name": name, "datatype": dt, "shape": list(arr.shape)}
             if self.binary:
-                raw = bytes_to_buffer(arr) if dt == "BYTES" else np.ascontiguousarray(arr).tobytes()
+                raw = tensor_bytes(arr, dt)
                 entry["parameters"] = {"binary_data_size": len(raw)}
                 chunks.append(raw)
             elif dt == "BYTES":

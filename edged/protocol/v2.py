@@ -101,6 +101,11 @@ def bytes_to_buffer(arr: np.ndarray) -> bytes:
     return b"".join(parts)
 
 
+def tensor_bytes(arr: np.ndarray, datatype: str) -> bytes:
+    """A tensor's bytes on the wire: BYTES elements length-prefixed, anything else raw, row-major."""
+    return bytes_to_buffer(arr) if datatype == "BYTES" else np.ascontiguousarray(arr).tobytes()
+
+
 def _from_raw(buf: memoryview | bytes, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
     count = datatypes.element_count(shape, where)
     if datatype == "BYTES":
@@ -261,7 +266,7 @@ def encode_response(resp: InferResponse, decoded: DecodedRequest | None = None,
         if opt.shm is not None:
             assert shm is not None
             region, offset, size = opt.shm
-            raw = bytes_to_buffer(arr) if dt == "BYTES" else np.ascontiguousarray(arr).tobytes()
+            raw = tensor_bytes(arr, dt)
             if len(raw) > size:
                 raise InvalidInputError(
                     f"output {name!r} needs {len(raw)} bytes but its shared memory slot holds {size}")
@@ -270,7 +275,7 @@ def encode_response(resp: InferResponse, decoded: DecodedRequest | None = None,
             # its C++ client reads any "parameters" object as a binary-output description and
             # requires binary_data_size in it.
         elif opt.binary:
-            raw = bytes_to_buffer(arr) if dt == "BYTES" else np.ascontiguousarray(arr).tobytes()
+            raw = tensor_bytes(arr, dt)
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
         elif dt == "BYTES":

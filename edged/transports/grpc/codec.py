@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from typing import Any, TypeVar, cast
 
-import numpy as np
 from google.protobuf.message import DecodeError, Message
 
 from edged import datatypes
 from edged.core.types import InferResponse
 from edged.errors import InvalidInputError
-from edged.protocol.v2 import DecodedRequest, bytes_to_buffer, decode_raw_request, decode_request
+from edged.protocol.v2 import DecodedRequest, decode_raw_request, decode_request, tensor_bytes
 from edged.transports.grpc.gen import grpc_service_pb2 as pb
 from edged.transports.shm.sysshm import ShmView
 from edged.transports.v2_ops import encode_outputs, parse_version
@@ -110,8 +109,7 @@ def encode_infer(resp: InferResponse, decoded: DecodedRequest, shm: ShmView) -> 
         for name, arr in resp.outputs.items():
             dt = datatypes.from_numpy(arr.dtype)
             out.outputs.add(name=name, datatype=dt, shape=arr.shape)
-            out.raw_output_contents.append(bytes_to_buffer(arr) if dt == "BYTES"
-                                           else np.ascontiguousarray(arr).tobytes())
+            out.raw_output_contents.append(tensor_bytes(arr, dt))
         return out
     header, chunks = encode_outputs(resp, decoded, shm)
     out = pb.ModelInferResponse(model_name=header["model_name"], model_version=header["model_version"],
