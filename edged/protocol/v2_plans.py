@@ -9,7 +9,8 @@ answer's header is kept the same way per output signature.
 
 Only headers whose meaning cannot depend on anything but their own bytes are planned: every input
 sent as raw bytes of a fixed-size type (BYTES elements are checked against their data), no shared
-memory (regions come and go), no request id (a fresh one per request would only churn the cache).
+memory (regions come and go), no request id or reply address (MQTT 3.1.1's ``id`` and ``reply_to``:
+a fresh one per request would only churn the cache, and the plan gives the transport neither).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def encode_answer(resp: InferResponse, decoded: DecodedRequest,
 
 def _plan(model: str, version: int | None, header: Mapping[str, Any], decoded: DecodedRequest) -> RequestPlan | None:
     """A plan for a header that decoded fine, or None when its meaning could change with the tail or the world."""
-    if "id" in header or any(o.shm is not None for o in decoded.outputs.values()):
+    if "id" in header or "reply_to" in header or any(o.shm is not None for o in decoded.outputs.values()):
         return None
     inputs: list[_Input] = []
     pos = 0
@@ -134,8 +135,9 @@ class RequestPlans:
     def key(model: str, version: int | None, head: memoryview, tail_bytes: int) -> PlanKey | None:
         return (model, version, bytes(head), tail_bytes) if len(head) <= PLAN_HEADER_MAX else None
 
-    def get(self, key: PlanKey) -> RequestPlan | None:
-        plan = self._plans.get(key)
+    def get(self, key: PlanKey | None) -> RequestPlan | None:
+        """The plan for a key (None: the header could not be a key), counting hits."""
+        plan = None if key is None else self._plans.get(key)
         if plan is not None:
             self.hits += 1
         return plan

@@ -71,13 +71,15 @@ def test_a_plan_decodes_new_tensor_bytes_as_the_general_decoder(extra: dict[str,
     _same(plan.decode(memoryview(tail2)), general)
 
 
-@pytest.mark.parametrize("what", ["id", "BYTES input", "JSON data", "shared memory input", "shared memory output",
-                                  "parameters not an object"])
+@pytest.mark.parametrize("what", ["id", "reply_to", "BYTES input", "JSON data", "shared memory input",
+                                  "shared memory output", "parameters not an object"])
 def test_headers_whose_meaning_can_change_are_not_planned(what: str) -> None:
     head, tail = _binary([("x", x)])
     header = orjson.loads(head)
     if what == "id":
         header["id"] = "r-1"
+    elif what == "reply_to":
+        header["reply_to"] = "replies/311"
     elif what == "BYTES input":
         tail = (2).to_bytes(4, "little") + b"ok"
         header["inputs"] = [{"name": "s", "datatype": "BYTES", "shape": [1],

@@ -205,7 +205,7 @@ class V2App:
                     f"Inference-Header-Content-Length {hlen} is outside the body ({len(body)} bytes)")
             view = memoryview(body)
             key = self.plans.key(model, version, view[:hlen], len(body) - hlen)
-            plan = None if key is None else self.plans.get(key)
+            plan = self.plans.get(key)
             if plan is not None:
                 decoded = plan.decode(view[hlen:])
             else:

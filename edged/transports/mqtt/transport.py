@@ -494,9 +494,9 @@ class MqttTransport:
                 return
             form, head, tail = inc.parts or codec.split(inc.payload, codec.header_length_property(inc.header_length))
             # A binary header seen before needs no parsing (protocol/v2_plans.py); planned headers
-            # carry neither 'reply_to' nor 'id' (see below).
+            # carry neither 'reply_to' nor 'id'.
             key = None if form is Form.JSON else self._plans.key(model, version, head, len(tail))
-            plan = None if key is None else self._plans.get(key)
+            plan = self._plans.get(key)
             header = None if plan is not None else codec.parse_split(form, head, tail).header
             reply_to, rid = (None, None) if header is None else codec.reply_address(header)
             if reply is not None:
@@ -518,7 +518,7 @@ class MqttTransport:
                     if isinstance(params, dict):
                         params.setdefault("binary_data_output", True)
                 decoded = decode_request(header, tail, model=model, version=version)
-                if key is not None and "reply_to" not in header:
+                if key is not None:
                     self._plans.learn(key, header, decoded)
             timeout_us = decoded.request.parameters.get("timeout_us")
             deadline = inc.deadline
