@@ -761,9 +761,7 @@ def main() -> int:
             return bytes(infer_request(MODEL, {"image": x1}, None).SerializeToString())
         grpc_floors = {port: grpc_floor_client(grpcio.insecure_channel(f"127.0.0.1:{port}"), grpc_body)
                        for port in (grpc_floor_port, grpc_floor_eng_port)}
-        grpc_floor_call, grpc_floor_stream_round_trip = grpc_floors[grpc_floor_port].unary, \
-            grpc_floors[grpc_floor_port].stream
-        grpc_floor_eng = grpc_floors[grpc_floor_eng_port]
+        grpc_floor, grpc_floor_eng = grpc_floors[grpc_floor_port], grpc_floors[grpc_floor_eng_port]
         infer_path = f"/v2/models/{MODEL}/infer"
         bin_header = orjson.dumps({"inputs": [{"name": "image", "datatype": "FP32", "shape": list(x1.shape),
                                                "parameters": {"binary_data_size": x1.nbytes}}],
@@ -852,12 +850,12 @@ def main() -> int:
                 Case("grpc_s8", "gRPC streaming, c8 (8 streams)", lambda s: threaded(
                     pooled(streams8, lambda st: st.infer(MODEL, {"image": x1})), 8, s)),
                 Case("grpc1", "gRPC unary, c1", lambda s: serial(lambda: grpc.infer(MODEL, {"image": x1}), s)),
-                Case("grpc_floor", "bare gRPC round trip (grpcio aio echo)", lambda s: serial(grpc_floor_call, s)),
+                Case("grpc_floor", "bare gRPC round trip (grpcio aio echo)", lambda s: serial(grpc_floor.unary, s)),
                 Case("grpc_floor_eng", "bare gRPC round trip with one engine run", lambda s: serial(
                     grpc_floor_eng.unary, s)),
                 Case("grpc_s1", "gRPC streaming, c1", lambda s: serial(lambda: stream1.infer(MODEL, {"image": x1}), s)),
                 Case("grpc_floor_s1", "bare gRPC stream round trip (grpcio aio echo)", lambda s: serial(
-                    grpc_floor_stream_round_trip, s)),
+                    grpc_floor.stream, s)),
                 Case("grpc_floor_eng_s1", "bare gRPC stream round trip with one engine run", lambda s: serial(
                     grpc_floor_eng.stream, s)),
                 Case("mqtt", "MQTT (QoS 0), c1", mqtt_case(topic, users)),
