@@ -155,7 +155,6 @@ class ModelManager:
         if not model_dir.is_dir():
             raise ModelNotFoundError(f"model {name!r} is not in the repository")
         available = list_versions(model_dir)
-        self.operator_unloaded.discard(name)
         wanted = list(versions) if versions is not None else self.models_cfg.policy_for(name).select(available)
         missing = [v for v in wanted if v not in available]
         if missing:
@@ -184,6 +183,9 @@ class ModelManager:
                     self.failed[(name, v)] = mv
                 log.error("model=%s version=%s reload failed, previous copy keeps serving: %s",
                           name, v, mv.reason)
+        # Only now: while the versions load, a watcher (a release's trial) must still see the operator's
+        # unload, not a model that vanished on its own.
+        self.operator_unloaded.discard(name)
         ready_new = any(mv.state is ModelState.READY for mv in results)
         if ready_new or not results:
             for old in self.table.versions(name):

@@ -275,6 +275,35 @@ def test_failed_warm_up_is_refused(model_repo: MakeRepo) -> None:
         svc.manager.shutdown()
 
 
+def test_an_operators_reload_stays_an_operators_unload_until_it_serves(model_repo: MakeRepo) -> None:
+    """A trial watching the model must never see it gone and not unloaded by the operator: it would roll back."""
+    svc = _service(model_repo("digits"))
+    manager = svc.manager
+    real_load = manager.loader.load
+
+    def slow_load(entry: object) -> object:
+        time.sleep(0.4)  # a big model takes a while to build its engine
+        return real_load(entry)  # type: ignore[arg-type]
+
+    try:
+        manager.unload_model("digits", by_operator=True)
+        manager.loader.load = slow_load  # type: ignore[method-assign,assignment]
+        loading = threading.Thread(target=manager.load_model, args=("digits",))
+        loading.start()
+        seen_gone = 0
+        while loading.is_alive():
+            ready = [mv for mv in manager.table.versions("digits") if mv.state is ModelState.READY]
+            if not ready and "digits" not in manager.operator_unloaded:
+                seen_gone += 1
+            time.sleep(0.001)
+        loading.join()
+        assert seen_gone == 0
+        assert "digits" not in manager.operator_unloaded
+        assert svc.infer(InferRequest("digits", {"pixels": np.zeros((1, 64), np.float32)}), timeout=10).version == 1
+    finally:
+        manager.shutdown()
+
+
 def test_memory_budget_refuses_with_a_clear_error(model_repo: MakeRepo) -> None:
     repo = model_repo("digits", "mobilenet")
     svc = _service(repo, memory_budget_mb=1.0)
