@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import MutableMapping
-from typing import Any, TextIO
+from typing import Any
 
 from edged.journal import record_fields
 
@@ -64,6 +64,14 @@ def _mark(handler: logging.Handler) -> logging.Handler:
     return handler
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to ``sys.stderr`` as it is at each record, not as it was at setup (an embedder may swap it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
 def setup_logging(level: str = "info", *, stream: object = None, journal: bool | None = None) -> str:
     """Route the root logger to the journal (under systemd) or to ``stream``/stderr; returns which.
 
@@ -81,8 +89,7 @@ def setup_logging(level: str = "info", *, stream: object = None, journal: bool |
         handler = JournalHandler() if journal else journal_handler_or_none()
     where = "journal"
     if handler is None:
-        out: TextIO = stream or sys.stderr  # type: ignore[assignment]
-        handler = logging.StreamHandler(out)
+        handler = logging.StreamHandler(stream) if stream is not None else _StderrHandler()  # type: ignore[call-overload]
         handler.setFormatter(_TextFormatter(_FORMAT, datefmt="%Y-%m-%dT%H:%M:%S"))
         where = "stderr"
     root.addHandler(_mark(handler))

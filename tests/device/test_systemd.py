@@ -17,6 +17,7 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -205,6 +206,24 @@ def test_stderr_lines_show_fields_the_text_does_not() -> None:
     first, second = out.getvalue().splitlines()
     assert first.endswith("queue full [model=digits version=1 request_id=abc]")
     assert second.endswith("model=digits version=1 ready")
+
+
+def test_stderr_logging_writes_to_the_stderr_of_the_moment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stderr swapped after setup (and the old one closed) must not turn every record into a logging error."""
+    first, second = io.StringIO(), io.StringIO()
+    log = logging.getLogger("edged.test.swap")
+    try:
+        monkeypatch.setattr(sys, "stderr", first)
+        assert setup_logging("info", journal=False) == "stderr"
+        log.info("to the first")
+        first_text = first.getvalue()
+        first.close()
+        monkeypatch.setattr(sys, "stderr", second)
+        log.info("to the second")
+    finally:
+        setup_logging("warning", stream=io.StringIO())
+    assert first_text.rstrip().endswith("to the first")
+    assert second.getvalue().rstrip().endswith("to the second") and "Logging error" not in second.getvalue()
 
 
 # ---- edged run under a (test) service manager -------------------------------------------------
