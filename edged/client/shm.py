@@ -15,6 +15,11 @@ microseconds per request instead of milliseconds of HTTP/JSON. Example::
         camera.read_into(img)
         out = c.infer("mobilenet", {"image": img}, copy=False)  # views, valid until the next call
 
+    # a frame loop: the request is checked and encoded once, outputs are views made once
+    with ShmClient() as c, c.prepare("mobilenet", {"image": (1, 3, 48, 192)}) as req:
+        while camera.read_into(req.inputs["image"]):
+            out = req.run()
+
 Before anything is sent, the client checks who serves the socket (SO_PEERCRED): by default
 root, this user or the ``edged`` system user; ``server_uid=`` or ``$EDGED_SHM_SERVER_UID``
 names the one uid to accept instead. Another user's process that took over the socket path
@@ -28,6 +33,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import math
 import os
 import socket
 import threading
@@ -50,11 +56,12 @@ from edged.client.shm_memory import (
     plan_inputs,
     read_outputs,
 )
+from edged.client.shm_prepared import PreparedInfer
 from edged.errors import EdgedError, ErrorCode, InvalidInputError, PermissionDeniedError
 from edged.protocol import shm as p
 from edged.transports.peercred import peer_credentials
 
-__all__ = ["AsyncShmClient", "ShmClient", "default_socket"]
+__all__ = ["AsyncShmClient", "PreparedInfer", "ShmClient", "default_socket"]
 
 _Key = tuple[str, int]
 
@@ -183,7 +190,7 @@ class ShmClient:
         self._rid += 1
         return self._rid
 
-    def _call(self, msg: bytes, fd: int = -1) -> tuple[int, int, memoryview]:
+    def _call(self, msg: bytes | bytearray, fd: int = -1) -> tuple[int, int, memoryview]:
         """Send one request and wait for its reply (status, count, body view valid until the next call)."""
         if self._st.closed:
             raise EdgedError("the client is closed", code=ErrorCode.FAILED_PRECONDITION)
@@ -290,6 +297,91 @@ class ShmClient:
                     raise p.error_from_status(status, message, needed)
                 info.output_hint = needed  # the output area was too small: grow it and retry
             raise p.error_from_status(status, message, needed)
+
+    def prepare(self, model: str, shapes: Mapping[str, tuple[int, ...] | list[int]], version: int | None = None, *,
+                dtypes: Mapping[str, Any] | None = None, outputs: list[str] | None = None,
+                timeout: float | None = None) -> PreparedInfer:
+        """A request of fixed input shapes bound to shared buffers, for a loop that sends one after another.
+
+        Write each request's data into ``prepared.inputs[name]`` and call ``prepared.run()``: the
+        request is checked and encoded once, and outputs come back as views made once. ``shapes``
+        include the batch dimension of a batching model; datatypes come from the model's metadata
+        unless ``dtypes`` names them.
+        """
+        with self._lock:
+            info = self._info(model, version)
+            places: list[tuple[str, np.dtype[Any], tuple[int, ...], int]] = []
+            end = 0
+            for name, shape in shapes.items():
+                dt = _dtype(info, name, (dtypes or {}).get(name))
+                shp = tuple(int(d) for d in shape)
+                if dt.kind in "SUO":
+                    raise InvalidInputError(f"input {name!r} is BYTES: its size follows its data, so it cannot be "
+                                            "prepared; send it with infer()")
+                if any(d < 0 for d in shp) or len(shp) > p.MAX_DIMS:
+                    raise InvalidInputError(f"input {name!r}: shape {list(shp)} is not a concrete tensor shape")
+                end = p.align(end)
+                places.append((name, dt, shp, end))
+                end += dt.itemsize * math.prod(shp)
+            seg = self._register(max(1, end))
+            arrays = {name: seg.view(dt, shp, off) for name, dt, shp, off in places}
+            prep = PreparedInfer(self, model, version, inputs=arrays, segment=seg, outputs=outputs, timeout=timeout)
+            try:
+                self._bind(prep, info.output_bytes(arrays))
+            except BaseException:
+                self._close_prepared(prep)
+                raise
+            return prep
+
+    def _bind(self, prep: PreparedInfer, out_need: int) -> None:
+        """(Re)make a prepared request's output area and encode its message once."""
+        if prep.slot is not None:
+            old, prep.slot = prep.slot, None
+            self._unregister(old.segment)
+        size, out_off, out_cap = Slot.layout(0, out_need)
+        slot = Slot(self._register(size), out_off, out_off, out_cap)
+        packed = plan_inputs(self._st.segments, prep.inputs)  # every input lies in prep.segment: by reference
+        prep.message = bytearray(encode_request(0, prep.model, prep.version, slot, packed, outputs=prep.outputs,
+                                                timeout=prep.timeout))
+        prep.slot = slot
+
+    def _run_prepared(self, prep: PreparedInfer, copy: bool) -> dict[str, np.ndarray]:
+        with self._lock:
+            if prep.closed:
+                raise EdgedError("the prepared request is closed", code=ErrorCode.FAILED_PRECONDITION)
+            for _attempt in range(3):
+                slot = prep.slot
+                if slot is None:  # the last run was interrupted: its reply may still land in the old area
+                    self._bind(prep, self._info(prep.model, prep.version).output_bytes(prep.inputs))
+                    slot = prep.slot
+                    assert slot is not None
+                p.set_request_id(prep.message, self._next())
+                try:
+                    status, count, body = self._call(prep.message)
+                except BaseException:
+                    prep.slot = None  # (its segment is released with the connection)
+                    raise
+                if not status:
+                    return read_outputs(slot, count, body, copy)
+                needed, message = p.decode_error(body)
+                if not needed or needed <= slot.out_cap:
+                    raise p.error_from_status(status, message, needed)
+                info = self._info(prep.model, prep.version)
+                info.output_hint = max(info.output_hint, needed)
+                self._bind(prep, needed)  # the outputs need more room: grow the area, encode again
+            raise p.error_from_status(status, message, needed)
+
+    def _close_prepared(self, prep: PreparedInfer) -> None:
+        with self._lock:
+            if prep.closed:
+                return
+            prep.closed = True
+            if self._st.closed:
+                return
+            if prep.slot is not None:
+                self._unregister(prep.slot.segment)
+                prep.slot = None
+            self._unregister(prep.segment)
 
     def tensor(self, shape: tuple[int, ...] | list[int], dtype: Any = np.float32) -> np.ndarray:
         """A new array in its own shared segment; passing it (or a contiguous part) to infer copies nothing."""

@@ -90,6 +90,11 @@ def header(kind: int, rid: int, status: int = 0, count: int = 0) -> bytes:
     return HEADER.pack(kind, status, count, rid)
 
 
+def set_request_id(msg: bytearray, rid: int) -> None:
+    """Give an encoded message a new request id in place (the id is the header's last field)."""
+    U64.pack_into(msg, HEADER.size - U64.size, rid)
+
+
 def encode_status_error(kind: int, rid: int, status: int, message: str, needed: int = 0) -> bytes:
     """An error reply with a raw status byte (the daemon's side maps ErrorCodes to it)."""
     msg = message.encode("utf-8", "replace")[:4096]

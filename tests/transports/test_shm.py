@@ -221,6 +221,61 @@ def test_zero_copy_inputs_and_output_views(served: Served, digits_holdout: tuple
                                    served.reference(x[8:10]), rtol=1e-5, atol=1e-6)
 
 
+def test_prepared_requests_answer_like_the_engine_and_reuse_everything(
+        served: Served, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    x, _ = digits_holdout
+    with ShmClient(served.socket) as c:
+        prep = c.prepare("digits", {"pixels": (4, 64)})
+        buf = prep.inputs["pixels"]
+        assert buf.shape == (4, 64) and buf.dtype == np.float32 and not buf.flags.owndata
+        (conn,) = served.transport._conns
+        segments = dict(conn.segments)
+        message = prep.message
+        first = None
+        for i in range(0, 40, 4):
+            buf[:] = x[i:i + 4]
+            out = prep.run()["probabilities"]
+            np.testing.assert_allclose(out, served.reference(x[i:i + 4]), rtol=1e-5, atol=1e-6)
+            first = out if first is None else first
+            assert out is first and not out.flags.owndata  # the same view, made once
+        copied = prep.run(copy=True)["probabilities"]
+        assert copied.flags.owndata and np.array_equal(copied, first)
+        # nothing registered or re-encoded per run; a plain infer() in between changes nothing
+        assert c.infer("digits", {"pixels": x[:1]})["probabilities"].shape == (1, 10)
+        buf[:] = x[:4]
+        np.testing.assert_allclose(prep.run()["probabilities"], served.reference(x[:4]), rtol=1e-5, atol=1e-6)
+        assert prep.message is message and set(segments) <= set(conn.segments)
+        mine = [seg for sid, seg in conn.segments.items() if sid in (prep.segment.id, prep.slot.segment.id)]
+        assert len(mine) == 2
+        prep.close()
+        # the daemon unmapped both at once: its cached views of them went with the plans
+        assert all(seg.mm.closed for seg in mine) and prep.segment.id not in conn.segments
+        with pytest.raises(EdgedError, match="closed") as ei:
+            prep.run()
+        assert ei.value.code is ErrorCode.FAILED_PRECONDITION
+        with pytest.raises(InvalidInputError, match="BYTES"):
+            c.prepare("digits", {"pixels": (1, 64)}, dtypes={"pixels": object})
+        with c.prepare("digits", {"pixels": (1, 63)}) as bad, \
+                pytest.raises(InvalidInputError, match="dimension 1 is 63"):
+            bad.run()  # the daemon checks it, and the connection survives
+        assert c.infer("digits", {"pixels": x[:2]})["probabilities"].shape == (2, 10)
+
+
+def test_a_prepared_request_grows_its_output_area(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    from edged.client import shm_memory
+
+    monkeypatch.setattr(shm_memory, "PAGE", 64)  # exact-size segments, so a bad guess really is too small
+    x = np.ones((3, 64), np.float32)
+    with ShmClient(served.socket) as c:
+        c._info("digits", None)._out_cache[3] = 16  # a wrong guess: "needs N bytes", then a bigger area
+        with c.prepare("digits", {"pixels": x.shape}) as prep:
+            prep.inputs["pixels"][:] = x
+            small = prep.slot
+            out = prep.run(copy=True)["probabilities"]
+            assert prep.slot is not small and prep.run()["probabilities"].shape == (3, 10)
+    np.testing.assert_allclose(out, served.reference(x), rtol=1e-5, atol=1e-6)
+
+
 def test_errors_are_typed_and_the_connection_survives(served: Served) -> None:
     with ShmClient(served.socket) as c:
         with pytest.raises(ModelNotFoundError) as ei:

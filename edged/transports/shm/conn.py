@@ -65,7 +65,11 @@ class _Plan:
     desc: p.InferDesc
     inputs: list[tuple[str, Segment, np.dtype[Any] | None, tuple[int, ...], int, int]]  # dtype None: BYTES
     used: tuple[Segment, ...]  # input segments, then the output segment last
-    outputs: dict[tuple[Any, ...], tuple[list[int], bytes]] = field(default_factory=dict)
+    # per output signature: offsets, encoded descriptors and the views to copy into (made once)
+    outputs: dict[tuple[Any, ...], tuple[list[int], bytes, list[np.ndarray]]] = field(default_factory=dict)
+    # the numeric inputs' views, made once (they hold the mappings open until the plan is dropped,
+    # which every path that unmaps a segment does first); None while any input is BYTES
+    views: dict[str, np.ndarray] | None = None
 
 
 @dataclass(frozen=True)
@@ -334,7 +338,10 @@ class Connection:
         if oseg is None:
             raise InvalidInputError(f"output slot: unknown segment {d.out_segment}")
         check_range(oseg, d.out_offset, d.out_capacity, "output slot")
-        return _Plan(d, inputs, (*(i[1] for i in inputs), oseg))
+        views = None
+        if all(dt is not None for _, _, dt, _, _, _ in inputs):
+            views = {name: seg.view(dt, shape, off) for name, seg, dt, shape, off, _ in inputs}  # type: ignore[arg-type]
+        return _Plan(d, inputs, (*(i[1] for i in inputs), oseg), views=views)
 
     def _infer(self, rid: int, body: memoryview, queue: int) -> None:
         if self._closing:
@@ -349,8 +356,10 @@ class Connection:
                 self._plans.clear()
             self._plans[key] = plan
         d, used = plan.desc, plan.used
-        inputs = {name: seg.view(dt, shape, off) if dt is not None else _bytes_input(name, seg, shape, off, n)
-                  for name, seg, dt, shape, off, n in plan.inputs}
+        inputs = plan.views
+        if inputs is None:
+            inputs = {name: seg.view(dt, shape, off) if dt is not None else _bytes_input(name, seg, shape, off, n)
+                      for name, seg, dt, shape, off, n in plan.inputs}
         deadline = time.monotonic() + d.timeout_us / 1e6 if d.timeout_us else None
         req = InferRequest(d.model, inputs, d.version or None, d.outputs, deadline=deadline)
         with self._lock:
@@ -427,10 +436,12 @@ class Connection:
         if layout is None:
             if len(plan.outputs) >= _PLAN_CACHE:
                 plan.outputs.clear()
-            layout = plan.outputs[sig] = self._layout(plan.desc, outs)
-        for (_, arr), off in zip(outs.items(), layout[0], strict=True):
+            offsets, descs = self._layout(plan.desc, outs)
+            places = [seg.view(arr.dtype, arr.shape, off) for arr, off in zip(outs.values(), offsets, strict=True)]
+            layout = plan.outputs[sig] = (offsets, descs, places)
+        for arr, place in zip(outs.values(), layout[2], strict=True):
             if arr.nbytes:
-                np.copyto(seg.view(arr.dtype, arr.shape, off), arr, casting="no")
+                np.copyto(place, arr, casting="no")
         return p.HEADER.pack(_INFER_REPLY, 0, len(outs), rid) + p.U32.pack(resp.version) + layout[1]
 
     @staticmethod

@@ -1,0 +1,52 @@
+"""A request bound to shared buffers (:meth:`ShmClient.prepare`): the steady state of a frame loop.
+
+A camera or microphone loop sends requests of one shape many times a second. Prepared once, a run
+costs what the protocol itself must: the caller writes the frame into the shared input arrays, a
+message encoded once (only its request id changes) crosses the socket, and the outputs are read
+through views made once. Nothing is planned, encoded, allocated or copied per run unless asked.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from edged.client.shm_memory import ClientSegment, Slot
+
+if TYPE_CHECKING:
+    from edged.client.shm import ShmClient
+
+
+class PreparedInfer:
+    """Made by :meth:`ShmClient.prepare`. Runs one request at a time, under its client's lock."""
+
+    def __init__(self, client: ShmClient, model: str, version: int | None, *, inputs: dict[str, np.ndarray],
+                 segment: ClientSegment, outputs: list[str] | None, timeout: float | None) -> None:
+        self.model, self.version = model, version
+        #: The shared arrays each request is read from: write into them in place (``x[...] = frame``).
+        self.inputs = inputs
+        self.outputs, self.timeout = outputs, timeout
+        self.segment = segment
+        self.slot: Slot | None = None  # the output area; remade after an interrupted run
+        self.message = bytearray()
+        self.closed = False
+        self._client = client
+
+    def run(self, *, copy: bool = False) -> dict[str, np.ndarray]:
+        """One request on what ``inputs`` hold now.
+
+        The outputs are views on shared memory that the next run overwrites (``copy=True``: copies).
+        """
+        return self._client._run_prepared(self, copy)
+
+    def close(self) -> None:
+        """Give the shared buffers back (the input arrays stay readable here)."""
+        self._client._close_prepared(self)
+
+    def __enter__(self) -> PreparedInfer:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
