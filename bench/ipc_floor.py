@@ -23,15 +23,18 @@ from bench.common import stop_process
 
 _PAYLOAD = b"x" * 64
 _WORK = struct.Struct("=d")  # a round trip with work: how long the responder spins before answering
+_ENGINE = b"engine"  # a round trip with one engine run (a responder started with a model)
 
 
 class Pinger:
     """A responder process (a fresh interpreter, not a fork of a threaded one) and our end of the pair."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: Path | None = None) -> None:
+        """With ``model`` the responder also answers :meth:`round_trip_engine` after one run of it."""
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.ipc_floor", "--respond", str(theirs.fileno())],
-                                     pass_fds=(theirs.fileno(),), cwd=Path(__file__).resolve().parent.parent)
+        extra = ["--model", str(model)] if model is not None else []
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.ipc_floor", "--respond", str(theirs.fileno()),
+                                      *extra], pass_fds=(theirs.fileno(),), cwd=Path(__file__).resolve().parent.parent)
         theirs.close()
         self.round_trip()
 
@@ -49,16 +52,29 @@ class Pinger:
         self.sock.recv(256)
         return time.perf_counter() - t0 - busy_s
 
+    def round_trip_engine(self) -> None:
+        """One round trip in which the responder runs the model once (as edged's generic profile sets it
+        up) before answering: the engine's threads and the two processes share the cores as with shm."""
+        self.sock.send(_ENGINE)
+        self.sock.recv(256)
+
     def close(self) -> None:
         self.sock.close()  # the responder sees end of file and exits
         stop_process(self.proc, 5)
 
 
-def respond(fd: int) -> None:
+def respond(fd: int, model: Path | None) -> None:
     s = socket.socket(fileno=fd)
     pc = time.perf_counter
+    run = None
+    if model is not None:
+        from bench.floor_engine import engine_run
+
+        run = engine_run(model)
     while msg := s.recv(256):
-        if len(msg) == _WORK.size:
+        if msg == _ENGINE and run is not None:
+            run()
+        elif len(msg) == _WORK.size:
             end = pc() + _WORK.unpack(msg)[0]
             while pc() < end:
                 pass
@@ -86,8 +102,9 @@ def main(rounds: int = 20000, warmup: int = 2000) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--respond", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--model", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.respond is not None:
-        respond(args.respond)
+        respond(args.respond, args.model)
     else:
         main()
