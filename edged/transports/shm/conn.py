@@ -356,7 +356,7 @@ class Connection:
                 self._plans.clear()
             self._plans[key] = plan
         d, used = plan.desc, plan.used
-        inputs = plan.views
+        inputs = dict(plan.views) if plan.views is not None else None  # the request's own mapping
         if inputs is None:
             inputs = {name: seg.view(dt, shape, off) if dt is not None else _bytes_input(name, seg, shape, off, n)
                       for name, seg, dt, shape, off, n in plan.inputs}
