@@ -9,20 +9,25 @@ through views made once. Nothing is planned, encoded, allocated or copied per ru
 from __future__ import annotations
 
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from edged.client.shm_memory import ClientSegment, Slot
 
-if TYPE_CHECKING:
-    from edged.client.shm import ShmClient
+
+class _Client(Protocol):
+    """What a prepared request needs of its client (:class:`edged.client.shm.ShmClient`)."""
+
+    def _run_prepared(self, prep: PreparedInfer, copy: bool) -> dict[str, np.ndarray]: ...
+
+    def _close_prepared(self, prep: PreparedInfer) -> None: ...
 
 
 class PreparedInfer:
     """Made by :meth:`ShmClient.prepare`. Runs one request at a time, under its client's lock."""
 
-    def __init__(self, client: ShmClient, model: str, version: int | None, *, inputs: dict[str, np.ndarray],
+    def __init__(self, client: _Client, model: str, version: int | None, *, inputs: dict[str, np.ndarray],
                  segment: ClientSegment, outputs: list[str] | None, timeout: float | None) -> None:
         self.model, self.version = model, version
         #: The shared arrays each request is read from: write into them in place (``x[...] = frame``).
