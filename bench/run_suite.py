@@ -519,8 +519,8 @@ def build_rows(cases: dict[str, Case], *, rss: float, engines: list[str], ready:
     ipc_eng = c["ipc_eng"]
     eng_over_us = rounds(lambda a, b, f: a.p50 - b.p50 - f.p50, ipc_eng, raw1, ipc) * 1e6
     rows.append(Row(ipc_eng.label, traffic_value(ipc_eng), f"raw b1 p50 {ms(raw1.p50())}", lat_ratio(ipc_eng, raw1),
-                    f"a responder that runs the model once per round trip: the IPC floor {eng_over_us:+.1f} us over "
-                    f"raw b1; shm c1 is {overhead(shm1, ipc_eng) * 1e6:+.1f} us above it, prepared "
+                    f"a responder that runs the model once per round trip: {eng_over_us:+.1f} us over raw b1 + the "
+                    f"IPC floor; shm c1 is {overhead(shm1, ipc_eng) * 1e6:+.1f} us above it, prepared "
                     f"{overhead(prep1, ipc_eng) * 1e6:+.1f} us", "info"))
     for key in ("svc8", "shm8"):
         r = rounds(lambda a, b1, b8: a.throughput / max(b1.throughput, b8.throughput), c[key], raw1, raw8)

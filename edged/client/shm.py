@@ -177,6 +177,7 @@ class ShmClient:
         self._lock = threading.RLock()
         self._st = _State()
         self._slots: dict[_Key, Slot] = {}
+        self._prepared_segments: set[int] = set()  # ids of segments prepared requests own
         try:
             status, _, body = self._call(p.header(p.HELLO, self._next()) + p.U32.pack(p.PROTOCOL_VERSION))
             _check(status, body)
@@ -318,12 +319,16 @@ class ShmClient:
                 if dt.kind in "SUO":
                     raise InvalidInputError(f"input {name!r} is BYTES: its size follows its data, so it cannot be "
                                             "prepared; send it with infer()")
+                dt = dt.newbyteorder("=")  # the daemon reads native byte order (infer() converts; here nothing is)
+                if dt not in p.NUMPY_CODE:
+                    raise InvalidInputError(f"input {name!r}: numpy dtype {dt} has no v2 datatype")
                 if any(d < 0 for d in shp) or len(shp) > p.MAX_DIMS:
                     raise InvalidInputError(f"input {name!r}: shape {list(shp)} is not a concrete tensor shape")
                 end = p.align(end)
                 places.append((name, dt, shp, end))
                 end += dt.itemsize * math.prod(shp)
             seg = self._register(max(1, end))
+            self._prepared_segments.add(seg.id)
             arrays = {name: seg.view(dt, shp, off) for name, dt, shp, off in places}
             prep = PreparedInfer(self, model, version, inputs=arrays, segment=seg, outputs=outputs, timeout=timeout)
             try:
@@ -335,15 +340,28 @@ class ShmClient:
 
     def _bind(self, prep: PreparedInfer, out_need: int) -> None:
         """(Re)make a prepared request's output area and encode its message once."""
-        if prep.slot is not None:
-            old, prep.slot = prep.slot, None
-            self._unregister(old.segment)
+        packed = plan_inputs(self._st.segments, prep.inputs)
+        if packed.staged:  # every input must lie in prep.segment, sent by reference: nothing copied per run
+            raise EdgedError("the prepared request's input buffers are no longer registered",
+                             code=ErrorCode.FAILED_PRECONDITION)
+        self._give_back(prep)
         size, out_off, out_cap = Slot.layout(0, out_need)
         slot = Slot(self._register(size), out_off, out_off, out_cap)
-        packed = plan_inputs(self._st.segments, prep.inputs)  # every input lies in prep.segment: by reference
+        self._prepared_segments.add(slot.segment.id)
         prep.message = bytearray(encode_request(0, prep.model, prep.version, slot, packed, outputs=prep.outputs,
                                                 timeout=prep.timeout))
         prep.slot = slot
+
+    def _give_back(self, prep: PreparedInfer) -> None:
+        """Unregister the current output area and those of interrupted runs. The daemon serves this
+        connection's messages in order and this client never pipelines, so an interrupted run is over
+        by the time it reads the next message (a segment still busy is refused, and kept)."""
+        old = [prep.slot.segment] if prep.slot is not None else []
+        prep.slot = None
+        for seg in old + prep.orphans:
+            self._prepared_segments.discard(seg.id)
+            self._unregister(seg)
+        prep.orphans.clear()
 
     def _run_prepared(self, prep: PreparedInfer, copy: bool) -> dict[str, np.ndarray]:
         with self._lock:
@@ -359,7 +377,8 @@ class ShmClient:
                 try:
                     status, count, body = self._call(prep.message)
                 except BaseException:
-                    prep.slot = None  # (its segment is released with the connection)
+                    prep.orphans.append(slot.segment)  # the daemon may still write there: a new area next run
+                    prep.slot = None
                     raise
                 if not status:
                     return read_outputs(slot, count, body, copy)
@@ -378,9 +397,8 @@ class ShmClient:
             prep.closed = True
             if self._st.closed:
                 return
-            if prep.slot is not None:
-                self._unregister(prep.slot.segment)
-                prep.slot = None
+            self._give_back(prep)
+            self._prepared_segments.discard(prep.segment.id)
             self._unregister(prep.segment)
 
     def tensor(self, shape: tuple[int, ...] | list[int], dtype: Any = np.float32) -> np.ndarray:
@@ -416,6 +434,8 @@ class ShmClient:
                 raise InvalidInputError("the array is not in this client's shared memory")
             if any(s.segment is hit[0] for s in self._slots.values()):
                 raise InvalidInputError("the array belongs to a request slot, not to a tensor() buffer")
+            if hit[0].id in self._prepared_segments:
+                raise InvalidInputError("the array belongs to a prepared request: close the request instead")
             for k, seg in list(self._st.buffers.items()):
                 if seg is hit[0]:
                     del self._st.buffers[k]

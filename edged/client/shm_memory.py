@@ -245,8 +245,8 @@ def read_outputs(slot: Slot, count: int, body: memoryview | bytes, copy: bool) -
         slot.decoded[key] = places
     if not copy:
         views = slot.views.get(key)
-        if views is not None:
-            return dict(views)
+        if views is not None:  # new array objects over the same memory: a caller's reshape stays its own
+            return {name: v.view() for name, v in views.items()}
     view = slot.segment.view
     out: dict[str, np.ndarray] = {}
     for name, dt, shape, off, nbytes in places:
@@ -256,5 +256,5 @@ def read_outputs(slot: Slot, count: int, body: memoryview | bytes, copy: bool) -
         else:
             out[name] = view(dt, shape, off).copy() if copy else view(dt, shape, off)
     if not copy and all(dt is not None for _, dt, *_ in places):
-        slot.views[key] = dict(out)
+        slot.views[key] = {name: v.view() for name, v in out.items()}
     return out

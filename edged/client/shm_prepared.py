@@ -8,7 +8,8 @@ through views made once. Nothing is planned, encoded, allocated or copied per ru
 
 from __future__ import annotations
 
-from types import TracebackType
+from collections.abc import Mapping
+from types import MappingProxyType, TracebackType
 from typing import Protocol
 
 import numpy as np
@@ -31,10 +32,12 @@ class PreparedInfer:
                  segment: ClientSegment, outputs: list[str] | None, timeout: float | None) -> None:
         self.model, self.version = model, version
         #: The shared arrays each request is read from: write into them in place (``x[...] = frame``).
-        self.inputs = inputs
+        self.inputs: Mapping[str, np.ndarray] = MappingProxyType(inputs)
         self.outputs, self.timeout = outputs, timeout
         self.segment = segment
         self.slot: Slot | None = None  # the output area; remade after an interrupted run
+        # output areas of interrupted runs: given back once the daemon is surely done with them
+        self.orphans: list[ClientSegment] = []
         self.message = bytearray()
         self.closed = False
         self._client = client

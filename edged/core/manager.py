@@ -159,7 +159,28 @@ class ModelManager:
         missing = [v for v in wanted if v not in available]
         if missing:
             raise ModelNotFoundError(f"model {name!r} has no version(s) {missing} in the repository")
-        results = []
+        results: list[ModelVersion] = []
+        try:
+            self._load_versions(name, model_dir, wanted, results, dependencies=dependencies)
+        except BaseException:
+            if any(mv.state is ModelState.READY for mv in self.table.versions(name)):
+                self.operator_unloaded.discard(name)  # serving again, whatever failed after
+            raise
+        # Only now: while the versions load, a watcher (a release's trial) must still see the operator's
+        # unload, not a model that vanished on its own.
+        self.operator_unloaded.discard(name)
+        ready_new = any(mv.state is ModelState.READY for mv in results)
+        if ready_new or not results:
+            for old in self.table.versions(name):
+                if old.version not in wanted:
+                    self.table.remove(name, old.version)
+                    self._retire(old)
+        self.digests.save()
+        return results
+
+    def _load_versions(self, name: str, model_dir: Path, wanted: list[int], results: list[ModelVersion], *,
+                       dependencies: bool) -> None:
+        """Load and publish each wanted version (a ready copy keeps serving when its reload fails)."""
         for v in wanted:
             entry = load_version(name, v, model_dir / str(v), self.digests)
             if entry.pipeline and dependencies and not entry.error:
@@ -183,17 +204,6 @@ class ModelManager:
                     self.failed[(name, v)] = mv
                 log.error("model=%s version=%s reload failed, previous copy keeps serving: %s",
                           name, v, mv.reason)
-        # Only now: while the versions load, a watcher (a release's trial) must still see the operator's
-        # unload, not a model that vanished on its own.
-        self.operator_unloaded.discard(name)
-        ready_new = any(mv.state is ModelState.READY for mv in results)
-        if ready_new or not results:
-            for old in self.table.versions(name):
-                if old.version not in wanted:
-                    self.table.remove(name, old.version)
-                    self._retire(old)
-        self.digests.save()
-        return results
 
     def unload_model(self, name: str, *, by_operator: bool = False) -> None:
         with self._lock:

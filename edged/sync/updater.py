@@ -421,10 +421,15 @@ class Updater:
         while True:
             if self.stop.is_set():
                 return  # the next start continues the trial
+            # The operator's mark is read on both sides of the sample: an unload sets it before the
+            # versions go and a reload clears it after they are back, so a model found gone with the
+            # mark unset both times really vanished on its own.
+            unloaded = self.service.manager.operator_unloaded
+            marked = model in unloaded
             new = sample(self.service, model, m.version)
             now = time.monotonic()
             if new is None:
-                if model not in self.service.manager.operator_unloaded:
+                if not marked and model not in unloaded:
                     self._rollback(model, f"trial failed: version {m.version} is no longer loaded")
                     return
                 if not paused:  # an operator's choice is not the release's failure: nothing is reported

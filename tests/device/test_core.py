@@ -292,8 +292,9 @@ def test_an_operators_reload_stays_an_operators_unload_until_it_serves(model_rep
         loading.start()
         seen_gone = 0
         while loading.is_alive():
+            marked = "digits" in manager.operator_unloaded  # the mark first: a reload clears it after publishing
             ready = [mv for mv in manager.table.versions("digits") if mv.state is ModelState.READY]
-            if not ready and "digits" not in manager.operator_unloaded:
+            if not ready and not marked:
                 seen_gone += 1
             time.sleep(0.001)
         loading.join()

@@ -228,23 +228,31 @@ def test_prepared_requests_answer_like_the_engine_and_reuse_everything(
         prep = c.prepare("digits", {"pixels": (4, 64)})
         buf = prep.inputs["pixels"]
         assert buf.shape == (4, 64) and buf.dtype == np.float32 and not buf.flags.owndata
+        with pytest.raises(TypeError):
+            prep.inputs["pixels"] = x[:4]  # type: ignore[index]  # written in place, never rebound
         (conn,) = served.transport._conns
-        segments = dict(conn.segments)
+        registered = conn._next_segment
         message = prep.message
-        first = None
+        first: np.ndarray | None = None
         for i in range(0, 40, 4):
             buf[:] = x[i:i + 4]
             out = prep.run()["probabilities"]
             np.testing.assert_allclose(out, served.reference(x[i:i + 4]), rtol=1e-5, atol=1e-6)
             first = out if first is None else first
-            assert out is first and not out.flags.owndata  # the same view, made once
+            assert not out.flags.owndata and np.shares_memory(out, first)  # the same place every run
+        assert first is not None
+        first.shape = (40,)  # a caller's reshape of one answer is not the next answer's shape
+        assert prep.run()["probabilities"].shape == (4, 10)
         copied = prep.run(copy=True)["probabilities"]
-        assert copied.flags.owndata and np.array_equal(copied, first)
-        # nothing registered or re-encoded per run; a plain infer() in between changes nothing
+        assert copied.flags.owndata and np.array_equal(copied, first.reshape(4, 10))
+        # a plain infer() in between changes nothing; nothing is registered or encoded again per run
         assert c.infer("digits", {"pixels": x[:1]})["probabilities"].shape == (1, 10)
         buf[:] = x[:4]
         np.testing.assert_allclose(prep.run()["probabilities"], served.reference(x[:4]), rtol=1e-5, atol=1e-6)
-        assert prep.message is message and set(segments) <= set(conn.segments)
+        assert prep.message is message and conn._next_segment == registered + 1  # + infer()'s own slot
+        with pytest.raises(InvalidInputError, match="prepared request"):
+            c.release(buf)
+        assert prep.slot is not None
         mine = [seg for sid, seg in conn.segments.items() if sid in (prep.segment.id, prep.slot.segment.id)]
         assert len(mine) == 2
         prep.close()
@@ -258,7 +266,36 @@ def test_prepared_requests_answer_like_the_engine_and_reuse_everything(
         with c.prepare("digits", {"pixels": (1, 63)}) as bad, \
                 pytest.raises(InvalidInputError, match="dimension 1 is 63"):
             bad.run()  # the daemon checks it, and the connection survives
+        with c.prepare("digits", {"pixels": (2, 64)}, dtypes={"pixels": ">f4"}) as swapped:
+            assert swapped.inputs["pixels"].dtype == np.dtype("=f4")  # the daemon's byte order, so no copy
+            swapped.inputs["pixels"][:] = x[:2]
+            np.testing.assert_allclose(swapped.run()["probabilities"], served.reference(x[:2]), rtol=1e-5, atol=1e-6)
         assert c.infer("digits", {"pixels": x[:2]})["probabilities"].shape == (2, 10)
+
+
+def test_an_interrupted_prepared_run_leaves_nothing_registered(
+        served: Served, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    x, _ = digits_holdout
+    with ShmClient(served.socket) as c:
+        before = served.transport.clients()[0]["segments"]
+        prep = c.prepare("digits", {"pixels": (1, 64)})
+        prep.inputs["pixels"][:] = x[:1]
+
+        def interrupted(msg: bytes | bytearray, fd: int = -1) -> Any:
+            c._sock.send(msg)  # the request goes out; the caller is interrupted before its answer
+            raise KeyboardInterrupt
+
+        for _ in range(3):
+            c._call = interrupted  # type: ignore[method-assign]
+            with pytest.raises(KeyboardInterrupt):
+                prep.run()
+            del c._call
+            assert len(prep.orphans) == 1
+            # the next run answers from a fresh output area and gives the old one back
+            np.testing.assert_allclose(prep.run()["probabilities"], served.reference(x[:1]), rtol=1e-5, atol=1e-6)
+            assert not prep.orphans and served.transport.clients()[0]["segments"] == before + 2
+        prep.close()
+        assert served.transport.clients()[0]["segments"] == before
 
 
 def test_a_prepared_request_grows_its_output_area(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
