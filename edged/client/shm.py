@@ -33,11 +33,12 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import functools
 import math
 import os
 import socket
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -64,6 +65,7 @@ from edged.transports.peercred import peer_credentials
 __all__ = ["AsyncShmClient", "PreparedInfer", "ShmClient", "default_socket"]
 
 _Key = tuple[str, int]
+_TRIES = 3  # an INFER is sent again at most twice, each time with a bigger output area
 
 
 def default_socket(path: str | os.PathLike[str] | None = None) -> str:
@@ -281,23 +283,34 @@ class ShmClient:
             key = (model, version or 0)
             info = self._info(model, version)
             packed = plan_inputs(self._st.segments, inputs)
-            for _attempt in range(3):
+            for attempt in range(_TRIES):
                 slot = self._slot(key, packed.staged_bytes, info.output_bytes(inputs))
                 msg = encode_request(self._next(), model, version, slot, packed, outputs=outputs, timeout=timeout)
-                try:
-                    status, count, body = self._call(msg)
-                except BaseException:
-                    # Interrupted or disconnected: the daemon may still write into this slot, so the
-                    # next call gets a fresh one (the old segment is released with the connection).
-                    self._slots.pop(key, None)
-                    raise
-                if not status:
-                    return read_outputs(slot, count, body, copy)
-                needed, message = p.decode_error(body)
-                if not needed or needed <= info.output_hint:
-                    raise p.error_from_status(status, message, needed)
-                info.output_hint = needed  # the output area was too small: grow it and retry
+                # Interrupted or disconnected: the daemon may still write into this slot, so the next
+                # call gets a fresh one (the old segment is released with the connection).
+                got = self._exchange(msg, slot, copy, info.output_hint if attempt < _TRIES - 1 else -1,
+                                     lambda: self._slots.pop(key, None))
+                if not isinstance(got, int):
+                    return got
+                info.output_hint = got  # the output area was too small: grow it and retry
+            raise AssertionError("unreachable: the last try raises")
+
+    def _exchange(self, msg: bytes | bytearray, slot: Slot, copy: bool, grow_above: int,
+                  interrupted: Callable[[], object]) -> dict[str, np.ndarray] | int:
+        """One INFER round trip: its outputs, or the bytes they need when that is more than ``grow_above``
+        (the slot was too small; -1: never). Any other error is raised; ``interrupted`` runs when the
+        call is cut off before its answer."""
+        try:
+            status, count, body = self._call(msg)
+        except BaseException:
+            interrupted()
+            raise
+        if not status:
+            return read_outputs(slot, count, body, copy)
+        needed, message = p.decode_error(body)
+        if grow_above < 0 or not needed or needed <= grow_above:
             raise p.error_from_status(status, message, needed)
+        return needed
 
     def prepare(self, model: str, shapes: Mapping[str, tuple[int, ...] | list[int]], version: int | None = None, *,
                 dtypes: Mapping[str, Any] | None = None, outputs: list[str] | None = None,
@@ -367,28 +380,27 @@ class ShmClient:
         with self._lock:
             if prep.closed:
                 raise EdgedError("the prepared request is closed", code=ErrorCode.FAILED_PRECONDITION)
-            for _attempt in range(3):
+            for attempt in range(_TRIES):
                 slot = prep.slot
                 if slot is None:  # the last run was interrupted: its reply may still land in the old area
                     self._bind(prep, self._info(prep.model, prep.version).output_bytes(prep.inputs))
                     slot = prep.slot
                     assert slot is not None
                 p.set_request_id(prep.message, self._next())
-                try:
-                    status, count, body = self._call(prep.message)
-                except BaseException:
-                    prep.orphans.append(slot.segment)  # the daemon may still write there: a new area next run
-                    prep.slot = None
-                    raise
-                if not status:
-                    return read_outputs(slot, count, body, copy)
-                needed, message = p.decode_error(body)
-                if not needed or needed <= slot.out_cap:
-                    raise p.error_from_status(status, message, needed)
+                got = self._exchange(prep.message, slot, copy, slot.out_cap if attempt < _TRIES - 1 else -1,
+                                     functools.partial(self._orphan, prep, slot))
+                if not isinstance(got, int):
+                    return got
                 info = self._info(prep.model, prep.version)
-                info.output_hint = max(info.output_hint, needed)
-                self._bind(prep, needed)  # the outputs need more room: grow the area, encode again
-            raise p.error_from_status(status, message, needed)
+                info.output_hint = max(info.output_hint, got)
+                self._bind(prep, got)  # the outputs need more room: grow the area, encode again
+            raise AssertionError("unreachable: the last try raises")
+
+    @staticmethod
+    def _orphan(prep: PreparedInfer, slot: Slot) -> None:
+        """The daemon may still write into an interrupted run's area: the next run gets a new one."""
+        prep.orphans.append(slot.segment)
+        prep.slot = None
 
     def _close_prepared(self, prep: PreparedInfer) -> None:
         with self._lock:
