@@ -147,20 +147,27 @@ def _from_json_data(data: Any, datatype: str, shape: tuple[int, ...], where: str
     return numbers_from_list(data, datatype, shape, count, where)
 
 
+def _named_input(i: int, name: Any, datatype: Any, seen: Mapping[str, object]) -> tuple[str, str, str]:
+    """An input's first checks, shared by both decoders (its name, once, and a known datatype): its name,
+    datatype and how messages name it."""
+    if not isinstance(name, str) or not name:
+        raise InvalidInputError(f"inputs[{i}] has no 'name'")
+    where = f"input {name!r}"
+    if name in seen:
+        raise InvalidInputError(f"{where} appears twice")
+    if datatype not in datatypes.ALL_DATATYPES:
+        raise InvalidInputError(f"{where}: unknown datatype {datatype!r}")
+    return name, datatype, where
+
+
 def decode_raw_request(inputs: Iterable[tuple[str, str, Sequence[int], bytes]], *, model: str,
                        version: int | None, outputs: Sequence[str], rid: str | None) -> DecodedRequest:
     """The common binary request without a header to build: each input is (name, datatype, shape, its
     bytes), nothing has parameters, every output is returned binary. The same checks and messages as
     :func:`decode_request`, which gRPC would otherwise reach through a header of dicts per request."""
     arrays: dict[str, np.ndarray] = {}
-    for i, (name, dt, raw_shape, data) in enumerate(inputs):
-        if not name:
-            raise InvalidInputError(f"inputs[{i}] has no 'name'")
-        where = f"input {name!r}"
-        if name in arrays:
-            raise InvalidInputError(f"{where} appears twice")
-        if dt not in datatypes.ALL_DATATYPES:
-            raise InvalidInputError(f"{where}: unknown datatype {dt!r}")
+    for i, (given, gtype, raw_shape, data) in enumerate(inputs):
+        name, dt, where = _named_input(i, given, gtype, arrays)
         arrays[name] = _from_raw(data, dt, _shape(list(raw_shape), where), where)
     if not arrays:
         raise InvalidInputError("request has no 'inputs' list")
@@ -184,15 +191,7 @@ def decode_request(header: Mapping[str, Any], binary: memoryview | bytes = b"", 
     for i, raw in enumerate(raw_inputs):
         if not isinstance(raw, dict):
             raise InvalidInputError(f"inputs[{i}] must be an object")
-        name = raw.get("name")
-        if not isinstance(name, str) or not name:
-            raise InvalidInputError(f"inputs[{i}] has no 'name'")
-        where = f"input {name!r}"
-        if name in inputs:
-            raise InvalidInputError(f"{where} appears twice")
-        dt = raw.get("datatype")
-        if dt not in datatypes.ALL_DATATYPES:
-            raise InvalidInputError(f"{where}: unknown datatype {dt!r}")
+        name, dt, where = _named_input(i, raw.get("name"), raw.get("datatype"), inputs)
         shape = _shape(raw.get("shape"), where)
         params = raw.get("parameters") or {}
         region = _param(params, "shared_memory_region", where, str)

@@ -65,8 +65,8 @@ class _Plan:
     desc: p.InferDesc
     inputs: list[tuple[str, Segment, np.dtype[Any] | None, tuple[int, ...], int, int]]  # dtype None: BYTES
     used: tuple[Segment, ...]  # input segments, then the output segment last
-    # per output signature: offsets, encoded descriptors and the views to copy into (made once)
-    outputs: dict[tuple[Any, ...], tuple[list[int], bytes, list[np.ndarray]]] = field(default_factory=dict)
+    # per output signature: the encoded descriptors and the views to copy into (made once)
+    outputs: dict[tuple[Any, ...], tuple[bytes, list[np.ndarray]]] = field(default_factory=dict)
     # the numeric inputs' views, made once (they hold the mappings open until the plan is dropped,
     # which every path that unmaps a segment does first); None while any input is BYTES
     views: dict[str, np.ndarray] | None = None
@@ -356,8 +356,9 @@ class Connection:
                 self._plans.clear()
             self._plans[key] = plan
         d, used = plan.desc, plan.used
-        inputs = dict(plan.views) if plan.views is not None else None  # the request's own mapping
-        if inputs is None:
+        if plan.views is not None:
+            inputs = dict(plan.views)  # the request's own mapping of the views
+        else:
             inputs = {name: seg.view(dt, shape, off) if dt is not None else _bytes_input(name, seg, shape, off, n)
                       for name, seg, dt, shape, off, n in plan.inputs}
         deadline = time.monotonic() + d.timeout_us / 1e6 if d.timeout_us else None
@@ -438,11 +439,12 @@ class Connection:
                 plan.outputs.clear()
             offsets, descs = self._layout(plan.desc, outs)
             places = [seg.view(arr.dtype, arr.shape, off) for arr, off in zip(outs.values(), offsets, strict=True)]
-            layout = plan.outputs[sig] = (offsets, descs, places)
-        for arr, place in zip(outs.values(), layout[2], strict=True):
+            layout = plan.outputs[sig] = (descs, places)
+        descs, places = layout
+        for arr, place in zip(outs.values(), places, strict=True):
             if arr.nbytes:
                 np.copyto(place, arr, casting="no")
-        return p.HEADER.pack(_INFER_REPLY, 0, len(outs), rid) + p.U32.pack(resp.version) + layout[1]
+        return p.HEADER.pack(_INFER_REPLY, 0, len(outs), rid) + p.U32.pack(resp.version) + descs
 
     @staticmethod
     def _layout(d: p.InferDesc, outs: dict[str, np.ndarray],
