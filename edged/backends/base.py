@@ -8,6 +8,7 @@ threads over one engine, relying on the engines releasing the GIL.
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,18 @@ class LoadRequest:
     @property
     def label(self) -> str:
         return f"model {self.model!r} version {self.version} ({self.variant.file})"
+
+    def threads_per_instance(self) -> int:
+        """The CPU threads one instance's run may use; 0: the library's default (all cores).
+
+        Several instances on a CPU run side by side, so each gets its share of the thread
+        budget (``threads``, else the cores this process may use): one pool spanning every
+        core per instance would have N runs fight over the same cores.
+        """
+        if self.instances <= 1 or self.device.upper() != "CPU":
+            return self.threads
+        total = self.threads or len(os.sched_getaffinity(0))
+        return max(1, total // self.instances)
 
 
 class Engine(abc.ABC):

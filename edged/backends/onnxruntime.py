@@ -71,6 +71,9 @@ class OnnxRuntimeEngine(Engine):
     def describe(self) -> dict[str, Any]:
         d = super().describe()
         d["providers"] = self.providers
+        session = self._session
+        if session is not None:  # 0: ONNX Runtime's default, one thread per physical core
+            d["intra_op_threads"] = session.get_session_options().intra_op_num_threads
         return d
 
 
@@ -102,7 +105,8 @@ class OnnxRuntimeBackend(Backend):
                 f"{request.label}: none of the providers {accelerated} is available in this ONNX Runtime "
                 f"(available: {sorted(available)})")
         opts = ort.SessionOptions()
-        threads = int(request.options.get("intra_op_threads", request.threads) or 0)
+        explicit = request.options.get("intra_op_threads")
+        threads = int(explicit if explicit is not None else request.threads_per_instance())
         if threads > 0:
             opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1

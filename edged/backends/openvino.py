@@ -105,6 +105,14 @@ class OpenVinoEngine(Engine):
         self._pool.put(req)
         return out
 
+    def describe(self) -> dict[str, Any]:
+        d = super().describe()
+        compiled = self._compiled
+        if compiled is not None and self.device == "CPU":
+            d["streams"] = int(compiled.get_property("NUM_STREAMS"))
+            d["threads"] = int(compiled.get_property("INFERENCE_NUM_THREADS"))
+        return d
+
     def unload(self) -> None:
         self._compiled = None
         while not self._pool.empty():
@@ -140,6 +148,10 @@ class OpenVinoBackend(Backend):
             config["INFERENCE_PRECISION_HINT"] = str(precision)
         if request.options.get("num_streams") is not None:
             config["NUM_STREAMS"] = str(request.options["num_streams"])
+        elif request.instances > 1 and device == "CPU" and config["PERFORMANCE_HINT"] == "LATENCY":
+            # One stream (LATENCY) would run the instances' requests one after another; a stream
+            # each splits the threads between them.
+            config["NUM_STREAMS"] = str(request.instances)
         if request.cache_dir is not None and request.options.get("cache", True):
             request.cache_dir.mkdir(parents=True, exist_ok=True)
             config["CACHE_DIR"] = str(request.cache_dir)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -94,3 +96,37 @@ def test_missing_library_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setitem(sys.modules, "openvino", None)
     with pytest.raises(EngineUnavailableError, match=r"pip install 'edged\[openvino\]'"):
         OpenVinoBackend().check_available()
+
+
+def _with_instances(req: LoadRequest, instances: int, threads: int = 0) -> LoadRequest:
+    return dataclasses.replace(req, instances=instances, threads=threads)
+
+
+def test_cpu_instances_split_the_threads_instead_of_sharing_every_core() -> None:
+    """N instances run side by side: each gets its share of the cores, not a pool spanning all of them."""
+    cores = len(os.sched_getaffinity(0))
+    base = _request("model.onnx")
+    assert _with_instances(base, 1).threads_per_instance() == 0  # the library's default
+    assert _with_instances(base, 2).threads_per_instance() == max(1, cores // 2)
+    assert _with_instances(base, 2, threads=4).threads_per_instance() == 2
+    assert _with_instances(base, 8, threads=4).threads_per_instance() == 1
+    assert _with_instances(_request("model.onnx", device="GPU"), 2, threads=4).threads_per_instance() == 4
+
+    backend = OnnxRuntimeBackend()
+    assert backend.load(_with_instances(base, 2, threads=4)).describe()["intra_op_threads"] == 2
+    assert backend.load(_with_instances(base, 1, threads=4)).describe()["intra_op_threads"] == 4
+    explicit = _request("model.onnx", intra_op_threads=3)
+    assert backend.load(_with_instances(explicit, 2, threads=4)).describe()["intra_op_threads"] == 3
+
+
+def test_openvino_gives_each_cpu_instance_a_stream(digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    x, _ = digits_holdout
+    backend = OpenVinoBackend()
+    one = backend.load(_with_instances(_request("openvino/model.xml"), 1, threads=2))
+    two = backend.load(_with_instances(_request("openvino/model.xml"), 2, threads=2))
+    assert one.describe()["streams"] == 1
+    assert two.describe()["streams"] == 2 and two.describe()["threads"] == 2
+    chosen = backend.load(_with_instances(_request("openvino/model.xml", num_streams=1), 2, threads=2))
+    assert chosen.describe()["streams"] == 1  # the profile's own choice wins
+    np.testing.assert_allclose(two.infer({"pixels": x[:8]})["probabilities"],
+                               one.infer({"pixels": x[:8]})["probabilities"], atol=1e-5)

@@ -531,3 +531,45 @@ def test_a_queued_answer_leaves_after_its_instance_is_free() -> None:
         assert sched.stats.inline_count - inline_before == 20
     finally:
         assert sched.drain(10)
+
+
+def test_two_cpu_instances_run_side_by_side_on_their_share_of_the_cores(model_repo: MakeRepo) -> None:
+    """``[instances] count = 2``: two runs at once, each on half the cores (no pool spanning all of them)."""
+    repo = model_repo("mobilenet")
+    manifest = repo / "mobilenet" / "1" / "model.toml"
+    text = manifest.read_text()
+    # No dynamic batching, so concurrent requests stay separate runs for the two instances to share.
+    text = text[:text.index("[batching]")] + text[text.index("[instances]"):]
+    manifest.write_text(text.replace("[instances]\ncount = 1", "[instances]\ncount = 2"))
+    svc = _service(repo, threads=2)
+    try:
+        mv = svc.ready_model("mobilenet")
+        engine = mv.engine
+        assert engine is not None
+        assert engine.describe()["intra_op_threads"] == 1
+        running, most, lock = [0], [0], threading.Lock()
+        real = engine.infer
+
+        def counted(inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            try:
+                return real(inputs, outputs)
+            finally:
+                with lock:
+                    running[0] -= 1
+
+        engine.infer = counted  # type: ignore[method-assign]
+        x = np.random.default_rng(3).random((4, 3, 48, 192), dtype=np.float32)
+        want = real({"image": x})["probabilities"]
+        for _ in range(5):
+            futures = [svc.submit(InferRequest("mobilenet", {"image": x})) for _ in range(8)]
+            for f in futures:
+                np.testing.assert_allclose(f.result(30).outputs["probabilities"], want, rtol=1e-5, atol=1e-6)
+            if most[0] == 2:
+                break
+        assert most[0] == 2, "two instances never ran at the same time"
+        assert svc.statistics("mobilenet")[0]["inference_stats"]["success"]["count"] >= 8
+    finally:
+        svc.manager.shutdown()
