@@ -106,7 +106,7 @@ class ModelManager:
             mv.stats = ModelStats(mv.name, mv.version, mv.candidate.backend if mv.candidate else "")
             mv.scheduler = Scheduler(mv.name, mv.version, mv.engine, max_batch_size=mv.max_batch_size,
                                      batching=mv.batching, instances=manifest.instances.count,
-                                     stats=mv.stats)
+                                     stats=mv.stats, shapes_vary=any(-1 in s.shape for s in mv.inputs))
         return mv
 
     def load_all(self) -> list[ModelVersion]:

@@ -60,7 +60,7 @@ def _signature(req: InferRequest, batched: bool) -> tuple[object, ...]:
 
 class Scheduler:
     def __init__(self, name: str, version: int, engine: Engine, *, max_batch_size: int,
-                 batching: Batching | None, instances: int, stats: ModelStats) -> None:
+                 batching: Batching | None, instances: int, stats: ModelStats, shapes_vary: bool = True) -> None:
         self.name, self.version = name, version
         self.engine = engine
         self.max_batch_size = max_batch_size
@@ -72,6 +72,8 @@ class Scheduler:
         self.policy = BatchPolicy(max_batch_size > 0 and batching is not None)
         stats.batching = self.policy.to_json
         self.good_shapes = GoodShapes(max_batch_size > 0)
+        # With every dimension declared (batch aside), validation already pins the shapes a run sees.
+        self._record_shapes = self.good_shapes.record if shapes_vary else None
         # The condition's lock, taken directly on the inline path (twice per request): a C-level
         # enter/exit instead of the Condition's Python wrapper.
         self._lock = threading.RLock()
@@ -178,7 +180,7 @@ class Scheduler:
         if wanted is not None:
             outputs = {n: outputs[n] for n in wanted}
         t3 = time.monotonic_ns()
-        self.stats.record_inline(batch, t1 - start_ns, t2 - t1, t3 - t2, t3 - start_ns)
+        self.stats.record_inline(batch, t1 - start_ns, t2 - t1, t3 - t2, t3 - start_ns, t3)
         self._note_run(t3 - start_ns, nbytes)
         return outputs
 
@@ -190,17 +192,20 @@ class Scheduler:
             if isinstance(e, EdgedError) and not isinstance(e, InvalidInputError):
                 raise
             raise self.good_shapes.explain(f"model {self.name!r} version {self.version}", inputs, e) from None
-        self.good_shapes.record(inputs)
+        record = self._record_shapes
+        if record is not None:
+            record(inputs)
         return outputs
 
     def _note_run(self, ns: int, nbytes: int) -> None:
         """Fold one lone request's run into the typical figures (plain stores: readers tolerate stale values)."""
-        nbytes = max(1, nbytes)
-        if self.typical_run_ns == _UNKNOWN_RUN_NS:
-            self.typical_run_ns, self._typical_bytes = ns, nbytes
-        else:
-            self.typical_run_ns = int(self.typical_run_ns + (ns - self.typical_run_ns) / 8)
-            self._typical_bytes = max(1, int(self._typical_bytes + (nbytes - self._typical_bytes) / 8))
+        typical = self.typical_run_ns
+        if typical == _UNKNOWN_RUN_NS:
+            self.typical_run_ns, self._typical_bytes = ns, nbytes or 1
+        else:  # an eighth of the way towards the new figures, in integers
+            self.typical_run_ns = typical + ((ns - typical) >> 3)
+            b = self._typical_bytes
+            self._typical_bytes = (b + ((nbytes - b) >> 3)) or 1
 
     @property
     def queued(self) -> int:

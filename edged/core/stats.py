@@ -7,14 +7,20 @@ Durations come from ``time.monotonic_ns``; only ``last_inference`` is wall-clock
 from __future__ import annotations
 
 import bisect
+import collections
+import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from edged.latency_buckets import LATENCY_BUCKETS_S  # the buckets the telemetry contract carries
+
+# Inline runs waiting to be folded into the counters before the recording thread folds them itself
+# (readers fold first, so this only bounds the memory of a model nobody reads).
+_FOLD_AT = 256
 
 
 @dataclass
@@ -92,7 +98,10 @@ class ModelStats:
         self.execution_count = 0  # engine runs
         self.failures_by_code: dict[str, int] = {}
         self.batches: dict[int, _BatchStat] = {}
-        self.in_flight = 0
+        self._in_flight = 0
+        # Inline runs not yet in the counters: (batch, input, infer, output, total ns, monotonic end ns).
+        # Appending is all a request pays; every reader folds them in first (``settled``).
+        self._inline: collections.deque[tuple[int, int, int, int, int, int]] = collections.deque()
         self.inline_count = 0  # requests that ran on the caller's thread, never queued
         self.last_inference_ms = 0
         self.queue_hist = Histogram()
@@ -105,9 +114,26 @@ class ModelStats:
         """This object replaces ``previous`` in place (same version reloaded): same series."""
         self.activation, self.activated_at = previous.activation, previous.activated_at
 
+    @property
+    def in_flight(self) -> int:
+        """Requests queued or running (an inline run counts until it is recorded)."""
+        return self._in_flight - len(self._inline)
+
+    @contextlib.contextmanager
+    def settled(self) -> Iterator[None]:
+        """Hold the lock with every recorded run in the counters: how a reader takes a consistent copy."""
+        with self._lock:
+            self._fold()
+            yield
+
+    def latency_counts(self) -> tuple[int, ...]:
+        """The end-to-end latency histogram's bucket counts, every recorded request included."""
+        with self.settled():
+            return tuple(self.total_hist.counts)
+
     def enter(self) -> None:
         with self._lock:
-            self.in_flight += 1
+            self._in_flight += 1
 
     def record_success(self, *, queue_ns: int, total_ns: int) -> None:
         with self._lock:
@@ -115,7 +141,7 @@ class ModelStats:
 
     def _success(self, queue_ns: int, total_ns: int) -> None:
         """One request answered (the lock is held)."""
-        self.in_flight -= 1
+        self._in_flight -= 1
         self.success.add(total_ns)
         self.queue.add(queue_ns)
         self.queue_hist.observe(queue_ns / 1e9)
@@ -124,16 +150,33 @@ class ModelStats:
     def record_failure(self, code: str, *, total_ns: int, started: bool = True) -> None:
         with self._lock:
             if started:
-                self.in_flight -= 1
+                self._in_flight -= 1
             self.fail.add(total_ns)
             self.failures_by_code[code] = self.failures_by_code.get(code, 0) + 1
 
-    def record_inline(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int, total_ns: int) -> None:
-        """A request that ran on its caller's thread: its one engine run and its success, under one lock."""
-        with self._lock:
+    def record_inline(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int, total_ns: int,
+                      end_ns: int) -> None:
+        """A request that ran on its caller's thread (its one engine run and its success), ended at
+        ``end_ns`` (monotonic): noted for the next fold, without the lock or a dozen counter updates."""
+        pending = self._inline
+        pending.append((batch_size, input_ns, infer_ns, output_ns, total_ns, end_ns))
+        if len(pending) >= _FOLD_AT:
+            with self._lock:
+                self._fold()
+
+    def _fold(self) -> None:
+        """Move the noted inline runs into the counters (the lock is held; appends may go on)."""
+        pending = self._inline
+        if not pending:
+            return
+        before, end = self.last_inference_ms, 0
+        while pending:
+            batch_size, input_ns, infer_ns, output_ns, total_ns, end = pending.popleft()
             self._batch(batch_size, 1, input_ns, infer_ns, output_ns)
             self._success(0, total_ns)
             self.inline_count += 1
+        # when the last of them ended, not when they were folded (a queued run may have ended later)
+        self.last_inference_ms = max(before, (time.time_ns() - (time.monotonic_ns() - end)) // 1_000_000)
 
     def record_batch(self, batch_size: int, requests: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         with self._lock:
@@ -157,7 +200,7 @@ class ModelStats:
 
     def to_triton(self) -> dict[str, Any]:
         batching = self.batching() if self.batching is not None else None
-        with self._lock:
+        with self.settled():
             return {
                 "name": self.name,
                 "version": str(self.version),
@@ -180,7 +223,7 @@ class ModelStats:
                     for bs, b in sorted(self.batches.items())
                 ],
                 "failures_by_code": dict(self.failures_by_code),
-                "in_flight": self.in_flight,
+                "in_flight": self._in_flight,
                 "inline_count": self.inline_count,
                 "batching": batching,
             }

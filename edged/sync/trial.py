@@ -66,7 +66,7 @@ def sample(service: InferenceService, model: str, version: int) -> Sample | None
     ok = int(s["inference_stats"]["success"]["count"])
     by_code: dict[str, int] = s.get("failures_by_code", {})
     errors = sum(n for code, n in by_code.items() if code not in NOT_MODEL_ERRORS)
-    counts = tuple(mv.stats.total_hist.counts) if mv.stats is not None else ()
+    counts = mv.stats.latency_counts() if mv.stats is not None else ()
     return Sample(ok=ok, errors=errors, latency_counts=counts)
 
 

@@ -66,7 +66,7 @@ class ModelCounters:
     @classmethod
     def read(cls, st: ModelStats) -> tuple[ModelCounters, int]:
         """A consistent copy of ``st`` (under its lock) and its in-flight count."""
-        with st._lock:
+        with st.settled():
             c = cls(
                 success=st.success.count, failures_by_code=dict(st.failures_by_code),
                 inferences=st.inference_count, executions=st.execution_count,

@@ -524,11 +524,11 @@ def test_a_queued_answer_leaves_after_its_instance_is_free() -> None:
         assert sched.stats.in_flight == 0
         # After the overlap is forgotten, a serial caller runs inline every time.
         time.sleep(0.15)
-        inline_before = sched.stats.inline_count
+        inline_before = sched.stats.to_triton()["inline_count"]
         for i in range(20):
             np.testing.assert_array_equal(sched.run_inline(InferRequest("m", {"x": x + i}), 1).outputs["y"],
                                           (x + i) * 2)
-        assert sched.stats.inline_count - inline_before == 20
+        assert sched.stats.to_triton()["inline_count"] - inline_before == 20
     finally:
         assert sched.drain(10)
 
@@ -573,3 +573,27 @@ def test_two_cpu_instances_run_side_by_side_on_their_share_of_the_cores(model_re
         assert svc.statistics("mobilenet")[0]["inference_stats"]["success"]["count"] >= 8
     finally:
         svc.manager.shutdown()
+
+
+def test_inline_runs_are_in_every_readers_figures() -> None:
+    """An inline run only notes itself; whoever reads the statistics folds the notes in first."""
+    from edged.telemetry.model_metrics import ModelCounters
+
+    st = ModelStats("m", 1)
+    for _ in range(300):  # past the point where the recording thread folds by itself
+        st.enter()
+        assert st.in_flight == 1
+        st.record_inline(2, 10, 100, 5, 130, time.monotonic_ns())
+        assert st.in_flight == 0
+    st.record_batch(4, 2, 20, 200, 10)  # a queued run after the inline ones
+    t = st.to_triton()
+    assert t["inference_stats"]["success"] == {"count": 300, "ns": 300 * 130}
+    assert t["inference_stats"]["compute_infer"] == {"count": 302, "ns": 300 * 100 + 200}
+    assert (t["execution_count"], t["inference_count"], t["inline_count"], t["in_flight"]) == (301, 604, 300, 0)
+    assert [(b["batch_size"], b["compute_infer"]["count"]) for b in t["batch_stats"]] == [(2, 300), (4, 1)]
+    assert abs(t["last_inference"] - time.time() * 1000) < 5000
+    assert sum(st.latency_counts()) == 300
+    counters, in_flight = ModelCounters.read(st)
+    assert (counters.success, counters.executions, in_flight) == (300, 301, 0)
+    st.record_inline(1, 1, 1, 1, 3, time.monotonic_ns())
+    assert ModelCounters.read(st)[0].success == 301 and st.latency_counts()[0] >= 1
