@@ -24,6 +24,7 @@ from bench.common import stop_process
 _PAYLOAD = b"x" * 64
 _WORK = struct.Struct("=d")  # a round trip with work: how long the responder spins before answering
 _ENGINE = b"engine"  # a round trip with one engine run (a responder started with a model)
+_SERVICE = b"service"  # the same run through the least service (bench/floor_service.py)
 
 
 class Pinger:
@@ -58,6 +59,11 @@ class Pinger:
         self.sock.send(_ENGINE)
         self.sock.recv(256)
 
+    def round_trip_service(self) -> None:
+        """As :meth:`round_trip_engine`, the run going through :class:`bench.floor_service.LeastService`."""
+        self.sock.send(_SERVICE)
+        self.sock.recv(256)
+
     def close(self) -> None:
         self.sock.close()  # the responder sees end of file and exits
         stop_process(self.proc, 5)
@@ -69,11 +75,15 @@ def respond(fd: int, model: Path | None) -> None:
     run = None
     if model is not None:
         from bench.floor_engine import engine_run
+        from bench.floor_service import LeastService
 
         run = engine_run(model)
+        least = LeastService("model", lambda _: run())
     while msg := s.recv(256):
         if msg == _ENGINE and run is not None:
             run()
+        elif msg == _SERVICE and run is not None:
+            least.infer("model", {})
         elif len(msg) == _WORK.size:
             end = pc() + _WORK.unpack(msg)[0]
             while pc() < end:
