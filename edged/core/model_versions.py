@@ -678,6 +678,11 @@ class ModelTable:
         with self._lock:
             return [mv for name in sorted(self._versions) for _, mv in sorted(self._versions[name].items())]
 
+    def serving(self, name: str) -> ModelVersion | None:
+        """The version requests without one go to, when it is known and READY (no lock: the hot path)."""
+        mv = self._current.get(name)
+        return mv if mv is not None and mv.state is ModelState.READY else None
+
     def find(self, name: str, version: int | None = None) -> ModelVersion | None:
         """The named version, or with None the newest READY one (else the newest known)."""
         if version is None:

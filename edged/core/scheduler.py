@@ -41,7 +41,10 @@ _UNKNOWN_RUN_NS = 1 << 62
 
 
 def _nbytes(inputs: Mapping[str, np.ndarray]) -> int:
-    return sum(a.nbytes for a in inputs.values())
+    n = 0
+    for a in inputs.values():  # no generator: this runs on caches an engine run has just evicted
+        n += a.nbytes
+    return n
 
 
 @dataclass
@@ -148,15 +151,24 @@ class Scheduler:
             return False
 
     def _run_claimed(self, req: InferRequest, batch: int, nbytes: int) -> InferResponse:
-        """The inline hot path: after the claim, one lock to give the instance back and two for the
-        statistics (in flight, then the run and its success together)."""
+        """The inline hot path: after the claim, one lock for the statistics' in-flight count and one
+        to give the instance back; the run's figures are noted without a lock (ModelStats)."""
         stats = self.stats
         stats.enter()
         start_ns = time.monotonic_ns()
         try:
             if req.deadline is not None and start_ns / 1e9 > req.deadline:
                 raise DeadlineExceededError(f"model {self.name!r}: request arrived past its deadline")
-            outs = self._compute_one(req, batch, start_ns, nbytes)
+            # ``_compute`` for one request: no concatenation, no split
+            wanted = req.outputs
+            t1 = time.monotonic_ns()
+            outs = self._engine_run(req.inputs, wanted)
+            t2 = time.monotonic_ns()
+            if wanted is not None:
+                outs = {n: outs[n] for n in wanted}
+            t3 = time.monotonic_ns()
+            stats.record_inline(batch, t1 - start_ns, t2 - t1, t3 - t2, t3 - start_ns, end_ns=t3)
+            self._note_run(t3 - start_ns, nbytes)
         except EdgedError as e:
             stats.record_failure(failure_key(e), total_ns=time.monotonic_ns() - start_ns)
             raise
@@ -169,20 +181,6 @@ class Scheduler:
                 if self._queue:
                     self._cv.notify()
         return InferResponse(self.name, self.version, outs, req.id)
-
-    def _compute_one(self, req: InferRequest, batch: int, start_ns: int, nbytes: int) -> dict[str, np.ndarray]:
-        """``_compute`` for one inline request: no concatenation, no split, statistics in one call."""
-        wanted = req.outputs
-        inputs = req.inputs
-        t1 = time.monotonic_ns()
-        outputs = self._engine_run(inputs, wanted)
-        t2 = time.monotonic_ns()
-        if wanted is not None:
-            outputs = {n: outputs[n] for n in wanted}
-        t3 = time.monotonic_ns()
-        self.stats.record_inline(batch, t1 - start_ns, t2 - t1, t3 - t2, t3 - start_ns, t3)
-        self._note_run(t3 - start_ns, nbytes)
-        return outputs
 
     def _engine_run(self, inputs: Mapping[str, np.ndarray], wanted: Sequence[str] | None) -> dict[str, np.ndarray]:
         """One engine run; an engine failure becomes the input's fault or an internal one (engine_errors)."""

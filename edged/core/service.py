@@ -8,6 +8,7 @@ Transports decode their wire format into an :class:`InferRequest`, call
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -80,6 +81,14 @@ class InferenceService:
 
     def infer_blocking(self, req: InferRequest) -> InferResponse:
         """For callers that own a thread: runs inline when the model is idle (lowest latency)."""
+        # The common case in as few steps as it takes (every one is paid on caches an engine run has
+        # just evicted): the served version of a model, no pipeline. Anything else, or a version
+        # swapped out meanwhile, takes the general path with its retries.
+        mv = self.manager.table.serving(req.model) if req.version is None else None
+        if mv is not None and (scheduler := mv.scheduler) is not None:
+            batch = validate(mv, req)
+            with contextlib.suppress(ModelNotReadyError):
+                return scheduler.run_inline(req, batch)
         return self._dispatch(req, Scheduler.run_inline, lambda mv: self._start_pipeline(mv, req).result())
 
     def infer_or_submit(self, req: InferRequest, max_run_ns: int) -> InferResponse | Future[InferResponse]:

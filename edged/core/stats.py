@@ -154,7 +154,7 @@ class ModelStats:
             self.fail.add(total_ns)
             self.failures_by_code[code] = self.failures_by_code.get(code, 0) + 1
 
-    def record_inline(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int, total_ns: int,
+    def record_inline(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int, total_ns: int, *,
                       end_ns: int) -> None:
         """A request that ran on its caller's thread (its one engine run and its success), ended at
         ``end_ns`` (monotonic): noted for the next fold, without the lock or a dozen counter updates."""

@@ -21,8 +21,9 @@ from edged.errors import InvalidInputError
 class _Plan:
     names: frozenset[str]
     outputs: frozenset[str]  # the outputs a request may ask for
-    # (name, numpy dtype, declared shape without the batch dimension); None: always the full check
-    specs: tuple[tuple[str, np.dtype[np.generic], tuple[int, ...]], ...] | None
+    # (name, numpy dtype, declared shape without the batch dimension, True if it has no dynamic
+    # dimension); None: always the full check
+    specs: tuple[tuple[str, np.dtype[np.generic], tuple[int, ...], bool], ...] | None
     max_batch_size: int
 
 
@@ -33,7 +34,8 @@ def _plan(mv: ModelVersion) -> _Plan:
     bounds = mv.manifest.warmup.shapes
     simple = all(s.datatype != "BYTES" for s in mv.inputs) and not any(
         b.min is not None or b.max is not None for b in (bounds or {}).values())
-    specs = tuple((s.name, datatypes.to_numpy(s.datatype), tuple(s.shape)) for s in mv.inputs) if simple else None
+    specs = tuple((s.name, datatypes.to_numpy(s.datatype), tuple(s.shape), -1 not in s.shape)
+                  for s in mv.inputs) if simple else None
     plan = _Plan(frozenset(s.name for s in mv.inputs), frozenset(s.name for s in mv.outputs), specs,
                  mv.max_batch_size)
     mv.validation_plan = plan
@@ -48,7 +50,7 @@ def _accept(plan: _Plan, req: InferRequest) -> int:
         return 0
     mbs = plan.max_batch_size
     batch = 0
-    for name, dtype, want in plan.specs:
+    for name, dtype, want, fixed in plan.specs:
         arr = inputs[name]
         if type(arr) is not np.ndarray or arr.dtype != dtype:
             return 0
@@ -62,6 +64,10 @@ def _accept(plan: _Plan, req: InferRequest) -> int:
             dims = shape
             if len(dims) != len(want):
                 return 0
+        if fixed:
+            if dims != want:
+                return 0
+            continue
         for have, w in zip(dims, want, strict=True):
             if w not in (-1, have):
                 return 0

@@ -583,7 +583,7 @@ def test_inline_runs_are_in_every_readers_figures() -> None:
     for _ in range(300):  # past the point where the recording thread folds by itself
         st.enter()
         assert st.in_flight == 1
-        st.record_inline(2, 10, 100, 5, 130, time.monotonic_ns())
+        st.record_inline(2, 10, 100, 5, 130, end_ns=time.monotonic_ns())
         assert st.in_flight == 0
     st.record_batch(4, 2, 20, 200, 10)  # a queued run after the inline ones
     t = st.to_triton()
@@ -595,5 +595,5 @@ def test_inline_runs_are_in_every_readers_figures() -> None:
     assert sum(st.latency_counts()) == 300
     counters, in_flight = ModelCounters.read(st)
     assert (counters.success, counters.executions, in_flight) == (300, 301, 0)
-    st.record_inline(1, 1, 1, 1, 3, time.monotonic_ns())
+    st.record_inline(1, 1, 1, 1, 3, end_ns=time.monotonic_ns())
     assert ModelCounters.read(st)[0].success == 301 and st.latency_counts()[0] >= 1
