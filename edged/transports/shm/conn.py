@@ -81,6 +81,9 @@ class Limits:
     max_inflight: int = 64
 
 
+_NO_FDS: list[int] = []  # never changed: only REGISTER takes descriptors out of the list it gets
+
+
 def _take_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
     fds: list[int] = []
     for level, kind, data in ancdata:
@@ -155,9 +158,12 @@ class Connection:
                     n, anc, flags, _ = sock.recvmsg_into([buf], _ANC_SPACE)
                 except OSError:
                     break  # ECONNRESET and friends: the client is gone
+                if not anc:  # the common case: no descriptors came with it
+                    if n == 0:
+                        break  # EOF: closed, exited or killed
+                    self._dispatch(view[:n], _NO_FDS, flags)
+                    continue
                 fds = _take_fds(anc)
-                if n == 0 and not fds:
-                    break  # EOF: closed, exited or killed
                 try:
                     self._dispatch(view[:n], fds, flags)
                 finally:
@@ -421,20 +427,21 @@ class Connection:
         """Pack outputs into the client's output slot (one copy each) and build the completion."""
         outs = resp.outputs
         seg = plan.used[-1]
-        if any(arr.dtype == object for arr in outs.values()):
-            # BYTES outputs are sized by their contents: serialized, laid out afresh each time.
-            blobs = {name: bytes_to_buffer(arr) for name, arr in outs.items() if arr.dtype == object}
-            offsets, descs = self._layout(plan.desc, outs, blobs)
-            for (name, arr), off in zip(outs.items(), offsets, strict=True):
-                blob = blobs.get(name)
-                if blob is not None:
-                    seg.mm[off:off + len(blob)] = blob
-                elif arr.nbytes:
-                    np.copyto(seg.view(arr.dtype, arr.shape, off), arr, casting="no")
-            return p.HEADER.pack(_INFER_REPLY, 0, len(outs), rid) + p.U32.pack(resp.version) + descs
-        sig = tuple((name, arr.dtype, arr.shape) for name, arr in outs.items())
+        # A layout is only ever kept for numeric outputs, so a known signature needs no other check.
+        sig = tuple([(name, arr.dtype, arr.shape) for name, arr in outs.items()])
         layout = plan.outputs.get(sig)
         if layout is None:
+            if any(arr.dtype == object for arr in outs.values()):
+                # BYTES outputs are sized by their contents: serialized, laid out afresh each time.
+                blobs = {name: bytes_to_buffer(arr) for name, arr in outs.items() if arr.dtype == object}
+                offsets, descs = self._layout(plan.desc, outs, blobs)
+                for (name, arr), off in zip(outs.items(), offsets, strict=True):
+                    blob = blobs.get(name)
+                    if blob is not None:
+                        seg.mm[off:off + len(blob)] = blob
+                    elif arr.nbytes:
+                        np.copyto(seg.view(arr.dtype, arr.shape, off), arr, casting="no")
+                return p.HEADER.pack(_INFER_REPLY, 0, len(outs), rid) + p.U32.pack(resp.version) + descs
             if len(plan.outputs) >= _PLAN_CACHE:
                 plan.outputs.clear()
             offsets, descs = self._layout(plan.desc, outs)
