@@ -56,6 +56,7 @@ from bench.ipc_floor import Pinger  # noqa: E402
 from edged.client.grpc import GrpcClient, infer_request  # noqa: E402
 from edged.client.http import HttpClient  # noqa: E402
 from edged.client.shm import AsyncShmClient, ShmClient  # noqa: E402
+from edged.client.shm_prepared import AsyncPreparedInfer  # noqa: E402
 from edged.config import load_config  # noqa: E402
 from edged.core.types import InferRequest  # noqa: E402
 from edged.daemon import Runtime, build_runtime  # noqa: E402
@@ -190,18 +191,25 @@ def threaded(fn: Callable[[], object], threads: int, seconds: float) -> Block:
     return Block(len(flat), time.perf_counter() - t0, flat, 0)
 
 
-async def pipelined(client: AsyncShmClient, x: np.ndarray, depth: int, seconds: float) -> Block:
+async def pipelined(client: AsyncShmClient, x: np.ndarray, depth: int, seconds: float,
+                    prepared: list[AsyncPreparedInfer] | None = None) -> Block:
+    """``depth`` loops of one request at a time on one connection: ``infer`` calls, or with ``prepared``
+    one prepared request per loop (the frame already in place, outputs read as views)."""
     lat: list[float] = []
     end = time.perf_counter() + seconds
 
-    async def worker() -> None:
+    async def worker(k: int) -> None:
+        prep = prepared[k] if prepared else None
         while time.perf_counter() < end:
             t0 = time.perf_counter()
-            await client.infer(MODEL, {"image": x})
+            if prep is not None:
+                await prep.run()
+            else:
+                await client.infer(MODEL, {"image": x})
             lat.append(time.perf_counter() - t0)
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(depth)))
+    await asyncio.gather(*(worker(k) for k in range(depth)))
     return Block(len(lat), time.perf_counter() - t0, lat, 0)
 
 
@@ -568,7 +576,7 @@ def build_rows(cases: dict[str, Case], *, rss: float, engines: list[str], ready:
                     f"daemon together {GOAL_SHM1_US:.0f} us over the IPC floor); shm c1 is "
                     f"{overhead(shm1, ipc_svc) * 1e6:+.1f} us above it, prepared "
                     f"{overhead(prep1, ipc_svc) * 1e6:+.1f} us", "info"))
-    for key in ("svc8", "shm8"):
+    for key in ("svc8", "shm8", "shm8_prep"):
         r = rounds(lambda a, b1, b8: a.throughput / max(b1.throughput, b8.throughput), c[key], raw1, raw8)
         # The raw references count one call's median latency, which leaves out the stalls other tenants
         # cause; the c8 cases count wall time, which does not. The like-for-like ratio (every case by wall
@@ -782,6 +790,9 @@ def main() -> int:
         loop = asyncio.new_event_loop()
         ashm = AsyncShmClient(tmp / "run" / "edged.sock")
         loop.run_until_complete(ashm.connect())
+        aprepared = [loop.run_until_complete(ashm.prepare(MODEL, {"image": x1.shape})) for _ in range(8)]
+        for each in aprepared:
+            each.inputs["image"][...] = x1
 
         driver = Driver(broker.port, qos=0)
         topic = f"edged/{DEVICE}/infer/{MODEL}"
@@ -884,6 +895,8 @@ def main() -> int:
                     lambda: svc.infer(InferRequest(MODEL, {"image": x1})), 8, s)),
                 Case("shm8", "shm, c8 (8 in flight, async client)",
                      lambda s: loop.run_until_complete(pipelined(ashm, x1, 8, s))),
+                Case("shm8_prep", "shm, c8, prepared requests (8 loops, async client)",
+                     lambda s: loop.run_until_complete(pipelined(ashm, x1, 8, s, aprepared))),
                 Case("raw1", "raw engine, batch 1", lambda s: noted(serial(lambda: engine.infer({"image": x1}), s))),
                 Case("svc1", "service in-process, c1 (infer_blocking)", lambda s: serial(
                     lambda: svc.infer_blocking(InferRequest(MODEL, {"image": x1})), s)),

@@ -57,7 +57,7 @@ from edged.client.shm_memory import (
     plan_inputs,
     read_outputs,
 )
-from edged.client.shm_prepared import PreparedInfer
+from edged.client.shm_prepared import AsyncPreparedInfer, PreparedInfer
 from edged.errors import EdgedError, ErrorCode, InvalidInputError, PermissionDeniedError
 from edged.protocol import shm as p
 from edged.transports.peercred import peer_credentials
@@ -129,6 +129,31 @@ def _check(status: int, body: memoryview | bytes) -> None:
     if status:
         needed, message = p.decode_error(body)
         raise p.error_from_status(status, message, needed)
+
+
+_Place = tuple[str, np.dtype[Any], tuple[int, ...], int]  # an input's name, dtype, shape and offset
+
+
+def _prepared_places(info: ModelInfo, shapes: Mapping[str, tuple[int, ...] | list[int]],
+                     dtypes: Mapping[str, Any] | None) -> tuple[list[_Place], int]:
+    """Where each input of a prepared request lies in its segment, and the segment's size."""
+    places: list[_Place] = []
+    end = 0
+    for name, shape in shapes.items():
+        dt = _dtype(info, name, (dtypes or {}).get(name))
+        shp = tuple(int(d) for d in shape)
+        if dt.kind in "SUO":
+            raise InvalidInputError(f"input {name!r} is BYTES: its size follows its data, so it cannot be "
+                                    "prepared; send it with infer()")
+        dt = dt.newbyteorder("=")  # the daemon reads native byte order (infer() converts; here nothing is)
+        if dt not in p.NUMPY_CODE:
+            raise InvalidInputError(f"input {name!r}: numpy dtype {dt} has no v2 datatype")
+        if any(d < 0 for d in shp) or len(shp) > p.MAX_DIMS:
+            raise InvalidInputError(f"input {name!r}: shape {list(shp)} is not a concrete tensor shape")
+        end = p.align(end)
+        places.append((name, dt, shp, end))
+        end += dt.itemsize * math.prod(shp)
+    return places, max(1, end)
 
 
 def _dtype(info: ModelInfo | None, name: str, dtype: Any) -> np.dtype[Any]:
@@ -324,23 +349,8 @@ class ShmClient:
         """
         with self._lock:
             info = self._info(model, version)
-            places: list[tuple[str, np.dtype[Any], tuple[int, ...], int]] = []
-            end = 0
-            for name, shape in shapes.items():
-                dt = _dtype(info, name, (dtypes or {}).get(name))
-                shp = tuple(int(d) for d in shape)
-                if dt.kind in "SUO":
-                    raise InvalidInputError(f"input {name!r} is BYTES: its size follows its data, so it cannot be "
-                                            "prepared; send it with infer()")
-                dt = dt.newbyteorder("=")  # the daemon reads native byte order (infer() converts; here nothing is)
-                if dt not in p.NUMPY_CODE:
-                    raise InvalidInputError(f"input {name!r}: numpy dtype {dt} has no v2 datatype")
-                if any(d < 0 for d in shp) or len(shp) > p.MAX_DIMS:
-                    raise InvalidInputError(f"input {name!r}: shape {list(shp)} is not a concrete tensor shape")
-                end = p.align(end)
-                places.append((name, dt, shp, end))
-                end += dt.itemsize * math.prod(shp)
-            seg = self._register(max(1, end))
+            places, size = _prepared_places(info, shapes, dtypes)
+            seg = self._register(size)
             self._prepared_segments.add(seg.id)
             arrays = {name: seg.view(dt, shp, off) for name, dt, shp, off in places}
             prep = PreparedInfer(self, model, version, inputs=arrays, segment=seg, outputs=outputs, timeout=timeout)
@@ -572,7 +582,7 @@ class AsyncShmClient:
             raise
         return await fut
 
-    async def _send(self, msg: bytes, fd: int) -> None:
+    async def _send(self, msg: bytes | bytearray, fd: int) -> None:
         sock, loop = self._sock, self._loop
         assert sock is not None and loop is not None
         while True:
@@ -691,6 +701,101 @@ class AsyncShmClient:
             finally:
                 if slot is not None and not self._st.closed:
                     self._free.setdefault(key, []).append(slot)
+
+    async def prepare(self, model: str, shapes: Mapping[str, tuple[int, ...] | list[int]],
+                      version: int | None = None, *, dtypes: Mapping[str, Any] | None = None,
+                      outputs: list[str] | None = None, timeout: float | None = None) -> AsyncPreparedInfer:
+        """:meth:`ShmClient.prepare` for asyncio: ``await prepared.run()`` per request, nothing encoded,
+        copied or allocated per run. Make one per concurrent loop; they are pipelined like ``infer``."""
+        assert self._sem is not None, "call connect() (or use 'async with') first"
+        info = await self._info(model, version)
+        places, size = _prepared_places(info, shapes, dtypes)
+        seg = await self._register(size)
+        arrays = {name: seg.view(dt, shp, off) for name, dt, shp, off in places}
+        prep = AsyncPreparedInfer(self, model, version, inputs=arrays, segment=seg, outputs=outputs, timeout=timeout)
+        try:
+            await self._bind(prep, info.output_bytes(arrays))
+        except BaseException:
+            await self._close_prepared(prep)
+            raise
+        return prep
+
+    async def _bind(self, prep: AsyncPreparedInfer, out_need: int) -> None:
+        """(Re)make a prepared request's output area and encode its message once."""
+        packed = plan_inputs(self._st.segments, prep.inputs)
+        if packed.staged:  # every input must lie in prep.segment, sent by reference
+            raise EdgedError("the prepared request's input buffers are no longer registered",
+                             code=ErrorCode.FAILED_PRECONDITION)
+        old, prep.slot = prep.slot, None
+        if old is not None:
+            await self._unregister(old.segment)
+        size, out_off, out_cap = Slot.layout(0, out_need)
+        slot = Slot(await self._register(size), out_off, out_off, out_cap)
+        prep.message = bytearray(encode_request(0, prep.model, prep.version, slot, packed, outputs=prep.outputs,
+                                                timeout=prep.timeout))
+        prep.slot = slot
+
+    async def _run_prepared(self, prep: AsyncPreparedInfer, copy: bool) -> dict[str, np.ndarray]:
+        if prep.closed or self._st.closed:
+            raise EdgedError("the prepared request is closed", code=ErrorCode.FAILED_PRECONDITION)
+        if prep.running:
+            raise EdgedError("this prepared request is already running: make one per concurrent loop",
+                             code=ErrorCode.FAILED_PRECONDITION)
+        assert self._sem is not None and self._loop is not None
+        prep.running = True
+        try:
+            async with self._sem:
+                for attempt in range(_TRIES):
+                    slot = prep.slot
+                    if slot is None:  # the last run was cancelled: its reply may still land in the old area
+                        await self._bind(prep, (await self._info(prep.model, prep.version)).output_bytes(prep.inputs))
+                        slot = prep.slot
+                        assert slot is not None
+                    self._rid += 1
+                    rid = self._rid
+                    msg = prep.message
+                    p.set_request_id(msg, rid)
+                    msg[1] = p.FLAG_QUEUE if self._pending else 0  # queue (batch) it when others are in flight
+                    fut: asyncio.Future[tuple[int, int, bytes]] = self._loop.create_future()
+                    self._pending[rid] = fut
+                    try:
+                        await self._send(msg, -1)
+                    except BaseException:
+                        self._pending.pop(rid, None)
+                        raise
+                    try:
+                        status, count, body = await fut
+                    except asyncio.CancelledError:
+                        # The daemon may still write this area: it joins the model's pool of slots once the
+                        # late completion has arrived, and the next run gets a new one.
+                        self._orphans[rid] = ((prep.model, prep.version or 0), slot)
+                        prep.slot = None
+                        raise
+                    if not status:
+                        return read_outputs(slot, count, body, copy)
+                    needed, message = p.decode_error(body)
+                    if attempt == _TRIES - 1 or not needed or needed <= slot.out_cap:
+                        raise p.error_from_status(status, message, needed)
+                    info = await self._info(prep.model, prep.version)
+                    info.output_hint = max(info.output_hint, needed)
+                    await self._bind(prep, needed)  # the outputs need more room: grow the area, encode again
+                raise AssertionError("unreachable: the last try raises")
+        finally:
+            prep.running = False
+
+    async def _close_prepared(self, prep: AsyncPreparedInfer) -> None:
+        if prep.closed:
+            return
+        if prep.running:
+            raise EdgedError("the prepared request is running: await its run before closing it",
+                             code=ErrorCode.FAILED_PRECONDITION)
+        prep.closed = True
+        if self._st.closed:
+            return
+        slot, prep.slot = prep.slot, None
+        if slot is not None:
+            await self._unregister(slot.segment)
+        await self._unregister(prep.segment)
 
     async def tensor(self, shape: tuple[int, ...] | list[int], dtype: Any = np.float32) -> np.ndarray:
         """A new array in its own shared segment; passing it to infer copies nothing."""

@@ -58,3 +58,47 @@ class PreparedInfer:
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+
+class _AsyncClient(Protocol):
+    """What an asyncio prepared request needs of its client (:class:`edged.client.shm.AsyncShmClient`)."""
+
+    async def _run_prepared(self, prep: AsyncPreparedInfer, copy: bool) -> dict[str, np.ndarray]: ...
+
+    async def _close_prepared(self, prep: AsyncPreparedInfer) -> None: ...
+
+
+class AsyncPreparedInfer:
+    """Made by :meth:`AsyncShmClient.prepare`: one per concurrent loop (each runs one request at a
+    time; several prepared requests run side by side on one connection, batched by the daemon)."""
+
+    def __init__(self, client: _AsyncClient, model: str, version: int | None, *, inputs: dict[str, np.ndarray],
+                 segment: ClientSegment, outputs: list[str] | None, timeout: float | None) -> None:
+        self.model, self.version = model, version
+        #: The shared arrays each request is read from: write into them in place (``x[...] = frame``).
+        self.inputs: Mapping[str, np.ndarray] = MappingProxyType(inputs)
+        self.outputs, self.timeout = outputs, timeout
+        self.segment = segment
+        self.slot: Slot | None = None  # the output area; remade after a cancelled run
+        self.message = bytearray()
+        self.running = False
+        self.closed = False
+        self._client = client
+
+    async def run(self, *, copy: bool = False) -> dict[str, np.ndarray]:
+        """One request on what ``inputs`` hold now.
+
+        The outputs are views on shared memory that the next run overwrites (``copy=True``: copies).
+        """
+        return await self._client._run_prepared(self, copy)
+
+    async def close(self) -> None:
+        """Give the shared buffers back (the input arrays stay readable here)."""
+        await self._client._close_prepared(self)
+
+    async def __aenter__(self) -> AsyncPreparedInfer:
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()

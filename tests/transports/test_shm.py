@@ -555,6 +555,60 @@ def test_async_pipelined_requests(served: Served, digits_holdout: tuple[np.ndarr
     _wait(lambda: not served.transport.clients(), "the async client to be released")
 
 
+def test_async_prepared_requests_run_side_by_side(served: Served,
+                                                  digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    x, _ = digits_holdout
+    frames = len(x) // 2
+
+    async def run() -> list[list[tuple[int, np.ndarray]]]:
+        async with AsyncShmClient(served.socket) as c:
+            preps = [await c.prepare("digits", {"pixels": (2, 64)}) for _ in range(4)]
+            messages = [prep.message for prep in preps]
+
+            async def loop(k: int, prep: Any) -> list[tuple[int, np.ndarray]]:
+                outs = []
+                for i in range(12):
+                    lo = (k * 12 + i) % frames * 2
+                    prep.inputs["pixels"][:] = x[lo:lo + 2]
+                    outs.append((lo, (await prep.run(copy=True))["probabilities"]))
+                return outs
+
+            results = list(await asyncio.gather(*(loop(k, prep) for k, prep in enumerate(preps))))
+            first, second = (await preps[0].run())["probabilities"], (await preps[0].run())["probabilities"]
+            assert not first.flags.owndata and np.shares_memory(first, second)  # views made once
+            busy = asyncio.ensure_future(preps[1].run())
+            await asyncio.sleep(0)
+            with pytest.raises(EdgedError, match="already running") as ei:
+                await preps[1].run()  # one request at a time per prepared request
+            assert ei.value.code is ErrorCode.FAILED_PRECONDITION
+            await busy
+            # a cancelled run: whatever the daemon still writes lands in an area the next run no longer uses
+            for _ in range(3):
+                cut = asyncio.ensure_future(preps[2].run())
+                await asyncio.sleep(0)
+                cut.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await cut
+                preps[2].inputs["pixels"][:] = x[:2]
+                np.testing.assert_allclose((await preps[2].run())["probabilities"], served.reference(x[:2]),
+                                           rtol=1e-5, atol=1e-6)
+            # each cut-off area joined the pool of slots once its late completion arrived
+            assert any(slot.in_cap == 0 for slot in c._free.get(("digits", 0), []))
+            assert [prep.message is m for prep, m in zip(preps, messages, strict=True)][:2] == [True, True]
+            for prep in preps:
+                await prep.close()
+            with pytest.raises(EdgedError, match="closed"):
+                await preps[0].run()
+            with pytest.raises(InvalidInputError, match="BYTES"):
+                await c.prepare("digits", {"pixels": (1, 64)}, dtypes={"pixels": object})
+            return results
+
+    for outs in asyncio.run(run()):
+        for lo, out in outs:
+            np.testing.assert_allclose(out, served.reference(x[lo:lo + 2]), rtol=1e-5, atol=1e-6)
+    _wait(lambda: not served.transport.clients(), "the async client to be released")
+
+
 KILLED_CLIENT = """
 import asyncio, sys
 import numpy as np
