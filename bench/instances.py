@@ -41,7 +41,10 @@ def _manager(tmp: Path, label: str, backend: str, count: int, options: dict[str,
     repo = tmp / label
     shutil.copytree(ROOT / "models" / MODEL, repo / MODEL)
     toml = repo / MODEL / "1" / "model.toml"
-    toml.write_text(toml.read_text().replace("[instances]\ncount = 1", f"[instances]\ncount = {count}"))
+    text = toml.read_text()
+    if "[instances]\ncount = 1" not in text:
+        raise SystemExit(f"{toml}: expected '[instances] count = 1' in the bundled manifest")
+    toml.write_text(text.replace("[instances]\ncount = 1", f"[instances]\ncount = {count}"))
     prefs = [BackendPreference(backend=backend, device="CPU", precisions=["fp32"], options=options)]
     manager = ModelManager(repo, ModelsSection(), prefs)
     manager.load_all()

@@ -45,44 +45,52 @@ def main() -> None:
         manager = ModelManager(repo, ModelsSection(),
                                [BackendPreference(backend="onnxruntime", device="CPU", precisions=["fp32"])])
         manager.load_all()
-        svc = InferenceService(manager)
-        mv = svc.ready_model(model)
-        engine = mv.engine
-        assert engine is not None
-        name = mv.inputs[0].name
-        x = np.random.default_rng(0).random((1, *mv.inputs[0].shape), dtype=np.float32)
-        pc = time.perf_counter_ns
-        inner = [0]
-        run = engine.infer
+        try:
+            report(model, InferenceService(manager), args.seconds)
+        finally:
+            manager.shutdown()
 
-        def timed(inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, Any]:
-            t = pc()
-            out = run(inputs, outputs)
-            inner[0] = pc() - t
-            return out
 
-        engine.infer = timed  # type: ignore[method-assign]  # every loop below goes through it
-        least = LeastService(model, timed)
-        loops: dict[str, Callable[[], object]] = {
-            "raw engine": lambda: timed({name: x}),
-            "least service": lambda: least.infer(model, {name: x}),
-            "infer_blocking": lambda: svc.infer_blocking(InferRequest(model, {name: x})),
-        }
-        for fn in loops.values():
-            for _ in range(100):
+def report(model: str, svc: InferenceService, seconds: float) -> None:
+    mv = svc.ready_model(model)
+    engine = mv.engine
+    assert engine is not None
+    if len(mv.inputs) != 1 or -1 in mv.inputs[0].shape or mv.inputs[0].datatype != "FP32":
+        raise SystemExit(f"{model}: this benchmark feeds one FP32 input of a fixed shape")
+    name = mv.inputs[0].name
+    batch = (1,) if mv.max_batch_size > 0 else ()
+    x = np.random.default_rng(0).random((*batch, *mv.inputs[0].shape), dtype=np.float32)
+    pc = time.perf_counter_ns
+    inner = [0]
+    run = engine.infer
+
+    def timed(inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, Any]:
+        t = pc()
+        out = run(inputs, outputs)
+        inner[0] = pc() - t
+        return out
+
+    engine.infer = timed  # type: ignore[method-assign]  # every loop below goes through it
+    least = LeastService(model, timed)
+    loops: dict[str, Callable[[], object]] = {
+        "raw engine": lambda: timed({name: x}),
+        "least service": lambda: least.infer(model, {name: x}),
+        "infer_blocking": lambda: svc.infer_blocking(InferRequest(model, {name: x})),
+    }
+    for fn in loops.values():
+        for _ in range(100):
+            fn()
+    total: dict[str, list[int]] = {k: [] for k in loops}
+    in_engine: dict[str, list[int]] = {k: [] for k in loops}
+    end = pc() + int(seconds * 1e9)
+    while pc() < end:
+        for k, fn in loops.items():
+            for _ in range(3):
+                t0 = pc()
                 fn()
-        total: dict[str, list[int]] = {k: [] for k in loops}
-        in_engine: dict[str, list[int]] = {k: [] for k in loops}
-        end = pc() + int(args.seconds * 1e9)
-        while pc() < end:
-            for k, fn in loops.items():
-                for _ in range(3):
-                    t0 = pc()
-                    fn()
-                    d = pc() - t0
-                total[k].append(d)
-                in_engine[k].append(inner[0])
-        manager.shutdown()
+                d = pc() - t0
+            total[k].append(d)
+            in_engine[k].append(inner[0])
     raw = statistics.median(total["raw engine"])
     print(f"model {model}, {len(total['raw engine'])} turns of 3 calls each; microseconds at p50")
     for k in loops:

@@ -62,17 +62,10 @@ class LoadRequest:
     def label(self) -> str:
         return f"model {self.model!r} version {self.version} ({self.variant.file})"
 
-    def threads_per_instance(self) -> int:
-        """The CPU threads one instance's run may use; 0: the library's default (all cores).
-
-        Several instances on a CPU run side by side, so each gets its share of the thread
-        budget (``threads``, else the cores this process may use): one pool spanning every
-        core per instance would have N runs fight over the same cores.
-        """
-        if self.instances <= 1 or self.device.upper() != "CPU":
-            return self.threads
-        total = self.threads or len(os.sched_getaffinity(0))
-        return max(1, total // self.instances)
+    def cpu_threads(self) -> int:
+        """The engine's thread budget on a CPU: the profile's ``threads``, else the CPUs this process
+        may run on (logical ones: what its affinity allows)."""
+        return self.threads or len(os.sched_getaffinity(0))
 
 
 class Engine(abc.ABC):

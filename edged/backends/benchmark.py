@@ -268,12 +268,13 @@ def device_fingerprint() -> dict[str, Any]:
 
 def selection_key(model: str, version: int, cands: Sequence[Candidate], library_versions: Mapping[str, str], *,
                   threads: int, batch_sizes: Sequence[int], fingerprint: Mapping[str, Any] | None = None,
-                  workload: str = "") -> str:
+                  workload: str = "", instances: int = 1) -> str:
     """Everything a measurement depends on: variants, options, libraries, hardware, and ``workload``
-    (a digest of the declared shapes / warm-up data it ran on)."""
+    (a digest of the declared shapes / warm-up data it ran on); ``instances`` changes how a CPU engine
+    is set up (its threads or streams are split between them)."""
     doc = {
         "method": _METHOD, "model": model, "version": version, "threads": threads, "batch_sizes": list(batch_sizes),
-        "workload": workload,
+        "workload": workload, "instances": instances,
         "device": dict(fingerprint if fingerprint is not None else device_fingerprint()),
         "candidates": [{"label": c.label, "digest": variant_digest(c.variant), "options": c.options,
                         "library": library_versions.get(c.backend, "")} for c in cands],

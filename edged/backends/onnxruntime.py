@@ -30,6 +30,20 @@ def _import() -> Any:
     return onnxruntime
 
 
+def _intra_op_threads(request: LoadRequest) -> int:
+    """The session's intra-op pool; 0: ONNX Runtime's default (a thread per physical core).
+
+    The scheduler's instances share one session, and each run works on its caller's thread plus
+    the pool's, so N instances running at once keep N + pool - 1 threads busy. A pool of one
+    thread per core (the default) would give N - 1 more threads than there are cores, which on a
+    small CPU makes every run slower; a pool of ``budget - N + 1`` fills the budget exactly when
+    all run, and a lone request still uses all but N - 1 of its threads.
+    """
+    if request.instances <= 1 or request.device.upper() != "CPU":
+        return request.threads
+    return max(1, request.cpu_threads() - request.instances + 1)
+
+
 def _shape(dims: Sequence[Any]) -> tuple[int, ...]:
     return tuple(d if isinstance(d, int) and d >= 0 else -1 for d in dims)
 
@@ -106,7 +120,7 @@ class OnnxRuntimeBackend(Backend):
                 f"(available: {sorted(available)})")
         opts = ort.SessionOptions()
         explicit = request.options.get("intra_op_threads")
-        threads = int(explicit if explicit is not None else request.threads_per_instance())
+        threads = int(explicit if explicit is not None else _intra_op_threads(request))
         if threads > 0:
             opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1

@@ -499,6 +499,7 @@ class AsyncShmClient:
         self._st = _State()
         self._free: dict[_Key, list[Slot]] = {}
         self._orphans: dict[int, tuple[_Key, Slot]] = {}  # slots of cancelled calls, until their reply
+        self._prepared_orphans: dict[int, tuple[AsyncPreparedInfer, Slot]] = {}  # likewise, prepared runs
         self._sem: asyncio.Semaphore | None = None
         self._info_locks: dict[_Key, asyncio.Lock] = {}
 
@@ -556,6 +557,12 @@ class AsyncShmClient:
                 fut.set_result((status, count, bytes(self._buf[p.HEADER.size:n])))
             elif (orphan := self._orphans.pop(rid, None)) is not None:
                 self._free.setdefault(orphan[0], []).append(orphan[1])
+            elif (cut := self._prepared_orphans.pop(rid, None)) is not None:
+                prep, slot = cut
+                if prep.closed:  # the model's slot pool takes it (reused or given back by infer, or at close)
+                    self._free.setdefault((prep.model, prep.version or 0), []).append(slot)
+                else:
+                    prep.spares.append(slot)
 
     def _fail_all(self, err: EdgedError) -> None:
         if self._sock is not None and self._loop is not None:
@@ -686,10 +693,12 @@ class AsyncShmClient:
                     try:
                         status, count, body = await fut
                     except asyncio.CancelledError:
-                        # The daemon may still read this slot's inputs and write its outputs: the slot
-                        # goes back to the pool only when that late completion has arrived.
-                        self._orphans[rid] = (key, slot)
-                        slot = None
+                        if not (fut.done() and not fut.cancelled()):  # else the answer is in: the slot is free
+                            # The daemon may still read this slot's inputs and write its outputs: the slot
+                            # goes back to the pool only when that late completion has arrived.
+                            self._pending.pop(rid, None)
+                            self._orphans[rid] = (key, slot)
+                            slot = None
                         raise
                     if not status:
                         return read_outputs(slot, count, body, True)
@@ -727,10 +736,13 @@ class AsyncShmClient:
             raise EdgedError("the prepared request's input buffers are no longer registered",
                              code=ErrorCode.FAILED_PRECONDITION)
         old, prep.slot = prep.slot, None
-        if old is not None:
-            await self._unregister(old.segment)
-        size, out_off, out_cap = Slot.layout(0, out_need)
-        slot = Slot(await self._register(size), out_off, out_off, out_cap)
+        spares, prep.spares = prep.spares, []
+        slot = next((s for s in spares if s.out_cap >= out_need), None)
+        for s in ([old] if old is not None else []) + [s for s in spares if s is not slot]:
+            await self._unregister(s.segment)
+        if slot is None:
+            size, out_off, out_cap = Slot.layout(0, out_need)
+            slot = Slot(await self._register(size), out_off, out_off, out_cap)
         prep.message = bytearray(encode_request(0, prep.model, prep.version, slot, packed, outputs=prep.outputs,
                                                 timeout=prep.timeout))
         prep.slot = slot
@@ -755,7 +767,7 @@ class AsyncShmClient:
                     rid = self._rid
                     msg = prep.message
                     p.set_request_id(msg, rid)
-                    msg[1] = p.FLAG_QUEUE if self._pending else 0  # queue (batch) it when others are in flight
+                    p.set_request_flags(msg, p.FLAG_QUEUE if self._pending else 0)  # batch it with others in flight
                     fut: asyncio.Future[tuple[int, int, bytes]] = self._loop.create_future()
                     self._pending[rid] = fut
                     try:
@@ -766,10 +778,12 @@ class AsyncShmClient:
                     try:
                         status, count, body = await fut
                     except asyncio.CancelledError:
-                        # The daemon may still write this area: it joins the model's pool of slots once the
-                        # late completion has arrived, and the next run gets a new one.
-                        self._orphans[rid] = ((prep.model, prep.version or 0), slot)
-                        prep.slot = None
+                        if not (fut.done() and not fut.cancelled()):  # else the answer is in: the area is free
+                            # The daemon may still write this area: the next run gets another, and this one
+                            # becomes a spare for a later area once its late completion has arrived.
+                            self._pending.pop(rid, None)
+                            self._prepared_orphans[rid] = (prep, slot)
+                            prep.slot = None
                         raise
                     if not status:
                         return read_outputs(slot, count, body, copy)
@@ -782,19 +796,24 @@ class AsyncShmClient:
                 raise AssertionError("unreachable: the last try raises")
         finally:
             prep.running = False
+            if prep.closed:  # closed while this run was in flight: give its buffers back now
+                await self._release_prepared(prep)
 
     async def _close_prepared(self, prep: AsyncPreparedInfer) -> None:
         if prep.closed:
             return
-        if prep.running:
-            raise EdgedError("the prepared request is running: await its run before closing it",
-                             code=ErrorCode.FAILED_PRECONDITION)
         prep.closed = True
+        if not prep.running:  # else its run gives the buffers back when it ends
+            await self._release_prepared(prep)
+
+    async def _release_prepared(self, prep: AsyncPreparedInfer) -> None:
         if self._st.closed:
             return
-        slot, prep.slot = prep.slot, None
-        if slot is not None:
-            await self._unregister(slot.segment)
+        old = [prep.slot] if prep.slot is not None else []
+        prep.slot = None
+        spares, prep.spares = prep.spares, []
+        for s in old + spares:
+            await self._unregister(s.segment)
         await self._unregister(prep.segment)
 
     async def tensor(self, shape: tuple[int, ...] | list[int], dtype: Any = np.float32) -> np.ndarray:
@@ -813,4 +832,5 @@ class AsyncShmClient:
             self._sock = None
         self._free.clear()
         self._orphans.clear()
+        self._prepared_orphans.clear()
         self._st.drop_all()

@@ -80,6 +80,8 @@ class AsyncPreparedInfer:
         self.outputs, self.timeout = outputs, timeout
         self.segment = segment
         self.slot: Slot | None = None  # the output area; remade after a cancelled run
+        # areas of cancelled runs whose late completion has arrived: the next new area reuses one
+        self.spares: list[Slot] = []
         self.message = bytearray()
         self.running = False
         self.closed = False

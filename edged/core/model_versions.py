@@ -390,7 +390,7 @@ class ModelLoader:
         sizes = batch_sizes_for(manifest)
         libraries = {c.backend: _library_version(c.backend) for c in cands}
         key = selection_key(mv.name, mv.version, cands, libraries, threads=self.threads, batch_sizes=sizes,
-                            workload=workload_digest(mv),
+                            workload=workload_digest(mv), instances=manifest.instances.count,
                             fingerprint=fingerprint_of(self.facts) if self.facts is not None else None)
         tried: set[str] = set()
         load_failures: list[tuple[str, str]] = []
@@ -685,10 +685,8 @@ class ModelTable:
 
     def find(self, name: str, version: int | None = None) -> ModelVersion | None:
         """The named version, or with None the newest READY one (else the newest known)."""
-        if version is None:
-            mv = self._current.get(name)
-            if mv is not None and mv.state is ModelState.READY:
-                return mv
+        if version is None and (mv := self.serving(name)) is not None:
+            return mv
         with self._lock:
             versions = self._versions.get(name)
             if not versions:

@@ -200,10 +200,10 @@ class Scheduler:
         typical = self.typical_run_ns
         if typical == _UNKNOWN_RUN_NS:
             self.typical_run_ns, self._typical_bytes = ns, nbytes or 1
-        else:  # an eighth of the way towards the new figures, in integers
-            self.typical_run_ns = typical + ((ns - typical) >> 3)
+        else:  # an eighth of the way towards the new figures, in integers rounded to the nearest
+            self.typical_run_ns = typical + ((ns - typical + 4) >> 3)
             b = self._typical_bytes
-            self._typical_bytes = (b + ((nbytes - b) >> 3)) or 1
+            self._typical_bytes = (b + ((nbytes - b + 4) >> 3)) or 1
 
     @property
     def queued(self) -> int:

@@ -117,14 +117,16 @@ class ModelStats:
     @property
     def in_flight(self) -> int:
         """Requests queued or running (an inline run counts until it is recorded)."""
-        return self._in_flight - len(self._inline)
+        with self._lock:  # both figures as of one moment: an append between them would count it twice
+            return self._in_flight - len(self._inline)
 
     @contextlib.contextmanager
-    def settled(self) -> Iterator[None]:
-        """Hold the lock with every recorded run in the counters: how a reader takes a consistent copy."""
+    def settled(self) -> Iterator[int]:
+        """Hold the lock with every recorded run in the counters (how a reader takes a consistent copy);
+        yields the requests in flight."""
         with self._lock:
             self._fold()
-            yield
+            yield self._in_flight - len(self._inline)
 
     def latency_counts(self) -> tuple[int, ...]:
         """The end-to-end latency histogram's bucket counts, every recorded request included."""
@@ -165,25 +167,27 @@ class ModelStats:
                 self._fold()
 
     def _fold(self) -> None:
-        """Move the noted inline runs into the counters (the lock is held; appends may go on)."""
+        """Move the noted inline runs into the counters (the lock is held; appends may go on, and
+        wait for the next fold: this one takes only what was there when it began)."""
         pending = self._inline
-        if not pending:
-            return
-        before, end = self.last_inference_ms, 0
-        while pending:
+        last = 0
+        for _ in range(len(pending)):
             batch_size, input_ns, infer_ns, output_ns, total_ns, end = pending.popleft()
-            self._batch(batch_size, 1, input_ns, infer_ns, output_ns)
+            self._batch(batch_size, 1, input_ns, infer_ns, output_ns, stamp=False)
             self._success(0, total_ns)
             self.inline_count += 1
-        # when the last of them ended, not when they were folded (a queued run may have ended later)
-        self.last_inference_ms = max(before, (time.time_ns() - (time.monotonic_ns() - end)) // 1_000_000)
+            last = max(last, end)  # threads append out of order
+        if last:  # when the latest of them ended, not when they were folded
+            wall_ms = (time.time_ns() - (time.monotonic_ns() - last)) // 1_000_000
+            self.last_inference_ms = max(self.last_inference_ms, wall_ms)
 
     def record_batch(self, batch_size: int, requests: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         with self._lock:
             self._batch(batch_size, requests, input_ns, infer_ns, output_ns)
 
-    def _batch(self, batch_size: int, requests: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
-        """One engine run (the lock is held)."""
+    def _batch(self, batch_size: int, requests: int, input_ns: int, infer_ns: int, output_ns: int, *,
+               stamp: bool = True) -> None:
+        """One engine run (the lock is held); ``stamp``: it ended now (``last_inference``)."""
         self.execution_count += 1
         self.inference_count += batch_size
         self.compute_input.add(input_ns, requests)
@@ -196,11 +200,12 @@ class ModelStats:
         b.compute_infer.add(infer_ns)
         b.compute_output.add(output_ns)
         self.compute_hist.observe((input_ns + infer_ns + output_ns) / 1e9)
-        self.last_inference_ms = time.time_ns() // 1_000_000
+        if stamp:
+            self.last_inference_ms = time.time_ns() // 1_000_000
 
     def to_triton(self) -> dict[str, Any]:
         batching = self.batching() if self.batching is not None else None
-        with self.settled():
+        with self.settled() as in_flight:
             return {
                 "name": self.name,
                 "version": str(self.version),
@@ -223,7 +228,7 @@ class ModelStats:
                     for bs, b in sorted(self.batches.items())
                 ],
                 "failures_by_code": dict(self.failures_by_code),
-                "in_flight": self._in_flight,
+                "in_flight": in_flight,
                 "inline_count": self.inline_count,
                 "batching": batching,
             }

@@ -120,6 +120,7 @@ from edged.protocol.shm_wire import (
     decode_error,
     decode_outputs,
     header,
+    set_request_flags,
     set_request_id,
 )
 
@@ -168,6 +169,7 @@ __all__ = [
     "error_from_status",
     "header",
     "name_bytes",
+    "set_request_flags",
     "set_request_id",
 ]
 

@@ -95,6 +95,11 @@ def set_request_id(msg: bytearray, rid: int) -> None:
     U64.pack_into(msg, HEADER.size - U64.size, rid)
 
 
+def set_request_flags(msg: bytearray, flags: int) -> None:
+    """Give an encoded request new flags in place (the header's second byte)."""
+    msg[1] = flags
+
+
 def encode_status_error(kind: int, rid: int, status: int, message: str, needed: int = 0) -> bytes:
     """An error reply with a raw status byte (the daemon's side maps ErrorCodes to it)."""
     msg = message.encode("utf-8", "replace")[:4096]

@@ -66,7 +66,7 @@ class ModelCounters:
     @classmethod
     def read(cls, st: ModelStats) -> tuple[ModelCounters, int]:
         """A consistent copy of ``st`` (under its lock) and its in-flight count."""
-        with st.settled():
+        with st.settled() as in_flight:
             c = cls(
                 success=st.success.count, failures_by_code=dict(st.failures_by_code),
                 inferences=st.inference_count, executions=st.execution_count,
@@ -76,7 +76,7 @@ class ModelCounters:
                 batches={bs: b.compute_infer.count for bs, b in st.batches.items()},
                 latency=HistCounts.of(st.total_hist), queue=HistCounts.of(st.queue_hist),
                 compute=HistCounts.of(st.compute_hist))
-            return c, st.in_flight
+            return c, in_flight
 
     def _combine(self, o: ModelCounters, sign: int) -> ModelCounters:
         def h(a: HistCounts, b: HistCounts) -> HistCounts:

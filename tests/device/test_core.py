@@ -540,6 +540,7 @@ def test_two_cpu_instances_run_side_by_side_on_their_share_of_the_cores(model_re
     text = manifest.read_text()
     # No dynamic batching, so concurrent requests stay separate runs for the two instances to share.
     text = text[:text.index("[batching]")] + text[text.index("[instances]"):]
+    assert "[instances]\ncount = 1" in text
     manifest.write_text(text.replace("[instances]\ncount = 1", "[instances]\ncount = 2"))
     svc = _service(repo, threads=2)
     try:
@@ -597,3 +598,53 @@ def test_inline_runs_are_in_every_readers_figures() -> None:
     assert (counters.success, counters.executions, in_flight) == (300, 301, 0)
     st.record_inline(1, 1, 1, 1, 3, end_ns=time.monotonic_ns())
     assert ModelCounters.read(st)[0].success == 301 and st.latency_counts()[0] >= 1
+
+
+def test_last_inference_is_when_the_latest_inline_run_ended() -> None:
+    st = ModelStats("m", 1)
+    now = time.monotonic_ns()
+    for ago_s in (30, 10, 20):  # appended out of order, as threads do
+        st.enter()
+        st.record_inline(1, 1, 1, 1, 3, end_ns=now - ago_s * 10**9)
+    assert abs(st.to_triton()["last_inference"] - (time.time() - 10) * 1000) < 1000
+    st.record_batch(1, 1, 1, 1, 1)  # a queued run that ended now, then an older inline one folded later
+    st.enter()
+    st.record_inline(1, 1, 1, 1, 3, end_ns=now - 5 * 10**9)
+    assert abs(st.to_triton()["last_inference"] - time.time() * 1000) < 1000
+
+
+def test_inline_runs_recorded_while_readers_fold_are_all_counted() -> None:
+    from edged.telemetry.model_metrics import ModelCounters
+
+    st = ModelStats("m", 1)
+    per_thread, threads = 3000, 4
+    seen_in_flight: list[int] = []
+
+    def record() -> None:
+        for _ in range(per_thread):
+            st.enter()
+            st.record_inline(1, 1, 2, 3, 7, end_ns=time.monotonic_ns())
+
+    def read(stop: threading.Event) -> None:
+        while not stop.is_set():
+            st.to_triton()
+            _, in_flight = ModelCounters.read(st)
+            seen_in_flight.append(in_flight)
+            seen_in_flight.append(st.in_flight)
+
+    stop = threading.Event()
+    reader = threading.Thread(target=read, args=(stop,))
+    reader.start()
+    workers = [threading.Thread(target=record) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    stop.set()
+    reader.join()
+    t = st.to_triton()
+    total = per_thread * threads
+    assert t["inference_stats"]["success"] == {"count": total, "ns": 7 * total}
+    assert (t["execution_count"], t["inline_count"], t["in_flight"], st.in_flight) == (total, total, 0, 0)
+    assert sum(st.latency_counts()) == total
+    assert seen_in_flight and all(0 <= n <= threads for n in seen_in_flight)

@@ -278,6 +278,8 @@ def test_selection_key_changes_with_what_the_speed_depends_on() -> None:
         # other declared shapes or warm-up data (core.model_versions.workload_digest)
         selection_key("m", 1, c, {"onnxruntime": "1.20"}, threads=0, batch_sizes=[1, 8], fingerprint=fp,
                       workload="f" * 64),
+        # two instances split a CPU engine's threads (OpenVINO: its streams)
+        selection_key("m", 1, c, {"onnxruntime": "1.20"}, threads=0, batch_sizes=[1, 8], fingerprint=fp, instances=2),
     ]
     assert len({base, *changed}) == 1 + len(changed)
 
