@@ -79,13 +79,19 @@ class InferenceService:
     def infer(self, req: InferRequest, timeout: float | None = None) -> InferResponse:
         return self.submit(req).result(timeout)
 
+    def _served(self, req: InferRequest) -> tuple[ModelVersion, Scheduler] | None:
+        """The common case in as few steps as it takes (every one is paid on caches an engine run has
+        just evicted): the served version of a model, no pipeline. Anything else, or a version swapped
+        out before the request reaches its scheduler, takes ``_dispatch`` with its retries."""
+        mv = self.manager.table.serving(req.model) if req.version is None else None
+        if mv is None or mv.scheduler is None:
+            return None
+        return mv, mv.scheduler
+
     def infer_blocking(self, req: InferRequest) -> InferResponse:
         """For callers that own a thread: runs inline when the model is idle (lowest latency)."""
-        # The common case in as few steps as it takes (every one is paid on caches an engine run has
-        # just evicted): the served version of a model, no pipeline. Anything else, or a version
-        # swapped out meanwhile, takes the general path with its retries.
-        mv = self.manager.table.serving(req.model) if req.version is None else None
-        if mv is not None and (scheduler := mv.scheduler) is not None:
+        if (served := self._served(req)) is not None:
+            mv, scheduler = served
             batch = validate(mv, req)
             with contextlib.suppress(ModelNotReadyError):
                 return scheduler.run_inline(req, batch)
@@ -97,6 +103,11 @@ class InferenceService:
         def run(scheduler: Scheduler, r: InferRequest, batch: int) -> InferResponse | Future[InferResponse]:
             resp = scheduler.try_inline(r, batch, max_run_ns)
             return resp if resp is not None else scheduler.submit(r, batch)
+        if (served := self._served(req)) is not None:
+            mv, scheduler = served
+            batch = validate(mv, req)
+            with contextlib.suppress(ModelNotReadyError):
+                return run(scheduler, req, batch)
         return self._dispatch(req, run, lambda mv: self._start_pipeline(mv, req))
 
     def _start_pipeline(self, mv: ModelVersion, req: InferRequest) -> Future[InferResponse]:

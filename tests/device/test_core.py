@@ -27,6 +27,7 @@ from edged.errors import (
     ErrorCode,
     InvalidInputError,
     ModelNotFoundError,
+    ModelNotReadyError,
     OverloadedError,
 )
 from edged.profiles import BackendPreference
@@ -648,3 +649,29 @@ def test_inline_runs_recorded_while_readers_fold_are_all_counted() -> None:
     assert (t["execution_count"], t["inline_count"], t["in_flight"], st.in_flight) == (total, total, 0, 0)
     assert sum(st.latency_counts()) == total
     assert seen_in_flight and all(0 <= n <= threads for n in seen_in_flight)
+
+
+def test_a_version_leaving_between_lookup_and_run_is_retried(digits_service: InferenceService,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The served-version shortcut falls back to the general path when its scheduler refuses (unloading)."""
+    mv = digits_service.ready_model("digits")
+    assert mv.scheduler is not None
+    real_inline, real_try = mv.scheduler.run_inline, mv.scheduler.try_inline
+    refusals = [0, 0]
+
+    def refuse_once(i: int, real: Callable[..., object]) -> Callable[..., object]:
+        def call(*a: object) -> object:
+            if not refusals[i]:
+                refusals[i] += 1
+                raise ModelNotReadyError("model 'digits' version 1 is unloading")
+            return real(*a)
+        return call
+
+    monkeypatch.setattr(mv.scheduler, "run_inline", refuse_once(0, real_inline))
+    monkeypatch.setattr(mv.scheduler, "try_inline", refuse_once(1, real_try))
+    x = np.zeros((1, 64), np.float32)
+    blocking = digits_service.infer_blocking(InferRequest("digits", {"pixels": x}))
+    assert blocking.outputs["probabilities"].shape == (1, 10)
+    got = digits_service.infer_or_submit(InferRequest("digits", {"pixels": x}), 10**9)
+    resp = got if isinstance(got, InferResponse) else got.result(10)
+    assert resp.outputs["probabilities"].shape == (1, 10) and refusals == [1, 1]
