@@ -8,7 +8,6 @@ Transports decode their wire format into an :class:`InferRequest`, call
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -93,8 +92,10 @@ class InferenceService:
         if (served := self._served(req)) is not None:
             mv, scheduler = served
             batch = validate(mv, req)
-            with contextlib.suppress(ModelNotReadyError):
+            try:  # not contextlib.suppress: its enter and exit are Python calls, paid on cold caches
                 return scheduler.run_inline(req, batch)
+            except ModelNotReadyError:
+                pass
         return self._dispatch(req, Scheduler.run_inline, lambda mv: self._start_pipeline(mv, req).result())
 
     def infer_or_submit(self, req: InferRequest, max_run_ns: int) -> InferResponse | Future[InferResponse]:
@@ -106,8 +107,10 @@ class InferenceService:
         if (served := self._served(req)) is not None:
             mv, scheduler = served
             batch = validate(mv, req)
-            with contextlib.suppress(ModelNotReadyError):
+            try:
                 return run(scheduler, req, batch)
+            except ModelNotReadyError:
+                pass
         return self._dispatch(req, run, lambda mv: self._start_pipeline(mv, req))
 
     def _start_pipeline(self, mv: ModelVersion, req: InferRequest) -> Future[InferResponse]:

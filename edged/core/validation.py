@@ -52,7 +52,7 @@ def _accept(plan: _Plan, req: InferRequest) -> int:
     batch = 0
     for name, dtype, want, fixed in plan.specs:
         arr = inputs[name]
-        if type(arr) is not np.ndarray or arr.dtype != dtype:
+        if type(arr) is not np.ndarray or (arr.dtype is not dtype and arr.dtype != dtype):  # `is`: the usual case
             return 0
         shape = arr.shape
         if mbs > 0:
