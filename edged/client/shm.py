@@ -682,22 +682,12 @@ class AsyncShmClient:
                     # Tell the daemon to queue (batch) this request when others of ours are in flight.
                     msg = encode_request(rid, model, version, slot, packed, outputs=outputs, timeout=timeout,
                                          queue=bool(self._pending))
-                    assert self._loop is not None
-                    fut: asyncio.Future[tuple[int, int, bytes]] = self._loop.create_future()
-                    self._pending[rid] = fut
                     try:
-                        await self._send(msg, -1)
-                    except BaseException:
-                        self._pending.pop(rid, None)
-                        raise
-                    try:
-                        status, count, body = await fut
+                        # Cut off, the slot goes back to the pool only when the late completion has arrived.
+                        status, count, body = await self._exchange(
+                            rid, msg, functools.partial(self._orphans.__setitem__, rid, (key, slot)))
                     except asyncio.CancelledError:
-                        if not (fut.done() and not fut.cancelled()):  # else the answer is in: the slot is free
-                            # The daemon may still read this slot's inputs and write its outputs: the slot
-                            # goes back to the pool only when that late completion has arrived.
-                            self._pending.pop(rid, None)
-                            self._orphans[rid] = (key, slot)
+                        if rid in self._orphans:
                             slot = None
                         raise
                     if not status:
@@ -768,23 +758,9 @@ class AsyncShmClient:
                     msg = prep.message
                     p.set_request_id(msg, rid)
                     p.set_request_flags(msg, p.FLAG_QUEUE if self._pending else 0)  # batch it with others in flight
-                    fut: asyncio.Future[tuple[int, int, bytes]] = self._loop.create_future()
-                    self._pending[rid] = fut
-                    try:
-                        await self._send(msg, -1)
-                    except BaseException:
-                        self._pending.pop(rid, None)
-                        raise
-                    try:
-                        status, count, body = await fut
-                    except asyncio.CancelledError:
-                        if not (fut.done() and not fut.cancelled()):  # else the answer is in: the area is free
-                            # The daemon may still write this area: the next run gets another, and this one
-                            # becomes a spare for a later area once its late completion has arrived.
-                            self._pending.pop(rid, None)
-                            self._prepared_orphans[rid] = (prep, slot)
-                            prep.slot = None
-                        raise
+                    # Cut off, the next run gets another area, and this one becomes a spare for a later
+                    # area once its late completion has arrived.
+                    status, count, body = await self._exchange(rid, msg, functools.partial(self._cut, prep, rid))
                     if not status:
                         return read_outputs(slot, count, body, copy)
                     needed, message = p.decode_error(body)
@@ -798,6 +774,31 @@ class AsyncShmClient:
             prep.running = False
             if prep.closed:  # closed while this run was in flight: give its buffers back now
                 await self._release_prepared(prep)
+
+    def _cut(self, prep: AsyncPreparedInfer, rid: int) -> None:
+        if prep.slot is not None:
+            self._prepared_orphans[rid] = (prep, prep.slot)
+            prep.slot = None
+
+    async def _exchange(self, rid: int, msg: bytes | bytearray, cut: Callable[[], object]) -> tuple[int, int, bytes]:
+        """Send one INFER and await its completion. Cancelled before the completion arrived, ``cut`` runs:
+        the daemon may still read the request's inputs and write its outputs, so that memory must not
+        be used again until the late completion is in. (Cancelled after it arrived: nothing to do.)"""
+        assert self._loop is not None
+        fut: asyncio.Future[tuple[int, int, bytes]] = self._loop.create_future()
+        self._pending[rid] = fut
+        try:
+            await self._send(msg, -1)
+        except BaseException:
+            self._pending.pop(rid, None)
+            raise
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if not (fut.done() and not fut.cancelled()):
+                self._pending.pop(rid, None)
+                cut()
+            raise
 
     async def _close_prepared(self, prep: AsyncPreparedInfer) -> None:
         if prep.closed:

@@ -25,21 +25,29 @@ class _Client(Protocol):
     def _close_prepared(self, prep: PreparedInfer) -> None: ...
 
 
-class PreparedInfer:
-    """Made by :meth:`ShmClient.prepare`. Runs one request at a time, under its client's lock."""
+class _Prepared:
+    """What a prepared request holds, with either client."""
 
-    def __init__(self, client: _Client, model: str, version: int | None, *, inputs: dict[str, np.ndarray],
+    def __init__(self, model: str, version: int | None, *, inputs: dict[str, np.ndarray],
                  segment: ClientSegment, outputs: list[str] | None, timeout: float | None) -> None:
         self.model, self.version = model, version
         #: The shared arrays each request is read from: write into them in place (``x[...] = frame``).
         self.inputs: Mapping[str, np.ndarray] = MappingProxyType(inputs)
         self.outputs, self.timeout = outputs, timeout
         self.segment = segment
-        self.slot: Slot | None = None  # the output area; remade after an interrupted run
+        self.slot: Slot | None = None  # the output area; remade after an interrupted or cancelled run
+        self.message = bytearray()  # the request, encoded once (its id and flags patched per run)
+        self.closed = False
+
+
+class PreparedInfer(_Prepared):
+    """Made by :meth:`ShmClient.prepare`. Runs one request at a time, under its client's lock."""
+
+    def __init__(self, client: _Client, model: str, version: int | None, *, inputs: dict[str, np.ndarray],
+                 segment: ClientSegment, outputs: list[str] | None, timeout: float | None) -> None:
+        super().__init__(model, version, inputs=inputs, segment=segment, outputs=outputs, timeout=timeout)
         # output areas of interrupted runs: given back once the daemon is surely done with them
         self.orphans: list[ClientSegment] = []
-        self.message = bytearray()
-        self.closed = False
         self._client = client
 
     def run(self, *, copy: bool = False) -> dict[str, np.ndarray]:
@@ -68,23 +76,16 @@ class _AsyncClient(Protocol):
     async def _close_prepared(self, prep: AsyncPreparedInfer) -> None: ...
 
 
-class AsyncPreparedInfer:
+class AsyncPreparedInfer(_Prepared):
     """Made by :meth:`AsyncShmClient.prepare`: one per concurrent loop (each runs one request at a
     time; several prepared requests run side by side on one connection, batched by the daemon)."""
 
     def __init__(self, client: _AsyncClient, model: str, version: int | None, *, inputs: dict[str, np.ndarray],
                  segment: ClientSegment, outputs: list[str] | None, timeout: float | None) -> None:
-        self.model, self.version = model, version
-        #: The shared arrays each request is read from: write into them in place (``x[...] = frame``).
-        self.inputs: Mapping[str, np.ndarray] = MappingProxyType(inputs)
-        self.outputs, self.timeout = outputs, timeout
-        self.segment = segment
-        self.slot: Slot | None = None  # the output area; remade after a cancelled run
+        super().__init__(model, version, inputs=inputs, segment=segment, outputs=outputs, timeout=timeout)
         # areas of cancelled runs whose late completion has arrived: the next new area reuses one
         self.spares: list[Slot] = []
-        self.message = bytearray()
         self.running = False
-        self.closed = False
         self._client = client
 
     async def run(self, *, copy: bool = False) -> dict[str, np.ndarray]:
