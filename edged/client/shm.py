@@ -20,6 +20,14 @@ microseconds per request instead of milliseconds of HTTP/JSON. Example::
         while camera.read_into(req.inputs["image"]):
             out = req.run()
 
+    # asyncio: one prepared request per camera, all pipelined (and batched) on one connection
+    async with AsyncShmClient() as c:
+        async def stream(cam):
+            async with await c.prepare("mobilenet", {"image": (1, 3, 48, 192)}) as req:
+                while await cam.read_into(req.inputs["image"]):
+                    out = await req.run()
+        await asyncio.gather(*(stream(cam) for cam in cameras))
+
 Before anything is sent, the client checks who serves the socket (SO_PEERCRED): by default
 root, this user or the ``edged`` system user; ``server_uid=`` or ``$EDGED_SHM_SERVER_UID``
 names the one uid to accept instead. Another user's process that took over the socket path
