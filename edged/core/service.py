@@ -56,8 +56,13 @@ class InferenceService:
         A version swapped out between lookup and queueing refuses with ModelNotReadyError;
         an unpinned request then goes to whatever version is current.
         """
+        table = self.manager.table
         for attempt in range(3):
-            mv = self.ready_model(req.model, req.version)
+            # The served version in one step when there is one (every step here is paid on caches an
+            # engine run has just evicted); ready_model says why when there is none.
+            mv = table.serving(req.model) if req.version is None else None
+            if mv is None or (mv.scheduler is None and mv.pipeline is None):
+                mv = self.ready_model(req.model, req.version)
             scheduler = mv.scheduler
             if scheduler is None:
                 return pipeline(mv)  # ready_model: no scheduler means a pipeline
@@ -78,24 +83,8 @@ class InferenceService:
     def infer(self, req: InferRequest, timeout: float | None = None) -> InferResponse:
         return self.submit(req).result(timeout)
 
-    def _served(self, req: InferRequest) -> tuple[ModelVersion, Scheduler] | None:
-        """The common case in as few steps as it takes (every one is paid on caches an engine run has
-        just evicted): the served version of a model, no pipeline. Anything else, or a version swapped
-        out before the request reaches its scheduler, takes ``_dispatch`` with its retries."""
-        mv = self.manager.table.serving(req.model) if req.version is None else None
-        if mv is None or mv.scheduler is None:
-            return None
-        return mv, mv.scheduler
-
     def infer_blocking(self, req: InferRequest) -> InferResponse:
         """For callers that own a thread: runs inline when the model is idle (lowest latency)."""
-        if (served := self._served(req)) is not None:
-            mv, scheduler = served
-            batch = validate(mv, req)
-            try:  # not contextlib.suppress: its enter and exit are Python calls, paid on cold caches
-                return scheduler.run_inline(req, batch)
-            except ModelNotReadyError:
-                pass
         return self._dispatch(req, Scheduler.run_inline, lambda mv: self._start_pipeline(mv, req).result())
 
     def infer_or_submit(self, req: InferRequest, max_run_ns: int) -> InferResponse | Future[InferResponse]:
@@ -104,13 +93,6 @@ class InferenceService:
         def run(scheduler: Scheduler, r: InferRequest, batch: int) -> InferResponse | Future[InferResponse]:
             resp = scheduler.try_inline(r, batch, max_run_ns)
             return resp if resp is not None else scheduler.submit(r, batch)
-        if (served := self._served(req)) is not None:
-            mv, scheduler = served
-            batch = validate(mv, req)
-            try:
-                return run(scheduler, req, batch)
-            except ModelNotReadyError:
-                pass
         return self._dispatch(req, run, lambda mv: self._start_pipeline(mv, req))
 
     def _start_pipeline(self, mv: ModelVersion, req: InferRequest) -> Future[InferResponse]:

@@ -653,10 +653,10 @@ def test_inline_runs_recorded_while_readers_fold_are_all_counted() -> None:
 
 def test_a_version_leaving_between_lookup_and_run_is_retried(digits_service: InferenceService,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """The served-version shortcut falls back to the general path when its scheduler refuses (unloading)."""
+    """A request finding the served version's scheduler refusing (it is unloading) is looked up again."""
     mv = digits_service.ready_model("digits")
     assert mv.scheduler is not None
-    real_inline, real_try = mv.scheduler.run_inline, mv.scheduler.try_inline
+    real_inline, real_try = Scheduler.run_inline, Scheduler.try_inline
     refusals = [0, 0]
 
     def refuse_once(i: int, real: Callable[..., object]) -> Callable[..., object]:
@@ -667,8 +667,8 @@ def test_a_version_leaving_between_lookup_and_run_is_retried(digits_service: Inf
             return real(*a)
         return call
 
-    monkeypatch.setattr(mv.scheduler, "run_inline", refuse_once(0, real_inline))
-    monkeypatch.setattr(mv.scheduler, "try_inline", refuse_once(1, real_try))
+    monkeypatch.setattr(Scheduler, "run_inline", refuse_once(0, real_inline))
+    monkeypatch.setattr(Scheduler, "try_inline", refuse_once(1, real_try))
     x = np.zeros((1, 64), np.float32)
     blocking = digits_service.infer_blocking(InferRequest("digits", {"pixels": x}))
     assert blocking.outputs["probabilities"].shape == (1, 10)
