@@ -81,9 +81,6 @@ class Limits:
     max_inflight: int = 64
 
 
-_NO_FDS: list[int] = []  # never changed: only REGISTER takes descriptors out of the list it gets
-
-
 def _take_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
     fds: list[int] = []
     for level, kind, data in ancdata:
@@ -158,12 +155,9 @@ class Connection:
                     n, anc, flags, _ = sock.recvmsg_into([buf], _ANC_SPACE)
                 except OSError:
                     break  # ECONNRESET and friends: the client is gone
-                if not anc:  # the common case: no descriptors came with it
-                    if n == 0:
-                        break  # EOF: closed, exited or killed
-                    self._dispatch(view[:n], _NO_FDS, flags)
-                    continue
                 fds = _take_fds(anc)
+                if n == 0 and not fds:
+                    break  # EOF: closed, exited or killed
                 try:
                     self._dispatch(view[:n], fds, flags)
                 finally:
