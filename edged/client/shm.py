@@ -506,8 +506,8 @@ class AsyncShmClient:
         self._buf = bytearray(p.MAX_MESSAGE)
         self._st = _State()
         self._free: dict[_Key, list[Slot]] = {}
-        self._orphans: dict[int, tuple[_Key, Slot]] = {}  # slots of cancelled calls, until their reply
-        self._prepared_orphans: dict[int, tuple[AsyncPreparedInfer, Slot]] = {}  # likewise, prepared runs
+        # what becomes of a cancelled request's memory once its late completion arrives, by request id
+        self._late: dict[int, Callable[[], None]] = {}
         self._sem: asyncio.Semaphore | None = None
         self._info_locks: dict[_Key, asyncio.Lock] = {}
 
@@ -563,14 +563,8 @@ class AsyncShmClient:
             fut = self._pending.pop(rid, None)
             if fut is not None and not fut.done():
                 fut.set_result((status, count, bytes(self._buf[p.HEADER.size:n])))
-            elif (orphan := self._orphans.pop(rid, None)) is not None:
-                self._free.setdefault(orphan[0], []).append(orphan[1])
-            elif (cut := self._prepared_orphans.pop(rid, None)) is not None:
-                prep, slot = cut
-                if prep.closed:  # the model's slot pool takes it (reused or given back by infer, or at close)
-                    self._free.setdefault((prep.model, prep.version or 0), []).append(slot)
-                else:
-                    prep.spares.append(slot)
+            elif (late := self._late.pop(rid, None)) is not None:
+                late()
 
     def _fail_all(self, err: EdgedError) -> None:
         if self._sock is not None and self._loop is not None:
@@ -586,16 +580,7 @@ class AsyncShmClient:
         if self._st.closed or self._sock is None or self._loop is None:
             raise EdgedError("the client is closed", code=ErrorCode.FAILED_PRECONDITION)
         self._rid += 1
-        rid = self._rid
-        fut: asyncio.Future[tuple[int, int, bytes]] = self._loop.create_future()
-        self._pending[rid] = fut
-        msg = p.header(kind, rid) + body
-        try:
-            await self._send(msg, fd)
-        except BaseException:
-            self._pending.pop(rid, None)
-            raise
-        return await fut
+        return await self._exchange(self._rid, p.header(kind, self._rid) + body, fd)
 
     async def _send(self, msg: bytes | bytearray, fd: int) -> None:
         sock, loop = self._sock, self._loop
@@ -691,11 +676,10 @@ class AsyncShmClient:
                     msg = encode_request(rid, model, version, slot, packed, outputs=outputs, timeout=timeout,
                                          queue=bool(self._pending))
                     try:
-                        # Cut off, the slot goes back to the pool only when the late completion has arrived.
                         status, count, body = await self._exchange(
-                            rid, msg, functools.partial(self._orphans.__setitem__, rid, (key, slot)))
+                            rid, msg, late=functools.partial(self._pool_slot, key, slot))
                     except asyncio.CancelledError:
-                        if rid in self._orphans:
+                        if rid in self._late:  # cut off: the slot is pooled when the late completion arrives
                             slot = None
                         raise
                     if not status:
@@ -766,9 +750,13 @@ class AsyncShmClient:
                     msg = prep.message
                     p.set_request_id(msg, rid)
                     p.set_request_flags(msg, p.FLAG_QUEUE if self._pending else 0)  # batch it with others in flight
-                    # Cut off, the next run gets another area, and this one becomes a spare for a later
-                    # area once its late completion has arrived.
-                    status, count, body = await self._exchange(rid, msg, functools.partial(self._cut, prep, rid))
+                    try:
+                        status, count, body = await self._exchange(
+                            rid, msg, late=functools.partial(self._spare, prep, slot))
+                    except asyncio.CancelledError:
+                        if rid in self._late:  # cut off: the next run gets another area
+                            prep.slot = None
+                        raise
                     if not status:
                         return read_outputs(slot, count, body, copy)
                     needed, message = p.decode_error(body)
@@ -783,20 +771,27 @@ class AsyncShmClient:
             if prep.closed:  # closed while this run was in flight: give its buffers back now
                 await self._release_prepared(prep)
 
-    def _cut(self, prep: AsyncPreparedInfer, rid: int) -> None:
-        if prep.slot is not None:
-            self._prepared_orphans[rid] = (prep, prep.slot)
-            prep.slot = None
+    def _pool_slot(self, key: _Key, slot: Slot) -> None:
+        self._free.setdefault(key, []).append(slot)
 
-    async def _exchange(self, rid: int, msg: bytes | bytearray, cut: Callable[[], object]) -> tuple[int, int, bytes]:
-        """Send one INFER and await its completion. Cancelled before the completion arrived, ``cut`` runs:
-        the daemon may still read the request's inputs and write its outputs, so that memory must not
-        be used again until the late completion is in. (Cancelled after it arrived: nothing to do.)"""
+    def _spare(self, prep: AsyncPreparedInfer, slot: Slot) -> None:
+        """A cut-off prepared run's area, its late completion in: a later area of that request reuses it
+        (closed meanwhile: the model's slot pool takes it, as infer() reuses or gives back its slots)."""
+        if prep.closed:
+            self._pool_slot((prep.model, prep.version or 0), slot)
+        else:
+            prep.spares.append(slot)
+
+    async def _exchange(self, rid: int, msg: bytes | bytearray, fd: int = -1, *,
+                        late: Callable[[], None] | None = None) -> tuple[int, int, bytes]:
+        """Send one message and await its reply. Cancelled before the reply arrived, ``late`` is kept
+        for it (``rid in self._late``): the daemon may still read the request's inputs and write its
+        outputs, so that memory must not be used again until then. Cancelled after: nothing to do."""
         assert self._loop is not None
         fut: asyncio.Future[tuple[int, int, bytes]] = self._loop.create_future()
         self._pending[rid] = fut
         try:
-            await self._send(msg, -1)
+            await self._send(msg, fd)
         except BaseException:
             self._pending.pop(rid, None)
             raise
@@ -805,7 +800,8 @@ class AsyncShmClient:
         except asyncio.CancelledError:
             if not (fut.done() and not fut.cancelled()):
                 self._pending.pop(rid, None)
-                cut()
+                if late is not None:
+                    self._late[rid] = late
             raise
 
     async def _close_prepared(self, prep: AsyncPreparedInfer) -> None:
@@ -840,6 +836,5 @@ class AsyncShmClient:
             self._sock.close()
             self._sock = None
         self._free.clear()
-        self._orphans.clear()
-        self._prepared_orphans.clear()
+        self._late.clear()
         self._st.drop_all()
