@@ -110,10 +110,10 @@ def prepare_infer(decoded: DecodedRequest, shm: ShmView, deadline_s: float | Non
 
 
 HEAVY = 1 << 20  # bodies/outputs above this are (de)coded in a worker thread to keep the loop responsive
-# An HTTP request alone on the server runs on the event loop itself when its model is idle and its
-# run is estimated at most this long (the scheduler's moving average, scaled by the input's size): no
-# hand-off to a worker thread and back, which costs about as much as a small model's run, for a stall
-# of the loop about as long as a garbage collection's.
+# An HTTP request alone on the server runs on the event loop itself (an MQTT request on paho's network
+# thread) when its model is idle and its run is estimated at most this long (the scheduler's moving
+# average, scaled by the input's size): no hand-off to a worker thread and back, which costs about as
+# much as a small model's run, for a stall of the loop about as long as a garbage collection's.
 LOOP_INLINE_MAX_NS = 2_000_000
 
 

@@ -205,6 +205,53 @@ def test_repeated_binary_headers_are_decoded_by_plan(
     assert t._plans.hits == 3
 
 
+def test_a_lone_request_runs_on_pahos_thread_and_a_burst_is_queued(
+        broker: Broker, transports: Callable[..., MqttTransport], client: TestClient, digits: Digits) -> None:
+    """Requests one at a time are computed and answered on paho's thread (no scheduler hand-off);
+    requests already waiting together on the connection are queued for the batcher; every answer
+    is the in-process one and every request is counted once, whichever path it took."""
+    t = transports(broker.url)
+    want = digits.expected(digits.x[:40])
+    before = digits.service.statistics("digits")[0]
+    for i in range(20):
+        x = digits.x[i:i + 1]
+        corr = f"one-{i}".encode()
+        if i % 2:
+            header, tensor = _binary_request(x)
+            client.publish("edged/dev/infer/digits", header + tensor, ResponseTopic="replies/py", CorrelationData=corr,
+                           UserProperty=[(codec.HEADER_LENGTH_PROPERTY, str(len(header)))])
+        else:
+            client.publish("edged/dev/infer/digits", _json_request(x), ResponseTopic="replies/py", CorrelationData=corr)
+        msg = client.get(where=_correlated(corr))
+        np.testing.assert_allclose(_probs(msg.payload, user_properties(msg))[0], want[i], rtol=1e-5, atol=1e-6)
+    serial = digits.service.statistics("digits")[0]
+    assert serial["inline_count"] - before["inline_count"] == 20
+    assert serial["inference_stats"]["success"]["count"] - before["inference_stats"]["success"]["count"] == 20
+
+    # Hold paho's thread at its first request (it takes this lock to read the backlog) until the other
+    # requests are waiting on the socket behind it: then none of them is alone.
+    with t._unsent_lock:
+        for i in range(20, 40):
+            client.publish("edged/dev/infer/digits", _json_request(digits.x[i:i + 1]), qos=0,
+                           ResponseTopic="replies/py", CorrelationData=f"burst-{i}".encode())
+        time.sleep(0.5)
+    got: dict[int, np.ndarray] = {}
+    while len(got) < 20:
+        msg = client.get()
+        corr = prop(msg, "CorrelationData") or b""
+        if corr.startswith(b"burst-"):
+            i = int(corr[6:])
+            assert i not in got, f"request {i} was answered twice"
+            got[i] = _probs(msg.payload)[0]
+    for i, probs in got.items():
+        np.testing.assert_allclose(probs, want[i], rtol=1e-5, atol=1e-6)
+    after = digits.service.statistics("digits")[0]
+    assert after["inline_count"] - serial["inline_count"] < 20, "the waiting requests all ran on paho's thread"
+    assert after["inference_stats"]["success"]["count"] - serial["inference_stats"]["success"]["count"] == 20
+    assert after["inference_stats"]["fail"]["count"] == before["inference_stats"]["fail"]["count"]
+    assert after["in_flight"] == 0 and t.inflight == 0
+
+
 @pytest.mark.parametrize("daemon_protocol", ["5", "3.1.1"])
 def test_mqtt311_reply_to_with_json_and_prefixed_binary(
         broker: Broker, transports: Callable[..., MqttTransport], digits: Digits, daemon_protocol: str) -> None:

@@ -5,7 +5,9 @@ goes to the MQTT 5 Response Topic with the request's Correlation Data, or for
 MQTT 3.1.1 to ``reply_to`` with the ``id`` from the JSON header. paho's network
 thread only parses the envelope and hands the request to the inference service
 (large JSON bodies go to a small decode pool first); replies are published from
-the service's completion callbacks, which paho allows from any thread.
+the service's completion callbacks, which paho allows from any thread. A request
+alone with an idle model whose runs are short is computed on paho's thread and
+answered from there (``_process``), like HTTP's on its event loop.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import collections
 import logging
 import math
+import select
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,6 +61,7 @@ from edged.transports.mqtt.properties import publish_properties
 from edged.transports.mqtt.stall import StallDetector
 from edged.transports.mqtt.status import device_offline, device_online, model_statuses
 from edged.transports.redact import Scrubber
+from edged.transports.v2_ops import LOOP_INLINE_MAX_NS
 
 if TYPE_CHECKING:
     from edged.telemetry.prometheus import MetricsRenderer
@@ -417,7 +421,7 @@ class MqttTransport:
                 "([mqtt] max_payload_mb)"))
             return
         if inc.media is not None or self._json_bytes(inc) <= INLINE_HEADER_BYTES:
-            self._process(inc)
+            self._process(inc, inline=True)
             return
         # Parsing a large JSON body takes milliseconds: do it off paho's thread, within a bound.
         with self._counter_lock:
@@ -457,8 +461,12 @@ class MqttTransport:
         except InvalidInputError:
             return 0  # malformed framing: answered inline with an error
 
-    def _process(self, inc: _Incoming, reject: EdgedError | None = None) -> None:
-        """Decode, deduplicate and submit one request; every failure becomes an error reply."""
+    def _process(self, inc: _Incoming, reject: EdgedError | None = None, *, inline: bool = False) -> None:
+        """Decode, deduplicate and submit one request; every failure becomes an error reply.
+
+        ``inline``: on paho's thread, a request alone (its model idle, its runs short, nothing else
+        waiting to be read) is computed and answered right here, as the event loop does for HTTP:
+        no hand-off to a scheduler thread and back to paho's."""
         reply: _Reply | None = None
         try:
             if inc.response_topic is not None:
@@ -532,7 +540,8 @@ class MqttTransport:
             stall = self._stall.request(reply.topic, inc.request_qos)
             if stall is not None:
                 log.warning("%s", stall)
-            future = self.service.submit(decoded.request)
+            done = (self.service.infer_or_submit(decoded.request, LOOP_INLINE_MAX_NS)
+                    if inline and not self._more_to_read() else self.service.submit(decoded.request))
         except EdgedError as e:
             self._reply_error(reply, e, inc.topic)
             return
@@ -540,9 +549,25 @@ class MqttTransport:
             log.exception("MQTT request on %r failed", inc.topic)
             self._reply_error(reply, InternalError("internal error while decoding the request"), inc.topic)
             return
+        if isinstance(done, InferResponse):
+            self._answer(decoded, reply, done)
+            return
         with self._inflight_cv:
             self._inflight += 1
-        future.add_done_callback(partial(self._finish, decoded, reply))
+        done.add_done_callback(partial(self._finish, decoded, reply))
+
+    def _more_to_read(self) -> bool:
+        """Whether more bytes wait on the broker's connection (other requests, most likely): then this
+        request is queued, so requests that arrive together are batched, not run one by one here."""
+        client = self._client
+        sock = client.socket() if client is not None else None
+        if sock is None:
+            return True
+        try:
+            pending = getattr(sock, "pending", None)  # TLS (and websockets): bytes already decrypted
+            return bool(pending is not None and pending()) or bool(select.select((sock,), (), (), 0)[0])
+        except (OSError, ValueError):
+            return True
 
     def _submit_media(self, inc: _Incoming, reply: _Reply, model: str, version: int | None) -> None:
         """A raw image/sound payload: the one BYTES input of the model or pipeline, answered as plain JSON."""
@@ -581,24 +606,37 @@ class MqttTransport:
         try:
             try:
                 resp = future.result()
-                if reply.media is not None:
-                    header = media.answer(resp.model, resp.version, resp.outputs, media=reply.media)
-                    form, payload, hlen = codec.frame(reply.form, header, [], properties=self.options.v5)
-                else:
-                    head, chunks = encode_answer(resp, decoded, partial(encode_response, resp, decoded))
-                    form, payload, hlen = codec.frame_encoded(reply.form, head, chunks, properties=self.options.v5)
-                if self._send(reply, payload, form, hlen):
-                    self._stall.replied(reply.topic, time.monotonic() - reply.received)
-                self._count("replies")
             except EdgedError as e:
                 self._reply_error(reply, e, "")
+                return
             except Exception:
-                log.exception("MQTT reply failed")
-                self._reply_error(reply, InternalError("internal error while encoding the response"), "")
+                log.exception("MQTT request failed")
+                self._reply_error(reply, InternalError("internal error while computing the response"), "")
+                return
+            self._answer(decoded, reply, resp)
         finally:
             with self._inflight_cv:
                 self._inflight -= 1
                 self._inflight_cv.notify_all()
+
+    def _answer(self, decoded: DecodedRequest, reply: _Reply, resp: InferResponse) -> None:
+        """Encode and publish the one reply: from the thread that computed it (paho's, for a request run
+        inline, so paho writes it with no wake-up) or from a completion callback."""
+        try:
+            if reply.media is not None:
+                header = media.answer(resp.model, resp.version, resp.outputs, media=reply.media)
+                form, payload, hlen = codec.frame(reply.form, header, [], properties=self.options.v5)
+            else:
+                head, chunks = encode_answer(resp, decoded, partial(encode_response, resp, decoded))
+                form, payload, hlen = codec.frame_encoded(reply.form, head, chunks, properties=self.options.v5)
+            if self._send(reply, payload, form, hlen):
+                self._stall.replied(reply.topic, time.monotonic() - reply.received)
+            self._count("replies")
+        except EdgedError as e:
+            self._reply_error(reply, e, "")
+        except Exception:
+            log.exception("MQTT reply failed")
+            self._reply_error(reply, InternalError("internal error while encoding the response"), "")
 
     def _duplicate(self, topic: str, reply: _Reply) -> bool:
         corr = reply.correlation if reply.correlation is not None else reply.request_id
