@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from bench import bench_mqtt, peer  # noqa: E402
 from bench.bench_mqtt import ECHO_SIZE, Driver, binary_request  # noqa: E402
 from bench.common import stop_process  # noqa: E402
-from bench.floor_service import LeastService  # noqa: E402
+from bench.floor_service import LeastBatcher, LeastService  # noqa: E402
 from bench.http_floor import REPLY_SIZE  # noqa: E402
 from bench.ipc_floor import Pinger  # noqa: E402
 from edged.client.grpc import GrpcClient, infer_request  # noqa: E402
@@ -576,6 +576,13 @@ def build_rows(cases: dict[str, Case], *, rss: float, engines: list[str], ready:
                     f"daemon together {GOAL_SHM1_US:.0f} us over the IPC floor); shm c1 is "
                     f"{overhead(shm1, ipc_svc) * 1e6:+.1f} us above it, prepared "
                     f"{overhead(prep1, ipc_svc) * 1e6:+.1f} us", "info"))
+    least8 = c["least8"]
+    r_least8 = rounds(lambda a, b1, b8: a.throughput / max(b1.throughput, b8.throughput), least8, raw1, raw8)
+    rows.append(Row(least8.label, traffic_value(least8), best, r_least8,
+                    f"8 caller threads, one worker running whatever waits (bench/floor_service.py): what any "
+                    f"Python batching service reaches here (the goal, {GOAL_C8}x, is "
+                    f"{'above' if r_least8 < GOAL_C8 else 'below'} it); service c8 is "
+                    f"{rounds(lambda a, f: a.throughput / f.throughput, c['svc8'], least8):.3f}x of it", "info"))
     for key in ("svc8", "shm8", "shm8_prep"):
         r = rounds(lambda a, b1, b8: a.throughput / max(b1.throughput, b8.throughput), c[key], raw1, raw8)
         # The raw references count one call's median latency, which leaves out the stalls other tenants
@@ -810,6 +817,7 @@ def main() -> int:
         model_file = tmp / "models" / MODEL / "1" / "model.onnx"
         pinger = Pinger(model_file)
         least = LeastService(MODEL, engine.infer)  # the same engine object as raw b1 and the service rows
+        least8 = LeastBatcher(lambda x: engine.infer({"image": x}))
         prepared = shm.prepare(MODEL, {"image": x1.shape})
         prepared.inputs["image"][...] = x1  # a frame loop writes each frame there (here: the same frame)
         floor_port, floor_eng_port = free_port(), free_port()
@@ -895,6 +903,8 @@ def main() -> int:
                     lambda: svc.infer(InferRequest(MODEL, {"image": x1})), 8, s)),
                 Case("shm8", "shm, c8 (8 in flight, async client)",
                      lambda s: loop.run_until_complete(pipelined(ashm, x1, 8, s))),
+                Case("least8", "least batching service in-process, c8", lambda s: threaded(
+                    lambda: least8.infer(x1), 8, s)),
                 Case("shm8_prep", "shm, c8, prepared requests (8 loops, async client)",
                      lambda s: loop.run_until_complete(pipelined(ashm, x1, 8, s, aprepared))),
                 Case("raw1", "raw engine, batch 1", lambda s: noted(serial(lambda: engine.infer({"image": x1}), s))),
