@@ -135,6 +135,7 @@ class MqttTransport:
         self._counter_lock = threading.Lock()
         self._recent = RecentKeys()
         self._plans = RequestPlans()  # binary requests that repeat their header
+        self._readable: tuple[Any, select.poll] | None = None  # paho's socket and a poller on it (paho's thread)
         self._backoff = Backoff(self.options.reconnect_min_s, self.options.reconnect_max_s)
         self._client: mqtt.Client | None = None
         self._inflight = 0
@@ -565,7 +566,14 @@ class MqttTransport:
             return True
         try:
             pending = getattr(sock, "pending", None)  # TLS (and websockets): bytes already decrypted
-            return bool(pending is not None and pending()) or bool(select.select((sock,), (), (), 0)[0])
+            if pending is not None and pending():
+                return True
+            watched = self._readable  # poll, not select: a daemon's descriptors may be numbered past 1024
+            if watched is None or watched[0] is not sock:
+                poller = select.poll()
+                poller.register(sock, select.POLLIN)
+                self._readable = watched = (sock, poller)
+            return bool(watched[1].poll(0))
         except (OSError, ValueError):
             return True
 
