@@ -206,12 +206,17 @@ def test_repeated_binary_headers_are_decoded_by_plan(
 
 
 def test_a_lone_request_runs_on_pahos_thread_and_a_burst_is_queued(
-        broker: Broker, transports: Callable[..., MqttTransport], client: TestClient, digits: Digits) -> None:
+        broker: Broker, transports: Callable[..., MqttTransport], client: TestClient, digits: Digits,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests one at a time are computed and answered on paho's thread (no scheduler hand-off);
     requests already waiting together on the connection are queued for the batcher; every answer
     is the in-process one and every request is counted once, whichever path it took."""
+    # The run-time bound is the scheduler's to judge (tests/device/test_core.py); here a loaded
+    # machine's slow digits run must not queue a lone request.
+    monkeypatch.setattr("edged.transports.mqtt.transport.LOOP_INLINE_MAX_NS", 10**9)
     t = transports(broker.url)
     want = digits.expected(digits.x[:40])
+    time.sleep(0.15)  # past the scheduler's memory of overlapping traffic (earlier tests share the model)
     before = digits.service.statistics("digits")[0]
     for i in range(20):
         x = digits.x[i:i + 1]
@@ -230,11 +235,13 @@ def test_a_lone_request_runs_on_pahos_thread_and_a_burst_is_queued(
 
     # Hold paho's thread at its first request (it takes this lock to read the backlog) until the other
     # requests are waiting on the socket behind it: then none of them is alone.
+    requests = t.counters["requests"]
     with t._unsent_lock:
         for i in range(20, 40):
             client.publish("edged/dev/infer/digits", _json_request(digits.x[i:i + 1]), qos=0,
                            ResponseTopic="replies/py", CorrelationData=f"burst-{i}".encode())
         time.sleep(0.5)
+        assert t.counters["requests"] == requests + 1, "paho's thread was not held at the first request"
     got: dict[int, np.ndarray] = {}
     while len(got) < 20:
         msg = client.get()
@@ -246,10 +253,15 @@ def test_a_lone_request_runs_on_pahos_thread_and_a_burst_is_queued(
     for i, probs in got.items():
         np.testing.assert_allclose(probs, want[i], rtol=1e-5, atol=1e-6)
     after = digits.service.statistics("digits")[0]
-    assert after["inline_count"] - serial["inline_count"] < 20, "the waiting requests all ran on paho's thread"
+    # Each saw another waiting behind it, or a queue (or overlap) on the model: none is alone.
+    assert after["inline_count"] - serial["inline_count"] <= 1, "waiting requests ran on paho's thread"
     assert after["inference_stats"]["success"]["count"] - serial["inference_stats"]["success"]["count"] == 20
     assert after["inference_stats"]["fail"]["count"] == before["inference_stats"]["fail"]["count"]
-    assert after["in_flight"] == 0 and t.inflight == 0
+    assert after["in_flight"] == 0
+    settle = time.monotonic() + 5  # a completion callback counts itself out just after publishing
+    while t.inflight and time.monotonic() < settle:
+        time.sleep(0.01)
+    assert t.inflight == 0
 
 
 @pytest.mark.parametrize("daemon_protocol", ["5", "3.1.1"])

@@ -548,7 +548,7 @@ class MqttTransport:
             return
         except Exception:
             log.exception("MQTT request on %r failed", inc.topic)
-            self._reply_error(reply, InternalError("internal error while decoding the request"), inc.topic)
+            self._reply_error(reply, InternalError("internal error while handling the request"), inc.topic)
             return
         if isinstance(done, InferResponse):
             self._answer(decoded, reply, done)
@@ -568,13 +568,13 @@ class MqttTransport:
             pending = getattr(sock, "pending", None)  # TLS (and websockets): bytes already decrypted
             if pending is not None and pending():
                 return True
-            watched = self._readable  # poll, not select: a daemon's descriptors may be numbered past 1024
+            watched = self._readable
             if watched is None or watched[0] is not sock:
                 poller = select.poll()
                 poller.register(sock, select.POLLIN)
                 self._readable = watched = (sock, poller)
             return bool(watched[1].poll(0))
-        except (OSError, ValueError):
+        except Exception:  # an unusual socket wrapper: queue the request rather than fail it
             return True
 
     def _submit_media(self, inc: _Incoming, reply: _Reply, model: str, version: int | None) -> None:
