@@ -65,6 +65,8 @@ class LeastBatcher:
             self._queue.append((x, slot))
             self._cv.notify()
         slot[1].wait()
+        if isinstance(slot[0], BaseException):
+            raise slot[0]
         return slot[0]
 
     def _work(self) -> None:
@@ -76,7 +78,13 @@ class LeastBatcher:
                     self._cv.wait()
                 batch, self._queue = self._queue[:self._max], self._queue[self._max:]
             xs = [x for x, _ in batch]
-            out = self._run(np.concatenate(xs) if len(xs) > 1 else xs[0])
+            try:
+                out = self._run(np.concatenate(xs) if len(xs) > 1 else xs[0])
+            except Exception as e:  # every caller hears of it; the worker stays
+                for _, slot in batch:
+                    slot[0] = e
+                    slot[1].set()
+                continue
             for i, (_, slot) in enumerate(batch):
                 slot[0] = {name: v[i:i + 1] for name, v in out.items()}
                 slot[1].set()
