@@ -198,8 +198,13 @@ def test_quality_gate_halts_wrong_but_self_consistent_answers(world: World) -> N
     gates = Gates(max_failure_rate=0.1, min_reporting=2, max_quality_drop=0.02)
     good = rollout(w, 7, [StepSpec(percent=34, min_devices=2), StepSpec(percent=100)], gates)
     wait_for(lambda: on_release(w, good.release, 7), 90, 0.1, "the good version with an evaluation set everywhere")
+
+    def completed() -> bool:  # the registry moves the rollout on at its next tick after the last commit
+        state = w.client.rollout(good.id).rollout.state
+        assert state in ("running", "completed"), state
+        return state == "completed"
+    wait_for(completed, 30, 0.1, "the good rollout to complete")
     st = w.client.rollout(good.id)
-    assert st.rollout.state == "completed"
     q = next(g for g in st.gates if g.gate == "quality_drop")
     assert q.judged and q.ok and q.value is not None and q.value <= 0.02, q
     for d in w.daemons:  # no traffic in trial: the commit says it rests on the evaluation set alone
