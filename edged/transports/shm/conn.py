@@ -426,16 +426,7 @@ class Connection:
         layout = plan.outputs.get(sig)
         if layout is None:
             if any(arr.dtype == object for arr in outs.values()):
-                # BYTES outputs are sized by their contents: serialized, laid out afresh each time.
-                blobs = {name: bytes_to_buffer(arr) for name, arr in outs.items() if arr.dtype == object}
-                offsets, descs = self._layout(plan.desc, outs, blobs)
-                for (name, arr), off in zip(outs.items(), offsets, strict=True):
-                    blob = blobs.get(name)
-                    if blob is not None:
-                        seg.mm[off:off + len(blob)] = blob
-                    elif arr.nbytes:
-                        np.copyto(seg.view(arr.dtype, arr.shape, off), arr, casting="no")
-                return p.HEADER.pack(_INFER_REPLY, 0, len(outs), rid) + p.U32.pack(resp.version) + descs
+                return self._write_serialized(rid, plan, resp)
             if len(plan.outputs) >= _PLAN_CACHE:
                 plan.outputs.clear()
             offsets, descs = self._layout(plan.desc, outs)
@@ -445,6 +436,20 @@ class Connection:
         for arr, place in zip(outs.values(), places, strict=True):
             if arr.nbytes:
                 np.copyto(place, arr, casting="no")
+        return p.HEADER.pack(_INFER_REPLY, 0, len(outs), rid) + p.U32.pack(resp.version) + descs
+
+    def _write_serialized(self, rid: int, plan: _Plan, resp: InferResponse) -> bytes:
+        """Outputs with BYTES among them: sized by their contents, so serialized and laid out afresh each time."""
+        outs = resp.outputs
+        seg = plan.used[-1]
+        blobs = {name: bytes_to_buffer(arr) for name, arr in outs.items() if arr.dtype == object}
+        offsets, descs = self._layout(plan.desc, outs, blobs)
+        for (name, arr), off in zip(outs.items(), offsets, strict=True):
+            blob = blobs.get(name)
+            if blob is not None:
+                seg.mm[off:off + len(blob)] = blob
+            elif arr.nbytes:
+                np.copyto(seg.view(arr.dtype, arr.shape, off), arr, casting="no")
         return p.HEADER.pack(_INFER_REPLY, 0, len(outs), rid) + p.U32.pack(resp.version) + descs
 
     @staticmethod
