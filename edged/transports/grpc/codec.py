@@ -3,8 +3,8 @@
 A gRPC request becomes the same header + binary tail the HTTP binary extension
 carries (``raw_input_contents`` in input order, typed ``contents`` as data lists,
 parameters as plain values), so every check of the v2 codec applies unchanged.
-Outputs always travel as ``raw_output_contents`` (what Triton's clients read),
-except those written to system shared memory.
+Outputs always travel as ``raw_output_contents`` (what Triton's clients read), one entry
+per output; an output written to system shared memory has an empty entry.
 """
 
 from __future__ import annotations
@@ -114,16 +114,13 @@ def encode_infer(resp: InferResponse, decoded: DecodedRequest, shm: ShmView) -> 
     header, chunks = encode_outputs(resp, decoded, shm)
     out = pb.ModelInferResponse(model_name=header["model_name"], model_version=header["model_version"],
                                 id=header.get("id") or "")
-    raw: list[bytes | None] = []
     it = iter(chunks)
     for o in header["outputs"]:
         out.outputs.add(name=o["name"], datatype=o["datatype"], shape=o["shape"])
-        raw.append(next(it) if "parameters" in o else None)  # None: written to shared memory
-    while raw and raw[-1] is None:
-        raw.pop()
-    # Triton's clients find an output's bytes by its index among the outputs: a shared-memory
-    # output before a raw one keeps its place with an empty entry.
-    out.raw_output_contents.extend(b"" if r is None else r for r in raw)
+        # One entry per output, as Triton sends: its C++ client indexes raw_output_contents by the
+        # output's position for every output, and reads past the end (perf_analyzer segfaulted)
+        # when outputs written to shared memory had none. Those get an empty entry.
+        out.raw_output_contents.append(next(it) if "parameters" in o else b"")
     return out
 
 
