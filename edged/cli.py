@@ -352,8 +352,15 @@ def cmd_infer(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from edged.daemon import run
+    from edged.native_stderr import capture
 
-    return run(_config(args))
+    cfg = _config(args)
+    native = capture()  # engine libraries' stderr (ONNX Runtime's coloured lines) into the daemon log
+    try:
+        return run(cfg)
+    finally:
+        if native is not None:
+            native.close()
 
 
 def main(argv: list[str] | None = None) -> int:
