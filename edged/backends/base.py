@@ -82,6 +82,12 @@ class Engine(abc.ABC):
     def unload(self) -> None:  # noqa: B027 - optional hook
         """Release engine resources; the default relies on garbage collection."""
 
+    @property
+    def restoring(self) -> bool:
+        """True while the engine puts itself back in a clean state after a failed run (OpenVINO):
+        calls wait for it meanwhile, and readiness says not ready."""
+        return False
+
     def describe(self) -> dict[str, Any]:
         return {
             "backend": self.backend,

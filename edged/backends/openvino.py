@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import io
+import logging
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -12,6 +15,8 @@ import numpy as np
 from edged import datatypes
 from edged.backends.base import Backend, Engine, EngineTensor, LoadRequest
 from edged.errors import EngineUnavailableError, ModelLoadError
+
+log = logging.getLogger(__name__)
 
 _core_lock = threading.Lock()
 _core: Any = None
@@ -69,54 +74,149 @@ def _bound_dynamic_dims(model: Any, request: LoadRequest) -> None:
         model.reshape(new)
 
 
+# How long a request waits for a restore in flight before it runs on what is there (a restore takes
+# tens to hundreds of milliseconds: bench/bench_ov_restore.py).
+RESTORE_WAIT_S = 30.0
+
+
+class _Compiled:
+    """One compiled model and its pool of infer requests (an infer request is not thread-safe)."""
+
+    def __init__(self, compiled: Any, nrequests: int) -> None:
+        self.compiled = compiled
+        self.ports = {p.get_any_name(): p for p in compiled.outputs}
+        self.pool: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        for _ in range(max(1, nrequests)):
+            self.pool.put(compiled.create_infer_request())
+
+    def take(self) -> Any:
+        try:
+            return self.pool.get_nowait()
+        except queue.Empty:
+            return self.compiled.create_infer_request()
+
+
+Remake = Callable[[Any], Any]
+
+
 class OpenVinoEngine(Engine):
+    """An OpenVINO compiled model that is put back in a clean state after every failed run.
+
+    OpenVINO's CPU plugin keeps the shapes of a refused input in the compiled model's graph: after
+    one request it refuses, requests at the shape that last succeeded fail until one of another
+    shape succeeds, and a new infer request does not help (bench/bench_ov_restore.py shows it on
+    the public corpus). So a failed run hands the compiled model to a background thread that makes
+    a clean one (``remake``: export and import, measured the cheapest); the failing request gets its
+    error at once, later ones wait for the clean model, and :attr:`restoring` says not ready meanwhile.
+    """
+
     backend = "openvino"
 
-    def __init__(self, compiled: Any, device: str, precision: str, nrequests: int) -> None:
-        self._compiled = compiled
+    def __init__(self, compiled: Any, device: str, precision: str, nrequests: int, *,
+                 remake: Remake | None = None, label: str = "") -> None:
+        self._nrequests = nrequests
+        self._current: _Compiled | None = _Compiled(compiled, nrequests)
+        self._remake = remake
+        self._label = label or "OpenVINO engine"
         self.device = device
         self.precision = precision
         self.inputs = [EngineTensor(p.get_any_name(), datatypes.from_engine(p.get_element_type().get_type_name()),
                                     _port_shape(p)) for p in compiled.inputs]
         self.outputs = [EngineTensor(p.get_any_name(), datatypes.from_engine(p.get_element_type().get_type_name()),
                                      _port_shape(p)) for p in compiled.outputs]
-        self._out_ports = {p.get_any_name(): p for p in compiled.outputs}
-        # An infer request is not thread-safe; keep a pool, one per concurrent caller.
-        self._pool: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        for _ in range(max(1, nrequests)):
-            self._pool.put(compiled.create_infer_request())
+        self._out_names = [p.get_any_name() for p in compiled.outputs]
+        self._lock = threading.Lock()
+        self._clean = threading.Event()  # cleared while a restore runs
+        self._clean.set()
+        self.restores = 0  # clean compiled models made after failures
+        self.last_restore_ms: float | None = None
+
+    @property
+    def restoring(self) -> bool:
+        return not self._clean.is_set()
 
     def infer(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
-        names = list(outputs) if outputs else list(self._out_ports)
-        compiled = self._compiled
-        if compiled is None:
+        if not self._clean.is_set():
+            self._clean.wait(RESTORE_WAIT_S)
+        cur = self._current
+        if cur is None:
             raise ModelLoadError("engine was unloaded")
-        try:
-            req = self._pool.get_nowait()
-        except queue.Empty:
-            req = compiled.create_infer_request()
+        names = list(outputs) if outputs else self._out_names
+        req = cur.take()
         try:
             req.infer(dict(inputs))
-            out = {n: np.array(req.get_tensor(self._out_ports[n]).data, copy=True) for n in names}
-        except BaseException:
-            # A request that failed keeps the failed shapes/state: never hand it to the next caller.
-            self._pool.put(compiled.create_infer_request())
+            ports = cur.ports
+            out = {n: np.array(req.get_tensor(ports[n]).data, copy=True) for n in names}
+        except Exception:
+            # Neither this request nor the compiled model behind it is trusted again.
+            self._restore(cur)
             raise
-        self._pool.put(req)
+        cur.pool.put(req)
         return out
+
+    def _restore(self, failed: _Compiled) -> None:
+        """Start making a clean compiled model in the background, once per failed one."""
+        with self._lock:
+            if failed is not self._current or not self._clean.is_set():
+                return
+            self._clean.clear()
+        threading.Thread(target=self._restore_now, args=(failed,), name="edged-openvino-restore", daemon=True).start()
+
+    def _restore_now(self, failed: _Compiled) -> None:
+        t0 = time.monotonic()
+        fresh: _Compiled | None = None
+        try:
+            if self._remake is None:
+                raise RuntimeError("no way to remake this compiled model")
+            fresh = _Compiled(self._remake(failed.compiled), self._nrequests)
+        except Exception as e:
+            # Keep serving with what there is (other shapes still run), with fresh infer requests.
+            log.error("%s: could not restore a clean compiled model after a failed run: %s", self._label,
+                      " ".join(str(e).split())[:300])
+        with self._lock:
+            if fresh is not None and self._current is failed:
+                self._current = fresh
+                self.restores += 1
+                self.last_restore_ms = (time.monotonic() - t0) * 1e3
+            elif fresh is None and self._current is failed:
+                self._current = _Compiled(failed.compiled, self._nrequests)
+            self._clean.set()
+        if fresh is not None:
+            log.info("%s: clean compiled model restored after a failed run in %.0f ms", self._label,
+                     (time.monotonic() - t0) * 1e3)
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
-        compiled = self._compiled
-        if compiled is not None and self.device == "CPU":
-            d["streams"] = int(compiled.get_property("NUM_STREAMS"))
-            d["threads"] = int(compiled.get_property("INFERENCE_NUM_THREADS"))
+        cur = self._current
+        if cur is not None and self.device == "CPU":
+            d["streams"] = int(cur.compiled.get_property("NUM_STREAMS"))
+            d["threads"] = int(cur.compiled.get_property("INFERENCE_NUM_THREADS"))
+        d["restores"] = self.restores
         return d
 
     def unload(self) -> None:
-        self._compiled = None
-        while not self._pool.empty():
-            self._pool.get_nowait()
+        with self._lock:
+            cur, self._current = self._current, None
+        if cur is not None:
+            while not cur.pool.empty():
+                cur.pool.get_nowait()
+
+
+def _remaker(core: Any, device: str, config: Mapping[str, Any], recompile: Callable[[], Any]) -> Remake:
+    """A clean copy of a compiled model: its own export imported again (no blob held in memory between
+    failures; 25-140 ms on the corpus), else a compile from the file as at load."""
+    import_config = {k: v for k, v in config.items() if k != "CACHE_DIR"}
+
+    def remake(compiled: Any) -> Any:
+        try:
+            blob = io.BytesIO()
+            compiled.export_model(blob)
+            return core.import_model(io.BytesIO(blob.getvalue()), device, import_config)
+        except Exception as e:  # a device or plugin without export/import: compile again
+            log.debug("OpenVINO export/import unavailable on %s (%s); recompiling", device, e)
+            return recompile()
+
+    return remake
 
 
 class OpenVinoBackend(Backend):
@@ -155,17 +255,22 @@ class OpenVinoBackend(Backend):
         if request.cache_dir is not None and request.options.get("cache", True):
             request.cache_dir.mkdir(parents=True, exist_ok=True)
             config["CACHE_DIR"] = str(request.cache_dir)
-        try:
+
+        def compile_it() -> Any:
             model = core.read_model(str(request.file))
             _bound_dynamic_dims(model, request)
             batch = request.options.get("static_batch")
             if batch and request.max_batch_size > 0:
                 # A fixed batch lets the plugin pick static kernels (and is required by NPUs).
                 model.reshape({p.get_any_name(): [int(batch), *list(p.get_partial_shape())[1:]] for p in model.inputs})
-            compiled = core.compile_model(model, device, config)
+            return core.compile_model(model, device, config)
+
+        try:
+            compiled = compile_it()
         except EngineUnavailableError:
             raise
         except Exception as e:  # OpenVINO raises RuntimeError subclasses with the plugin's text
             raise ModelLoadError(f"{request.label}: OpenVINO could not compile it for {device}: {e}",
                                  model=request.model, version=request.version) from None
-        return OpenVinoEngine(compiled, device, request.variant.precision, request.instances)
+        return OpenVinoEngine(compiled, device, request.variant.precision, request.instances,
+                              remake=_remaker(core, device, config, compile_it), label=request.label)

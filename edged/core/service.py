@@ -23,6 +23,15 @@ from edged.errors import ModelNotFoundError, ModelNotReadyError
 T = TypeVar("T")
 
 
+def ready_now(mv: ModelVersion) -> bool:
+    """Loaded and able to answer now: not while its engine restores a clean state after a failed run
+    (requests wait for it meanwhile; readiness must not say 200 for a model that cannot answer yet)."""
+    if mv.state is not ModelState.READY:
+        return False
+    sched = mv.scheduler
+    return sched is None or not sched.engine.restoring
+
+
 class InferenceService:
     def __init__(self, manager: ModelManager) -> None:
         self.manager = manager
@@ -46,7 +55,7 @@ class InferenceService:
 
     def is_ready(self, name: str, version: int | None = None) -> bool:
         mv = self.manager.table.find(name, version)
-        return mv is not None and mv.state is ModelState.READY
+        return mv is not None and ready_now(mv)
 
     # ---- inference --------------------------------------------------------------------------
     def _dispatch(self, req: InferRequest, run: Callable[[Scheduler, InferRequest, int], T],

@@ -101,6 +101,10 @@ class SwappableEngine(Engine):
     def describe(self) -> dict[str, Any]:
         return self._current.describe()
 
+    @property
+    def restoring(self) -> bool:
+        return self._current.restoring
+
 
 Prepare = Callable[[Candidate, Engine], None]
 Judge = Callable[[Candidate, Engine], bool]

@@ -13,7 +13,7 @@ from typing import Any
 
 import edged
 from edged.core.model_versions import ModelState
-from edged.core.service import InferenceService
+from edged.core.service import InferenceService, ready_now
 from edged.core.types import InferResponse
 from edged.errors import EdgedError, ErrorCode, InvalidInputError, ModelNotFoundError
 from edged.protocol.v2 import DecodedRequest, encode_response
@@ -30,11 +30,11 @@ def server_metadata() -> dict[str, Any]:
 
 
 def server_ready(service: InferenceService, stopping: bool) -> bool:
-    """Serving and able to infer: not stopping, and some model is ready (or none is configured)."""
+    """Serving and able to infer: not stopping, and some model is ready now (or none is configured)."""
     if stopping:
         return False
     mvs = service.manager.table.all()
-    return not mvs or any(mv.state is ModelState.READY for mv in mvs)
+    return not mvs or any(ready_now(mv) for mv in mvs)
 
 
 def model_ready(service: InferenceService, name: str, version: int | None) -> bool:

@@ -206,6 +206,9 @@ class Worker:
         for name, _, at, _ in placed:
             ctx.set_tensor_address(name, out.device + desc.out_offset + at)
         if not ctx.execute_async_v3(self.stream):
+            # As the in-process engine does with a failed context: the next request gets a fresh one.
+            # (A refused input shape needs none: every request sets every input's shape again.)
+            self.context = self.engine.create_execution_context()
             raise RequestError(wire.INTERNAL, "TensorRT execute_async_v3 failed")
         if self.cuda is not None:
             self.cuda.synchronize()
