@@ -67,18 +67,33 @@ def parse_shapes(items: list[str]) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _sample_shape(t: TensorInfo, batching: bool, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
+def _fits(dims: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    return len(shape) == len(dims) and all(d in (-1, g) for d, g in zip(dims, shape, strict=True))
+
+
+def _sample_shape(t: TensorInfo, batching: bool, shapes: Mapping[str, tuple[int, ...]],
+                  data: np.ndarray | None = None) -> tuple[int, ...]:
+    """One sample's shape: ``--shape`` when given, else the data's own (an array carries its shape),
+    else the model's when it has no dynamic dimension."""
     dims = t.shape[1:] if batching else t.shape
     if t.name in shapes:
         given = shapes[t.name]
-        if len(given) != len(dims) or any(d not in (-1, g) for d, g in zip(dims, given, strict=True)):
+        if not _fits(dims, given):
             raise InvalidInputError(f"--shape {t.name}:{','.join(map(str, given))} does not fit the model's "
                                     f"shape {list(dims)}")
         return given
-    if any(d < 0 for d in dims):
-        raise InvalidInputError(f"input {t.name!r} has a dynamic shape {list(dims)}: give its size with "
-                                f"--shape {t.name}:{','.join('N' if d < 0 else str(d) for d in dims)}")
-    return dims
+    if not any(d < 0 for d in dims):
+        return dims
+    hint = f"--shape {t.name}:{','.join('N' if d < 0 else str(d) for d in dims)}"
+    if data is None:
+        raise InvalidInputError(f"input {t.name!r} has a dynamic shape {list(dims)}: give its size with {hint}")
+    # The data's shape: a batch of samples, or one sample without its batch dimension.
+    for shape in ((tuple(data.shape[1:]),) if batching and data.ndim == len(dims) + 1 else ()) + (tuple(data.shape),):
+        if _fits(dims, shape):
+            return shape
+    raise InvalidInputError(f"input {t.name!r}: the data's shape {list(data.shape)} does not fit the model's "
+                            f"{list(dims)}{' (batch dimension excluded)' if batching else ''}; flat data needs "
+                            f"{hint}")
 
 
 def _random(dt: str, shape: tuple[int, ...], rng: np.random.Generator, zero: bool) -> np.ndarray:
@@ -186,8 +201,8 @@ def build_inputs(info: ModelInfo, source: str, *, batch_size: int = 1,
     if unknown:
         raise InvalidInputError(f"--shape names unknown input(s) {sorted(unknown)}; the model has "
                                 f"{[t.name for t in info.inputs]}")
-    samples = {t.name: _sample_shape(t, batching, shapes) for t in info.inputs}
     if source in ("random", "zero"):
+        samples = {t.name: _sample_shape(t, batching, shapes) for t in info.inputs}
         rng = np.random.default_rng(seed)
         return [{t.name: _fit(_random(t.datatype, samples[t.name], rng, source == "zero"), t, samples[t.name],
                               batching, batch_size) for t in info.inputs}]
@@ -199,6 +214,7 @@ def build_inputs(info: ModelInfo, source: str, *, batch_size: int = 1,
         missing = [t.name for t in info.inputs if t.name not in raw]
         if missing:
             raise InvalidInputError(f"{path}: no data for input(s) {missing}")
+        samples = {t.name: _sample_shape(t, batching, shapes, np.asarray(raw[t.name])) for t in info.inputs}
         arrays = {t.name: _reshape_flat(np.asarray(raw[t.name]), samples[t.name]) for t in info.inputs}
         for chunk in _split(arrays, samples, batching, batch_size):
             requests.append({t.name: _fit(chunk[t.name], t, samples[t.name], batching, batch_size)

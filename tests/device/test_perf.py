@@ -257,6 +257,33 @@ def test_inputs_from_metadata() -> None:
         build_inputs(unbatched, "random", batch_size=2)
 
 
+def test_input_data_arrays_give_the_dynamic_shapes(tmp_path: Path) -> None:
+    """An .npz carries its shapes: no --shape for dynamic inputs (a VAD with a 0-d rate and recurrent state)."""
+    vad = ModelInfo.from_metadata({"name": "vad", "inputs": [
+        {"name": "input", "datatype": "FP32", "shape": [-1, -1]}, {"name": "sr", "datatype": "INT64", "shape": []},
+        {"name": "state", "datatype": "FP32", "shape": [2, -1, 128]}]}, max_batch_size=0)
+    path = tmp_path / "vad.npz"
+    np.savez(path, input=np.ones((1, 512), np.float32), sr=np.array(16000, np.int64),
+             state=np.zeros((2, 1, 128), np.float32))
+    (req,) = build_inputs(vad, str(path))
+    assert {k: v.shape for k, v in req.items()} == {"input": (1, 512), "sr": (), "state": (2, 1, 128)}
+    det = ModelInfo.from_metadata({"name": "det", "inputs": [
+        {"name": "x", "datatype": "FP32", "shape": [-1, 3, -1, -1]}]}, max_batch_size=4)
+    for data, batch, want in ((np.zeros((3, 320, 256), np.float32), 2, (2, 3, 320, 256)),  # one sample
+                              (np.zeros((4, 3, 48, 96), np.float32), 2, (2, 3, 48, 96))):  # a batch of samples
+        np.save(tmp_path / "x.npy", data)
+        reqs = build_inputs(det, str(tmp_path / "x.npy"), batch_size=batch)
+        assert all(r["x"].shape == want for r in reqs)
+    np.save(tmp_path / "x.npy", np.zeros((4, 320, 256), np.float32))  # 4 channels: not this model's data
+    with pytest.raises(InvalidInputError, match=r"the data's shape \[4, 320, 256\] does not fit"):
+        build_inputs(det, str(tmp_path / "x.npy"))
+    flat = tmp_path / "flat.json"
+    flat.write_text(json.dumps({"data": [{"x": [0.0] * 12}]}))
+    with pytest.raises(InvalidInputError, match="--shape x:3,N,N"):
+        build_inputs(det, str(flat))
+    assert build_inputs(det, str(flat), shapes={"x": (3, 2, 2)})[0]["x"].shape == (1, 3, 2, 2)
+
+
 def test_perf_analyzer_json_input(tmp_path: Path) -> None:
     info = ModelInfo.from_metadata({"name": "d", "inputs": [{"name": "pixels", "datatype": "FP32",
                                                              "shape": [-1, 4]}]}, 64)
