@@ -78,7 +78,8 @@ def _write(repo: Path, m: corpus.CorpusModel, engine: str) -> None:
         ov.save_model(ov.Core().read_model(str(m.fetch())), str(vdir / "model.xml"), compress_to_fp16=False)
         variant = (f'file = "model.xml"\nformat = "openvino"\nsha256 = "{_sha(vdir / "model.xml")}"\n'
                    f'extra_files = [{{ file = "model.bin", sha256 = "{_sha(vdir / "model.bin")}" }}]\n')
-    (vdir / "model.toml").write_text(f"[[variants]]\n{variant}\n[warmup.shapes.{m.input}]\nshape = {list(m.shape[1:])}\n")
+    shapes = f"[warmup.shapes.{m.input}]\nshape = {list(m.shape[1:])}\n"
+    (vdir / "model.toml").write_text(f"[[variants]]\n{variant}\n{shapes}")
 
 
 @dataclass
