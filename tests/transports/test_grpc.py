@@ -159,6 +159,9 @@ def test_system_shared_memory(srv: Served, triton: tg.InferenceServerClient,
         with pytest.raises(InferenceServerException) as e:
             triton.infer("digits", [inp])
         assert e.value.status() == "StatusCode.INVALID_ARGUMENT" and "not registered" in e.value.message()
+        # ... and is told why (regions are scoped to their registrant) and what to send.
+        assert "scoped to whoever registered them" in e.value.message()
+        assert "'authorization' metadata" in e.value.message()
         triton.unregister_system_shared_memory(f"in_{tag}", headers=AUTH)
         with pytest.raises(InferenceServerException) as e:
             triton.infer("digits", [inp], outputs=[out], headers=AUTH)

@@ -206,6 +206,11 @@ def test_tritonclient_system_shared_memory(srv: Served, triton: th.InferenceServ
         assert result.get_output("probabilities") == {"name": "probabilities", "datatype": "FP32", "shape": [16, 10]}
         got = tshm.get_contents_as_numpy(out_h, np.float32, [16, 10])
         np.testing.assert_allclose(got, in_process(srv, "digits", batch), rtol=1e-5, atol=1e-6)
+        # Registered with the token, used without it: unknown to that request, which is told why and what to send.
+        with pytest.raises(InferenceServerException) as e:
+            triton.infer("digits", [inp], outputs=[out])
+        assert e.value.status() == "400" and "scoped to whoever registered them" in e.value.message()
+        assert "send 'Authorization: Bearer <[control] token>'" in e.value.message()
 
         # An input at an offset inside a larger region, JSON output.
         triton.unregister_system_shared_memory(f"in_{tag}", headers=AUTH)

@@ -111,6 +111,21 @@ def _may(st: os.stat_result, uid: int, gid: int, want: int) -> bool:
     return bits & want == want
 
 
+def _unknown(scope: str, name: str) -> str:
+    """Why a request's region is unknown, and what to send: regions are scoped to their registrant, so a
+    region registered with the token and used without it is unknown to that request (said without
+    telling whether anyone else has a region of that name)."""
+    if not scope:
+        return (f"shared memory region {name!r} is not registered for this caller: regions are scoped to "
+                "whoever registered them, and a request over TCP without the management credential has "
+                "none; send 'Authorization: Bearer <[control] token>' (gRPC: 'authorization' metadata) with "
+                "every request that uses a region registered with it")
+    who = "the management token" if scope == "token" else scope.replace("uid:", "uid ")
+    return (f"shared memory region {name!r} is not registered for this caller ({who}): regions are scoped to "
+            "whoever registered them; register it with the same credential, or on the same uid, as the requests "
+            "that use it")
+
+
 @dataclass
 class Region:
     name: str
@@ -260,7 +275,7 @@ class SystemShmRegions:
         with self._lock:
             region = self._regions.get((scope, name))
             if region is None:
-                raise InvalidInputError(f"shared memory region {name!r} is not registered")
+                raise InvalidInputError(_unknown(scope, name))
             if write and not region.writable:
                 raise InvalidInputError(f"shared memory region {name!r}: its registrant may not write the segment")
             if off > region.byte_size or size > region.byte_size - off:
