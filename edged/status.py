@@ -216,6 +216,8 @@ def render(snap: StatusSnapshot, updates: dict[str, str], now: float) -> str:
     for m in snap.models:
         if m.warmup:
             lines.append(f"note: {m.model} v{m.version}: {m.warmup}")
+        if m.note:
+            lines.append(f"note: {m.model} v{m.version}: {m.note}")
     for note in snap.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)

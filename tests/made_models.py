@@ -7,6 +7,8 @@ audio by 64 samples, so it cannot run on fewer than 65 samples (a made-up 1-samp
 ``multidyn``: several dynamic dimensions and an INT64 input whose values index a table:
 ``image [batch, 3, height, width]`` and ``ids [batch, tokens]`` (ids must be < 100); every input
 and output starts with a dynamic dimension.
+
+``misdeclared``: an output whose declared shape its answers contradict.
 """
 
 from __future__ import annotations
@@ -101,4 +103,17 @@ def nan(path: Path) -> Path:
         [helper.make_node("Sub", ["x", "ten"], ["d"]), helper.make_node("Sqrt", ["d"], ["y"])], "nan",
         [helper.make_tensor_value_info("x", f32, [4])], [helper.make_tensor_value_info("y", f32, [4])],
         [numpy_helper.from_array(np.array(10, np.float32), "ten")])
+    return _save(graph, path)
+
+
+def misdeclared(path: Path) -> Path:
+    """Declares its output ``[1, n]`` but answers ``[width / 2, 2]`` (as ddddocr declares ``[1, -1]`` and
+    answers ``[20, 1, 8210]``): input ``x [1, width]``, width even."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    f32 = TensorProto.FLOAT
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "to"], ["y"])], "misdeclared",
+        [helper.make_tensor_value_info("x", f32, [1, "width"])], [helper.make_tensor_value_info("y", f32, [1, "n"])],
+        [numpy_helper.from_array(np.array([-1, 2], np.int64), "to")])
     return _save(graph, path)

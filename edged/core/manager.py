@@ -18,6 +18,7 @@ import psutil
 
 from edged.config import ModelsSection
 from edged.core.model_versions import ModelLoader, ModelState, ModelTable, ModelVersion
+from edged.core.output_shapes import OutputShapeCheck
 from edged.core.pipelines import PipelineRunner, ServiceGateway, load_pipeline_version
 from edged.core.scheduler import Scheduler
 from edged.core.stats import ModelStats
@@ -52,6 +53,14 @@ def estimate_memory_mb(entry: VersionEntry) -> float:
         sizes.append(total)
     return 2.0 * max(sizes, default=0) / 1e6 + 4.0
 
+
+
+def _output_check(mv: ModelVersion) -> OutputShapeCheck:
+    def note(text: str) -> None:
+        mv.output_note = text
+
+    return OutputShapeCheck(f"model {mv.name!r} version {mv.version}", mv.outputs, batched=mv.max_batch_size > 0,
+                            on_note=note)
 
 class ModelManager:
     def __init__(self, repository: Path, models: ModelsSection, preferences: Sequence[BackendPreference], *,
@@ -106,7 +115,8 @@ class ModelManager:
             mv.stats = ModelStats(mv.name, mv.version, mv.candidate.backend if mv.candidate else "")
             mv.scheduler = Scheduler(mv.name, mv.version, mv.engine, max_batch_size=mv.max_batch_size,
                                      batching=mv.batching, instances=manifest.instances.count,
-                                     stats=mv.stats, shapes_vary=any(-1 in s.shape for s in mv.inputs))
+                                     stats=mv.stats, shapes_vary=any(-1 in s.shape for s in mv.inputs),
+                                     output_check=_output_check(mv))
         return mv
 
     def load_all(self) -> list[ModelVersion]:

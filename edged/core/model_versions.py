@@ -89,6 +89,7 @@ class ModelVersion:
     upgrade: EngineUpgrade | None = None  # set while/after a better engine is built in the background
     warmup_note: str | None = None  # warm-up skipped or ran on made-up data, and how to declare real shapes
     warmup_skipped: bool = False  # the model refused the made-up warm-up input (self-test skipped too)
+    output_note: str | None = None  # a declared output shape the engine's answers contradict (core.output_shapes)
     validation_plan: Any = None  # edged.core.validation's precomputed checks, made on first use
     pipeline: Pipeline | None = None  # set for a pipeline version (edged.core.pipelines): no engine of its own
 
@@ -133,6 +134,8 @@ class ModelVersion:
                 out["models"] = sorted({m for m, _ in self.pipeline.models})
         if self.warmup_note:
             out["warmup"] = self.warmup_note
+        if self.output_note:
+            out["note"] = self.output_note
         if self.benchmark is not None:
             b = self.benchmark
             out["benchmark"] = [{"candidate": t.candidate, "throughput_per_s": round(t.throughput_per_s, 1),

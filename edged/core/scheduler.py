@@ -20,6 +20,7 @@ import numpy as np
 from edged.backends.base import Engine
 from edged.core.batch_policy import BatchPolicy
 from edged.core.engine_errors import GoodShapes, failure_key
+from edged.core.output_shapes import OutputShapeCheck
 from edged.core.stats import ModelStats
 from edged.core.types import InferRequest, InferResponse
 from edged.errors import (
@@ -63,7 +64,8 @@ def _signature(req: InferRequest, batched: bool) -> tuple[object, ...]:
 
 class Scheduler:
     def __init__(self, name: str, version: int, engine: Engine, *, max_batch_size: int,
-                 batching: Batching | None, instances: int, stats: ModelStats, shapes_vary: bool = True) -> None:
+                 batching: Batching | None, instances: int, stats: ModelStats, shapes_vary: bool = True,
+                 output_check: OutputShapeCheck | None = None) -> None:
         self.name, self.version = name, version
         self.engine = engine
         self.max_batch_size = max_batch_size
@@ -77,6 +79,7 @@ class Scheduler:
         self.good_shapes = GoodShapes(max_batch_size > 0)
         # With every dimension declared (batch aside), validation already pins the shapes a run sees.
         self._record_shapes = self.good_shapes.record if shapes_vary else None
+        self.output_check = output_check  # the first answers against the declared outputs, then None
         # The condition's lock, taken directly on the inline path (twice per request): a C-level
         # enter/exit instead of the Condition's Python wrapper.
         self._lock = threading.RLock()
@@ -193,6 +196,9 @@ class Scheduler:
         record = self._record_shapes
         if record is not None:
             record(inputs)
+        check = self.output_check
+        if check is not None and check.see(outputs):
+            self.output_check = None
         return outputs
 
     def _note_run(self, ns: int, nbytes: int) -> None:

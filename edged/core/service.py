@@ -134,7 +134,7 @@ class InferenceService:
             "parameters": {
                 "backend": c.backend if c else None, "device": c.device if c else None,
                 "precision": c.precision if c else None, "state": mv.state.value,
-                "reason": mv.reason, "warmup": mv.warmup_note,
+                "reason": mv.reason, "warmup": mv.warmup_note, "note": mv.output_note,
                 "skipped": [{"candidate": k, "reason": r} for k, r in mv.skipped],
                 "benchmark": status.get("benchmark"),
                 "upgrade": status.get("upgrade"),

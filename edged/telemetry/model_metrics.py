@@ -130,6 +130,7 @@ class VersionState:
     device: str
     precision: str
     warmup: str | None = None  # warm-up skipped or on made-up data, and how to declare real shapes
+    note: str | None = None  # a declared output shape the engine's answers contradict
 
 
 @dataclass
@@ -215,4 +216,5 @@ class ModelMetrics:
 def _state(mv: ModelVersion) -> VersionState:
     c = mv.candidate
     return VersionState(mv.name, mv.version, mv.state.value, mv.reason if mv.state is not ModelState.READY else None,
-                        c.backend if c else "", c.device if c else "", c.precision if c else "", mv.warmup_note)
+                        c.backend if c else "", c.device if c else "", c.precision if c else "", mv.warmup_note,
+                        mv.output_note)

@@ -48,6 +48,7 @@ class ModelStatus(_Snap):
     state: str
     reason: str | None = None
     warmup: str | None = None
+    note: str | None = None  # a declared output shape the engine's answers contradict
     backend: str = ""
     device: str = ""
     precision: str = ""

@@ -216,6 +216,25 @@ def test_true_scalar_over_http_json_and_binary(vad_http: Served) -> None:
         np.testing.assert_allclose(c.infer("vad", x)["output"], want["output"], rtol=1e-5)
 
 
+def test_an_output_shape_the_answers_contradict_is_logged_once_and_noted(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    for m, svc in manager(make_repo(tmp_path, "misdeclared"), "onnxruntime"):
+        mv = m.table.find("misdeclared")
+        assert mv is not None and mv.output_note is None
+        with caplog.at_level("WARNING", logger="edged.core.output_shapes"):
+            for width in (8, 8, 12):
+                out = svc.infer(InferRequest(model="misdeclared", inputs={"x": np.ones((1, width), np.float32)}),
+                                30).outputs
+                assert out["y"].shape == (width // 2, 2)  # served as the engine answers
+        noted = [r for r in caplog.records if "is declared with shape" in r.getMessage()]
+        assert len(noted) == 1, noted
+        note = mv.output_note
+        assert note is not None and "output 'y' is declared with shape [1, 2] but the engine answers [4, 2]" \
+            in note
+        assert svc.metadata("misdeclared")["parameters"]["note"] == note
+        assert mv.status()["note"] == note
+
+
 def test_unavailable_model_says_why(tmp_path: Path) -> None:
     repo = make_repo(tmp_path / "models", "vad")
     (repo / "vad" / "1" / "model.onnx").write_bytes(b"not a model")
@@ -257,6 +276,7 @@ def _models_list(cfg: Path, *extra: str) -> dict[str, object]:
 def test_models_list_tells_the_same_truth_as_the_daemon(tmp_path: Path) -> None:
     repo = make_repo(tmp_path / "models", "vad")
     make_repo(repo, "nan")
+    make_repo(repo, "misdeclared")
     cfg = tmp_path / "edged.toml"
     cfg.write_text(textwrap.dedent(f"""
         [device]
@@ -280,6 +300,10 @@ def test_models_list_tells_the_same_truth_as_the_daemon(tmp_path: Path) -> None:
         assert models["nan"]["state"] == "unavailable" and "self-test failed" in models["nan"]["reason"]
         assert models["vad"]["state"] == "ready"
         assert "skipped: the model refused made-up input" in models["vad"]["warmup"]
+        # The self-test's answer contradicts the declared output shape: said in both views.
+        assert models["misdeclared"]["state"] == "ready"
+        assert "output 'y' is declared with shape [1, 2] but the engine answers [32, 2]" in \
+            models["misdeclared"]["note"]
 
     check(_models_list(cfg), "no daemon is running")
     proc = subprocess.Popen([*EDGED, "run", "--config", str(cfg)], stderr=subprocess.PIPE, text=True,
@@ -296,6 +320,7 @@ def test_models_list_tells_the_same_truth_as_the_daemon(tmp_path: Path) -> None:
         check(_models_list(cfg), "the running daemon")
         st = subprocess.run([*EDGED, "status", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
         assert "note: vad v1: warm-up" in st.stdout and "[warmup.shapes." in st.stdout, st.stdout + st.stderr
+        assert "note: misdeclared v1: output 'y' is declared with shape [1, 2]" in st.stdout, st.stdout
     finally:
         proc.terminate()
         proc.wait(30)
