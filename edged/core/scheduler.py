@@ -134,10 +134,10 @@ class Scheduler:
         """Run on the caller's thread if the model is idle and its runs take at most ``max_run_ns``.
 
         None: the caller queues it (``submit``). For an event loop, which may block for a
-        short run but must never wait for a queue or a long one.
+        short run but must never wait for a queue or a long one, nor for an engine restoring itself.
         """
         typical = self.typical_run_ns
-        if typical > max_run_ns:
+        if typical > max_run_ns or self.engine.restoring:
             return None
         nbytes = _nbytes(req.inputs)
         if nbytes * typical > max_run_ns * self._typical_bytes or not self._claim():

@@ -233,6 +233,8 @@ def test_openvino_restores_off_the_request_path_and_readiness_says_so(ov_cls: tu
         svc.infer(InferRequest(model="ocr_cls", inputs={"x": rng.random((1, 3, 8, 8), dtype=np.float32)}), 30)
     assert engine.restoring
     assert not svc.is_ready("ocr_cls") and not server_ready(svc, stopping=False)
+    # An event loop never runs it inline meanwhile (it would block until the restore ends): it queues.
+    assert mv.scheduler.try_inline(InferRequest(model="ocr_cls", inputs={"x": good}), 1, 1 << 62) is None
     with ThreadPoolExecutor(1) as pool:
         waiting: Future[object] = pool.submit(
             lambda: svc.infer(InferRequest(model="ocr_cls", inputs={"x": good}), 60).outputs)
