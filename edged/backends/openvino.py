@@ -69,6 +69,23 @@ def _bound_dynamic_dims(model: Any, request: LoadRequest) -> None:
         model.reshape(new)
 
 
+def _refuse_strings(model: Any, request: LoadRequest) -> None:
+    """String tensors are refused at load, so that the profile's next engine (ONNX Runtime) serves them.
+
+    OpenVINO's CPU plugin has no string kernels beyond moving them (a Cast from string is "not
+    implemented"), and with OpenVINO 2026.4 a model that only passes a string tensor through
+    corrupted the process heap when its infer request was freed ("munmap_chunk(): invalid
+    pointer"): a crash of the whole daemon, not an error of one request.
+    """
+    names = [p.get_any_name() for p in (*model.inputs, *model.outputs)
+             if p.get_element_type().get_type_name() == "string"]
+    if names:
+        raise ModelLoadError(
+            f"{request.label}: its string tensors {names} are not served with OpenVINO (its CPU plugin has no "
+            "string kernels and freeing a string inference crashed the process); ONNX Runtime serves them: "
+            "list onnxruntime in the profile", model=request.model, version=request.version)
+
+
 class OpenVinoEngine(Engine):
     backend = "openvino"
 
@@ -157,13 +174,14 @@ class OpenVinoBackend(Backend):
             config["CACHE_DIR"] = str(request.cache_dir)
         try:
             model = core.read_model(str(request.file))
+            _refuse_strings(model, request)
             _bound_dynamic_dims(model, request)
             batch = request.options.get("static_batch")
             if batch and request.max_batch_size > 0:
                 # A fixed batch lets the plugin pick static kernels (and is required by NPUs).
                 model.reshape({p.get_any_name(): [int(batch), *list(p.get_partial_shape())[1:]] for p in model.inputs})
             compiled = core.compile_model(model, device, config)
-        except EngineUnavailableError:
+        except (EngineUnavailableError, ModelLoadError):
             raise
         except Exception as e:  # OpenVINO raises RuntimeError subclasses with the plugin's text
             raise ModelLoadError(f"{request.label}: OpenVINO could not compile it for {device}: {e}",
