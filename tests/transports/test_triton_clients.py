@@ -187,6 +187,8 @@ def test_health_bodies_are_the_open_inference_protocol_ones(daemon: Daemon) -> N
             r = c.get(path)
             assert r.status_code == 200 and r.headers["content-type"] == "application/json", path
             assert r.json() == body, path
+        r = c.get("/v2/models/broken/ready")  # a model that failed to load: 503, and the body says so
+        assert r.status_code == 503 and r.json() == {"name": "broken", "ready": False}
         r = c.get("/v2/models/wrong_model_name/ready")
         assert r.status_code == 404 and r.headers["content-type"] == "application/json"
         assert r.json()["error"].startswith("Request for unknown model: 'wrong_model_name' is not found")
