@@ -432,6 +432,15 @@ def test_errors_use_tritons_wording_and_keep_edgeds_codes(daemon: Daemon) -> Non
             assert msg.startswith("Request for unknown model: 'broken' version 1 is not at ready state ("), msg
             assert "ONNX Runtime could not load it" in msg  # why, after Triton's sentence
             assert exc.value.status() in ("503", "StatusCode.UNAVAILABLE")
+            # model control (simple_*_model_control.py): the token in headers=, Triton's "failed to load"
+            with pytest.raises(InferenceServerException) as exc:
+                c.load_model("simple")
+            assert exc.value.status() in ("401", "StatusCode.UNAUTHENTICATED")
+            c.load_model("simple", headers=AUTH)
+            assert c.is_model_ready("simple")
+            with pytest.raises(InferenceServerException) as exc:
+                c.load_model("wrong_model_name", headers=AUTH)
+            assert "failed to load 'wrong_model_name'" in exc.value.message(), exc.value.message()
     finally:
         h.close()
         g.close()
