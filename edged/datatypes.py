@@ -73,7 +73,13 @@ def utf8_error(arr: np.ndarray) -> tuple[int, str] | None:
     """
     if arr.dtype.kind == "U":
         return None
-    for i, item in enumerate(arr.ravel()):
+    flat = arr.ravel()
+    try:  # one C-level pass: NUL cannot be inside a UTF-8 sequence, so the join decodes iff every element does
+        b"\x00".join(flat).decode("utf-8")
+        return None
+    except (TypeError, UnicodeDecodeError):
+        pass  # some element is not bytes, or not UTF-8: find which
+    for i, item in enumerate(flat):
         if isinstance(item, bytes):
             try:
                 item.decode("utf-8")

@@ -13,7 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from edged import datatypes
 from edged.config import parse_config
 from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
@@ -89,3 +92,23 @@ def test_tritons_wording_in_process(service: InferenceService) -> None:
     with pytest.raises(InvalidInputError, match=r"^unexpected shape for input 'INPUT0' for model 'simple'\. "
                                                 r"Expected \[-1,16\], got \[16\] \("):
         service.infer(InferRequest("simple", {"INPUT0": z, "INPUT1": z}))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.binary(max_size=6), min_size=0, max_size=12))
+def test_the_utf8_check_finds_the_first_element_that_is_not_utf8(items: list[bytes]) -> None:
+    """The one-pass check (elements joined at NULs) agrees with decoding each element on its own."""
+    def first_bad() -> int | None:
+        for i, b in enumerate(items):
+            try:
+                b.decode("utf-8")
+            except UnicodeDecodeError:
+                return i
+        return None
+
+    arr = np.empty(len(items), dtype=object)
+    arr[:] = items
+    got = datatypes.utf8_error(arr)
+    assert (got[0] if got else None) == first_bad()
+    if got is None:
+        assert datatypes.as_bytes(datatypes.as_text(arr)).tolist() == items  # and back, byte for byte
