@@ -66,6 +66,50 @@ def from_engine(type_name: str) -> str:
         raise InvalidInputError(f"engine element type {type_name!r} has no v2 datatype") from None
 
 
+def utf8_error(arr: np.ndarray) -> tuple[int, str] | None:
+    """The first element of a BYTES array that is not UTF-8 text, as (flat index, why); None if all are.
+
+    Elements already ``str`` are text; anything else (a number in warm-up data) is not checked.
+    """
+    if arr.dtype.kind == "U":
+        return None
+    flat = arr.ravel()
+    try:  # one C-level pass: NUL cannot be inside a UTF-8 sequence, so the join decodes iff every element does
+        b"\x00".join(flat).decode("utf-8")
+        return None
+    except (TypeError, UnicodeDecodeError):
+        pass  # some element is not bytes, or not UTF-8: find which
+    for i, item in enumerate(flat):
+        if isinstance(item, bytes):
+            try:
+                item.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return i, f"byte {e.start} (0x{item[e.start]:02x}) is not UTF-8"
+    return None
+
+
+def as_text(arr: np.ndarray) -> np.ndarray:
+    """A BYTES tensor as the text an engine with string tensors takes: an object array of ``str``.
+
+    Object arrays, not numpy's fixed-width ``U``: those drop trailing NULs ("a\\x00" -> "a"),
+    while a string tensor keeps every character. Elements must be UTF-8 (checked at validation).
+    """
+    out = np.empty(arr.shape, dtype=object)
+    flat = out.reshape(-1)
+    for i, item in enumerate(arr.ravel()):
+        flat[i] = item.decode("utf-8") if isinstance(item, bytes) else item if isinstance(item, str) else str(item)
+    return out
+
+
+def as_bytes(arr: np.ndarray) -> np.ndarray:
+    """An engine's string tensor back as a BYTES tensor: an object array of UTF-8 ``bytes``."""
+    out = np.empty(arr.shape, dtype=object)
+    flat = out.reshape(-1)
+    for i, item in enumerate(arr.ravel()):
+        flat[i] = item if isinstance(item, bytes) else str(item).encode("utf-8")
+    return out
+
+
 def itemsize(datatype: str) -> int:
     """Bytes per element; 0 for BYTES, whose elements vary in length."""
     return 0 if datatype == "BYTES" else to_numpy(datatype).itemsize

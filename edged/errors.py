@@ -134,6 +134,17 @@ class InternalError(EdgedError):
     code = ErrorCode.INTERNAL
 
 
+# Triton's fixed wording for a model it cannot serve, which its clients' examples and users' scripts
+# match on ("Request for unknown model"); edged's own detail follows in parentheses.
+def unknown_model(name: str, version: int | None = None, detail: str = "") -> ModelNotFoundError:
+    what = f"'{name}'" + (f" version {version}" if version is not None else "")
+    return ModelNotFoundError(f"Request for unknown model: {what} is not found" + (f" ({detail})" if detail else ""))
+
+
+def model_not_ready(name: str, version: int, detail: str) -> ModelNotReadyError:
+    return ModelNotReadyError(f"Request for unknown model: '{name}' version {version} is not at ready state ({detail})")
+
+
 def exit_status(err: EdgedError, stream: TextIO | None = None) -> int:
     """Print an entry point's final error and return its exit status, alike in every CLI.
 

@@ -50,6 +50,7 @@ def _shape(dims: Sequence[Any]) -> tuple[int, ...]:
 
 class OnnxRuntimeEngine(Engine):
     backend = "onnxruntime"
+    takes_text = True
 
     def __init__(self, session: Any, device: str, precision: str, providers: list[str]) -> None:
         self._session = session
@@ -61,6 +62,8 @@ class OnnxRuntimeEngine(Engine):
         self.outputs = [EngineTensor(o.name, datatypes.from_engine(o.type), _shape(o.shape))
                         for o in session.get_outputs()]
         self._output_names = [o.name for o in self.outputs]
+        self._text_in = frozenset(t.name for t in self.inputs if t.datatype == "BYTES")
+        self._text_out = frozenset(t.name for t in self.outputs if t.datatype == "BYTES")
         self._lock = threading.Lock()
 
     def infer(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
@@ -70,13 +73,19 @@ class OnnxRuntimeEngine(Engine):
             raise ModelLoadError("engine was unloaded")
         # InferenceSession.run is thread-safe and releases the GIL during compute; a failed run
         # leaves nothing behind in the session.
+        feed = dict(inputs)
+        for name in self._text_in.intersection(feed):  # string tensors take str: see Engine.takes_text
+            feed[name] = datatypes.as_text(feed[name])
         try:
-            results = session.run(names, dict(inputs))
+            results = session.run(names, feed)
         except Exception as e:
             if type(e).__name__ == "InvalidArgument":  # ORT's status INVALID_ARGUMENT: the input's fault
                 raise EngineInputError(str(e)) from None
             raise
-        return dict(zip(names, results, strict=True))
+        out = dict(zip(names, results, strict=True))
+        for name in self._text_out.intersection(out):  # ORT answers str: BYTES are bytes everywhere else
+            out[name] = datatypes.as_bytes(out[name])
+        return out
 
     def unload(self) -> None:
         with self._lock:

@@ -99,6 +99,23 @@ class _Compiled:
 Remake = Callable[[Any], Any]
 
 
+def _refuse_strings(model: Any, request: LoadRequest) -> None:
+    """String tensors are refused at load, so that the profile's next engine (ONNX Runtime) serves them.
+
+    OpenVINO's CPU plugin has no string kernels beyond moving them (a Cast from string is "not
+    implemented"), and with OpenVINO 2026.4 a model that only passes a string tensor through
+    corrupted the process heap when its infer request was freed ("munmap_chunk(): invalid
+    pointer"): a crash of the whole daemon, not an error of one request.
+    """
+    names = [p.get_any_name() for p in (*model.inputs, *model.outputs)
+             if p.get_element_type().get_type_name() == "string"]
+    if names:
+        raise ModelLoadError(
+            f"{request.label}: its string tensors {names} are not served with OpenVINO (its CPU plugin has no "
+            "string kernels and freeing a string inference crashed the process); ONNX Runtime serves them: "
+            "list onnxruntime in the profile", model=request.model, version=request.version)
+
+
 class OpenVinoEngine(Engine):
     """An OpenVINO compiled model that is put back in a clean state after every failed run.
 
@@ -258,6 +275,7 @@ class OpenVinoBackend(Backend):
 
         def compile_it() -> Any:
             model = core.read_model(str(request.file))
+            _refuse_strings(model, request)
             _bound_dynamic_dims(model, request)
             batch = request.options.get("static_batch")
             if batch and request.max_batch_size > 0:
@@ -267,7 +285,7 @@ class OpenVinoBackend(Backend):
 
         try:
             compiled = compile_it()
-        except EngineUnavailableError:
+        except (EngineUnavailableError, ModelLoadError):
             raise
         except Exception as e:  # OpenVINO raises RuntimeError subclasses with the plugin's text
             raise ModelLoadError(f"{request.label}: OpenVINO could not compile it for {device}: {e}",

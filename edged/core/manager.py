@@ -162,8 +162,9 @@ class ModelManager:
 
     def _load_model(self, name: str, versions: Sequence[int] | None, *, dependencies: bool) -> list[ModelVersion]:
         model_dir = self.repository / name
-        if not model_dir.is_dir():
-            raise ModelNotFoundError(f"model {name!r} is not in the repository")
+        if not model_dir.is_dir():  # Triton's wording, then edged's
+            raise ModelNotFoundError(f"failed to load '{name}', failed to poll from model repository "
+                                     f"(model {name!r} is not in the repository)")
         available = list_versions(model_dir)
         wanted = list(versions) if versions is not None else self.models_cfg.policy_for(name).select(available)
         missing = [v for v in wanted if v not in available]

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from edged.core.model_versions import ModelState, ModelTable, ModelVersion
 from edged.core.stats import ModelStats
 from edged.core.types import InferRequest, InferResponse
-from edged.errors import DeadlineExceededError, EdgedError, InternalError, InvalidInputError, ModelNotReadyError
+from edged.errors import DeadlineExceededError, EdgedError, InternalError, InvalidInputError, model_not_ready
 from edged.pipeline.contract import ANY, PipelineDefinitionError, Port
 from edged.pipeline.definition import PIPELINE_FILE, files_read, load_pipeline
 from edged.pipeline.graph import Tensors, compile_pipeline
@@ -196,7 +196,8 @@ def start_pipeline_request(mv: ModelVersion, req: InferRequest, runner: Pipeline
     pipeline = mv.pipeline
     if mv.state is not ModelState.READY or pipeline is None:
         why = f": {mv.reason}" if mv.reason else ""
-        raise ModelNotReadyError(f"pipeline {mv.name!r} version {mv.version} is not ready ({mv.state.value}){why}")
+        raise model_not_ready(mv.name, mv.version,
+                              f"pipeline {mv.name!r} version {mv.version} is not ready ({mv.state.value}){why}")
     wanted = req.outputs
     if wanted is not None:
         unknown = sorted(set(wanted) - set(pipeline.outputs))

@@ -18,7 +18,7 @@ from edged.core.pipelines import start_pipeline_request
 from edged.core.scheduler import Scheduler
 from edged.core.types import InferRequest, InferResponse
 from edged.core.validation import validate
-from edged.errors import ModelNotFoundError, ModelNotReadyError
+from edged.errors import ModelNotReadyError, model_not_ready, unknown_model
 
 T = TypeVar("T")
 
@@ -42,7 +42,7 @@ class InferenceService:
         mv = self.manager.table.find(name, version)
         if mv is None:
             what = f"model {name!r}" + (f" version {version}" if version is not None else "")
-            raise ModelNotFoundError(f"{what} is not in the repository")
+            raise unknown_model(name, version, f"{what} is not in the repository")
         return mv
 
     def ready_model(self, name: str, version: int | None = None) -> ModelVersion:
@@ -50,7 +50,8 @@ class InferenceService:
         mv = self.model(name, version)
         if mv.state is not ModelState.READY or (mv.scheduler is None and mv.pipeline is None):
             why = f": {mv.reason}" if mv.reason else ""
-            raise ModelNotReadyError(f"model {name!r} version {mv.version} is not ready ({mv.state.value}){why}")
+            raise model_not_ready(name, mv.version, f"model {name!r} version {mv.version} is not ready "
+                                                    f"({mv.state.value}){why}")
         return mv
 
     def is_ready(self, name: str, version: int | None = None) -> bool:
@@ -147,7 +148,7 @@ class InferenceService:
         elif version is None:
             mvs = self.manager.table.versions(name)
             if not mvs:
-                raise ModelNotFoundError(f"model {name!r} is not in the repository")
+                raise unknown_model(name, None, f"model {name!r} is not in the repository")
         else:
             mvs = [self.model(name, version)]
         return [mv.stats.to_triton() for mv in mvs if mv.stats is not None]

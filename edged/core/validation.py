@@ -91,6 +91,8 @@ def _validate_fully(mv: ModelVersion, req: InferRequest) -> int:
     mbs = mv.max_batch_size
     batch: int | None = None
     bounds = mv.manifest.warmup.shapes
+    # Checked here, per request, not in the engine: one bad element must not fail a whole batch.
+    text = mv.scheduler is not None and mv.scheduler.engine.takes_text
     for name, spec in specs.items():
         arr = req.inputs[name]
         if not isinstance(arr, np.ndarray):
@@ -98,27 +100,36 @@ def _validate_fully(mv: ModelVersion, req: InferRequest) -> int:
         got = datatypes.from_numpy(arr.dtype)
         if got != spec.datatype:
             raise InvalidInputError(f"{where}: input {name!r} has datatype {got}, expected {spec.datatype}")
+        if got == "BYTES" and text:
+            not_text = datatypes.utf8_error(arr)
+            if not_text is not None:
+                raise InvalidInputError(f"{where}: input {name!r} element {not_text[0]} is not UTF-8 text "
+                                        f"({not_text[1]}); "
+                                        f"this model's string tensors hold text")
         shape = arr.shape
         if mbs > 0:
             if len(shape) != len(spec.shape) + 1:
-                raise InvalidInputError(
-                    f"{where}: input {name!r} has shape {list(shape)}, expected [batch, {_fmt(spec.shape)}] "
-                    f"with batch <= {mbs}")
+                raise _shape_error(mv, name, shape, f"{where}: input {name!r} has shape {list(shape)}, expected "
+                                                    f"[batch, {_fmt(spec.shape)}] with batch <= {mbs}")
             b, dims = shape[0], shape[1:]
-            if not 1 <= b <= mbs:
-                raise InvalidInputError(f"{where}: input {name!r} batch size {b} is outside 1..{mbs}")
+            if b > mbs:  # Triton's wording for it
+                raise InvalidInputError(f"inference request batch-size must be <= {mbs} for '{mv.name}' "
+                                        f"({where}: input {name!r} batch size {b} is outside 1..{mbs})")
+            if b < 1:
+                raise _shape_error(mv, name, shape, f"{where}: input {name!r} batch size {b} is outside 1..{mbs}")
             if batch is not None and b != batch:
                 raise InvalidInputError(f"{where}: inputs disagree on batch size ({batch} and {b})")
             batch = b
         else:
             dims = shape
             if len(dims) != len(spec.shape):
-                raise InvalidInputError(f"{where}: input {name!r} has shape {list(shape)}, expected {spec.shape}")
+                raise _shape_error(mv, name, shape,
+                                   f"{where}: input {name!r} has shape {list(shape)}, expected {spec.shape}")
         for i, (have, want) in enumerate(zip(dims, spec.shape, strict=True)):
             if want not in (-1, have):
-                raise InvalidInputError(
-                    f"{where}: input {name!r} dimension {i + (1 if mbs > 0 else 0)} is {have}, expected {want} "
-                    f"(shape {list(shape)})")
+                raise _shape_error(mv, name, shape,
+                                   f"{where}: input {name!r} dimension {i + (1 if mbs > 0 else 0)} is {have}, "
+                                   f"expected {want} (shape {list(shape)})")
         declared = bounds.get(name) if bounds else None
         if declared is not None and (declared.min is not None or declared.max is not None):
             _check_bounds(where, name, dims, declared.min, declared.max, skip=1 if mbs > 0 else 0)
@@ -140,6 +151,18 @@ def _check_bounds(where: str, name: str, dims: tuple[int, ...], lo: list[int] | 
         if hi is not None and i < len(hi) and have > hi[i]:
             raise InvalidInputError(f"{where}: input {name!r} dimension {i + skip} is {have}, above the declared "
                                     f"maximum {hi[i]} ([warmup.shapes.{name}] max = {hi})")
+
+
+def _shape_error(mv: ModelVersion, name: str, shape: tuple[int, ...], detail: str) -> InvalidInputError:
+    """Triton's wording for a shape the model does not take (its full shape, -1 for the batch), then edged's."""
+    spec = next(s for s in mv.inputs if s.name == name)
+    full = ([-1] if mv.max_batch_size > 0 else []) + list(spec.shape)
+    return InvalidInputError(f"unexpected shape for input '{name}' for model '{mv.name}'. Expected "
+                             f"{_dims(full)}, got {_dims(shape)} ({detail})")
+
+
+def _dims(shape: list[int] | tuple[int, ...]) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
 
 
 def _fmt(shape: list[int]) -> str:

@@ -76,7 +76,10 @@ def check_model_control(authority: Authority, peer: Peer, name: str, action: str
     """Everything refusable about a load/unload, checked before any work (authority first)."""
     authority.require(peer, LOAD if action == "load" else UNLOAD)
     if not valid_model_name(name):
-        raise ModelNotFoundError(f"model {name!r} is not in the repository")
+        detail = f"model {name!r} is not in the repository"
+        if action == "load":  # Triton's wording first
+            detail = f"failed to load {name!r}, failed to poll from model repository ({detail})"
+        raise ModelNotFoundError(detail)
     if action == "load" and params - {"unload_dependents"}:
         raise InvalidInputError("overriding the model configuration or files on load is not supported; "
                                 "put the model into the repository and load it by name")

@@ -124,8 +124,12 @@ class V2App:
                 return self._json(server_metadata())
             if rest[0] == "health" and len(rest) == 2 and rest[1] in ("live", "ready"):
                 _allow(method, "GET")
-                ok = rest[1] == "live" or self.server_ready()
-                return (200 if ok else 503), [], b""
+                # The Open Inference Protocol's bodies (KServe's client reads them) with the status
+                # code that Triton's clients read.
+                if rest[1] == "live":
+                    return 200, _JSON, b'{"live":true}'
+                ok = self.server_ready()
+                return (200 if ok else 503), _JSON, b'{"ready":true}' if ok else b'{"ready":false}'
             if rest[0] == "repository":
                 return await self._repository(method, rest[1:], req)
             if rest[0] == "systemsharedmemory":
@@ -161,7 +165,8 @@ class V2App:
             return self._json(self.service.metadata(model, version), scrub=True)
         if action == "ready":
             _allow(method, "GET")
-            return (200 if model_ready(self.service, model, version) else 503), [], b""
+            ok = model_ready(self.service, model, version)
+            return (200 if ok else 503), _JSON, dumps({"name": model, "ready": ok})
         if action == "config":
             _allow(method, "GET")
             mv = self.service.model(model, version)
