@@ -9,7 +9,7 @@ reads only what arrived since the last one, however long the rollout runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,11 +48,54 @@ class Counts:
         return self.n("committed", "rolled-back", "failed")
 
 
-def release_counts(s: Session, model_id: int, release: int) -> Counts:
-    rows = s.execute(select(DeviceModelRow.state, func.count()).where(
+Judge = Callable[[str, dict[str, Any], dict[str, Any]], bool]  # (device id, operator labels, facts)
+
+
+@dataclass(frozen=True)
+class Population:
+    """Whose word a rollout's gates count; made in ONE place, :func:`edged.registry.rollouts.population`.
+
+    Any enrolled device can report any step and upload telemetry for any release. What a device
+    outside the rollout says about the release changes no gate, no step and no state (it is stored
+    and shown as not counted): ``member`` decides for the release's reports, scores and telemetry.
+    ``targeted`` (the rollout's target and the release's selector, admitted or not) decides for the
+    previous version's telemetry the new one is compared with: the rollout's own devices, never the
+    rest of the fleet. ``facts``: whether either needs the devices' facts (else they are not read).
+    """
+
+    member: Judge
+    targeted: Judge
+    facts: bool = True
+
+
+def judged_devices(s: Session, ids: Iterable[str], pop: Population) -> tuple[set[str], set[str]]:
+    """(members, targeted devices) among ``ids``: one query for their labels (and facts when needed)."""
+    wanted = sorted(set(ids))
+    members: set[str] = set()
+    targeted: set[str] = set()
+    cols = [DeviceRow.id, DeviceRow.admin_labels] + ([DeviceRow.facts] if pop.facts else [])
+    for i in range(0, len(wanted), 500):
+        for row in s.execute(select(*cols).where(DeviceRow.id.in_(wanted[i:i + 500]))).all():
+            labels = dict(row.admin_labels or {})
+            facts = dict(row.facts or {}) if pop.facts else {}
+            if pop.member(row.id, labels, facts):
+                members.add(row.id)
+            if pop.targeted(row.id, labels, facts):
+                targeted.add(row.id)
+    return members, targeted
+
+
+def release_counts(s: Session, model_id: int, release: int, pop: Population) -> Counts:
+    """Each member's last step for the release, counted by step (non-members' reports are left out)."""
+    cols = [DeviceModelRow.state, DeviceRow.id, DeviceRow.admin_labels] + ([DeviceRow.facts] if pop.facts else [])
+    rows = s.execute(select(*cols).join(DeviceRow, DeviceRow.id == DeviceModelRow.device_id).where(
         DeviceModelRow.model_id == model_id, DeviceModelRow.release_number == release,
-        DeviceModelRow.state.is_not(None)).group_by(DeviceModelRow.state)).all()
-    return Counts({str(st): int(n) for st, n in rows})
+        DeviceModelRow.state.is_not(None))).all()
+    by_state: dict[str, int] = {}
+    for r in rows:
+        if pop.member(r.id, dict(r.admin_labels or {}), dict(r.facts or {}) if pop.facts else {}):
+            by_state[str(r.state)] = by_state.get(str(r.state), 0) + 1
+    return Counts(by_state)
 
 
 # ---- evaluation-set scores ------------------------------------------------------------------------
@@ -67,17 +110,13 @@ class Quality:
     drop: float | None = None  # mean (baseline - score) over those
 
 
-def quality_scores(s: Session, model_id: int, release: int,
-                   members: Callable[[str, dict[str, Any], dict[str, Any]], bool] | None = None) -> Quality:
-    """``members(device_id, labels, facts)``: whose scores count. Any enrolled device can send a score for
-    any release; a gate must judge only the devices its rollout put the release on (else one device
-    outside the rollout could pass a bad release or halt a good one)."""
+def quality_scores(s: Session, model_id: int, release: int, pop: Population) -> Quality:
+    """The members' scores only: a device outside the rollout could otherwise pass a bad release or halt a
+    good one."""
     rows = s.execute(select(QualityScoreRow.device_id, QualityScoreRow.score, QualityScoreRow.baseline_score).where(
         QualityScoreRow.model_id == model_id, QualityScoreRow.release_number == release)).all()
-    if members is not None and rows:
-        devices = s.execute(select(DeviceRow.id, DeviceRow.admin_labels, DeviceRow.facts).where(
-            DeviceRow.id.in_({r.device_id for r in rows}))).all()
-        counted = {d.id for d in devices if members(d.id, dict(d.admin_labels or {}), dict(d.facts or {}))}
+    if rows:
+        counted, _ = judged_devices(s, (r.device_id for r in rows), pop)
         rows = [r for r in rows if r.device_id in counted]
     if not rows:
         return Quality()
@@ -117,13 +156,17 @@ def telemetry_watermark(s: Session) -> int:
     return int(s.scalar(select(func.max(TelemetryModelRow.id))) or 0)
 
 
-def accumulate(s: Session, ro: RolloutRow, model: str, new_version: int) -> tuple[Side, Side]:
-    """Add the telemetry uploaded since the last evaluation; returns (new version, previous version)."""
+def accumulate(s: Session, ro: RolloutRow, model: str, new_version: int, pop: Population) -> tuple[Side, Side]:
+    """Add the telemetry uploaded since the last evaluation; returns (new version, previous version).
+
+    The new version's windows count from members only, the previous version's from the rollout's
+    targeted devices only (see :class:`Population`); other windows are passed over for good."""
     st = dict(ro.gate_state or {})
     new, base = Side.load(st.get("new")), Side.load(st.get("base"))
     mark = int(st.get("watermark", 0))
     versions = [new_version] + ([ro.baseline_version] if ro.baseline_version is not None else [])
-    rows = s.execute(select(TelemetryModelRow.id, TelemetryModelRow.version, TelemetryModelRow.success,
+    rows = s.execute(select(TelemetryModelRow.id, TelemetryModelRow.device_id, TelemetryModelRow.version,
+                            TelemetryModelRow.success,
                             TelemetryModelRow.failures_by_code, TelemetryModelRow.latency_counts,
                             TelemetryModelRow.latency_sum_s)
                      .where(TelemetryModelRow.model == model, TelemetryModelRow.id > mark,
@@ -131,14 +174,17 @@ def accumulate(s: Session, ro: RolloutRow, model: str, new_version: int) -> tupl
                      .order_by(TelemetryModelRow.id).limit(TELEMETRY_BATCH)).all()
     if not rows:
         return new, base
+    members, targeted = judged_devices(s, (r.device_id for r in rows), pop)
     for r in rows:
+        mark = max(mark, int(r.id))
+        if r.device_id not in (members if r.version == new_version else targeted):
+            continue
         side = new if r.version == new_version else base
         side.ok += int(r.success)
         side.errors += sum(int(n) for code, n in (r.failures_by_code or {}).items() if code not in NOT_MODEL_ERRORS)
         counts = [int(c) for c in (r.latency_counts or [])][:_BUCKETS]
         side.hist = (side.hist or HistCounts()).plus(HistCounts(counts + [0] * (_BUCKETS - len(counts)),
                                                                 float(r.latency_sum_s or 0.0)))
-        mark = max(mark, int(r.id))
     ro.gate_state = {**st, "watermark": mark, "new": new.dump(), "base": base.dump()}
     return new, base
 
