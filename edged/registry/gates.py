@@ -9,11 +9,12 @@ reads only what arrived since the last one, however long the rollout runs.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import Text, cast, func, literal, select
 from sqlalchemy.orm import Session
 
 from edged.latency_buckets import LATENCY_BUCKETS_S
@@ -61,39 +62,69 @@ class Population:
     ``targeted`` (the rollout's target and the release's selector, admitted or not) decides for the
     previous version's telemetry the new one is compared with: the rollout's own devices, never the
     rest of the fleet. ``facts``: whether either needs the devices' facts (else they are not read).
+
+    ``known``: verdicts already reached, with the labels (and facts) text they were reached on.
+    Membership only grows while labels and facts stay the same (cutoffs only rise, groups are only
+    added), so a member with unchanged text is one without deciding again, and a non-member is one
+    while ``cut`` (the rollout's step, cutoffs and admission) is also unchanged: an evaluation of a
+    step where thousands reported costs a read of their rows, not thousands of decisions.
     """
 
     member: Judge
     targeted: Judge
     facts: bool = True
+    known: dict[str, tuple[bool, str, int]] | None = None  # device -> (member, cut, hash of labels and facts)
+    cut: str = ""
+
+    def is_member(self, device_id: str, labels_text: str | None, facts_text: str | None) -> bool:
+        h = hash((labels_text, facts_text if self.facts else None))
+        if self.known is not None:
+            seen = self.known.get(device_id)
+            if seen is not None and seen[2] == h and (seen[0] or seen[1] == self.cut):
+                return seen[0]
+        ok = self.member(device_id, _obj(labels_text), _obj(facts_text) if self.facts else {})
+        if self.known is not None:
+            self.known[device_id] = (ok, self.cut, h)
+        return ok
+
+
+def _obj(text: str | None) -> dict[str, Any]:
+    try:
+        v = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return v if isinstance(v, dict) else {}
+
+
+def _device_cols(pop: Population) -> list[Any]:
+    """A device's id, labels and (when needed) facts as stored text: decoded only for devices not yet known."""
+    return [DeviceRow.id, cast(DeviceRow.admin_labels, Text).label("labels"),
+            cast(DeviceRow.facts, Text).label("facts") if pop.facts else literal(None).label("facts")]
 
 
 def judged_devices(s: Session, ids: Iterable[str], pop: Population) -> tuple[set[str], set[str]]:
-    """(members, targeted devices) among ``ids``: one query for their labels (and facts when needed)."""
+    """(members, targeted devices) among ``ids``: one query per 500 for their labels (and facts when needed)."""
     wanted = sorted(set(ids))
     members: set[str] = set()
     targeted: set[str] = set()
-    cols = [DeviceRow.id, DeviceRow.admin_labels] + ([DeviceRow.facts] if pop.facts else [])
     for i in range(0, len(wanted), 500):
-        for row in s.execute(select(*cols).where(DeviceRow.id.in_(wanted[i:i + 500]))).all():
-            labels = dict(row.admin_labels or {})
-            facts = dict(row.facts or {}) if pop.facts else {}
-            if pop.member(row.id, labels, facts):
+        for row in s.execute(select(*_device_cols(pop)).where(DeviceRow.id.in_(wanted[i:i + 500]))).all():
+            if pop.is_member(row.id, row.labels, row.facts):
                 members.add(row.id)
-            if pop.targeted(row.id, labels, facts):
+            if pop.targeted(row.id, _obj(row.labels), _obj(row.facts) if pop.facts else {}):
                 targeted.add(row.id)
     return members, targeted
 
 
 def release_counts(s: Session, model_id: int, release: int, pop: Population) -> Counts:
     """Each member's last step for the release, counted by step (non-members' reports are left out)."""
-    cols = [DeviceModelRow.state, DeviceRow.id, DeviceRow.admin_labels] + ([DeviceRow.facts] if pop.facts else [])
-    rows = s.execute(select(*cols).join(DeviceRow, DeviceRow.id == DeviceModelRow.device_id).where(
+    rows = s.execute(select(DeviceModelRow.state, *_device_cols(pop))
+                     .join(DeviceRow, DeviceRow.id == DeviceModelRow.device_id).where(
         DeviceModelRow.model_id == model_id, DeviceModelRow.release_number == release,
         DeviceModelRow.state.is_not(None))).all()
     by_state: dict[str, int] = {}
     for r in rows:
-        if pop.member(r.id, dict(r.admin_labels or {}), dict(r.facts or {}) if pop.facts else {}):
+        if pop.is_member(r.id, r.labels, r.facts):
             by_state[str(r.state)] = by_state.get(str(r.state), 0) + 1
     return Counts(by_state)
 

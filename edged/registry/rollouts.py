@@ -11,8 +11,10 @@ that alters what devices are offered bumps the registry revision.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +85,26 @@ def membership(ro: RolloutRow, step: int | None = None, *, admitted: bool = True
                          ramp=ramp)
 
 
+# rollout id -> (what decides its membership apart from the cutoffs, the verdicts known)
+_KNOWN: OrderedDict[int, tuple[str, dict[str, tuple[bool, str, int]]]] = OrderedDict()
+_KNOWN_ROLLOUTS = 32
+
+
+def _known_members(ro: RolloutRow, selector: TargetSelector) -> dict[str, tuple[bool, str, int]] | None:
+    """This process's record of the rollout's known members (see :class:`Population`), kept for the last
+    few rollouts evaluated; forgotten if what decides membership apart from the cutoffs ever differs."""
+    if ro.id is None:
+        return None
+    what = json.dumps([ro.target, ro.salt, ro.steps, selector.model_dump(mode="json")], sort_keys=True)
+    entry = _KNOWN.get(ro.id)
+    if entry is None or entry[0] != what:
+        entry = _KNOWN[ro.id] = (what, {})
+    _KNOWN.move_to_end(ro.id)
+    while len(_KNOWN) > _KNOWN_ROLLOUTS:
+        _KNOWN.popitem(last=False)
+    return entry[1]
+
+
 def population(ro: RolloutRow, selector: TargetSelector) -> Population:
     """THE decision of whose reports, scores and telemetry a rollout's gates and completion count: its
     members up to the current step (admitted, and selected by the release's own signed selector); and
@@ -98,7 +120,8 @@ def population(ro: RolloutRow, selector: TargetSelector) -> Population:
 
     uses_facts = bool(target.facts or target.profiles) or any(
         g.facts or g.profiles for g in members.groups)
-    return Population(member, targeted, facts=uses_facts)
+    cut = json.dumps([ro.step, ro.cutoffs, members.current_cutoff() if members.ramp is not None else None])
+    return Population(member, targeted, facts=uses_facts, known=_known_members(ro, selector), cut=cut)
 
 
 def counted(s: Session, ro: RolloutRow, device_id: str, labels: dict[str, Any], facts: dict[str, Any]) -> bool:

@@ -236,7 +236,7 @@ def test_device_reported_collections_are_bounded(server: RegistryServer) -> None
     with server.client() as c:
         dev = ApiDevice.enroll(server.url, c.enrollment_token().token, f"big-{next(_n)}")
     serving = [{"model": f"m{i}", "version": 1, "release": 1, "state": "committed"} for i in range(30_000)]
-    r = web().put(f"{server.url}/api/v1/device/facts", headers=dev.auth, json={"serving": serving})
+    r = httpx.put(f"{server.url}/api/v1/device/facts", headers=dev.auth, json={"serving": serving}, timeout=60)
     assert r.status_code == 413 and "serving" in r.text and "1024" in r.text, (r.status_code, r.text[:300])
     r = web().put(f"{server.url}/api/v1/device/facts", headers=dev.auth, json={"serving": serving[:50]})
     assert r.status_code == 200  # a real device's list is stored
@@ -250,9 +250,13 @@ def test_device_reported_collections_are_bounded(server: RegistryServer) -> None
     assert r.status_code == 413 and "failures" in r.text
     run = uuid.uuid4().hex[:12]
     items = [{"device": dev.id, "seq": k + 1, "run": run, "t": time.time(), "window_s": 1, "uptime_s": 1,
-              "models": [{"model": f"m{j}", "version": 1} for j in range(1000)]} for k in range(21)]
-    r = web().post(f"{server.url}{INGEST_PATH}", headers=dev.auth, json={"buffer_id": run, "items": items})
-    assert r.status_code == 413 and "model windows" in r.text
+              "models": [{"model": "m", "version": 1}] * 1000} for k in range(200)]
+    body = json.dumps({"buffer_id": run, "items": items}, separators=(",", ":")).encode()
+    t0 = time.monotonic()
+    r = httpx.post(f"{server.url}{INGEST_PATH}", content=body, timeout=60,
+                   headers={**dev.auth, "Content-Type": "application/json"})
+    assert r.status_code == 413 and "200000 model windows" in r.text, (r.status_code, r.text[:300])
+    print(f"200,000 model windows (a {len(body) >> 10} KiB body) refused in {time.monotonic() - t0:.2f} s")
     with server.client() as c:
         stored = c.device(dev.id)
         assert stored.events == []
