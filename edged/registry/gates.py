@@ -102,16 +102,20 @@ def _device_cols(pop: Population) -> list[Any]:
             cast(DeviceRow.facts, Text).label("facts") if pop.facts else literal(None).label("facts")]
 
 
-def judged_devices(s: Session, ids: Iterable[str], pop: Population) -> tuple[set[str], set[str]]:
-    """(members, targeted devices) among ``ids``: one query per 500 for their labels (and facts when needed)."""
-    wanted = sorted(set(ids))
+def judged_devices(s: Session, ids: Iterable[str], pop: Population,
+                   targeted_ids: Iterable[str] = ()) -> tuple[set[str], set[str]]:
+    """(the members among ``ids``, the targeted devices among ``targeted_ids``): one query per 500 devices for
+    their labels (and facts when needed)."""
+    ask_member, ask_targeted = set(ids), set(targeted_ids)
+    wanted = sorted(ask_member | ask_targeted)
     members: set[str] = set()
     targeted: set[str] = set()
     for i in range(0, len(wanted), 500):
         for row in s.execute(select(*_device_cols(pop)).where(DeviceRow.id.in_(wanted[i:i + 500]))).all():
-            if pop.is_member(row.id, row.labels, row.facts):
+            if row.id in ask_member and pop.is_member(row.id, row.labels, row.facts):
                 members.add(row.id)
-            if pop.targeted(row.id, _obj(row.labels), _obj(row.facts) if pop.facts else {}):
+            if row.id in ask_targeted and pop.targeted(row.id, _obj(row.labels),
+                                                       _obj(row.facts) if pop.facts else {}):
                 targeted.add(row.id)
     return members, targeted
 
@@ -205,7 +209,8 @@ def accumulate(s: Session, ro: RolloutRow, model: str, new_version: int, pop: Po
                      .order_by(TelemetryModelRow.id).limit(TELEMETRY_BATCH)).all()
     if not rows:
         return new, base
-    members, targeted = judged_devices(s, (r.device_id for r in rows), pop)
+    members, targeted = judged_devices(s, (r.device_id for r in rows if r.version == new_version), pop,
+                                       (r.device_id for r in rows if r.version != new_version))
     for r in rows:
         mark = max(mark, int(r.id))
         if r.device_id not in (members if r.version == new_version else targeted):

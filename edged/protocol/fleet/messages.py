@@ -297,7 +297,7 @@ class LabelsUpdate(_Wire):
 
 
 class PinRequest(_Wire):
-    release: int | None = Field(description="pin this device to a release of the model; null unpins")
+    release: Version | None = Field(description="pin this device to a release of the model; null unpins")
 
 
 class ReleaseStatus(_Wire):
