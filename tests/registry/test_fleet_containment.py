@@ -122,6 +122,31 @@ def test_a_device_outside_a_rollout_neither_halts_nor_completes_it(server: Regis
     c.close()
 
 
+def test_a_device_labelled_out_of_a_rollout_stops_counting(server: RegistryServer) -> None:
+    """Verdicts are remembered between evaluations, but only while a device's labels stay what they were."""
+    m = f"c{next(_n)}"
+    c = server.client()
+    keys: Keys = server.keys  # type: ignore[attr-defined]
+    for v in (1, 2):
+        c.push_folder(make_version(server.root / "pub" / m / str(v), salt=f"{m}-{v}"), m, v)
+    c.release(keys.load(), m, 1, expires_in_s=3600)
+    a = _enroll(server, f"{m}-a", {"ring": "canary", "fleet": m})
+    b = _enroll(server, f"{m}-b", {"ring": "canary", "fleet": m})
+    spec = RolloutCreate(model=m, release=0, steps=[StepSpec(percent=100, soak_s=3600)],
+                         target=RolloutTarget(labels={"ring": "canary", "fleet": m}),
+                         gates=Gates(max_failure_rate=0.1, min_reporting=1))
+    ro = c.release_with_rollout(keys.load(), m, 2, spec, expires_in_s=3600)
+    b.report(m, "downloading", ro.release, 2)
+    assert c.evaluate_rollouts() == {} and c.rollout(ro.id).totals["updating"] == 1  # b counted as a member
+    c.set_labels(b.id, {"ring": "lab"})  # an operator moves b out of the target
+    b.report(m, "rolled-back", ro.release, 2, "trial failed")
+    assert c.evaluate_rollouts() == {}  # b's failure is no longer the rollout's
+    a.report(m, "rolled-back", ro.release, 2, "trial failed")
+    assert c.evaluate_rollouts() == {str(ro.id): "halted"}  # a member's is
+    assert "1 of 1 finished" in (c.rollout(ro.id).rollout.reason or "")
+    c.close()
+
+
 # ---- attack 8: the sign-in limit keys on the real peer ------------------------------------------------
 def test_forwarded_for_does_not_evade_the_sign_in_limit(server: RegistryServer) -> None:
     # from 127.0.0.1, whose forwarded headers uvicorn believes by default
