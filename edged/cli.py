@@ -118,7 +118,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     problems += check_grpc(cfg)
     for problem in problems:
         print(f"{path}: {problem}", file=sys.stderr)
-    for warning in secret_exposure(path, cfg):
+    for warning in secret_exposure(path, cfg) + cleartext_links(cfg):
         print(f"{path}: warning: {warning}", file=sys.stderr)
     if problems:
         return 1
@@ -139,6 +139,42 @@ def secret_exposure(path: Path, cfg: Config) -> list[str]:
         return []
     return [f"readable by every user (mode {mode:04o}) but holds {', '.join(secrets)}: "
             f"chmod 0640 and chown root:edged (the daemon's group) so only root and edged can read it"]
+
+
+def _loopback(host: str | None) -> bool:
+    import ipaddress
+
+    if not host:
+        return True  # no host: a local socket
+    if host.rstrip(".").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def cleartext_links(cfg: Config) -> list[str]:
+    """Links to another host without TLS: anyone on the path reads and changes what crosses them (issue #36)."""
+    from urllib.parse import urlsplit
+
+    out = []
+    if cfg.registry.enabled and cfg.registry.url:
+        u = urlsplit(cfg.registry.url)
+        if u.scheme == "http" and not _loopback(u.hostname):
+            out.append(f"[registry] url {cfg.registry.url} is plain HTTP to another host: the device credential, "
+                       "its reports and telemetry cross the network in clear, and whoever is on the path can "
+                       "answer for the registry (releases stay signed, but it can withhold them); use https://")
+    if cfg.mqtt.enabled:
+        u = urlsplit(cfg.mqtt.url)
+        if u.scheme in ("mqtt", "ws") and cfg.mqtt.tls is None and not _loopback(u.hostname):
+            creds = " and the MQTT password" if cfg.mqtt.password else ""
+            out.append(f"[mqtt] url {cfg.mqtt.url} has no TLS to another host: requests, replies{creds} cross "
+                       "the network in clear; use mqtts:// (or wss://) with [mqtt.tls]")
+        elif cfg.mqtt.tls is not None and cfg.mqtt.tls.insecure_skip_verify and not _loopback(u.hostname):
+            out.append(f"[mqtt.tls] insecure_skip_verify: the broker at {u.hostname} is not verified, so anyone "
+                       "on the path can pose as it")
+    return out
 
 
 def cmd_detect(args: argparse.Namespace) -> int:

@@ -97,8 +97,8 @@ class DeviceSection(_Section):
     @field_validator("id")
     @classmethod
     def _topic_safe(cls, v: str) -> str:
-        if not v or any(c in v for c in "/+#\0") or len(v) > 128:
-            raise ValueError("must be 1-128 characters without '/', '+', '#'")
+        if not v or any(c in v for c in "/+#") or len(v) > 128 or any(ord(c) < 32 or 127 <= ord(c) < 160 for c in v):
+            raise ValueError("must be 1-128 characters without '/', '+', '#' or control characters")
         return v
 
 

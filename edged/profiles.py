@@ -315,7 +315,7 @@ class BackendPreference(_Strict):
         if allowed is not None and self.device not in allowed:
             raise ValueError(f"device {self.device!r} is not one {self.backend} offers "
                              f"({', '.join(allowed)})")
-        if self.backend == "openvino" and not re.match(r"^[A-Z][A-Z0-9_.:,()]*$", self.device):
+        if self.backend == "openvino" and not re.fullmatch(r"[A-Z][A-Z0-9_.:,()]*", self.device):
             raise ValueError(f"device {self.device!r} is not an OpenVINO device name "
                              "(CPU, GPU, NPU, AUTO...)")
         return self

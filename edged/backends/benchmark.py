@@ -315,7 +315,7 @@ class SelectionMemory:
             return
         stale = re.compile(re.escape(f"{model}-{version}-") + rf"[0-9a-f]{{{_KEY_CHARS}}}\.json$")
         for other in self.root.iterdir():
-            if other != path and stale.match(other.name):
+            if other != path and stale.fullmatch(other.name):
                 try:
                     other.unlink()
                 except OSError:

@@ -137,7 +137,7 @@ class EngineCache:
             return removed
         pattern = re.compile(re.escape(key.slot) + rf"-([0-9a-f]{{{_DIGEST_CHARS}}})(\.engine)?$")
         for entry in self.root.iterdir():
-            m = pattern.match(entry.name)
+            m = pattern.fullmatch(entry.name)
             if not m or m.group(1) == keep:
                 continue
             try:

@@ -450,7 +450,7 @@ def _cuda_version(sr: _Sysroot) -> str | None:
         if m:
             return m.group(1)
     for package, version in sr.dpkg().items():
-        if re.match(r"^cuda-cudart-\d+-\d+$", package):
+        if re.fullmatch(r"cuda-cudart-\d+-\d+", package):
             return _upstream_version(version)
     return None
 
@@ -482,7 +482,7 @@ def _tensorrt_version(sr: _Sysroot) -> str | None:
             return ".".join(f for f in fields if f is not None)
     dpkg = sr.dpkg()
     for package in sorted(dpkg, reverse=True):
-        if re.match(r"^(libnvinfer\d+|tensorrt|libnvinfer-bin)$", package):
+        if re.fullmatch(r"libnvinfer\d+|tensorrt|libnvinfer-bin", package):
             return _upstream_version(dpkg[package])
     return None
 
@@ -499,7 +499,7 @@ def _dla_cores(sr: _Sysroot, dt: str | None) -> int:
                 rel = f"{node}/{child}"
                 if not sr.is_dir(rel):
                     continue
-                if _DLA_NODE.match(child):
+                if _DLA_NODE.fullmatch(child):
                     status = sr.read_line(f"{rel}/status")
                     if status in (None, "okay", "ok"):
                         count += 1
@@ -512,7 +512,7 @@ def _dla_cores(sr: _Sysroot, dt: str | None) -> int:
 def _jetson_gpu(sr: _Sysroot) -> tuple[str | None, int | None]:
     node: str | None = None
     for name in sr.listdir("sys/class/devfreq"):
-        if _JETSON_GPU_DEVFREQ.match(name):
+        if _JETSON_GPU_DEVFREQ.fullmatch(name):
             node = f"sys/class/devfreq/{name}"
             break
     if node is None:
@@ -546,7 +546,7 @@ def _probe_jetson(sr: _Sysroot, board: BoardFacts, notes: list[str]) -> JetsonFa
     if jetpack is None and l4t is not None:
         jetpack = jetpack_for_l4t(l4t)
     module = _jetson_module(board.compatible, board.model)
-    soc = next((c.split(",", 1)[1] for c in board.compatible if re.match(r"^nvidia,tegra\d+$", c)), None)
+    soc = next((c.split(",", 1)[1] for c in board.compatible if re.fullmatch(r"nvidia,tegra\d+", c)), None)
     if soc is None and module is not None:
         soc = _MODULE_SOC.get(module)
     gpu_sysfs, gpu_mhz = _jetson_gpu(sr)
@@ -578,7 +578,7 @@ def compute_capability_for(name: str) -> str | None:
 
 def _norm_bus_id(bus_id: str) -> str:
     """NVML's ``00000000:01:00.0`` and sysfs's ``0000:01:00.0`` -> ``0000:01:00.0``."""
-    m = re.match(r"^([0-9a-fA-F]+):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.(\d)$", bus_id.strip())
+    m = re.fullmatch(r"([0-9a-fA-F]+):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.(\d)", bus_id.strip())
     if not m:
         return bus_id.strip().lower()
     domain, bus, dev, fn = m.groups()
@@ -668,7 +668,7 @@ def _probe_nvidia_gpu(sr: _Sysroot, notes: list[str]) -> NvidiaGpuFacts:
 def _probe_intel_gpu(sr: _Sysroot) -> IntelGpuFacts:
     gpus: list[IntelGpu] = []
     for name in sr.listdir("sys/class/drm"):
-        if not re.match(r"^renderD\d+$", name):
+        if not re.fullmatch(r"renderD\d+", name):
             continue
         dev = f"sys/class/drm/{name}/device"
         if _hex(sr.read_line(f"{dev}/vendor")) != 0x8086:
@@ -697,7 +697,7 @@ def _probe_intel_gpu(sr: _Sysroot) -> IntelGpuFacts:
 
 def _probe_intel_npu(sr: _Sysroot) -> IntelNpuFacts:
     for name in sr.listdir("sys/class/accel"):
-        if not re.match(r"^accel\d+$", name):
+        if not re.fullmatch(r"accel\d+", name):
             continue
         dev = f"sys/class/accel/{name}/device"
         driver = sr.driver_of(dev)

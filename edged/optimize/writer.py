@@ -46,7 +46,7 @@ def to_toml(doc: dict[str, Any], prefix: str = "") -> str:
     """Nested dicts and lists of dicts as TOML tables and arrays of tables; key order kept, None dropped."""
     lines: list[str] = []
     for key, v in doc.items():
-        if not _BARE_KEY.match(key):
+        if not _BARE_KEY.fullmatch(key):
             raise ValueError(f"key {key!r} would need quoting")
         if v is not None and not isinstance(v, dict) and not _is_table_list(v):
             lines.append(f"{key} = {_value(v)}")

@@ -43,7 +43,7 @@ from edged.registry.db import make_engine, make_sessionmaker, readonly
 from edged.registry.deps import AppContext
 from edged.registry.desired import SnapshotCache
 from edged.registry.evaluator import Evaluator
-from edged.registry.fastpath import DeviceFastPath
+from edged.registry.fastpath import DeviceFastPath, validation_status
 from edged.registry.lastseen import LastSeen
 from edged.registry.migrate import upgrade
 from edged.registry.routes.admin import admin_router, health_router
@@ -187,8 +187,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_r: Request, e: RequestValidationError) -> JSONResponse:
         # Built from locations and messages only: the offending input (maybe a token) is never echoed.
-        problems = [".".join(str(p) for p in err.get("loc", ())) + ": " + str(err.get("msg", "")) for err in e.errors()]
-        return _error(422, ErrorCode.INVALID_ARGUMENT.value, "; ".join(problems)[:2000])
+        errors = e.errors()
+        problems = [".".join(str(p) for p in err.get("loc", ())) + ": " + str(err.get("msg", "")) for err in errors]
+        return _error(validation_status(errors), ErrorCode.INVALID_ARGUMENT.value, "; ".join(problems)[:2000])
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_r: Request, e: StarletteHTTPException) -> JSONResponse:

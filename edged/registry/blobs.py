@@ -34,7 +34,7 @@ class BlobStore:
         self.root = root
 
     def path(self, sha256: str) -> Path:
-        if not SHA256_RE.match(sha256):
+        if not SHA256_RE.fullmatch(sha256):
             raise BlobError("not a lower-case hex sha256")
         return self.root / "sha256" / sha256[:2] / sha256
 

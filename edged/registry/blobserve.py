@@ -39,7 +39,7 @@ def create_blob_app(settings: RegistrySettings) -> Starlette:
 
     async def blob(request: Request) -> Response:
         sha256 = request.path_params["sha256"]
-        if not SHA256_RE.match(sha256):
+        if not SHA256_RE.fullmatch(sha256):
             return _error(404, ErrorCode.NOT_FOUND, "not a lower-case hex sha256")
         why = signer.refusal(sha256, request.query_params.get("exp"), request.query_params.get("sig"), time.time())
         if why is not None:

@@ -29,7 +29,7 @@ _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
 def parse_duration(text: str) -> float:
-    m = _DURATION.match(text.strip())
+    m = _DURATION.fullmatch(text.strip())
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a number with s, m, h, d or w (e.g. 90d)")
     return float(m.group(1)) * _UNITS[m.group(2)]

@@ -228,6 +228,18 @@ class RolloutRow(Base):
     admission: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
+class DashboardSessionRow(Base):
+    """A dashboard session that is still open: signing out deletes it, so its cookie stops working at once in
+    every registry process (the cookie's MAC alone could only expire). Keyed by the nonce's sha256."""
+
+    __tablename__ = "dashboard_sessions"
+    __table_args__ = (Index("ix_dashboard_sessions_expires_at", "expires_at"),)
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    who: Mapped[str] = mapped_column(String(64))
+    expires_at: Mapped[float] = mapped_column(Double)
+    created_at: Mapped[float] = mapped_column(Double, default=now)
+
+
 class RegistryMetaRow(Base):
     """One row: ``revision`` grows with every change to releases or rollouts.
 

@@ -33,7 +33,7 @@ from edged.registry.gates import (
     waiting_for_quality,
 )
 from edged.registry.rollout_wire import Gates, StepSpec
-from edged.registry.rollouts import enter_step, recount, rollout_members, step_base
+from edged.registry.rollouts import enter_step, population, recount, step_base
 from edged.registry.service import bump_revision
 from edged.registry.targets import Ramp
 
@@ -85,13 +85,14 @@ def evaluate(s: Session, ro: RolloutRow, now: float | None = None, busy: Busy | 
     if ro.step_members < max(1, spec.min_devices) and t - last >= RECOUNT_S:
         recount(s, ro, selector)  # O(fleet): at most every RECOUNT_S
         ro.gate_state = {**ro.gate_state, "recounted_at": t}
-    counts = release_counts(s, ro.model_id, rel.number)
+    pop = population(ro, selector)  # whose word counts: every gate and the step's readiness use it
+    counts = release_counts(s, ro.model_id, rel.number, pop)
     new, base = Side.load(None), Side.load(None)
     if gates.max_error_rate is not None or gates.max_p99_ratio is not None:
-        new, base = accumulate(s, ro, model, s.get_one(VersionRow, rel.version_id).version)
+        new, base = accumulate(s, ro, model, s.get_one(VersionRow, rel.version_id).version, pop)
     quality = Quality()
     if gates.max_quality_drop is not None or gates.min_quality is not None:
-        quality = quality_scores(s, ro.model_id, rel.number, members=rollout_members(ro, selector))
+        quality = quality_scores(s, ro.model_id, rel.number, pop)
     rs = readings(gates, counts, ro.step_members, new, base, quality=quality)
     bad = crossed(rs)
     if bad:

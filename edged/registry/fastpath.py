@@ -12,8 +12,8 @@ any other method, goes on to the application unchanged.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import orjson
 from pydantic import BaseModel, ValidationError
@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from edged.errors import ErrorCode
 from edged.protocol.fleet.messages import API_PREFIX, DeviceFactsUpdate, ReportBatch
+from edged.protocol.fleet.telemetry import BatchTooLargeError
 from edged.registry.deps import AppContext
 from edged.registry.routes.devices import poll, take_facts, take_reports
 from edged.registry.service import RegistryError
@@ -39,11 +40,26 @@ def _error(status: int, code: str, message: str) -> tuple[int, dict[str, str], b
     return status, {"Content-Type": "application/json"}, orjson.dumps({"error": {"code": code, "message": message}})
 
 
+_RANGE = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"})
+
+
+def validation_status(errors: Sequence[Any]) -> int:
+    """413: a collection over its bound (``serving``, events, telemetry windows...); 400: a number out of
+    range or not finite (counts above 2^53, NaN, infinity); 422: any other body that does not fit the schema."""
+    if any(err.get("type") == "too_long" or isinstance((err.get("ctx") or {}).get("error"), BatchTooLargeError)
+           for err in errors):
+        return 413
+    if any(err.get("type") in _RANGE for err in errors):
+        return 400
+    return 422
+
+
 def _invalid(e: ValidationError) -> tuple[int, dict[str, str], bytes]:
     # As the application's handler words it (locations and messages, never the input), "body." first.
+    errors = e.errors()
     problems = [".".join(["body", *(str(p) for p in err.get("loc", ()))]) + ": " + str(err.get("msg", ""))
-                for err in e.errors()]
-    return _error(422, ErrorCode.INVALID_ARGUMENT.value, "; ".join(problems)[:2000])
+                for err in errors]
+    return _error(validation_status(errors), ErrorCode.INVALID_ARGUMENT.value, "; ".join(problems)[:2000])
 
 
 def _json(model: BaseModel) -> tuple[int, dict[str, str], bytes]:

@@ -9,11 +9,12 @@ reads only what arrived since the last one, however long the rollout runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import Text, cast, func, literal, select
 from sqlalchemy.orm import Session
 
 from edged.latency_buckets import LATENCY_BUCKETS_S
@@ -48,11 +49,88 @@ class Counts:
         return self.n("committed", "rolled-back", "failed")
 
 
-def release_counts(s: Session, model_id: int, release: int) -> Counts:
-    rows = s.execute(select(DeviceModelRow.state, func.count()).where(
+Judge = Callable[[str, dict[str, Any], dict[str, Any]], bool]  # (device id, operator labels, facts)
+
+
+@dataclass(frozen=True)
+class Population:
+    """Whose word a rollout's gates count; made in ONE place, :func:`edged.registry.rollouts.population`.
+
+    Any enrolled device can report any step and upload telemetry for any release. What a device
+    outside the rollout says about the release changes no gate, no step and no state (it is stored
+    and shown as not counted): ``member`` decides for the release's reports, scores and telemetry.
+    ``targeted`` (the rollout's target and the release's selector, admitted or not) decides for the
+    previous version's telemetry the new one is compared with: the rollout's own devices, never the
+    rest of the fleet. ``facts``: whether either needs the devices' facts (else they are not read).
+
+    ``known``: verdicts already reached, with the labels (and facts) text they were reached on.
+    Membership only grows while labels and facts stay the same (cutoffs only rise, groups are only
+    added), so a member with unchanged text is one without deciding again, and a non-member is one
+    while ``cut`` (the rollout's step, cutoffs and admission) is also unchanged: an evaluation of a
+    step where thousands reported costs a read of their rows, not thousands of decisions.
+    """
+
+    member: Judge
+    targeted: Judge
+    facts: bool = True
+    known: dict[str, tuple[bool, str, int]] | None = None  # device -> (member, cut, hash of labels and facts)
+    cut: str = ""
+
+    def is_member(self, device_id: str, labels_text: str | None, facts_text: str | None) -> bool:
+        h = hash((labels_text, facts_text if self.facts else None))
+        if self.known is not None:
+            seen = self.known.get(device_id)
+            if seen is not None and seen[2] == h and (seen[0] or seen[1] == self.cut):
+                return seen[0]
+        ok = self.member(device_id, _obj(labels_text), _obj(facts_text) if self.facts else {})
+        if self.known is not None:
+            self.known[device_id] = (ok, self.cut, h)
+        return ok
+
+
+def _obj(text: str | None) -> dict[str, Any]:
+    try:
+        v = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return v if isinstance(v, dict) else {}
+
+
+def _device_cols(pop: Population) -> list[Any]:
+    """A device's id, labels and (when needed) facts as stored text: decoded only for devices not yet known."""
+    return [DeviceRow.id, cast(DeviceRow.admin_labels, Text).label("labels"),
+            cast(DeviceRow.facts, Text).label("facts") if pop.facts else literal(None).label("facts")]
+
+
+def judged_devices(s: Session, ids: Iterable[str], pop: Population,
+                   targeted_ids: Iterable[str] = ()) -> tuple[set[str], set[str]]:
+    """(the members among ``ids``, the targeted devices among ``targeted_ids``): one query per 500 devices for
+    their labels (and facts when needed)."""
+    ask_member, ask_targeted = set(ids), set(targeted_ids)
+    wanted = sorted(ask_member | ask_targeted)
+    members: set[str] = set()
+    targeted: set[str] = set()
+    for i in range(0, len(wanted), 500):
+        for row in s.execute(select(*_device_cols(pop)).where(DeviceRow.id.in_(wanted[i:i + 500]))).all():
+            if row.id in ask_member and pop.is_member(row.id, row.labels, row.facts):
+                members.add(row.id)
+            if row.id in ask_targeted and pop.targeted(row.id, _obj(row.labels),
+                                                       _obj(row.facts) if pop.facts else {}):
+                targeted.add(row.id)
+    return members, targeted
+
+
+def release_counts(s: Session, model_id: int, release: int, pop: Population) -> Counts:
+    """Each member's last step for the release, counted by step (non-members' reports are left out)."""
+    rows = s.execute(select(DeviceModelRow.state, *_device_cols(pop))
+                     .join(DeviceRow, DeviceRow.id == DeviceModelRow.device_id).where(
         DeviceModelRow.model_id == model_id, DeviceModelRow.release_number == release,
-        DeviceModelRow.state.is_not(None)).group_by(DeviceModelRow.state)).all()
-    return Counts({str(st): int(n) for st, n in rows})
+        DeviceModelRow.state.is_not(None))).all()
+    by_state: dict[str, int] = {}
+    for r in rows:
+        if pop.is_member(r.id, r.labels, r.facts):
+            by_state[str(r.state)] = by_state.get(str(r.state), 0) + 1
+    return Counts(by_state)
 
 
 # ---- evaluation-set scores ------------------------------------------------------------------------
@@ -67,17 +145,13 @@ class Quality:
     drop: float | None = None  # mean (baseline - score) over those
 
 
-def quality_scores(s: Session, model_id: int, release: int,
-                   members: Callable[[str, dict[str, Any], dict[str, Any]], bool] | None = None) -> Quality:
-    """``members(device_id, labels, facts)``: whose scores count. Any enrolled device can send a score for
-    any release; a gate must judge only the devices its rollout put the release on (else one device
-    outside the rollout could pass a bad release or halt a good one)."""
+def quality_scores(s: Session, model_id: int, release: int, pop: Population) -> Quality:
+    """The members' scores only: a device outside the rollout could otherwise pass a bad release or halt a
+    good one."""
     rows = s.execute(select(QualityScoreRow.device_id, QualityScoreRow.score, QualityScoreRow.baseline_score).where(
         QualityScoreRow.model_id == model_id, QualityScoreRow.release_number == release)).all()
-    if members is not None and rows:
-        devices = s.execute(select(DeviceRow.id, DeviceRow.admin_labels, DeviceRow.facts).where(
-            DeviceRow.id.in_({r.device_id for r in rows}))).all()
-        counted = {d.id for d in devices if members(d.id, dict(d.admin_labels or {}), dict(d.facts or {}))}
+    if rows:
+        counted, _ = judged_devices(s, (r.device_id for r in rows), pop)
         rows = [r for r in rows if r.device_id in counted]
     if not rows:
         return Quality()
@@ -117,13 +191,17 @@ def telemetry_watermark(s: Session) -> int:
     return int(s.scalar(select(func.max(TelemetryModelRow.id))) or 0)
 
 
-def accumulate(s: Session, ro: RolloutRow, model: str, new_version: int) -> tuple[Side, Side]:
-    """Add the telemetry uploaded since the last evaluation; returns (new version, previous version)."""
+def accumulate(s: Session, ro: RolloutRow, model: str, new_version: int, pop: Population) -> tuple[Side, Side]:
+    """Add the telemetry uploaded since the last evaluation; returns (new version, previous version).
+
+    The new version's windows count from members only, the previous version's from the rollout's
+    targeted devices only (see :class:`Population`); other windows are passed over for good."""
     st = dict(ro.gate_state or {})
     new, base = Side.load(st.get("new")), Side.load(st.get("base"))
     mark = int(st.get("watermark", 0))
     versions = [new_version] + ([ro.baseline_version] if ro.baseline_version is not None else [])
-    rows = s.execute(select(TelemetryModelRow.id, TelemetryModelRow.version, TelemetryModelRow.success,
+    rows = s.execute(select(TelemetryModelRow.id, TelemetryModelRow.device_id, TelemetryModelRow.version,
+                            TelemetryModelRow.success,
                             TelemetryModelRow.failures_by_code, TelemetryModelRow.latency_counts,
                             TelemetryModelRow.latency_sum_s)
                      .where(TelemetryModelRow.model == model, TelemetryModelRow.id > mark,
@@ -131,14 +209,18 @@ def accumulate(s: Session, ro: RolloutRow, model: str, new_version: int) -> tupl
                      .order_by(TelemetryModelRow.id).limit(TELEMETRY_BATCH)).all()
     if not rows:
         return new, base
+    members, targeted = judged_devices(s, (r.device_id for r in rows if r.version == new_version), pop,
+                                       (r.device_id for r in rows if r.version != new_version))
     for r in rows:
+        mark = max(mark, int(r.id))
+        if r.device_id not in (members if r.version == new_version else targeted):
+            continue
         side = new if r.version == new_version else base
         side.ok += int(r.success)
         side.errors += sum(int(n) for code, n in (r.failures_by_code or {}).items() if code not in NOT_MODEL_ERRORS)
         counts = [int(c) for c in (r.latency_counts or [])][:_BUCKETS]
         side.hist = (side.hist or HistCounts()).plus(HistCounts(counts + [0] * (_BUCKETS - len(counts)),
                                                                 float(r.latency_sum_s or 0.0)))
-        mark = max(mark, int(r.id))
     ro.gate_state = {**st, "watermark": mark, "new": new.dump(), "base": base.dump()}
     return new, base
 

@@ -34,7 +34,7 @@ def hash_password(password: str) -> str:
 
 
 def is_password_hash(text: str) -> bool:
-    m = _FORMAT.match(text)
+    m = _FORMAT.fullmatch(text)
     if m is None:
         return False
     n, r, p = (int(x) for x in m.groups()[:3])
@@ -44,7 +44,7 @@ def is_password_hash(text: str) -> bool:
 def check_password(password: str, stored: str | None) -> bool:
     """Whether ``password`` matches ``stored`` (None: no such operator; the same work is done anyway)."""
     candidate = stored if stored is not None and is_password_hash(stored) else _DUMMY
-    m = _FORMAT.match(candidate)
+    m = _FORMAT.fullmatch(candidate)
     assert m is not None
     n, r, p = (int(x) for x in m.groups()[:3])
     digest = _scrypt(password[:MAX_PASSWORD], base64.b64decode(m.group(4)), n, r, p)

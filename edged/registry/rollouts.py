@@ -11,9 +11,10 @@ that alters what devices are offered bumps the registry revision.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
-from collections.abc import Callable
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,7 @@ from edged.registry.db import (
     RolloutRow,
     VersionRow,
 )
-from edged.registry.gates import Side, quality_scores, readings, release_counts, telemetry_watermark
+from edged.registry.gates import Population, Side, quality_scores, readings, release_counts, telemetry_watermark
 from edged.registry.rollout_wire import (
     ACTIVE_STATES,
     PROGRESS,
@@ -84,11 +85,49 @@ def membership(ro: RolloutRow, step: int | None = None, *, admitted: bool = True
                          ramp=ramp)
 
 
-def rollout_members(ro: RolloutRow, selector: TargetSelector) -> Callable[[str, dict[str, Any], dict[str, Any]], bool]:
-    """Whether a device is in the rollout up to its current step (and selected by the release itself)."""
+# rollout id -> (what decides its membership apart from the cutoffs, the verdicts known)
+_KNOWN: OrderedDict[int, tuple[str, dict[str, tuple[bool, str, int]]]] = OrderedDict()
+_KNOWN_ROLLOUTS = 32
+
+
+def _known_members(ro: RolloutRow, selector: TargetSelector) -> dict[str, tuple[bool, str, int]] | None:
+    """This process's record of the rollout's known members (see :class:`Population`), kept for the last
+    few rollouts evaluated; forgotten if what decides membership apart from the cutoffs ever differs."""
+    if ro.id is None:
+        return None
+    what = json.dumps([ro.target, ro.salt, ro.steps, selector.model_dump(mode="json")], sort_keys=True)
+    entry = _KNOWN.get(ro.id)
+    if entry is None or entry[0] != what:
+        entry = _KNOWN[ro.id] = (what, {})
+    _KNOWN.move_to_end(ro.id)
+    while len(_KNOWN) > _KNOWN_ROLLOUTS:
+        _KNOWN.popitem(last=False)
+    return entry[1]
+
+
+def population(ro: RolloutRow, selector: TargetSelector) -> Population:
+    """THE decision of whose reports, scores and telemetry a rollout's gates and completion count: its
+    members up to the current step (admitted, and selected by the release's own signed selector); and
+    for the previous version's telemetry, the devices it targets. Every gate reading uses this."""
     members = membership(ro)
-    return lambda device, labels, facts: (selector_matches(selector, device, labels)
-                                          and members.member(device, labels, facts))
+    target = RolloutTarget.model_validate(ro.target)
+
+    def member(device: str, labels: dict[str, Any], facts: dict[str, Any]) -> bool:
+        return selector_matches(selector, device, labels) and members.member(device, labels, facts)
+
+    def targeted(device: str, labels: dict[str, Any], facts: dict[str, Any]) -> bool:
+        return selector_matches(selector, device, labels) and target.matches(device, labels, facts)
+
+    uses_facts = bool(target.facts or target.profiles) or any(
+        g.facts or g.profiles for g in members.groups)
+    cut = json.dumps([ro.step, ro.cutoffs, members.current_cutoff() if members.ramp is not None else None])
+    return Population(member, targeted, facts=uses_facts, known=_known_members(ro, selector), cut=cut)
+
+
+def counted(s: Session, ro: RolloutRow, device_id: str, labels: dict[str, Any], facts: dict[str, Any]) -> bool:
+    """Whether the rollout counts what this device says about its release (for pages that show it)."""
+    rel = s.get_one(ReleaseRow, ro.release_id)
+    return population(ro, TargetSelector.model_validate(rel.selector)).member(device_id, labels, facts)
 
 
 ADMIT_FIRST_S = 2.0  # a paced step lets in this many seconds' worth of devices at once
@@ -229,8 +268,12 @@ def create_rollout(s: Session, req: RolloutCreate, public_keys: list[str], *,
                     created_at=now, updated_at=now,
                     admit_per_minute=(req.admit_per_minute if req.admit_per_minute is not None
                                       else admit_per_minute) or None)
-    enter_step(s, ro, 0, now, TargetSelector.model_validate(rel.selector),
-               committed=release_counts(s, m.id, number).committed)
+    selector = TargetSelector.model_validate(rel.selector)
+    enter_step(s, ro, 0, now, selector, committed=0)
+    # members that committed the release before the rollout began (a pin, an earlier rollout): the step
+    # needs its own commits on top of them
+    ro.gate_state = {**ro.gate_state, "step_base": {
+        "members": 0, "committed": release_counts(s, m.id, number, population(ro, selector)).committed}}
     s.add(ro)
     s.flush()
     bump_revision(s)
@@ -345,9 +388,10 @@ def rollout_status(s: Session, rollout_id: int, *, with_members: bool = False) -
         steps.append(StepProgress(index=k, select=spec.describe(), soak_s=spec.soak_s, status=status,
                                   members=sum(per_step[k].values()), counts=per_step[k]))
     totals = {p: sum(x[p] for x in per_step) for p in PROGRESS}
-    counts = release_counts(s, ro.model_id, info.release)
+    pop = population(ro, selector)
+    counts = release_counts(s, ro.model_id, info.release, pop)
     acc = ro.gate_state or {}
-    quality = quality_scores(s, ro.model_id, info.release, members=rollout_members(ro, selector))
+    quality = quality_scores(s, ro.model_id, info.release, pop)
     gate_readings = readings(info.gates, counts, ro.step_members, Side.load(acc.get("new")),
                              Side.load(acc.get("base")), quality=quality)
     soak_left = None

@@ -7,6 +7,7 @@ fleet-rollout code share one implementation.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Iterable
@@ -443,9 +444,30 @@ def blob_allowed(s: Session, dev: DeviceRow, sha256: str) -> bool:
 
 
 # ---- reports (stored by edged.registry.writer) --------------------------------------------------
+def _plain(x: Any, depth: int = 0) -> Any:
+    """``x`` with what JSON columns cannot hold made harmless: integers beyond 64 bits as text, NaN and
+    infinities as null, nesting beyond 32 levels as text."""
+    if isinstance(x, bool) or x is None or isinstance(x, str):
+        return x
+    if isinstance(x, int):
+        return x if -(2**63) <= x < 2**63 else str(x)
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if depth >= 32:
+        return str(x)[:256]
+    if isinstance(x, dict):
+        return {str(k): _plain(v, depth + 1) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v, depth + 1) for v in x]
+    return str(x)
+
+
 def json_safe(d: dict[str, Any]) -> dict[str, Any]:
     """JSON with anything unusual stringified, at most 16 KiB (else a marker)."""
-    data = orjson.dumps(d, default=str)
+    try:
+        data = orjson.dumps(d, default=str)
+    except orjson.JSONEncodeError:  # an integer beyond 64 bits, or nesting too deep for orjson
+        data = orjson.dumps(_plain(d), default=str)
     if len(data) > 16384:
         return {"truncated": True}
     out: dict[str, Any] = orjson.loads(data)

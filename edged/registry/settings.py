@@ -78,6 +78,11 @@ class RegistrySettings(BaseModel):
                                     "their own (started at the first page), so that they never hold up device polls")
     dashboard_online_s: float = Field(default=180.0, gt=0,
                                       description="the dashboard shows a device online when it called this recently")
+    forwarded_allow_ips: list[str] = Field(
+        default_factory=list, max_length=256,
+        description="reverse proxies (addresses or networks, \"*\" for any) whose X-Forwarded-For and "
+                    "X-Forwarded-Proto are believed; unset: nobody's, the client is the connection's peer (the "
+                    "sign-in limit counts per real peer, and loopback is not trusted by default)")
     operators: dict[str, str] = Field(default_factory=dict,
                                       description="dashboard operator accounts: name = password hash printed by "
                                                   "edged-registry operator-hash (the admin token also signs in)")
@@ -93,7 +98,7 @@ class RegistrySettings(BaseModel):
     @classmethod
     def _operators(cls, v: dict[str, str]) -> dict[str, str]:
         for name, hashed in v.items():
-            if not NAME.match(name) or name == "admin":
+            if not NAME.fullmatch(name) or name == "admin":
                 raise ValueError(f"operator {name!r}: a name is 1-64 of a-z 0-9 _ - (starting with a letter or "
                                  "digit), not 'admin'")
             if not is_password_hash(hashed):
@@ -148,10 +153,15 @@ class RegistrySettings(BaseModel):
     def uvicorn_options(self) -> dict[str, Any]:
         """uvicorn's options, the same for the API and the blob server (TLS and its client-CA rule too).
 
-        log_config None: uvicorn logs through our root handler, one format for everything.
+        log_config None: uvicorn logs through our root handler, one format for everything. Forwarded
+        headers are believed only from ``forwarded_allow_ips`` (uvicorn's own default trusts loopback).
         """
         out: dict[str, Any] = {"log_level": self.log_level, "access_log": False, "log_config": None,
-                               "timeout_graceful_shutdown": self.shutdown_grace_s}
+                               "timeout_graceful_shutdown": self.shutdown_grace_s,
+                               # uvicorn believes X-Forwarded-For from 127.0.0.1 unless told otherwise: anyone on
+                               # the host could then pose as any address (and evade the sign-in limit)
+                               "proxy_headers": bool(self.forwarded_allow_ips),
+                               "forwarded_allow_ips": list(self.forwarded_allow_ips)}
         if self.tls_cert is not None:
             out.update(ssl_certfile=str(self.tls_cert), ssl_keyfile=str(self.tls_key))
             if self.tls_client_ca is not None:

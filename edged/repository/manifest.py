@@ -167,7 +167,7 @@ class ModelManifest(_Strict):
 
 
 def valid_model_name(name: str) -> bool:
-    return bool(_NAME_RE.match(name))
+    return bool(_NAME_RE.fullmatch(name))
 
 
 def parse_manifest(path: Path, *, model: str = "", version: int | None = None) -> ModelManifest:

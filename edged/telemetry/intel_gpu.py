@@ -42,7 +42,7 @@ class IntelGpuReader:
 
     def cards(self) -> list[str]:
         return [c for c in self.sr.listdir("sys/class/drm")
-                if _CARD.match(c) and self.sr.read_int(f"sys/class/drm/{c}/device/vendor") == INTEL_VENDOR]
+                if _CARD.fullmatch(c) and self.sr.read_int(f"sys/class/drm/{c}/device/vendor") == INTEL_VENDOR]
 
     def read(self) -> list[AcceleratorReading]:
         out = []

@@ -35,14 +35,14 @@ def _gpu_nodes(sr: SysRoot) -> list[tuple[str, str, list[str]]]:
     """(node name, devfreq folder, candidate load files) for each Jetson GPU."""
     out: list[tuple[str, str, list[str]]] = []
     for name in sr.listdir("sys/class/devfreq"):
-        if _GPU_NODE.match(name):
+        if _GPU_NODE.fullmatch(name):
             node = f"sys/class/devfreq/{name}"
             out.append((name, node, [f"{node}/device/load"] + [f"{b}/{name}/load" for b in _DEVICE_BASES]))
     if out:
         return out
     for base in _DEVICE_BASES:
         for name in sr.listdir(base):
-            if _GPU_NODE.match(name) and sr.is_dir(f"{base}/{name}/devfreq/{name}"):
+            if _GPU_NODE.fullmatch(name) and sr.is_dir(f"{base}/{name}/devfreq/{name}"):
                 out.append((name, f"{base}/{name}/devfreq/{name}", [f"{base}/{name}/load"]))
         if out:
             break
@@ -86,7 +86,7 @@ def _hwmon_rails(sr: SysRoot) -> list[RailReading]:
         if sr.read(f"{folder}/name") != "ina3221":
             continue
         for entry in sr.listdir(folder):
-            m = _HWMON_IN.match(entry)
+            m = _HWMON_IN.fullmatch(entry)
             label = sr.read(f"{folder}/{entry}") if m else None
             if not m or not label or label.lower().startswith("sum of"):
                 continue
@@ -107,7 +107,7 @@ def _iio_rails(sr: SysRoot) -> list[RailReading]:
                 continue
             folder = f"sys/bus/i2c/drivers/ina3221x/{dev}/{iio}"
             for entry in sr.listdir(folder):
-                m = _IIO_RAIL.match(entry)
+                m = _IIO_RAIL.fullmatch(entry)
                 label = sr.read(f"{folder}/{entry}") if m else None
                 if not m or not label:
                     continue

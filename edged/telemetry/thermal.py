@@ -23,7 +23,7 @@ def _plausible(c: float) -> bool:
 def read_thermal_zones(sr: SysRoot) -> dict[str, float]:
     out: dict[str, float] = {}
     for zone in sr.listdir("sys/class/thermal"):
-        if not _ZONE.match(zone):
+        if not _ZONE.fullmatch(zone):
             continue
         kind = sr.read(f"sys/class/thermal/{zone}/type")
         milli = sr.read_int(f"sys/class/thermal/{zone}/temp")

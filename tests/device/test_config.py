@@ -111,3 +111,44 @@ def test_config_check_warns_on_a_world_readable_file_holding_a_secret(tmp_path: 
     f.chmod(0o644)
     r = subprocess.run([*EDGED, "config", "check", str(f)], capture_output=True, text=True)
     assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+
+
+def test_device_ids_with_control_characters_are_refused() -> None:
+    """Issue #36 attack 10: a trailing newline (or any control character) makes a second "same" id."""
+    for bad in ("dev1\\n", "dev\\u0000x", "dev\\u001b[31m", "dev\\u0085"):
+        with pytest.raises(ConfigError, match=r"device\.id"):
+            parse_config(f'[device]\nid = "{bad}"\n')
+    assert parse_config('[device]\nid = "dev-1.a_b:2"\n').device.id == "dev-1.a_b:2"
+
+
+@pytest.mark.parametrize(("links", "warned"), [
+    ('[registry]\nenabled = true\nurl = "http://10.20.30.40:8700"\n[mqtt]\nenabled = false\n', ["[registry] url"]),
+    ('[registry]\nenabled = true\nurl = "http://registry.example.com"\n'
+     '[mqtt]\nurl = "mqtt://broker.example.com:1883"\npassword = "pw-0123456789"\n', ["[registry] url", "[mqtt] url"]),
+    ('[mqtt]\nurl = "ws://192.168.1.5:9001"\n', ["[mqtt] url"]),
+    ('[mqtt]\nurl = "mqtts://broker.example.com:8883"\n[mqtt.tls]\ninsecure_skip_verify = true\n',
+     ["insecure_skip_verify"]),
+    # TLS, or plain only to this host: nothing to warn about
+    ('[registry]\nenabled = true\nurl = "https://registry.example.com"\n'
+     '[mqtt]\nurl = "mqtts://broker.example.com:8883"\n', []),
+    ('[registry]\nenabled = true\nurl = "http://127.0.0.1:8700"\n[mqtt]\nurl = "mqtt://localhost:1883"\n', []),
+    ('[registry]\nenabled = true\nurl = "http://[::1]:8700"\n[mqtt]\nurl = "mqtt://127.0.0.2:1883"\n', []),
+    ('[registry]\nenabled = false\nurl = "http://10.20.30.40:8700"\n[mqtt]\nenabled = false\n'
+     'url = "mqtt://10.0.0.9"\n', []),
+])
+def test_config_check_warns_on_cleartext_links_to_other_hosts(tmp_path: Path, links: str, warned: list[str]) -> None:
+    """Issue #36 attack 13: `config check` said OK for a registry URL of plain http:// to another host."""
+    f = tmp_path / "edged.toml"
+    f.write_text(f'[device]\nid = "dev1"\nmodel_repository = "{tmp_path}"\n{links}')
+    f.chmod(0o600)
+    r = subprocess.run([*EDGED, "config", "check", str(f)], capture_output=True, text=True)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr  # a warning, not a refusal: labs run plain links
+    lines = [ln for ln in r.stderr.splitlines() if "warning:" in ln]
+    assert len(lines) == len(warned), r.stderr
+    for what, line in zip(warned, lines, strict=True):
+        assert what in line, line
+    if "[registry] url" in warned:
+        assert "use https://" in r.stderr
+    if "[mqtt] url" in warned:
+        assert "mqtts://" in r.stderr
+    assert "pw-0123456789" not in r.stderr

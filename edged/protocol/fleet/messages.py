@@ -6,15 +6,24 @@ Devices import this module, so it depends on pydantic only.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from edged.protocol.fleet.release import FileEntry, SignedRelease, TargetSelector
+from edged.repository.manifest import valid_model_name
 
 API_PREFIX = "/api/v1"
-DEVICE_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
-LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9_.\-/]{1,63}$")
+# Checked with fullmatch: ``$`` alone would accept a trailing newline ("victim-01\n" beside "victim-01").
+DEVICE_ID_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
+LABEL_KEY_RE = re.compile(r"[A-Za-z0-9_.\-/]{1,63}")
+CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+MAX_SERVING = 1024  # models a device reports serving: far above any device's repository
+# Every count a device reports fits a JSON number exactly (2^53) and every id and number the database stores:
+# larger ones are refused with a 400 instead of failing in the database.
+MAX_COUNT = 2**53
+MAX_INT32 = 2**31 - 1
+Version = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
 # Every step a device reports; the order is the happy path.
 Step = Literal["downloading", "verifying", "prepared", "active-trial", "committed", "rolled-back", "failed"]
@@ -22,15 +31,27 @@ STEPS: tuple[str, ...] = ("downloading", "verifying", "prepared", "active-trial"
 
 
 class _Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+def has_control(text: str) -> bool:
+    """Control characters (newline, NUL, escape, C1) never belong in an id, a name or a label."""
+    return CONTROL_RE.search(text) is not None
 
 
 def _check_labels(v: dict[str, str]) -> dict[str, str]:
     if len(v) > 64:
         raise ValueError("at most 64 labels")
     for k, val in v.items():
-        if not LABEL_KEY_RE.match(k) or len(val) > 256:
-            raise ValueError(f"label {k!r}: keys are 1-63 of [A-Za-z0-9_.-/], values at most 256 characters")
+        if not LABEL_KEY_RE.fullmatch(k) or len(val) > 256 or has_control(val):
+            raise ValueError(f"label {k!r}: keys are 1-63 of [A-Za-z0-9_.-/], values at most 256 characters "
+                             "without control characters")
+    return v
+
+
+def _check_model(v: str) -> str:
+    if not valid_model_name(v):
+        raise ValueError("a model name is 1-128 of [A-Za-z0-9_.-], starting with a letter, digit or _")
     return v
 
 
@@ -50,7 +71,7 @@ class EnrollRequest(_Wire):
     @field_validator("device_id")
     @classmethod
     def _id(cls, v: str) -> str:
-        if not DEVICE_ID_RE.match(v):
+        if not DEVICE_ID_RE.fullmatch(v):
             raise ValueError("must be 1-128 of [A-Za-z0-9_.:-]")
         return v
 
@@ -96,29 +117,40 @@ class QualityReport(_Wire):
     and the score of the version it replaced (its last-known-good) on the same samples."""
 
     metric: Literal["top1"] = "top1"
-    samples: int = Field(ge=1)
+    samples: int = Field(ge=1, le=MAX_INT32)
     score: float = Field(ge=0, le=1)
-    baseline_version: int | None = None
+    baseline_version: Version | None = None
     baseline_score: float | None = Field(default=None, ge=0, le=1)
 
 
 class ReportEvent(_Wire):
-    seq: int = Field(ge=1, description="per device, increasing; the registry ignores repeats")
+    seq: int = Field(ge=1, le=MAX_COUNT, description="per device, increasing; the registry ignores repeats")
     model: str = Field(max_length=128)
     step: Step
-    version: int | None = None
-    release: int | None = None
+    version: Version | None = None
+    release: Version | None = None
     reason: str | None = Field(default=None, max_length=4096)
-    detail: dict[str, Any] = Field(default_factory=dict)
+    detail: dict[str, Any] = Field(default_factory=dict, max_length=64)
     quality: QualityReport | None = Field(default=None, description="with active-trial: the evaluation-set scores")
     at: float = Field(description="device wall clock, Unix seconds (informational: edge clocks jump)")
+
+    _model = field_validator("model")(_check_model)
 
 
 class ServingModel(_Wire):
     model: str
-    version: int | None = None
-    release: int | None = None
-    state: str = Field(default="", description="committed | active-trial | local")
+    version: Version | None = None
+    release: Version | None = None
+    state: str = Field(default="", max_length=32, description="committed | active-trial | local")
+
+    _model = field_validator("model")(_check_model)
+
+    @field_validator("state")
+    @classmethod
+    def _state(cls, v: str) -> str:
+        if has_control(v):
+            raise ValueError("no control characters")
+        return v
 
 
 class ReportBatch(_Wire):
@@ -127,8 +159,8 @@ class ReportBatch(_Wire):
 
 class DeviceFactsUpdate(_Wire):
     labels: dict[str, str] = Field(default_factory=dict, description="must be empty: a device never labels itself")
-    facts: dict[str, Any] = Field(default_factory=dict)
-    serving: list[ServingModel] = Field(default_factory=list)
+    facts: dict[str, Any] = Field(default_factory=dict, max_length=1024)
+    serving: list[ServingModel] = Field(default_factory=list, max_length=MAX_SERVING)
 
     @field_validator("labels")
     @classmethod
@@ -257,9 +289,15 @@ class DeviceInfo(_Wire):
 class LabelsUpdate(_Wire):
     labels: dict[str, str | None] = Field(description="admin labels to set; null removes one")
 
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str | None]) -> dict[str, str | None]:
+        _check_labels({k: val or "" for k, val in v.items()})
+        return v
+
 
 class PinRequest(_Wire):
-    release: int | None = Field(description="pin this device to a release of the model; null unpins")
+    release: Version | None = Field(description="pin this device to a release of the model; null unpins")
 
 
 class ReleaseStatus(_Wire):

@@ -49,7 +49,8 @@ class FileEntry(_Frozen):
     def _safe(cls, v: str) -> str:
         p = PurePosixPath(v)
         if (not v or p.is_absolute() or any(part in ("", ".", "..") for part in v.split("/"))
-                or "\\" in v or "\0" in v or len(v) > 512 or p.parts[0].startswith(".")):
+                or "\\" in v or len(v) > 512 or p.parts[0].startswith(".")
+                or any(ord(c) < 32 or 127 <= ord(c) < 160 for c in v)):  # NUL, newline and every control char
             raise ValueError("must be a plain relative path inside the version folder")
         return v
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Protocol
+from typing import Annotated, Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 # The bounds every device counts into: part of this contract, defined in a leaf the core reads too.
 from edged.latency_buckets import LATENCY_BUCKETS_S
@@ -24,6 +24,11 @@ from edged.latency_buckets import LATENCY_BUCKETS_S
 SCHEMA_VERSION = 1
 INGEST_PATH = "/api/v1/device/telemetry"
 MAX_BATCH_ITEMS = 1000
+# Model windows in one upload (samples x models): each is validated on the registry's event loop and stored as a
+# database row, so a batch is bounded in windows as well as in bytes. A device's own batch (at most ~2 MB, a window
+# with its histograms 300+ bytes) stays below it; one over it gets 413 and halves the batch (docs/telemetry.md).
+MAX_BATCH_WINDOWS = 10_000
+MAX_COUNT = 2**53  # every count fits a JSON number (a double) exactly; larger ones are refused
 
 
 
@@ -94,11 +99,12 @@ class HistCounts:
 
 
 
-Count = Annotated[int, Field(ge=0)]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Code = Annotated[str, StringConstraints(max_length=64)]
 
 
 class _Wire(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class Hist(_Wire):
@@ -115,17 +121,19 @@ class Hist(_Wire):
 
 class ModelWindow(_Wire):
     model: str = Field(max_length=128)
-    version: int
+    version: int = Field(ge=0, le=2**31 - 1)
     backend: str = Field(default="", max_length=64)
     activation: str | None = Field(default=None, max_length=64,
                                    description="this activation of the version: a version loaded again starts "
                                                "a new one, whose first window counts from zero")
     activated_at: float | None = Field(default=None, description="when the activation began, Unix seconds")
     success: Count = 0
-    failures: dict[str, Count] = Field(default_factory=dict, description="failed requests by error code")
+    failures: dict[Code, Count] = Field(default_factory=dict, max_length=64,
+                                        description="failed requests by error code")
     inferences: Count = Field(default=0, description="batch elements computed")
     executions: Count = Field(default=0, description="engine runs")
-    batch_sizes: dict[int, Count] = Field(default_factory=dict, description="engine runs per batch size")
+    batch_sizes: dict[Annotated[int, Field(ge=0, le=1 << 20)], Count] = Field(
+        default_factory=dict, max_length=1024, description="engine runs per batch size")
     in_flight: Count = Field(default=0, description="queued or running at the end of the window")
     latency: Hist = Field(default_factory=Hist, description="end to end, successful requests")
     queue: Hist = Field(default_factory=Hist)
@@ -144,8 +152,8 @@ class Accelerator(_Wire):
     utilization: float | None = None
     freq_hz: float | None = None
     max_freq_hz: float | None = None
-    memory_used_bytes: int | None = None
-    memory_total_bytes: int | None = None
+    memory_used_bytes: Count | None = None
+    memory_total_bytes: Count | None = None
     power_w: float | None = None
     temperature_c: float | None = None
 
@@ -158,21 +166,22 @@ class Rail(_Wire):
 
 
 class SystemWindow(_Wire):
-    cpu_count: int = 1
+    cpu_count: Count = 1
     cpu_utilization: float | None = Field(default=None, description="0..1, all cores, over the window")
     load1: float | None = None
-    memory_total: int | None = None
-    memory_used: int | None = None
-    swap_total: int | None = None
-    swap_used: int | None = None
-    disk_total: int | None = Field(default=None, description="the filesystem of the state dir")
-    disk_free: int | None = None
-    process_rss: int | None = None
-    process_threads: int | None = None
+    memory_total: Count | None = None
+    memory_used: Count | None = None
+    swap_total: Count | None = None
+    swap_used: Count | None = None
+    disk_total: Count | None = Field(default=None, description="the filesystem of the state dir")
+    disk_free: Count | None = None
+    process_rss: Count | None = None
+    process_threads: Count | None = None
     process_cpu_cores: float | None = Field(default=None, description="cores the daemon used over the window")
-    temperatures_c: dict[str, float] = Field(default_factory=dict)
-    accelerators: list[Accelerator] = Field(default_factory=list)
-    rails: list[Rail] = Field(default_factory=list)
+    temperatures_c: dict[Annotated[str, StringConstraints(max_length=128)], float] = Field(
+        default_factory=dict, max_length=256)
+    accelerators: list[Accelerator] = Field(default_factory=list, max_length=64)
+    rails: list[Rail] = Field(default_factory=list, max_length=64)
     emc_freq_hz: float | None = None
     emc_utilization: float | None = None
 
@@ -220,7 +229,8 @@ _MQTT_COUNTS = ("requests", "replies", "error_replies", "overloaded", "replies_d
 class TelemetrySample(_Wire):
     v: int = SCHEMA_VERSION
     device: str = Field(max_length=128)
-    seq: int = Field(default=0, ge=0, description="the device buffer's sequence number (0: not buffered)")
+    seq: int = Field(default=0, ge=0, le=MAX_COUNT, description="the device buffer's sequence number (0: not "
+                                                                  "buffered)")
     run: str = Field(max_length=64, description="random per daemon start: windows never span two runs")
     t: float = Field(description="device wall clock at the end of the window, Unix seconds")
     window_s: float = Field(ge=0, description="monotonic seconds this sample covers")
@@ -239,6 +249,23 @@ class UploadBatch(_Wire):
                                                   "acknowledged batch")
     dropped_total: Count = Field(default=0, description="all samples ever dropped from this buffer")
     items: list[TelemetrySample] = Field(default_factory=list, max_length=MAX_BATCH_ITEMS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _windows(cls, data: Any) -> Any:
+        """Counted on the raw body, before a single window is validated: a batch of 300,000 tiny windows
+        fits the body limit, and validating them would hold the registry's event loop for seconds."""
+        items = data.get("items") if isinstance(data, dict) else None
+        if isinstance(items, list):
+            n = sum(len(it["models"]) for it in items if isinstance(it, dict) and isinstance(it.get("models"), list))
+            if n > MAX_BATCH_WINDOWS:
+                raise BatchTooLargeError(f"items: {n} model windows in one batch, at most {MAX_BATCH_WINDOWS}: "
+                                         "send fewer samples per batch")
+        return data
+
+
+class BatchTooLargeError(ValueError):
+    """An upload holds more model windows than one batch may (answered 413)."""
 
 
 class UploadAck(_Wire):

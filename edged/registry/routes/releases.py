@@ -45,7 +45,7 @@ def releases_router(ctx: AppContext) -> APIRouter:
     @router.get(f"{API_PREFIX}/blobs/{{sha256}}", tags=["device", "admin"],
                 responses={200: {"content": {"application/octet-stream": {}}}, 206: {"description": "a byte range"}})
     async def get_blob(sha256: str, auth: Bearer, request: Request) -> Response:
-        if not SHA256_RE.match(sha256):
+        if not SHA256_RE.fullmatch(sha256):
             raise service.invalid("not a lower-case hex sha256")
         if not is_admin(credential(auth), ctx.admin_hash):
             with ctx.ro_engine.connect() as conn:
@@ -82,7 +82,7 @@ def releases_router(ctx: AppContext) -> APIRouter:
     @router.put(f"{API_PREFIX}/blobs/{{sha256}}", tags=["admin"], dependencies=admin, status_code=201)
     async def put_blob(sha256: str, request: Request,
                        content_length: Annotated[int | None, Header()] = None) -> dict[str, Any]:
-        if not SHA256_RE.match(sha256):
+        if not SHA256_RE.fullmatch(sha256):
             raise service.invalid("not a lower-case hex sha256")
         too_large = RegistryError(f"upload over the {settings.max_upload_mb:g} MB limit", 413,
                                   ErrorCode.INVALID_ARGUMENT)

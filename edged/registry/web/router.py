@@ -5,9 +5,10 @@ region that the page's script asks for again every ``dashboard_poll_s`` with the
 what it has; an unchanged region costs the registry one render and a 304, never a
 transfer (docs/dashboard.md has what one open page costs at 10,000 devices).
 
-Access: a session cookie (``HttpOnly``, ``SameSite=Strict``, ``Secure`` over HTTPS) issued
-for the admin token only; device credentials and enrollment tokens are refused at the
-login. Without a session, pages redirect to the login and live fragments answer 401.
+Access: a session cookie (``HttpOnly``, ``SameSite=Strict``, ``Secure`` over HTTPS), honoured
+while its session is open in the database (sign-out closes it: :mod:`edged.registry.web.session_store`);
+device credentials and enrollment tokens are refused at the login. Without a session, pages
+redirect to the login and live fragments answer 401.
 Every action is a POST carrying the session's CSRF token, and none happens before the
 operator confirmed it on a page that says what it will do.
 """
@@ -39,6 +40,7 @@ from edged.registry.web import pages, views
 from edged.registry.web.login_guard import LoginGuard
 from edged.registry.web.pages import ACTIONS, HERE, PREFIX, QUERY, PageAsk
 from edged.registry.web.session import ADMIN, COOKIE, Session, Sessions
+from edged.registry.web.session_store import SessionStore
 from edged.registry.web.worker import PageRenderer
 
 STATIC = {"uPlot.iife.min.js": "text/javascript", "uPlot.min.css": "text/css", "uPlot.LICENSE": "text/plain",
@@ -121,6 +123,7 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
                      on_rollout_change: Callable[[int, str], None]) -> APIRouter:
     env = pages.env()
     auth = Sessions(admin_hash, operators=settings.operators)
+    store = SessionStore(sessions, read_sessions)  # sign-out ends a session in every process
     guard = LoginGuard()
     router = APIRouter(prefix=PREFIX, include_in_schema=False)
     poll_s = settings.dashboard_poll_s
@@ -132,7 +135,8 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
     def session_of(request: Request, *, live: bool = False) -> Session:
         request.state.t0 = time.perf_counter()  # for the Server-Timing header of what it answers
         sess = auth.check(request.cookies.get(COOKIE))
-        if sess is None:
+        # one primary-key read, as a device poll makes: a signed-out cookie is refused even though its MAC holds
+        if sess is None or not store.is_open(sess.nonce, sess.who):
             raise LoginRequiredError(live)
         return sess
 
@@ -218,7 +222,8 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
                           error="That is not an operator's password." if name else
                           "That is not the registry's admin token.")
         guard.succeeded(address)
-        value, _ = auth.issue(who)
+        value, opened = auth.issue(who)
+        await run_in_threadpool(store.open, opened.nonce, opened.who, opened.expires_at)
         renderer.warm()  # the page process starts while the browser follows the redirect
         target = nxt if nxt.startswith(PREFIX + "/") and not nxt.startswith("//") else f"{PREFIX}/fleet"
         resp = RedirectResponse(target, status_code=303, headers=headers())
@@ -228,7 +233,8 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
 
     @router.post("/logout")
     async def logout(request: Request) -> Response:
-        await action_form(request)
+        sess, _ = await action_form(request)
+        await run_in_threadpool(store.close, sess.nonce)  # the cookie, even if kept or copied, is dead now
         resp = RedirectResponse(f"{PREFIX}/login", status_code=303, headers=headers())
         resp.delete_cookie(COOKIE, path=PREFIX, httponly=True, samesite="strict")
         return resp

@@ -1,13 +1,15 @@
-"""Dashboard sessions and CSRF tokens: signed, stateless, bound to the credential that signed in.
+"""Dashboard sessions and CSRF tokens: signed, bound to the credential that signed in, and open in the database.
 
 A session is a cookie ``v1.<expiry>.<nonce>.<who>.<mac>``: ``who`` is ``admin`` (signed in
 with the admin token) or an operator's name. The MAC key is derived from the admin token's
 hash, and an operator's MAC also covers that operator's password hash, so several registry
-processes sharing one configuration accept each other's sessions without shared state,
-rotating the admin token ends every session, and removing an operator or changing their
-password ends theirs. The CSRF token is a second MAC over the session's nonce: a page can
-only post an action with a token it was served inside the session, and a cross-site form
-(which the ``SameSite=Strict`` cookie already keeps out) could not guess it.
+processes sharing one configuration accept each other's cookies, rotating the admin token
+ends every session, and removing an operator or changing their password ends theirs. A valid
+cookie is honoured only while its session is open in the database
+(:mod:`edged.registry.web.session_store`): signing out closes it. The CSRF token is a second MAC
+over the session's nonce: a page can only post an action with a token it was served inside the
+session, and a cross-site form (which the ``SameSite=Strict`` cookie already keeps out) could not
+guess it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class Session:
 
 
 class Sessions:
-    """Issues and checks session cookies; never stores anything."""
+    """Issues and checks session cookies (whether one is still open is the session store's to say)."""
 
     def __init__(self, admin_hash: str, lifetime_s: int = SESSION_S, operators: dict[str, str] | None = None) -> None:
         self._key = hashlib.sha256(b"edged-dashboard-session\0" + admin_hash.encode("ascii")).digest()

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from edged.protocol.fleet.telemetry import HistCounts
 from edged.registry import desired as desired_state
 from edged.registry import rollouts, service
-from edged.registry.db import DeviceModelRow, DeviceRow, ModelRow, ReleaseRow, VersionRow
+from edged.registry.db import DeviceModelRow, DeviceRow, ModelRow, ReleaseRow, RolloutRow, VersionRow
 from edged.registry.gates import NOT_MODEL_ERRORS, Side
 from edged.registry.rollout_wire import RolloutInfo, RolloutStatus
 from edged.registry.telemetry_ingest import ModelSummary, device_series
@@ -375,6 +375,27 @@ class DevicePage:
     models: list[Any]
     events: list[Any]
     charts: list[Chart]
+    # (model, release) of reports a rollout of that release did not count: the device is not its member
+    not_counted: dict[tuple[str, int], int] = field(default_factory=dict)
+
+
+def not_counted(s: Session, dev: DeviceRow, pairs: set[tuple[str, int]]) -> dict[tuple[str, int], int]:
+    """For each (model, release) this device reported about: the latest rollout of that release that does
+    not count its word (it is not a member), by rollout id."""
+    out: dict[tuple[str, int], int] = {}
+    if not pairs:
+        return out
+    names = {m for m, _ in pairs}
+    rows = s.execute(select(RolloutRow, ModelRow.name, ReleaseRow.number)
+                     .join(ReleaseRow, ReleaseRow.id == RolloutRow.release_id)
+                     .join(ModelRow, ModelRow.id == RolloutRow.model_id)
+                     .where(ModelRow.name.in_(names)).order_by(RolloutRow.id)).all()
+    latest = {(name, number): ro for ro, name, number in rows if (name, number) in pairs}
+    labels, facts = dev.effective_labels(), dict(dev.facts or {})
+    for key, ro in latest.items():
+        if not rollouts.counted(s, ro, dev.id, labels, facts):
+            out[key] = ro.id
+    return out
 
 
 def device(s: Session, snap: desired_state.Snapshot, device_id: str, *, online_s: float, since: float,
@@ -393,7 +414,9 @@ def device(s: Session, snap: desired_state.Snapshot, device_id: str, *, online_s
     models = sorted({m.model for m in info.models} | {sv.model for sv in serving})
     return DevicePage(row=row, facts=dict(sorted(dev.facts.items())), enrolled_at=dev.enrolled_at,
                       models=info.models, events=list(reversed(info.events)),
-                      charts=device_charts(s, device_id, models, since))
+                      charts=device_charts(s, device_id, models, since),
+                      not_counted=not_counted(s, dev, {(e.model, e.release) for e in info.events
+                                                       if e.release is not None}))
 
 
 # ---- models and releases -----------------------------------------------------------------------------

@@ -54,7 +54,7 @@ def check_key(key: object) -> str:
     """The segment's file name for a Triton-style key (``/name`` or ``name``); raises when unsafe."""
     if not isinstance(key, str):
         raise InvalidInputError("'key' must be a string")
-    m = _KEY_RE.match(key)
+    m = _KEY_RE.fullmatch(key)
     if m is None or m.group(1) in (".", ".."):
         raise InvalidInputError(
             "'key' must be a shared memory name: an optional leading '/', then 1-255 letters, digits, "
@@ -67,7 +67,7 @@ def check_key(key: object) -> str:
 
 
 def check_name(name: object) -> str:
-    if not isinstance(name, str) or not _NAME_RE.match(name):
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise InvalidInputError("region name must be 1-256 printable characters without '/' or '\\'")
     return name
 
