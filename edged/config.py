@@ -273,6 +273,26 @@ class MqttSection(_Section):
     reconnect_min_s: float = Field(default=0.5, gt=0)
     reconnect_max_s: float = Field(default=30, gt=0)
     bindings: list[StreamBinding] = Field(default_factory=list, description="stream bindings: topic -> model -> topic")
+    reply_topics: list[str] = Field(
+        default_factory=lambda: ["{prefix}/{device}/reply/#"], min_length=1, max_length=64,
+        description="topic filters a request's response topic (MQTT 5) or reply_to (3.1.1) must match; "
+        "{prefix} and {device} are filled in. Any other is refused with a note on {prefix}/{device}/errors. "
+        "The daemon's own, other devices' and fleet topics are refused whatever these say")
+
+    @field_validator("reply_topics")
+    @classmethod
+    def _reply_filters(cls, v: list[str]) -> list[str]:
+        for pattern in v:
+            static = pattern.replace("{prefix}", "p").replace("{device}", "d")
+            levels = static.split("/")
+            if not pattern or "\0" in pattern or "{" in static or "}" in static:
+                raise ValueError(f"{pattern!r}: a topic filter; only {{prefix}} and {{device}} may be filled in")
+            for i, level in enumerate(levels):
+                if ("#" in level and (level != "#" or i != len(levels) - 1)) or ("+" in level and level != "+"):
+                    raise ValueError(f"{pattern!r}: '+' must fill a whole level and '#' must be the whole last level")
+            if levels[0] in ("+", "#") or levels[0].startswith("$"):
+                raise ValueError(f"{pattern!r}: the first level must be a fixed name (not a wildcard or '$')")
+        return v
 
     @field_validator("url")
     @classmethod
