@@ -85,11 +85,12 @@ def plan(cfg: Config, *, soft: int, hard: int, in_use: int, raised_from: int | N
     backlog_want = min(HTTP_BACKLOG, max(16, http_want // 2)) if http_want else 0
     grpc_on = cfg.grpc is not None and cfg.grpc.enabled
     grpc_want = cfg.grpc.max_connections if cfg.grpc is not None and grpc_on else 0
-    want = http_want + backlog_want + grpc_want + (GRPC_BURST if grpc_on else 0)
-    room = soft - in_use - reserve
+    burst = GRPC_BURST if grpc_on else 0
+    want = http_want + backlog_want + grpc_want
+    room = soft - in_use - reserve - burst
     if want <= room:
         return DescriptorPlan(soft, hard, raised_from, in_use, reserve, http_want, backlog_want, grpc_want, False)
-    f = max(room, 0) / want if want else 0.0
+    f = max(room, 0) / want
 
     def scaled(n: int) -> int:
         return max(MIN_CAP, int(n * f)) if n else 0

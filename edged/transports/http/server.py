@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import socket
 import time
@@ -83,6 +84,7 @@ class Limits:
 
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+SLOW_CANDIDATES = 32  # bodies judged when one must be cut off: the longest-running ones
 _ONE_WRITE = 256 * 1024  # bodies up to this are copied into one buffer with the head: one send, not two
 
 
@@ -123,7 +125,8 @@ def error_response(status: int, message: str) -> Response:
 class _State:
     connections: set[HttpConnection] = field(default_factory=set)
     clients: dict[object, set[HttpConnection]] = field(default_factory=dict)  # by client key
-    busy: set[HttpConnection] = field(default_factory=set)  # headers received, body still arriving
+    # Headers received, body still arriving; insertion-ordered, so the longest-running bodies come first.
+    busy: dict[HttpConnection, None] = field(default_factory=dict)
     cut_off: int = 0  # slow body senders closed to make room (for tests and logs)
     stopping: bool = False
     load: Load = field(default_factory=Load)
@@ -134,7 +137,7 @@ class _State:
 
     def discard(self, conn: HttpConnection) -> None:
         self.connections.discard(conn)
-        self.busy.discard(conn)
+        self.busy.pop(conn, None)
         mine = self.clients.get(conn.client)
         if mine is not None:
             mine.discard(conn)
@@ -181,8 +184,16 @@ class _State:
         that sent its headers and is sending the rest now) counts as fast, and the one that trickled the
         least over the longest time is the slowest."""
         now = time.monotonic()
-        victim = min((c for c in self.busy if c is not conn), key=lambda c: c.body_rate(now), default=None)
-        if victim is None or victim.transport is None:
+        victim = None
+        slowest = float("inf")
+        # Only the bodies that have taken longest are judged (a slow sender is among them; fast ones have
+        # finished): a cut costs the same whether the server holds 50 bodies or 5,000.
+        for c in itertools.islice(self.busy, SLOW_CANDIDATES + 1):
+            if c is not conn and c.transport is not None:
+                rate = c.body_rate(now)
+                if rate < slowest:
+                    victim, slowest = c, rate
+        if victim is None:
             return False
         self.cut_off += 1
         victim._refuse(408, f"request body arriving too slowly ({victim.body_rate(now):.0f} bytes/s) while "
@@ -314,7 +325,7 @@ class HttpConnection(asyncio.Protocol):
         if self._in_message:  # cut off mid-request: it can never complete
             self._in_message = False
             self._discard = True
-            self.state.busy.discard(self)
+            self.state.busy.pop(self, None)
         if self.task is None and not self.queue:
             return None  # nothing left to answer: let the transport close
         return True  # keep the sending side open; _serve closes after the last answer
@@ -339,7 +350,7 @@ class HttpConnection(asyncio.Protocol):
         (A request whose body came with its headers never counts.) Over the cap the slowest sender gives
         way (see :meth:`_State.cut_slowest`)."""
         st = self.state
-        st.busy.add(self)
+        st.busy[self] = None
         if len(st.busy) > self.limits.max_busy_connections and not st.cut_slowest(
                 self, f"{len(st.busy) - 1} other requests are receiving their bodies"):
             self._refuse(503, f"too many requests are receiving their bodies ({self.limits.max_busy_connections}, "
@@ -394,7 +405,7 @@ class HttpConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._in_message = False
-        self.state.busy.discard(self)
+        self.state.busy.pop(self, None)
         if self._discard or (self.closing and not self._finish_current):
             return
         self._finish_current = False
@@ -421,7 +432,7 @@ class HttpConnection(asyncio.Protocol):
         """Answer an error at the protocol level (after what is already queued) and close."""
         self._discard = True
         self.closing = True
-        self.state.busy.discard(self)
+        self.state.busy.pop(self, None)
         if self.transport is None:
             return
         self.transport.pause_reading()
