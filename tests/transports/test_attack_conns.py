@@ -242,6 +242,33 @@ def test_a_paused_body_is_cut_off(tmp_path: Path) -> None:
         assert waited < 8, f"cut off after {waited:.1f} s"
 
 
+def test_a_body_over_its_clients_share_waits_and_is_then_read(tmp_path: Path) -> None:
+    """A client holding its share of busy slots: its next body is parked (not read, not refused) and
+    read once a slot frees; every request is answered."""
+    from tests.http_helpers import served
+
+    repo = copy_models(tmp_path / "models", "digits")
+    with served(repo, tmp_path, extra="max_busy_connections = 2\n") as srv:
+        port = int(srv.url.rsplit(":", 1)[1])
+        head = b"POST /v2/models/digits/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(BODY)
+        half = len(BODY) // 2
+        socks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3)]
+        for s in socks:
+            s.sendall(head + BODY[:half])
+            time.sleep(0.1)
+        state = srv.transport._server._state  # type: ignore[union-attr]
+        assert (len(state.busy), len(state.parked)) == (2, 1)
+        socks[2].sendall(BODY[half:])  # waits unread in the kernel
+        time.sleep(0.2)
+        assert len(state.parked) == 1
+        for s in socks[:2]:
+            s.sendall(BODY[half:])
+        answers = [s.recv(65536) for s in socks]
+        assert all(a.startswith(b"HTTP/1.1 200") for a in answers), [a[:60] for a in answers]
+        for s in socks:
+            s.close()
+
+
 # ---- attack 7: idle gRPC connections ------------------------------------------------------------------
 HOLDER = """
 import resource, socket, sys

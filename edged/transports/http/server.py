@@ -127,6 +127,10 @@ class _State:
     clients: dict[object, set[HttpConnection]] = field(default_factory=dict)  # by client key
     # Headers received, body still arriving; insertion-ordered, so the longest-running bodies come first.
     busy: dict[HttpConnection, None] = field(default_factory=dict)
+    busy_by_client: collections.Counter[object] = field(default_factory=collections.Counter)
+    # Bodies of clients holding their share of busy slots already: not read (no CPU spent, no cut, no
+    # reconnect) until a slot frees; oldest first.
+    parked: dict[HttpConnection, None] = field(default_factory=dict)
     cut_off: int = 0  # slow body senders closed to make room (for tests and logs)
     stopping: bool = False
     load: Load = field(default_factory=Load)
@@ -137,12 +141,39 @@ class _State:
 
     def discard(self, conn: HttpConnection) -> None:
         self.connections.discard(conn)
-        self.busy.pop(conn, None)
+        self.unbusy(conn)
         mine = self.clients.get(conn.client)
         if mine is not None:
             mine.discard(conn)
             if not mine:
                 del self.clients[conn.client]
+
+    def unbusy(self, conn: HttpConnection) -> None:
+        """``conn`` no longer receives a body (or waits to)."""
+        self.parked.pop(conn, None)
+        if self.busy.pop(conn, 0) is None:
+            n = self.busy_by_client[conn.client] - 1
+            if n > 0:
+                self.busy_by_client[conn.client] = n
+            else:
+                del self.busy_by_client[conn.client]
+
+    def make_busy(self, conn: HttpConnection) -> None:
+        self.busy[conn] = None
+        self.busy_by_client[conn.client] += 1
+
+    def over_share(self, conn: HttpConnection) -> bool:
+        """Whether ``conn``'s client holds at least an equal share of the busy slots already."""
+        holders = len(self.busy_by_client) + (conn.client not in self.busy_by_client)
+        return self.busy_by_client.get(conn.client, 0) >= max(1, conn.limits.max_busy_connections // holders)
+
+    def unpark(self, max_busy: int) -> None:
+        """A busy slot freed: the longest-waiting parked body is read again."""
+        while self.parked and len(self.busy) < max_busy:
+            conn = next(iter(self.parked))
+            del self.parked[conn]
+            if conn.transport is not None and not conn._discard:
+                conn.resume_body()
 
     def make_room_within(self, conn: HttpConnection, why: str) -> bool:
         """A client at its own limit: its longest-idle (or still header-less) connection gives way to the
@@ -165,12 +196,16 @@ class _State:
             return False
         victim = min((c for c in biggest if c.evictable), key=lambda c: c.since, default=None)
         if victim is None:
+            victim = next((c for c in self.parked if c.client == key), None)
+        if victim is None:
             # Addresses are cheap (all of 127.0.0.0/8 is this machine): judge connections, not keys.
             # The slowest body sender anywhere gives way, else the longest-idle (or header-less) connection.
             if self.cut_slowest(conn, "the server is full"):
                 return True
             victim = min((c for c in self.connections if c is not conn and c.evictable),
                          key=lambda c: c.since, default=None)
+            if victim is None:
+                victim = next(iter(self.parked), None)
         if victim is None or victim.transport is None:
             return False
         victim.transport.close()
@@ -217,7 +252,8 @@ class HttpConnection(asyncio.Protocol):
         self.queue: collections.deque[Request] = collections.deque()
         self.task: asyncio.Task[None] | None = None
         self.since = time.monotonic()  # start of the current request, or of idleness (for the sweep)
-        self.body_since = 0.0  # when the headers were complete (the body's start)
+        self.body_since = 0.0  # when the headers were complete (the body's start), or it was read again
+        self._rate_base = 0  # body bytes before body_since
         self.last_body = 0.0  # when body bytes last arrived
         self.closing = False  # no new requests: answer what is queued, then close
         self._finish_current = False
@@ -271,10 +307,19 @@ class HttpConnection(asyncio.Protocol):
 
     def body_rate(self, now: float) -> float:
         """Body bytes per second since the headers were complete (``body_credit`` included)."""
-        return (self._body_size + self.limits.body_credit) / max(now - self.body_since, 1e-3)
+        return (self._body_size - self._rate_base + self.limits.body_credit) / max(now - self.body_since, 1e-3)
+
+    def resume_body(self) -> None:
+        """A parked body is read again, judged from now on."""
+        assert self.transport is not None
+        self.body_since = self.last_body = time.monotonic()
+        self._rate_base = self._body_size
+        self.state.make_busy(self)
+        self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.state.discard(self)
+        self.state.unpark(self.limits.max_busy_connections)
         self.closing = True
         self.state.load.pending -= len(self.queue)
         self.queue.clear()
@@ -300,7 +345,8 @@ class HttpConnection(asyncio.Protocol):
                 self._refuse(408, "request not received in time")
             elif not self._headers_done and now - self.since > self.limits.header_timeout_s:
                 self._refuse(408, "request headers not received in time")
-            elif self._headers_done and now - self.last_body > self.limits.body_timeout_s:
+            elif self._headers_done and self not in self.state.parked and \
+                    now - self.last_body > self.limits.body_timeout_s:
                 self._refuse(408, f"request body paused for more than {self.limits.body_timeout_s:g} s")
         elif self.task is not None and not self._writable.is_set():
             # An answer waiting for a client that does not read: the connection is held, not used.
@@ -325,7 +371,7 @@ class HttpConnection(asyncio.Protocol):
         if self._in_message:  # cut off mid-request: it can never complete
             self._in_message = False
             self._discard = True
-            self.state.busy.pop(self, None)
+            self.state.unbusy(self)
         if self.task is None and not self.queue:
             return None  # nothing left to answer: let the transport close
         return True  # keep the sending side open; _serve closes after the last answer
@@ -342,19 +388,27 @@ class HttpConnection(asyncio.Protocol):
         except httptools.HttpParserError as e:
             if not self._discard:
                 self._refuse(400, f"malformed HTTP request: {e}")
-        if self._in_message and self._headers_done and not self._discard and self not in self.state.busy:
+        if self._in_message and self._headers_done and not self._discard and self not in self.state.busy \
+                and self not in self.state.parked:
             self._body_pending()
 
     def _body_pending(self) -> None:
         """Headers in, body still to come: one more connection holding a slot while a sender takes its time.
-        (A request whose body came with its headers never counts.) Over the cap the slowest sender gives
-        way (see :meth:`_State.cut_slowest`)."""
+        (A request whose body came with its headers never counts.) With every slot taken, a client that
+        holds its equal share already waits (parked: not read, until a slot frees); any other takes the
+        place of the slowest sender (see :meth:`_State.cut_slowest`)."""
         st = self.state
-        st.busy[self] = None
-        if len(st.busy) > self.limits.max_busy_connections and not st.cut_slowest(
-                self, f"{len(st.busy) - 1} other requests are receiving their bodies"):
-            self._refuse(503, f"too many requests are receiving their bodies ({self.limits.max_busy_connections}, "
-                         "[http] max_busy_connections); retry")
+        if len(st.busy) >= self.limits.max_busy_connections:
+            if st.over_share(self):
+                if self.transport is not None:
+                    self.transport.pause_reading()
+                    st.parked[self] = None
+                return
+            if not st.cut_slowest(self, f"{len(st.busy)} other requests are receiving their bodies"):
+                self._refuse(503, f"too many requests are receiving their bodies "
+                             f"({self.limits.max_busy_connections}, [http] max_busy_connections); retry")
+                return
+        st.make_busy(self)
 
     def on_message_begin(self) -> None:
         self._reset_message()
@@ -405,7 +459,9 @@ class HttpConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._in_message = False
-        self.state.busy.pop(self, None)
+        if self in self.state.busy:
+            self.state.unbusy(self)
+            self.state.unpark(self.limits.max_busy_connections)
         if self._discard or (self.closing and not self._finish_current):
             return
         self._finish_current = False
@@ -432,7 +488,7 @@ class HttpConnection(asyncio.Protocol):
         """Answer an error at the protocol level (after what is already queued) and close."""
         self._discard = True
         self.closing = True
-        self.state.busy.pop(self, None)
+        self.state.unbusy(self)
         if self.transport is None:
             return
         self.transport.pause_reading()
@@ -539,4 +595,6 @@ class HttpServer:
         self._state.connections.clear()
         self._state.clients.clear()
         self._state.busy.clear()
+        self._state.busy_by_client.clear()
+        self._state.parked.clear()
         self._server = None
