@@ -459,7 +459,7 @@ class HttpConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._in_message = False
-        if self in self.state.busy:
+        if self in self.state.busy or self in self.state.parked:
             self.state.unbusy(self)
             self.state.unpark(self.limits.max_busy_connections)
         if self._discard or (self.closing and not self._finish_current):
@@ -506,7 +506,7 @@ class HttpConnection(asyncio.Protocol):
             while self.queue:
                 req = self.queue.popleft()
                 if self.paused and len(self.queue) < self.limits.max_pipelined // 2 and self.transport is not None \
-                        and not self.closing:
+                        and not self.closing and self not in self.state.parked:
                     self.transport.resume_reading()
                     self.paused = False
                 try:
