@@ -200,13 +200,13 @@ def _victim(port: int, seconds: float) -> tuple[int, int, list[int]]:
     return ok, tried, statuses[:10]
 
 
-def _slow_body_attack(tmp: Path, http_lines: str, count: int, seconds: float) -> None:
+def _slow_body_attack(tmp: Path, http_lines: str, count: int, seconds: float, ramp: float = 2.0) -> None:
     _raise_own_limit()
     with edged_daemon(tmp, http_lines=http_lines) as d:
         base_ok, base_tried, _ = _victim(d.http_port, 1.0)
         assert base_ok == base_tried > 0
         with SlowBodies(d.http_port, count) as attack:
-            time.sleep(2.0)  # every attacker connection opened and sending
+            time.sleep(ramp)  # every attacker connection opened and sending
             ok, tried, bad = _victim(d.http_port, seconds)
             health = one_request(d.http_port, "/v2/health/live", None)
             opened = attack.opened
@@ -219,7 +219,7 @@ def _slow_body_attack(tmp: Path, http_lines: str, count: int, seconds: float) ->
 
 def test_slow_bodies_over_many_addresses_do_not_starve_a_client(tmp_path: Path) -> None:
     """Attack 6, scaled: 300 slow-body connections over 20 addresses against 100 connection slots."""
-    _slow_body_attack(tmp_path, "max_connections = 100\nmax_busy_connections = 50", 300, 4.0)
+    _slow_body_attack(tmp_path, "max_connections = 100\nmax_busy_connections = 50", 300, 2.5, ramp=1.5)
 
 
 @pytest.mark.slow
@@ -366,3 +366,42 @@ def test_idle_grpc_connections_leave_health_and_shm_served(tmp_path: Path) -> No
 def test_idle_grpc_connections_full_size(tmp_path: Path) -> None:
     """Attack 7 as reported: 20,200 idle gRPC connections, the daemon with the limit it inherits."""
     _idle_grpc_attack(tmp_path, 20_200, None, "")
+
+
+def test_grpc_rpcs_at_once_are_capped(tmp_path: Path) -> None:
+    """[grpc] max_concurrent_rpcs: open streams count; one more RPC gets RESOURCE_EXHAUSTED, and is
+    served once a stream ends."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    from tests.http_helpers import served
+
+    repo = copy_models(tmp_path / "models", "digits")
+    with served(repo, tmp_path, grpc="max_concurrent_rpcs = 2\n") as srv:
+        ch = grpc.insecure_channel(srv.grpc_url)
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(ch)
+        stops = [threading.Event() for _ in range(2)]
+
+        def requests(stop: threading.Event) -> Iterator[service_pb2.ModelInferRequest]:
+            stop.wait(30)
+            return
+            yield  # a generator that sends nothing until told to end
+
+        streams = [stub.ModelStreamInfer(requests(s)) for s in stops]
+        try:
+            deadline = time.monotonic() + 10
+            while True:  # the streams are open once the server counts them
+                try:
+                    stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=5)
+                except grpc.RpcError as e:
+                    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+                    break
+                assert time.monotonic() < deadline, "a third RPC was served beside two open streams"
+                time.sleep(0.05)
+        finally:
+            for s in stops:
+                s.set()
+            for st in streams:
+                list(st)
+        assert stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=5).live
+        ch.close()
