@@ -171,13 +171,10 @@ class SlowBodies:
                 writer.write(head)
                 while not self._stop.is_set():
                     await asyncio.sleep(self.interval)
-                    if reader.at_eof() or writer.is_closing():
-                        break
+                    if reader.at_eof() or writer.is_closing() or writer.transport.is_closing():
+                        break  # the server closed it (connection_lost closes our transport)
                     writer.write(b" ")
                     await writer.drain()
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        if await asyncio.wait_for(reader.read(1), 0.001) == b"":
-                            break
             except (OSError, asyncio.IncompleteReadError):
                 pass
             finally:

@@ -78,6 +78,7 @@ class Limits:
     max_connections: int = 1000
     max_client_connections: int = 64  # per peer address (TCP) or uid (Unix socket); the idlest gives way
     max_busy_connections: int = 256  # receiving a body, all clients together; the slowest sender gives way
+    overflow_connections: int = 0  # beyond max_connections, for clients under an equal share (see room_beyond)
     body_timeout_s: float = 10.0  # longest pause between two parts of a body
     body_credit: int = 16 * 1024  # bytes a body is assumed to have sent already when its rate is judged
     write_high_water: int = 4 * 1024 * 1024
@@ -174,6 +175,15 @@ class _State:
             del self.parked[conn]
             if conn.transport is not None and not conn._discard:
                 conn.resume_body()
+
+    def room_beyond(self, conn: HttpConnection) -> bool:
+        """Server full: a client holding less than an equal share of the connections may still come in,
+        within ``overflow_connections`` (descriptors the budget keeps for accept bursts), rather than
+        make another client's connection close (which a hostile client would reopen at once)."""
+        limits = conn.limits
+        if len(self.connections) > limits.max_connections + limits.overflow_connections:
+            return False
+        return len(self.clients.get(conn.client, ())) <= max(1, limits.max_connections // len(self.clients))
 
     def make_room_within(self, conn: HttpConnection, why: str) -> bool:
         """A client at its own limit: its longest-idle (or still header-less) connection gives way to the
@@ -291,7 +301,8 @@ class HttpConnection(asyncio.Protocol):
             if not st.make_room_within(self, why):
                 self._refuse(503, why)
                 return
-        if len(st.connections) > self.limits.max_connections and not st.evict_for(self):
+        if len(st.connections) > self.limits.max_connections and not st.room_beyond(self) \
+                and not st.evict_for(self):
             self._refuse(503, "too many connections")
             return
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):

@@ -130,6 +130,8 @@ class HttpTransport:
                              max_client_connections=h.max_client_connections, header_timeout_s=h.header_timeout_s,
                              max_busy_connections=h.max_busy_connections, body_timeout_s=h.body_timeout_s)
         self.backlog = backlog or 512
+        # Half the accept burst the descriptor budget allows: newcomers under an equal share of the connections.
+        self.limits.overflow_connections = self.backlog // 2
         self._server: HttpServer | None = None
         self._unix_path: Path | None = None
         self.address: str = self.listen  # the real address once listening (port 0 resolved)
