@@ -402,3 +402,35 @@ def test_grpc_rpcs_at_once_are_capped(tmp_path: Path) -> None:
                 list(st)
         assert stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=5).live
         ch.close()
+
+
+def test_an_answer_the_client_does_not_read_is_dropped_after_the_request_timeout() -> None:
+    """A client that sends requests and never reads the answers does not hold its connection (and the
+    answer's memory) for ever: once writing has waited longer than the request timeout it is dropped."""
+    from edged.transports.http.server import HttpServer, Limits, Request, Response
+
+    async def big(req: Request) -> Response:
+        return 200, [(b"content-type", b"application/octet-stream")], b"x" * (32 << 20)
+
+    async def main() -> tuple[int, int]:
+        server = HttpServer(big, Limits(request_timeout_s=1.0, write_high_water=64 * 1024))
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.setblocking(False)
+        await server.start(sock)
+        port = sock.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.sleep(0.5)
+        held = server.connections
+        deadline = time.monotonic() + 10
+        while server.connections and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        left = server.connections
+        client.close()
+        await server.stop(1)
+        return held, left
+
+    held, left = asyncio.run(main())
+    assert (held, left) == (1, 0)
