@@ -101,7 +101,7 @@ class Driver:
         self.c.on_message = self._on_message
         sub = threading.Event()
         self.c.on_subscribe = lambda *a: sub.set()
-        self.c.subscribe("bench/reply", qos=1)
+        self.c.subscribe("edged/bench/reply/bench", qos=1)
         self.c.loop_start()
         assert sub.wait(10)
         self._done = threading.Event()
@@ -134,7 +134,7 @@ class Driver:
                 return
             i = self.sent
             self.sent += 1
-        props = publish_properties(response_topic="bench/reply", user=self.users,
+        props = publish_properties(response_topic="edged/bench/reply/bench", user=self.users,
                                    correlation=(self.run_id << 32 | i).to_bytes(8, "big"))
         self.sent_at[i] = time.perf_counter_ns()
         self.c.publish(self.topic, self.payload, qos=self.qos, properties=props)

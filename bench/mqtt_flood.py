@@ -49,12 +49,12 @@ def main() -> int:
     try:
         assert t.wait_ready(10)
         c = TestClient(broker.port).wait_connected()
-        c.subscribe("replies/flood", qos=1)
+        c.subscribe("edged/flood/reply/flood", qos=1)
         body = json.dumps({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 64],
                                        "data": DIGIT}]}).encode()
         t0 = time.monotonic()
         for i in range(args.requests):
-            props = publish_properties(ResponseTopic="replies/flood", CorrelationData=str(i).encode())
+            props = publish_properties(ResponseTopic="edged/flood/reply/flood", CorrelationData=str(i).encode())
             c.client.publish("edged/flood/infer/digits", body, qos=1, properties=props)
         kinds: collections.Counter[str] = collections.Counter()
         while True:

@@ -121,6 +121,11 @@ class HttpSection(_Section):
                                         "client's longest-idle one")
     header_timeout_s: float = Field(default=10, gt=0, description="a request line and headers (or a first "
                                     "request on a new connection) must arrive within this")
+    max_busy_connections: int = Field(default=256, ge=1, description="connections receiving a request body at "
+                                      "once, all clients together (whatever their addresses); one more cuts off "
+                                      "the slowest body sender")
+    body_timeout_s: float = Field(default=10, gt=0, description="longest pause between two parts of a request "
+                                  "body (408 and close)")
 
 
 class GrpcTlsSection(_Section):
@@ -139,7 +144,25 @@ class GrpcSection(_Section):
     max_stream_inflight: int = Field(default=64, ge=1, le=4096, description="requests of one ModelStreamInfer "
                                      "stream being computed or waiting for their turn to be answered (later ones "
                                      "are not read until a slot frees; answers stay in order)")
+    max_connections: int = Field(default=1000, ge=1, description="open gRPC connections; beyond it new ones are "
+                                 "closed at once (sized down to the descriptor budget, see [descriptors])")
+    max_concurrent_rpcs: int = Field(default=1000, ge=1, description="RPCs (streams) being served at once, all "
+                                     "connections together; beyond it RESOURCE_EXHAUSTED")
+    max_streams_per_connection: int = Field(default=100, ge=1, description="HTTP/2 MAX_CONCURRENT_STREAMS")
+    idle_timeout_s: float = Field(default=300, gt=0, description="a connection with no RPC for this long is "
+                                  "closed (GOAWAY; clients reconnect on their next call)")
+    handshake_timeout_s: float = Field(default=10, gt=0, description="a new connection must finish its "
+                                       "TLS/HTTP/2 handshake within this")
     tls: GrpcTlsSection | None = None
+
+
+class DescriptorsSection(_Section):
+    """The daemon's file-descriptor budget: TCP listeners are capped so that a reserve always remains."""
+
+    raise_soft_limit: bool = Field(default=True, description="raise RLIMIT_NOFILE's soft limit to the hard one "
+                                   "at start")
+    reserve: int = Field(default=256, ge=16, description="descriptors kept out of the TCP listeners' caps for "
+                         "shared memory clients, health checks, model files, MQTT and the registry")
 
 
 class ControlSection(_Section):
@@ -273,6 +296,26 @@ class MqttSection(_Section):
     reconnect_min_s: float = Field(default=0.5, gt=0)
     reconnect_max_s: float = Field(default=30, gt=0)
     bindings: list[StreamBinding] = Field(default_factory=list, description="stream bindings: topic -> model -> topic")
+    reply_topics: list[str] = Field(
+        default_factory=lambda: ["{prefix}/{device}/reply/#"], min_length=1, max_length=64,
+        description="topic filters a request's response topic (MQTT 5) or reply_to (3.1.1) must match; "
+        "{prefix} and {device} are filled in. Any other is refused with a note on {prefix}/{device}/errors. "
+        "The daemon's own, other devices' and fleet topics are refused whatever these say")
+
+    @field_validator("reply_topics")
+    @classmethod
+    def _reply_filters(cls, v: list[str]) -> list[str]:
+        for pattern in v:
+            static = pattern.replace("{prefix}", "p").replace("{device}", "d")
+            levels = static.split("/")
+            if not pattern or "\0" in pattern or "{" in static or "}" in static:
+                raise ValueError(f"{pattern!r}: a topic filter; only {{prefix}} and {{device}} may be filled in")
+            for i, level in enumerate(levels):
+                if ("#" in level and (level != "#" or i != len(levels) - 1)) or ("+" in level and level != "+"):
+                    raise ValueError(f"{pattern!r}: '+' must fill a whole level and '#' must be the whole last level")
+            if levels[0] in ("+", "#") or levels[0].startswith("$"):
+                raise ValueError(f"{pattern!r}: the first level must be a fixed name (not a wildcard or '$')")
+        return v
 
     @field_validator("url")
     @classmethod
@@ -352,6 +395,7 @@ class Config(_Section):
     mqtt: MqttSection = Field(default_factory=MqttSection)
     shm: ShmSection = Field(default_factory=ShmSection)
     grpc: GrpcSection | None = Field(default=None, description="absent: no gRPC listener")
+    descriptors: DescriptorsSection = Field(default_factory=DescriptorsSection)
     control: ControlSection = Field(default_factory=ControlSection)
     registry: RegistrySection = Field(default_factory=RegistrySection)
     telemetry: TelemetrySection = Field(default_factory=TelemetrySection)

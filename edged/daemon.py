@@ -152,6 +152,8 @@ class Daemon:
         # Transports are imported only when enabled: their libraries cost start-up time and memory.
         cfg = self.cfg
         out: list[Transport] = []
+        from edged.descriptors import plan_for_daemon
+        budget = plan_for_daemon(cfg)  # TCP listeners capped so shm, health and files keep a reserve
         if cfg.shm.enabled:
             from edged.transports.shm.transport import ShmTransport
             out.append(ShmTransport(cfg, rt.service))
@@ -163,10 +165,11 @@ class Daemon:
             regions = system_shm_regions(cfg)
         if cfg.http.enabled:
             from edged.transports.http.transport import HttpTransport
-            out.append(HttpTransport(cfg, rt.service, shm=regions, metrics=metrics))
+            out.append(HttpTransport(cfg, rt.service, shm=regions, metrics=metrics,
+                                     max_connections=budget.http_connections, backlog=budget.http_backlog))
         if grpc:
             from edged.transports.grpc.server import GrpcTransport
-            out.append(GrpcTransport(cfg, rt.service, shm=regions))
+            out.append(GrpcTransport(cfg, rt.service, shm=regions, max_connections=budget.grpc_connections))
         if cfg.mqtt.enabled:
             from edged.transports.mqtt.transport import MqttTransport
             out.append(MqttTransport(cfg, rt.service, rt.profile.name, metrics=metrics))

@@ -78,8 +78,11 @@ class Broker:
     """One mosquitto process on 127.0.0.1; ``restart`` keeps the same ports."""
 
     def __init__(self, workdir: Path, *, ca: TestCA | None = None, passwords: dict[str, str] | None = None,
-                 nodelay: bool = False, stock: bool = False, include_dir: Path | None = None) -> None:
+                 nodelay: bool = False, stock: bool = False, include_dir: Path | None = None,
+                 acl: str | None = None) -> None:
+        """``acl``: the text of a mosquitto ACL file (with ``passwords``: who may publish and read what)."""
         self.workdir = workdir
+        self.acl = acl
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.ca = ca
@@ -109,6 +112,10 @@ class Broker:
             for user, password in self.passwords.items():
                 subprocess.run(["mosquitto_passwd", "-b", str(pw), user, password], check=True, capture_output=True)
             lines += ["allow_anonymous false", f"password_file {pw}"]
+            if self.acl is not None:
+                acl = self.workdir / "acl"
+                acl.write_text(self.acl)
+                lines.append(f"acl_file {acl}")
         else:
             lines.append("allow_anonymous true")
         if self.ca:
@@ -268,7 +275,7 @@ class TestClient:
     __test__ = False  # not a pytest class
 
     def __init__(self, port: int, *, v5: bool = True, tls: dict[str, Any] | None = None,
-                 client_id: str | None = None) -> None:
+                 client_id: str | None = None, auth: tuple[str, str] | None = None) -> None:
         self.v5 = v5
         self.messages: queue.Queue[mqtt.MQTTMessage] = queue.Queue()
         self.connected = threading.Event()
@@ -277,6 +284,8 @@ class TestClient:
                                   protocol=mqtt.MQTTv5 if v5 else mqtt.MQTTv311)
         if tls:
             self.client.tls_set(**tls)
+        if auth:
+            self.client.username_pw_set(*auth)
         self.client.on_connect = self._on_connect
         self.client.on_message = lambda c, u, m: self.messages.put(m)
         self.client.on_connect_fail = lambda c, u: self.failed.set()
@@ -391,7 +400,7 @@ class PahoRequester:
 
     def __init__(self, port: int, infer_topic: str, *, qos: int, reply_qos: int) -> None:
         self.topic, self.qos = infer_topic, qos
-        self.reply_topic = f"replies/paho-{uuid.uuid4().hex[:8]}"
+        self.reply_topic = f"{infer_topic.split('/infer/', 1)[0]}/reply/paho-{uuid.uuid4().hex[:8]}"
         self.replies: queue.Queue[mqtt.MQTTMessage] = queue.Queue()
         self.client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
         self.client.on_message = lambda c, u, m: self.replies.put(m)
@@ -423,7 +432,7 @@ class MosquittoCliRequester:
     two connections, the tools' default socket options."""
 
     def __init__(self, port: int, infer_topic: str, *, qos: int, reply_qos: int, timeout: float = 10) -> None:
-        self.reply_topic = f"replies/cli-{uuid.uuid4().hex[:8]}"
+        self.reply_topic = f"{infer_topic.split('/infer/', 1)[0]}/reply/cli-{uuid.uuid4().hex[:8]}"
         self.timeout = timeout
         common = ["-h", "127.0.0.1", "-p", str(port), "-V", "mqttv5"]
         self.sub = subprocess.Popen(["mosquitto_sub", *common, "-q", str(reply_qos), "-t", self.reply_topic],
@@ -494,8 +503,9 @@ class EdgedRun:
     """A real ``edged run`` (MQTT, HTTP when asked; the bundled ``digits``) in its own process, serving once started."""
 
     def __init__(self, tmp: Path, broker: Broker, device: str, extra_mqtt: str = "", *, timeout: float = 120,
-                 http_listen: str | None = None) -> None:
-        """``http_listen``: also serve HTTP there (off otherwise)."""
+                 http_listen: str | None = None, probe_auth: tuple[str, str] | None = None) -> None:
+        """``http_listen``: also serve HTTP there (off otherwise); ``probe_auth``: the broker account of the
+        client that checks the daemon serves (user, password)."""
         from tests.conftest import EDGED, MODELS, REPO_ROOT
 
         tmp.mkdir(parents=True, exist_ok=True)
@@ -524,15 +534,17 @@ url = "{broker.url}"
             self.proc = subprocess.Popen([*EDGED, "run", "--config", str(self.config)], cwd=REPO_ROOT,
                                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
                                          stdout=out, stderr=subprocess.STDOUT)
-        self._wait_serving(broker, device, timeout)
+        self._wait_serving(broker, device, timeout, probe_auth)
 
-    def _wait_serving(self, broker: Broker, device: str, timeout: float) -> None:
+    def _wait_serving(self, broker: Broker, device: str, timeout: float,
+                      auth: tuple[str, str] | None = None) -> None:
         import numpy as np
 
         from edged.client.mqtt import MqttClient
 
         end = time.monotonic() + timeout
-        with MqttClient(broker.url, device) as c:
+        user, password = auth or (None, None)
+        with MqttClient(broker.url, device, username=user, password=password) as c:
             while True:
                 try:
                     c.infer("digits", {"pixels": np.asarray([DIGIT], np.float32)}, timeout=1)

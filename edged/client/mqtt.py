@@ -36,7 +36,11 @@ class MqttClient:
                  protocol: Literal["5", "3.1.1"] = "5", binary: bool = True, username: str | None = None,
                  password: str | None = None, ca_file: Path | str | None = None, cert_file: Path | str | None = None,
                  key_file: Path | str | None = None, connect_timeout: float = 10.0, qos: int = 1,
-                 reply_qos: int = 1) -> None:
+                 reply_qos: int = 1, reply_topic: str | None = None) -> None:
+        """``reply_topic``: where replies come back; it must lie in the daemon's ``[mqtt] reply_topics``
+        (default ``{prefix}/{device}/reply/#``). By default ``{prefix}/{device}/reply/{username}/{client id}``
+        (``.../reply/{client id}`` without a username), which a broker ACL can give each user alone
+        (mosquitto: ``pattern read edged/+/reply/%u/#``)."""
         import paho.mqtt.client as mqtt
         from paho.mqtt.enums import CallbackAPIVersion
 
@@ -57,7 +61,8 @@ class MqttClient:
         self.qos, self.reply_qos = qos, reply_qos
         self.last_reply_qos: int | None = None  # the QoS the broker delivered the last reply at
         client_id = f"edged-client-{uuid.uuid4().hex[:12]}"
-        self.reply_topic = f"{topic_prefix.rstrip('/')}/clients/{client_id}/reply"
+        owner = f"{username}/" if username and not any(c in username for c in "/+#\0") else ""
+        self.reply_topic = reply_topic or f"{self.base}/reply/{owner}{client_id}"
         self._pending: dict[str, Future[tuple[dict[str, Any], memoryview]]] = {}
         self._status_waiters: dict[str, Future[bytes]] = {}
         self._lock = threading.Lock()

@@ -237,7 +237,9 @@ class EdgedCollector:
                     ("error_replies", "MQTT error replies (overloaded included)", m.error_replies),
                     ("overloaded", "MQTT requests refused with 'overloaded' (max_pending_replies)", m.overloaded),
                     ("replies_dropped", "MQTT replies dropped: the broker did not take them", m.replies_dropped),
-                    ("requests_dropped", "MQTT requests dropped: no usable reply address", m.requests_dropped))
+                    ("requests_dropped", "MQTT requests dropped: no usable reply address", m.requests_dropped),
+                    ("replies_refused", "MQTT requests refused: response topic outside the reply namespace",
+                     m.replies_refused))
         out: list[Metric] = [CounterMetricFamily(f"{p}_mqtt_{name}", text, value=float(v))
                              for name, text, v in counters]
         out.append(GaugeMetricFamily(f"{p}_mqtt_backlog", "MQTT requests computing plus replies the broker has "

@@ -54,6 +54,7 @@ from tests.mqtt_helpers import (
 )
 
 ORT_CPU = [BackendPreference(backend="onnxruntime", device="CPU", precisions=["fp32"])]
+REPLY = "edged/dev/reply"  # the daemon's default reply namespace ([mqtt] reply_topics) for device "dev"
 
 
 # ---- fixtures ---------------------------------------------------------------------------------
@@ -95,7 +96,7 @@ def transports(service: InferenceService) -> Iterator[Callable[..., MqttTranspor
 @pytest.fixture
 def client(broker: Broker) -> Iterator[TestClient]:
     c = TestClient(broker.port).wait_connected()
-    c.subscribe("replies/#")
+    c.subscribe(f"{REPLY}/#")
     yield c
     c.close()
 
@@ -153,15 +154,15 @@ def test_mqtt5_json_and_binary_requests_from_python(
     x = digits.x[:3]
     want = digits.expected(x)
 
-    client.publish("edged/dev/infer/digits", _json_request(x), ResponseTopic="replies/py", CorrelationData=b"j-1")
+    client.publish("edged/dev/infer/digits", _json_request(x), ResponseTopic=f"{REPLY}/py", CorrelationData=b"j-1")
     msg = client.get(where=_correlated(b"j-1"))
-    assert msg.topic == "replies/py"
+    assert msg.topic == f"{REPLY}/py"
     assert prop(msg, "ContentType") == codec.CONTENT_TYPE_JSON
     assert json.loads(msg.payload)["model_name"] == "digits"
     np.testing.assert_allclose(_probs(msg.payload), want, rtol=1e-5)
 
     header, tensor = _binary_request(x)
-    client.publish("edged/dev/infer/digits/1", header + tensor, ResponseTopic="replies/py", CorrelationData=b"b-1",
+    client.publish("edged/dev/infer/digits/1", header + tensor, ResponseTopic=f"{REPLY}/py", CorrelationData=b"b-1",
                    UserProperty=[(codec.HEADER_LENGTH_PROPERTY, str(len(header)))])
     msg = client.get(where=_correlated(b"b-1"))
     props = user_properties(msg)
@@ -180,23 +181,23 @@ def test_repeated_binary_headers_are_decoded_by_plan(
     hlen = [(codec.HEADER_LENGTH_PROPERTY, str(len(header)))]
     for k in range(4):
         x = digits.x[2 * k:2 * k + 2]
-        client.publish("edged/dev/infer/digits", header + x.astype(np.float32).tobytes(), ResponseTopic="replies/py",
+        client.publish("edged/dev/infer/digits", header + x.astype(np.float32).tobytes(), ResponseTopic=f"{REPLY}/py",
                        CorrelationData=f"p-{k}".encode(), UserProperty=hlen)
         msg = client.get(where=_correlated(f"p-{k}".encode()))
         np.testing.assert_array_equal(_probs(msg.payload, user_properties(msg)), digits.expected(x))
     assert t._plans.hits == 3
     client.publish("edged/dev/infer/digits", header + digits.x[:1].astype(np.float32).tobytes(),
-                   ResponseTopic="replies/py", CorrelationData=b"p-short", UserProperty=hlen)
+                   ResponseTopic=f"{REPLY}/py", CorrelationData=b"p-short", UserProperty=hlen)
     msg = client.get(where=_correlated(b"p-short"))
     props = user_properties(msg)
     error = json.loads(msg.payload[:int(props[codec.HEADER_LENGTH_PROPERTY])])
     assert error["code"] == "invalid_argument" and "goes past the end of the body" in error["error"]
     # A header that names its reply topic (MQTT 3.1.1) is not planned: each request is answered as its own.
     c = TestClient(broker.port, v5=False).wait_connected()
-    c.subscribe("replies/#")
+    c.subscribe(f"{REPLY}/#")
     try:
         for k in range(2):
-            head, tensor = _binary_request(digits.x[k:k + 1], reply_to="replies/311")
+            head, tensor = _binary_request(digits.x[k:k + 1], reply_to=f"{REPLY}/311")
             c.publish("edged/dev/infer/digits", codec.PREFIX.pack(len(head)) + head + tensor)
             np.testing.assert_array_equal(_probs(c.get(where=lambda m: m.payload[:1] == b"\0").payload),
                                           digits.expected(digits.x[k:k + 1]))
@@ -223,10 +224,11 @@ def test_a_lone_request_runs_on_pahos_thread_and_a_burst_is_queued(
         corr = f"one-{i}".encode()
         if i % 2:
             header, tensor = _binary_request(x)
-            client.publish("edged/dev/infer/digits", header + tensor, ResponseTopic="replies/py", CorrelationData=corr,
+            client.publish("edged/dev/infer/digits", header + tensor, ResponseTopic=f"{REPLY}/py", CorrelationData=corr,
                            UserProperty=[(codec.HEADER_LENGTH_PROPERTY, str(len(header)))])
         else:
-            client.publish("edged/dev/infer/digits", _json_request(x), ResponseTopic="replies/py", CorrelationData=corr)
+            client.publish("edged/dev/infer/digits", _json_request(x), ResponseTopic=f"{REPLY}/py",
+                           CorrelationData=corr)
         msg = client.get(where=_correlated(corr))
         np.testing.assert_allclose(_probs(msg.payload, user_properties(msg))[0], want[i], rtol=1e-5, atol=1e-6)
     serial = digits.service.statistics("digits")[0]
@@ -239,7 +241,7 @@ def test_a_lone_request_runs_on_pahos_thread_and_a_burst_is_queued(
     with t._unsent_lock:
         for i in range(20, 40):
             client.publish("edged/dev/infer/digits", _json_request(digits.x[i:i + 1]), qos=0,
-                           ResponseTopic="replies/py", CorrelationData=f"burst-{i}".encode())
+                           ResponseTopic=f"{REPLY}/py", CorrelationData=f"burst-{i}".encode())
         time.sleep(0.5)
         assert t.counters["requests"] == requests + 1, "paho's thread was not held at the first request"
     got: dict[int, np.ndarray] = {}
@@ -269,15 +271,15 @@ def test_mqtt311_reply_to_with_json_and_prefixed_binary(
         broker: Broker, transports: Callable[..., MqttTransport], digits: Digits, daemon_protocol: str) -> None:
     transports(broker.url, f'protocol = "{daemon_protocol}"')
     c = TestClient(broker.port, v5=False).wait_connected()
-    c.subscribe("replies/#")
+    c.subscribe(f"{REPLY}/#")
     x = digits.x[5:7]
     want = digits.expected(x)
     try:
-        c.publish("edged/dev/infer/digits", _json_request(x, reply_to="replies/311", id="req-json"))
+        c.publish("edged/dev/infer/digits", _json_request(x, reply_to=f"{REPLY}/311", id="req-json"))
         msg = c.get(where=lambda m: json.loads(m.payload).get("id") == "req-json")
         np.testing.assert_allclose(_probs(msg.payload), want, rtol=1e-5)
 
-        header, tensor = _binary_request(x, reply_to="replies/311", id="req-bin")
+        header, tensor = _binary_request(x, reply_to=f"{REPLY}/311", id="req-bin")
         c.publish("edged/dev/infer/digits", codec.PREFIX.pack(len(header)) + header + tensor)
         msg = c.get(where=lambda m: m.payload[:1] == b"\0")
         assert codec.parse(msg.payload, None).header["id"] == "req-bin"
@@ -294,13 +296,13 @@ def test_mosquitto_cli_v5_json_request_gets_the_right_digit(
     i = next(i for i in range(len(y)) if int(np.argmax(digits.expected(x[i:i + 1]))) == int(y[i]))
     body = json.dumps({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 64],
                                    "data": x[i].tolist()}]})
-    with mosquitto_sub(broker.port, "replies/cli", 1) as sub:
+    with mosquitto_sub(broker.port, f"{REPLY}/cli", 1) as sub:
         subprocess.run(["mosquitto_pub", "-V", "mqttv5", "-p", str(broker.port), "-t", "edged/dev/infer/digits",
-                        "-D", "publish", "response-topic", "replies/cli",
+                        "-D", "publish", "response-topic", f"{REPLY}/cli",
                         "-D", "publish", "correlation-data", "cli-42", "-m", body], check=True)
         out, _ = sub.communicate(timeout=30)
     topic, corr, payload = out.strip().split("|", 2)
-    assert (topic, corr) == ("replies/cli", "cli-42")
+    assert (topic, corr) == (f"{REPLY}/cli", "cli-42")
     digit = int(np.argmax(json.loads(payload)["outputs"][0]["data"]))
     print(f"mosquitto_pub digits request -> mosquitto_sub reply: digit {digit} (label {int(y[i])})")
     assert digit == int(y[i])
@@ -312,8 +314,8 @@ def test_mosquitto_cli_v311_and_binary_requests(
     transports(broker.url)
     x = digits.x[9:10]
     want = digits.expected(x)
-    body = _json_request(x, reply_to="replies/cli311", id="cli-311")
-    with mosquitto_sub(broker.port, "replies/cli311", 1) as sub:
+    body = _json_request(x, reply_to=f"{REPLY}/cli311", id="cli-311")
+    with mosquitto_sub(broker.port, f"{REPLY}/cli311", 1) as sub:
         subprocess.run(["mosquitto_pub", "-V", "mqttv311", "-p", str(broker.port), "-t", "edged/dev/infer/digits",
                         "-m", body.decode()], check=True)
         out, _ = sub.communicate(timeout=30)
@@ -324,7 +326,7 @@ def test_mosquitto_cli_v311_and_binary_requests(
     header, tensor = _binary_request(x)
     (tmp_path / "req.bin").write_bytes(header + tensor)
     subprocess.run(["mosquitto_pub", "-V", "mqttv5", "-p", str(broker.port), "-t", "edged/dev/infer/digits",
-                    "-D", "publish", "response-topic", "replies/clibin",
+                    "-D", "publish", "response-topic", f"{REPLY}/clibin",
                     "-D", "publish", "correlation-data", "cli-bin",
                     "-D", "publish", "user-property", codec.HEADER_LENGTH_PROPERTY, str(len(header)),
                     "-f", str(tmp_path / "req.bin")], check=True)
@@ -339,7 +341,7 @@ def test_errors_are_correlated_responses_and_serving_continues(
     x = digits_holdout[0][:1]
 
     def ask(topic: str, payload: bytes, corr: bytes, **props: Any) -> tuple[dict[str, Any], dict[str, str]]:
-        client.publish(topic, payload, ResponseTopic="replies/err", CorrelationData=corr, **props)
+        client.publish(topic, payload, ResponseTopic=f"{REPLY}/err", CorrelationData=corr, **props)
         msg = client.get(where=_correlated(corr))
         hlen = user_properties(msg).get(codec.HEADER_LENGTH_PROPERTY)
         return codec.parse(msg.payload, int(hlen) if hlen else None).header, user_properties(msg)
@@ -383,21 +385,21 @@ def test_duplicate_delivery_gets_one_response(
     t = transports(broker.url)
     x = digits_holdout[0][:1]
     for _ in range(3):
-        client.publish("edged/dev/infer/digits", _json_request(x), ResponseTopic="replies/dup", CorrelationData=b"d-1")
-    client.publish("edged/dev/infer/digits", _json_request(x), ResponseTopic="replies/dup", CorrelationData=b"d-2")
-    got = [client.get(where=lambda m: m.topic == "replies/dup") for _ in range(2)]
+        client.publish("edged/dev/infer/digits", _json_request(x), ResponseTopic=f"{REPLY}/dup", CorrelationData=b"d-1")
+    client.publish("edged/dev/infer/digits", _json_request(x), ResponseTopic=f"{REPLY}/dup", CorrelationData=b"d-2")
+    got = [client.get(where=lambda m: m.topic == f"{REPLY}/dup") for _ in range(2)]
     assert sorted(prop(m, "CorrelationData") for m in got) == [b"d-1", b"d-2"]
-    assert not [m for m in client.drain(0.3) if m.topic == "replies/dup"]
+    assert not [m for m in client.drain(0.3) if m.topic == f"{REPLY}/dup"]
     assert t.counters["duplicates"] == 2
 
     c311 = TestClient(broker.port, v5=False).wait_connected()
-    c311.subscribe("replies/#")
+    c311.subscribe(f"{REPLY}/#")
     for _ in range(2):
-        c311.publish("edged/dev/infer/digits", _json_request(x, reply_to="replies/dup311", id="same"))
-    c311.publish("edged/dev/infer/digits", _json_request(x, reply_to="replies/dup311", id="other"))
-    ids = [json.loads(c311.get(where=lambda m: m.topic == "replies/dup311").payload)["id"] for _ in range(2)]
+        c311.publish("edged/dev/infer/digits", _json_request(x, reply_to=f"{REPLY}/dup311", id="same"))
+    c311.publish("edged/dev/infer/digits", _json_request(x, reply_to=f"{REPLY}/dup311", id="other"))
+    ids = [json.loads(c311.get(where=lambda m: m.topic == f"{REPLY}/dup311").payload)["id"] for _ in range(2)]
     assert sorted(ids) == ["other", "same"]
-    assert not [m for m in c311.drain(0.3) if m.topic == "replies/dup311"]
+    assert not [m for m in c311.drain(0.3) if m.topic == f"{REPLY}/dup311"]
     c311.close()
 
 
@@ -408,9 +410,9 @@ def test_persistent_session_and_message_expiry(
     asyncio.run(first.stop())  # the broker keeps the session and queues QoS 1 requests for it
     before = digits.service.statistics("digits")[0]["inference_count"]
     x = digits.x[:1]
-    client.publish("edged/dev/infer/digits", _json_request(x), qos=1, ResponseTopic="replies/q",
+    client.publish("edged/dev/infer/digits", _json_request(x), qos=1, ResponseTopic=f"{REPLY}/q",
                    CorrelationData=b"expires", MessageExpiryInterval=1)
-    client.publish("edged/dev/infer/digits", _json_request(x), qos=1, ResponseTopic="replies/q",
+    client.publish("edged/dev/infer/digits", _json_request(x), qos=1, ResponseTopic=f"{REPLY}/q",
                    CorrelationData=b"keeps", MessageExpiryInterval=60)
     time.sleep(2.2)  # let the first request expire while nobody serves it (the broker counts whole seconds)
     transports(broker.url, **session)
@@ -419,7 +421,7 @@ def test_persistent_session_and_message_expiry(
     assert 0 < prop(msg, "MessageExpiryInterval") <= 60
     # The expired request is never computed: the broker discards it, or, if it is delivered with no time
     # left, the daemon answers with a deadline error instead of running the model.
-    for m in [m for m in client.drain(0.5) if m.topic == "replies/q"]:
+    for m in [m for m in client.drain(0.5) if m.topic == f"{REPLY}/q"]:
         assert prop(m, "CorrelationData") == b"expires"
         assert json.loads(m.payload)["code"] == "deadline_exceeded"
     assert digits.service.statistics("digits")[0]["inference_count"] == before + 1
@@ -551,7 +553,7 @@ def test_broker_restart_mid_stream_recovers(
         while not stop.is_set():
             i += 1
             with contextlib.suppress(Exception):
-                stream.publish("edged/dev/infer/digits", _json_request(x), qos=0, ResponseTopic="replies/stream",
+                stream.publish("edged/dev/infer/digits", _json_request(x), qos=0, ResponseTopic=f"{REPLY}/stream",
                                CorrelationData=str(i).encode())
             time.sleep(0.005)
 
@@ -563,10 +565,10 @@ def test_broker_restart_mid_stream_recovers(
             broker.restart()
             t0 = time.monotonic()
             probe = TestClient(broker.port).wait_connected()
-            probe.subscribe("replies/probe")
+            probe.subscribe(f"{REPLY}/probe")
             got = None
             while got is None and time.monotonic() - t0 < 20:
-                probe.publish("edged/dev/infer/digits", _json_request(x), qos=0, ResponseTopic="replies/probe",
+                probe.publish("edged/dev/infer/digits", _json_request(x), qos=0, ResponseTopic=f"{REPLY}/probe",
                               CorrelationData=f"{cycle}-{time.monotonic()}".encode())
                 with contextlib.suppress(AssertionError):
                     got = probe.get(0.25)
@@ -874,12 +876,12 @@ def test_qos1_flood_gets_a_reply_for_every_request(tmp_path: Path, transports: C
         renderer = MetricsRenderer(digits.service)  # the daemon's /metrics, handed to the transport
         t = transports(broker.url, max_pending_replies=16, reply_qos=reply_qos, metrics=renderer)
         c = TestClient(broker.port).wait_connected()
-        c.subscribe("replies/flood", qos=1)
+        c.subscribe(f"{REPLY}/flood", qos=1)
         n = 1000  # mosquitto queues at most 1000 QoS 1 messages per client (max_queued_messages): no broker drops
         x = digits.x[:1]
         body = _json_request(x)
         for i in range(n):  # as fast as paho takes them: no waiting for PUBACKs
-            props = publish_properties(ResponseTopic="replies/flood", CorrelationData=str(i).encode())
+            props = publish_properties(ResponseTopic=f"{REPLY}/flood", CorrelationData=str(i).encode())
             assert c.client.publish("edged/dev/infer/digits", body, qos=1, properties=props).rc == 0
         answers: dict[int, str] = {}
         end = time.monotonic() + 60

@@ -210,6 +210,8 @@ class MqttWindow(_Wire):
     overloaded: Count = Field(default=0, description="requests refused with 'overloaded'")
     replies_dropped: Count = Field(default=0, description="replies that could not be handed to the broker")
     requests_dropped: Count = Field(default=0, description="requests without a usable reply address")
+    replies_refused: Count = Field(default=0, description="requests whose response topic lay outside the reply "
+                                                          "namespace (answered on the daemon's error topic)")
     backlog: Count = Field(default=0, description="at the end: requests computing plus replies not yet taken")
     broker_stall: str | None = Field(default=None, max_length=2000,
                                      description="the broker's delayed-ACK stall, once recognised, with the fix")
@@ -223,7 +225,8 @@ class MqttWindow(_Wire):
         return MqttWindow(**counts, backlog=self.backlog, broker_stall=self.broker_stall, streams=self.streams)
 
 
-_MQTT_COUNTS = ("requests", "replies", "error_replies", "overloaded", "replies_dropped", "requests_dropped")
+_MQTT_COUNTS = ("requests", "replies", "error_replies", "overloaded", "replies_dropped", "requests_dropped",
+               "replies_refused")
 
 
 class TelemetrySample(_Wire):

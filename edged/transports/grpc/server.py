@@ -4,7 +4,10 @@ grpcio is imported when the transport is built, so a configured ``[grpc]`` witho
 the ``grpc`` extra fails at start with a typed error that says what to install.
 Message size limits are grpcio's own (a larger message is refused with
 RESOURCE_EXHAUSTED before it is handed to us); SO_REUSEPORT is off so a busy port
-is an error, not a second server sharing it.
+is an error, not a second server sharing it. Connections are capped (grpcio closes one
+over ``max_connections`` as soon as it is accepted, so it holds no descriptor), and so are
+RPCs at once, streams per connection, idle connections and unfinished handshakes: the
+daemon's descriptors are a budget the listeners share (edged/descriptors.py).
 """
 
 from __future__ import annotations
@@ -69,7 +72,9 @@ def check_config(cfg: Config) -> list[str]:
 class GrpcTransport:
     name = "grpc"
 
-    def __init__(self, cfg: Config, service: InferenceService, *, shm: SystemShmRegions | None = None) -> None:
+    def __init__(self, cfg: Config, service: InferenceService, *, shm: SystemShmRegions | None = None,
+                 max_connections: int | None = None) -> None:
+        """``max_connections``: the cap the descriptor budget allows (default ``[grpc] max_connections``)."""
         self._grpc = require_grpc()
         from edged.transports.grpc.app import GrpcApp
 
@@ -77,6 +82,7 @@ class GrpcTransport:
         self.cfg = cfg.grpc
         self.listen = self.cfg.listen
         self.max_message = int(self.cfg.max_message_mb * 1024 * 1024)
+        self.max_connections = max_connections or self.cfg.max_connections
         self.shm = shm if shm is not None else system_shm_regions(cfg)  # shared with HTTP in the daemon
         self.app = GrpcApp(service=service, shm=self.shm, scrub=Scrubber.for_config(cfg),
                            authority=Authority(cfg.control), stream_inflight=self.cfg.max_stream_inflight)
@@ -93,8 +99,12 @@ class GrpcTransport:
         target = parse_listen(self.listen)
         options = [("grpc.max_receive_message_length", self.max_message),
                    ("grpc.max_send_message_length", self.max_message),
-                   ("grpc.so_reuseport", 0)]
-        server = grpc.aio.server(options=options)
+                   ("grpc.so_reuseport", 0),
+                   ("grpc.max_allowed_incoming_connections", self.max_connections),
+                   ("grpc.max_concurrent_streams", self.cfg.max_streams_per_connection),
+                   ("grpc.max_connection_idle_ms", int(self.cfg.idle_timeout_s * 1000)),
+                   ("grpc.server_handshake_timeout_ms", int(self.cfg.handshake_timeout_s * 1000))]
+        server = grpc.aio.server(options=options, maximum_concurrent_rpcs=self.cfg.max_concurrent_rpcs)
         server.add_generic_rpc_handlers((self.app.handler(),))
         if isinstance(target, Path):
             clear_unix_path(target, self.listen, "grpc")
@@ -120,7 +130,8 @@ class GrpcTransport:
         if self._unix_path is not None:
             os.chmod(self._unix_path, UNIX_SOCKET_MODE)
         self._server = server
-        log.info("gRPC (KServe v2) listening on %s%s", self.address, " with TLS" if creds else "")
+        log.info("gRPC (KServe v2) listening on %s%s (at most %d connections, %d RPCs at once)", self.address,
+                 " with TLS" if creds else "", self.max_connections, self.cfg.max_concurrent_rpcs)
 
     async def stop(self) -> None:
         self.app.stopping = True

@@ -13,7 +13,10 @@ per-request read timeouts, a shorter deadline for the request line and headers
 (slowloris), keep-alive idle timeouts (slow or idle clients cannot hold a connection
 forever), a connection limit per client (peer address, or uid on a Unix socket) under the
 global one, and when the server is full a newcomer takes an idle connection of the client
-holding the most rather than being refused; write back-pressure; requests on half-closed
+holding the most (else the longest-idle one, else the slowest body sender's) rather than being
+refused; a global cap on connections receiving a body, whatever their addresses, that cuts
+off the slowest sender, and a pause limit between body parts; write back-pressure and a limit
+on how long an answer may wait for a client that does not read; requests on half-closed
 connections (the client sent its request, then shut down its sending side) are answered;
 and a graceful stop that finishes in-flight requests before closing.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import socket
 import time
@@ -73,10 +77,15 @@ class Limits:
     max_pipelined: int = 32  # queued requests per connection before reading pauses
     max_connections: int = 1000
     max_client_connections: int = 64  # per peer address (TCP) or uid (Unix socket); the idlest gives way
+    max_busy_connections: int = 256  # receiving a body, all clients together; the slowest sender gives way
+    overflow_connections: int = 0  # beyond max_connections, for clients under an equal share (see room_beyond)
+    body_timeout_s: float = 10.0  # longest pause between two parts of a body
+    body_credit: int = 16 * 1024  # bytes a body is assumed to have sent already when its rate is judged
     write_high_water: int = 4 * 1024 * 1024
 
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+SLOW_CANDIDATES = 32  # bodies judged when one must be cut off: the longest-running ones
 _ONE_WRITE = 256 * 1024  # bodies up to this are copied into one buffer with the head: one send, not two
 
 
@@ -117,6 +126,13 @@ def error_response(status: int, message: str) -> Response:
 class _State:
     connections: set[HttpConnection] = field(default_factory=set)
     clients: dict[object, set[HttpConnection]] = field(default_factory=dict)  # by client key
+    # Headers received, body still arriving; insertion-ordered, so the longest-running bodies come first.
+    busy: dict[HttpConnection, None] = field(default_factory=dict)
+    busy_by_client: collections.Counter[object] = field(default_factory=collections.Counter)
+    # Bodies of clients holding their share of busy slots already: not read (no CPU spent, no cut, no
+    # reconnect) until a slot frees; oldest first.
+    parked: dict[HttpConnection, None] = field(default_factory=dict)
+    cut_off: int = 0  # slow body senders closed to make room (for tests and logs)
     stopping: bool = False
     load: Load = field(default_factory=Load)
 
@@ -126,11 +142,48 @@ class _State:
 
     def discard(self, conn: HttpConnection) -> None:
         self.connections.discard(conn)
+        self.unbusy(conn)
         mine = self.clients.get(conn.client)
         if mine is not None:
             mine.discard(conn)
             if not mine:
                 del self.clients[conn.client]
+
+    def unbusy(self, conn: HttpConnection) -> None:
+        """``conn`` no longer receives a body (or waits to)."""
+        self.parked.pop(conn, None)
+        if self.busy.pop(conn, 0) is None:
+            n = self.busy_by_client[conn.client] - 1
+            if n > 0:
+                self.busy_by_client[conn.client] = n
+            else:
+                del self.busy_by_client[conn.client]
+
+    def make_busy(self, conn: HttpConnection) -> None:
+        self.busy[conn] = None
+        self.busy_by_client[conn.client] += 1
+
+    def over_share(self, conn: HttpConnection) -> bool:
+        """Whether ``conn``'s client holds at least an equal share of the busy slots already."""
+        holders = len(self.busy_by_client) + (conn.client not in self.busy_by_client)
+        return self.busy_by_client.get(conn.client, 0) >= max(1, conn.limits.max_busy_connections // holders)
+
+    def unpark(self, max_busy: int) -> None:
+        """A busy slot freed: the longest-waiting parked body is read again."""
+        while self.parked and len(self.busy) < max_busy:
+            conn = next(iter(self.parked))
+            del self.parked[conn]
+            if conn.transport is not None and not conn._discard:
+                conn.resume_body()
+
+    def room_beyond(self, conn: HttpConnection) -> bool:
+        """Server full: a client holding less than an equal share of the connections may still come in,
+        within ``overflow_connections`` (descriptors the budget keeps for accept bursts), rather than
+        make another client's connection close (which a hostile client would reopen at once)."""
+        limits = conn.limits
+        if len(self.connections) > limits.max_connections + limits.overflow_connections:
+            return False
+        return len(self.clients.get(conn.client, ())) <= max(1, limits.max_connections // len(self.clients))
 
     def make_room_within(self, conn: HttpConnection, why: str) -> bool:
         """A client at its own limit: its longest-idle (or still header-less) connection gives way to the
@@ -151,10 +204,45 @@ class _State:
                            key=lambda kv: len(kv[1]), default=(None, set()))
         if key is None or len(biggest) <= have:
             return False
-        victim = next((c for c in biggest if c.evictable), None)
+        victim = min((c for c in biggest if c.evictable), key=lambda c: c.since, default=None)
+        if victim is None:
+            victim = next((c for c in self.parked if c.client == key), None)
+        if victim is None:
+            # Addresses are cheap (all of 127.0.0.0/8 is this machine): judge connections, not keys.
+            # The slowest body sender anywhere gives way, else the longest-idle (or header-less) connection.
+            if self.cut_slowest(conn, "the server is full"):
+                return True
+            victim = min((c for c in self.connections if c is not conn and c.evictable),
+                         key=lambda c: c.since, default=None)
+            if victim is None:
+                victim = next(iter(self.parked), None)
         if victim is None or victim.transport is None:
             return False
         victim.transport.close()
+        self.discard(victim)
+        return True
+
+    def cut_slowest(self, conn: HttpConnection, why: str) -> bool:
+        """Close the connection sending its body the slowest; False when no other is receiving a body.
+
+        The rate credits every body with ``body_credit`` bytes, so a body that has just begun (a client
+        that sent its headers and is sending the rest now) counts as fast, and the one that trickled the
+        least over the longest time is the slowest."""
+        now = time.monotonic()
+        victim = None
+        slowest = float("inf")
+        # Only the bodies that have taken longest are judged (a slow sender is among them; fast ones have
+        # finished): a cut costs the same whether the server holds 50 bodies or 5,000.
+        for c in itertools.islice(self.busy, SLOW_CANDIDATES + 1):
+            if c is not conn and c.transport is not None:
+                rate = c.body_rate(now)
+                if rate < slowest:
+                    victim, slowest = c, rate
+        if victim is None:
+            return False
+        self.cut_off += 1
+        victim._refuse(408, f"request body arriving too slowly ({victim.body_rate(now):.0f} bytes/s) while "
+                       f"{why}")
         self.discard(victim)
         return True
 
@@ -174,12 +262,16 @@ class HttpConnection(asyncio.Protocol):
         self.queue: collections.deque[Request] = collections.deque()
         self.task: asyncio.Task[None] | None = None
         self.since = time.monotonic()  # start of the current request, or of idleness (for the sweep)
+        self.body_since = 0.0  # when the headers were complete (the body's start), or it was read again
+        self._rate_base = 0  # body bytes before body_since
+        self.last_body = 0.0  # when body bytes last arrived
         self.closing = False  # no new requests: answer what is queued, then close
         self._finish_current = False
         self._final: Response | None = None  # a protocol-level refusal to send after the queued answers
         self.paused = False
         self._writable = asyncio.Event()
         self._writable.set()
+        self._write_blocked = 0.0  # when writing paused (client not reading), 0 while writable
         self._reset_message()
 
     def _reset_message(self) -> None:
@@ -209,7 +301,8 @@ class HttpConnection(asyncio.Protocol):
             if not st.make_room_within(self, why):
                 self._refuse(503, why)
                 return
-        if len(st.connections) > self.limits.max_connections and not st.evict_for(self):
+        if len(st.connections) > self.limits.max_connections and not st.room_beyond(self) \
+                and not st.evict_for(self):
             self._refuse(503, "too many connections")
             return
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -223,8 +316,21 @@ class HttpConnection(asyncio.Protocol):
         """Nothing to lose by closing it: no request being answered, none queued, no body under way."""
         return self.task is None and not self.queue and (not self._in_message or not self._headers_done)
 
+    def body_rate(self, now: float) -> float:
+        """Body bytes per second since the headers were complete (``body_credit`` included)."""
+        return (self._body_size - self._rate_base + self.limits.body_credit) / max(now - self.body_since, 1e-3)
+
+    def resume_body(self) -> None:
+        """A parked body is read again, judged from now on."""
+        assert self.transport is not None
+        self.body_since = self.last_body = time.monotonic()
+        self._rate_base = self._body_size
+        self.state.make_busy(self)
+        self.transport.resume_reading()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.state.discard(self)
+        self.state.unpark(self.limits.max_busy_connections)
         self.closing = True
         self.state.load.pending -= len(self.queue)
         self.queue.clear()
@@ -233,9 +339,11 @@ class HttpConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._writable.clear()
+        self._write_blocked = time.monotonic()
 
     def resume_writing(self) -> None:
         self._writable.set()
+        self._write_blocked = 0.0
 
     def check_timeouts(self, now: float) -> None:
         """Called by the server's once-a-second sweep (cheaper than a timer per request)."""
@@ -248,6 +356,13 @@ class HttpConnection(asyncio.Protocol):
                 self._refuse(408, "request not received in time")
             elif not self._headers_done and now - self.since > self.limits.header_timeout_s:
                 self._refuse(408, "request headers not received in time")
+            elif self._headers_done and self not in self.state.parked and \
+                    now - self.last_body > self.limits.body_timeout_s:
+                self._refuse(408, f"request body paused for more than {self.limits.body_timeout_s:g} s")
+        elif self.task is not None and not self._writable.is_set():
+            # An answer waiting for a client that does not read: the connection is held, not used.
+            if self._write_blocked and now - self._write_blocked > self.limits.request_timeout_s:
+                self.transport.abort()
         elif self.task is None and not self.queue:
             # A connection that never sent a request gets the header deadline, not the keep-alive one.
             idle = self.limits.keep_alive_s if self.served else self.limits.header_timeout_s
@@ -267,6 +382,7 @@ class HttpConnection(asyncio.Protocol):
         if self._in_message:  # cut off mid-request: it can never complete
             self._in_message = False
             self._discard = True
+            self.state.unbusy(self)
         if self.task is None and not self.queue:
             return None  # nothing left to answer: let the transport close
         return True  # keep the sending side open; _serve closes after the last answer
@@ -283,6 +399,27 @@ class HttpConnection(asyncio.Protocol):
         except httptools.HttpParserError as e:
             if not self._discard:
                 self._refuse(400, f"malformed HTTP request: {e}")
+        if self._in_message and self._headers_done and not self._discard and self not in self.state.busy \
+                and self not in self.state.parked:
+            self._body_pending()
+
+    def _body_pending(self) -> None:
+        """Headers in, body still to come: one more connection holding a slot while a sender takes its time.
+        (A request whose body came with its headers never counts.) With every slot taken, a client that
+        holds its equal share already waits (parked: not read, until a slot frees); any other takes the
+        place of the slowest sender (see :meth:`_State.cut_slowest`)."""
+        st = self.state
+        if len(st.busy) >= self.limits.max_busy_connections:
+            if st.over_share(self):
+                if self.transport is not None:
+                    self.transport.pause_reading()
+                    st.parked[self] = None
+                return
+            if not st.cut_slowest(self, f"{len(st.busy)} other requests are receiving their bodies"):
+                self._refuse(503, f"too many requests are receiving their bodies "
+                             f"({self.limits.max_busy_connections}, [http] max_busy_connections); retry")
+                return
+        st.make_busy(self)
 
     def on_message_begin(self) -> None:
         self._reset_message()
@@ -319,10 +456,12 @@ class HttpConnection(asyncio.Protocol):
                 expect = True
         if expect and self.transport is not None:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self.body_since = self.last_body = time.monotonic()
 
     def on_body(self, body: bytes) -> None:
         if self._discard:
             return
+        self.last_body = time.monotonic()
         self._body_size += len(body)
         if self._body_size > self.limits.max_body:
             self._too_large()
@@ -331,6 +470,9 @@ class HttpConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._in_message = False
+        if self in self.state.busy or self in self.state.parked:
+            self.state.unbusy(self)
+            self.state.unpark(self.limits.max_busy_connections)
         if self._discard or (self.closing and not self._finish_current):
             return
         self._finish_current = False
@@ -357,6 +499,7 @@ class HttpConnection(asyncio.Protocol):
         """Answer an error at the protocol level (after what is already queued) and close."""
         self._discard = True
         self.closing = True
+        self.state.unbusy(self)
         if self.transport is None:
             return
         self.transport.pause_reading()
@@ -374,7 +517,7 @@ class HttpConnection(asyncio.Protocol):
             while self.queue:
                 req = self.queue.popleft()
                 if self.paused and len(self.queue) < self.limits.max_pipelined // 2 and self.transport is not None \
-                        and not self.closing:
+                        and not self.closing and self not in self.state.parked:
                     self.transport.resume_reading()
                     self.paused = False
                 try:
@@ -435,7 +578,7 @@ class HttpServer:
         for conn in list(self._state.connections):
             conn.check_timeouts(now)
         interval = min(1.0, self.limits.keep_alive_s / 2, self.limits.request_timeout_s / 2,
-                       self.limits.header_timeout_s / 2)
+                       self.limits.header_timeout_s / 2, self.limits.body_timeout_s / 2)
         self._sweeper = asyncio.get_running_loop().call_later(interval, self._sweep)
 
     @property
@@ -462,4 +605,7 @@ class HttpServer:
                 conn.task.cancel()
         self._state.connections.clear()
         self._state.clients.clear()
+        self._state.busy.clear()
+        self._state.busy_by_client.clear()
+        self._state.parked.clear()
         self._server = None

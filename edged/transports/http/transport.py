@@ -110,9 +110,11 @@ class HttpTransport:
     name = "http"
 
     def __init__(self, cfg: Config, service: InferenceService, *, shm: SystemShmRegions | None = None,
-                 metrics: MetricsRenderer | None = None) -> None:
+                 metrics: MetricsRenderer | None = None, max_connections: int | None = None,
+                 backlog: int | None = None) -> None:
         """``metrics``: the daemon's ``/metrics`` renderer (others bind their families to it); without
-        one, a renderer of the service's own series is made at the first scrape."""
+        one, a renderer of the service's own series is made at the first scrape. ``max_connections`` and
+        ``backlog``: what the descriptor budget allows (default ``[http] max_connections``, 512)."""
         self.cfg = cfg
         self.metrics = metrics
         self.service = service
@@ -124,8 +126,12 @@ class HttpTransport:
                          metrics=self._metrics, authority=self.authority)
         h = cfg.http
         self.limits = Limits(max_body=int(h.max_request_mb * 1024 * 1024), keep_alive_s=KEEP_ALIVE_S,
-                             max_connections=h.max_connections, max_client_connections=h.max_client_connections,
-                             header_timeout_s=h.header_timeout_s)
+                             max_connections=max_connections or h.max_connections,
+                             max_client_connections=h.max_client_connections, header_timeout_s=h.header_timeout_s,
+                             max_busy_connections=h.max_busy_connections, body_timeout_s=h.body_timeout_s)
+        self.backlog = backlog or 512
+        # Half the accept burst the descriptor budget allows: newcomers under an equal share of the connections.
+        self.limits.overflow_connections = self.backlog // 2
         self._server: HttpServer | None = None
         self._unix_path: Path | None = None
         self.address: str = self.listen  # the real address once listening (port 0 resolved)
@@ -159,7 +165,7 @@ class HttpTransport:
         self.app.stopping = False
         server = HttpServer(self.app.handle, self.limits)
         try:
-            await server.start(sock)
+            await server.start(sock, self.backlog)
         except OSError as e:
             sock.close()
             remove_socket_file(self._unix_path)

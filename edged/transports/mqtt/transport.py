@@ -46,6 +46,7 @@ from edged.protocol import media
 from edged.protocol import mqtt as codec
 from edged.protocol.fleet.telemetry import MqttWindow, StreamWindow
 from edged.protocol.mqtt import Form, Topics
+from edged.protocol.mqtt_topics import ReplyPolicy
 from edged.protocol.v2 import DecodedRequest, decode_request, dumps, encode_response, loads
 from edged.protocol.v2_plans import RequestPlans, encode_answer
 from edged.transports.mqtt.bindings import (
@@ -127,6 +128,9 @@ class MqttTransport:
         self.device = cfg.device.id
         self.prefix = cfg.mqtt.topic_prefix
         self.topics = Topics(self.prefix, self.device)
+        # Where a client may have its reply published (never another device's or the daemon's own topics).
+        self.replies = ReplyPolicy(self.prefix, self.device, cfg.mqtt.reply_topics,
+                                   also_reserved=[b.topic for b in self.bindings])
         self.link = LinkState(self.options.url)
         self.scrub = Scrubber.for_config(cfg)  # model reasons and errors name files under these
         self.ready = threading.Event()  # connected and subscribed to every request filter
@@ -258,7 +262,8 @@ class MqttTransport:
         errors = sum(v for k, v in c.items() if k.startswith("error_"))
         return MqttWindow(requests=c.get("requests", 0), replies=c.get("replies", 0), error_replies=errors,
                           overloaded=c.get("overloaded", 0), replies_dropped=c.get("replies_dropped", 0),
-                          requests_dropped=c.get("dropped", 0), backlog=self.backlog(),
+                          requests_dropped=c.get("dropped", 0), replies_refused=c.get("replies_refused", 0),
+                          backlog=self.backlog(),
                           broker_stall=self._stall.message, streams=[self._stream(w) for w in self._workers])
 
     @staticmethod
@@ -480,6 +485,8 @@ class MqttTransport:
                     form = Form.JSON
                 reply = _Reply(inc.response_topic, inc.correlation, None, form, inc.qos, inc.deadline,
                                media=inc.media)
+                if self._refused_reply(inc.topic, reply):
+                    return
                 # A refused request is not remembered: its retry (same correlation) deserves an answer.
                 if reject is None and self._duplicate(inc.topic, reply):
                     return
@@ -488,6 +495,8 @@ class MqttTransport:
                     reply = self._reply_from_small_header(inc)
                     if reply is None:
                         self._drop(inc.topic, f"{reject.code.value}: {reject}")
+                        return
+                    if self._refused_reply(inc.topic, reply):
                         return
                 if reject.code is ErrorCode.OVERLOADED:
                     # Refusals must leave faster than requests arrive: QoS 0 does not wait in paho's
@@ -515,6 +524,8 @@ class MqttTransport:
                     self._drop(inc.topic, "it has no response topic (MQTT 5) or 'reply_to' (JSON header)")
                     return
                 reply = _Reply(reply_to, None, rid, form, inc.qos, inc.deadline)
+                if self._refused_reply(inc.topic, reply):
+                    return
                 if self._duplicate(inc.topic, reply):
                     return
             reply.request_id = rid
@@ -687,6 +698,8 @@ class MqttTransport:
             # Even the refusals are not leaving (a stuck broker): drop, count, never grow without bound.
             self._reply_dropped(reply, "the broker is not taking replies fast enough")
             return False
+        if self.replies.refusal(reply.topic) is not None and self._refused_reply("", reply):
+            return False  # the last gate: nothing is published on a client's word outside its namespace
         props = None
         if self.options.v5:
             users = []
@@ -705,6 +718,35 @@ class MqttTransport:
             return False
         with self._unsent_lock:
             self._unsent[reply.qos].append(info)
+        return True
+
+    def _refused_reply(self, request_topic: str, reply: _Reply) -> bool:
+        """A reply topic outside the reply namespace: counted, logged (rate-limited), and said on the
+        daemon's own error topic instead (with the request's correlation), never published there."""
+        why = self.replies.refusal(reply.topic)
+        if why is None:
+            return False
+        self._count("replies_refused")
+        self._warn("reply-refused", f"a request on {request_topic!r} asked for its reply on {reply.topic[:128]!r}: "
+                   f"refused, {why}; {self.counters['replies_refused']} so far")
+        client = self._client
+        if client is None or self.backlog() >= self.options.max_pending_replies + REFUSAL_RESERVE:
+            return True
+        body: dict[str, Any] = {"error": f"response topic refused: {why}", "code": ErrorCode.PERMISSION_DENIED.value,
+                                "request_topic": request_topic[:256], "response_topic": reply.topic[:256]}
+        if reply.request_id is not None:
+            body["id"] = reply.request_id[:256]
+        props = None
+        if self.options.v5:
+            props = publish_properties(correlation=reply.correlation, content_type=codec.CONTENT_TYPE_JSON,
+                                       user=[(codec.ERROR_CODE_PROPERTY, ErrorCode.PERMISSION_DENIED.value)])
+        try:
+            info = client.publish(self.topics.errors, dumps(body), qos=0, properties=props)
+        except ValueError:
+            return True
+        if info.rc == mqtt.MQTT_ERR_SUCCESS:
+            with self._unsent_lock:
+                self._unsent[0].append(info)
         return True
 
     def _reply_dropped(self, reply: _Reply, why: str) -> None:

@@ -91,7 +91,7 @@ def assert_matches_reference(regions: list[dict[str, Any]], ref: Any) -> None:
 
 def _pub(port: int, topic: str, path: Path, corr: str, *extra: str) -> None:
     subprocess.run(["mosquitto_pub", "-V", "mqttv5", "-p", str(port), "-t", topic,
-                    "-D", "publish", "response-topic", "replies/raw", "-D", "publish", "correlation-data", corr,
+                    "-D", "publish", "response-topic", "edged/dev/reply/raw", "-D", "publish", "correlation-data", corr,
                     *extra, "-f", str(path)], check=True)
 
 
@@ -99,11 +99,11 @@ def test_mosquitto_pub_raw_jpeg_detection_matches_rapid_layout(
         broker: Broker, mqtt: MqttTransport, rapid_layout: Any, tmp_path: Path) -> None:
     data = _jpeg(_page(0))
     (tmp_path / "page.jpg").write_bytes(data)
-    with mosquitto_sub(broker.port, "replies/raw", 1) as sub:
+    with mosquitto_sub(broker.port, "edged/dev/reply/raw", 1) as sub:
         _pub(broker.port, "edged/dev/infer/layout_detect", tmp_path / "page.jpg", "jpeg-1")
         out, _ = sub.communicate(timeout=60)
     topic, corr, payload = out.strip().split("|", 2)
-    assert (topic, corr) == ("replies/raw", "jpeg-1")
+    assert (topic, corr) == ("edged/dev/reply/raw", "jpeg-1")
     answer = json.loads(payload)
     assert answer["model_name"] == "layout_detect" and answer["content_type"] == "image/jpeg"
     regions = answer["outputs"]["detections"][0]  # one JSON list per image, embedded as JSON
@@ -120,7 +120,7 @@ def test_raw_png_by_content_type_and_a_corrupt_jpeg_is_an_error_naming_the_input
     (tmp_path / "bad.jpg").write_bytes(good[: len(good) // 4])
     (tmp_path / "good.jpg").write_bytes(good)
     client = TestClient(broker.port).wait_connected()
-    client.subscribe("replies/raw")
+    client.subscribe("edged/dev/reply/raw")
     try:
         # the declared content type (a user property) decides, here for a PNG
         _pub(broker.port, "edged/dev/infer/orientation_classify", tmp_path / "page.png", "png-1",
