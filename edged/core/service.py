@@ -19,13 +19,16 @@ from edged.core.scheduler import Scheduler
 from edged.core.types import InferRequest, InferResponse
 from edged.core.validation import validate
 from edged.errors import ModelNotFoundError, ModelNotReadyError
+from edged.membudget import MemoryBudget
 
 T = TypeVar("T")
 
 
 class InferenceService:
-    def __init__(self, manager: ModelManager) -> None:
+    def __init__(self, manager: ModelManager, budget: MemoryBudget | None = None) -> None:
+        """``budget``: what requests in progress may hold together, shared by every transport."""
         self.manager = manager
+        self.budget = budget if budget is not None else MemoryBudget.unlimited()
         manager.gateway.attach(self.infer_async)
 
     # ---- lookup -----------------------------------------------------------------------------
@@ -96,7 +99,7 @@ class InferenceService:
         return self._dispatch(req, run, lambda mv: self._start_pipeline(mv, req))
 
     def _start_pipeline(self, mv: ModelVersion, req: InferRequest) -> Future[InferResponse]:
-        return start_pipeline_request(mv, req, self.manager.runner)
+        return start_pipeline_request(mv, req, self.manager.runner, self.budget)
 
     async def infer_async(self, req: InferRequest) -> InferResponse:
         return await asyncio.wrap_future(self.submit(req))

@@ -25,6 +25,7 @@ from google.protobuf import json_format
 
 from edged.core.service import InferenceService
 from edged.errors import EdgedError, ErrorCode, InvalidInputError
+from edged.membudget import Reservation
 from edged.protocol.v2 import dumps, loads
 from edged.transports import v2_ops
 from edged.transports.authority import Authority, Peer, bearer
@@ -52,6 +53,7 @@ STATUS: dict[ErrorCode, Any] = {
 }
 
 Unary = Callable[[Any, Any], Awaitable[Any]]
+MESSAGE_COPIES = 2  # an inference message's bytes, and the parsed message holding a copy of them
 
 
 def _version(raw: str) -> int | None:
@@ -111,8 +113,12 @@ class GrpcApp:
                sized: bool = False) -> Callable[[bytes, Any], Awaitable[bytes]]:
         """``fn(message, context)``, or with ``sized`` ``fn(message, context, its size in bytes)``."""
         async def handle(data: bytes, context: Any) -> bytes:
+            hold = None
             try:
-                msg = parse(cls, data)
+                if sized:  # admitted before it is parsed (grpcio hands over a message only once it is whole)
+                    hold = self._admit(data)
+                # A large message is parsed in a worker thread: the loop keeps answering everyone else.
+                msg = await asyncio.to_thread(parse, cls, data) if len(data) > v2_ops.HEAVY else parse(cls, data)
                 reply = await (fn(msg, context, len(data)) if sized else fn(msg, context))
                 return bytes(reply.SerializeToString())
             except EdgedError as e:
@@ -120,9 +126,17 @@ class GrpcApp:
             except Exception:
                 log.exception("gRPC %s failed", name)
                 code, text = grpc.StatusCode.INTERNAL, "internal error"
+            finally:
+                if hold is not None:
+                    hold.release()
             await context.abort(code, text)
             raise AssertionError("unreachable: abort raises")  # pragma: no cover
         return handle
+
+    def _admit(self, data: bytes) -> Reservation:
+        """Reserve what an inference message will hold: its bytes and their parsed copy (decoded tensors
+        are views of that); refused at once with RESOURCE_EXHAUSTED when the request memory budget is full."""
+        return self.service.budget.reserve(MESSAGE_COPIES * len(data), f"a {len(data)}-byte ModelInfer message")
 
     def _status(self, e: EdgedError) -> tuple[Any, str]:
         if e.code is ErrorCode.INTERNAL:
@@ -249,14 +263,20 @@ class GrpcApp:
     async def _stream_one(self, data: bytes, context: Any) -> bytes:
         """One stream request's answer, success or error; never raises (the stream goes on)."""
         req: pb.ModelInferRequest | None = None
+        hold = None
         try:
-            req = parse(pb.ModelInferRequest, data)
+            hold = self._admit(data)
+            req = (await asyncio.to_thread(parse, pb.ModelInferRequest, data) if len(data) > v2_ops.HEAVY
+                   else parse(pb.ModelInferRequest, data))
             reply = pb.ModelStreamInferResponse(infer_response=await self._infer(req, context, len(data)))
         except EdgedError as e:
             reply = pb.ModelStreamInferResponse(error_message=self._status(e)[1], infer_response=error_response(req))
         except Exception:
             log.exception("gRPC ModelStreamInfer request failed")
             reply = pb.ModelStreamInferResponse(error_message="internal error", infer_response=error_response(req))
+        finally:
+            if hold is not None:
+                hold.release()
         return bytes(reply.SerializeToString())
 
     async def model_stream_infer(self, requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:

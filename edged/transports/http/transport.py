@@ -157,7 +157,7 @@ class HttpTransport:
             self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         sock.setblocking(False)
         self.app.stopping = False
-        server = HttpServer(self.app.handle, self.limits)
+        server = HttpServer(self.app.handle, self.limits, self.service.budget)
         try:
             await server.start(sock)
         except OSError as e:
