@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextvars
 import ctypes
 import ctypes.util
+import gc
 import logging
 import threading
 import time
@@ -43,6 +44,10 @@ MMAP_THRESHOLD = 1 * MIB
 # TRIM_INTERVAL_S seconds; a trim walks every arena and takes about a millisecond per GiB).
 TRIM_AFTER = 32 * MIB
 TRIM_INTERVAL_S = 0.5
+# Requests holding at most SMALL_REQUEST bytes may use the last 1/SMALL_SHARE of the budget; larger ones not.
+SMALL_REQUEST = 256 << 10
+SMALL_SHARE = 8
+TRIM_SETTLE_S = 2.0
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -64,7 +69,6 @@ class MemoryBudget:
         self.peak = 0
         self.refused = 0
         self._released_since_trim = 0
-        self._last_trim = 0.0
 
     @classmethod
     def unlimited(cls) -> MemoryBudget:
@@ -76,20 +80,25 @@ class MemoryBudget:
         res.grow(nbytes, what)
         return res
 
-    def _take(self, nbytes: int, what: str) -> None:
+    def _take(self, nbytes: int, what: str, total: int) -> None:
+        """Take ``nbytes`` more for a reservation that will then hold ``total``."""
         if nbytes <= 0:
             return
+        # Large requests may fill the budget only up to the small requests' share: a flood of large
+        # messages leaves room for everybody else's ordinary requests (health, small tensors).
+        ceiling = self.limit if total <= SMALL_REQUEST else self.limit - self.limit // SMALL_SHARE
         with self._lock:
-            if self.used + nbytes <= self.limit:
+            if self.used + nbytes <= ceiling:
                 self.used += nbytes
                 self.peak = max(self.peak, self.used)
                 return
             self.refused += 1
             used = self.used
         mb = nbytes / MIB
-        if nbytes > self.limit:
-            raise ResourceExhaustedError(f"{what} needs {mb:.1f} MiB, more than the whole request memory budget "
-                                         f"({self.limit / MIB:.0f} MiB, {self.name})")
+        if total > ceiling:
+            raise ResourceExhaustedError(f"{what} needs {total / MIB:.1f} MiB, more than any request may hold "
+                                         f"({ceiling / MIB:.0f} MiB of the {self.limit / MIB:.0f} MiB request "
+                                         f"memory budget, {self.name})")
         raise OverloadedError(f"{what} needs {mb:.1f} MiB and the request memory budget is full "
                               f"({used / MIB:.0f} of {self.limit / MIB:.0f} MiB held by requests in progress); "
                               "retry later")
@@ -97,17 +106,46 @@ class MemoryBudget:
     def _give(self, nbytes: int) -> None:
         if nbytes <= 0:
             return
-        trim = False
         with self._lock:
             self.used -= nbytes
             self._released_since_trim += nbytes
-            now = time.monotonic()
-            if self._released_since_trim >= TRIM_AFTER and now - self._last_trim >= TRIM_INTERVAL_S:
+            due = self._released_since_trim >= TRIM_AFTER
+            if due:
                 self._released_since_trim = 0
-                self._last_trim = now
-                trim = True
-        if trim:  # off the caller's thread: the caller may be an event loop
-            threading.Thread(target=return_freed_memory, name="edged-trim", daemon=True).start()
+        if due:
+            _TRIMMER.request()
+
+
+class _Trimmer:
+    """Trims in a thread of its own (never on the releasing thread: that may be an event loop), at most
+    every TRIM_INTERVAL_S, and once more after the last request of a burst: nothing is left held."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def request(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="edged-trim", daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            time.sleep(TRIM_INTERVAL_S)  # let the burst's other requests finish and free theirs too
+            return_freed_memory()
+            # Once more when the burst is over, after a garbage collection: a failed request's traceback
+            # keeps its frames (and the message they hold) in a reference cycle until the collector runs.
+            if not self._wake.wait(TRIM_SETTLE_S):
+                gc.collect()
+                return_freed_memory()
+
+
+_TRIMMER = _Trimmer()
 
 
 class Reservation:
@@ -123,9 +161,16 @@ class Reservation:
     def grow(self, nbytes: int, what: str) -> None:
         """Add ``nbytes``, before allocating them; raises (holding what it held) when they do not fit."""
         nbytes = int(nbytes)
-        self.budget._take(nbytes, what)
+        self.budget._take(nbytes, what, self.held + nbytes)
         with self._lock:
             self.held += max(0, nbytes)
+
+    def shrink(self, nbytes: int) -> None:
+        """Keep at most ``nbytes`` (a worst case reserved before a size was known, now that it is)."""
+        with self._lock:
+            extra = max(0, self.held - max(0, int(nbytes)))
+            self.held -= extra
+        self.budget._give(extra)
 
     def release(self) -> None:
         with self._lock:

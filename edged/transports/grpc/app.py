@@ -53,7 +53,11 @@ STATUS: dict[ErrorCode, Any] = {
 }
 
 Unary = Callable[[Any, Any], Awaitable[Any]]
-MESSAGE_COPIES = 2  # an inference message's bytes, and the parsed message holding a copy of them
+MESSAGE_COPIES = 3  # an inference message in grpcio's buffer, its bytes, and the parsed message holding a copy
+READ_TIMEOUT_S = 30.0  # a ModelInfer message must arrive whole within this once its memory is reserved
+# The largest message is held to this share of the request memory budget, so that at least this many
+# of them can be read at once while nothing else holds any.
+CONCURRENT_LARGEST = 8
 
 
 def _version(raw: str) -> int | None:
@@ -80,6 +84,7 @@ class GrpcApp:
     scrub: Scrubber
     authority: Authority
     stream_inflight: int  # [grpc] max_stream_inflight
+    max_receive: int = 64 << 20  # the largest message grpcio takes (its max_receive_message_length)
     stopping: bool = False
 
     def handler(self) -> Any:
@@ -104,18 +109,51 @@ class GrpcApp:
         }
         methods = {name: grpc.unary_unary_rpc_method_handler(self._unary(name, cls, fn))
                    for name, (cls, fn) in unary.items()}
-        methods["ModelInfer"] = grpc.unary_unary_rpc_method_handler(
-            self._unary("ModelInfer", pb.ModelInferRequest, self._infer, sized=True))
+        # Request-streaming on our side (the wire is the same for a unary client): the message is read only
+        # once the memory it may take is reserved, so concurrent large messages wait in the client's
+        # socket, not in the daemon's memory.
+        methods["ModelInfer"] = grpc.stream_unary_rpc_method_handler(
+            self._admitted(self._unary("ModelInfer", pb.ModelInferRequest, self._infer, sized=True)))
         methods["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(self.model_stream_infer)
         return grpc.method_handlers_generic_handler(SERVICE, methods)
 
-    def _unary(self, name: str, cls: type[Any], fn: Callable[..., Awaitable[Any]], *,
-               sized: bool = False) -> Callable[[bytes, Any], Awaitable[bytes]]:
-        """``fn(message, context)``, or with ``sized`` ``fn(message, context, its size in bytes)``."""
-        async def handle(data: bytes, context: Any) -> bytes:
-            hold = None
+    def _admitted(self, handle: Callable[[bytes, Any, Reservation], Awaitable[bytes]]
+                  ) -> Callable[[Any, Any], Awaitable[bytes]]:
+        """Reserve the largest message grpcio may take, read the message, keep what it needs, handle it.
+
+        Refused at once with RESOURCE_EXHAUSTED when even that does not fit the request memory budget
+        now; a message that does not arrive whole within READ_TIMEOUT_S is DEADLINE_EXCEEDED."""
+        async def read_then_handle(requests: Any, context: Any) -> bytes:
             try:
-                if sized:  # admitted before it is parsed (grpcio hands over a message only once it is whole)
+                hold = self.service.budget.reserve(MESSAGE_COPIES * self.max_receive, "a ModelInfer message "
+                                                   f"(up to {self.max_receive} bytes) about to be read")
+            except EdgedError as e:
+                await context.abort(*self._status(e))
+                raise AssertionError("unreachable: abort raises") from None  # pragma: no cover
+            try:
+                data = await asyncio.wait_for(context.read(), READ_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                hold.release()
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"the request message did not arrive within {READ_TIMEOUT_S:g} s")
+                raise AssertionError("unreachable: abort raises") from None  # pragma: no cover
+            except BaseException:
+                hold.release()
+                raise
+            if not isinstance(data, bytes):  # EOF: the client sent no message
+                hold.release()
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
+                raise AssertionError("unreachable: abort raises")  # pragma: no cover
+            hold.shrink(MESSAGE_COPIES * len(data))
+            return await handle(data, context, hold)
+        return read_then_handle
+
+    def _unary(self, name: str, cls: type[Any], fn: Callable[..., Awaitable[Any]], *,
+               sized: bool = False) -> Callable[..., Awaitable[bytes]]:
+        """``fn(message, context)``, or with ``sized`` ``fn(message, context, its size in bytes)``."""
+        async def handle(data: bytes, context: Any, hold: Reservation | None = None) -> bytes:
+            try:
+                if sized and hold is None:  # admitted before it is parsed
                     hold = self._admit(data)
                 # A large message is parsed in a worker thread: the loop keeps answering everyone else.
                 msg = await asyncio.to_thread(parse, cls, data) if len(data) > v2_ops.HEAVY else parse(cls, data)

@@ -118,6 +118,7 @@ def error_response(status: int, message: str) -> Response:
 
 # A body is held twice while it arrives in pieces and is joined into one buffer.
 BODY_COPIES = 2
+LINGER_S = 5.0  # a refused body is read and dropped for at most this long after the answer
 
 
 @dataclass
@@ -385,7 +386,8 @@ class HttpConnection(asyncio.Protocol):
         except EdgedError as e:
             self._release_hold()
             overloaded = e.code is ErrorCode.OVERLOADED
-            self._refuse(503 if overloaded else 507, str(e), [(b"retry-after", b"1")] if overloaded else [])
+            self._refuse(503 if overloaded else 507, str(e), [(b"retry-after", b"1")] if overloaded else [],
+                         linger=True)
             return False
         self._allowed = size
         return True
@@ -398,17 +400,27 @@ class HttpConnection(asyncio.Protocol):
     def _too_large(self) -> None:
         self._refuse(413, f"request body is larger than {self.limits.max_body} bytes ([http] max_request_mb)")
 
-    def _refuse(self, status: int, message: str, extra: Headers | None = None) -> None:
-        """Answer an error at the protocol level (after what is already queued) and close."""
+    def _refuse(self, status: int, message: str, extra: Headers | None = None, *, linger: bool = False) -> None:
+        """Answer an error at the protocol level (after what is already queued) and close.
+
+        ``linger``: the client is still sending a body it was told may come; the rest is read and
+        dropped for up to LINGER_S after the answer, so that closing with unread data (a TCP reset)
+        does not destroy the answer before the client reads it."""
         self._discard = True
         self.closing = True
         self._body = []
         self._release_hold()
         if self.transport is None:
             return
-        self.transport.pause_reading()
         st, headers, body = error_response(status, message)
         headers = headers + (extra or [])
+        if self.task is None and linger and self.transport.can_write_eof():
+            self._write(st, headers, body, close=True)
+            self.transport.write_eof()
+            transport = self.transport
+            self.loop.call_later(LINGER_S, transport.close)
+            return
+        self.transport.pause_reading()
         if self.task is None:
             self._write(st, headers, body, close=True)
             self.transport.close()
