@@ -1,0 +1,152 @@
+"""Issue #36 attacks 3-5: one request memory budget ([limits] memory_mb) for every transport and pipeline.
+
+Against a real ``edged run`` with a small budget (64 MiB) so that the attacks stay small: while each
+attack runs beside a well-behaved client (digits over HTTP, and a ``/v2/health/live`` probe), the
+daemon's peak RSS (sampled, and the kernel's high-water mark reset at the start) stays within the
+budget + the idle RSS + MARGIN, and within 50 MB of idle once the attack is over. The victim must be
+answered all along (how fast is a figure for bench/attack_memory.py, not an assert here).
+
+MARGIN covers what no reservation counts: the interpreter's and the allocator's own slack between
+two trims, and the transports' socket buffers of connections being refused.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from edged.errors import OverloadedError, ResourceExhaustedError
+from edged.membudget import MIB, SMALL_REQUEST, MemoryBudget, charge, set_current
+from tests import memory_attacks as ma
+
+pytest.importorskip("grpc", reason="the grpc extra is not installed")
+pytest.importorskip("cv2", reason="the pipeline extra (opencv-python-headless) is not installed")
+
+pytestmark = pytest.mark.timeout(240)
+
+BUDGET_MB = 64
+MARGIN = 48 * MIB
+RETURNED = 50 * MIB
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ma.MemDaemon]:
+    with ma.daemon(tmp_path_factory.mktemp("membudget"), BUDGET_MB) as d:
+        yield d
+
+
+def _under_attack(d: ma.MemDaemon, attack: Callable[[], list[object]]) -> tuple[Counter[object], int, int, ma.Victim]:
+    """(answers, peak RSS over idle, RSS over idle once settled, the victim)."""
+    idle = ma.idle_rss(d)
+    with ma.RssMonitor(d.proc.pid) as mon, ma.Victim(d.port) as victim:
+        answers = Counter(attack())
+    after = ma.settle(d, idle + RETURNED // 2, within=15)
+    return answers, mon.peak - idle, after - idle, victim
+
+
+def _check(d: ma.MemDaemon, answers: Counter[object], peak: int, after: int, victim: ma.Victim) -> None:
+    what = f"answers {dict(answers)}, peak +{peak / MIB:.0f} MiB, after +{after / MIB:.0f} MiB"
+    assert peak <= BUDGET_MB * MIB + MARGIN, what
+    assert after <= RETURNED, what
+    assert victim.answered > 0 and victim.health, what
+    assert not [f for f in victim.failed if "health" in f], victim.failed[:3]
+    assert d.proc.poll() is None, d.log.read_text()[-2000:]
+
+
+def test_audio_padding_bomb_is_refused_from_the_headers(small: ma.MemDaemon) -> None:
+    """Attack 3: a 30 s clip and 300 one-sample clips (a 1 MB request) would pad to 550 MiB."""
+    answers, peak, after, victim = _under_attack(small, lambda: list(ma.audio_bomb(small, 300)))
+    _check(small, answers, peak, after, victim)
+    assert answers == Counter({400: 1})
+
+
+def test_audio_within_its_request_limit_many_at_once_is_held_to_the_budget(small: ma.MemDaemon) -> None:
+    """Attack 3, concurrent: requests each within max_total_seconds, together over the budget."""
+    answers, peak, after, victim = _under_attack(small, lambda: list(ma.audio_bomb(small, 6, concurrency=16)))
+    _check(small, answers, peak, after, victim)
+    assert set(answers) <= {200, 503} and answers[200] >= 1, answers
+
+
+def test_concurrent_images_within_the_pixel_limit_are_held_to_the_budget(small: ma.MemDaemon) -> None:
+    """Attack 4: 12 requests at once of two flat 1600x1600 PNGs (15 MiB of pixels each request, 37 MiB
+    reserved: decoded, stacked and one conversion)."""
+    answers, peak, after, victim = _under_attack(small, lambda: list(ma.image_flood(small, 1600, 2, 12)))
+    _check(small, answers, peak, after, victim)
+    assert set(answers) <= {200, 503} and answers[200] >= 1 and answers[503] >= 1, answers
+
+
+def test_concurrent_large_grpc_messages_are_held_to_the_budget(small: ma.MemDaemon) -> None:
+    """Attack 5: 24 ModelInfer messages of 2.5 MiB at once (the capped max is 64 MiB / 24)."""
+    answers, peak, after, victim = _under_attack(small, lambda: list(ma.grpc_flood(small, 2.5, 24)))
+    _check(small, answers, peak, after, victim)
+    assert set(answers) <= {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}, answers
+
+
+def test_grpc_message_over_the_budget_cap_is_refused(small: ma.MemDaemon) -> None:
+    assert ma.grpc_infer(small.grpc_port, 8 * MIB) == "RESOURCE_EXHAUSTED"
+    assert ma.grpc_infer(small.grpc_port, 1024) == "OK"
+
+
+def test_concurrent_large_http_bodies_are_held_to_the_budget(small: ma.MemDaemon) -> None:
+    """Attack 5 over HTTP: 16 bodies of 16 MiB at once; refused ones get a 503 (not a reset)."""
+    answers, peak, after, victim = _under_attack(small, lambda: list(ma.http_flood(small, 16, 16)))
+    _check(small, answers, peak, after, victim)
+    assert set(answers) <= {400, 503} and answers[503] >= 1, answers
+
+
+# ---- the budget itself ---------------------------------------------------------------------------
+def test_reservations_refuse_at_once_and_release_once() -> None:
+    b = MemoryBudget(64 * MIB)
+    big = b.reserve(40 * MIB, "first")
+    with pytest.raises(OverloadedError, match="budget is full"):
+        b.reserve(20 * MIB, "second")
+    with pytest.raises(ResourceExhaustedError, match="more than any request may hold"):
+        b.reserve(60 * MIB, "too big")
+    small_ones = [b.reserve(SMALL_REQUEST, "small") for _ in range(4)]  # the small requests' share
+    assert b.used == 40 * MIB + 4 * SMALL_REQUEST
+    big.release()
+    big.release()
+    for r in small_ones:
+        r.release()
+    assert b.used == 0 and b.refused == 2
+    with b.reserve(30 * MIB, "again") as r:
+        r.shrink(MIB)
+        assert b.used == MIB
+    assert b.used == 0
+
+
+def test_a_step_charges_the_request_it_runs_for_in_worker_threads() -> None:
+    b = MemoryBudget(8 * MIB)
+    res = b.reserve(0, "pipeline")
+    set_current(res)
+    try:
+        seen: list[BaseException] = []
+
+        def step() -> None:
+            try:
+                charge(7 * MIB, "decoded audio")
+            except BaseException as e:  # pragma: no cover - the assert below says what
+                seen.append(e)
+        t = threading.Thread(target=contextvars.copy_context().run, args=(step,))
+        t.start()
+        t.join()
+        assert not seen and b.used == 7 * MIB
+    finally:
+        set_current(None)
+        res.release()
+    charge(100 * MIB, "outside any request")  # nothing to charge: no error
+    assert b.used == 0
+
+
+def test_config_limits_section(tmp_path: Path) -> None:
+    from edged.config import parse_config
+    from edged.errors import ConfigError
+    assert parse_config("[limits]\nmemory_mb = 128\n").limits.memory_mb == 128
+    assert parse_config("").limits.memory_mb == 0
+    with pytest.raises(ConfigError, match=r"limits\.nope: unknown key"):
+        parse_config("[limits]\nnope = 1\n")
