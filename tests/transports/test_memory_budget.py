@@ -150,3 +150,25 @@ def test_config_limits_section(tmp_path: Path) -> None:
     assert parse_config("").limits.memory_mb == 0
     with pytest.raises(ConfigError, match=r"limits\.nope: unknown key"):
         parse_config("[limits]\nnope = 1\n")
+
+
+# ---- full size (as filed), long: `pytest -m slow` --------------------------------------------------
+FULL_BUDGET_MB = 256
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attack", ["audio", "images", "grpc", "http"])
+def test_full_size_attacks_are_held_to_the_budget(tmp_path: Path, attack: str) -> None:
+    """The attacks at the sizes they were filed with, against a 256 MiB budget."""
+    runs: dict[str, Callable[[ma.MemDaemon], list[object]]] = {
+        "audio": lambda d: list(ma.audio_bomb(d, 400, concurrency=4)),
+        "images": lambda d: list(ma.image_flood(d, 5600, 2, 12)),
+        "grpc": lambda d: list(ma.grpc_flood(d, 10, 16)),  # the largest the budget admits is 256 MiB / 24
+        "http": lambda d: list(ma.http_flood(d, 60, 16)),
+    }
+    with ma.daemon(tmp_path, FULL_BUDGET_MB) as d:
+        answers, peak, after, victim = _under_attack(d, lambda: runs[attack](d))
+        what = f"answers {dict(answers)}, peak +{peak / MIB:.0f} MiB, after +{after / MIB:.0f} MiB"
+        assert peak <= FULL_BUDGET_MB * MIB + MARGIN, what
+        assert after <= RETURNED, what
+        assert victim.answered > 0 and d.proc.poll() is None, what
