@@ -29,7 +29,14 @@ from edged.membudget import Reservation
 from edged.protocol.v2 import dumps, loads
 from edged.transports import v2_ops
 from edged.transports.authority import Authority, Peer, bearer
-from edged.transports.grpc.codec import decode_infer, encode_infer, error_response, parse
+from edged.transports.grpc.codec import (
+    TYPED_ELEMENT_COST,
+    decode_infer,
+    encode_infer,
+    error_response,
+    parse,
+    typed_elements,
+)
 from edged.transports.grpc.gen import grpc_service_pb2 as pb
 from edged.transports.grpc.gen import model_config_pb2 as mc
 from edged.transports.http.config import model_config
@@ -53,7 +60,9 @@ STATUS: dict[ErrorCode, Any] = {
 }
 
 Unary = Callable[[Any, Any], Awaitable[Any]]
-MESSAGE_COPIES = 3  # an inference message in grpcio's buffer, its bytes, and the parsed message holding a copy
+# An inference message is held four times at once: grpcio's buffer, its bytes, the parsed message,
+# and the raw contents taken out of that (each access to a bytes field is a new copy).
+MESSAGE_COPIES = 4
 READ_TIMEOUT_S = 30.0  # a ModelInfer message must arrive whole within this once its memory is reserved
 # The largest message is held to this share of the request memory budget, so that at least this many
 # of them can be read at once while nothing else holds any.
@@ -157,6 +166,8 @@ class GrpcApp:
                     hold = self._admit(data)
                 # A large message is parsed in a worker thread: the loop keeps answering everyone else.
                 msg = await asyncio.to_thread(parse, cls, data) if len(data) > v2_ops.HEAVY else parse(cls, data)
+                if hold is not None:
+                    hold.grow(TYPED_ELEMENT_COST * typed_elements(msg), "the message's typed contents")
                 reply = await (fn(msg, context, len(data)) if sized else fn(msg, context))
                 return bytes(reply.SerializeToString())
             except EdgedError as e:
@@ -306,6 +317,7 @@ class GrpcApp:
             hold = self._admit(data)
             req = (await asyncio.to_thread(parse, pb.ModelInferRequest, data) if len(data) > v2_ops.HEAVY
                    else parse(pb.ModelInferRequest, data))
+            hold.grow(TYPED_ELEMENT_COST * typed_elements(req), "the message's typed contents")
             reply = pb.ModelStreamInferResponse(infer_response=await self._infer(req, context, len(data)))
         except EdgedError as e:
             reply = pb.ModelStreamInferResponse(error_message=self._status(e)[1], infer_response=error_response(req))
