@@ -17,6 +17,7 @@ budget caps the message size lower); 16 HTTP bodies of 60 MiB at once.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import platform
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +44,21 @@ def host() -> str:
     return f"{model}, {cpus} CPU(s), {platform.machine()}, Python {platform.python_version()}"
 
 
+def in_child(fn: Callable[[], list[object]]) -> list[object]:
+    """Run an attack in a forked process: its threads must not take the victim's interpreter lock."""
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+
+    def run() -> None:
+        child.send(fn())
+
+    proc = ctx.Process(target=run)
+    proc.start()
+    out: list[object] = parent.recv()
+    proc.join()
+    return out
+
+
 def baseline(d: ma.MemDaemon, seconds: float) -> ma.Victim:
     with ma.Victim(d.port) as v:
         time.sleep(seconds)
@@ -54,6 +71,7 @@ def main() -> int:
     ap.add_argument("--only", default="audio,images,grpc,http")
     ap.add_argument("--grpc-mb", type=float, default=60, help="size of each gRPC message")
     ap.add_argument("--http-mb", type=float, default=60, help="size of each HTTP body")
+    ap.add_argument("--image-side", type=int, default=5600, help="width and height of each flat PNG")
     ap.add_argument("--baseline-s", type=float, default=3.0)
     ap.add_argument("--old", type=Path, help="a checkout of the code before [limits] (its edged runs the daemon)")
     args = ap.parse_args()
@@ -61,7 +79,7 @@ def main() -> int:
         ma.REPO_ROOT = args.old.resolve()
     attacks: dict[str, Callable[[ma.MemDaemon], list[object]]] = {
         "audio": lambda d: list(ma.audio_bomb(d, 400)),
-        "images": lambda d: list(ma.image_flood(d, 5600, 2, 12)),
+        "images": lambda d: list(ma.image_flood(d, args.image_side, 2, 12)),
         "grpc": lambda d: list(ma.grpc_flood(d, args.grpc_mb, 16)),
         "http": lambda d: list(ma.http_flood(d, args.http_mb, 16)),
     }
@@ -75,7 +93,7 @@ def main() -> int:
             before = baseline(d, args.baseline_s)
             with ma.RssMonitor(d.proc.pid) as mon, ma.Victim(d.port) as during:
                 t0 = time.monotonic()
-                answers = Counter(attacks[name](d))
+                answers = Counter(in_child(partial(attacks[name], d)))
                 took = time.monotonic() - t0
             time.sleep(10)
             after = d.rss

@@ -47,7 +47,7 @@ TRIM_INTERVAL_S = 0.5
 # Requests holding at most SMALL_REQUEST bytes may use the last 1/SMALL_SHARE of the budget; larger ones not.
 SMALL_REQUEST = 256 << 10
 SMALL_SHARE = 8
-TRIM_SETTLE_S = 2.0
+TRIM_SETTLE_S = (2.0, 8.0)  # quiet seconds before each later trim
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -138,9 +138,12 @@ class _Trimmer:
             self._wake.clear()
             time.sleep(TRIM_INTERVAL_S)  # let the burst's other requests finish and free theirs too
             return_freed_memory()
-            # Once more when the burst is over, after a garbage collection: a failed request's traceback
-            # keeps its frames (and the message they hold) in a reference cycle until the collector runs.
-            if not self._wake.wait(TRIM_SETTLE_S):
+            # Again when the burst is over, after a garbage collection (a failed request's traceback keeps
+            # its frames, and the message they hold, in a reference cycle until the collector runs), and
+            # once the transports have freed the connections' buffers too; a new burst starts over.
+            for quiet in TRIM_SETTLE_S:
+                if self._wake.is_set() or self._wake.wait(quiet):
+                    break
                 gc.collect()
                 return_freed_memory()
 

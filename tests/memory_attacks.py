@@ -110,6 +110,18 @@ def _terminate(proc: subprocess.Popen[bytes]) -> None:
 def daemon(tmp: Path, memory_mb: float | None, *, grpc_max_mb: float = 64, extra: str = "") -> Iterator[MemDaemon]:
     """``edged run`` on loopback; ``memory_mb`` None leaves [limits] out (the profile's share)."""
     repo = repository(tmp / "models")
+    for attempt in range(3):  # a port found free may be taken by another process before the daemon binds it
+        d = _start(tmp, repo, memory_mb, grpc_max_mb, extra)
+        if d is not None:
+            break
+        assert attempt < 2, "no free ports for edged run"
+    try:
+        yield d
+    finally:
+        _terminate(d.proc)
+
+
+def _start(tmp: Path, repo: Path, memory_mb: float | None, grpc_max_mb: float, extra: str) -> MemDaemon | None:
     port, gport = free_port(), free_port()
     limits = f"[limits]\nmemory_mb = {memory_mb}\n" if memory_mb is not None else ""
     cfg = tmp / "edged.toml"
@@ -141,7 +153,11 @@ def daemon(tmp: Path, memory_mb: float | None, *, grpc_max_mb: float = 64, extra
     try:
         deadline = time.monotonic() + 90
         while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
+            if proc.poll() is not None:
+                text = log.read_text()
+                if "cannot listen" in text:
+                    return None
+                raise AssertionError(text[-3000:])
             try:
                 c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
                 c.request("GET", "/v2/models/image_size/ready")
@@ -153,9 +169,10 @@ def daemon(tmp: Path, memory_mb: float | None, *, grpc_max_mb: float = 64, extra
                 pass
             assert time.monotonic() < deadline, "edged run did not become ready:\n" + log.read_text()[-3000:]
             time.sleep(0.1)
-        yield MemDaemon(proc, port, gport, log, memory_mb or 0)
-    finally:
+    except BaseException:
         _terminate(proc)
+        raise
+    return MemDaemon(proc, port, gport, log, memory_mb or 0)
 
 
 # ---- measuring --------------------------------------------------------------------------------
