@@ -107,11 +107,13 @@ def _terminate(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextmanager
-def daemon(tmp: Path, memory_mb: float | None, *, grpc_max_mb: float = 64, extra: str = "") -> Iterator[MemDaemon]:
+def daemon(tmp: Path, memory_mb: float | None, *, grpc_max_mb: float = 64, mqtt_url: str | None = None,
+           extra: str = "") -> Iterator[MemDaemon]:
     """``edged run`` on loopback; ``memory_mb`` None leaves [limits] out (the profile's share)."""
     repo = repository(tmp / "models")
+    mqtt = f'url = "{mqtt_url}"' if mqtt_url else "enabled = false"
     for attempt in range(3):  # a port found free may be taken by another process before the daemon binds it
-        d = _start(tmp, repo, memory_mb, grpc_max_mb, extra)
+        d = _start(tmp, repo, memory_mb, grpc_max_mb, f"[mqtt]\n{mqtt}\n{extra}")
         if d is not None:
             break
         assert attempt < 2, "no free ports for edged run"
@@ -137,8 +139,6 @@ def _start(tmp: Path, repo: Path, memory_mb: float | None, grpc_max_mb: float, e
         [grpc]
         listen = "127.0.0.1:{gport}"
         max_message_mb = {grpc_max_mb}
-        [mqtt]
-        enabled = false
         [shm]
         enabled = false
         [telemetry]

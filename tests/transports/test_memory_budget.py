@@ -172,3 +172,81 @@ def test_full_size_attacks_are_held_to_the_budget(tmp_path: Path, attack: str) -
         assert peak <= FULL_BUDGET_MB * MIB + MARGIN, what
         assert after <= RETURNED, what
         assert victim.answered > 0 and d.proc.poll() is None, what
+
+
+# ---- the decoders' own accounting (in process) -----------------------------------------------------
+def _bytes_tensor(*items: bytes) -> object:
+    import numpy as np
+    out = np.empty(len(items), dtype=object)
+    out[:] = list(items)
+    return out
+
+
+def test_audio_padded_size_is_checked_from_the_headers_before_decoding() -> None:
+    from edged.pipeline.contract import StepInputError
+    from edged.pipeline.steps import builtin_step
+    step = builtin_step("decode_audio")({"rate": 16000, "max_total_seconds": 60}, Path("."))
+    long, short = ma.wav(16000 * 20), ma.wav(1)
+    assert step.run({"audio": _bytes_tensor(long, short, short)})["samples"].shape == (3, 16000 * 20)
+    with pytest.raises(StepInputError, match=r"4 clips padded to the longest \(20\.0 s\) make 80\.0 s"):
+        step.run({"audio": _bytes_tensor(long, short, short, short)})
+    too_many = builtin_step("decode_audio")({"rate": 16000, "max_clips": 2}, Path("."))
+    with pytest.raises(StepInputError, match="3 clips, more than 2"):
+        too_many.run({"audio": _bytes_tensor(short, short, short)})
+    # A header that claims more than the file holds is counted by the bytes present, not the claim.
+    lying = bytearray(ma.wav(100))
+    lying[40:44] = (1 << 31).to_bytes(4, "little")
+    assert step.run({"audio": _bytes_tensor(bytes(lying))})["lengths"].tolist() == [100]
+
+
+def test_decoders_reserve_what_they_will_hold_before_decoding() -> None:
+    from edged.pipeline.steps import builtin_step
+    audio = builtin_step("decode_audio")({"rate": 16000}, Path("."))
+    image = builtin_step("decode_image")({}, Path("."))
+    b = MemoryBudget(16 * MIB)
+    other = b.reserve(10 * MIB, "someone else's request")
+    res = b.reserve(0, "pipeline")
+    set_current(res)
+    try:
+        with pytest.raises(OverloadedError, match="decoding 4 audio clip"):  # 4 x 10 s padded: 7.3 MiB
+            audio.run({"audio": _bytes_tensor(ma.wav(160000), ma.wav(1), ma.wav(1), ma.wav(1))})
+        with pytest.raises(OverloadedError, match="decoding 2 image"):
+            image.run({"image": _bytes_tensor(ma.flat_png(600, 600), ma.flat_png(600, 600))})
+        assert image.run({"image": _bytes_tensor(ma.flat_png(300, 300))})["sizes"].tolist() == [[300, 300]]
+        assert res.held == 3 * (2 * 90_000 + 90_000)
+    finally:
+        set_current(None)
+        res.release()
+        other.release()
+    assert b.used == 0
+
+
+def test_mqtt_payload_over_the_budget_gets_an_error_reply_and_the_next_is_answered(tmp_path: Path) -> None:
+    """MQTT: a payload is reserved before it is decoded (16 MiB budget: at most 14 MiB a request)."""
+    import orjson
+
+    from edged.protocol import mqtt as codec
+    from tests.mqtt_helpers import TestClient, digits_json, running_broker
+
+    reply_to = "edged/mem-attack/reply/t"  # inside the device's own reply namespace
+    with running_broker(tmp_path / "broker") as broker, \
+            ma.daemon(tmp_path / "d", 16, mqtt_url=broker.url) as d:
+        client = TestClient(broker.port).wait_connected()
+        try:
+            client.subscribe(reply_to)
+            rows = 8 * MIB // 256
+            header = orjson.dumps({"id": "big", "reply_to": reply_to, "inputs": [
+                {"name": "pixels", "datatype": "FP32", "shape": [rows, 64],
+                 "parameters": {"binary_data_size": rows * 256}}]})
+            client.publish("edged/mem-attack/infer/digits", codec.PREFIX.pack(len(header)) + header
+                           + bytes(rows * 256), qos=1)
+            _, head, _ = codec.split(client.get(timeout=20).payload, None)
+            reply = orjson.loads(head)
+            assert reply["id"] == "big" and reply["code"] == "resource_exhausted", reply
+            assert "memory budget" in reply["error"], reply
+            client.publish("edged/mem-attack/infer/digits", digits_json("small", reply_to), qos=1)
+            answer = orjson.loads(client.get(timeout=20).payload)
+            assert answer["id"] == "small" and "outputs" in answer, answer
+            assert d.proc.poll() is None
+        finally:
+            client.close()
