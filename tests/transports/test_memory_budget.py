@@ -97,6 +97,20 @@ def test_concurrent_large_http_bodies_are_held_to_the_budget(small: ma.MemDaemon
     answers, peak, after, victim = _under_attack(small, lambda: list(ma.http_flood(small, 16, 16)))
     _check(small, answers, peak, after, victim)
     assert set(answers) <= {400, 503} and answers[503] >= 1, answers
+    metrics = _metrics(small.port)
+    assert metrics["edged_request_memory_limit_bytes"] == BUDGET_MB * MIB
+    assert metrics["edged_request_memory_refused_total"] >= answers[503]
+    assert metrics["edged_request_memory_used_bytes"] == 0  # every reservation was given back
+
+
+def _metrics(port: int) -> dict[str, float]:
+    import http.client
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    c.request("GET", "/metrics")
+    text = c.getresponse().read().decode()
+    c.close()
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+            if line.startswith("edged_request_memory_")}
 
 
 # ---- the budget itself ---------------------------------------------------------------------------
