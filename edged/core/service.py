@@ -25,7 +25,8 @@ T = TypeVar("T")
 
 
 class _Owned:
-    """The request's reservation, released on leaving unless a future took it over."""
+    """The request's reservation (``InferRequest.memory``), released on leaving unless a future took it
+    over: a request answered at once or refused gives its memory back here, a queued one when it ends."""
 
     def __init__(self, req: InferRequest) -> None:
         self.memory, req.memory = req.memory, None
@@ -36,10 +37,6 @@ class _Owned:
     def __exit__(self, *exc: object) -> None:
         if self.memory is not None:
             self.memory.release()
-
-
-def _owning(req: InferRequest) -> _Owned:
-    return _Owned(req)
 
 
 def _release_when_done(future: Future[InferResponse], owned: _Owned) -> None:
@@ -105,7 +102,9 @@ class InferenceService:
         """Validate and queue; raises EdgedError at once for bad, unknown or overloaded requests.
 
         A pipeline's request runs on the pipeline loop; its model steps come back here."""
-        with _owning(req) as memory:
+        if req.memory is None:
+            return self._dispatch(req, Scheduler.submit, lambda mv: self._start_pipeline(mv, req))
+        with _Owned(req) as memory:
             future = self._dispatch(req, Scheduler.submit, lambda mv: self._start_pipeline(mv, req))
             _release_when_done(future, memory)
             return future
@@ -115,7 +114,9 @@ class InferenceService:
 
     def infer_blocking(self, req: InferRequest) -> InferResponse:
         """For callers that own a thread: runs inline when the model is idle (lowest latency)."""
-        with _owning(req):
+        if req.memory is None:
+            return self._dispatch(req, Scheduler.run_inline, lambda mv: self._start_pipeline(mv, req).result())
+        with _Owned(req):
             return self._dispatch(req, Scheduler.run_inline, lambda mv: self._start_pipeline(mv, req).result())
 
     def infer_or_submit(self, req: InferRequest, max_run_ns: int) -> InferResponse | Future[InferResponse]:
@@ -124,7 +125,9 @@ class InferenceService:
         def run(scheduler: Scheduler, r: InferRequest, batch: int) -> InferResponse | Future[InferResponse]:
             resp = scheduler.try_inline(r, batch, max_run_ns)
             return resp if resp is not None else scheduler.submit(r, batch)
-        with _owning(req) as memory:
+        if req.memory is None:
+            return self._dispatch(req, run, lambda mv: self._start_pipeline(mv, req))
+        with _Owned(req) as memory:
             done = self._dispatch(req, run, lambda mv: self._start_pipeline(mv, req))
             if isinstance(done, Future):
                 _release_when_done(done, memory)

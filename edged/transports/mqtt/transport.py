@@ -427,7 +427,8 @@ class MqttTransport:
         try:  # the payload and what is decoded from it (views, or JSON data as arrays), before decoding
             inc.hold = self.service.budget.reserve(PAYLOAD_COPIES * size, f"a {size}-byte MQTT request")
         except EdgedError as e:
-            self._count("overloaded")
+            if e.code is ErrorCode.OVERLOADED:
+                self._count("overloaded")
             self._process(inc, reject=e)
             return
         if inc.media is not None or self._json_bytes(inc) <= INLINE_HEADER_BYTES:
