@@ -8,7 +8,9 @@ reservation is released when the request ends, answered or failed. When the budg
 newcomer is refused at once with ``overloaded`` (HTTP 503, gRPC RESOURCE_EXHAUSTED, an MQTT or
 shm error reply): nobody waits for memory, so one client's burst never stalls another's.
 
-A reservation that could never fit (bigger than the whole budget) is ``resource_exhausted``.
+A reservation that could never fit (more than any request may hold) is ``resource_exhausted``.
+Requests that hold more than SMALL_REQUEST may fill the budget only up to 7/8 of it: a flood of
+large messages leaves room for everybody's small requests and health checks.
 
 Freed request memory is handed back to the system (:func:`return_freed_memory`): glibc keeps
 freed heap pages in its arenas, and after a burst of large requests that was gigabytes.
@@ -40,14 +42,14 @@ DEFAULT_MIN_MB = 64.0
 # default threshold grows after each large free (up to 32 MiB), so a burst of large requests leaves
 # its buffers in the heap; a fixed threshold turns that growth off.
 MMAP_THRESHOLD = 1 * MIB
-# After this many bytes of reservations were released, freed heap pages are trimmed (at most every
-# TRIM_INTERVAL_S seconds; a trim walks every arena and takes about a millisecond per GiB).
-TRIM_AFTER = 32 * MIB
-TRIM_INTERVAL_S = 0.5
 # Requests holding at most SMALL_REQUEST bytes may use the last 1/SMALL_SHARE of the budget; larger ones not.
 SMALL_REQUEST = 256 << 10
 SMALL_SHARE = 8
-TRIM_SETTLE_S = (2.0, 8.0)  # quiet seconds before each later trim
+# After this many bytes of reservations were released, freed heap pages are trimmed TRIM_INTERVAL_S
+# later (a trim walks every arena), then again after each quiet spell of TRIM_SETTLE_S.
+TRIM_AFTER = 32 * MIB
+TRIM_INTERVAL_S = 0.5
+TRIM_SETTLE_S = (2.0, 8.0)
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
