@@ -384,6 +384,15 @@ class TelemetrySection(_Section):
     upload: bool = True
 
 
+class LimitsSection(_Section):
+    """What requests may hold together (see edged/membudget.py)."""
+
+    memory_mb: float = Field(default=0, ge=0, description="memory every request in progress may hold together: "
+                             "bodies in flight, decoded tensors, decoded images and audio, padding; a request that "
+                             "does not fit now is answered 'overloaded'. 0: a quarter of the device profile's "
+                             "memory budget (at least 64 MB)")
+
+
 class LoggingSection(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -399,6 +408,7 @@ class Config(_Section):
     control: ControlSection = Field(default_factory=ControlSection)
     registry: RegistrySection = Field(default_factory=RegistrySection)
     telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
+    limits: LimitsSection = Field(default_factory=LimitsSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
     source: Path | None = Field(default=None, exclude=True, description="the file this came from")
 

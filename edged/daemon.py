@@ -30,6 +30,7 @@ from edged.fsutil import ensure_private_dir
 from edged.hardware.facts import HardwareFacts
 from edged.hardware.probe import probe
 from edged.logs import log_fields, set_level
+from edged.membudget import MIB, MemoryBudget, default_memory_mb, tune_allocator
 from edged.owner import StateOwner, claim_state_dir
 from edged.profiles import DeviceProfile, ProfileMatch, load_profiles, match_profile, resolve_profile
 from edged.repository.store import list_versions
@@ -47,7 +48,7 @@ STOP_DRAIN_S = 20.0  # in-flight requests get this long after SIGTERM; the unit'
 SELF_TEST_TIMEOUT_S = 60.0
 STATUS_INTERVAL_S = 10.0
 # Config sections that only take effect at start; SIGHUP applies [models] and [logging] live.
-RESTART_SECTIONS = ("device", "http", "grpc", "mqtt", "shm", "registry", "telemetry")
+RESTART_SECTIONS = ("device", "http", "grpc", "mqtt", "shm", "registry", "telemetry", "limits")
 
 
 @dataclass
@@ -95,7 +96,15 @@ def build_runtime(cfg: Config, *, load: bool = True, only: str | None = None) ->
             manager.load_model(only)
         else:
             manager.load_all()
-    return Runtime(cfg, facts, match, manager, InferenceService(manager))
+    return Runtime(cfg, facts, match, manager, InferenceService(manager, request_budget(cfg, profile, facts)))
+
+
+def request_budget(cfg: Config, profile: DeviceProfile, facts: HardwareFacts) -> MemoryBudget:
+    """The one memory budget of every request in progress: ``[limits] memory_mb``, else a share of the profile's."""
+    mb = cfg.limits.memory_mb or default_memory_mb(profile.effective_memory_budget_mb(facts))
+    log.info("requests may hold %.0f MB together (%s)", mb,
+             "[limits] memory_mb" if cfg.limits.memory_mb else f"a share of profile {profile.name}'s memory budget")
+    return MemoryBudget(int(mb * MIB))
 
 
 def _ready(mvs: list[ModelVersion]) -> list[ModelVersion]:
@@ -216,6 +225,7 @@ class Daemon:
         # Before anything reads or writes device state (crash-loop counter, pins, status file): a
         # refused second daemon must leave the first one's state exactly as it was.
         self.owner = await asyncio.to_thread(claim_state_dir, self.cfg.device.state_dir)
+        tune_allocator()  # before any request: large request buffers go back to the system when freed
         log.info("edged starting: repository %s, state %s", self.cfg.device.model_repository, self.cfg.device.state_dir)
         if n.enabled:
             wd = watchdog_interval()

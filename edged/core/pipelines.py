@@ -24,7 +24,14 @@ from typing import Any, TypeVar
 from edged.core.model_versions import ModelState, ModelTable, ModelVersion
 from edged.core.stats import ModelStats
 from edged.core.types import InferRequest, InferResponse
-from edged.errors import DeadlineExceededError, EdgedError, InternalError, InvalidInputError, model_not_ready
+from edged.errors import (
+    DeadlineExceededError,
+    EdgedError,
+    InternalError,
+    InvalidInputError,
+    model_not_ready,
+)
+from edged.membudget import MemoryBudget, set_current
 from edged.pipeline.contract import ANY, PipelineDefinitionError, Port
 from edged.pipeline.definition import PIPELINE_FILE, files_read, load_pipeline
 from edged.pipeline.graph import Tensors, compile_pipeline
@@ -191,8 +198,12 @@ def load_pipeline_version(entry: VersionEntry, gateway: ServiceGateway, digests:
     return mv
 
 
-def start_pipeline_request(mv: ModelVersion, req: InferRequest, runner: PipelineRunner) -> Future[InferResponse]:
-    """Check what can be checked at once, then run the request on the pipeline loop."""
+def start_pipeline_request(mv: ModelVersion, req: InferRequest, runner: PipelineRunner,
+                           budget: MemoryBudget | None = None) -> Future[InferResponse]:
+    """Check what can be checked at once, then run the request on the pipeline loop.
+
+    The request's steps charge what they decode (images, audio, padding) to a reservation on
+    ``budget`` before allocating it; it is released when the request ends, whichever way."""
     pipeline = mv.pipeline
     if mv.state is not ModelState.READY or pipeline is None:
         why = f": {mv.reason}" if mv.reason else ""
@@ -212,6 +223,8 @@ def start_pipeline_request(mv: ModelVersion, req: InferRequest, runner: Pipeline
 
     async def run() -> InferResponse:
         start = time.monotonic_ns()
+        held = budget.reserve(0, f"pipeline {mv.name!r}") if budget is not None else None
+        set_current(held)  # this task's own context: the steps' worker threads inherit it
         try:
             out = await pipeline.run(req.inputs)
         except EdgedError as exc:
@@ -220,6 +233,9 @@ def start_pipeline_request(mv: ModelVersion, req: InferRequest, runner: Pipeline
         except BaseException:
             stats.record_failure("internal", total_ns=time.monotonic_ns() - start)
             raise
+        finally:
+            if held is not None:
+                held.release()
         took = time.monotonic_ns() - start
         first = next(iter(req.inputs.values()), None)
         stats.record_batch(int(first.shape[0]) if first is not None and first.ndim else 1, 1, 0, took, 0)

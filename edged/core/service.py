@@ -19,6 +19,7 @@ from edged.core.scheduler import Scheduler
 from edged.core.types import InferRequest, InferResponse
 from edged.core.validation import validate
 from edged.errors import ModelNotReadyError, model_not_ready, unknown_model
+from edged.membudget import MemoryBudget
 
 T = TypeVar("T")
 
@@ -32,9 +33,32 @@ def ready_now(mv: ModelVersion) -> bool:
     return sched is None or not sched.engine.restoring
 
 
+class _Owned:
+    """The request's reservation (``InferRequest.memory``), released on leaving unless a future took it
+    over: a request answered at once or refused gives its memory back here, a queued one when it ends."""
+
+    def __init__(self, req: InferRequest) -> None:
+        self.memory, req.memory = req.memory, None
+
+    def __enter__(self) -> _Owned:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.memory is not None:
+            self.memory.release()
+
+
+def _release_when_done(future: Future[InferResponse], owned: _Owned) -> None:
+    memory, owned.memory = owned.memory, None
+    if memory is not None:
+        future.add_done_callback(lambda _f: memory.release())
+
+
 class InferenceService:
-    def __init__(self, manager: ModelManager) -> None:
+    def __init__(self, manager: ModelManager, budget: MemoryBudget | None = None) -> None:
+        """``budget``: what requests in progress may hold together, shared by every transport."""
         self.manager = manager
+        self.budget = budget if budget is not None else MemoryBudget.unlimited()
         manager.gateway.attach(self.infer_async)
 
     # ---- lookup -----------------------------------------------------------------------------
@@ -88,14 +112,22 @@ class InferenceService:
         """Validate and queue; raises EdgedError at once for bad, unknown or overloaded requests.
 
         A pipeline's request runs on the pipeline loop; its model steps come back here."""
-        return self._dispatch(req, Scheduler.submit, lambda mv: self._start_pipeline(mv, req))
+        if req.memory is None:
+            return self._dispatch(req, Scheduler.submit, lambda mv: self._start_pipeline(mv, req))
+        with _Owned(req) as memory:
+            future = self._dispatch(req, Scheduler.submit, lambda mv: self._start_pipeline(mv, req))
+            _release_when_done(future, memory)
+            return future
 
     def infer(self, req: InferRequest, timeout: float | None = None) -> InferResponse:
         return self.submit(req).result(timeout)
 
     def infer_blocking(self, req: InferRequest) -> InferResponse:
         """For callers that own a thread: runs inline when the model is idle (lowest latency)."""
-        return self._dispatch(req, Scheduler.run_inline, lambda mv: self._start_pipeline(mv, req).result())
+        if req.memory is None:
+            return self._dispatch(req, Scheduler.run_inline, lambda mv: self._start_pipeline(mv, req).result())
+        with _Owned(req):
+            return self._dispatch(req, Scheduler.run_inline, lambda mv: self._start_pipeline(mv, req).result())
 
     def infer_or_submit(self, req: InferRequest, max_run_ns: int) -> InferResponse | Future[InferResponse]:
         """The answer at once when the model is idle and its runs are short enough to block the
@@ -103,10 +135,16 @@ class InferenceService:
         def run(scheduler: Scheduler, r: InferRequest, batch: int) -> InferResponse | Future[InferResponse]:
             resp = scheduler.try_inline(r, batch, max_run_ns)
             return resp if resp is not None else scheduler.submit(r, batch)
-        return self._dispatch(req, run, lambda mv: self._start_pipeline(mv, req))
+        if req.memory is None:
+            return self._dispatch(req, run, lambda mv: self._start_pipeline(mv, req))
+        with _Owned(req) as memory:
+            done = self._dispatch(req, run, lambda mv: self._start_pipeline(mv, req))
+            if isinstance(done, Future):
+                _release_when_done(done, memory)
+            return done
 
     def _start_pipeline(self, mv: ModelVersion, req: InferRequest) -> Future[InferResponse]:
-        return start_pipeline_request(mv, req, self.manager.runner)
+        return start_pipeline_request(mv, req, self.manager.runner, self.budget)
 
     async def infer_async(self, req: InferRequest) -> InferResponse:
         return await asyncio.wrap_future(self.submit(req))

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from edged.membudget import Reservation
 
 
 @dataclass
@@ -18,6 +21,8 @@ class InferRequest:
     id: str | None = None
     deadline: float | None = None  # time.monotonic() after which the request is dropped unstarted
     parameters: dict[str, Any] = field(default_factory=dict)
+    # The request memory it holds (edged/membudget.py): the service releases it when the request ends.
+    memory: Reservation | None = None
 
 
 @dataclass

@@ -83,6 +83,7 @@ class EdgedCollector:
 
     def collect(self) -> Iterator[Metric]:
         yield from self._model_families()
+        yield from self._memory_families()
         if self.sampler is not None:
             try:
                 reading = self.sampler.read()
@@ -94,6 +95,20 @@ class EdgedCollector:
             yield from self._telemetry_families(self.telemetry)
         if self.mqtt is not None:
             yield from self._mqtt_families(self.mqtt())
+
+    def _memory_families(self) -> Iterable[Metric]:
+        """The request memory budget ([limits] memory_mb): what requests hold now, at most, and refusals."""
+        b, p = self.service.budget, self.prefix
+        for name, text, value in (("limit", "what requests in progress may hold together", b.limit),
+                                  ("used", "what requests in progress hold now", b.used),
+                                  ("peak", "the most requests held at once since start", b.peak)):
+            g = GaugeMetricFamily(f"{p}_request_memory_{name}_bytes", f"Request memory budget: {text}")
+            g.add_metric([], float(value))
+            yield g
+        c = CounterMetricFamily(f"{p}_request_memory_refused", "Requests refused because the request memory "
+                                "budget was full (overloaded) or too small for them (resource_exhausted)")
+        c.add_metric([], float(b.refused))
+        yield c
 
     # ---- models ---------------------------------------------------------------------------------
     def _model_families(self) -> Iterable[Metric]:

@@ -15,6 +15,7 @@ import numpy as np
 from pydantic import Field
 
 from edged.datatypes import DataType
+from edged.membudget import charge
 from edged.pipeline.contract import ANY, PipelineDefinitionError, Port, StepInputError
 from edged.pipeline.steps._base import BuiltinStep, StepParams, as_bytes_list, opencv
 from edged.pipeline.steps.headers import HeaderError, image_size
@@ -58,7 +59,7 @@ class DecodeImage(BuiltinStep):
                                  input="image")
         cv2 = opencv()
         formats: list[str] = []
-        total = 0
+        total = largest = 0
         for i, data in enumerate(items):  # every header first: nothing is decoded for a request over budget
             try:
                 fmt, width, height = image_size(data)
@@ -72,6 +73,10 @@ class DecodeImage(BuiltinStep):
                 raise StepInputError(f"input 'image': images 0-{i} declare {total} pixels together, over the "
                                      f"request's {self.params.max_total_pixels}-pixel limit", input="image")
             formats.append(fmt)
+            largest = max(largest, width * height)
+        # What this request will hold, against the daemon's budget for every request in progress: each
+        # decoded image, the stacked batch, and one image's colour conversion at a time.
+        charge(3 * (2 * total + largest), f"decoding {len(items)} image(s) of {total} pixels")
         images: list[np.ndarray] = []
         sizes = np.zeros((len(items), 2), dtype=np.int32)
         transforms = np.zeros((len(items), 4), dtype=np.float32)
@@ -109,19 +114,24 @@ class DecodeAudioParams(StepParams):
     input_rate: int | None = Field(default=None, gt=0, le=384_000)
     input_channels: int = Field(default=1, gt=0, le=32)
     max_seconds: float = Field(default=30.0, gt=0)
+    max_total_seconds: float = Field(default=240.0, gt=0, description="all clips of one request together, each "
+                                     "counted padded to the longest (the size of the samples output)")
+    max_clips: int = Field(default=256, gt=0)
 
 
 _WAV_FLOAT, _WAV_PCM, _WAV_EXTENSIBLE = 3, 1, 0xFFFE
 
 
-def parse_wav(data: bytes) -> tuple[np.ndarray, int]:
-    """(samples [T, channels] FP32 in [-1, 1], rate) of a PCM or float WAV file; ValueError says why not."""
+def wav_layout(data: bytes) -> tuple[tuple[int, ...], memoryview]:
+    """The fmt fields (tag, channels, rate, byte rate, block align, bits, sub-format) and the sample bytes
+    (a view, nothing copied) of a WAV file; ValueError says why not."""
     if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
         raise ValueError("not a RIFF/WAVE file")
     pos, fmt, body = 12, None, None
+    view = memoryview(data)
     while pos + 8 <= len(data):
         cid, size = data[pos:pos + 4], struct.unpack("<I", data[pos + 4:pos + 8])[0]
-        chunk = data[pos + 8:pos + 8 + size]
+        chunk = view[pos + 8:pos + 8 + size]
         if cid == b"fmt ":
             if len(chunk) < 16:
                 raise ValueError("WAV fmt chunk too short")
@@ -133,6 +143,20 @@ def parse_wav(data: bytes) -> tuple[np.ndarray, int]:
         pos += 8 + size + (size & 1)
     if fmt is None or body is None:
         raise ValueError("WAV without fmt and data chunks")
+    return fmt, body
+
+
+def wav_frames(data: bytes) -> tuple[int, int, int]:
+    """(frames, channels, rate) from a WAV file's header, without decoding any sample."""
+    (_, channels, rate, _, _, bits, _), body = wav_layout(data)
+    if channels == 0 or rate == 0 or bits < 8:
+        raise ValueError(f"WAV with {channels} channels at {rate} Hz, {bits} bits")
+    return len(body) // ((bits // 8) * channels), channels, rate
+
+
+def parse_wav(data: bytes) -> tuple[np.ndarray, int]:
+    """(samples [T, channels] FP32 in [-1, 1], rate) of a PCM or float WAV file; ValueError says why not."""
+    fmt, body = wav_layout(data)
     tag, channels, rate, _, _, bits, sub = fmt
     if tag == _WAV_EXTENSIBLE:
         tag = sub
@@ -205,8 +229,45 @@ class DecodeAudio(BuiltinStep):
         mono = frames.mean(axis=1, dtype=np.float32) if frames.shape[1] > 1 else frames[:, 0]
         return resample_linear(mono, rate, p.rate)
 
+    def _measure(self, data: bytes, i: int) -> tuple[int, int]:
+        """(samples after resampling, samples as sent x channels) of one clip, from its header; the
+        per-clip limits are checked here, before anything is decoded."""
+        p = self.params
+        try:
+            if p.format == "wav":
+                frames, channels, rate = wav_frames(data)
+            else:
+                rate, channels = p.input_rate or p.rate, p.input_channels
+                frames = len(data) // ((2 if p.format == "pcm_s16le" else 4) * channels)
+        except ValueError as exc:
+            raise StepInputError(f"input 'audio'[{i}]: {exc}", input="audio") from None
+        if frames / rate > p.max_seconds:
+            raise StepInputError(f"input 'audio'[{i}]: {frames / rate:.1f} s is longer than {p.max_seconds} s",
+                                 input="audio")
+        if rate != p.rate and p.resample == "refuse":
+            raise StepInputError(f"input 'audio'[{i}]: sampled at {rate} Hz, the pipeline takes {p.rate} Hz",
+                                 input="audio")
+        out = frames if rate == p.rate or frames == 0 else max(1, round(frames * p.rate / rate))
+        return out, frames * channels
+
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        clips = [self._one(d, i) for i, d in enumerate(as_bytes_list(self.array(inputs, "audio"), self.kind, "audio"))]
+        items = as_bytes_list(self.array(inputs, "audio"), self.kind, "audio")
+        p = self.params
+        if len(items) > p.max_clips:
+            raise StepInputError(f"input 'audio' holds {len(items)} clips, more than {p.max_clips}", input="audio")
+        # Every header first: the output is padded to the longest clip, so one long clip among many
+        # one-sample ones costs as much as that many long clips; the padded size is the request's.
+        sizes = [self._measure(d, i) for i, d in enumerate(items)]
+        longest = max((n for n, _ in sizes), default=0)
+        padded = longest * len(items)
+        if padded > p.max_total_seconds * p.rate:
+            raise StepInputError(f"input 'audio': {len(items)} clips padded to the longest ({longest / p.rate:.1f} s) "
+                                 f"make {padded / p.rate:.1f} s, over the request's {p.max_total_seconds} s",
+                                 input="audio")
+        # The padded output, the clips decoded to it, and one clip's conversion (samples, mono, resampled).
+        raw = max((m for _, m in sizes), default=0)
+        charge(4 * (2 * padded + 3 * raw + longest), f"decoding {len(items)} audio clip(s) padded to {padded} samples")
+        clips = [self._one(d, i) for i, d in enumerate(items)]
         lengths = np.array([len(c) for c in clips], dtype=np.int32)
         out = np.zeros((len(clips), int(lengths.max(initial=0))), dtype=np.float32)
         for i, c in enumerate(clips):

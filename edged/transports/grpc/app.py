@@ -25,10 +25,18 @@ from google.protobuf import json_format
 
 from edged.core.service import InferenceService
 from edged.errors import EdgedError, ErrorCode, InvalidInputError
+from edged.membudget import Reservation
 from edged.protocol.v2 import dumps, loads
 from edged.transports import v2_ops
 from edged.transports.authority import Authority, Peer, bearer
-from edged.transports.grpc.codec import decode_infer, encode_infer, error_response, parse
+from edged.transports.grpc.codec import (
+    TYPED_ELEMENT_COST,
+    decode_infer,
+    encode_infer,
+    error_response,
+    parse,
+    typed_elements,
+)
 from edged.transports.grpc.gen import grpc_service_pb2 as pb
 from edged.transports.grpc.gen import model_config_pb2 as mc
 from edged.transports.http.config import model_config
@@ -52,6 +60,13 @@ STATUS: dict[ErrorCode, Any] = {
 }
 
 Unary = Callable[[Any, Any], Awaitable[Any]]
+# An inference message is held four times at once: grpcio's buffer, its bytes, the parsed message,
+# and the raw contents taken out of that (each access to a bytes field is a new copy).
+MESSAGE_COPIES = 4
+READ_TIMEOUT_S = 30.0  # a ModelInfer message must arrive whole within this once its memory is reserved
+# The largest message is held to this share of the request memory budget, so that at least this many
+# of them can be read at once while nothing else holds any.
+CONCURRENT_LARGEST = 8
 
 
 def _version(raw: str) -> int | None:
@@ -78,6 +93,7 @@ class GrpcApp:
     scrub: Scrubber
     authority: Authority
     stream_inflight: int  # [grpc] max_stream_inflight
+    max_receive: int = 64 << 20  # the largest message grpcio takes (its max_receive_message_length)
     stopping: bool = False
 
     def handler(self) -> Any:
@@ -102,17 +118,69 @@ class GrpcApp:
         }
         methods = {name: grpc.unary_unary_rpc_method_handler(self._unary(name, cls, fn))
                    for name, (cls, fn) in unary.items()}
-        methods["ModelInfer"] = grpc.unary_unary_rpc_method_handler(
-            self._unary("ModelInfer", pb.ModelInferRequest, self._infer, sized=True))
+        # Request-streaming on our side (the wire is the same for a unary client): the message is read only
+        # once the memory it may take is reserved, so concurrent large messages wait in the client's
+        # socket, not in the daemon's memory.
+        methods["ModelInfer"] = grpc.stream_unary_rpc_method_handler(
+            self._admitted(self._unary("ModelInfer", pb.ModelInferRequest, self._infer, sized=True)))
         methods["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(self.model_stream_infer)
         return grpc.method_handlers_generic_handler(SERVICE, methods)
 
-    def _unary(self, name: str, cls: type[Any], fn: Callable[..., Awaitable[Any]], *,
-               sized: bool = False) -> Callable[[bytes, Any], Awaitable[bytes]]:
-        """``fn(message, context)``, or with ``sized`` ``fn(message, context, its size in bytes)``."""
-        async def handle(data: bytes, context: Any) -> bytes:
+    def _admitted(self, handle: Callable[[bytes, Any, Reservation], Awaitable[bytes]]
+                  ) -> Callable[[Any, Any], Awaitable[bytes]]:
+        """Reserve the largest message grpcio may take, read the message, keep what it needs, handle it.
+
+        Refused at once with RESOURCE_EXHAUSTED when even that does not fit the request memory budget
+        now; a message that does not arrive whole within READ_TIMEOUT_S is DEADLINE_EXCEEDED."""
+        async def read_then_handle(requests: Any, context: Any) -> bytes:
             try:
-                msg = parse(cls, data)
+                hold = self.service.budget.reserve(MESSAGE_COPIES * self.max_receive, "a ModelInfer message "
+                                                   f"(up to {self.max_receive} bytes) about to be read")
+            except EdgedError as e:
+                await context.abort(*self._status(e))
+                raise AssertionError("unreachable: abort raises") from None  # pragma: no cover
+            # A timer, not asyncio.wait_for (a task per call, tens of microseconds): it cancels this read.
+            task = asyncio.current_task()
+            expired: list[bool] = []
+
+            def expire() -> None:
+                expired.append(True)
+                if task is not None:
+                    task.cancel()
+            timer = asyncio.get_running_loop().call_later(READ_TIMEOUT_S, expire)
+            try:
+                data = await context.read()
+            except asyncio.CancelledError:
+                hold.release()
+                if not expired:
+                    raise
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"the request message did not arrive within {READ_TIMEOUT_S:g} s")
+                raise AssertionError("unreachable: abort raises") from None  # pragma: no cover
+            except BaseException:
+                hold.release()
+                raise
+            finally:
+                timer.cancel()
+            if not isinstance(data, bytes):  # EOF: the client sent no message
+                hold.release()
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
+                raise AssertionError("unreachable: abort raises")  # pragma: no cover
+            hold.shrink(MESSAGE_COPIES * len(data))
+            return await handle(data, context, hold)
+        return read_then_handle
+
+    def _unary(self, name: str, cls: type[Any], fn: Callable[..., Awaitable[Any]], *,
+               sized: bool = False) -> Callable[..., Awaitable[bytes]]:
+        """``fn(message, context)``, or with ``sized`` ``fn(message, context, its size in bytes)``."""
+        async def handle(data: bytes, context: Any, hold: Reservation | None = None) -> bytes:
+            try:
+                if sized and hold is None:  # admitted before it is parsed
+                    hold = self._admit(data)
+                # A large message is parsed in a worker thread: the loop keeps answering everyone else.
+                msg = await asyncio.to_thread(parse, cls, data) if len(data) > v2_ops.HEAVY else parse(cls, data)
+                if hold is not None:
+                    hold.grow(TYPED_ELEMENT_COST * typed_elements(msg), "the message's typed contents")
                 reply = await (fn(msg, context, len(data)) if sized else fn(msg, context))
                 return bytes(reply.SerializeToString())
             except EdgedError as e:
@@ -120,9 +188,17 @@ class GrpcApp:
             except Exception:
                 log.exception("gRPC %s failed", name)
                 code, text = grpc.StatusCode.INTERNAL, "internal error"
+            finally:
+                if hold is not None:
+                    hold.release()
             await context.abort(code, text)
             raise AssertionError("unreachable: abort raises")  # pragma: no cover
         return handle
+
+    def _admit(self, data: bytes) -> Reservation:
+        """Reserve what an inference message will hold: its bytes and their parsed copy (decoded tensors
+        are views of that); refused at once with RESOURCE_EXHAUSTED when the request memory budget is full."""
+        return self.service.budget.reserve(MESSAGE_COPIES * len(data), f"a {len(data)}-byte ModelInfer message")
 
     def _status(self, e: EdgedError) -> tuple[Any, str]:
         if e.code is ErrorCode.INTERNAL:
@@ -249,14 +325,21 @@ class GrpcApp:
     async def _stream_one(self, data: bytes, context: Any) -> bytes:
         """One stream request's answer, success or error; never raises (the stream goes on)."""
         req: pb.ModelInferRequest | None = None
+        hold = None
         try:
-            req = parse(pb.ModelInferRequest, data)
+            hold = self._admit(data)
+            req = (await asyncio.to_thread(parse, pb.ModelInferRequest, data) if len(data) > v2_ops.HEAVY
+                   else parse(pb.ModelInferRequest, data))
+            hold.grow(TYPED_ELEMENT_COST * typed_elements(req), "the message's typed contents")
             reply = pb.ModelStreamInferResponse(infer_response=await self._infer(req, context, len(data)))
         except EdgedError as e:
             reply = pb.ModelStreamInferResponse(error_message=self._status(e)[1], infer_response=error_response(req))
         except Exception:
             log.exception("gRPC ModelStreamInfer request failed")
             reply = pb.ModelStreamInferResponse(error_message="internal error", infer_response=error_response(req))
+        finally:
+            if hold is not None:
+                hold.release()
         return bytes(reply.SerializeToString())
 
     async def model_stream_infer(self, requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:

@@ -47,6 +47,21 @@ def params(m: Any) -> dict[str, Any]:
     return {k: param_value(v) for k, v in m.items()}
 
 
+# A typed content element decoded: a Python object (up to 32 bytes), its list slot, its numpy value.
+TYPED_ELEMENT_COST = 48
+
+
+def typed_elements(req: pb.ModelInferRequest) -> int:
+    """How many typed content elements the request carries (counted without copying any)."""
+    total = 0
+    for t in req.inputs:
+        if t.HasField("contents"):
+            field = CONTENTS.get(t.datatype)
+            if field is not None:
+                total += len(getattr(t.contents, field))
+    return total
+
+
 def decode_infer(req: pb.ModelInferRequest, shm: ShmView) -> DecodedRequest:
     """The shared codec's request for a ModelInferRequest (every output raw unless in shared memory)."""
     if not req.model_name:

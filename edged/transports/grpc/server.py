@@ -76,16 +76,20 @@ class GrpcTransport:
                  max_connections: int | None = None) -> None:
         """``max_connections``: the cap the descriptor budget allows (default ``[grpc] max_connections``)."""
         self._grpc = require_grpc()
-        from edged.transports.grpc.app import GrpcApp
+        from edged.transports.grpc.app import CONCURRENT_LARGEST, MESSAGE_COPIES, GrpcApp
 
         assert cfg.grpc is not None
         self.cfg = cfg.grpc
         self.listen = self.cfg.listen
         self.max_message = int(self.cfg.max_message_mb * 1024 * 1024)
         self.max_connections = max_connections or self.cfg.max_connections
+        # A message the request memory budget could never admit is refused by grpcio before it is read whole.
+        self.max_receive = max(1 << 20, min(self.max_message,
+                                            service.budget.limit // (MESSAGE_COPIES * CONCURRENT_LARGEST)))
         self.shm = shm if shm is not None else system_shm_regions(cfg)  # shared with HTTP in the daemon
         self.app = GrpcApp(service=service, shm=self.shm, scrub=Scrubber.for_config(cfg),
-                           authority=Authority(cfg.control), stream_inflight=self.cfg.max_stream_inflight)
+                           authority=Authority(cfg.control), stream_inflight=self.cfg.max_stream_inflight,
+                           max_receive=self.max_receive)
         self._server: Any = None
         self._unix_path: Path | None = None
         self.address: str = self.listen  # the real address once listening (port 0 resolved)
@@ -97,9 +101,9 @@ class GrpcTransport:
     async def start(self) -> None:
         grpc = self._grpc
         target = parse_listen(self.listen)
-        options = [("grpc.max_receive_message_length", self.max_message),
+        options = [("grpc.max_receive_message_length", self.max_receive),
                    ("grpc.max_send_message_length", self.max_message),
-                   ("grpc.so_reuseport", 0),
+                   ("grpc.so_reuseport", 0), ("grpc.http2.bdp_probe", 0),
                    ("grpc.max_allowed_incoming_connections", self.max_connections),
                    ("grpc.max_concurrent_streams", self.cfg.max_streams_per_connection),
                    ("grpc.max_connection_idle_ms", int(self.cfg.idle_timeout_s * 1000)),

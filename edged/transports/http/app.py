@@ -21,6 +21,7 @@ from urllib.parse import unquote
 from edged.core.service import InferenceService
 from edged.core.types import InferResponse
 from edged.errors import EdgedError, ErrorCode, InvalidInputError
+from edged.membudget import Reservation, owned_bytes
 from edged.protocol.v2 import DecodedRequest, decode_request, dumps, loads
 from edged.protocol.v2_json import loads_request
 from edged.protocol.v2_plans import RequestPlans, encode_answer
@@ -189,6 +190,9 @@ class V2App:
             decoded = await asyncio.to_thread(self._decode, body, hlen_raw, model, version, shm)
         else:
             decoded = self._decode(body, hlen_raw, model, version, shm)
+        if req.hold is not None and hlen_raw is None:
+            # JSON data became new arrays (binary data stays a view of the body, already reserved).
+            req.hold.grow(owned_bytes(decoded.request.inputs.values()), "the request's decoded JSON tensors")
         if req.load is not None and req.load.pending <= 1:
             done = self.service.infer_or_submit(decoded.request, LOOP_INLINE_MAX_NS)
             resp = done if isinstance(done, InferResponse) else await asyncio.wrap_future(done)
@@ -243,7 +247,7 @@ class V2App:
                 if enc not in (b"identity", b""):
                     if enc not in (b"gzip", b"deflate"):
                         raise _unsupported_encoding(enc)
-                    return await asyncio.to_thread(_decompress, req.body, enc, self.max_body)
+                    return await asyncio.to_thread(_decompress, req.body, enc, self.max_body, req.hold)
         return req.body
 
     # ---- model repository -------------------------------------------------------------------
@@ -362,18 +366,36 @@ def _unsupported_encoding(encoding: bytes) -> HttpError:
                           "(identity, gzip and deflate are)")
 
 
-def _decompress(body: bytes, encoding: bytes, limit: int) -> bytes:
-    """gzip/deflate request bodies (tritonclient's request_compression_algorithm), bounded by the limit."""
+_INFLATE_STEP = 4 << 20
+
+
+def _decompress(body: bytes, encoding: bytes, limit: int, hold: Reservation | None = None) -> bytes:
+    """gzip/deflate request bodies (tritonclient's request_compression_algorithm), bounded by the limit
+    and inflated a step at a time, each step reserved (twice: the pieces, then the joined body) first."""
     if encoding == b"gzip":
         d = zlib.decompressobj(wbits=31)
     elif encoding == b"deflate":
         d = zlib.decompressobj(wbits=15)
     else:
         raise _unsupported_encoding(encoding)
+    parts: list[bytes] = []
+    size = 0
+    tail = body
     try:
-        out = d.decompress(body, limit + 1)
+        while True:
+            step = min(_INFLATE_STEP, limit + 1 - size)
+            if hold is not None:
+                hold.grow(2 * step, "the inflated request body")
+            part = d.decompress(tail, step)
+            parts.append(part)
+            size += len(part)
+            tail = d.unconsumed_tail
+            if size > limit:
+                raise _too_large(limit)
+            if not tail or not part:
+                break
     except zlib.error:
         raise InvalidInputError("request body is not valid compressed data") from None
-    if len(out) > limit or d.unconsumed_tail:
+    if d.unconsumed_tail:
         raise _too_large(limit)
-    return out
+    return parts[0] if len(parts) == 1 else b"".join(parts)

@@ -37,6 +37,8 @@ from http import HTTPStatus
 import httptools
 import orjson
 
+from edged.errors import EdgedError, ErrorCode
+from edged.membudget import MemoryBudget, Reservation
 from edged.transports.authority import Peer, socket_peer
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ class Request:
     keep_alive: bool = True
     peer: Peer = field(default_factory=Peer)  # who is connected (kernel credentials on a Unix socket)
     load: Load | None = None  # the server's; None for a request built outside a server
+    hold: Reservation | None = None  # its share of the request memory budget, released once it is answered
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -122,8 +125,14 @@ def error_response(status: int, message: str) -> Response:
     return status, [(b"content-type", b"application/json")], orjson.dumps({"error": message})
 
 
+# A body is held twice while it arrives in pieces and is joined into one buffer.
+BODY_COPIES = 2
+LINGER_S = 5.0  # a refused body is read and dropped for at most this long after the answer
+
+
 @dataclass
 class _State:
+    budget: MemoryBudget = field(default_factory=MemoryBudget.unlimited)
     connections: set[HttpConnection] = field(default_factory=set)
     clients: dict[object, set[HttpConnection]] = field(default_factory=dict)  # by client key
     # Headers received, body still arriving; insertion-ordered, so the longest-running bodies come first.
@@ -269,6 +278,7 @@ class HttpConnection(asyncio.Protocol):
         self._finish_current = False
         self._final: Response | None = None  # a protocol-level refusal to send after the queued answers
         self.paused = False
+        self._hold: Reservation | None = None  # the request memory reserved for the body being received
         self._writable = asyncio.Event()
         self._writable.set()
         self._write_blocked = 0.0  # when writing paused (client not reading), 0 while writable
@@ -280,6 +290,8 @@ class HttpConnection(asyncio.Protocol):
         self._header_bytes = 0
         self._body: list[bytes] = []
         self._body_size = 0
+        self._allowed = 0  # body bytes the reservation covers
+        self._release_hold()
         self._keep_alive = True
         self._in_message = False
         self._discard = False  # the request was refused already; ignore the rest of it
@@ -333,7 +345,12 @@ class HttpConnection(asyncio.Protocol):
         self.state.unpark(self.limits.max_busy_connections)
         self.closing = True
         self.state.load.pending -= len(self.queue)
+        for req in self.queue:
+            if req.hold is not None:
+                req.hold.release()
         self.queue.clear()
+        self._body = []
+        self._release_hold()
         self._writable.set()
         self.transport = None
 
@@ -452,6 +469,8 @@ class HttpConnection(asyncio.Protocol):
                 if declared > self.limits.max_body:
                     self._too_large()
                     return
+                if not self._admit(declared):
+                    return
             elif k == b"expect" and v.lower() == b"100-continue":
                 expect = True
         if expect and self.transport is not None:
@@ -465,6 +484,8 @@ class HttpConnection(asyncio.Protocol):
         self._body_size += len(body)
         if self._body_size > self.limits.max_body:
             self._too_large()
+            return
+        if self._body_size > self._allowed and not self._admit(self._body_size):  # no (or a wrong) length
             return
         self._body.append(body)
 
@@ -481,8 +502,9 @@ class HttpConnection(asyncio.Protocol):
         method = self.parser.get_method().decode("ascii", "replace")
         load = self.state.load
         self.queue.append(Request(method, b"".join(self._url), self._headers, body, self._keep_alive, self.peer,
-                                  load))
+                                  load, self._hold))
         load.pending += 1
+        self._hold = None  # the request's now: released once it is answered
         self._body = []
         if not self._keep_alive:
             self.closing = True  # read nothing more; this is the last request
@@ -492,18 +514,56 @@ class HttpConnection(asyncio.Protocol):
         if self.task is None:
             self.task = self.loop.create_task(self._serve())
 
+    def _admit(self, size: int) -> bool:
+        """Reserve what a body of ``size`` bytes will hold, before it is read; refuse (and close) when it
+        does not fit the request memory budget now: the client may retry, nobody else waits."""
+        grow = BODY_COPIES * size - BODY_COPIES * self._allowed
+        if grow <= 0:
+            return True
+        try:
+            if self._hold is None:
+                self._hold = self.state.budget.reserve(grow, f"a {size}-byte request body")
+            else:
+                self._hold.grow(grow, f"a {size}-byte request body")
+        except EdgedError as e:
+            self._release_hold()
+            overloaded = e.code is ErrorCode.OVERLOADED
+            self._refuse(503 if overloaded else 507, str(e), [(b"retry-after", b"1")] if overloaded else [],
+                         linger=True)
+            return False
+        self._allowed = size
+        return True
+
+    def _release_hold(self) -> None:
+        hold, self._hold = self._hold, None
+        if hold is not None:
+            hold.release()
+
     def _too_large(self) -> None:
         self._refuse(413, f"request body is larger than {self.limits.max_body} bytes ([http] max_request_mb)")
 
-    def _refuse(self, status: int, message: str) -> None:
-        """Answer an error at the protocol level (after what is already queued) and close."""
+    def _refuse(self, status: int, message: str, extra: Headers | None = None, *, linger: bool = False) -> None:
+        """Answer an error at the protocol level (after what is already queued) and close.
+
+        ``linger``: the client is still sending a body it was told may come; the rest is read and
+        dropped for up to LINGER_S after the answer, so that closing with unread data (a TCP reset)
+        does not destroy the answer before the client reads it."""
         self._discard = True
         self.closing = True
         self.state.unbusy(self)
+        self._body = []
+        self._release_hold()
         if self.transport is None:
             return
-        self.transport.pause_reading()
         st, headers, body = error_response(status, message)
+        headers = headers + (extra or [])
+        if self.task is None and linger and self.transport.can_write_eof():
+            self._write(st, headers, body, close=True)
+            self.transport.write_eof()
+            transport = self.transport
+            self.loop.call_later(LINGER_S, transport.close)
+            return
+        self.transport.pause_reading()
         if self.task is None:
             self._write(st, headers, body, close=True)
             self.transport.close()
@@ -527,6 +587,8 @@ class HttpConnection(asyncio.Protocol):
                     status, headers, body = error_response(500, "internal error")
                 finally:
                     self.state.load.pending -= 1
+                    if req.hold is not None:  # the body and what was decoded from it are garbage now
+                        req.hold.release()
                 if self.transport is None:
                     return
                 last = self.closing and not self.queue and self._final is None
@@ -559,10 +621,11 @@ class HttpConnection(asyncio.Protocol):
 class HttpServer:
     """Serves ``handler`` on an already bound, listening socket."""
 
-    def __init__(self, handler: Handler, limits: Limits | None = None) -> None:
+    def __init__(self, handler: Handler, limits: Limits | None = None, budget: MemoryBudget | None = None) -> None:
+        """``budget``: the daemon's request memory budget; bodies are admitted against it as they are announced."""
         self.handler = handler
         self.limits = limits or Limits()
-        self._state = _State()
+        self._state = _State(budget or MemoryBudget.unlimited())
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.TimerHandle | None = None
 

@@ -163,7 +163,7 @@ class HttpTransport:
             self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         sock.setblocking(False)
         self.app.stopping = False
-        server = HttpServer(self.app.handle, self.limits)
+        server = HttpServer(self.app.handle, self.limits, self.service.budget)
         try:
             await server.start(sock, self.backlog)
         except OSError as e:

@@ -42,6 +42,7 @@ from edged.errors import (
     OverloadedError,
     ResourceExhaustedError,
 )
+from edged.membudget import Reservation
 from edged.protocol import media
 from edged.protocol import mqtt as codec
 from edged.protocol.fleet.telemetry import MqttWindow, StreamWindow
@@ -76,6 +77,7 @@ STOP_GRACE_S = 2.0
 # Room for 'overloaded' refusals (small, QoS 0) beyond max_pending_replies: paho reads a burst of requests
 # before it writes their refusals. Only a broker that stops reading fills it; then replies are dropped.
 REFUSAL_RESERVE = 1024
+PAYLOAD_COPIES = 2  # a request's payload, and what is decoded from it (JSON data becomes new arrays)
 STATUS_POLL_S = 2.0
 # An MQTT 5 user property a camera sets on a frame (its capture time, any text up to 64 characters):
 # the binding's output carries it as "frame_timestamp".
@@ -109,6 +111,7 @@ class _Incoming:
     received: float = 0.0  # monotonic
     parts: tuple[Form, memoryview, memoryview] | None = None  # the payload split, once known
     media: str | None = None  # the payload is a raw image/sound of this type, not a v2 request
+    hold: Reservation | None = None  # its request memory, until the service takes it over with the request
 
 
 class MqttTransport:
@@ -426,8 +429,16 @@ class MqttTransport:
                 f"payload of {size} bytes exceeds the limit of {self.cfg.mqtt.max_payload_mb:g} MB "
                 "([mqtt] max_payload_mb)"))
             return
+        try:  # the payload and what is decoded from it (views, or JSON data as arrays), before decoding
+            inc.hold = self.service.budget.reserve(PAYLOAD_COPIES * size, f"a {size}-byte MQTT request")
+        except EdgedError as e:
+            if e.code is ErrorCode.OVERLOADED:
+                self._count("overloaded")
+            self._process(inc, reject=e)
+            return
         if inc.media is not None or self._json_bytes(inc) <= INLINE_HEADER_BYTES:
             self._process(inc, inline=True)
+            _release(inc)
             return
         # Parsing a large JSON body takes milliseconds: do it off paho's thread, within a bound.
         with self._counter_lock:
@@ -437,12 +448,14 @@ class MqttTransport:
                 self._pending_decodes += 1
                 self._pending_bytes += size
         if not admitted or self._pool is None:
+            _release(inc)
             self._process(inc, reject=OverloadedError("too many large requests are waiting to be decoded"))
             return
         try:
             self._pool.submit(self._decode_job, inc)
         except RuntimeError:  # pool shut down
             self._decoded(size)
+            _release(inc)
             self._process(inc, reject=ModelNotReadyError("the daemon is shutting down"))
 
     def _decode_job(self, inc: _Incoming) -> None:
@@ -451,6 +464,7 @@ class MqttTransport:
         except Exception:
             log.exception("MQTT request decoding failed")
         finally:
+            _release(inc)
             self._decoded(len(inc.payload))
 
     def _decoded(self, size: int) -> None:
@@ -548,6 +562,7 @@ class MqttTransport:
             if deadline is not None and time.monotonic() > deadline:
                 raise DeadlineExceededError("the request expired before it could be computed")
             decoded.request.deadline = deadline
+            decoded.request.memory, inc.hold = inc.hold, None  # the service releases it when the request ends
             reply.received = inc.received
             stall = self._stall.request(reply.topic, inc.request_qos)
             if stall is not None:
@@ -596,7 +611,8 @@ class MqttTransport:
             if inc.deadline is not None and time.monotonic() > inc.deadline:
                 raise DeadlineExceededError("the request expired before it could be computed")
             request = InferRequest(model=model, version=version, inputs={name: media.media_tensor(inc.payload)},
-                                   deadline=inc.deadline)
+                                   deadline=inc.deadline, memory=inc.hold)
+            inc.hold = None
             reply.received = inc.received
             future = self.service.submit(request)
         except EdgedError as e:
@@ -880,6 +896,13 @@ class MqttTransport:
         if now - self._warned.get(key, -1e9) >= 30:
             self._warned[key] = now
             log.warning("MQTT: %s", msg)
+
+
+def _release(inc: _Incoming) -> None:
+    """A request's memory the service did not take over (refused, dropped or answered at once)."""
+    hold, inc.hold = inc.hold, None
+    if hold is not None:
+        hold.release()
 
 
 def _user_property(props: Properties | None, key: str) -> str | None:

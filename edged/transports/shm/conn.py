@@ -356,15 +356,26 @@ class Connection:
                 self._plans.clear()
             self._plans[key] = plan
         d, used = plan.desc, plan.used
+        memory = None
         if plan.views is not None:
             inputs = dict(plan.views)  # the request's own mapping of the views
         else:
-            inputs = {name: seg.view(dt, shape, off) if dt is not None else _bytes_input(name, seg, shape, off, n)
-                      for name, seg, dt, shape, off, n in plan.inputs}
+            # BYTES inputs are copied out of the client's memory (numeric ones are views): reserved first.
+            copied = sum(n + ELEMENT_COST * datatypes.element_count(shape, name)
+                         for name, _, dt, shape, _, n in plan.inputs if dt is None)
+            memory = self.service.budget.reserve(copied, "the request's BYTES inputs")
+            try:
+                inputs = {name: seg.view(dt, shape, off) if dt is not None else _bytes_input(name, seg, shape, off, n)
+                          for name, seg, dt, shape, off, n in plan.inputs}
+            except BaseException:
+                memory.release()
+                raise
         deadline = time.monotonic() + d.timeout_us / 1e6 if d.timeout_us else None
-        req = InferRequest(d.model, inputs, d.version or None, d.outputs, deadline=deadline)
+        req = InferRequest(d.model, inputs, d.version or None, d.outputs, deadline=deadline, memory=memory)
         with self._lock:
             if self.inflight >= self.limits.max_inflight:
+                if memory is not None:
+                    memory.release()
                 raise OverloadedError(f"too many requests in flight on this connection "
                                       f"(at most {self.limits.max_inflight})")
             inline = not (self.inflight or queue)
@@ -477,6 +488,10 @@ class Connection:
         return ([off for *_, off, _ in plan],
                 b"".join(p.encode_output(name, code, arr.shape, offset=off, nbytes=nbytes)
                          for name, arr, code, off, nbytes in plan))
+
+
+# A BYTES element copied out becomes a bytes object (its data plus 33 bytes) in an object array (8 more).
+ELEMENT_COST = 48
 
 
 def _bytes_input(name: str, seg: Segment, shape: tuple[int, ...], offset: int, nbytes: int) -> np.ndarray:
