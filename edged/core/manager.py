@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING
 import psutil
 
 from edged.config import ModelsSection
+from edged.core.chooser import EngineChooser, attach
 from edged.core.model_versions import ModelLoader, ModelState, ModelTable, ModelVersion
 from edged.core.pipelines import PipelineRunner, ServiceGateway, load_pipeline_version
 from edged.core.scheduler import Scheduler
 from edged.core.stats import ModelStats
+from edged.core.traffic import TrafficMix
 from edged.errors import EdgedError, ModelNotFoundError, ResourceExhaustedError
 from edged.pipeline.definition import load_pipeline
 from edged.repository.digests import DigestCache
@@ -56,11 +58,14 @@ def estimate_memory_mb(entry: VersionEntry) -> float:
 class ModelManager:
     def __init__(self, repository: Path, models: ModelsSection, preferences: Sequence[BackendPreference], *,
                  cache_dir: Path | None = None, threads: int = 0, memory_budget_mb: float = 0.0,
-                 select: str = "first", facts: HardwareFacts | None = None) -> None:
+                 select: str = "first", facts: HardwareFacts | None = None, defer_choice: bool = False) -> None:
         self.repository = repository
         self.models_cfg = models
-        self.loader = ModelLoader(preferences, cache_dir=cache_dir, threads=threads, select=select, facts=facts)
+        self.loader = ModelLoader(preferences, cache_dir=cache_dir, threads=threads, select=select, facts=facts,
+                                  defer_choice=defer_choice)
         self.table = ModelTable()
+        # Measures engines while serving and switches (edged.core.chooser); the daemon starts it once READY.
+        self.chooser = EngineChooser(self.table, self.loader)
         self.memory_budget_mb = memory_budget_mb
         self.digests = DigestCache(cache_dir / "digests.json" if cache_dir else None)
         self._lock = threading.Lock()  # one lifecycle change at a time
@@ -99,6 +104,7 @@ class ModelManager:
             return mv
         rss0 = psutil.Process(os.getpid()).memory_info().rss
         mv = self.loader.load(entry)
+        choice = attach(mv, self.loader) if mv.state is ModelState.READY else None
         if mv.state is ModelState.READY and mv.engine is not None:
             grown = (psutil.Process(os.getpid()).memory_info().rss - rss0) / 1e6
             mv.memory_mb = max(estimate, grown)
@@ -107,6 +113,8 @@ class ModelManager:
             mv.scheduler = Scheduler(mv.name, mv.version, mv.engine, max_batch_size=mv.max_batch_size,
                                      batching=mv.batching, instances=manifest.instances.count,
                                      stats=mv.stats, shapes_vary=any(-1 in s.shape for s in mv.inputs))
+            if choice is not None:
+                choice.traffic = mv.scheduler.traffic = TrafficMix(mv.max_batch_size > 0)
         return mv
 
     def load_all(self) -> list[ModelVersion]:
@@ -228,6 +236,7 @@ class ModelManager:
         log.info("model=%s version=%s unloaded", mv.name, mv.version)
 
     def shutdown(self, timeout: float = DRAIN_TIMEOUT_S) -> None:
+        self.chooser.stop()
         with self._lock:
             for mv in self.table.all():
                 if mv.scheduler is not None:

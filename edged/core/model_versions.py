@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -34,8 +34,10 @@ from edged.backends.benchmark import (
     SelectionMemory,
     batch_sizes_for,
     choose,
+    default_points,
     fingerprint_of,
     measure,
+    measure_points,
     selection_key,
 )
 from edged.backends.build import EngineBuild, EngineBuildRequiredError
@@ -67,6 +69,12 @@ class ModelState(str, enum.Enum):
     UNLOADED = "unloaded"
 
 
+class ChoiceView(Protocol):
+    """What a version shows of how its engine is being chosen (edged.core.chooser.Choice)."""
+
+    def status(self) -> dict[str, Any]: ...
+
+
 @dataclass
 class ModelVersion:
     """One version of one model and everything known about serving it."""
@@ -91,6 +99,9 @@ class ModelVersion:
     warmup_skipped: bool = False  # the model refused the made-up warm-up input (self-test skipped too)
     validation_plan: Any = None  # edged.core.validation's precomputed checks, made on first use
     pipeline: Pipeline | None = None  # set for a pipeline version (edged.core.pipelines): no engine of its own
+    choice: ChoiceView | None = None  # set when the engine is chosen by measurement while serving (core.chooser)
+    candidates: list[Candidate] = field(default_factory=list)  # every candidate, in the profile's order
+    selection_key: str = ""  # what a measurement of the candidates is remembered under
 
     @property
     def manifest(self) -> ModelManifest:
@@ -138,7 +149,12 @@ class ModelVersion:
             out["benchmark"] = [{"candidate": t.candidate, "throughput_per_s": round(t.throughput_per_s, 1),
                                  "batches": {str(k): round(v, 1) for k, v in t.batches.items()},
                                  "latency_ms": round(t.latency_ms, 3), "chosen": t.candidate == b.chosen,
-                                 "source": b.source} for t in list(b.timings)]
+                                 "source": b.source, "points": {k: round(v, 1) for k, v in t.points.items()}}
+                                for t in list(b.timings)]
+            out["benchmark_basis"] = {"basis": b.basis, "reason": b.reason, "workload": dict(b.workload),
+                                      "measured_at": b.measured_at, "seconds": round(b.seconds, 2)}
+        if self.choice is not None:
+            out["choice"] = self.choice.status()
         if self.upgrade is not None:
             out["upgrade"] = self.upgrade.status()
         return out
@@ -325,7 +341,7 @@ class ModelLoader:
 
     def __init__(self, preferences: Sequence[BackendPreference], *, cache_dir: Path | None, threads: int = 0,
                  select: str = "first", benchmark: BenchmarkSettings | None = None,
-                 facts: HardwareFacts | None = None) -> None:
+                 facts: HardwareFacts | None = None, defer_choice: bool = False) -> None:
         if select not in SELECT_MODES:
             raise ValueError(f"select must be one of {SELECT_MODES}, not {select!r}")
         self.preferences = list(preferences)
@@ -335,6 +351,9 @@ class ModelLoader:
         self.facts = facts  # the daemon's probe, handed to the backends and the benchmark key
         self.benchmark_settings = benchmark or BenchmarkSettings()
         self.memory = SelectionMemory(cache_dir / "select") if cache_dir else None
+        # Serve first, choose after: load the remembered choice or the first candidate and leave the
+        # measuring to edged.core.chooser once the daemon is READY (False: measure while loading).
+        self.defer_choice = defer_choice
 
     def load(self, entry: VersionEntry) -> ModelVersion:
         mv = ModelVersion(entry.model, entry.version, entry)
@@ -352,10 +371,15 @@ class ModelLoader:
             log.error("model=%s version=%s unavailable: %s", mv.name, mv.version, mv.reason)
             return mv
         skipped_before = len(mv.skipped)
+        key = self._key(mv, cands)
         if self.select == "benchmark" and len(cands) > 1:
-            ok = self._load_benchmark(mv, cands)
+            if self.defer_choice:
+                ok = self._load_remembered(mv, cands, key, set(), []) or self._load_first(mv, cands)
+            else:
+                ok = self._load_benchmark(mv, cands, key)
         else:
             ok = self._load_first(mv, cands)
+        mv.candidates, mv.selection_key = list(cands), key
         if ok:
             mv.state = ModelState.READY
             mv.load_seconds = time.monotonic() - t0
@@ -385,15 +409,18 @@ class ModelLoader:
                 self._skip(mv, cand, why or "failed")
         return self._build_now(mv, pending)
 
-    def _load_benchmark(self, mv: ModelVersion, cands: Sequence[Candidate]) -> bool:
+    def _key(self, mv: ModelVersion, cands: Sequence[Candidate]) -> str:
+        """The selection key a measurement of these candidates is remembered under."""
         manifest = mv.manifest
-        sizes = batch_sizes_for(manifest)
         libraries = {c.backend: _library_version(c.backend) for c in cands}
-        key = selection_key(mv.name, mv.version, cands, libraries, threads=self.threads, batch_sizes=sizes,
-                            workload=workload_digest(mv), instances=manifest.instances.count,
-                            fingerprint=fingerprint_of(self.facts) if self.facts is not None else None)
-        tried: set[str] = set()
-        load_failures: list[tuple[str, str]] = []
+        return selection_key(mv.name, mv.version, cands, libraries, threads=self.threads,
+                             batch_sizes=batch_sizes_for(manifest), workload=workload_digest(mv),
+                             instances=manifest.instances.count,
+                             fingerprint=fingerprint_of(self.facts) if self.facts is not None else None)
+
+    def _load_remembered(self, mv: ModelVersion, cands: Sequence[Candidate], key: str, tried: set[str],
+                         load_failures: list[tuple[str, str]]) -> bool:
+        """Load the engine a remembered measurement chose; False when there is none or it no longer loads."""
         remembered = self.memory.load(mv.name, mv.version, key) if self.memory else None
         if remembered is not None and remembered.complete:
             winner = next((c for c in cands if c.label == remembered.chosen), None)
@@ -408,6 +435,13 @@ class ModelLoader:
                     tried.add(winner.label)
                     self._skip(mv, winner, why or "failed")
                     load_failures.append((winner.label, why or "failed"))
+        return False
+
+    def _load_benchmark(self, mv: ModelVersion, cands: Sequence[Candidate], key: str) -> bool:
+        tried: set[str] = set()
+        load_failures: list[tuple[str, str]] = []
+        if self._load_remembered(mv, cands, key, tried, load_failures):
+            return True
         loaded: list[_Opened] = []
         pending: list[tuple[Candidate, EngineBuildRequiredError]] = []
         for cand in cands:
@@ -424,8 +458,12 @@ class ModelLoader:
         if not loaded:
             return self._build_now(mv, pending)
         t0 = time.monotonic()
-        timings, failures = measure([(o.cand, o.engine) for o in loaded], sample_inputs(mv, loaded[0].inputs),
-                                    sizes, batched=mv.max_batch_size > 0, settings=self.benchmark_settings)
+        batched = mv.max_batch_size > 0
+        sizes = batch_sizes_for(mv.manifest, mv.max_batch_size, mv.batching)  # max_batch_size may be auto-completed
+        sample = sample_inputs(mv, loaded[0].inputs)
+        points = default_points({n: a[:1] for n, a in sample.items()} if batched else sample, sizes, batched)
+        timings, failures = measure_points([(o.cand, o.engine) for o in loaded], points, batched=batched,
+                                           settings=self.benchmark_settings)
         for label, why in failures:
             self._skip_label(mv, label, why)
         if not timings:
@@ -450,7 +488,10 @@ class ModelLoader:
         self._adopt(mv, winner_opened)
         mv.benchmark = BenchmarkResult(key=key, chosen=best.candidate, timings=timings, batch_sizes=sizes,
                                        seconds=time.monotonic() - t0, complete=not pending and not failures,
-                                       failures=load_failures + failures)
+                                       failures=load_failures + failures,
+                                       workload={p.label: p.weight for p in points},
+                                       basis="made-up" if synthesized(mv, loaded[0].inputs) else "declared",
+                                       reason="first choice, measured while loading", measured_at=time.time())
         log.info("model=%s version=%s benchmark: %s", mv.name, mv.version,
                  ", ".join(f"{t.candidate} {t.throughput_per_s:.0f}/s" for t in timings))
         if self.memory is not None and mv.benchmark.complete:
@@ -567,14 +608,65 @@ class ModelLoader:
         mv.skipped.append((label, why))
         log.warning("model=%s version=%s candidate %s skipped: %s", mv.name, mv.version, label, why)
 
+    # ---- choosing while serving (edged.core.chooser) ----------------------------------------
+    def choice_group(self, mv: ModelVersion) -> list[Candidate]:
+        """The candidates measured against each other while the version serves: every candidate of a
+        ``benchmark`` profile, else the CPU engines from the serving one on (every profile ends in
+        them); empty when there is nothing to choose between."""
+        serving, cands = mv.candidate, mv.candidates
+        if serving is None or mv.engine is None:
+            return []
+        if self.select == "benchmark":
+            pool = list(cands)
+        elif serving.device == "CPU" and serving in cands:
+            at = cands.index(serving)
+            pool = [serving] + [c for c in cands[at + 1:] if c.device == "CPU"]
+        else:
+            return []
+        group = [c for c in pool if c == serving or unavailable_reason(c.backend, c.options) is None]
+        return group if len(group) > 1 else []
+
+    def open_alternate(self, mv: ModelVersion, cand: Candidate) -> _Opened | str:
+        """Another candidate for a serving version, loaded and warmed up; or why it could not be."""
+        opened, build, why = self._attempt(mv, cand)
+        if opened is not None:
+            return opened
+        if build is not None:
+            return "its engine must be built first (the background build measures it when done)"
+        return why or "failed"
+
+    def explain(self, mv: ModelVersion, group: Sequence[Candidate], result: BenchmarkResult) -> None:
+        """Replace the skip reasons of ``group`` with what ``result`` measured."""
+        labels = {c.label for c in group}
+        best = result.timing(result.chosen)
+        failed = dict(result.failures)
+        kept = [(k, r) for k, r in mv.skipped if k not in labels]
+        for c in group:
+            if c.label == result.chosen:
+                continue
+            t = result.timing(c.label)
+            kept.append((c.label, _slower(t, best) if t is not None and best is not None
+                         else failed.get(c.label, "not measured")))
+        mv.skipped = kept
+
+    def remember(self, mv: ModelVersion, result: BenchmarkResult) -> None:
+        if self.memory is not None and result.complete:
+            self.memory.save(mv.name, mv.version, result)
+
+    @staticmethod
+    def proxy(mv: ModelVersion) -> SwappableEngine:
+        assert mv.engine is not None
+        if not isinstance(mv.engine, SwappableEngine):
+            mv.engine = SwappableEngine(mv.engine)
+        return mv.engine
+
     # ---- background builds ------------------------------------------------------------------
     def _start_upgrade(self, mv: ModelVersion, pending: Sequence[tuple[Candidate, EngineBuildRequiredError]], *,
                        judge: bool) -> None:
         """Serve now through ``mv.engine``; build the better candidates behind it and switch when one is ready."""
         if not pending or mv.engine is None:
             return
-        proxy = SwappableEngine(mv.engine)
-        mv.engine = proxy
+        proxy = self.proxy(mv)
 
         def prepare(cand: Candidate, engine: Engine) -> None:
             opened = self._check(mv, cand, engine)

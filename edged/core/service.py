@@ -128,6 +128,8 @@ class InferenceService:
                 "reason": mv.reason, "warmup": mv.warmup_note,
                 "skipped": [{"candidate": k, "reason": r} for k, r in mv.skipped],
                 "benchmark": status.get("benchmark"),
+                "benchmark_basis": status.get("benchmark_basis"),
+                "choice": status.get("choice"),
                 "upgrade": status.get("upgrade"),
             },
         }

@@ -18,6 +18,9 @@ class InferRequest:
     id: str | None = None
     deadline: float | None = None  # time.monotonic() after which the request is dropped unstarted
     parameters: dict[str, Any] = field(default_factory=dict)
+    # The daemon's own request (self-test, watchdog probe): served like any other but not counted in the
+    # model's statistics. No transport sets it; it is not part of any wire format.
+    internal: bool = False
 
 
 @dataclass

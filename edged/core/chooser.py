@@ -1,0 +1,343 @@
+"""Serve first, choose after; choose again when the traffic changes.
+
+A version whose engine is chosen by measurement (a ``select = "benchmark"`` profile,
+or the CPU engines every profile ends in) starts serving at once on the remembered
+choice or the profile's first candidate that loads (:class:`Choice`, ``mv.choice``),
+behind a :class:`~edged.core.upgrade.SwappableEngine`. This thread, started once the
+daemon is READY, then:
+
+- measures the candidates on the shapes the model will see (declared ``[warmup.shapes]``
+  or sample data, else the static dimensions, else, for a model with undeclared dynamic
+  dimensions, the shapes it has served) at batch 1 and the batch the scheduler forms;
+- later compares what the version really serves (``edged.core.traffic``) with what the
+  choice was made on, and when the mix moved (shapes or batch sizes), measures again on
+  real samples of that traffic, weighted by its share;
+
+and swaps in the winner the way a background TensorRT build is switched in: later
+batches go to the new engine, running ones finish on the old one, no request fails.
+It measures only when the daemon is not in a burst (engines busy less than half the
+time, nothing queued; at most ``MAX_POSTPONE_S`` of waiting), and with
+``BenchmarkSettings.duty`` it takes at most that share of the time it runs for.
+The engine serving now stays unless another is faster by more than the margin, so
+noise never flips a choice back and forth. Benchmark calls go to the engines
+directly, never through the scheduler: they are not requests and are not counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from edged.backends.benchmark import (
+    BenchmarkResult,
+    BenchmarkSettings,
+    WorkPoint,
+    batch_sizes_for,
+    choose,
+    default_points,
+    measure_points,
+    shape_label,
+)
+from edged.backends.selection import Candidate
+from edged.core.model_versions import ModelLoader, ModelState, ModelTable, ModelVersion, sample_inputs, synthesized
+from edged.core.traffic import Seen, TrafficMix
+from edged.core.upgrade import SwappableEngine
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5
+BURST_BUSY = 0.5  # engines busy more than this share of the last poll: a burst, measuring waits
+MAX_POSTPONE_S = 10.0  # ... but not longer than this: steady load is not a burst
+MIN_RUNS = 20  # runs of traffic before they may drive a choice
+CHANGE = 0.5  # share of the served samples outside what the choice was measured on that re-measures
+COOLDOWN_S = 5.0  # between two measurements of one version
+REBASE_RUNS = 2000  # a quiet window this long starts afresh, so a later change shows quickly
+MAX_POINTS = 4
+BACKGROUND = BenchmarkSettings(time_per_candidate_s=0.8, total_s=3.0, rounds=8, margin=0.05, duty=0.5)
+
+
+def _class(label: str) -> str:
+    """A work point's label with its batch size reduced to one or many (batches of 3 and 4 are alike)."""
+    shapes, at, batch = label.partition("@")
+    return shapes + ("@1" if not at or batch == "1" else "@n")
+
+
+def distance(a: dict[str, float], b: dict[str, float]) -> float:
+    """Total variation distance between two mixes over :func:`_class` labels (0 same, 1 disjoint)."""
+    def norm(m: dict[str, float]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for k, v in m.items():
+            out[_class(k)] = out.get(_class(k), 0.0) + v
+        total = sum(out.values()) or 1.0
+        return {k: v / total for k, v in out.items()}
+    na, nb = norm(a), norm(b)
+    return 1.0 - sum(min(v, nb.get(k, 0.0)) for k, v in na.items())
+
+
+def traffic_points(window: Sequence[Seen], batched: bool) -> list[WorkPoint]:
+    """The served traffic as work points: per shape and batch class, its share of the samples,
+    the batch size it was most often run at and one real sample; the heaviest ``MAX_POINTS``."""
+    groups: dict[str, tuple[float, Seen]] = {}
+    total = 0.0
+    for s in window:
+        if s.sample is None:
+            continue
+        samples = float(s.runs * s.batch)
+        total += samples
+        key = _class(shape_label(s.sample, s.batch, batched))
+        have = groups.get(key)
+        if have is None:
+            groups[key] = (samples, s)
+        else:  # the batch size run most often stands for the class
+            groups[key] = (have[0] + samples, s if s.runs > have[1].runs else have[1])
+    top = sorted(groups.values(), key=lambda g: -g[0])[:MAX_POINTS]
+    kept = sum(w for w, _ in top) or 1.0
+    return [WorkPoint(shape_label(s.sample, s.batch, batched), s.sample, s.batch, w / kept)
+            for w, s in top if s.sample is not None]
+
+
+def window_mix(window: Sequence[Seen], batched: bool) -> dict[str, float]:
+    return {shape_label(s.sample, s.batch, batched) if s.sample is not None else f"?{i}": float(s.runs * s.batch)
+            for i, s in enumerate(window)}
+
+
+@dataclass
+class Choice:
+    """How a version's engine is chosen among ``group`` (mv.choice), and the evidence so far."""
+
+    group: list[Candidate]
+    proxy: SwappableEngine
+    key: str  # the selection key results are remembered under
+    state: str = "pending"  # pending | waiting for traffic | measuring | chosen
+    boot_points: list[WorkPoint] = field(default_factory=list)  # empty: the shapes are not known until served
+    basis_window: list[Seen] = field(default_factory=list)  # traffic counted when the last choice was made
+    basis_mix: dict[str, float] = field(default_factory=dict)
+    last_measured: float = 0.0  # monotonic
+    measurements: int = 0
+    switches: list[dict[str, Any]] = field(default_factory=list)
+    due_since: float | None = None
+    traffic: TrafficMix | None = None
+    unusable: dict[str, str] = field(default_factory=dict)  # candidates that did not load: label -> why
+
+    def status(self) -> dict[str, Any]:
+        return {"state": self.state, "candidates": [c.label for c in self.group],
+                "measurements": self.measurements, "switches": list(self.switches[-5:]),
+                "measured_on": {k: round(v, 4) for k, v in self.basis_mix.items()}}
+
+
+class EngineChooser:
+    """One background thread for every version with a :class:`Choice`."""
+
+    def __init__(self, table: ModelTable, loader: ModelLoader, *, settings: BenchmarkSettings = BACKGROUND,
+                 poll_s: float = POLL_S) -> None:
+        self.table = table
+        self.loader = loader
+        self.settings = settings
+        self.poll_s = poll_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_busy: tuple[float, int] | None = None
+        self._lock = threading.Lock()  # one measurement at a time (the thread, or run_once from a caller)
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop, name="edged-engine-choice", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(60)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.run_once()
+            except Exception:  # the chooser must never take serving down
+                log.exception("engine choice pass failed")
+
+    # ---- one pass -----------------------------------------------------------------------------
+    def run_once(self, *, force: bool = False) -> int:
+        """Measure every version that is due (``force``: ignore bursts and the cooldown); how many were."""
+        busy = self._busy()
+        done = 0
+        with self._lock:
+            for mv in self.table.all():
+                choice = mv.choice
+                if not isinstance(choice, Choice) or mv.state is not ModelState.READY or choice.proxy.closed:
+                    continue
+                if mv.upgrade is not None and mv.upgrade.state == "building":
+                    continue  # a TensorRT build will be judged against the engine serving now
+                due = self._due(mv, choice, force=force)
+                if due is None:
+                    choice.due_since = None
+                    continue
+                now = time.monotonic()
+                if choice.due_since is None:
+                    choice.due_since = now
+                if busy and not force and now - choice.due_since < MAX_POSTPONE_S:
+                    continue  # never during a burst; steady load is not a burst
+                points, basis, why = due
+                self.measure(mv, choice, points, basis=basis, why=why)
+                choice.due_since = None
+                done += 1
+                if self._stop.is_set():
+                    break
+        return done
+
+    def _busy(self) -> bool:
+        """Whether the engines were busy more than BURST_BUSY of the time since the last look, or a queue waits."""
+        total = 0
+        queued = False
+        for mv in self.table.all():
+            if mv.stats is not None:
+                total += mv.stats.busy_ns()
+            if mv.scheduler is not None and mv.scheduler.queued:
+                queued = True
+        now = time.monotonic()
+        last, self._last_busy = self._last_busy, (now, total)
+        if last is None or now <= last[0]:
+            return queued
+        return queued or (total - last[1]) / 1e9 / (now - last[0]) > BURST_BUSY
+
+    def _due(self, mv: ModelVersion, choice: Choice, *, force: bool
+             ) -> tuple[list[WorkPoint], str, str] | None:
+        batched = mv.max_batch_size > 0
+        window = TrafficMix.since(choice.traffic.snapshot(), choice.basis_window) if choice.traffic else []
+        runs = sum(s.runs for s in window)
+        if choice.state == "pending":
+            if choice.boot_points:
+                return choice.boot_points, "declared", "first choice, on the shapes the model declares"
+            if runs >= MIN_RUNS or (force and runs):
+                return traffic_points(window, batched), "traffic", "first choice, on the shapes served so far"
+            choice.state = "waiting for traffic"
+            return None
+        if choice.state == "waiting for traffic":
+            if runs >= MIN_RUNS or (force and runs):
+                return traffic_points(window, batched), "traffic", "first choice, on the shapes served so far"
+            return None
+        if runs < MIN_RUNS:
+            return None
+        if not force and time.monotonic() - choice.last_measured < COOLDOWN_S:
+            return None
+        moved = distance(window_mix(window, batched), choice.basis_mix)
+        if moved <= CHANGE:
+            if runs >= REBASE_RUNS and choice.traffic is not None:
+                choice.basis_window = choice.traffic.snapshot()
+            return None
+        points = traffic_points(window, batched)
+        if not points:
+            return None
+        served = ", ".join(f"{p.label} {p.weight:.0%}" for p in points)
+        return points, "traffic", f"traffic moved ({moved:.0%} of samples unlike the last measurement): {served}"
+
+    # ---- measuring and switching --------------------------------------------------------------
+    def measure(self, mv: ModelVersion, choice: Choice, points: list[WorkPoint], *, basis: str, why: str) -> None:
+        """Load the other candidates, time them all on ``points``, switch to the winner, remember it."""
+        serving = mv.candidate
+        if serving is None or not points:
+            return
+        choice.state = "measuring"
+        t0 = time.monotonic()
+        alternates = []
+        load_failures: list[tuple[str, str]] = []
+        for cand in choice.group:
+            if cand.label == serving.label:
+                continue
+            if cand.label in choice.unusable:
+                load_failures.append((cand.label, choice.unusable[cand.label]))
+                continue
+            opened = self.loader.open_alternate(mv, cand)
+            if isinstance(opened, str):
+                choice.unusable[cand.label] = opened
+                load_failures.append((cand.label, opened))
+            else:
+                alternates.append(opened)
+        if not alternates:  # nothing to compare with: the engine serving stays
+            choice.state = "chosen"
+            choice.last_measured = time.monotonic()
+            return
+        order = {c.label: i for i, c in enumerate(choice.group)}
+        engines = sorted([(serving, choice.proxy.current), *((o.cand, o.engine) for o in alternates)],
+                         key=lambda ce: order.get(ce[0].label, 0))
+        batched = mv.max_batch_size > 0
+        try:
+            timings, failures = measure_points(engines, points, batched=batched, settings=self.settings)
+        except BaseException:
+            for o in alternates:
+                o.engine.unload()
+            raise
+        winner_label = choose(timings, self.settings.margin, incumbent=serving.label).candidate if timings \
+            else serving.label
+        winner = next((o for o in alternates if o.cand.label == winner_label), None)
+        for o in alternates:
+            if o is not winner:
+                o.engine.unload()
+        if winner is not None:
+            if winner.inputs != mv.inputs or winner.outputs != mv.outputs:
+                winner.engine.unload()
+                winner = None
+                winner_label = serving.label
+            else:
+                old = choice.proxy.swap(winner.engine)
+                if old is None:  # unloaded meanwhile
+                    choice.state = "chosen"
+                    return
+                mv.candidate = winner.cand
+                if mv.stats is not None:
+                    mv.stats.backend = winner.cand.backend
+                old.unload()
+                choice.switches.append({"from": serving.label, "to": winner.cand.label, "why": why,
+                                        "at": round(time.time(), 1)})
+                log.info("model=%s version=%s switched engine %s -> %s (%s)", mv.name, mv.version, serving.label,
+                         winner.cand.label, why)
+        result = BenchmarkResult(
+            key=choice.key, chosen=winner_label, timings=timings, batch_sizes=sorted({p.batch for p in points}),
+            seconds=time.monotonic() - t0, complete=True, failures=load_failures + failures,
+            workload={p.label: p.weight for p in points}, basis=basis, reason=why, measured_at=time.time())
+        mv.benchmark = result
+        self.loader.explain(mv, choice.group, result)
+        self.loader.remember(mv, result)
+        choice.basis_window = choice.traffic.snapshot() if choice.traffic is not None else []
+        choice.basis_mix = dict(result.workload)
+        choice.last_measured = time.monotonic()
+        choice.measurements += 1
+        choice.state = "chosen"
+        log.info("model=%s version=%s engine choice (%s): %s", mv.name, mv.version, why,
+                 ", ".join(f"{t.candidate} {t.throughput_per_s:.0f}/s" for t in timings))
+
+
+def attach(mv: ModelVersion, loader: ModelLoader) -> Choice | None:
+    """Give a READY version a Choice (and its engine a SwappableEngine) when there is a choice to make."""
+    group = loader.choice_group(mv)
+    if not group:
+        return None
+    choice = Choice(group, loader.proxy(mv), mv.selection_key)
+    if mv.benchmark is not None:  # measured while loading, or remembered: chosen until traffic says otherwise
+        choice.state = "chosen"
+        choice.basis_mix = dict(mv.benchmark.workload)
+        choice.last_measured = time.monotonic()
+    else:
+        choice.boot_points = boot_points(mv)
+    mv.choice = choice
+    return choice
+
+
+def boot_points(mv: ModelVersion) -> list[WorkPoint]:
+    """Work points from what the model declares (or its static dimensions); empty when they would be made up."""
+    if synthesized(mv):
+        return []
+    try:
+        sample = sample_inputs(mv)
+    except (OSError, KeyError, ValueError):
+        return []
+    batched = mv.max_batch_size > 0
+    if batched:
+        sample = {n: a[:1] for n, a in sample.items()}
+    return default_points(sample, batch_sizes_for(mv.manifest, mv.max_batch_size, mv.batching), batched)

@@ -1,0 +1,246 @@
+"""Serve first, choose after, choose again: a real daemon picks its engine on the traffic that comes.
+
+The model computes ``y = 2 * x`` (``x [batch, n]``) from two files with opposite costs
+(tests/made_models.py): ``quadratic.onnx`` builds an n x n matrix per run (nothing for
+n = 16, tens of milliseconds for n = 2048) and ``fixed`` (an OpenVINO IR converted here)
+costs about a millisecond whatever n is. With the profile listing OpenVINO first the
+daemon is READY on ``openvino (fixed.xml)`` before anything is measured; the background
+choice on the declared shape (n = 16) switches to the quadratic file; traffic at
+n = 2048 makes the daemon measure again on that traffic and switch back. A client loop
+runs the whole time: every answer exact, none failed, and the statistics count the
+client's requests only (no self-test, no benchmark run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from edged.core.traffic import TrafficMix
+from tests import made_models
+from tests.conftest import EDGED, REPO_ROOT
+from tests.http_client import web
+from tests.netutil import free_port
+
+pytest.importorskip("openvino")
+pytest.importorskip("onnxruntime")
+
+PROFILE = textwrap.dedent("""
+    name = "test-choice"
+    priority = 0
+    select = "benchmark"
+    [match]
+    [[backends]]
+    backend = "openvino"
+    device = "CPU"
+    precisions = ["fp32"]
+    [[backends]]
+    backend = "onnxruntime"
+    device = "CPU"
+    precisions = ["fp32"]
+    """)
+
+
+def _sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def make_doubler(repo: Path) -> Path:
+    import openvino as ov
+
+    vdir = repo / "doubler" / "1"
+    made_models.doubler_quadratic(vdir / "quadratic.onnx")
+    fixed = made_models.doubler_fixed(repo.parent / "fixed.onnx")
+    ov.save_model(ov.convert_model(str(fixed)), str(vdir / "fixed.xml"), compress_to_fp16=False)
+    (vdir / "model.toml").write_text(textwrap.dedent(f"""
+        max_batch_size = 8
+        [[inputs]]
+        name = "x"
+        datatype = "FP32"
+        shape = [-1]
+        [[outputs]]
+        name = "y"
+        datatype = "FP32"
+        shape = [-1]
+        [[variants]]
+        file = "quadratic.onnx"
+        format = "onnx"
+        sha256 = "{_sha(vdir / 'quadratic.onnx')}"
+        [[variants]]
+        file = "fixed.xml"
+        format = "openvino"
+        sha256 = "{_sha(vdir / 'fixed.xml')}"
+        [[variants.extra_files]]
+        file = "fixed.bin"
+        sha256 = "{_sha(vdir / 'fixed.bin')}"
+        [warmup.shapes.x]
+        shape = [16]
+        [batching]
+        max_queue_delay_us = 200
+        preferred_batch_sizes = [4]
+        """))
+    return vdir
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[str]:
+    repo = tmp_path / "models"
+    make_doubler(repo)
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    (profiles / "test-choice.toml").write_text(PROFILE)
+    port = free_port()
+    cfg = tmp_path / "edged.toml"
+    cfg.write_text(textwrap.dedent(f"""
+        [device]
+        id = "choice-test"
+        state_dir = "{tmp_path / 'state'}"
+        runtime_dir = "{tmp_path / 'run'}"
+        model_repository = "{repo}"
+        profiles_dir = "{profiles}"
+        profile = "test-choice"
+        [http]
+        listen = "127.0.0.1:{port}"
+        [mqtt]
+        enabled = false
+        """))
+    log = (tmp_path / "edged.log").open("wb")
+    proc = subprocess.Popen([*EDGED, "run", "--config", str(cfg)], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "edged.log").read_text()[-3000:]
+            try:
+                if web().get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
+                    break
+            except Exception:
+                pass
+            assert time.monotonic() < deadline, "daemon not ready in 60 s"
+            time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _meta(url: str) -> dict[str, Any]:
+    r = web().get(f"{url}/v2/models/doubler", timeout=10)
+    r.raise_for_status()
+    params: dict[str, Any] = r.json()["parameters"]
+    return params
+
+
+class Client:
+    """A request loop at a settable row length; counts answers, failures and inexact answers."""
+
+    def __init__(self, url: str, n: int) -> None:
+        self.url, self.n = url, n
+        self.ok = self.failed = self.wrong = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        rng = np.random.default_rng(1)
+        while not self._stop.is_set():
+            x = rng.random((1, self.n), dtype=np.float32) + 0.5
+            body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}]}
+            try:
+                r = web().post(f"{self.url}/v2/models/doubler/infer", json=body, timeout=30)
+            except Exception as e:
+                self.failed += 1
+                self.errors.append(repr(e))
+                continue
+            if r.status_code != 200:
+                self.failed += 1
+                self.errors.append(r.text[:300])
+                continue
+            y = np.asarray(r.json()["outputs"][0]["data"], dtype=np.float32).reshape(x.shape)
+            if np.array_equal(y, 2 * x):
+                self.ok += 1
+            else:
+                self.wrong += 1
+            time.sleep(0.002)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+
+def _wait_for(url: str, what: str, pred: Any, timeout: float = 90) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        meta = _meta(url)
+        if pred(meta):
+            return meta
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f}s: {meta}"
+        time.sleep(0.2)
+
+
+def test_ready_first_then_chosen_in_the_background_and_again_when_traffic_moves(daemon: str) -> None:
+    url = daemon
+    first = _meta(url)
+    # READY on the profile's first candidate, before anything was measured.
+    assert first["backend"] == "openvino" and first["state"] == "ready"
+    assert first["choice"]["state"] in ("pending", "measuring") and first["choice"]["measurements"] == 0
+    assert first["benchmark"] is None
+    client = Client(url, 16)
+    try:
+        chosen = _wait_for(url, "background choice on the declared shape",
+                           lambda m: m["choice"]["measurements"] >= 1 and m["choice"]["state"] == "chosen")
+        # At n = 16 the quadratic file runs in microseconds, the fixed one in about a millisecond.
+        assert chosen["backend"] == "onnxruntime", chosen["benchmark"]
+        assert chosen["choice"]["switches"][-1]["to"].startswith("onnxruntime/CPU/fp32 (quadratic.onnx)")
+        assert set(chosen["choice"]["measured_on"]) == {"x[16]@1", "x[16]@4"}
+        time.sleep(0.5)
+        client.n = 2048  # traffic unlike the warm-up: now the fixed-cost file wins by far
+        moved = _wait_for(url, "re-selection on the served traffic",
+                          lambda m: m["choice"]["measurements"] >= 2 and m["backend"] == "openvino")
+        assert moved["choice"]["switches"][-1]["to"] == "openvino/CPU/fp32 (fixed.xml)"
+        assert "traffic moved" in moved["choice"]["switches"][-1]["why"]
+        assert any(k.startswith("x[2048]") for k in moved["choice"]["measured_on"])
+        time.sleep(0.5)
+    finally:
+        client.stop()
+    assert client.failed == 0, client.errors[:3]
+    assert client.wrong == 0 and client.ok > 20
+    # Only the client's requests are counted: not the self-test, not a benchmark run.
+    stats = web().get(f"{url}/v2/models/doubler/stats", timeout=10).json()["model_stats"][0]
+    assert stats["inference_stats"]["success"]["count"] == client.ok
+    assert stats["inference_count"] == client.ok
+    # The choice and its evidence are visible: candidates timed at the served shapes.
+    bench = {b["candidate"]: b for b in moved["benchmark"]}
+    assert bench["openvino/CPU/fp32 (fixed.xml)"]["chosen"]
+    assert all(any(p.startswith("x[2048]") for p in b["points"]) for b in bench.values())
+
+
+def test_traffic_mix_counts_shapes_and_batches_and_keeps_one_real_sample() -> None:
+    mix = TrafficMix(batched=True)
+    a = np.arange(8, dtype=np.float32).reshape(2, 4)
+    for _ in range(3):
+        mix.record({"x": a})
+    mix.record({"x": np.ones((1, 6), np.float32)})
+    seen = {(s.shapes, s.batch): s for s in mix.snapshot()}
+    two = seen[((("x", (4,)),), 2)]
+    assert two.runs == 3 and two.sample is not None and two.sample["x"].shape == (1, 4)
+    assert np.array_equal(two.sample["x"], a[:1])
+    assert seen[((("x", (6,)),), 1)].runs == 1
+    before = mix.snapshot()
+    mix.record({"x": np.ones((1, 6), np.float32)})
+    (window,) = TrafficMix.since(mix.snapshot(), before)
+    assert window.runs == 1 and window.batch == 1
