@@ -155,9 +155,25 @@ class ModelVersion:
                                       "measured_at": b.measured_at, "seconds": round(b.seconds, 2)}
         if self.choice is not None:
             out["choice"] = self.choice.status()
+        how = choice_line(self)
+        if how:
+            out["chosen_how"] = how
         if self.upgrade is not None:
             out["upgrade"] = self.upgrade.status()
         return out
+
+
+def choice_line(mv: ModelVersion) -> str | None:
+    """One line on how the engine was chosen and on what evidence, for ``edged status`` and ``models list``."""
+    state = mv.choice.status()["state"] if mv.choice is not None else None
+    b = mv.benchmark
+    if b is None:
+        return f"engine choice {state}: serving the profile's first candidate until measured" if state else None
+    rates = ", ".join(f"{t.backend}{'*' if t.candidate == b.chosen else ''} {t.throughput_per_s:.0f}/s"
+                      for t in sorted(b.timings, key=lambda t: -t.throughput_per_s))
+    on = ", ".join(f"{k} {v:.0%}" for k, v in b.workload.items()) or "batch " + "/".join(map(str, b.batch_sizes))
+    return f"chosen by measurement ({b.source}, {b.basis}: {on}): {rates}" + (f"; now {state}" if state and
+                                                                              state != "chosen" else "")
 
 
 def _io_from_engine(tensors: Sequence[EngineTensor], max_batch_size: int) -> list[TensorSpec]:

@@ -130,6 +130,7 @@ class InferenceService:
                 "benchmark": status.get("benchmark"),
                 "benchmark_basis": status.get("benchmark_basis"),
                 "choice": status.get("choice"),
+                "chosen_how": status.get("chosen_how"),
                 "upgrade": status.get("upgrade"),
             },
         }

@@ -48,6 +48,7 @@ class ModelStatus(_Snap):
     state: str
     reason: str | None = None
     warmup: str | None = None
+    choice: str | None = None  # how the engine was chosen and on what evidence
     backend: str = ""
     device: str = ""
     precision: str = ""

@@ -213,6 +213,7 @@ def test_ready_first_then_chosen_in_the_background_and_again_when_traffic_moves(
                           lambda m: m["choice"]["measurements"] >= 2 and m["backend"] == "openvino")
         assert moved["choice"]["switches"][-1]["to"] == "openvino/CPU/fp32 (fixed.xml)"
         assert "traffic moved" in moved["choice"]["switches"][-1]["why"]
+        assert "x[2048]" in moved["chosen_how"] and "openvino*" in moved["chosen_how"]
         assert any(k.startswith("x[2048]") for k in moved["choice"]["measured_on"])
         time.sleep(0.5)
     finally:
