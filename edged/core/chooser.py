@@ -46,6 +46,7 @@ from edged.backends.selection import Candidate
 from edged.core.model_versions import ModelLoader, ModelState, ModelTable, ModelVersion, sample_inputs, synthesized
 from edged.core.traffic import Seen, TrafficMix
 from edged.core.upgrade import SwappableEngine
+from edged.repository.manifest import TensorSpec
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class Choice:
     group: list[Candidate]
     proxy: SwappableEngine
     key: str  # the selection key results are remembered under
-    state: str = "pending"  # pending | waiting for traffic | measuring | chosen
+    state: str = "pending"  # pending | waiting for traffic | measuring | chosen | single (no other loads)
     boot_points: list[WorkPoint] = field(default_factory=list)  # empty: the shapes are not known until served
     basis_window: list[Seen] = field(default_factory=list)  # traffic counted when the last choice was made
     basis_mix: dict[str, float] = field(default_factory=dict)
@@ -222,7 +223,7 @@ class EngineChooser:
             if runs >= MIN_RUNS or (force and runs):
                 return traffic_points(window, batched), "traffic", "first choice, on the shapes served so far"
             return None
-        if runs < MIN_RUNS:
+        if runs < MIN_RUNS or choice.state == "single":
             return None
         if not force and time.monotonic() - choice.last_measured < COOLDOWN_S:
             return None
@@ -260,8 +261,10 @@ class EngineChooser:
             else:
                 alternates.append(opened)
         if not alternates:  # nothing to compare with: the engine serving stays
-            choice.state = "chosen"
+            choice.state = "single"
             choice.last_measured = time.monotonic()
+            self.loader.explain(mv, choice.group, BenchmarkResult(
+                key=choice.key, chosen=serving.label, timings=[], batch_sizes=[], failures=load_failures))
             return
         order = {c.label: i for i, c in enumerate(choice.group)}
         engines = sorted([(serving, choice.proxy.current), *((o.cand, o.engine) for o in alternates)],
@@ -280,8 +283,12 @@ class EngineChooser:
             if o is not winner:
                 o.engine.unload()
         if winner is not None:
-            if winner.inputs != mv.inputs or winner.outputs != mv.outputs:
+            mismatch = _io_mismatch(mv, winner.inputs, winner.outputs)
+            if mismatch:
                 winner.engine.unload()
+                failures.append((winner.cand.label, f"faster, but not switched to: {mismatch}"))
+                timings = [t for t in timings if t.candidate != winner.cand.label]
+                choice.unusable[winner.cand.label] = mismatch
                 winner = None
                 winner_label = serving.label
             else:
@@ -311,6 +318,20 @@ class EngineChooser:
         choice.state = "chosen"
         log.info("model=%s version=%s engine choice (%s): %s", mv.name, mv.version, why,
                  ", ".join(f"{t.candidate} {t.throughput_per_s:.0f}/s" for t in timings))
+
+
+def _io_mismatch(mv: ModelVersion, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> str | None:
+    """Why another engine cannot replace the serving one unseen by clients, or None.
+
+    Inputs must be the same (validation was planned on them). Outputs must have the same names and
+    datatypes; their declared shapes may differ, since engines infer output dimensions differently
+    from the same file (one says ``[1, -1]``, another ``[-1, 1, 8210]``) and answers carry their shapes.
+    """
+    if list(inputs) != list(mv.inputs):
+        return "its inputs differ from the serving engine's"
+    if [(t.name, t.datatype) for t in outputs] != [(t.name, t.datatype) for t in mv.outputs]:
+        return "its outputs differ from the serving engine's (names or datatypes)"
+    return None
 
 
 def attach(mv: ModelVersion, loader: ModelLoader) -> Choice | None:

@@ -167,6 +167,9 @@ def choice_line(mv: ModelVersion) -> str | None:
     """One line on how the engine was chosen and on what evidence, for ``edged status`` and ``models list``."""
     state = mv.choice.status()["state"] if mv.choice is not None else None
     b = mv.benchmark
+    if state == "single":
+        others = "; ".join(f"{k}: {r[:80]}" for k, r in mv.skipped)
+        return f"the only candidate that loads here ({others})" if others else "the only candidate that loads here"
     if b is None:
         return f"engine choice {state}: serving the profile's first candidate until measured" if state else None
     rates = ", ".join(f"{t.backend}{'*' if t.candidate == b.chosen else ''} {t.throughput_per_s:.0f}/s"

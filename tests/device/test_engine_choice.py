@@ -245,3 +245,22 @@ def test_traffic_mix_counts_shapes_and_batches_and_keeps_one_real_sample() -> No
     mix.record({"x": np.ones((1, 6), np.float32)})
     (window,) = TrafficMix.since(mix.snapshot(), before)
     assert window.runs == 1 and window.batch == 1
+
+
+def test_the_mix_moves_only_when_the_samples_do() -> None:
+    from edged.core.chooser import distance, traffic_points
+    from edged.core.traffic import Seen
+
+    measured = {"x[16]@1": 0.5, "x[16]@4": 0.5}
+    assert distance({"x[16]@1": 10.0, "x[16]@3": 10.0}, measured) < 0.01, "batches of 3 and 4 are alike"
+    assert distance({"x[2048]@1": 1.0}, measured) == 1.0
+    assert abs(distance({"x[2048]@1": 1.0, "x[16]@1": 1.0}, measured) - 0.5) < 1e-9
+    big = {"x": np.ones((1, 2048), np.float32)}
+    small = {"x": np.ones((1, 16), np.float32)}
+    window = [Seen((("x", (2048,)),), 1, 30, big), Seen((("x", (2048,)),), 4, 5, big),
+              Seen((("x", (16,)),), 1, 10, small)]
+    points = {p.label: p for p in traffic_points(window, batched=True)}
+    # Shares of samples: 30 + 20 of 2048-long rows (batches of 4 stand for themselves), 10 of 16.
+    assert set(points) == {"x[2048]@1", "x[2048]@4", "x[16]@1"}
+    assert abs(points["x[2048]@1"].weight - 30 / 60) < 1e-9 and abs(points["x[16]@1"].weight - 10 / 60) < 1e-9
+    assert points["x[2048]@4"].sample["x"].shape == (1, 2048)
