@@ -65,6 +65,10 @@ class BenchmarkSettings:
     margin: float = 0.03  # scores this close count as equal: the profile's order decides
     settle_s: float = 0.05  # idle pause before timing a different engine than the last slice, see measure
     duty: float = 1.0  # share of wall time spent timing; below 1 the rest is idle (background choice)
+    # Stop after this many rounds when one candidate was the fastest by ``clear`` in every round so far:
+    # time goes to close calls, where it decides something (0: always run every round).
+    decided_after: int = 0
+    clear: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -279,6 +283,8 @@ def measure_points(engines: Sequence[tuple[Candidate, Engine]], points: Sequence
         live = [(c, e) for c, e in live if c.label not in failed]
         if time.monotonic() - started > settings.total_s / duty:
             break  # the cap holds even for slow engines; every candidate got at least one round
+        if settings.decided_after and r + 1 >= settings.decided_after and _decided(calls, points, live, settings.clear):
+            break
     by_label = {p.label: p for p in points}
     weights = {p.label: p.weight for p in points}
     timings = []
@@ -299,6 +305,25 @@ def measure_points(engines: Sequence[tuple[Candidate, Engine]], points: Sequence
             iterations=sum(len(d) for r in per_point.values() for d in r),
             seed_throughput_per_s=seed_throughput(cand.variant), points=rates))
     return timings, sorted(failed.items())
+
+
+def _decided(calls: Mapping[str, Mapping[str, Sequence[Sequence[float]]]], points: Sequence[WorkPoint],
+             live: Sequence[tuple[Candidate, Engine]], clear: float) -> bool:
+    """Whether one candidate led every round so far by more than ``clear`` (its mix score per round)."""
+    if len(live) < 2:
+        return True
+    weights = {p.label: p.weight for p in points}
+    batch = {p.label: p.batch for p in points}
+    rounds = min(len(r) for c, _ in live for r in calls[c.label].values())
+    leader = None
+    for i in range(rounds):
+        scores = sorted(((mix_score({k: batch[k] / statistics.median(r[i]) for k, r in calls[c.label].items()},
+                                    weights), c.label) for c, _ in live), reverse=True)
+        (top, who), (second, _) = scores[0], scores[1]
+        if top < (1.0 + clear) * second or (leader is not None and who != leader):
+            return False
+        leader = who
+    return leader is not None
 
 
 def fastest(timings: Sequence[CandidateTiming]) -> CandidateTiming:

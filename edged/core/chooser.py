@@ -58,7 +58,10 @@ CHANGE = 0.5  # share of the served samples outside what the choice was measured
 COOLDOWN_S = 5.0  # between two measurements of one version
 REBASE_RUNS = 2000  # a quiet window this long starts afresh, so a later change shows quickly
 MAX_POINTS = 4
-BACKGROUND = BenchmarkSettings(time_per_candidate_s=0.8, total_s=3.0, rounds=8, margin=0.05, duty=0.5)
+# After READY there is time to measure well: longer than at load, at half duty, stopping early when
+# one engine leads every round by far (a close call gets every round).
+BACKGROUND = BenchmarkSettings(time_per_candidate_s=1.5, total_s=8.0, rounds=10, margin=0.05, duty=0.5,
+                               decided_after=3, clear=0.25)
 
 
 def _class(label: str) -> str:
