@@ -268,3 +268,49 @@ def test_the_mix_moves_only_when_the_samples_do() -> None:
     assert set(points) == {"x[2048]@1", "x[2048]@4", "x[16]@1"}
     assert abs(points["x[2048]@1"].weight - 30 / 60) < 1e-9 and abs(points["x[16]@1"].weight - 10 / 60) < 1e-9
     assert points["x[2048]@4"].sample["x"].shape == (1, 2048)
+
+
+def test_edged_status_shows_how_each_engine_was_chosen() -> None:
+    from edged.status import render
+    from edged.telemetry.snapshot import ModelStatus, StatusSnapshot
+
+    how = "chosen by measurement (measured, traffic: x[2048]@1 100%): openvino* 812/s, onnxruntime 40/s"
+    snap = StatusSnapshot(state="running", pid=1, device="d", started_at=0.0, written_at=1.0, interval_s=5.0,
+                          models=[ModelStatus(model="doubler", version=1, state="ready", backend="openvino",
+                                              device="CPU", precision="fp32", choice=how)])
+    assert f"doubler v1: {how}" in render(snap, {}, 2.0)
+
+
+def test_a_gpu_profile_without_its_gpu_engines_measures_the_cpu_engines(model_repo: Any, tmp_path: Path) -> None:
+    """nvidia-dgpu on a host where TensorRT and onnxruntime-gpu are missing: the CPU engines the profile
+    ends in are measured against each other and the faster serves (issue 37, item 6)."""
+    from edged.backends.benchmark import BenchmarkSettings
+    from edged.config import ModelsSection
+    from edged.core.manager import ModelManager
+    from edged.hardware import probe
+    from edged.profiles import load_profiles, match_profile
+
+    facts = probe(REPO_ROOT / "tests" / "fixtures" / "sysroots" / "x86-64-nvidia-dgpu", engines=False)
+    profile = match_profile(facts, load_profiles()).profile
+    assert profile.name == "nvidia-dgpu" and profile.select == "first"
+    mgr = ModelManager(model_repo("mobilenet"), ModelsSection(), profile.backends, cache_dir=tmp_path / "c",
+                       select=profile.select, defer_choice=True)
+    mgr.chooser.settings = BenchmarkSettings(time_per_candidate_s=0.3, total_s=1.5, rounds=4, margin=0.05, duty=0.5)
+    try:
+        mgr.load_all()
+        mv = mgr.table.find("mobilenet")
+        assert mv is not None and mv.candidate is not None
+        if mv.candidate.device != "CPU":
+            pytest.skip(f"a GPU engine works here ({mv.candidate.label})")
+        skipped = dict(mv.skipped)
+        assert any(k.startswith("tensorrt/GPU") for k in skipped) and any(k.startswith("onnxruntime/GPU")
+                                                                           for k in skipped)
+        assert mv.choice is not None and mv.choice.status()["state"] == "pending"
+        assert {c.split("/")[0] for c in mv.choice.status()["candidates"]} == {"onnxruntime", "openvino"}
+        assert mgr.chooser.run_once(force=True) == 1
+        assert mv.benchmark is not None and {t.backend for t in mv.benchmark.timings} == {"onnxruntime", "openvino"}
+        best = max(mv.benchmark.timings, key=lambda t: t.throughput_per_s)
+        assert mv.candidate.label == mv.benchmark.chosen
+        assert mv.benchmark.timing(mv.benchmark.chosen).throughput_per_s >= 0.95 * best.throughput_per_s  # type: ignore[union-attr]
+    finally:
+        mgr.shutdown()
