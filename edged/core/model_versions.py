@@ -646,9 +646,23 @@ class ModelLoader:
         return group if len(group) > 1 else []
 
     def open_alternate(self, mv: ModelVersion, cand: Candidate) -> _Opened | str:
-        """Another candidate for a serving version, loaded and warmed up; or why it could not be."""
-        opened, build, why = self._attempt(mv, cand)
+        """Another candidate for a serving version, loaded and warmed up; or why it could not be.
+
+        What loading it finds out about the model (its auto-completed batch size, the warm-up note)
+        must not change the version serving: it is put back, and a candidate that would batch
+        differently is refused.
+        """
+        kept = (mv.auto_max_batch_size, mv.warmup_note, mv.warmup_skipped)
+        try:
+            opened, build, why = self._attempt(mv, cand)
+            batches = mv.auto_max_batch_size
+        finally:
+            mv.auto_max_batch_size, mv.warmup_note, mv.warmup_skipped = kept
         if opened is not None:
+            if batches != kept[0]:
+                opened.engine.unload()
+                return (f"it would batch up to {batches}, the serving engine up to {kept[0]} "
+                        "(the model file's dimensions read differently)")
             return opened
         if build is not None:
             return "its engine must be built first (the background build measures it when done)"
