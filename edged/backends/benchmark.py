@@ -69,6 +69,7 @@ class BenchmarkSettings:
     # time goes to close calls, where it decides something (0: always run every round).
     decided_after: int = 0
     clear: float = 0.25
+    min_rounds: int = 1  # rounds every candidate gets even past ``total_s`` (slow engines: one spike is one round)
 
 
 @dataclass(frozen=True)
@@ -281,8 +282,8 @@ def measure_points(engines: Sequence[tuple[Candidate, Engine]], points: Sequence
                 if duty < 1.0:
                     time.sleep((time.monotonic() - t0) * (1.0 - duty) / duty)
         live = [(c, e) for c, e in live if c.label not in failed]
-        if time.monotonic() - started > settings.total_s / duty:
-            break  # the cap holds even for slow engines; every candidate got at least one round
+        if time.monotonic() - started > settings.total_s / duty and r + 1 >= settings.min_rounds:
+            break  # the cap holds even for slow engines, once every candidate got min_rounds rounds
         if settings.decided_after and r + 1 >= settings.decided_after and _decided(calls, points, live, settings.clear):
             break
     by_label = {p.label: p for p in points}

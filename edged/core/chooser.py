@@ -61,7 +61,7 @@ MAX_POINTS = 4
 # After READY there is time to measure well: longer than at load, at half duty, stopping early when
 # one engine leads every round by far (a close call gets every round).
 BACKGROUND = BenchmarkSettings(time_per_candidate_s=1.5, total_s=8.0, rounds=10, margin=0.05, duty=0.5,
-                               decided_after=3, clear=0.25)
+                               decided_after=3, clear=0.25, min_rounds=5)
 
 
 def _class(label: str) -> str:
