@@ -158,3 +158,32 @@ def doubler_fixed(path: Path, width: int = 192, depth: int = 4) -> Path:
         [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
          numpy_helper.from_array(np.array(2.0, np.float32), "two_f")])
     return _save(graph, path)
+
+
+def doubler_batch_quadratic(path: Path) -> Path:
+    """``y = 2 * x`` for ``x [batch, n]`` through one (batch * n)-square matrix: cheap for one row, costly
+    for several (a batch of 4 costs 16 times a row's square). Exact, like :func:`doubler_quadratic`."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    f32 = TensorProto.FLOAT
+    nodes = [
+        helper.make_node("Shape", ["x"], ["xshape"]),
+        helper.make_node("Reshape", ["x", "flat"], ["row"]),
+        helper.make_node("Shape", ["row"], ["rshape"]),
+        helper.make_node("Slice", ["rshape", "one", "two"], ["m"]),
+        helper.make_node("Concat", ["m", "m"], ["mm"], axis=0),
+        helper.make_node("ConstantOfShape", ["mm"], ["zeros"], value=numpy_helper.from_array(np.zeros(1, np.float32))),
+        helper.make_node("EyeLike", ["zeros"], ["eye"]),
+        helper.make_node("Mul", ["eye", "two_f"], ["eye2"]),
+        helper.make_node("MatMul", ["row", "eye2"], ["yrow"]),
+        helper.make_node("Reshape", ["yrow", "xshape"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "doubler_batch_quadratic",
+        [helper.make_tensor_value_info("x", f32, ["batch", "n"])],
+        [helper.make_tensor_value_info("y", f32, ["batch", "n"])],
+        [numpy_helper.from_array(np.array([1, -1], np.int64), "flat"),
+         numpy_helper.from_array(np.array([1], np.int64), "one"),
+         numpy_helper.from_array(np.array([2], np.int64), "two"),
+         numpy_helper.from_array(np.array(2.0, np.float32), "two_f")])
+    return _save(graph, path)

@@ -147,6 +147,7 @@ class BenchmarkResult:
     basis: str = "declared"  # what the work points came from: declared shapes, made-up data, served traffic
     reason: str = ""  # why this measurement ran (first choice, traffic changed...)
     measured_at: float = 0.0  # wall clock (seconds since the epoch), for people reading it
+    chosen_batched: str | None = None  # the engine for runs of several samples, when not ``chosen``
 
     def timing(self, label: str) -> CandidateTiming | None:
         return next((t for t in self.timings if t.candidate == label), None)
@@ -157,7 +158,8 @@ class BenchmarkResult:
                 "timings": [t.as_dict() for t in self.timings],
                 "failures": [{"candidate": c, "reason": r} for c, r in self.failures],
                 "workload": {k: round(v, 4) for k, v in self.workload.items()}, "basis": self.basis,
-                "reason": self.reason, "measured_at": round(self.measured_at, 1)}
+                "reason": self.reason, "measured_at": round(self.measured_at, 1),
+                "chosen_batched": self.chosen_batched}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> BenchmarkResult:
@@ -168,7 +170,8 @@ class BenchmarkResult:
                    failures=[(str(f["candidate"]), str(f["reason"])) for f in d.get("failures", [])],
                    workload={str(k): float(v) for k, v in dict(d.get("workload", {})).items()},
                    basis=str(d.get("basis", "declared")), reason=str(d.get("reason", "")),
-                   measured_at=float(d.get("measured_at", 0.0)))
+                   measured_at=float(d.get("measured_at", 0.0)),
+                   chosen_batched=str(d["chosen_batched"]) if d.get("chosen_batched") else None)
 
 
 # ---- what to measure ------------------------------------------------------------------------

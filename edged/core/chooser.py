@@ -29,17 +29,20 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from edged.backends.base import Engine
 from edged.backends.benchmark import (
     BenchmarkResult,
     BenchmarkSettings,
+    CandidateTiming,
     WorkPoint,
     batch_sizes_for,
     choose,
     default_points,
     measure_points,
+    mix_score,
     shape_label,
 )
 from edged.backends.selection import Candidate
@@ -58,10 +61,11 @@ CHANGE = 0.5  # share of the served samples outside what the choice was measured
 COOLDOWN_S = 5.0  # between two measurements of one version
 REBASE_RUNS = 2000  # a quiet window this long starts afresh, so a later change shows quickly
 MAX_POINTS = 4
+SPLIT_SHARE = 0.1  # batch 1 and larger batches each carry this share of samples, or they share one engine
 # After READY there is time to measure well: longer than at load, at half duty, stopping early when
 # one engine leads every round by far (a close call gets every round).
 BACKGROUND = BenchmarkSettings(time_per_candidate_s=1.5, total_s=8.0, rounds=10, margin=0.05, duty=0.5,
-                               decided_after=3, clear=0.25, min_rounds=5)
+                               decided_after=3, clear=0.25, min_rounds=4)
 
 
 def _class(label: str) -> str:
@@ -126,9 +130,12 @@ class Choice:
     due_since: float | None = None
     traffic: TrafficMix | None = None
     unusable: dict[str, str] = field(default_factory=dict)  # candidates that did not load: label -> why
+    batched: Candidate | None = None  # the engine runs of several samples go to, when not the serving one
+    restore: Candidate | None = None  # a remembered split to set up again once READY
 
     def status(self) -> dict[str, Any]:
         return {"state": self.state, "candidates": [c.label for c in self.group],
+                "batched": self.batched.label if self.batched is not None else None,
                 "measurements": self.measurements, "switches": list(self.switches[-5:]),
                 "measured_on": {k: round(v, 4) for k, v in self.basis_mix.items()}}
 
@@ -178,6 +185,9 @@ class EngineChooser:
                     continue
                 if mv.upgrade is not None and mv.upgrade.state == "building":
                     continue  # a TensorRT build will be judged against the engine serving now
+                if choice.restore is not None:
+                    self._restore_split(mv, choice, choice.restore)
+                    continue
                 due = self._due(mv, choice, force=force)
                 if due is None:
                     choice.due_since = None
@@ -243,74 +253,88 @@ class EngineChooser:
 
     # ---- measuring and switching --------------------------------------------------------------
     def measure(self, mv: ModelVersion, choice: Choice, points: list[WorkPoint], *, basis: str, why: str) -> None:
-        """Load the other candidates, time them all on ``points``, switch to the winner, remember it."""
+        """Load the other candidates, time them all on ``points``, switch to the winners, remember them.
+
+        Batch-1 runs and runs of several samples may get different engines: where one engine wins on
+        the batch-1 points and another on the batched ones, each by more than the margin, and both carry
+        at least ``SPLIT_SHARE`` of the samples, larger batches go to the second (``SwappableEngine``).
+        """
         serving = mv.candidate
         if serving is None or not points:
             return
         choice.state = "measuring"
         t0 = time.monotonic()
-        alternates = []
+        # What serves now: batch-1 runs on ``serving``, larger ones on ``choice.batched`` when split.
+        held: dict[str, tuple[Candidate, Engine]] = {serving.label: (serving, choice.proxy.current)}
+        if choice.batched is not None and choice.proxy.batched is not None:
+            held[choice.batched.label] = (choice.batched, choice.proxy.batched)
+        opened: dict[str, Engine] = {}
         load_failures: list[tuple[str, str]] = []
         for cand in choice.group:
-            if cand.label == serving.label:
+            if cand.label in held:
                 continue
             if cand.label in choice.unusable:
                 load_failures.append((cand.label, choice.unusable[cand.label]))
                 continue
-            opened = self.loader.open_alternate(mv, cand)
-            if isinstance(opened, str):
-                choice.unusable[cand.label] = opened
-                load_failures.append((cand.label, opened))
-            else:
-                alternates.append(opened)
-        if not alternates:  # nothing to compare with: the engine serving stays
+            got = self.loader.open_alternate(mv, cand)
+            if isinstance(got, str):
+                choice.unusable[cand.label] = got
+                load_failures.append((cand.label, got))
+                continue
+            mismatch = _io_mismatch(mv, got.inputs, got.outputs)
+            if mismatch:
+                got.engine.unload()
+                choice.unusable[cand.label] = mismatch
+                load_failures.append((cand.label, f"not usable in place of the serving engine: {mismatch}"))
+                continue
+            opened[cand.label] = got.engine
+            held[cand.label] = (cand, got.engine)
+        if len(held) < 2:  # nothing to compare with: the engine serving stays
             choice.state = "single"
             choice.last_measured = time.monotonic()
             self.loader.explain(mv, choice.group, BenchmarkResult(
                 key=choice.key, chosen=serving.label, timings=[], batch_sizes=[], failures=load_failures))
             return
         order = {c.label: i for i, c in enumerate(choice.group)}
-        engines = sorted([(serving, choice.proxy.current), *((o.cand, o.engine) for o in alternates)],
-                         key=lambda ce: order.get(ce[0].label, 0))
+        engines = sorted(held.values(), key=lambda ce: order.get(ce[0].label, 0))
         batched = mv.max_batch_size > 0
         try:
             timings, failures = measure_points(engines, points, batched=batched, settings=self.settings)
         except BaseException:
-            for o in alternates:
-                o.engine.unload()
+            for engine in opened.values():
+                engine.unload()
             raise
-        winner_label = choose(timings, self.settings.margin, incumbent=serving.label).candidate if timings \
-            else serving.label
-        winner = next((o for o in alternates if o.cand.label == winner_label), None)
-        for o in alternates:
-            if o is not winner:
-                o.engine.unload()
-        if winner is not None:
-            mismatch = _io_mismatch(mv, winner.inputs, winner.outputs)
-            if mismatch:
-                winner.engine.unload()
-                failures.append((winner.cand.label, f"faster, but not switched to: {mismatch}"))
-                timings = [t for t in timings if t.candidate != winner.cand.label]
-                choice.unusable[winner.cand.label] = mismatch
-                winner = None
-                winner_label = serving.label
-            else:
-                old = choice.proxy.swap(winner.engine)
-                if old is None:  # unloaded meanwhile
-                    choice.state = "chosen"
-                    return
-                mv.candidate = winner.cand
-                if mv.stats is not None:
-                    mv.stats.backend = winner.cand.backend
-                old.unload()
-                choice.switches.append({"from": serving.label, "to": winner.cand.label, "why": why,
-                                        "at": round(time.time(), 1)})
-                log.info("model=%s version=%s switched engine %s -> %s (%s)", mv.name, mv.version, serving.label,
-                         winner.cand.label, why)
+        one, many = self._winners(timings, points, serving.label,
+                                  choice.batched.label if choice.batched is not None else serving.label)
+        if one is None:
+            one = serving.label
+        many_label = many if many is not None and many != one else None
+        new_current = held[one][1]
+        new_batched = held[many_label][1] if many_label is not None else None
+        for label, engine in opened.items():
+            if label not in (one, many_label):
+                engine.unload()
+        before = (serving.label, choice.batched.label if choice.batched is not None else None)
+        if (one, many_label) != before:
+            old = choice.proxy.install(new_current, new_batched)
+            if old is None:  # unloaded meanwhile
+                choice.state = "chosen"
+                return
+            for engine in old:
+                engine.unload()
+            mv.candidate = held[one][0]
+            choice.batched = held[many_label][0] if many_label is not None else None
+            if mv.stats is not None:
+                mv.stats.backend = mv.candidate.backend
+            to = one + (f" (batches of 2+: {many_label})" if many_label else "")
+            choice.switches.append({"from": before[0] + (f" (batches of 2+: {before[1]})" if before[1] else ""),
+                                    "to": to, "why": why, "at": round(time.time(), 1)})
+            log.info("model=%s version=%s switched engine to %s (%s)", mv.name, mv.version, to, why)
         result = BenchmarkResult(
-            key=choice.key, chosen=winner_label, timings=timings, batch_sizes=sorted({p.batch for p in points}),
+            key=choice.key, chosen=one, timings=timings, batch_sizes=sorted({p.batch for p in points}),
             seconds=time.monotonic() - t0, complete=True, failures=load_failures + failures,
-            workload={p.label: p.weight for p in points}, basis=basis, reason=why, measured_at=time.time())
+            workload={p.label: p.weight for p in points}, basis=basis, reason=why, measured_at=time.time(),
+            chosen_batched=many_label)
         mv.benchmark = result
         self.loader.explain(mv, choice.group, result)
         self.loader.remember(mv, result)
@@ -321,6 +345,44 @@ class EngineChooser:
         choice.state = "chosen"
         log.info("model=%s version=%s engine choice (%s): %s", mv.name, mv.version, why,
                  ", ".join(f"{t.candidate} {t.throughput_per_s:.0f}/s" for t in timings))
+
+    def _restore_split(self, mv: ModelVersion, choice: Choice, cand: Candidate) -> None:
+        """Load the remembered engine for runs of several samples and route them to it again."""
+        choice.restore = None
+        got = self.loader.open_alternate(mv, cand)
+        if isinstance(got, str) or _io_mismatch(mv, got.inputs, got.outputs):
+            if not isinstance(got, str):
+                got.engine.unload()
+            log.warning("model=%s version=%s: the remembered engine for batches, %s, is not usable; one "
+                        "engine serves every batch until measured again", mv.name, mv.version, cand.label)
+            return
+        old = choice.proxy.install(choice.proxy.current, got.engine)
+        if old is None:
+            return
+        for engine in old:
+            engine.unload()
+        choice.batched = cand
+        if mv.benchmark is not None:
+            self.loader.explain(mv, choice.group, mv.benchmark)
+        log.info("model=%s version=%s: batches of 2+ on %s again (remembered)", mv.name, mv.version, cand.label)
+
+    def _winners(self, timings: Sequence[CandidateTiming], points: Sequence[WorkPoint], one_now: str,
+                 many_now: str) -> tuple[str | None, str | None]:
+        """The engine for batch-1 runs and the one for larger runs (None: no such points / nothing timed)."""
+        if not timings:
+            return None, None
+        overall = choose(timings, self.settings.margin, incumbent=one_now).candidate
+        classes = {True: [p for p in points if p.batch == 1], False: [p for p in points if p.batch > 1]}
+        shares = {k: sum(p.weight for p in v) for k, v in classes.items()}
+        if min(shares.values()) < SPLIT_SHARE:
+            return overall, overall
+        picks = {}
+        for k, pts in classes.items():
+            w = {p.label: p.weight for p in pts}
+            scored = [replace(t, throughput_per_s=mix_score({p: t.points[p] for p in w if p in t.points}, w))
+                      for t in timings]
+            picks[k] = choose(scored, self.settings.margin, incumbent=one_now if k else many_now).candidate
+        return picks[True], picks[False]
 
 
 def _io_mismatch(mv: ModelVersion, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> str | None:
@@ -345,6 +407,8 @@ def attach(mv: ModelVersion, loader: ModelLoader) -> Choice | None:
     choice = Choice(group, loader.proxy(mv), mv.selection_key)
     if mv.benchmark is not None:  # measured while loading, or remembered: chosen until traffic says otherwise
         choice.state = "chosen"
+        if mv.benchmark.chosen_batched and mv.max_batch_size > 0:
+            choice.restore = next((c for c in group if c.label == mv.benchmark.chosen_batched), None)
         choice.basis_mix = dict(mv.benchmark.workload)
         choice.last_measured = time.monotonic()
     else:

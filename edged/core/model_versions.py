@@ -175,8 +175,9 @@ def choice_line(mv: ModelVersion) -> str | None:
     rates = ", ".join(f"{t.backend}{'*' if t.candidate == b.chosen else ''} {t.throughput_per_s:.0f}/s"
                       for t in sorted(b.timings, key=lambda t: -t.throughput_per_s))
     on = ", ".join(f"{k} {v:.0%}" for k, v in b.workload.items()) or "batch " + "/".join(map(str, b.batch_sizes))
-    return f"chosen by measurement ({b.source}, {b.basis}: {on}): {rates}" + (f"; now {state}" if state and
-                                                                              state != "chosen" else "")
+    split = f"; batches of 2+ on {b.chosen_batched}" if b.chosen_batched else ""
+    return f"chosen by measurement ({b.source}, {b.basis}: {on}): {rates}{split}" + (
+        f"; now {state}" if state and state != "chosen" else "")
 
 
 def _io_from_engine(tensors: Sequence[EngineTensor], max_batch_size: int) -> list[TensorSpec]:
@@ -523,7 +524,7 @@ class ModelLoader:
         best = result.timing(result.chosen)
         failed = dict(result.failures)
         for cand in cands:
-            if cand.label == result.chosen:
+            if cand.label in (result.chosen, result.chosen_batched):
                 continue
             t = result.timing(cand.label)
             if t is not None and best is not None:
@@ -675,7 +676,7 @@ class ModelLoader:
         failed = dict(result.failures)
         kept = [(k, r) for k, r in mv.skipped if k not in labels]
         for c in group:
-            if c.label == result.chosen:
+            if c.label in (result.chosen, result.chosen_batched):
                 continue
             t = result.timing(c.label)
             kept.append((c.label, _slower(t, best) if t is not None and best is not None

@@ -314,3 +314,56 @@ def test_a_gpu_profile_without_its_gpu_engines_measures_the_cpu_engines(model_re
         assert mv.benchmark.timing(mv.benchmark.chosen).throughput_per_s >= 0.95 * best.throughput_per_s  # type: ignore[union-attr]
     finally:
         mgr.shutdown()
+
+
+def test_batch_one_and_larger_batches_get_the_engine_that_wins_each(tmp_path: Path) -> None:
+    """One file is fastest for single rows, the other for batches of four: both serve, each its runs."""
+    from edged.backends.benchmark import BenchmarkSettings
+    from edged.config import ModelsSection
+    from edged.core.manager import ModelManager
+    from edged.core.service import InferenceService
+    from edged.core.types import InferRequest
+    from edged.profiles import BackendPreference
+
+    vdir = tmp_path / "models" / "doubler" / "1"
+    made_models.doubler_batch_quadratic(vdir / "rows.onnx")
+    made_models.doubler_fixed(vdir / "fixed.onnx")
+    variants = "".join(f'[[variants]]\nfile = "{f}"\nformat = "onnx"\nsha256 = "{_sha(vdir / f)}"\n'
+                       for f in ("fixed.onnx", "rows.onnx"))
+    (vdir / "model.toml").write_text(
+        'max_batch_size = 8\n[[inputs]]\nname = "x"\ndatatype = "FP32"\nshape = [-1]\n'
+        '[[outputs]]\nname = "y"\ndatatype = "FP32"\nshape = [-1]\n' + variants
+        + '[warmup.shapes.x]\nshape = [384]\n[batching]\npreferred_batch_sizes = [4]\n')
+    ort_cpu = BackendPreference(backend="onnxruntime", device="CPU", precisions=["fp32"])
+    mgr = ModelManager(tmp_path / "models", ModelsSection(), [ort_cpu], cache_dir=tmp_path / "c",
+                       select="benchmark", defer_choice=True)
+    mgr.chooser.settings = BenchmarkSettings(time_per_candidate_s=0.4, total_s=2.0, rounds=4, margin=0.05, duty=0.5)
+    try:
+        mgr.load_all()
+        mv = mgr.table.find("doubler")
+        assert mv is not None and mv.candidate is not None and mv.candidate.variant.file == "fixed.onnx"
+        assert mgr.chooser.run_once(force=True) == 1
+        assert mv.benchmark is not None, mv.status()
+        assert mv.candidate.variant.file == "rows.onnx", mv.status()["benchmark"]
+        assert mv.benchmark.chosen_batched is not None and "fixed.onnx" in mv.benchmark.chosen_batched
+        assert "batches of 2+ on onnxruntime/CPU/fp32 (fixed.onnx)" in mv.status()["chosen_how"]
+        assert not any("fixed.onnx" in k for k, _ in mv.skipped), "the batch engine is not 'skipped'"
+        svc = InferenceService(mgr)
+        rng = np.random.default_rng(3)
+        for b in (1, 4, 1, 3):
+            x = rng.random((b, 384), dtype=np.float32)
+            y = svc.infer(InferRequest("doubler", {"x": x}), timeout=30).outputs["y"]
+            assert np.array_equal(y, 2 * x)
+    finally:
+        mgr.shutdown()
+    # A restart remembers both: batch 1 on the rows file at once, batches on the fixed one once READY.
+    mgr = ModelManager(tmp_path / "models", ModelsSection(), [ort_cpu], cache_dir=tmp_path / "c",
+                       select="benchmark", defer_choice=True)
+    try:
+        mgr.load_all()
+        mv = mgr.table.find("doubler")
+        assert mv is not None and mv.candidate is not None and mv.candidate.variant.file == "rows.onnx"
+        assert mgr.chooser.run_once() == 0  # nothing measured: the split is only set up again
+        assert mv.status()["choice"]["batched"] == "onnxruntime/CPU/fp32 (fixed.onnx)"
+    finally:
+        mgr.shutdown()
