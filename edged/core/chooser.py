@@ -55,8 +55,10 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.5
 BURST_BUSY = 0.5  # engines busy more than this share of the last poll: a burst, measuring waits
-MAX_POSTPONE_S = 10.0  # ... but not longer than this: steady load is not a burst
-MIN_RUNS = 20  # runs of traffic before they may drive a choice
+MAX_POSTPONE_S = 5.0  # ... but not longer than this: steady load is not a burst
+MIN_RUNS = 20  # runs of traffic before they may drive a choice ...
+MIN_RUNS_SLOW = 3  # ... or this many, once the window is SLOW_WINDOW_S old (models that take long per run)
+SLOW_WINDOW_S = 5.0
 CHANGE = 0.5  # share of the served samples outside what the choice was measured on that re-measures
 COOLDOWN_S = 5.0  # between two measurements of one version
 REBASE_RUNS = 2000  # a quiet window this long starts afresh, so a later change shows quickly
@@ -124,6 +126,7 @@ class Choice:
     boot_points: list[WorkPoint] = field(default_factory=list)  # empty: the shapes are not known until served
     basis_window: list[Seen] = field(default_factory=list)  # traffic counted when the last choice was made
     basis_mix: dict[str, float] = field(default_factory=dict)
+    window_since: float = field(default_factory=time.monotonic)  # when basis_window was taken
     last_measured: float = 0.0  # monotonic
     measurements: int = 0
     switches: list[dict[str, Any]] = field(default_factory=list)
@@ -225,6 +228,8 @@ class EngineChooser:
         batched = mv.max_batch_size > 0
         window = TrafficMix.since(choice.traffic.snapshot(), choice.basis_window) if choice.traffic else []
         runs = sum(s.runs for s in window)
+        if runs >= MIN_RUNS_SLOW and time.monotonic() - choice.window_since >= SLOW_WINDOW_S:
+            runs = max(runs, MIN_RUNS)  # few runs, but of a slow model: enough to go on
         if choice.state == "pending":
             if choice.boot_points:
                 return choice.boot_points, "declared", "first choice, on the shapes the model declares"
@@ -243,7 +248,7 @@ class EngineChooser:
         moved = distance(window_mix(window, batched), choice.basis_mix)
         if moved <= CHANGE:
             if runs >= REBASE_RUNS and choice.traffic is not None:
-                choice.basis_window = choice.traffic.snapshot()
+                choice.basis_window, choice.window_since = choice.traffic.snapshot(), time.monotonic()
             return None
         points = traffic_points(window, batched)
         if not points:
@@ -339,6 +344,7 @@ class EngineChooser:
         self.loader.explain(mv, choice.group, result)
         self.loader.remember(mv, result)
         choice.basis_window = choice.traffic.snapshot() if choice.traffic is not None else []
+        choice.window_since = time.monotonic()
         choice.basis_mix = dict(result.workload)
         choice.last_measured = time.monotonic()
         choice.measurements += 1
