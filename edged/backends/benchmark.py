@@ -33,7 +33,7 @@ import logging
 import re
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -247,12 +247,13 @@ def measure(engines: Sequence[tuple[Candidate, Engine]], sample: Mapping[str, np
 
 
 def measure_points(engines: Sequence[tuple[Candidate, Engine]], points: Sequence[WorkPoint], *, batched: bool,
-                   settings: BenchmarkSettings | None = None,
+                   settings: BenchmarkSettings | None = None, stop: Callable[[], bool] | None = None,
                    ) -> tuple[list[CandidateTiming], list[tuple[str, str]]]:
     """Time every engine at every work point in interleaved rounds; returns (timings, [(candidate, why it failed)]).
 
     With ``settings.duty`` below 1 each slice is followed by an idle pause, so that a measurement
-    made while the daemon serves takes at most that share of the time it runs for.
+    made while the daemon serves takes at most that share of the time it runs for. ``stop`` (checked
+    between rounds) ends it early, with what was timed so far (the daemon stopping).
     """
     settings = settings or BenchmarkSettings()
     inputs = {p.label: inputs_for_batch(p.sample, p.batch, batched) for p in points}
@@ -285,6 +286,8 @@ def measure_points(engines: Sequence[tuple[Candidate, Engine]], points: Sequence
                 if duty < 1.0:
                     time.sleep((time.monotonic() - t0) * (1.0 - duty) / duty)
         live = [(c, e) for c, e in live if c.label not in failed]
+        if stop is not None and stop():
+            break
         if time.monotonic() - started > settings.total_s / duty and r + 1 >= settings.min_rounds:
             break  # the cap holds even for slow engines, once every candidate got min_rounds rounds
         if settings.decided_after and r + 1 >= settings.decided_after and _decided(calls, points, live, settings.clear):

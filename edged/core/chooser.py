@@ -304,11 +304,17 @@ class EngineChooser:
         engines = sorted(held.values(), key=lambda ce: order.get(ce[0].label, 0))
         batched = mv.max_batch_size > 0
         try:
-            timings, failures = measure_points(engines, points, batched=batched, settings=self.settings)
+            timings, failures = measure_points(engines, points, batched=batched, settings=self.settings,
+                                               stop=self._stop.is_set)
         except BaseException:
             for engine in opened.values():
                 engine.unload()
             raise
+        if self._stop.is_set():  # the daemon is stopping: change nothing
+            for engine in opened.values():
+                engine.unload()
+            choice.state = "chosen" if choice.measurements else "pending"
+            return
         one, many = self._winners(timings, points, serving.label,
                                   choice.batched.label if choice.batched is not None else serving.label)
         if one is None:
