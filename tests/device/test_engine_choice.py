@@ -309,9 +309,12 @@ def test_a_gpu_profile_without_its_gpu_engines_measures_the_cpu_engines(model_re
         assert {c.split("/")[0] for c in mv.choice.status()["candidates"]} == {"onnxruntime", "openvino"}
         assert mgr.chooser.run_once(force=True) == 1
         assert mv.benchmark is not None and {t.backend for t in mv.benchmark.timings} == {"onnxruntime", "openvino"}
-        best = max(mv.benchmark.timings, key=lambda t: t.throughput_per_s)
         assert mv.candidate.label == mv.benchmark.chosen
-        assert mv.benchmark.timing(mv.benchmark.chosen).throughput_per_s >= 0.95 * best.throughput_per_s  # type: ignore[union-attr]
+        # Batch-1 runs are served by the engine fastest at batch 1 (within the 5% band); batches of 16 by
+        # the fastest there, which may be the other one (then both serve).
+        for size, label in ((1, mv.benchmark.chosen), (16, mv.benchmark.chosen_batched or mv.benchmark.chosen)):
+            best = max(t.batches[size] for t in mv.benchmark.timings)
+            assert mv.benchmark.timing(label).batches[size] >= 0.95 * best, mv.status()["benchmark"]  # type: ignore[union-attr]
     finally:
         mgr.shutdown()
 
