@@ -119,6 +119,7 @@ def main() -> None:
     ap.add_argument("--converge", nargs="*", default=["ocr_det", "ocr_rec", "nudenet", "vad", "ddddocr"],
                     help="models whose traffic then moves to another shape (real_corpus.Model.other)")
     ap.add_argument("--skip-boot", action="store_true", help="only the convergence runs")
+    ap.add_argument("--pause", type=float, default=0.2, help="each client's pause between requests (s)")
     args = ap.parse_args()
     if not args.skip_boot:
         boots(args)
@@ -194,7 +195,7 @@ def boots(args: argparse.Namespace) -> None:
         url = f"http://127.0.0.1:{port}"
         proc, first = boot(repo, state, port, log)
         print(f"first boot (nothing remembered) to READY: {first:.2f} s   (goal <= 5 s)")
-        load = Load(url, models)
+        load = Load(url, models, pause_s=args.pause)
         t0 = time.monotonic()
         try:
             while True:
