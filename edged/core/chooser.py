@@ -204,6 +204,7 @@ class EngineChooser:
                 self.measure(mv, choice, points, basis=basis, why=why)
                 choice.due_since = None
                 done += 1
+                busy = self._busy()  # the traffic while it measured decides whether the next may go
                 if self._stop.is_set():
                     break
         return done
