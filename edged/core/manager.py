@@ -171,6 +171,7 @@ class ModelManager:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="edged-load") as pool:
             futures = [(i, need, pool.submit(self.loader.load, entry)) for i, entry, need in admitted]
             loaded = [(i, need, f.result()) for i, need, f in futures]
+        self.loader.restore_locale()  # the last load may have interleaved with another's
         grown = (psutil.Process(os.getpid()).memory_info().rss - rss0) / 1e6
         total = sum(need for _, need, mv in loaded if mv.state is ModelState.READY) or 1.0
         for i, need, mv in loaded:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import locale
 import logging
 import threading
 import time
@@ -374,6 +375,10 @@ class ModelLoader:
         # Serve first, choose after: load the remembered choice or the first candidate and leave the
         # measuring to edged.core.chooser once the daemon is READY (False: measure while loading).
         self.defer_choice = defer_choice
+        # Engine libraries set the C locale around parsing and put the old one back; two loads at once
+        # (boot loads versions together, the chooser loads beside a reload) can interleave that and
+        # leave the process in "C", where Python reads text as ASCII. Each load puts it back.
+        self._locale = locale.setlocale(locale.LC_ALL)
 
     def load(self, entry: VersionEntry) -> ModelVersion:
         mv = ModelVersion(entry.model, entry.version, entry)
@@ -560,8 +565,17 @@ class ModelLoader:
             return None, None, f"unexpected {type(e).__name__}: {e}"
 
     def _open(self, mv: ModelVersion, cand: Candidate) -> _Opened:
-        engine = get_backend(cand.backend).load(self._request(mv, cand))
+        try:
+            engine = get_backend(cand.backend).load(self._request(mv, cand))
+        finally:
+            self.restore_locale()
         return self._check(mv, cand, engine)
+
+    def restore_locale(self) -> None:
+        """Put back the locale the process started with if an engine library left another one."""
+        if locale.setlocale(locale.LC_ALL) != self._locale:
+            log.debug("an engine library changed the process locale; restoring %s", self._locale)
+            locale.setlocale(locale.LC_ALL, self._locale)
 
     def _check(self, mv: ModelVersion, cand: Candidate, engine: Engine) -> _Opened:
         """I/O against the manifest, then warm-up and golden check; releases the engine on failure."""

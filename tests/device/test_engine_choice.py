@@ -370,3 +370,4 @@ def test_batch_one_and_larger_batches_get_the_engine_that_wins_each(tmp_path: Pa
         assert mv.status()["choice"]["batched"] == "onnxruntime/CPU/fp32 (fixed.onnx)"
     finally:
         mgr.shutdown()
+
