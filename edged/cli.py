@@ -206,7 +206,8 @@ def _running_daemon_models(cfg: Any) -> tuple[list[dict[str, Any]], str] | None:
     models: list[dict[str, Any]] = [{"name": m.model, "version": m.version, "state": m.state, "reason": m.reason,
                "backend": m.backend or None, "device": m.device or None, "precision": m.precision or None,
                "variant": None, "skipped": [], **({"warmup": m.warmup} if m.warmup else {}),
-               **({"note": m.note} if m.note else {})} for m in snap.models]
+               **({"note": m.note} if m.note else {}),
+               **({"chosen_how": m.choice} if m.choice else {})} for m in snap.models]
     return models, f"the running daemon (pid {snap.pid})"
 
 
@@ -259,6 +260,8 @@ def cmd_models_list(args: argparse.Namespace) -> int:
             print(f"  {s['name']} v{s['version']}: {s['warmup']}")
         if s.get("note"):
             print(f"  {s['name']} v{s['version']}: {s['note']}")
+        if s.get("chosen_how"):
+            print(f"  {s['name']} v{s['version']}: {s['chosen_how']}")
     return 0
 
 

@@ -76,8 +76,12 @@ def choose_profile(cfg: Config, facts: HardwareFacts) -> ProfileMatch:
     return match_profile(facts, profiles)
 
 
-def build_runtime(cfg: Config, *, load: bool = True, only: str | None = None) -> Runtime:
-    """Probe, pick the profile, and (unless ``load`` is False) load the repository or one model."""
+def build_runtime(cfg: Config, *, load: bool = True, only: str | None = None, defer_choice: bool = False) -> Runtime:
+    """Probe, pick the profile, and (unless ``load`` is False) load the repository or one model.
+
+    ``defer_choice``: serve on the remembered or first engine and measure after READY (the daemon);
+    otherwise engines are measured while loading (``edged models list`` without a daemon, tools).
+    """
     facts = probe(Path("/"), engines=False)
     match = choose_profile(cfg, facts)
     profile = match.profile
@@ -90,7 +94,7 @@ def build_runtime(cfg: Config, *, load: bool = True, only: str | None = None) ->
     repo = serving_repository(cfg.device.model_repository, cfg.device.model_seed)
     manager = ModelManager(repo, cfg.models, profile.backends, cache_dir=cache_dir,
                            threads=profile.threads, memory_budget_mb=profile.effective_memory_budget_mb(facts),
-                           select=profile.select, facts=facts)
+                           select=profile.select, facts=facts, defer_choice=defer_choice)
     if load:
         if only is not None:
             manager.load_model(only)
@@ -245,7 +249,7 @@ class Daemon:
             # crashes while loading would otherwise be loaded again on every start.
             from edged.sync.boot import prepare_boot
             await asyncio.to_thread(prepare_boot, self.cfg, self.sync_settings)
-        self.runtime = rt = await asyncio.to_thread(build_runtime, self.cfg)
+        self.runtime = rt = await asyncio.to_thread(build_runtime, self.cfg, defer_choice=True)
         if self._stop.is_set():
             return False
         ready = _ready(rt.manager.table.all())
@@ -268,6 +272,8 @@ class Daemon:
                  "profile %s", time.monotonic() - t0, len(_ready(all_mvs)), len(all_mvs) - len(_ready(all_mvs)),
                  len(failed), rt.profile.name)
         n.ready(self.status_text())
+        # Serve first, choose after: engines are measured (and re-measured as traffic changes) from now on.
+        rt.manager.chooser.start()
         return True
 
     def _telemetry_agent(self, rt: Runtime, metrics: MetricsRenderer) -> Service:

@@ -35,15 +35,19 @@ def render_detect(facts: HardwareFacts, match: ProfileMatch, *, as_json: bool) -
             "backends": [b.model_dump(mode="json") for b in profile.backends],
             "jetpack": match.release.as_dict() if match.release else None,
             "unavailable": [{**b.model_dump(mode="json"), "reason": why} for b, why in match.unavailable],
+            "added": [b.model_dump(mode="json") for b in match.added],
         }, indent=2)
     lines = [f"profile: {profile.name}" + (f"  ({profile.source})" if profile.source else "")]
     if profile.description:
         lines.append(f"  {profile.description}")
     lines.append("matched because:")
     lines += [f"  - {r}" for r in match.reasons]
-    how = "first that loads" if profile.select == "first" else "benchmarked, fastest kept"
+    how = ("first that loads; CPU engines measured, fastest kept" if profile.select == "first"
+           else "benchmarked, fastest kept")
     lines.append(f"backends ({how}):")
-    lines += [f"  {i}. {_backend_line(b)}" for i, b in enumerate(profile.backends, 1)]
+    lines += [f"  {i}. {_backend_line(b)}" + ("  (added: the host's CPU engines come last in every profile)"
+                                              if b in match.added else "")
+              for i, b in enumerate(profile.backends, 1)]
     lines += [f"  -  {_backend_line(b)}: unavailable: {why}" for b, why in match.unavailable]
     if match.release is not None:
         row = match.release

@@ -57,6 +57,8 @@ __all__ = [
     "MatchSpec",
     "ProfileMatch",
     "bundled_profiles_dir",
+    "cpu_tail",
+    "host_cpu_engines",
     "load_profiles",
     "match_profile",
     "resolve_profile",
@@ -369,6 +371,35 @@ class ProfileMatch:
     # The JetPack matrix row applied (None off Jetson) and the engine lines it took out, with why.
     release: ReleaseRow | None = None
     unavailable: list[tuple[BackendPreference, str]] = field(default_factory=list)
+    # CPU engine lines appended because the profile did not end in the host's CPU engines (cpu_tail).
+    added: list[BackendPreference] = field(default_factory=list)
+
+
+def host_cpu_engines(facts: HardwareFacts) -> list[BackendPreference]:
+    """The CPU engines this host's architecture offers, in the order that usually wins here.
+
+    On x86-64 OpenVINO's CPU plugin and ONNX Runtime trade places model by model (OpenVINO tends to
+    lead on Intel cores, ONNX Runtime elsewhere); both are offered and the loader measures them
+    (edged.core.chooser). Elsewhere ONNX Runtime is the CPU engine edged ships for.
+    """
+    ort = BackendPreference(backend="onnxruntime", device="CPU", precisions=["fp32", "int8"])
+    if facts.cpu.arch in ("x86_64", "amd64"):
+        ov = BackendPreference(backend="openvino", device="CPU", precisions=["fp32", "int8"])
+        return [ov, ort] if facts.cpu.vendor == "GenuineIntel" else [ort, ov]
+    return [ort]
+
+
+def cpu_tail(profile: DeviceProfile, facts: HardwareFacts) -> tuple[DeviceProfile, list[BackendPreference]]:
+    """The profile with the host's CPU engines it lacks appended (and which ones were added).
+
+    A GPU profile on a host whose GPU engines are missing (no TensorRT, no onnxruntime-gpu) must
+    still get the fastest CPU path, not whichever single CPU line its author thought of.
+    """
+    have = {(b.backend, b.device) for b in profile.backends}
+    added = [b for b in host_cpu_engines(facts) if (b.backend, b.device) not in have]
+    if not added:
+        return profile, []
+    return profile.model_copy(update={"backends": [*profile.backends, *added]}), added
 
 
 def resolve_profile(profile: DeviceProfile, facts: HardwareFacts, reasons: list[str],
@@ -379,9 +410,10 @@ def resolve_profile(profile: DeviceProfile, facts: HardwareFacts, reasons: list[
     release cannot load never comes first, and ``edged detect`` says why it is gone. Should every
     line be unavailable the profile is kept as written, so loading fails with each engine's own error.
     """
+    profile, added = cpu_tail(profile, facts)
     row = row_for(facts)
     if row is None:
-        return ProfileMatch(profile=profile, reasons=reasons, rejected=rejected or [])
+        return ProfileMatch(profile=profile, reasons=reasons, rejected=rejected or [], added=added)
     kept: list[BackendPreference] = []
     gone: list[tuple[BackendPreference, str]] = []
     for b in profile.backends:
@@ -394,7 +426,8 @@ def resolve_profile(profile: DeviceProfile, facts: HardwareFacts, reasons: list[
             kept.append(b)
     if kept:
         profile = profile.model_copy(update={"backends": kept})
-    return ProfileMatch(profile=profile, reasons=reasons, rejected=rejected or [], release=row, unavailable=gone)
+    return ProfileMatch(profile=profile, reasons=reasons, rejected=rejected or [], release=row, unavailable=gone,
+                        added=added)
 
 
 def bundled_profiles_dir() -> Path:

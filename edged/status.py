@@ -186,6 +186,7 @@ def render(snap: StatusSnapshot, updates: dict[str, str], now: float) -> str:
     else:
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines += [f"  {m.model} v{m.version}: {m.choice}" for m in snap.models if m.choice]
     tel = snap.telemetry
     if tel is not None:
         lines.append("")

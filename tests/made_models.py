@@ -117,3 +117,88 @@ def misdeclared(path: Path) -> Path:
         [helper.make_tensor_value_info("x", f32, [1, "width"])], [helper.make_tensor_value_info("y", f32, [1, "n"])],
         [numpy_helper.from_array(np.array([-1, 2], np.int64), "to")])
     return _save(graph, path)
+
+
+# ---- two files for one function with opposite costs (engine re-selection) -------------------------
+def doubler_quadratic(path: Path) -> Path:
+    """``y = 2 * x`` for ``x [batch, n]`` as ``x @ (2 * I_n)``: the n x n matrix is built on every call,
+    so a run costs O(n^2): nothing for a short row, tens of milliseconds for n = 4096. Exact: every
+    product but one is an exact zero."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    f32 = TensorProto.FLOAT
+    nodes = [
+        helper.make_node("Shape", ["x"], ["xshape"]),
+        helper.make_node("Slice", ["xshape", "one", "two"], ["n"]),
+        helper.make_node("Concat", ["n", "n"], ["nn"], axis=0),
+        helper.make_node("ConstantOfShape", ["nn"], ["zeros"], value=numpy_helper.from_array(np.zeros(1, np.float32))),
+        helper.make_node("EyeLike", ["zeros"], ["eye"]),
+        helper.make_node("Mul", ["eye", "two_f"], ["eye2"]),
+        helper.make_node("MatMul", ["x", "eye2"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "doubler_quadratic",
+        [helper.make_tensor_value_info("x", f32, ["batch", "n"])],
+        [helper.make_tensor_value_info("y", f32, ["batch", "n"])],
+        [numpy_helper.from_array(np.array([1], np.int64), "one"),
+         numpy_helper.from_array(np.array([2], np.int64), "two"),
+         numpy_helper.from_array(np.array(2.0, np.float32), "two_f")])
+    return _save(graph, path)
+
+
+def doubler_fixed(path: Path, width: int = 192, depth: int = 4) -> Path:
+    """``y = 2 * x`` plus zero times a fixed-size computation that depends on the input (so no engine
+    folds it away): about a millisecond per run whatever n is. Exact: the added term is 0."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    f32 = TensorProto.FLOAT
+    w = (np.random.default_rng(7).random((width, width), dtype=np.float32) - 0.5) * (2.0 / width)
+    nodes = [
+        helper.make_node("ReduceMean", ["x"], ["level"], keepdims=0),  # a scalar that depends on x
+        helper.make_node("Mul", ["w", "level"], ["h0"]),
+    ]
+    for i in range(depth):
+        nodes.append(helper.make_node("MatMul", [f"h{i}", "w"], [f"m{i}"]))
+        nodes.append(helper.make_node("Tanh", [f"m{i}"], [f"h{i + 1}"]))
+    nodes += [
+        helper.make_node("ReduceSum", [f"h{depth}"], ["total"], keepdims=0),
+        helper.make_node("Mul", ["total", "zero"], ["nothing"]),
+        helper.make_node("Mul", ["x", "two_f"], ["x2"]),
+        helper.make_node("Add", ["x2", "nothing"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "doubler_fixed",
+        [helper.make_tensor_value_info("x", f32, ["batch", "n"])],
+        [helper.make_tensor_value_info("y", f32, ["batch", "n"])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+         numpy_helper.from_array(np.array(2.0, np.float32), "two_f")])
+    return _save(graph, path)
+
+
+def doubler_batch_quadratic(path: Path) -> Path:
+    """``y = 2 * x`` for ``x [batch, n]`` through one (batch * n)-square matrix: cheap for one row, costly
+    for several (a batch of 4 costs 16 times a row's square). Exact, like :func:`doubler_quadratic`."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    f32 = TensorProto.FLOAT
+    nodes = [
+        helper.make_node("Shape", ["x"], ["xshape"]),
+        helper.make_node("Reshape", ["x", "flat"], ["row"]),
+        helper.make_node("Shape", ["row"], ["rshape"]),
+        helper.make_node("Slice", ["rshape", "one", "two"], ["m"]),
+        helper.make_node("Concat", ["m", "m"], ["mm"], axis=0),
+        helper.make_node("ConstantOfShape", ["mm"], ["zeros"], value=numpy_helper.from_array(np.zeros(1, np.float32))),
+        helper.make_node("EyeLike", ["zeros"], ["eye"]),
+        helper.make_node("Mul", ["eye", "two_f"], ["eye2"]),
+        helper.make_node("MatMul", ["row", "eye2"], ["yrow"]),
+        helper.make_node("Reshape", ["yrow", "xshape"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "doubler_batch_quadratic",
+        [helper.make_tensor_value_info("x", f32, ["batch", "n"])],
+        [helper.make_tensor_value_info("y", f32, ["batch", "n"])],
+        [numpy_helper.from_array(np.array([1, -1], np.int64), "flat"),
+         numpy_helper.from_array(np.array([1], np.int64), "one"),
+         numpy_helper.from_array(np.array([2], np.int64), "two"),
+         numpy_helper.from_array(np.array(2.0, np.float32), "two_f")])
+    return _save(graph, path)

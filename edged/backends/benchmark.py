@@ -12,9 +12,14 @@ pooled calls was used before; measured on small classifiers it hid a 12% gap
 (two engines equal at the fast end, one with a long tail of slow calls that a
 caller does see), so the typical call is what is ranked now.
 
-The score is the geometric mean of samples per second at batch 1 (latency-bound
-callers) and at the model's preferred batch size (what the dynamic batcher builds
-under load). The result is remembered on disk, keyed by the variant digests, the
+What is timed is a list of work points (:class:`WorkPoint`): an input of the shapes
+the model sees at a batch size the scheduler forms, with the share of the traffic's
+samples it stands for. At load that is batch 1 and the model's preferred (else
+largest, at most 8) batch on the declared shapes, half the samples each; once the
+daemon has served traffic, the shapes and batch sizes it really served
+(:mod:`edged.core.chooser`). The score is samples per second over the whole mix:
+the inverse of the weighted time per sample, so a point that carries most of the
+traffic decides most of the score. The result is remembered on disk, keyed by the variant digests, the
 engine library versions, the candidate list and options, the thread setting and
 the device's facts: any change re-measures on the next load.
 """
@@ -25,11 +30,10 @@ import functools
 import hashlib
 import json
 import logging
-import math
 import re
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,13 +45,13 @@ from edged.backends.enginecache import variant_digest
 from edged.backends.selection import Candidate
 from edged.fsutil import atomic_write_text
 from edged.hardware.facts import HardwareFacts
-from edged.repository.manifest import ModelManifest, Variant
+from edged.repository.manifest import Batching, ModelManifest, Variant
 
 log = logging.getLogger(__name__)
 
 _KEY_CHARS = 16
 # How candidates are timed and ranked: a change re-measures choices remembered under the old method.
-_METHOD = 2  # 2: median of per-round medians, idle pause between engines (1: 10th percentile of pooled calls)
+_METHOD = 3  # 3: work points weighted by their share of samples (2: geometric mean over batch 1 and preferred)
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,43 @@ class BenchmarkSettings:
     min_iterations: int = 2
     margin: float = 0.03  # scores this close count as equal: the profile's order decides
     settle_s: float = 0.05  # idle pause before timing a different engine than the last slice, see measure
+    duty: float = 1.0  # share of wall time spent timing; below 1 the rest is idle (background choice)
+    # Stop after this many rounds when one candidate was the fastest by ``clear`` in every round so far:
+    # time goes to close calls, where it decides something (0: always run every round).
+    decided_after: int = 0
+    clear: float = 0.25
+    min_rounds: int = 1  # rounds every candidate gets even past ``total_s`` (slow engines: one spike is one round)
+
+
+@dataclass(frozen=True)
+class WorkPoint:
+    """One thing to time: an input (one sample, batch dimension 1 when batched) run at ``batch``,
+    standing for ``weight`` of the samples served (weights of one measurement sum to 1)."""
+
+    label: str
+    sample: Mapping[str, np.ndarray]
+    batch: int
+    weight: float
+
+
+def shape_label(sample: Mapping[str, np.ndarray], batch: int, batched: bool) -> str:
+    """``x[3,48,320]@4``: per-sample shapes (batch dimension left out when batched) at a batch size."""
+    skip = 1 if batched else 0
+    shapes = ",".join(f"{n}[{','.join(str(d) for d in a.shape[skip:])}]" for n, a in sorted(sample.items()))
+    return f"{shapes}@{batch}" if batched else shapes
+
+
+def default_points(sample: Mapping[str, np.ndarray], batch_sizes: Sequence[int], batched: bool) -> list[WorkPoint]:
+    """Each batch size on the one sample, the samples shared equally between them."""
+    sizes = list(batch_sizes) if batched else [1]
+    return [WorkPoint(shape_label(sample, b, batched), sample, b, 1.0 / len(sizes)) for b in sizes]
+
+
+def mix_score(rates: Mapping[str, float], weights: Mapping[str, float]) -> float:
+    """Samples per second over a mix: 1 / sum(weight / rate) (weights normalised)."""
+    total = sum(weights.get(k, 0.0) for k in rates) or 1.0
+    cost = sum(weights.get(k, 0.0) / total / max(v, 1e-12) for k, v in rates.items())
+    return 1.0 / cost if cost > 0 else 0.0
 
 
 @dataclass
@@ -74,18 +115,21 @@ class CandidateTiming:
     latency_ms: float  # typical time of one batch-1 call (or of one call for unbatched models)
     iterations: int
     seed_throughput_per_s: float | None = None  # what `edged optimize` recorded, if anything
+    points: dict[str, float] = field(default_factory=dict)  # work point label -> samples per second
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["batches"] = {str(b): round(v, 3) for b, v in self.batches.items()}
         d["throughput_per_s"] = round(self.throughput_per_s, 3)
         d["latency_ms"] = round(self.latency_ms, 4)
+        d["points"] = {k: round(v, 3) for k, v in self.points.items()}
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> CandidateTiming:
         data = dict(d)
         data["batches"] = {int(b): float(v) for b, v in dict(d["batches"]).items()}
+        data["points"] = {str(k): float(v) for k, v in dict(d.get("points", {})).items()}
         return cls(**data)
 
 
@@ -99,6 +143,11 @@ class BenchmarkResult:
     complete: bool = True  # False when a candidate could not be measured yet (engine still building)
     source: str = "measured"  # or "remembered"
     failures: list[tuple[str, str]] = field(default_factory=list)
+    workload: dict[str, float] = field(default_factory=dict)  # work point label -> share of samples
+    basis: str = "declared"  # what the work points came from: declared shapes, made-up data, served traffic
+    reason: str = ""  # why this measurement ran (first choice, traffic changed...)
+    measured_at: float = 0.0  # wall clock (seconds since the epoch), for people reading it
+    chosen_batched: str | None = None  # the engine for runs of several samples, when not ``chosen``
 
     def timing(self, label: str) -> CandidateTiming | None:
         return next((t for t in self.timings if t.candidate == label), None)
@@ -107,7 +156,10 @@ class BenchmarkResult:
         return {"key": self.key, "chosen": self.chosen, "batch_sizes": self.batch_sizes,
                 "seconds": round(self.seconds, 3), "complete": self.complete, "source": self.source,
                 "timings": [t.as_dict() for t in self.timings],
-                "failures": [{"candidate": c, "reason": r} for c, r in self.failures]}
+                "failures": [{"candidate": c, "reason": r} for c, r in self.failures],
+                "workload": {k: round(v, 4) for k, v in self.workload.items()}, "basis": self.basis,
+                "reason": self.reason, "measured_at": round(self.measured_at, 1),
+                "chosen_batched": self.chosen_batched}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> BenchmarkResult:
@@ -115,16 +167,27 @@ class BenchmarkResult:
                    timings=[CandidateTiming.from_dict(t) for t in d["timings"]],
                    batch_sizes=[int(b) for b in d["batch_sizes"]], seconds=float(d.get("seconds", 0.0)),
                    complete=bool(d.get("complete", True)), source=str(d.get("source", "measured")),
-                   failures=[(str(f["candidate"]), str(f["reason"])) for f in d.get("failures", [])])
+                   failures=[(str(f["candidate"]), str(f["reason"])) for f in d.get("failures", [])],
+                   workload={str(k): float(v) for k, v in dict(d.get("workload", {})).items()},
+                   basis=str(d.get("basis", "declared")), reason=str(d.get("reason", "")),
+                   measured_at=float(d.get("measured_at", 0.0)),
+                   chosen_batched=str(d["chosen_batched"]) if d.get("chosen_batched") else None)
 
 
 # ---- what to measure ------------------------------------------------------------------------
-def batch_sizes_for(manifest: ModelManifest) -> list[int]:
-    """Batch 1, plus the largest preferred batch the dynamic batcher aims for (when it batches at all)."""
-    if manifest.max_batch_size <= 0 or manifest.batching is None:
+def batch_sizes_for(manifest: ModelManifest, max_batch_size: int | None = None,
+                    batching: Batching | None = None) -> list[int]:
+    """Batch 1, plus the largest preferred batch the dynamic batcher aims for (when it batches at all).
+
+    ``max_batch_size``/``batching``: the version's own, when auto-completed from the model file
+    (a manifest that states neither still batches, up to Triton's default of 4).
+    """
+    mbs = manifest.max_batch_size if max_batch_size is None else max_batch_size
+    batching = manifest.batching if batching is None else batching
+    if mbs <= 0 or batching is None:
         return [1]
-    preferred = manifest.batching.preferred_batch_sizes
-    big = max(preferred) if preferred else min(8, manifest.max_batch_size)
+    preferred = [b for b in batching.preferred_batch_sizes if b <= mbs]
+    big = max(preferred) if preferred else min(8, mbs)
     return [1] if big <= 1 else [1, big]
 
 
@@ -179,16 +242,29 @@ def typical_call_s(rounds: Sequence[Sequence[float]]) -> float:
 def measure(engines: Sequence[tuple[Candidate, Engine]], sample: Mapping[str, np.ndarray], batch_sizes: Sequence[int],
             *, batched: bool, settings: BenchmarkSettings | None = None,
             ) -> tuple[list[CandidateTiming], list[tuple[str, str]]]:
-    """Time every engine in interleaved rounds; returns (timings, [(candidate, why it failed)])."""
+    """Time every engine on ``sample`` at each batch size (equal shares); see :func:`measure_points`."""
+    return measure_points(engines, default_points(sample, batch_sizes, batched), batched=batched, settings=settings)
+
+
+def measure_points(engines: Sequence[tuple[Candidate, Engine]], points: Sequence[WorkPoint], *, batched: bool,
+                   settings: BenchmarkSettings | None = None, stop: Callable[[], bool] | None = None,
+                   ) -> tuple[list[CandidateTiming], list[tuple[str, str]]]:
+    """Time every engine at every work point in interleaved rounds; returns (timings, [(candidate, why it failed)]).
+
+    With ``settings.duty`` below 1 each slice is followed by an idle pause, so that a measurement
+    made while the daemon serves takes at most that share of the time it runs for. ``stop`` (checked
+    between rounds) ends it early, with what was timed so far (the daemon stopping).
+    """
     settings = settings or BenchmarkSettings()
-    inputs = {b: inputs_for_batch(sample, b, batched) for b in batch_sizes}
+    inputs = {p.label: inputs_for_batch(p.sample, p.batch, batched) for p in points}
     per_candidate = min(settings.time_per_candidate_s, settings.total_s / max(1, len(engines)))
-    slice_s = per_candidate / (max(1, settings.rounds) * len(batch_sizes))
-    calls: dict[str, dict[int, list[list[float]]]] = {c.label: {b: [] for b in batch_sizes} for c, _ in engines}
+    slice_s = per_candidate / (max(1, settings.rounds) * len(points))
+    calls: dict[str, dict[str, list[list[float]]]] = {c.label: {p.label: [] for p in points} for c, _ in engines}
     failed: dict[str, str] = {}
     started = time.monotonic()
     live = list(engines)
     last = ""
+    duty = min(1.0, max(0.05, settings.duty))
     for r in range(max(1, settings.rounds)):
         order = live[r % len(live):] + live[:r % len(live)] if live else []
         for cand, engine in order:
@@ -199,31 +275,62 @@ def measure(engines: Sequence[tuple[Candidate, Engine]], sample: Mapping[str, np
                 # Busy calls do not make them stop; idling does. Served alone, no engine pays that.
                 time.sleep(settings.settle_s)
             last = cand.label
-            for b in batch_sizes:
+            for p in points:
+                t0 = time.monotonic()
                 try:
-                    calls[cand.label][b].append(_slice(engine, inputs[b], slice_s, settings.min_iterations))
+                    calls[cand.label][p.label].append(_slice(engine, inputs[p.label], slice_s,
+                                                             settings.min_iterations))
                 except Exception as e:  # an engine that cannot run the sample loses, it does not crash the load
                     failed[cand.label] = f"failed while being measured: {e}"
                     break
+                if duty < 1.0:
+                    time.sleep((time.monotonic() - t0) * (1.0 - duty) / duty)
         live = [(c, e) for c, e in live if c.label not in failed]
-        if time.monotonic() - started > settings.total_s:
-            break  # the cap holds even for slow engines; every candidate got at least one round
-    best = {label: {b: b / typical_call_s(r) for b, r in per_batch.items()}
-            for label, per_batch in calls.items() if label not in failed}
-    iterations = {label: sum(len(d) for r in per_batch.values() for d in r) for label, per_batch in calls.items()}
+        if stop is not None and stop():
+            break
+        if time.monotonic() - started > settings.total_s / duty and r + 1 >= settings.min_rounds:
+            break  # the cap holds even for slow engines, once every candidate got min_rounds rounds
+        if settings.decided_after and r + 1 >= settings.decided_after and _decided(calls, points, live, settings.clear):
+            break
+    by_label = {p.label: p for p in points}
+    weights = {p.label: p.weight for p in points}
     timings = []
     for cand, _ in engines:
         if cand.label in failed:
             continue
-        rates = best[cand.label]
-        score = math.exp(sum(math.log(max(v, 1e-12)) for v in rates.values()) / len(rates))
-        one = rates[batch_sizes[0]]
+        per_point = calls[cand.label]
+        rates = {k: by_label[k].batch / typical_call_s(r) for k, r in per_point.items()}
+        batches: dict[int, float] = {}
+        for p in sorted(points, key=lambda p: -p.weight):  # per batch size: its heaviest point, for display
+            batches.setdefault(p.batch, rates[p.label])
+        one_point = min(points, key=lambda p: (p.batch, -p.weight))
+        one = rates[one_point.label]
         timings.append(CandidateTiming(
             candidate=cand.label, backend=cand.backend, device=cand.device, precision=cand.precision,
-            variant=cand.variant.file, batches=dict(rates), throughput_per_s=score,
-            latency_ms=1000.0 * batch_sizes[0] / one, iterations=iterations[cand.label],
-            seed_throughput_per_s=seed_throughput(cand.variant)))
+            variant=cand.variant.file, batches=batches, throughput_per_s=mix_score(rates, weights),
+            latency_ms=1000.0 * one_point.batch / one,
+            iterations=sum(len(d) for r in per_point.values() for d in r),
+            seed_throughput_per_s=seed_throughput(cand.variant), points=rates))
     return timings, sorted(failed.items())
+
+
+def _decided(calls: Mapping[str, Mapping[str, Sequence[Sequence[float]]]], points: Sequence[WorkPoint],
+             live: Sequence[tuple[Candidate, Engine]], clear: float) -> bool:
+    """Whether one candidate led every round so far by more than ``clear`` (its mix score per round)."""
+    if len(live) < 2:
+        return True
+    weights = {p.label: p.weight for p in points}
+    batch = {p.label: p.batch for p in points}
+    rounds = min(len(r) for c, _ in live for r in calls[c.label].values())
+    leader = None
+    for i in range(rounds):
+        scores = sorted(((mix_score({k: batch[k] / statistics.median(r[i]) for k, r in calls[c.label].items()},
+                                    weights), c.label) for c, _ in live), reverse=True)
+        (top, who), (second, _) = scores[0], scores[1]
+        if top < (1.0 + clear) * second or (leader is not None and who != leader):
+            return False
+        leader = who
+    return leader is not None
 
 
 def fastest(timings: Sequence[CandidateTiming]) -> CandidateTiming:
@@ -231,15 +338,18 @@ def fastest(timings: Sequence[CandidateTiming]) -> CandidateTiming:
     return max(timings, key=lambda t: t.throughput_per_s)
 
 
-def choose(timings: Sequence[CandidateTiming], margin: float = 0.03) -> CandidateTiming:
-    """The first candidate, in the profile's order, within ``margin`` of the fastest.
+def choose(timings: Sequence[CandidateTiming], margin: float = 0.03, *,
+           incumbent: str | None = None) -> CandidateTiming:
+    """The ``incumbent`` (the engine serving now) when it is within ``margin`` of the fastest,
+    else the first candidate, in the profile's order, within ``margin`` of the fastest.
 
     Differences of a few percent are within the noise of a short measurement on a
-    busy device; the profile's order then decides, so the choice does not flip
-    between restarts.
+    busy device; the engine already serving (or the profile's order) then decides, so
+    the choice does not flip between restarts or back and forth while serving.
     """
     top = fastest(timings).throughput_per_s
-    return next(t for t in timings if t.throughput_per_s >= (1.0 - margin) * top)
+    near = [t for t in timings if t.throughput_per_s >= (1.0 - margin) * top]
+    return next((t for t in near if t.candidate == incumbent), near[0])
 
 
 # ---- what the result depends on -------------------------------------------------------------

@@ -11,17 +11,20 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psutil
 
 from edged.config import ModelsSection
+from edged.core.chooser import EngineChooser, attach
 from edged.core.model_versions import ModelLoader, ModelState, ModelTable, ModelVersion
 from edged.core.output_shapes import OutputShapeCheck
 from edged.core.pipelines import PipelineRunner, ServiceGateway, load_pipeline_version
 from edged.core.scheduler import Scheduler
 from edged.core.stats import ModelStats
+from edged.core.traffic import TrafficMix
 from edged.errors import EdgedError, ModelNotFoundError, ResourceExhaustedError
 from edged.pipeline.definition import load_pipeline
 from edged.repository.digests import DigestCache
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 30.0
+LOAD_WORKERS = 4
 
 
 def estimate_memory_mb(entry: VersionEntry) -> float:
@@ -65,12 +69,19 @@ def _output_check(mv: ModelVersion) -> OutputShapeCheck:
 class ModelManager:
     def __init__(self, repository: Path, models: ModelsSection, preferences: Sequence[BackendPreference], *,
                  cache_dir: Path | None = None, threads: int = 0, memory_budget_mb: float = 0.0,
-                 select: str = "first", facts: HardwareFacts | None = None) -> None:
+                 select: str = "first", facts: HardwareFacts | None = None, defer_choice: bool = False) -> None:
         self.repository = repository
         self.models_cfg = models
-        self.loader = ModelLoader(preferences, cache_dir=cache_dir, threads=threads, select=select, facts=facts)
+        self.loader = ModelLoader(preferences, cache_dir=cache_dir, threads=threads, select=select, facts=facts,
+                                  defer_choice=defer_choice)
         self.table = ModelTable()
+        # Measures engines while serving and switches (edged.core.chooser); the daemon starts it once READY.
+        self.chooser = EngineChooser(self.table, self.loader)
         self.memory_budget_mb = memory_budget_mb
+        # Versions loaded at once by load_all (engine compilation runs outside the GIL); 1: one by one.
+        # CPU engines only: GPU engine builds (TensorRT) each take a large share of a device's memory.
+        cpu_only = all(p.device == "CPU" for p in preferences)
+        self.load_workers = min(LOAD_WORKERS, max(2, os.cpu_count() or 1)) if cpu_only else 1
         self.digests = DigestCache(cache_dir / "digests.json" if cache_dir else None)
         self._lock = threading.Lock()  # one lifecycle change at a time
         self.failed: dict[tuple[str, int], ModelVersion] = {}
@@ -108,8 +119,12 @@ class ModelManager:
             return mv
         rss0 = psutil.Process(os.getpid()).memory_info().rss
         mv = self.loader.load(entry)
+        return self._finish(mv, estimate, (psutil.Process(os.getpid()).memory_info().rss - rss0) / 1e6)
+
+    def _finish(self, mv: ModelVersion, estimate: float, grown: float) -> ModelVersion:
+        """A loaded version gets its memory figure, statistics, scheduler and (maybe) an engine choice."""
+        choice = attach(mv, self.loader) if mv.state is ModelState.READY else None
         if mv.state is ModelState.READY and mv.engine is not None:
-            grown = (psutil.Process(os.getpid()).memory_info().rss - rss0) / 1e6
             mv.memory_mb = max(estimate, grown)
             manifest = mv.manifest
             mv.stats = ModelStats(mv.name, mv.version, mv.candidate.backend if mv.candidate else "")
@@ -117,6 +132,8 @@ class ModelManager:
                                      batching=mv.batching, instances=manifest.instances.count,
                                      stats=mv.stats, shapes_vary=any(-1 in s.shape for s in mv.inputs),
                                      output_check=_output_check(mv))
+            if choice is not None:
+                choice.traffic = mv.scheduler.traffic = TrafficMix(mv.max_batch_size > 0)
         return mv
 
     def load_all(self) -> list[ModelVersion]:
@@ -124,13 +141,52 @@ class ModelManager:
         with self._lock:
             out = []
             entries = scan_repository(self.repository, self.models_cfg, self.digests)
+            models = [e for e in entries if not e.pipeline]
+            if len(models) > 1 and self.load_workers > 1:
+                for mv in self._load_together(models):
+                    self.table.put(mv)
+                    out.append(mv)
+                models = []
             # Pipelines after every model: they are compiled against the models being served.
-            for entry in sorted(entries, key=lambda e: e.pipeline):
+            for entry in [*models, *(e for e in entries if e.pipeline)]:
                 mv = self._load_entry(entry)
                 self.table.put(mv)
                 out.append(mv)
             self.digests.save()
             return out
+
+    def _load_together(self, entries: Sequence[VersionEntry]) -> list[ModelVersion]:
+        """Load several versions at once (engines compile outside the GIL): a first boot with many models
+        is READY in a fraction of the time. Memory is admitted for all of them before any loads (each
+        estimate reserved in turn); the growth of the process is shared out in proportion to the estimates."""
+        out: dict[int, ModelVersion] = {}
+        admitted: list[tuple[int, VersionEntry, float]] = []
+        reserved = 0.0
+        for i, entry in enumerate(entries):
+            need = estimate_memory_mb(entry)
+            if entry.manifest is not None and self.memory_budget_mb > 0:
+                used = self.committed_mb() + reserved
+                if used + need > self.memory_budget_mb:
+                    e = ResourceExhaustedError(
+                        f"model {entry.model!r} version {entry.version} needs about {need:.0f} MB but only "
+                        f"{max(0.0, self.memory_budget_mb - used):.0f} MB of the {self.memory_budget_mb:.0f} MB "
+                        "model budget is left", model=entry.model, version=entry.version)
+                    log.error("model=%s version=%s refused: %s", entry.model, entry.version, e)
+                    out[i] = ModelVersion(entry.model, entry.version, entry, ModelState.UNAVAILABLE, str(e))
+                    continue
+            reserved += need
+            admitted.append((i, entry, need))
+        rss0 = psutil.Process(os.getpid()).memory_info().rss
+        workers = min(self.load_workers, len(admitted)) or 1
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="edged-load") as pool:
+            futures = [(i, need, pool.submit(self.loader.load, entry)) for i, entry, need in admitted]
+            loaded = [(i, need, f.result()) for i, need, f in futures]
+        self.loader.restore_locale()  # the last load may have interleaved with another's
+        grown = (psutil.Process(os.getpid()).memory_info().rss - rss0) / 1e6
+        total = sum(need for _, need, mv in loaded if mv.state is ModelState.READY) or 1.0
+        for i, need, mv in loaded:
+            out[i] = self._finish(mv, need, grown * need / total)
+        return [out[i] for i in range(len(entries))]
 
     def load_model(self, name: str, versions: Sequence[int] | None = None) -> list[ModelVersion]:
         """(Re)load a model's versions from the repository without downtime.
@@ -239,6 +295,7 @@ class ModelManager:
         log.info("model=%s version=%s unloaded", mv.name, mv.version)
 
     def shutdown(self, timeout: float = DRAIN_TIMEOUT_S) -> None:
+        self.chooser.stop()
         with self._lock:
             for mv in self.table.all():
                 if mv.scheduler is not None:

@@ -15,13 +15,14 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import locale
 import logging
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -34,8 +35,10 @@ from edged.backends.benchmark import (
     SelectionMemory,
     batch_sizes_for,
     choose,
+    default_points,
     fingerprint_of,
     measure,
+    measure_points,
     selection_key,
 )
 from edged.backends.build import EngineBuild, EngineBuildRequiredError
@@ -67,6 +70,12 @@ class ModelState(str, enum.Enum):
     UNLOADED = "unloaded"
 
 
+class ChoiceView(Protocol):
+    """What a version shows of how its engine is being chosen (edged.core.chooser.Choice)."""
+
+    def status(self) -> dict[str, Any]: ...
+
+
 @dataclass
 class ModelVersion:
     """One version of one model and everything known about serving it."""
@@ -92,6 +101,9 @@ class ModelVersion:
     output_note: str | None = None  # a declared output shape the engine's answers contradict (core.output_shapes)
     validation_plan: Any = None  # edged.core.validation's precomputed checks, made on first use
     pipeline: Pipeline | None = None  # set for a pipeline version (edged.core.pipelines): no engine of its own
+    choice: ChoiceView | None = None  # set when the engine is chosen by measurement while serving (core.chooser)
+    candidates: list[Candidate] = field(default_factory=list)  # every candidate, in the profile's order
+    selection_key: str = ""  # what a measurement of the candidates is remembered under
 
     @property
     def manifest(self) -> ModelManifest:
@@ -141,10 +153,35 @@ class ModelVersion:
             out["benchmark"] = [{"candidate": t.candidate, "throughput_per_s": round(t.throughput_per_s, 1),
                                  "batches": {str(k): round(v, 1) for k, v in t.batches.items()},
                                  "latency_ms": round(t.latency_ms, 3), "chosen": t.candidate == b.chosen,
-                                 "source": b.source} for t in list(b.timings)]
+                                 "source": b.source, "points": {k: round(v, 1) for k, v in t.points.items()}}
+                                for t in list(b.timings)]
+            out["benchmark_basis"] = {"basis": b.basis, "reason": b.reason, "workload": dict(b.workload),
+                                      "measured_at": b.measured_at, "seconds": round(b.seconds, 2)}
+        if self.choice is not None:
+            out["choice"] = self.choice.status()
+        how = choice_line(self)
+        if how:
+            out["chosen_how"] = how
         if self.upgrade is not None:
             out["upgrade"] = self.upgrade.status()
         return out
+
+
+def choice_line(mv: ModelVersion) -> str | None:
+    """One line on how the engine was chosen and on what evidence, for ``edged status`` and ``models list``."""
+    state = mv.choice.status()["state"] if mv.choice is not None else None
+    b = mv.benchmark
+    if state == "single":
+        others = "; ".join(f"{k}: {r[:80]}" for k, r in mv.skipped)
+        return f"the only candidate that loads here ({others})" if others else "the only candidate that loads here"
+    if b is None:
+        return f"engine choice {state}: serving the profile's first candidate until measured" if state else None
+    rates = ", ".join(f"{t.backend}{'*' if t.candidate == b.chosen else ''} {t.throughput_per_s:.0f}/s"
+                      for t in sorted(b.timings, key=lambda t: -t.throughput_per_s))
+    on = ", ".join(f"{k} {v:.0%}" for k, v in b.workload.items()) or "batch " + "/".join(map(str, b.batch_sizes))
+    split = f"; batches of 2+ on {b.chosen_batched}" if b.chosen_batched else ""
+    return f"chosen by measurement ({b.source}, {b.basis}: {on}): {rates}{split}" + (
+        f"; now {state}" if state and state != "chosen" else "")
 
 
 def _io_from_engine(tensors: Sequence[EngineTensor], max_batch_size: int) -> list[TensorSpec]:
@@ -328,7 +365,7 @@ class ModelLoader:
 
     def __init__(self, preferences: Sequence[BackendPreference], *, cache_dir: Path | None, threads: int = 0,
                  select: str = "first", benchmark: BenchmarkSettings | None = None,
-                 facts: HardwareFacts | None = None) -> None:
+                 facts: HardwareFacts | None = None, defer_choice: bool = False) -> None:
         if select not in SELECT_MODES:
             raise ValueError(f"select must be one of {SELECT_MODES}, not {select!r}")
         self.preferences = list(preferences)
@@ -338,6 +375,13 @@ class ModelLoader:
         self.facts = facts  # the daemon's probe, handed to the backends and the benchmark key
         self.benchmark_settings = benchmark or BenchmarkSettings()
         self.memory = SelectionMemory(cache_dir / "select") if cache_dir else None
+        # Serve first, choose after: load the remembered choice or the first candidate and leave the
+        # measuring to edged.core.chooser once the daemon is READY (False: measure while loading).
+        self.defer_choice = defer_choice
+        # Engine libraries set the C locale around parsing and put the old one back; two loads at once
+        # (boot loads versions together, the chooser loads beside a reload) can interleave that and
+        # leave the process in "C", where Python reads text as ASCII. Each load puts it back.
+        self._locale = locale.setlocale(locale.LC_ALL)
 
     def load(self, entry: VersionEntry) -> ModelVersion:
         mv = ModelVersion(entry.model, entry.version, entry)
@@ -355,10 +399,15 @@ class ModelLoader:
             log.error("model=%s version=%s unavailable: %s", mv.name, mv.version, mv.reason)
             return mv
         skipped_before = len(mv.skipped)
+        key = self._key(mv, cands)
         if self.select == "benchmark" and len(cands) > 1:
-            ok = self._load_benchmark(mv, cands)
+            if self.defer_choice:
+                ok = self._load_remembered(mv, cands, key, set(), []) or self._load_first(mv, cands)
+            else:
+                ok = self._load_benchmark(mv, cands, key)
         else:
             ok = self._load_first(mv, cands)
+        mv.candidates, mv.selection_key = list(cands), key
         if ok:
             mv.state = ModelState.READY
             mv.load_seconds = time.monotonic() - t0
@@ -388,15 +437,18 @@ class ModelLoader:
                 self._skip(mv, cand, why or "failed")
         return self._build_now(mv, pending)
 
-    def _load_benchmark(self, mv: ModelVersion, cands: Sequence[Candidate]) -> bool:
+    def _key(self, mv: ModelVersion, cands: Sequence[Candidate]) -> str:
+        """The selection key a measurement of these candidates is remembered under."""
         manifest = mv.manifest
-        sizes = batch_sizes_for(manifest)
         libraries = {c.backend: _library_version(c.backend) for c in cands}
-        key = selection_key(mv.name, mv.version, cands, libraries, threads=self.threads, batch_sizes=sizes,
-                            workload=workload_digest(mv), instances=manifest.instances.count,
-                            fingerprint=fingerprint_of(self.facts) if self.facts is not None else None)
-        tried: set[str] = set()
-        load_failures: list[tuple[str, str]] = []
+        return selection_key(mv.name, mv.version, cands, libraries, threads=self.threads,
+                             batch_sizes=batch_sizes_for(manifest), workload=workload_digest(mv),
+                             instances=manifest.instances.count,
+                             fingerprint=fingerprint_of(self.facts) if self.facts is not None else None)
+
+    def _load_remembered(self, mv: ModelVersion, cands: Sequence[Candidate], key: str, tried: set[str],
+                         load_failures: list[tuple[str, str]]) -> bool:
+        """Load the engine a remembered measurement chose; False when there is none or it no longer loads."""
         remembered = self.memory.load(mv.name, mv.version, key) if self.memory else None
         if remembered is not None and remembered.complete:
             winner = next((c for c in cands if c.label == remembered.chosen), None)
@@ -411,6 +463,13 @@ class ModelLoader:
                     tried.add(winner.label)
                     self._skip(mv, winner, why or "failed")
                     load_failures.append((winner.label, why or "failed"))
+        return False
+
+    def _load_benchmark(self, mv: ModelVersion, cands: Sequence[Candidate], key: str) -> bool:
+        tried: set[str] = set()
+        load_failures: list[tuple[str, str]] = []
+        if self._load_remembered(mv, cands, key, tried, load_failures):
+            return True
         loaded: list[_Opened] = []
         pending: list[tuple[Candidate, EngineBuildRequiredError]] = []
         for cand in cands:
@@ -427,8 +486,12 @@ class ModelLoader:
         if not loaded:
             return self._build_now(mv, pending)
         t0 = time.monotonic()
-        timings, failures = measure([(o.cand, o.engine) for o in loaded], sample_inputs(mv, loaded[0].inputs),
-                                    sizes, batched=mv.max_batch_size > 0, settings=self.benchmark_settings)
+        batched = mv.max_batch_size > 0
+        sizes = batch_sizes_for(mv.manifest, mv.max_batch_size, mv.batching)  # max_batch_size may be auto-completed
+        sample = sample_inputs(mv, loaded[0].inputs)
+        points = default_points({n: a[:1] for n, a in sample.items()} if batched else sample, sizes, batched)
+        timings, failures = measure_points([(o.cand, o.engine) for o in loaded], points, batched=batched,
+                                           settings=self.benchmark_settings)
         for label, why in failures:
             self._skip_label(mv, label, why)
         if not timings:
@@ -453,7 +516,10 @@ class ModelLoader:
         self._adopt(mv, winner_opened)
         mv.benchmark = BenchmarkResult(key=key, chosen=best.candidate, timings=timings, batch_sizes=sizes,
                                        seconds=time.monotonic() - t0, complete=not pending and not failures,
-                                       failures=load_failures + failures)
+                                       failures=load_failures + failures,
+                                       workload={p.label: p.weight for p in points},
+                                       basis="made-up" if synthesized(mv, loaded[0].inputs) else "declared",
+                                       reason="first choice, measured while loading", measured_at=time.time())
         log.info("model=%s version=%s benchmark: %s", mv.name, mv.version,
                  ", ".join(f"{t.candidate} {t.throughput_per_s:.0f}/s" for t in timings))
         if self.memory is not None and mv.benchmark.complete:
@@ -466,7 +532,7 @@ class ModelLoader:
         best = result.timing(result.chosen)
         failed = dict(result.failures)
         for cand in cands:
-            if cand.label == result.chosen:
+            if cand.label in (result.chosen, result.chosen_batched):
                 continue
             t = result.timing(cand.label)
             if t is not None and best is not None:
@@ -502,8 +568,17 @@ class ModelLoader:
             return None, None, f"unexpected {type(e).__name__}: {e}"
 
     def _open(self, mv: ModelVersion, cand: Candidate) -> _Opened:
-        engine = get_backend(cand.backend).load(self._request(mv, cand))
+        try:
+            engine = get_backend(cand.backend).load(self._request(mv, cand))
+        finally:
+            self.restore_locale()
         return self._check(mv, cand, engine)
+
+    def restore_locale(self) -> None:
+        """Put back the locale the process started with if an engine library left another one."""
+        if locale.setlocale(locale.LC_ALL) != self._locale:
+            log.debug("an engine library changed the process locale; restoring %s", self._locale)
+            locale.setlocale(locale.LC_ALL, self._locale)
 
     def _check(self, mv: ModelVersion, cand: Candidate, engine: Engine) -> _Opened:
         """I/O against the manifest, then warm-up and golden check; releases the engine on failure."""
@@ -570,14 +645,79 @@ class ModelLoader:
         mv.skipped.append((label, why))
         log.warning("model=%s version=%s candidate %s skipped: %s", mv.name, mv.version, label, why)
 
+    # ---- choosing while serving (edged.core.chooser) ----------------------------------------
+    def choice_group(self, mv: ModelVersion) -> list[Candidate]:
+        """The candidates measured against each other while the version serves: every candidate of a
+        ``benchmark`` profile, else the CPU engines from the serving one on (every profile ends in
+        them); empty when there is nothing to choose between."""
+        serving, cands = mv.candidate, mv.candidates
+        if serving is None or mv.engine is None:
+            return []
+        if self.select == "benchmark":
+            pool = list(cands)
+        elif serving.device == "CPU" and serving in cands:
+            at = cands.index(serving)
+            pool = [serving] + [c for c in cands[at + 1:] if c.device == "CPU"]
+        else:
+            return []
+        group = [c for c in pool if c == serving or unavailable_reason(c.backend, c.options) is None]
+        return group if len(group) > 1 else []
+
+    def open_alternate(self, mv: ModelVersion, cand: Candidate) -> _Opened | str:
+        """Another candidate for a serving version, loaded and warmed up; or why it could not be.
+
+        What loading it finds out about the model (its auto-completed batch size, the warm-up note)
+        must not change the version serving: it is put back, and a candidate that would batch
+        differently is refused.
+        """
+        kept = (mv.auto_max_batch_size, mv.warmup_note, mv.warmup_skipped)
+        try:
+            opened, build, why = self._attempt(mv, cand)
+            batches = mv.auto_max_batch_size
+        finally:
+            mv.auto_max_batch_size, mv.warmup_note, mv.warmup_skipped = kept
+        if opened is not None:
+            if batches != kept[0]:
+                opened.engine.unload()
+                return (f"it would batch up to {batches}, the serving engine up to {kept[0]} "
+                        "(the model file's dimensions read differently)")
+            return opened
+        if build is not None:
+            return "its engine must be built first (the background build measures it when done)"
+        return why or "failed"
+
+    def explain(self, mv: ModelVersion, group: Sequence[Candidate], result: BenchmarkResult) -> None:
+        """Replace the skip reasons of ``group`` with what ``result`` measured."""
+        labels = {c.label for c in group}
+        best = result.timing(result.chosen)
+        failed = dict(result.failures)
+        kept = [(k, r) for k, r in mv.skipped if k not in labels]
+        for c in group:
+            if c.label in (result.chosen, result.chosen_batched):
+                continue
+            t = result.timing(c.label)
+            kept.append((c.label, _slower(t, best) if t is not None and best is not None
+                         else failed.get(c.label, "not measured")))
+        mv.skipped = kept
+
+    def remember(self, mv: ModelVersion, result: BenchmarkResult) -> None:
+        if self.memory is not None and result.complete:
+            self.memory.save(mv.name, mv.version, result)
+
+    @staticmethod
+    def proxy(mv: ModelVersion) -> SwappableEngine:
+        assert mv.engine is not None
+        if not isinstance(mv.engine, SwappableEngine):
+            mv.engine = SwappableEngine(mv.engine)
+        return mv.engine
+
     # ---- background builds ------------------------------------------------------------------
     def _start_upgrade(self, mv: ModelVersion, pending: Sequence[tuple[Candidate, EngineBuildRequiredError]], *,
                        judge: bool) -> None:
         """Serve now through ``mv.engine``; build the better candidates behind it and switch when one is ready."""
         if not pending or mv.engine is None:
             return
-        proxy = SwappableEngine(mv.engine)
-        mv.engine = proxy
+        proxy = self.proxy(mv)
 
         def prepare(cand: Candidate, engine: Engine) -> None:
             opened = self._check(mv, cand, engine)

@@ -22,6 +22,7 @@ from edged.core.batch_policy import BatchPolicy
 from edged.core.engine_errors import GoodShapes, failure_key
 from edged.core.output_shapes import OutputShapeCheck
 from edged.core.stats import ModelStats
+from edged.core.traffic import TrafficMix
 from edged.core.types import InferRequest, InferResponse
 from edged.errors import (
     DeadlineExceededError,
@@ -54,6 +55,7 @@ class _Item:
     batch: int
     signature: tuple[object, ...]
     enqueued_ns: int
+    stats: ModelStats  # the model's, or a throwaway one for the daemon's own requests (InferRequest.internal)
     future: Future[InferResponse] = field(default_factory=Future)
 
 
@@ -74,12 +76,16 @@ class Scheduler:
         self.delay_ns = (batching.max_queue_delay_us * 1000) if batching else 0
         self.preferred = sorted(batching.preferred_batch_sizes) if batching else []
         self.stats = stats
+        # Where the daemon's own requests (self-test, watchdog probe) are counted: nowhere anyone reads.
+        self._quiet = ModelStats(name, version, stats.backend)
         self.policy = BatchPolicy(max_batch_size > 0 and batching is not None)
         stats.batching = self.policy.to_json
         self.good_shapes = GoodShapes(max_batch_size > 0)
         # With every dimension declared (batch aside), validation already pins the shapes a run sees.
         self._record_shapes = self.good_shapes.record if shapes_vary else None
         self.output_check = output_check  # the first answers against the declared outputs, then None
+        # The shapes and batch sizes served, for choosing the engine again (edged.core.chooser); None: not noted.
+        self.traffic: TrafficMix | None = None
         # The condition's lock, taken directly on the inline path (twice per request): a C-level
         # enter/exit instead of the Condition's Python wrapper.
         self._lock = threading.RLock()
@@ -104,18 +110,19 @@ class Scheduler:
 
     # ---- submission -------------------------------------------------------------------------
     def submit(self, req: InferRequest, batch: int) -> Future[InferResponse]:
-        item = _Item(req, batch, _signature(req, self.max_batch_size > 0), time.monotonic_ns())
+        stats = self._quiet if req.internal else self.stats
+        item = _Item(req, batch, _signature(req, self.max_batch_size > 0), time.monotonic_ns(), stats)
         with self._cv:
             if not self._running:
                 raise ModelNotReadyError(f"model {self.name!r} version {self.version} is unloading")
             if len(self._queue) >= self.max_queue:
-                self.stats.record_failure("overloaded", total_ns=0, started=False)
+                stats.record_failure("overloaded", total_ns=0, started=False)
                 raise OverloadedError(
                     f"model {self.name!r} version {self.version}: queue full ({self.max_queue} requests waiting)")
             if self._queue or self._busy >= self._instances:
                 self._concurrent_until = time.monotonic() + _CONCURRENCY_MEMORY_S
             self._queue.append(item)
-            self.stats.enter()
+            stats.enter()
             self._cv.notify()
         return item.future
 
@@ -156,7 +163,7 @@ class Scheduler:
     def _run_claimed(self, req: InferRequest, batch: int, nbytes: int) -> InferResponse:
         """The inline hot path: after the claim, one lock for the statistics' in-flight count and one
         to give the instance back; the run's figures are noted without a lock (ModelStats)."""
-        stats = self.stats
+        stats = self._quiet if req.internal else self.stats
         stats.enter()
         start_ns = time.monotonic_ns()
         try:
@@ -199,6 +206,9 @@ class Scheduler:
         check = self.output_check
         if check is not None and check.see(outputs):
             self.output_check = None
+        traffic = self.traffic
+        if traffic is not None:
+            traffic.record(inputs)
         return outputs
 
     def _note_run(self, ns: int, nbytes: int) -> None:
@@ -322,13 +332,14 @@ class Scheduler:
                 answers.append((item, DeadlineExceededError(
                     f"model {self.name!r}: request waited {waited_ms:.1f} ms, past its deadline")))
             elif not item.future.set_running_or_notify_cancel():
-                self.stats.record_failure("cancelled", total_ns=start_ns - item.enqueued_ns)
+                item.stats.record_failure("cancelled", total_ns=start_ns - item.enqueued_ns)
             else:
                 live.append(item)
         if not live:
             return answers
         try:
-            results = self._compute([(i.request, i.batch) for i in live], queued=informs)
+            results = self._compute([(i.request, i.batch) for i in live], queued=informs,
+                                    counted=[i for i in live if i.stats is self.stats])
         except EdgedError as e:
             return answers + [(item, e) for item in live]
         return answers + [(item, InferResponse(self.name, self.version, outs, item.request.id))
@@ -341,10 +352,11 @@ class Scheduler:
                 self._fail(item, answer)
                 continue
             done_ns = time.monotonic_ns()
-            self.stats.record_success(queue_ns=start_ns - item.enqueued_ns, total_ns=done_ns - item.enqueued_ns)
+            item.stats.record_success(queue_ns=start_ns - item.enqueued_ns, total_ns=done_ns - item.enqueued_ns)
             item.future.set_result(answer)
 
-    def _compute(self, reqs: list[tuple[InferRequest, int]], *, queued: bool = True) -> list[dict[str, np.ndarray]]:
+    def _compute(self, reqs: list[tuple[InferRequest, int]], *, queued: bool = True,
+                 counted: list[_Item] | None = None) -> list[dict[str, np.ndarray]]:
         """Concatenate along the batch dimension, run the engine once, split the outputs back.
 
         Raises one EdgedError for the whole batch: every request in it fails the same way.
@@ -374,7 +386,10 @@ class Scheduler:
                 results.append({n: outputs[n][sl] for n in (r.outputs or outputs)})
         t3 = time.monotonic_ns()
         samples = sum(b for _, b in reqs)
-        self.stats.record_batch(samples, len(reqs), t1 - t0, t2 - t1, t3 - t2)
+        if counted is None or len(counted) == len(reqs):
+            self.stats.record_batch(samples, len(reqs), t1 - t0, t2 - t1, t3 - t2)
+        elif counted:  # the daemon's own requests ran along: the run counts for the clients' samples only
+            self.stats.record_batch(sum(i.batch for i in counted), len(counted), t1 - t0, t2 - t1, t3 - t2)
         if len(reqs) == 1:
             self._note_run(t3 - t0, _nbytes(inputs))
         if queued:
@@ -392,7 +407,7 @@ class Scheduler:
         return list(names)
 
     def _fail(self, item: _Item, err: EdgedError) -> None:
-        self.stats.record_failure(failure_key(err), total_ns=time.monotonic_ns() - item.enqueued_ns)
+        item.stats.record_failure(failure_key(err), total_ns=time.monotonic_ns() - item.enqueued_ns)
         if not item.future.done():
             item.future.set_exception(err)
 

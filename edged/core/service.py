@@ -176,6 +176,9 @@ class InferenceService:
                 "reason": mv.reason, "warmup": mv.warmup_note, "note": mv.output_note,
                 "skipped": [{"candidate": k, "reason": r} for k, r in mv.skipped],
                 "benchmark": status.get("benchmark"),
+                "benchmark_basis": status.get("benchmark_basis"),
+                "choice": status.get("choice"),
+                "chosen_how": status.get("chosen_how"),
                 "upgrade": status.get("upgrade"),
             },
         }

@@ -128,6 +128,11 @@ class ModelStats:
             self._fold()
             yield self._in_flight - len(self._inline)
 
+    def busy_ns(self) -> int:
+        """Engine time spent on served requests so far (input, infer, output), every recorded run included."""
+        with self.settled():
+            return self.compute_input.ns + self.compute_infer.ns + self.compute_output.ns
+
     def latency_counts(self) -> tuple[int, ...]:
         """The end-to-end latency histogram's bucket counts, every recorded request included."""
         with self.settled():

@@ -42,6 +42,9 @@ class SwappableEngine(Engine):
         self._users: dict[int, int] = {}
         self._closed = False
         self._current = engine
+        # Runs of more than one sample go here when set (edged.core.chooser: engines that win at batch 1
+        # and at the batches the scheduler forms can differ); None: every run goes to ``current``.
+        self._batched: Engine | None = None
         self._mirror(engine)
 
     def _mirror(self, engine: Engine) -> None:
@@ -53,12 +56,21 @@ class SwappableEngine(Engine):
         return self._current
 
     @property
+    def batched(self) -> Engine | None:
+        return self._batched
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
     def infer(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         with self._cv:
             engine = self._current
+            if self._batched is not None:
+                for a in inputs.values():
+                    if a.ndim and a.shape[0] > 1:
+                        engine = self._batched
+                    break
             key = id(engine)
             self._users[key] = self._users.get(key, 0) + 1
         try:
@@ -92,11 +104,39 @@ class SwappableEngine(Engine):
             return None
         return old
 
+    def install(self, current: Engine, batched: Engine | None, timeout: float = SWAP_DRAIN_TIMEOUT_S
+                ) -> list[Engine] | None:
+        """Route batch-1 runs to ``current`` and larger ones to ``batched`` (None: to ``current`` too);
+        returns the engines no longer used once their running calls are done (the caller releases them).
+
+        Returns None (and releases the new engines) when the proxy was unloaded meanwhile.
+        """
+        with self._cv:
+            if self._closed:
+                closed = True
+            else:
+                closed = False
+                before = [self._current, *([self._batched] if self._batched is not None else [])]
+                self._current, self._batched = current, batched
+                self._mirror(current)
+                keep = {id(current), id(batched)}
+                old = [e for e in before if id(e) not in keep]
+                if not self._cv.wait_for(lambda: not any(id(e) in self._users for e in old), timeout):
+                    log.warning("engine swap: calls on a replaced engine still running after %.0fs", timeout)
+        if closed:
+            current.unload()
+            if batched is not None and batched is not current:
+                batched.unload()
+            return None
+        return old
+
     def unload(self) -> None:
         with self._cv:
             self._closed = True
-            engine = self._current
+            engine, batched = self._current, self._batched
         engine.unload()
+        if batched is not None and batched is not engine:
+            batched.unload()
 
     def describe(self) -> dict[str, Any]:
         return self._current.describe()

@@ -317,7 +317,8 @@ class TelemetryAgent:
         models = []
         for v in self.models.versions():
             ms = ModelStatus(model=v.model, version=v.version, state=v.state, reason=v.reason, backend=v.backend,
-                             device=v.device, precision=v.precision, warmup=v.warmup, note=v.note)
+                             device=v.device, precision=v.precision, warmup=v.warmup, note=v.note,
+                             choice=v.choice)
             snap = by_key.get((v.model, v.version, v.backend))
             if snap is not None:
                 w = message.model_window(snap, prev_models.get(snap.key))

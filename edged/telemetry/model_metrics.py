@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from edged.core.model_versions import ModelState, ModelVersion
+from edged.core.model_versions import ModelState, ModelVersion, choice_line
 from edged.core.service import InferenceService
 from edged.core.stats import ModelStats
 from edged.protocol.fleet.telemetry import HistCounts
@@ -131,6 +131,7 @@ class VersionState:
     precision: str
     warmup: str | None = None  # warm-up skipped or on made-up data, and how to declare real shapes
     note: str | None = None  # a declared output shape the engine's answers contradict
+    choice: str | None = None  # how the engine was chosen, on what evidence (core.model_versions.choice_line)
 
 
 @dataclass
@@ -217,4 +218,4 @@ def _state(mv: ModelVersion) -> VersionState:
     c = mv.candidate
     return VersionState(mv.name, mv.version, mv.state.value, mv.reason if mv.state is not ModelState.READY else None,
                         c.backend if c else "", c.device if c else "", c.precision if c else "", mv.warmup_note,
-                        mv.output_note)
+                        mv.output_note, choice_line(mv))

@@ -49,6 +49,7 @@ class ModelStatus(_Snap):
     reason: str | None = None
     warmup: str | None = None
     note: str | None = None  # a declared output shape the engine's answers contradict
+    choice: str | None = None  # how the engine was chosen and on what evidence
     backend: str = ""
     device: str = ""
     precision: str = ""

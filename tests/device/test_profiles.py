@@ -399,3 +399,34 @@ def test_detect_prints_the_matrix_row(fixture: str, capsys: pytest.CaptureFixtur
         assert "TensorRT bindings are for Python 3.6" in text
     if jetpack == "5.x":
         assert "TensorRT bindings are for Python 3.8" in text
+
+
+# ---- every profile ends in the host's CPU engines ------------------------------------------------------------
+@pytest.mark.parametrize("fixture", sorted(EXPECTED_PROFILE))
+def test_every_profile_ends_in_the_hosts_cpu_engines(bundled: list[DeviceProfile], fixture: str) -> None:
+    facts = probe(SYSROOTS / fixture, engines=False)
+    match = match_profile(facts, bundled)
+    lines = [(b.backend, b.device) for b in match.profile.backends]
+    cpu = ({("openvino", "CPU"), ("onnxruntime", "CPU")} if facts.cpu.arch == "x86_64"
+           else {("onnxruntime", "CPU")})
+    assert set(lines[-len(cpu):]) == cpu, f"{fixture}: {match.profile.name} ends in {lines[-len(cpu):]}"
+    assert all(b.precisions for b in match.profile.backends[-len(cpu):])
+
+
+def test_a_gpu_profile_gets_the_cpu_engines_its_author_left_out(tmp_path: Path) -> None:
+    (tmp_path / "gpu-only.toml").write_text(
+        'name = "gpu-only"\npriority = 1\n[match]\nall = [ { fact = "nvidia_gpu.present", equals = true } ]\n'
+        '[[backends]]\nbackend = "tensorrt"\ndevice = "GPU"\nprecisions = ["fp16"]\n')
+    facts = probe(SYSROOTS / "x86-64-nvidia-dgpu", engines=False)
+    match = match_profile(facts, load_profiles([tmp_path]))
+    assert match.profile.name == "gpu-only"
+    assert (match.profile.backends[0].backend, match.profile.backends[0].device) == ("tensorrt", "GPU")
+    assert {(b.backend, b.device) for b in match.added} == {("openvino", "CPU"), ("onnxruntime", "CPU")}
+    assert match.profile.backends[1:] == match.added
+    out = render_detect(facts, match, as_json=False)
+    assert "added: the host's CPU engines" in out
+    # An arm64 host gets ONNX Runtime (edged's CPU engine there), never an x86-only line.
+    arm = probe(SYSROOTS / "raspberry-pi-5", engines=False)
+    arm_match = match_profile(arm, load_profiles())
+    assert [(b.backend, b.device) for b in arm_match.profile.backends] == [("onnxruntime", "CPU")]
+    assert arm_match.added == []
