@@ -106,7 +106,8 @@ class Scheduler:
             if not self._running:
                 raise ModelNotReadyError(f"model {self.name!r} version {self.version} is unloading")
             if len(self._queue) >= self.max_queue:
-                self.stats.record_failure("overloaded", total_ns=0, started=False)
+                if req.source is None:  # an internal caller counts its own refusal (or not at all)
+                    self.stats.record_failure("overloaded", total_ns=0, started=False)
                 raise OverloadedError(
                     f"model {self.name!r} version {self.version}: queue full ({self.max_queue} requests waiting)")
             if self._queue or self._busy >= self._instances:
@@ -167,13 +168,16 @@ class Scheduler:
             if wanted is not None:
                 outs = {n: outs[n] for n in wanted}
             t3 = time.monotonic_ns()
-            stats.record_inline(batch, t1 - start_ns, t2 - t1, t3 - t2, t3 - start_ns, end_ns=t3)
+            if req.source is None:
+                stats.record_inline(batch, t1 - start_ns, t2 - t1, t3 - t2, t3 - start_ns, end_ns=t3)
+            else:
+                stats.record_internal(req.source)
             self._note_run(t3 - start_ns, nbytes)
         except EdgedError as e:
-            stats.record_failure(failure_key(e), total_ns=time.monotonic_ns() - start_ns)
+            self._count_failure(req, failure_key(e), time.monotonic_ns() - start_ns)
             raise
         except BaseException:
-            stats.record_failure("internal", total_ns=time.monotonic_ns() - start_ns)
+            self._count_failure(req, "internal", time.monotonic_ns() - start_ns)
             raise
         finally:
             with self._lock:
@@ -316,7 +320,7 @@ class Scheduler:
                 answers.append((item, DeadlineExceededError(
                     f"model {self.name!r}: request waited {waited_ms:.1f} ms, past its deadline")))
             elif not item.future.set_running_or_notify_cancel():
-                self.stats.record_failure("cancelled", total_ns=start_ns - item.enqueued_ns)
+                self._count_failure(item.request, "cancelled", start_ns - item.enqueued_ns)
             else:
                 live.append(item)
         if not live:
@@ -335,7 +339,10 @@ class Scheduler:
                 self._fail(item, answer)
                 continue
             done_ns = time.monotonic_ns()
-            self.stats.record_success(queue_ns=start_ns - item.enqueued_ns, total_ns=done_ns - item.enqueued_ns)
+            if item.request.source is None:
+                self.stats.record_success(queue_ns=start_ns - item.enqueued_ns, total_ns=done_ns - item.enqueued_ns)
+            else:
+                self.stats.record_internal(item.request.source)
             item.future.set_result(answer)
 
     def _compute(self, reqs: list[tuple[InferRequest, int]], *, queued: bool = True) -> list[dict[str, np.ndarray]]:
@@ -368,7 +375,11 @@ class Scheduler:
                 results.append({n: outputs[n][sl] for n in (r.outputs or outputs)})
         t3 = time.monotonic_ns()
         samples = sum(b for _, b in reqs)
-        self.stats.record_batch(samples, len(reqs), t1 - t0, t2 - t1, t3 - t2)
+        # Engine runs count what clients sent: a run for internal requests alone (self-test, probe) is not
+        # counted, and a shared one counts only its clients' elements.
+        clients = [b for r, b in reqs if r.source is None]
+        if clients:
+            self.stats.record_batch(sum(clients), len(clients), t1 - t0, t2 - t1, t3 - t2)
         if len(reqs) == 1:
             self._note_run(t3 - t0, _nbytes(inputs))
         if queued:
@@ -385,8 +396,15 @@ class Scheduler:
                 names[n] = None
         return list(names)
 
+    def _count_failure(self, req: InferRequest, code: str, total_ns: int) -> None:
+        """A started request failed: a client's failure by code, an internal one apart (by source)."""
+        if req.source is None:
+            self.stats.record_failure(code, total_ns=total_ns)
+        else:
+            self.stats.record_internal(req.source)
+
     def _fail(self, item: _Item, err: EdgedError) -> None:
-        self.stats.record_failure(failure_key(err), total_ns=time.monotonic_ns() - item.enqueued_ns)
+        self._count_failure(item.request, failure_key(err), time.monotonic_ns() - item.enqueued_ns)
         if not item.future.done():
             item.future.set_exception(err)
 

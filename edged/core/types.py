@@ -18,6 +18,9 @@ class InferRequest:
     id: str | None = None
     deadline: float | None = None  # time.monotonic() after which the request is dropped unstarted
     parameters: dict[str, Any] = field(default_factory=dict)
+    # None: a client's request. Otherwise who inside the daemon sent it ("self-test", "watchdog"): such
+    # requests are served like any other but counted apart (ModelStats.internal), never as requests served.
+    source: str | None = None
 
 
 @dataclass

@@ -127,6 +127,9 @@ class ModelWindow(_Wire):
     executions: Count = Field(default=0, description="engine runs")
     batch_sizes: dict[int, Count] = Field(default_factory=dict, description="engine runs per batch size")
     in_flight: Count = Field(default=0, description="queued or running at the end of the window")
+    internal: dict[str, Count] = Field(default_factory=dict, max_length=16,
+                                       description="requests the daemon sent itself (self-test, watchdog probe) "
+                                                   "by source: served, but not counted in success or failures")
     latency: Hist = Field(default_factory=Hist, description="end to end, successful requests")
     queue: Hist = Field(default_factory=Hist)
     compute: Hist = Field(default_factory=Hist, description="per engine run")
