@@ -507,7 +507,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
                 blocks.append(((d.device_id, "-", "-", "-", "-", "-", seen), []))
             for name, sv, rep in lines:
                 serving = "not serving" if sv is None or sv.state == "not serving" else (
-                    version_ref(sv.version, sv.release) + (" trial" if sv.state == "active-trial" else "")
+                    version_ref(sv.version, sv.release) + (" trial" if sv.state == "trial" else "")
                     + (" local" if sv.state == "local" else ""))
                 desired = version_ref(sv.desired_version, sv.desired_release) if sv is not None else "-"
                 row = (d.device_id, name, serving, (sv.engine if sv else None) or "-", desired, _report(rep), seen)

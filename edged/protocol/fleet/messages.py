@@ -237,7 +237,7 @@ class ServingInfo(_Wire):
     model: str
     version: int | None
     release: int | None
-    state: str = Field(description="committed | active-trial | local | not serving")
+    state: str = Field(description="committed | trial (the version on trial, already serving) | local | not serving")
     engine: str | None = None
     desired_release: int | None = None
     desired_version: int | None = None

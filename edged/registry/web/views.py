@@ -50,6 +50,16 @@ class Serving:
         return self.want_release is None or self.want_release == self.release
 
 
+# What a device serves, in one vocabulary for the API, the CLI and the dashboard: the device's own word
+# (ServingModel.state) mapped here, once. A version on trial already answers the clients: it is what is served.
+SERVING_STATES = {"active-trial": "trial", "trial": "trial", "committed": "committed", "local": "local"}
+
+
+def serving_state(reported: str) -> str:
+    """``trial``, ``committed`` or ``local`` (an older device that sent no state served a committed version)."""
+    return SERVING_STATES.get(reported, "committed")
+
+
 @dataclass
 class FleetRow:
     id: str
@@ -149,7 +159,7 @@ def _row(dev_id: str, *, labels: dict[str, str], facts: dict[str, Any], last_see
         eng = mine.get(name)
         rv = wants.get(name)
         serving.append(Serving(model=name, version=sm.get("version"), release=sm.get("release"),
-                               state=str(sm.get("state", "")), engine=eng[1] if eng else None,
+                               state=serving_state(str(sm.get("state", ""))), engine=eng[1] if eng else None,
                                want_release=rv.number if rv else None, want_version=rv.version if rv else None))
     served = {sv.model for sv in serving}
     # a model the daemon serves outside the registry's updates (installed locally) shows in its telemetry only
