@@ -25,6 +25,7 @@ from sqlalchemy.orm import sessionmaker
 from edged.errors import ErrorCode
 from edged.registry import desired as desired_state
 from edged.registry.cli_format import ago
+from edged.registry.rollouts import allowed_actions
 from edged.registry.service import RegistryError
 from edged.registry.web import views
 
@@ -170,7 +171,9 @@ class Pages:
     def _rollout(self, ask: PageAsk) -> tuple[str, dict[str, Any]]:
         with self._tx() as s:
             st = views.rollout(s, int(ask.key))
-        return "rollout.html", {"title": f"Rollout {ask.key}", "nav": "rollouts", "st": st, "actions": ACTIONS}
+        # Only what the rollout's state machine accepts (a completed or halted rollout cannot be paused or resumed).
+        offered = {a: ACTIONS[a] for a in allowed_actions(st.rollout.state)}
+        return "rollout.html", {"title": f"Rollout {ask.key}", "nav": "rollouts", "st": st, "actions": offered}
 
 
 def window_of(query: dict[str, str]) -> tuple[str, float]:

@@ -301,6 +301,10 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
                     return views.rollout(s, rollout_id)
 
             st = await run_in_threadpool(status)
+            if action not in rollouts.allowed_actions(st.rollout.state):  # refused before, not after, the confirmation
+                left = ", ".join(ACTIONS[a] for a in rollouts.allowed_actions(st.rollout.state)) or "none"
+                raise RegistryError(f"rollout {rollout_id} is {st.rollout.state}: {ACTIONS[action]} is not possible "
+                                    f"(possible now: {left})", 409, ErrorCode.FAILED_PRECONDITION)
             return render("confirm.html", title=f"Confirm: {ACTIONS[action].lower()}", nav="rollouts",
                           csrf=sess.csrf, action=f"{PREFIX}/rollouts/{rollout_id}/{action}", form=form,
                           what=f"{ACTIONS[action].lower()} rollout {rollout_id} ({st.rollout.model} release "
@@ -319,9 +323,15 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
     return router
 
 
+ERROR_TITLES = {400: "Invalid request", 401: "Sign-in required", 403: "Not allowed", 404: "Not found",
+                409: "Not possible now", 413: "Too large", 422: "Invalid request", 429: "Too many attempts",
+                503: "Registry busy"}
+
+
 def error_page(e: RegistryError) -> Response:
     """A refused or failed request under /ui as a page that says what was wrong."""
-    html = pages.env().get_template("error.html").render(prefix=PREFIX, title="Not done", nav="", csrf="",
+    html = pages.env().get_template("error.html").render(prefix=PREFIX, title=ERROR_TITLES.get(e.status, "Failed"),
+                                                    nav="", csrf="",
                                                     message=e.message, back=f"{PREFIX}/fleet")
     return HTMLResponse(html, status_code=e.status, headers={"Content-Security-Policy": CSP,
                                                              "Cache-Control": "no-store"})
