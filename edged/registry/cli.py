@@ -446,7 +446,7 @@ def cmd_release(args: argparse.Namespace) -> int:
         info = c.release(key, args.model, args.model_version, expires_in_s=args.expires, selector=selector,
                          notes=args.notes, number=args.number, check_folder=args.check_folder)
     _print(args, info, lambda: f"release {info.release} of model {info.model}: version {info.version}, "
-           f"signed by key {info.key_id}, expires at {info.expires_at}")
+           f"signed by key {info.key_id}, expires {_utc(info.expires_at)}")
     return 0
 
 
@@ -457,12 +457,20 @@ def cmd_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def _utc(t: float) -> str:
+    from edged.registry.cli_format import utc
+
+    return utc(t)
+
+
 def cmd_releases(args: argparse.Namespace) -> int:
+    from edged.registry.cli_format import utc
+
     with _client(args) as c:
         rels = c.releases(args.model)
-    rows = [("RELEASE", "VERSION", "KEY", "EXPIRES", "SELECTOR", "REVOKED")]
-    rows += [(str(r.release), str(r.version), r.key_id, str(r.expires_at),
-              json.dumps(r.selector.model_dump(), separators=(",", ":")), "yes" if r.revoked else "")
+    rows = [("RELEASE", "VERSION", "STATE", "EXPIRES", "KEY", "SELECTOR", "NOTES")]
+    rows += [(str(r.release), str(r.version), r.state or ("revoked" if r.revoked else "-"), utc(r.expires_at),
+              r.key_id, json.dumps(r.selector.model_dump(), separators=(",", ":")), r.notes or "-")
              for r in rels]
     _print(args, rels, lambda: _table(rows))
     return 0
@@ -580,7 +588,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                     earlier = f"; {r.committed_ever} device(s) committed it earlier" if r.committed_ever else ""
                     counts = (f"no device on it now{earlier}" if later or r.committed_ever else "no reports yet")
                 later += sum(r.devices.values())
-                shown.append(f"  release {r.release} (version {r.version}{', revoked' if r.revoked else ''}): "
+                state = r.state or ("revoked" if r.revoked else "")
+                shown.append(f"  release {r.release} (version {r.version}{', ' + state if state else ''}): "
                              f"{counts}")
             lines += reversed(shown)
         return "\n".join(lines)

@@ -85,3 +85,32 @@ def test_a_halted_rollout_keeps_its_crossed_gate_offers_only_what_it_accepts_and
     missing = h.get("/ui/rollouts/999999")
     assert missing.status_code == 404 and "Not found" in missing.text and "Not done" not in missing.text
     h.close()
+
+
+def test_every_release_listing_says_what_became_of_it_with_dates(env: Env) -> None:
+    f = make_fleet(env, plain(2), versions=3)
+    m = f.model
+    good = f.rollout(2, [StepSpec(percent=100)], Gates(max_failure_rate=0.1, min_reporting=2))
+    for dev in f.devices.values():
+        dev.report(m, "committed", good.release, 2)
+    assert f.evaluate() == {str(good.id): "completed"}
+    bad = f.rollout(3, [StepSpec(percent=100)], Gates(max_failure_rate=0.1, min_reporting=1))
+    next(iter(f.devices.values())).report(m, "failed", bad.release, 3, reason="prepare failed")
+    assert f.evaluate() == {str(bad.id): "halted"}
+    back = f.client.rollback(env.keys.load(), m, str(f.r1), reason="test", expires_in_s=3600)
+    want = {f.r1: "superseded", good.release: "superseded", bad.release: "halted",
+            back.release: f"valid, restores r{f.r1}"}
+    assert {r.release: r.state for r in f.client.releases(m)} == want
+    assert {r.release: r.state for r in f.client.status(m).models[0].releases} == want
+    listing = env.server.cli("releases", m).stdout
+    for number, state in want.items():
+        line = next(x for x in listing.splitlines() if x.split()[0] == str(number))
+        assert state in line and " 20" in line, line  # the expiry as a date, not seconds since 1970
+    status = env.server.cli("status", m).stdout
+    assert f"release {bad.release} (version 3, halted)" in status, status
+    h = signed_in(env)
+    page = h.get("/ui/models").text.split(f'data-model="{m}"', 1)[1].split("</section>", 1)[0]
+    h.close()
+    for number, state in want.items():
+        row = page.split(f'data-release="{number}"', 1)[1].split("</tr>", 1)[0]
+        assert f'class="release-state">{state}' in row, row

@@ -181,6 +181,8 @@ class ReleaseInfo(_Wire):
     notes: str = ""
     signed: SignedRelease | None = None
     restores: int | None = Field(default=None, description="a fleet rollback: the earlier release it brings back")
+    state: str = Field(default="", description="what became of it: valid, superseded, halted, aborted, rolled back, "
+                                               "expired or revoked; a fleet rollback's adds 'restores rN'")
 
 
 class NextRelease(_Wire):
@@ -270,6 +272,7 @@ class ReleaseStatus(_Wire):
     devices: dict[str, int] = Field(description="device count per last reported step for this release")
     committed_ever: int = Field(default=0, description="devices that ever committed this release (some may have "
                                                        "moved on since)")
+    state: str = Field(default="", description="as ReleaseInfo.state")
 
 
 class ModelStatus(_Wire):

@@ -23,6 +23,7 @@ from edged.protocol.fleet.messages import (
 )
 from edged.registry import service
 from edged.registry.deps import AppContext
+from edged.registry.release_states import release_states
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,11 @@ def admin_router(ctx: AppContext) -> APIRouter:
     @router.get(f"{API_PREFIX}/status", response_model=RegistryStatus)
     def status(model: str | None = None) -> RegistryStatus:
         with ctx.rtx() as s:
-            return service.registry_status(s, model)
+            st = service.registry_status(s, model)
+            for ms in st.models:
+                states = release_states(s, service.get_model(s, ms.model).id)
+                for r in ms.releases:
+                    r.state = states.get(r.release, "")
+            return st
 
     return router

@@ -25,6 +25,7 @@ from edged.registry import desired as desired_state
 from edged.registry import rollouts, service
 from edged.registry.db import DeviceModelRow, DeviceRow, ModelRow, ReleaseRow, VersionRow
 from edged.registry.gates import NOT_MODEL_ERRORS, Side
+from edged.registry.release_states import release_states
 from edged.registry.rollout_wire import RolloutInfo, RolloutStatus
 from edged.registry.telemetry_ingest import ModelSummary, device_series
 from edged.registry.telemetry_tables import TelemetryModelRow
@@ -518,10 +519,11 @@ def models(s: Session, since: float, *, bucket_s: float) -> list[ModelView]:
         vnum = dict(conn.execute(select(VersionRow.id, VersionRow.version).where(VersionRow.model_id == m.id)).all())
         rel_devices = Counter(n for n, in conn.execute(select(DeviceModelRow.release_number).where(
             DeviceModelRow.model_id == m.id, DeviceModelRow.state == "committed")))
+        states = release_states(s, m.id)
         releases = [{"number": r.number, "version": vnum.get(r.version_id), "key_id": r.key_id,
                      "signature": r.signature, "issued_at": r.issued_at, "expires_at": r.expires_at,
                      "revoked": r.revoked_at is not None, "notes": r.notes, "devices": rel_devices.get(r.number, 0),
-                     "selector": r.selector}
+                     "selector": r.selector, "state": states.get(r.number, "")}
                     for r in s.scalars(select(ReleaseRow).where(ReleaseRow.model_id == m.id)
                                        .order_by(ReleaseRow.number.desc()))]
         out.append(ModelView(name=m.name, versions=versions, releases=releases,
