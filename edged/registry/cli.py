@@ -720,3 +720,7 @@ def main(argv: list[str] | None = None) -> int:
         return exit_status(e)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `edged-registry devices --json | head`: the reader had enough, not an error to show
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's last flush at exit goes nowhere, silently
+        return 141  # as a process killed by SIGPIPE (128 + 13), which pipelines expect

@@ -230,7 +230,8 @@ def format_members(st: RolloutStatus) -> str:
     head = ("DEVICE", "STEP", "PROGRESS", "LAST REPORT", "WHEN", "REQUESTS", "ERRORS", "P99 MS")
     rows = [(m.device_id, str(m.step + 1), HEADINGS.get(m.progress, m.progress).lower(), m.report or "-",
              ago(m.at, now) if m.at is not None else "-", "-" if m.requests is None else str(m.requests),
-             "-" if m.errors is None else str(m.errors), "-" if m.p99_ms is None else f"{m.p99_ms:.1f}")
+             "-" if m.errors is None else str(m.errors),
+             "-" if m.p99_ms is None or not m.requests else f"{m.p99_ms:.1f}")
             for m in st.members]
     rendered = table([head, *rows]).split("\n")
     out = [rendered[0]]

@@ -486,7 +486,9 @@ class Updater:
         self._collect_garbage(model)
         detail: dict[str, Any] = {}
         if trial is not None:
-            detail = {"requests": trial.total, "errors": trial.errors, "p99_ms": trial.p99_s * 1000}
+            # no request, no latency: a p99 of 0.0 ms would read as a measurement
+            detail = {"requests": trial.total, "errors": trial.errors,
+                      "p99_ms": trial.p99_s * 1000 if trial.total else None}
         detail.update(self._judged_on(model, m, trial))
         self.baselines.pop(model, None)
         self.client.report(model, "committed", version=m.version, release=m.release, detail=detail)

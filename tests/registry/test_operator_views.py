@@ -95,3 +95,13 @@ def test_a_trial_shows_as_trial_of_the_new_version_in_api_cli_and_dashboard(worl
     h.close()
     assert f"v2 (r{ro.release})" in fleet and "<small>trial</small>" in fleet, fleet
     assert f"v2 (r{ro.release})" in device and "<small>trial</small>" in device, device
+
+
+def test_the_engine_a_daemon_serves_on_is_a_fact_a_rollout_can_target(world: World) -> None:
+    from edged.registry.targets import RolloutTarget
+
+    facts = world.client.device(DEVICE).facts
+    assert facts.get("engines.probed") is False  # the daemon does not try the engine libraries at start
+    assert facts.get("engines.onnxruntime.available") is True, facts  # but it serves on ONNX Runtime
+    assert "engines.openvino.available" not in facts  # not tried, not claimed either way
+    assert RolloutTarget(facts={"engines.onnxruntime.available": "true"}).matches(DEVICE, FLEET, facts)

@@ -114,3 +114,35 @@ def test_every_release_listing_says_what_became_of_it_with_dates(env: Env) -> No
     for number, state in want.items():
         row = page.split(f'data-release="{number}"', 1)[1].split("</tr>", 1)[0]
         assert f'class="release-state">{state}' in row, row
+
+
+def test_cli_output_to_a_closed_pipe_ends_quietly_and_no_latency_is_shown_without_requests(env: Env) -> None:
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.http_client import web
+
+    f = make_fleet(env, plain(1))
+    m = f.model
+    ro = f.rollout(2, [StepSpec(percent=100)], Gates(min_reporting=1))
+    dev = next(iter(f.devices.values()))
+    # A device that committed without a single request in its trial (an older edged sent p99_ms 0.0 then).
+    r = web().post(f"{env.url}/api/v1/device/reports", headers=dev.auth, json={"events": [
+        {"seq": 1, "model": m, "step": "committed", "version": 2, "release": ro.release, "at": time.time(),
+         "detail": {"requests": 0, "errors": 0, "p99_ms": 0.0}}]})
+    assert r.status_code == 200, r.text
+    out = env.server.cli("rollout", "status", str(ro.id), "--members").stdout
+    line = next(x for x in out.splitlines() if x.startswith(dev.id))
+    assert line.split()[-3:] == ["0", "0", "-"], line  # requests, errors, p99: none measured
+
+    # `edged-registry devices --json | head`: the reader closed the pipe before the command wrote.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env_vars = {**os.environ, "EDGED_REGISTRY_URL": env.url, "EDGED_REGISTRY_TOKEN": ADMIN_TOKEN}
+    done = subprocess.run([sys.executable, "-m", "edged.registry", "devices", "--json"], stdout=write_end,
+                          stderr=subprocess.PIPE, text=True, env=env_vars, timeout=120)
+    os.close(write_end)
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+    assert done.returncode == 141
