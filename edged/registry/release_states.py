@@ -13,7 +13,8 @@ import time
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from edged.registry.db import ReleaseRow, RolloutRow
+from edged.protocol.fleet.messages import EventInfo
+from edged.registry.db import ModelRow, ReleaseRow, RolloutRow
 
 # A release whose last rollout ended in one of these is not in use, whatever later releases exist.
 STOPPED = {"halted": "halted", "aborted": "aborted", "rolled-back": "rolled back"}
@@ -44,3 +45,22 @@ def release_states(s: Session, model_id: int, now: float | None = None) -> dict[
             phrase = "superseded"
         out[number] = phrase + (f", restores r{restores}" if restores is not None else "")
     return out
+
+
+def with_rollback_reasons(s: Session, events: list[EventInfo]) -> list[EventInfo]:
+    """A device's update history: events about a fleet rollback's release carry the operator's reason (the
+    release's notes, "rollback to release N: why") where the device gave none — the device only knows it
+    was offered an earlier version again, not why."""
+    wanted = {(e.model, e.release) for e in events if not e.reason and e.release is not None}
+    if not wanted:
+        return events
+    notes: dict[tuple[str, int], str] = {}
+    for model, number, text in s.execute(
+            select(ModelRow.name, ReleaseRow.number, ReleaseRow.notes)
+            .join(ModelRow, ModelRow.id == ReleaseRow.model_id)
+            .where(ModelRow.name.in_({m for m, _ in wanted}), ReleaseRow.restores.is_not(None))):
+        notes[(model, number)] = text or f"rollback of model {model}"
+    for e in events:
+        if not e.reason and e.release is not None and (e.model, e.release) in notes:
+            e.reason = notes[(e.model, e.release)]
+    return events

@@ -97,7 +97,17 @@ def test_every_release_listing_says_what_became_of_it_with_dates(env: Env) -> No
     bad = f.rollout(3, [StepSpec(percent=100)], Gates(max_failure_rate=0.1, min_reporting=1))
     next(iter(f.devices.values())).report(m, "failed", bad.release, 3, reason="prepare failed")
     assert f.evaluate() == {str(bad.id): "halted"}
-    back = f.client.rollback(env.keys.load(), m, str(f.r1), reason="test", expires_in_s=3600)
+    back = f.client.rollback(env.keys.load(), m, str(f.r1), reason="v3 misreads sevens", expires_in_s=3600)
+    # The device follows the rollback: its history says why, though it only knows an earlier version came back.
+    dev_id, dev = next(iter(f.devices.items()))
+    dev.report(m, "committed", back.release, 1)
+    ev = next(e for e in f.client.device(dev_id).events if e.release == back.release)
+    assert ev.reason == f"rollback to release {f.r1}: v3 misreads sevens", ev
+    assert "v3 misreads sevens" in env.server.cli("device", dev_id, "--events", "10").stdout
+    h = signed_in(env)
+    history = h.get(f"/ui/devices/{dev_id}").text.split('id="history"', 1)[1]
+    h.close()
+    assert "v3 misreads sevens" in history
     want = {f.r1: "superseded", good.release: "superseded", bad.release: "halted",
             back.release: f"valid, restores r{f.r1}"}
     assert {r.release: r.state for r in f.client.releases(m)} == want

@@ -23,7 +23,7 @@ from edged.protocol.fleet.messages import (
 )
 from edged.registry import service
 from edged.registry.deps import AppContext
-from edged.registry.release_states import release_states
+from edged.registry.release_states import release_states, with_rollback_reasons
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,9 @@ def admin_router(ctx: AppContext) -> APIRouter:
     @router.get(f"{API_PREFIX}/devices/{{device_id}}", response_model=DeviceInfo)
     def device(device_id: str, events: int = 50) -> DeviceInfo:
         with ctx.rtx() as s:
-            return with_serving(s, [service.get_device(s, device_id, max(0, min(events, 1000)))])[0]
+            info = service.get_device(s, device_id, max(0, min(events, 1000)))
+            info.events = with_rollback_reasons(s, info.events)
+            return with_serving(s, [info])[0]
 
     @router.patch(f"{API_PREFIX}/devices/{{device_id}}/labels", response_model=DeviceInfo)
     def labels(device_id: str, req: LabelsUpdate) -> DeviceInfo:

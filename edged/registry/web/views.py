@@ -25,7 +25,7 @@ from edged.registry import desired as desired_state
 from edged.registry import rollouts, service
 from edged.registry.db import DeviceModelRow, DeviceRow, ModelRow, ReleaseRow, VersionRow
 from edged.registry.gates import NOT_MODEL_ERRORS, Side
-from edged.registry.release_states import release_states
+from edged.registry.release_states import release_states, with_rollback_reasons
 from edged.registry.rollout_wire import RolloutInfo, RolloutStatus
 from edged.registry.telemetry_ingest import ModelSummary, device_series
 from edged.registry.telemetry_tables import TelemetryModelRow
@@ -403,7 +403,7 @@ def device(s: Session, snap: desired_state.Snapshot, device_id: str, *, online_s
     serving = row.serving
     models = sorted({m.model for m in info.models} | {sv.model for sv in serving})
     return DevicePage(row=row, facts=dict(sorted(dev.facts.items())), enrolled_at=dev.enrolled_at,
-                      models=info.models, events=list(reversed(info.events)),
+                      models=info.models, events=list(reversed(with_rollback_reasons(s, info.events))),
                       charts=device_charts(s, device_id, models, since))
 
 
