@@ -15,9 +15,15 @@ from tests.registry.test_rollout import make_fleet, plain
 from tests.registry_helpers import ADMIN_TOKEN
 
 
+ONLINE_S = 3.0  # a device that has not called for this long is offline on the pages
+
+
 @pytest.fixture(scope="module", params=["sqlite"])
 def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    yield from registry_env(request, tmp_path_factory, "record", extra_args=["--rollout-tick", "1h"])
+    conf = tmp_path_factory.mktemp("record-conf") / "registry.toml"
+    conf.write_text(f"[registry]\ndashboard_online_s = {ONLINE_S}\nlast_seen_flush_s = 0.5\n")
+    yield from registry_env(request, tmp_path_factory, "record",
+                            extra_args=["--config", str(conf), "--rollout-tick", "1h"])
 
 
 def gates(st: Any) -> list[dict[str, Any]]:
@@ -156,3 +162,41 @@ def test_cli_output_to_a_closed_pipe_ends_quietly_and_no_latency_is_shown_withou
     os.close(write_end)
     assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
     assert done.returncode == 141
+
+
+def test_offline_members_of_a_paused_rollout_are_flagged_on_its_page(env: Env) -> None:
+    import time
+
+    f = make_fleet(env, plain(2))
+    m = f.model
+    ro = f.rollout(2, [StepSpec(percent=100)], Gates(min_reporting=2))
+    (gone_id, gone), (here_id, here) = list(f.devices.items())
+    gone.report(m, "downloading", ro.release, 2)  # then it loses power
+    f.client.rollout_action(ro.id, "pause", "network maintenance")
+    time.sleep(ONLINE_S + 1.0)
+    here.poll()  # the other member keeps calling
+    h = signed_in(env)
+    from tests.registry_helpers import wait_for
+
+    def flagged() -> str | None:
+        page = h.get(f"/ui/rollouts/{ro.id}").text
+        return page if 'id="offline-members"' in page and here_id not in page.split("offline-members", 1)[1] \
+            else None
+
+    page = wait_for(flagged, 20, 0.3, "the offline member flagged")
+    h.close()
+    flag = page.split('id="offline-members"', 1)[1].split("</ul>", 1)[0]
+    assert "1 member(s) offline" in flag and gone_id in flag and "updating" in flag, flag
+
+
+def test_charts_break_their_lines_across_periods_without_data() -> None:
+    from edged.registry.web.views import _chart
+
+    # a sample every 10 s, then nothing for five minutes (the version was not loaded), then samples again
+    rows = [(float(t), "v1", 1.0) for t in (0, 10, 20, 30)] + [(float(t), "v1", 2.0) for t in (330, 340, 350)]
+    ch = _chart("c", "requests", "req/s", rows)
+    values = ch.series["v1"]
+    assert None in values and values.index(None) == 4, (ch.x, values)  # one break, inside the gap
+    assert 30 < ch.x[4] < 330 and ch.points() == 7
+    steady = _chart("c", "requests", "req/s", [(float(t), "v1", 1.0) for t in range(0, 100, 10)])
+    assert None not in steady.series["v1"]

@@ -170,10 +170,11 @@ class Pages:
 
     def _rollout(self, ask: PageAsk) -> tuple[str, dict[str, Any]]:
         with self._tx() as s:
-            st = views.rollout(s, int(ask.key))
+            st, offline = views.rollout_page(s, int(ask.key), online_s=self.online_s)
         # Only what the rollout's state machine accepts (a completed or halted rollout cannot be paused or resumed).
         offered = {a: ACTIONS[a] for a in allowed_actions(st.rollout.state)}
-        return "rollout.html", {"title": f"Rollout {ask.key}", "nav": "rollouts", "st": st, "actions": offered}
+        return "rollout.html", {"title": f"Rollout {ask.key}", "nav": "rollouts", "st": st, "actions": offered,
+                                "offline": offline}
 
 
 def window_of(query: dict[str, str]) -> tuple[str, float]:

@@ -9,6 +9,7 @@ cached release snapshot), so the page and the devices never disagree about it.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import Counter, defaultdict
@@ -312,9 +313,29 @@ class Chart:
         return sum(1 for v in self.series.values() for y in v if y is not None)
 
 
+GAP_FACTOR = 3.0  # a spacing this many times the usual one is a period without data, drawn as a break
+
+
+def _with_breaks(xs: list[float]) -> list[float]:
+    """``xs`` with an x of no value inside every gap much longer than the usual spacing (the median), so
+    no line is drawn across a period when nothing was reported (a device off, a version not loaded)."""
+    if len(xs) < 3:
+        return xs
+    steps = sorted(b - a for a, b in itertools.pairwise(xs))
+    usual = steps[len(steps) // 2]
+    if usual <= 0:
+        return xs
+    out = [xs[0]]
+    for a, b in itertools.pairwise(xs):
+        if b - a > GAP_FACTOR * usual:
+            out.append((a + b) / 2)
+        out.append(b)
+    return out
+
+
 def _chart(cid: str, title: str, unit: str, rows: Sequence[tuple[float, str, float | None]]) -> Chart:
-    """Rows of (t, series, y) -> a chart on the union of the x values."""
-    xs = sorted({t for t, _, _ in rows})
+    """Rows of (t, series, y) -> a chart on the union of the x values, gaps broken (``_with_breaks``)."""
+    xs = _with_breaks(sorted({t for t, _, _ in rows}))
     pos = {t: i for i, t in enumerate(xs)}
     ch = Chart(cid, title, unit, x=xs)
     for t, name, y in rows:
@@ -561,6 +582,32 @@ def rollout_list(s: Session) -> list[RolloutInfo]:
 
 def rollout(s: Session, rollout_id: int) -> RolloutStatus:
     return rollouts.rollout_status(s, rollout_id)
+
+
+@dataclass
+class OfflineMember:
+    device_id: str
+    progress: str
+    last_seen_at: float | None
+
+
+# A member in one of these is done with the release: being offline holds nothing up.
+_SETTLED = {"committed", "rolled_back", "failed"}
+
+
+def rollout_page(s: Session, rollout_id: int, *, online_s: float) -> tuple[RolloutStatus, list[OfflineMember]]:
+    """The rollout with its members that have not settled and are offline: they read 'pending' in the counts,
+    but will not move until they call again, which an operator needs to see (a paused rollout's above all)."""
+    st = rollouts.rollout_status(s, rollout_id, with_members=True)
+    waiting = {m.device_id: m.progress for m in st.members if m.progress not in _SETTLED}
+    st.members = []  # the page shows counts per step, not every member
+    if not waiting:
+        return st, []
+    now = time.time()
+    offline = [OfflineMember(dev_id, waiting[dev_id], seen) for dev_id, seen in
+               s.execute(select(DeviceRow.id, DeviceRow.last_seen_at).where(DeviceRow.id.in_(list(waiting))))
+               if seen is None or now - seen > online_s]
+    return st, sorted(offline, key=lambda m: m.device_id)
 
 
 def releasable(s: Session) -> dict[str, list[dict[str, Any]]]:
