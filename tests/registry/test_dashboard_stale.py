@@ -51,7 +51,7 @@ def test_a_failing_live_feed_greys_the_page_and_says_as_of_when(tmp_path: Path, 
         assert not banner.is_displayed() and "stale" not in (live.get_attribute("class") or "")
 
         server.stop()  # the registry goes away under the open page
-        wait_for(lambda: banner.is_displayed(), 30, 0.2, "the stale banner")
+        wait_for(banner.is_displayed, 30, 0.2, "the stale banner")
         assert "as of" in banner.text and "not current" in banner.text, banner.text
         assert "stale" in (live.get_attribute("class") or "")
         assert float(d.execute_script("return getComputedStyle(arguments[0]).opacity", live)) < 1

@@ -200,3 +200,21 @@ def test_charts_break_their_lines_across_periods_without_data() -> None:
     assert 30 < ch.x[4] < 330 and ch.points() == 7
     steady = _chart("c", "requests", "req/s", [(float(t), "v1", 1.0) for t in range(0, 100, 10)])
     assert None not in steady.series["v1"]
+
+
+def test_the_fleet_page_finds_devices_by_id_prefix(env: Env) -> None:
+    import re
+
+    f = make_fleet(env, {**plain(2), "cam-1": ({}, {}), "cam-2": ({}, {})})
+    h = signed_in(env)
+
+    def listed(query: dict[str, str]) -> set[str]:
+        page = h.get("/ui/fleet", params=query).text
+        return set(re.findall(r'<tr data-device="([^"]+)"', page))
+
+    assert listed({"id": f"{f.model}-cam"}) == {f"{f.model}-cam-1", f"{f.model}-cam-2"}
+    assert listed({"id": f"{f.model}-d1"}) == {f"{f.model}-d1"}
+    assert listed({"id": f"{f.model}-cam", "part": "live"}) == {f"{f.model}-cam-1", f"{f.model}-cam-2"}
+    assert listed({"id": "no-such-prefix"}) == set()
+    assert 'name="id"' in h.get("/ui/fleet").text  # the search box
+    h.close()

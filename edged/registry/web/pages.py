@@ -34,7 +34,7 @@ HERE = Path(__file__).parent
 FLEET_PAGE = 200
 ACTIONS = {"pause": "Pause", "resume": "Resume", "abort": "Abort", "rollback": "Roll back"}
 PAGES = ("fleet", "device", "models", "rollouts", "rollout")
-QUERY = ("part", "from", "label", "model", "profile", "state", "window")  # what a page reads of its query
+QUERY = ("part", "from", "id", "label", "model", "profile", "state", "window")  # what a page reads of its query
 
 
 @functools.cache
@@ -136,7 +136,8 @@ class Pages:
     def _fleet(self, ask: PageAsk) -> tuple[str, dict[str, Any]]:
         q = ask.query
         flt = views.FleetFilter(label=q.get("label", "")[:256], model=q.get("model", "")[:128],
-                                profile=q.get("profile", "")[:128], state=q.get("state", "")[:16])
+                                profile=q.get("profile", "")[:128], state=q.get("state", "")[:16],
+                                id=q.get("id", "").strip()[:128])
         try:
             offset = max(0, int(q.get("from", "0")))
         except ValueError:

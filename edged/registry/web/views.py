@@ -132,12 +132,15 @@ class FleetFilter:
     model: str = ""
     profile: str = ""
     state: str = ""   # online | offline | off-target | error
+    id: str = ""      # device id prefix (the search box)
 
     def label_pair(self) -> tuple[str, str] | None:
         key, sep, value = self.label.partition("=")
         return (key.strip(), value.strip()) if sep and key.strip() else None
 
     def keeps(self, row: FleetRow) -> bool:
+        if self.id and not row.id.startswith(self.id):
+            return False
         pair = self.label_pair()
         if pair is not None and row.labels.get(pair[0]) != pair[1]:
             return False
