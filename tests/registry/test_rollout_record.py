@@ -14,7 +14,6 @@ from tests.registry.conftest import Env, registry_env
 from tests.registry.test_rollout import make_fleet, plain
 from tests.registry_helpers import ADMIN_TOKEN
 
-
 ONLINE_S = 3.0  # a device that has not called for this long is offline on the pages
 
 
