@@ -181,6 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("device_id")
     p.add_argument("--ttl", type=parse_duration, default=parse_duration("24h"))
 
+    p = sub.add_parser("decommission", help="retire a device: revoke its credential, take it out of every "
+                                            "rollout, keep its history")
+    _client_args(p)
+    p.add_argument("device_id")
+
     p = sub.add_parser("pin", help="pin one device to a release of a model ('none' unpins)")
     _client_args(p)
     p.add_argument("device_id")
@@ -661,6 +666,14 @@ def cmd_reenroll(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_decommission(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        d = c.decommission(args.device_id)
+    _print(args, d, lambda: f"device {d.device_id} decommissioned on {d.labels.get('decommissioned')}: its "
+           "credential is revoked, it is in no rollout, its history is kept")
+    return 0
+
+
 def cmd_pin(args: argparse.Namespace) -> int:
     release = None if args.release.lower() == "none" else int(args.release)
     with _client(args) as c:
@@ -694,7 +707,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "revoke": cmd_revoke, "releases": cmd_releases, "models": cmd_models, "devices": cmd_devices,
     "device": cmd_device, "status": cmd_status, "telemetry": cmd_telemetry, "enroll-token": cmd_enroll_token,
     "label": cmd_label,
-    "reenroll": cmd_reenroll,
+    "reenroll": cmd_reenroll, "decommission": cmd_decommission,
     "pin": cmd_pin, "rollout": cmd_rollout, "rollback": cmd_rollback, "simulate": cmd_simulate,
 }
 

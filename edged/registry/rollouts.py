@@ -29,6 +29,7 @@ from edged.registry.db import (
     RolloutRow,
     VersionRow,
 )
+from edged.registry.decommission import is_decommissioned
 from edged.registry.gates import Side, quality_scores, readings, release_counts, telemetry_watermark
 from edged.registry.rollout_wire import (
     ACTIVE_STATES,
@@ -71,6 +72,8 @@ def targeted(s: Session, ro: RolloutRow, selector: TargetSelector) -> list[Candi
     for r in rows:
         labels = dict(r.admin_labels or {})  # operator-owned only (see DeviceRow.effective_labels)
         facts = r.facts or {}
+        if is_decommissioned(labels):  # it will never call again: no step may wait for it
+            continue
         if selector_matches(selector, r.id, labels) and target.matches(r.id, labels, facts):
             out.append(Candidate(r.id, labels, facts))
     return out

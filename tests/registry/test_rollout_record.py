@@ -251,3 +251,23 @@ def test_the_dashboard_form_speaks_the_cli_vocabulary_and_shows_the_members_befo
     refused = h.post("/ui/rollouts", data={**form, "signed": again, "steps": "100%", "max_quality_drop": "0.02"})
     assert refused.status_code in (400, 409, 422) and "evaluation" in refused.text, refused.text
     h.close()
+
+
+def test_a_decommissioned_device_cannot_call_takes_no_part_in_rollouts_and_keeps_its_history(env: Env) -> None:
+    f = make_fleet(env, plain(3))
+    m = f.model
+    (old_id, old), *_ = f.devices.items()
+    old.report(m, "committed", f.r1, 1)
+    out = env.server.cli("decommission", old_id).stdout
+    assert "decommissioned" in out and "history is kept" in out, out
+    assert old.poll().status_code == 401  # its credential is gone
+    info = f.client.device(old_id)
+    assert [e.step for e in info.events] == ["committed"] and "decommissioned" in info.labels  # history kept
+    ro = f.rollout(2, [StepSpec(percent=100)], Gates(min_reporting=1))
+    st = f.client.rollout(ro.id)
+    assert st.targeted == 2 and st.rollout.members == 2  # the rollout neither waits for it nor counts it
+    h = signed_in(env)
+    row = h.get("/ui/fleet", params={"id": old_id}).text.split(f'data-device="{old_id}"', 1)[1].split("</tr>", 1)[0]
+    h.close()
+    assert "decommissioned" in row
+    f.client.rollout_action(ro.id, "abort", "test")

@@ -22,6 +22,7 @@ from edged.protocol.fleet.messages import (
     ServingInfo,
 )
 from edged.registry import service
+from edged.registry.decommission import decommission
 from edged.registry.deps import AppContext
 from edged.registry.release_states import release_states, with_rollback_reasons
 
@@ -86,6 +87,15 @@ def admin_router(ctx: AppContext) -> APIRouter:
             out = service.reenroll_token(s, device_id, req)
         log.info("device %s: credential revoked by an operator, re-enrollment token issued", device_id)
         return out
+
+    @router.post(f"{API_PREFIX}/devices/{{device_id}}/decommission", response_model=DeviceInfo)
+    def decommission_device(device_id: str) -> DeviceInfo:
+        """Revoke its credential, take it out of every rollout, keep its history (edged.registry.decommission)."""
+        with ctx.tx() as s:
+            decommission(s, device_id)
+        log.info("device %s decommissioned by an operator", device_id)
+        with ctx.rtx() as s:
+            return with_serving(s, [service.get_device(s, device_id)])[0]
 
     @router.put(f"{API_PREFIX}/devices/{{device_id}}/models/{{model}}/pin", response_model=DeviceInfo)
     def pin(device_id: str, model: str, req: PinRequest) -> DeviceInfo:
