@@ -35,6 +35,7 @@ def browser() -> Iterator[Any]:
         driver.quit()
 
 
+@pytest.mark.slow  # a browser and two registry starts (~13 s); test_rollout_record.py holds the rest of item 8
 def test_a_failing_live_feed_greys_the_page_and_says_as_of_when(tmp_path: Path, browser: Any) -> None:
     from selenium.webdriver.common.by import By
 

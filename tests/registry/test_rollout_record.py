@@ -14,13 +14,13 @@ from tests.registry.conftest import Env, registry_env
 from tests.registry.test_rollout import make_fleet, plain
 from tests.registry_helpers import ADMIN_TOKEN
 
-ONLINE_S = 3.0  # a device that has not called for this long is offline on the pages
+ONLINE_S = 1.5  # a device that has not called for this long is offline on the pages
 
 
 @pytest.fixture(scope="module", params=["sqlite"])
 def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     conf = tmp_path_factory.mktemp("record-conf") / "registry.toml"
-    conf.write_text(f"[registry]\ndashboard_online_s = {ONLINE_S}\nlast_seen_flush_s = 0.5\n")
+    conf.write_text(f"[registry]\ndashboard_online_s = {ONLINE_S}\nlast_seen_flush_s = 0.3\n")
     yield from registry_env(request, tmp_path_factory, "record",
                             extra_args=["--config", str(conf), "--rollout-tick", "1h"])
 
