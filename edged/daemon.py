@@ -76,6 +76,11 @@ def choose_profile(cfg: Config, facts: HardwareFacts) -> ProfileMatch:
     return match_profile(facts, profiles)
 
 
+def _serving_backends(rt: Runtime) -> list[str]:
+    """The engines that serve a model now: known to work here, probed or not."""
+    return sorted({mv.candidate.backend for mv in _ready(rt.manager.table.all()) if mv.candidate is not None})
+
+
 def build_runtime(cfg: Config, *, load: bool = True, only: str | None = None, defer_choice: bool = False) -> Runtime:
     """Probe, pick the profile, and (unless ``load`` is False) load the repository or one model.
 
@@ -194,7 +199,7 @@ class Daemon:
         if self.cfg.registry.enabled:
             from edged.sync.agent import SyncAgent, device_facts
             out.append(SyncAgent(self.cfg, rt.service, settings=self.sync_settings,
-                                 facts=device_facts(rt.facts, rt.profile.name)))
+                                 facts=device_facts(rt.facts, rt.profile.name, _serving_backends(rt))))
         # Always: with [telemetry] enabled = false the agent still keeps the status file `edged status` reads.
         out.append(self._telemetry_agent(rt, metrics))
         return out

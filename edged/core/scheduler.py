@@ -55,7 +55,6 @@ class _Item:
     batch: int
     signature: tuple[object, ...]
     enqueued_ns: int
-    stats: ModelStats  # the model's, or a throwaway one for the daemon's own requests (InferRequest.internal)
     future: Future[InferResponse] = field(default_factory=Future)
 
 
@@ -76,8 +75,6 @@ class Scheduler:
         self.delay_ns = (batching.max_queue_delay_us * 1000) if batching else 0
         self.preferred = sorted(batching.preferred_batch_sizes) if batching else []
         self.stats = stats
-        # Where the daemon's own requests (self-test, watchdog probe) are counted: nowhere anyone reads.
-        self._quiet = ModelStats(name, version, stats.backend)
         self.policy = BatchPolicy(max_batch_size > 0 and batching is not None)
         stats.batching = self.policy.to_json
         self.good_shapes = GoodShapes(max_batch_size > 0)
@@ -110,19 +107,19 @@ class Scheduler:
 
     # ---- submission -------------------------------------------------------------------------
     def submit(self, req: InferRequest, batch: int) -> Future[InferResponse]:
-        stats = self._quiet if req.internal else self.stats
-        item = _Item(req, batch, _signature(req, self.max_batch_size > 0), time.monotonic_ns(), stats)
+        item = _Item(req, batch, _signature(req, self.max_batch_size > 0), time.monotonic_ns())
         with self._cv:
             if not self._running:
                 raise ModelNotReadyError(f"model {self.name!r} version {self.version} is unloading")
             if len(self._queue) >= self.max_queue:
-                stats.record_failure("overloaded", total_ns=0, started=False)
+                if req.source is None:  # an internal caller counts its own refusal (or not at all)
+                    self.stats.record_failure("overloaded", total_ns=0, started=False)
                 raise OverloadedError(
                     f"model {self.name!r} version {self.version}: queue full ({self.max_queue} requests waiting)")
             if self._queue or self._busy >= self._instances:
                 self._concurrent_until = time.monotonic() + _CONCURRENCY_MEMORY_S
             self._queue.append(item)
-            stats.enter()
+            self.stats.enter()
             self._cv.notify()
         return item.future
 
@@ -163,7 +160,7 @@ class Scheduler:
     def _run_claimed(self, req: InferRequest, batch: int, nbytes: int) -> InferResponse:
         """The inline hot path: after the claim, one lock for the statistics' in-flight count and one
         to give the instance back; the run's figures are noted without a lock (ModelStats)."""
-        stats = self._quiet if req.internal else self.stats
+        stats = self.stats
         stats.enter()
         start_ns = time.monotonic_ns()
         try:
@@ -177,13 +174,16 @@ class Scheduler:
             if wanted is not None:
                 outs = {n: outs[n] for n in wanted}
             t3 = time.monotonic_ns()
-            stats.record_inline(batch, t1 - start_ns, t2 - t1, t3 - t2, t3 - start_ns, end_ns=t3)
+            if req.source is None:
+                stats.record_inline(batch, t1 - start_ns, t2 - t1, t3 - t2, t3 - start_ns, end_ns=t3)
+            else:
+                stats.record_internal(req.source)
             self._note_run(t3 - start_ns, nbytes)
         except EdgedError as e:
-            stats.record_failure(failure_key(e), total_ns=time.monotonic_ns() - start_ns)
+            self._count_failure(req, failure_key(e), time.monotonic_ns() - start_ns)
             raise
         except BaseException:
-            stats.record_failure("internal", total_ns=time.monotonic_ns() - start_ns)
+            self._count_failure(req, "internal", time.monotonic_ns() - start_ns)
             raise
         finally:
             with self._lock:
@@ -332,14 +332,13 @@ class Scheduler:
                 answers.append((item, DeadlineExceededError(
                     f"model {self.name!r}: request waited {waited_ms:.1f} ms, past its deadline")))
             elif not item.future.set_running_or_notify_cancel():
-                item.stats.record_failure("cancelled", total_ns=start_ns - item.enqueued_ns)
+                self._count_failure(item.request, "cancelled", start_ns - item.enqueued_ns)
             else:
                 live.append(item)
         if not live:
             return answers
         try:
-            results = self._compute([(i.request, i.batch) for i in live], queued=informs,
-                                    counted=[i for i in live if i.stats is self.stats])
+            results = self._compute([(i.request, i.batch) for i in live], queued=informs)
         except EdgedError as e:
             return answers + [(item, e) for item in live]
         return answers + [(item, InferResponse(self.name, self.version, outs, item.request.id))
@@ -352,11 +351,13 @@ class Scheduler:
                 self._fail(item, answer)
                 continue
             done_ns = time.monotonic_ns()
-            item.stats.record_success(queue_ns=start_ns - item.enqueued_ns, total_ns=done_ns - item.enqueued_ns)
+            if item.request.source is None:
+                self.stats.record_success(queue_ns=start_ns - item.enqueued_ns, total_ns=done_ns - item.enqueued_ns)
+            else:
+                self.stats.record_internal(item.request.source)
             item.future.set_result(answer)
 
-    def _compute(self, reqs: list[tuple[InferRequest, int]], *, queued: bool = True,
-                 counted: list[_Item] | None = None) -> list[dict[str, np.ndarray]]:
+    def _compute(self, reqs: list[tuple[InferRequest, int]], *, queued: bool = True) -> list[dict[str, np.ndarray]]:
         """Concatenate along the batch dimension, run the engine once, split the outputs back.
 
         Raises one EdgedError for the whole batch: every request in it fails the same way.
@@ -386,10 +387,11 @@ class Scheduler:
                 results.append({n: outputs[n][sl] for n in (r.outputs or outputs)})
         t3 = time.monotonic_ns()
         samples = sum(b for _, b in reqs)
-        if counted is None or len(counted) == len(reqs):
-            self.stats.record_batch(samples, len(reqs), t1 - t0, t2 - t1, t3 - t2)
-        elif counted:  # the daemon's own requests ran along: the run counts for the clients' samples only
-            self.stats.record_batch(sum(i.batch for i in counted), len(counted), t1 - t0, t2 - t1, t3 - t2)
+        # Engine runs count what clients sent: a run for internal requests alone (self-test, probe) is not
+        # counted, and a shared one counts only its clients' elements.
+        clients = [b for r, b in reqs if r.source is None]
+        if clients:
+            self.stats.record_batch(sum(clients), len(clients), t1 - t0, t2 - t1, t3 - t2)
         if len(reqs) == 1:
             self._note_run(t3 - t0, _nbytes(inputs))
         if queued:
@@ -406,8 +408,15 @@ class Scheduler:
                 names[n] = None
         return list(names)
 
+    def _count_failure(self, req: InferRequest, code: str, total_ns: int) -> None:
+        """A started request failed: a client's failure by code, an internal one apart (by source)."""
+        if req.source is None:
+            self.stats.record_failure(code, total_ns=total_ns)
+        else:
+            self.stats.record_internal(req.source)
+
     def _fail(self, item: _Item, err: EdgedError) -> None:
-        item.stats.record_failure(failure_key(err), total_ns=time.monotonic_ns() - item.enqueued_ns)
+        self._count_failure(item.request, failure_key(err), time.monotonic_ns() - item.enqueued_ns)
         if not item.future.done():
             item.future.set_exception(err)
 

@@ -97,6 +97,8 @@ class ModelStats:
         self.inference_count = 0  # samples (batch elements)
         self.execution_count = 0  # engine runs
         self.failures_by_code: dict[str, int] = {}
+        # Requests the daemon sent itself (self-test, watchdog probe), by source: not requests served.
+        self.internal: dict[str, int] = {}
         self.batches: dict[int, _BatchStat] = {}
         self._in_flight = 0
         # Inline runs not yet in the counters: (batch, input, infer, output, total ns, monotonic end ns).
@@ -160,6 +162,13 @@ class ModelStats:
                 self._in_flight -= 1
             self.fail.add(total_ns)
             self.failures_by_code[code] = self.failures_by_code.get(code, 0) + 1
+
+    def record_internal(self, source: str, *, started: bool = True) -> None:
+        """One request the daemon sent itself ended (answered or not): counted apart, by source."""
+        with self._lock:
+            if started:
+                self._in_flight -= 1
+            self.internal[source] = self.internal.get(source, 0) + 1
 
     def record_inline(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int, total_ns: int, *,
                       end_ns: int) -> None:
@@ -233,6 +242,7 @@ class ModelStats:
                     for bs, b in sorted(self.batches.items())
                 ],
                 "failures_by_code": dict(self.failures_by_code),
+                "internal_requests": dict(self.internal),
                 "in_flight": in_flight,
                 "inline_count": self.inline_count,
                 "batching": batching,

@@ -23,9 +23,9 @@ class InferRequest:
     parameters: dict[str, Any] = field(default_factory=dict)
     # The request memory it holds (edged/membudget.py): the service releases it when the request ends.
     memory: Reservation | None = None
-    # The daemon's own request (self-test, watchdog probe): served like any other but not counted in the
-    # model's statistics. No transport sets it; it is not part of any wire format.
-    internal: bool = False
+    # None: a client's request. Otherwise who inside the daemon sent it ("self-test", "watchdog"): such
+    # requests are served like any other but counted apart (ModelStats.internal), never as requests served.
+    source: str | None = None
 
 
 @dataclass

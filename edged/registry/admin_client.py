@@ -217,6 +217,10 @@ class RegistryClient:
                        headers={"Content-Type": "application/json"})
         return EnrollmentTokenResponse.model_validate_json(r.content)
 
+    def decommission(self, device_id: str) -> DeviceInfo:
+        """Revoke a device's credential for good and take it out of rollouts; its history stays."""
+        return DeviceInfo.model_validate_json(self._call("POST", f"/devices/{device_id}/decommission").content)
+
     def reenroll(self, device_id: str, ttl_s: float = 86400) -> EnrollmentTokenResponse:
         """Revoke a device's credential and get a single-use token that enrolls that id again."""
         r = self._call("POST", f"/devices/{device_id}/reenroll", content=ReenrollRequest(ttl_s=ttl_s).model_dump_json(),

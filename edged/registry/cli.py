@@ -181,6 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("device_id")
     p.add_argument("--ttl", type=parse_duration, default=parse_duration("24h"))
 
+    p = sub.add_parser("decommission", help="retire a device: revoke its credential, take it out of every "
+                                            "rollout, keep its history")
+    _client_args(p)
+    p.add_argument("device_id")
+
     p = sub.add_parser("pin", help="pin one device to a release of a model ('none' unpins)")
     _client_args(p)
     p.add_argument("device_id")
@@ -446,7 +451,7 @@ def cmd_release(args: argparse.Namespace) -> int:
         info = c.release(key, args.model, args.model_version, expires_in_s=args.expires, selector=selector,
                          notes=args.notes, number=args.number, check_folder=args.check_folder)
     _print(args, info, lambda: f"release {info.release} of model {info.model}: version {info.version}, "
-           f"signed by key {info.key_id}, expires at {info.expires_at}")
+           f"signed by key {info.key_id}, expires {_utc(info.expires_at)}")
     return 0
 
 
@@ -457,12 +462,20 @@ def cmd_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def _utc(t: float) -> str:
+    from edged.registry.cli_format import utc
+
+    return utc(t)
+
+
 def cmd_releases(args: argparse.Namespace) -> int:
+    from edged.registry.cli_format import utc
+
     with _client(args) as c:
         rels = c.releases(args.model)
-    rows = [("RELEASE", "VERSION", "KEY", "EXPIRES", "SELECTOR", "REVOKED")]
-    rows += [(str(r.release), str(r.version), r.key_id, str(r.expires_at),
-              json.dumps(r.selector.model_dump(), separators=(",", ":")), "yes" if r.revoked else "")
+    rows = [("RELEASE", "VERSION", "STATE", "EXPIRES", "KEY", "SELECTOR", "NOTES")]
+    rows += [(str(r.release), str(r.version), r.state or ("revoked" if r.revoked else "-"), utc(r.expires_at),
+              r.key_id, json.dumps(r.selector.model_dump(), separators=(",", ":")), r.notes or "-")
              for r in rels]
     _print(args, rels, lambda: _table(rows))
     return 0
@@ -507,7 +520,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
                 blocks.append(((d.device_id, "-", "-", "-", "-", "-", seen), []))
             for name, sv, rep in lines:
                 serving = "not serving" if sv is None or sv.state == "not serving" else (
-                    version_ref(sv.version, sv.release) + (" trial" if sv.state == "active-trial" else "")
+                    version_ref(sv.version, sv.release) + (" trial" if sv.state == "trial" else "")
                     + (" local" if sv.state == "local" else ""))
                 desired = version_ref(sv.desired_version, sv.desired_release) if sv is not None else "-"
                 row = (d.device_id, name, serving, (sv.engine if sv else None) or "-", desired, _report(rep), seen)
@@ -580,7 +593,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                     earlier = f"; {r.committed_ever} device(s) committed it earlier" if r.committed_ever else ""
                     counts = (f"no device on it now{earlier}" if later or r.committed_ever else "no reports yet")
                 later += sum(r.devices.values())
-                shown.append(f"  release {r.release} (version {r.version}{', revoked' if r.revoked else ''}): "
+                state = r.state or ("revoked" if r.revoked else "")
+                shown.append(f"  release {r.release} (version {r.version}{', ' + state if state else ''}): "
                              f"{counts}")
             lines += reversed(shown)
         return "\n".join(lines)
@@ -652,6 +666,14 @@ def cmd_reenroll(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_decommission(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        d = c.decommission(args.device_id)
+    _print(args, d, lambda: f"device {d.device_id} decommissioned on {d.labels.get('decommissioned')}: its "
+           "credential is revoked, it is in no rollout, its history is kept")
+    return 0
+
+
 def cmd_pin(args: argparse.Namespace) -> int:
     release = None if args.release.lower() == "none" else int(args.release)
     with _client(args) as c:
@@ -685,7 +707,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "revoke": cmd_revoke, "releases": cmd_releases, "models": cmd_models, "devices": cmd_devices,
     "device": cmd_device, "status": cmd_status, "telemetry": cmd_telemetry, "enroll-token": cmd_enroll_token,
     "label": cmd_label,
-    "reenroll": cmd_reenroll,
+    "reenroll": cmd_reenroll, "decommission": cmd_decommission,
     "pin": cmd_pin, "rollout": cmd_rollout, "rollback": cmd_rollback, "simulate": cmd_simulate,
 }
 
@@ -711,3 +733,7 @@ def main(argv: list[str] | None = None) -> int:
         return exit_status(e)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `edged-registry devices --json | head`: the reader had enough, not an error to show
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's last flush at exit goes nowhere, silently
+        return 141  # as a process killed by SIGPIPE (128 + 13), which pipelines expect

@@ -33,7 +33,7 @@ from edged.registry.gates import (
     waiting_for_quality,
 )
 from edged.registry.rollout_wire import Gates, StepSpec
-from edged.registry.rollouts import enter_step, population, recount, step_base
+from edged.registry.rollouts import enter_step, freeze_gates, population, recount, step_base
 from edged.registry.service import bump_revision
 from edged.registry.targets import Ramp
 
@@ -96,6 +96,7 @@ def evaluate(s: Session, ro: RolloutRow, now: float | None = None, busy: Busy | 
     rs = readings(gates, counts, ro.step_members, new, base, quality=quality)
     bad = crossed(rs)
     if bad:
+        freeze_gates(s, ro, rs)
         ro.state, ro.reason, ro.updated_at, ro.finished_at = "halted", halt_reason(bad), t, t
         if (ramp := Ramp.load(ro.admission)) is not None:
             ro.admission = ramp.held(t).dump()
@@ -116,6 +117,7 @@ def evaluate(s: Session, ro: RolloutRow, now: float | None = None, busy: Busy | 
     if ro.step_ready_at is None or t - ro.step_ready_at < spec.soak_s:
         return None
     if ro.step + 1 >= len(ro.steps):
+        freeze_gates(s, ro, rs)
         ro.state, ro.step, ro.reason, ro.updated_at, ro.finished_at = "completed", len(ro.steps), None, t, t
         bump_revision(s)
         log.info("rollout %d (model %s release %d) completed", ro.id, model, rel.number)

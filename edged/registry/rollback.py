@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 from edged.protocol.fleet.release import ReleaseError, TargetSelector
 from edged.registry.db import ReleaseRow, RolloutRow, VersionRow
 from edged.registry.rollout_wire import ACTIVE_STATES, REVERT_STATES, RollbackPlan, RollbackRequest, RollbackResult
+from edged.registry.rollouts import freeze_gates
 from edged.registry.service import bump_revision, conflict, create_release, get_model, invalid, not_found
 
 PREVIOUS = "previous"
@@ -120,6 +121,7 @@ def rollback(s: Session, model: str, req: RollbackRequest, public_keys: list[str
     stopped = []
     for ro in s.scalars(select(RolloutRow).where(RolloutRow.model_id == m.id, RolloutRow.state.in_(ACTIVE_STATES))
                         .with_for_update()):
+        freeze_gates(s, ro)
         ro.state, ro.reason, ro.updated_at, ro.finished_at = "rolled-back", why, now, now
         stopped.append(ro.id)
     info = create_release(s, req.signed, public_keys)  # bumps the registry revision

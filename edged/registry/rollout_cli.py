@@ -20,54 +20,13 @@ from typing import Any
 
 from edged.errors import ConfigError
 from edged.registry.cli_format import ago, table, wrapped
-from edged.registry.rollout_wire import PROGRESS, Gates, RolloutCreate, RolloutInfo, RolloutStatus, StepSpec
+from edged.registry.rollout_wire import PROGRESS, Gates, RolloutCreate, RolloutInfo, RolloutStatus
+from edged.registry.step_syntax import parse_steps
 from edged.registry.targets import RolloutTarget
 
 TERMINAL = ("halted", "aborted", "rolled-back", "completed")
 HEADINGS = {"pending": "PENDING", "updating": "UPDATING", "in_trial": "IN TRIAL", "committed": "COMMITTED",
             "rolled_back": "ROLLED BACK", "failed": "FAILED", "not_started": "NOT STARTED"}
-
-
-def _pairs(items: list[str], what: str) -> dict[str, str]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"{what} {item!r}: expected key=value")
-        out[key] = value
-    return out
-
-
-def parse_steps(text: str, *, soak_s: float, min_devices: int, duration: Callable[[str], float]) -> list[StepSpec]:
-    steps = []
-    for raw in (s.strip() for s in text.split(",")):
-        if not raw:
-            continue
-        head, *opts = raw.split("/")
-        kw: dict[str, Any] = {"soak_s": soak_s, "min_devices": min_devices}
-        for opt in opts:
-            key, _, value = opt.partition("=")
-            if key == "min" and value.isdigit():
-                kw["min_devices"] = int(value)
-            elif key == "soak":
-                kw["soak_s"] = duration(value)
-            else:
-                raise ConfigError(f"step {raw!r}: options are /min=N and /soak=DURATION")
-        if head.endswith("%"):
-            try:
-                kw["percent"] = float(head[:-1])
-            except ValueError:
-                raise ConfigError(f"step {raw!r}: {head!r} is not a percentage") from None
-        elif head.startswith("label:"):
-            kw["group"] = RolloutTarget(labels=_pairs(head[6:].split("+"), f"step {raw!r}"))
-        elif head.startswith("devices:"):
-            kw["group"] = RolloutTarget(devices=[d for d in head[8:].split("+") if d])
-        else:
-            raise ConfigError(f"step {raw!r}: expected N%, label:key=value[+key=value] or devices:id[+id]")
-        steps.append(StepSpec(**kw))
-    if not steps:
-        raise ConfigError("--steps: at least one step")
-    return steps
 
 
 def _rate(text: str) -> float | None:
@@ -230,7 +189,8 @@ def format_members(st: RolloutStatus) -> str:
     head = ("DEVICE", "STEP", "PROGRESS", "LAST REPORT", "WHEN", "REQUESTS", "ERRORS", "P99 MS")
     rows = [(m.device_id, str(m.step + 1), HEADINGS.get(m.progress, m.progress).lower(), m.report or "-",
              ago(m.at, now) if m.at is not None else "-", "-" if m.requests is None else str(m.requests),
-             "-" if m.errors is None else str(m.errors), "-" if m.p99_ms is None else f"{m.p99_ms:.1f}")
+             "-" if m.errors is None else str(m.errors),
+             "-" if m.p99_ms is None or not m.requests else f"{m.p99_ms:.1f}")
             for m in st.members]
     rendered = table([head, *rows]).split("\n")
     out = [rendered[0]]

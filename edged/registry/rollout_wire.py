@@ -162,7 +162,8 @@ class StepProgress(_Wire):
     index: int
     select: str
     soak_s: float
-    status: Literal["done", "current", "waiting"]
+    status: Literal["done", "current", "waiting", "halted", "aborted", "rolled-back", "not-reached"] = Field(
+        description="a stopped rollout's step reads as how it stopped; the steps after it as not-reached")
     members: int = Field(description="devices this step added")
     counts: dict[str, int] = Field(description="pending, updating, in_trial, committed, rolled_back, failed")
 

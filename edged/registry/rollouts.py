@@ -30,12 +30,14 @@ from edged.registry.db import (
     RolloutRow,
     VersionRow,
 )
+from edged.registry.decommission import is_decommissioned
 from edged.registry.gates import Population, Side, quality_scores, readings, release_counts, telemetry_watermark
 from edged.registry.rollout_wire import (
     ACTIVE_STATES,
     PROGRESS,
     STEP_PROGRESS,
     Admission,
+    GateReading,
     Gates,
     MemberProgress,
     RolloutCreate,
@@ -71,6 +73,8 @@ def targeted(s: Session, ro: RolloutRow, selector: TargetSelector) -> list[Candi
     for r in rows:
         labels = dict(r.admin_labels or {})  # operator-owned only (see DeviceRow.effective_labels)
         facts = r.facts or {}
+        if is_decommissioned(labels):  # it will never call again: no step may wait for it
+            continue
         if selector_matches(selector, r.id, labels) and target.matches(r.id, labels, facts):
             out.append(Candidate(r.id, labels, facts))
     return out
@@ -382,24 +386,57 @@ def rollout_status(s: Session, rollout_id: int, *, with_members: bool = False) -
             listed.append(_member(d.id, joined, where, ev))
     steps = []
     for k, spec in enumerate(info.steps):
-        status = "done" if k < ro.step else ("current" if k == ro.step and ro.state != "completed" else "waiting")
-        if ro.state == "completed":
-            status = "done"
-        steps.append(StepProgress(index=k, select=spec.describe(), soak_s=spec.soak_s, status=status,
+        steps.append(StepProgress(index=k, select=spec.describe(), soak_s=spec.soak_s,
+                                  status=step_status(ro.state, ro.step, k),
                                   members=sum(per_step[k].values()), counts=per_step[k]))
     totals = {p: sum(x[p] for x in per_step) for p in PROGRESS}
-    pop = population(ro, selector)
-    counts = release_counts(s, ro.model_id, info.release, pop)
-    acc = ro.gate_state or {}
-    quality = quality_scores(s, ro.model_id, info.release, pop)
-    gate_readings = readings(info.gates, counts, ro.step_members, Side.load(acc.get("new")),
-                             Side.load(acc.get("base")), quality=quality)
+    final = (ro.gate_state or {}).get(FINAL_GATES)
+    if ro.state not in ACTIVE_STATES and isinstance(final, list):  # frozen when it ended (freeze_gates)
+        gate_readings = [GateReading.model_validate(x) for x in final]
+    else:
+        gate_readings = live_readings(s, ro, info.gates, info.release, selector)
     soak_left = None
     if ro.state in ACTIVE_STATES and ro.step_ready_at is not None and ro.step < len(ro.steps):
         clock = float((ro.gate_state or {}).get("paused_at") or time.time()) if ro.state == "paused" else time.time()
         soak_left = max(0.0, info.steps[ro.step].soak_s - (clock - ro.step_ready_at))
     return RolloutStatus(rollout=info, targeted=len(devices), totals=totals, steps=steps, gates=gate_readings,
                          soak_left_s=soak_left, not_admitted=not_admitted, members=listed)
+
+
+def step_status(state: str, current: int, k: int) -> str:
+    """A step as the rollout's state machine sees it: a stopped rollout's step is where it stopped, not current."""
+    if state == "completed" or k < current:
+        return "done"
+    if state in ACTIVE_STATES:
+        return "current" if k == current else "waiting"
+    return state if k == current else "not-reached"  # halted, aborted, rolled-back: that step is where it ended
+
+
+# ---- gate readings: live while the rollout runs, frozen when it ends -------------------------------
+FINAL_GATES = "final_gates"  # in RolloutRow.gate_state: the readings as they stood at the end
+
+
+def live_readings(s: Session, ro: RolloutRow, gates: Gates, release: int,
+                  selector: TargetSelector) -> list[GateReading]:
+    acc = ro.gate_state or {}
+    pop = population(ro, selector)
+    counts = release_counts(s, ro.model_id, release, pop)
+    quality = quality_scores(s, ro.model_id, release, pop)
+    return readings(gates, counts, ro.step_members, Side.load(acc.get("new")), Side.load(acc.get("base")),
+                    quality=quality)
+
+
+def freeze_gates(s: Session, ro: RolloutRow, rs: list[GateReading] | None = None) -> None:
+    """Keep the gate table as it stands now, the moment ``ro`` ends (``rs``: readings just taken): a finished
+    rollout's record must not change with the fleet's later state (a completed rollout reading \"waiting\" for
+    reports from devices that moved on, a halted one's crossed gate reading ok)."""
+    if FINAL_GATES in (ro.gate_state or {}):
+        return
+    if rs is None:
+        rel = s.get_one(ReleaseRow, ro.release_id)
+        rs = live_readings(s, ro, Gates.model_validate(ro.gates), rel.number,
+                           TargetSelector.model_validate(rel.selector))
+    ro.gate_state = {**(ro.gate_state or {}), FINAL_GATES: [r.model_dump(mode="json") for r in rs]}
 
 
 # ---- the operator's controls ----------------------------------------------------------------------
@@ -410,6 +447,11 @@ _ALLOWED = {
     "rollback": {"running", "paused", "halted", "aborted", "completed"},
 }
 _RESULT = {"pause": "paused", "resume": "running", "abort": "aborted", "rollback": "rolled-back"}
+
+
+def allowed_actions(state: str) -> list[str]:
+    """What an operator may do to a rollout in ``state`` (what pages offer, and all ``act`` accepts)."""
+    return [a for a in ACTIONS if state in _ALLOWED[a]]
 
 
 def act(s: Session, rollout_id: int, action: str, reason: str = "") -> RolloutInfo:
@@ -426,6 +468,8 @@ def act(s: Session, rollout_id: int, action: str, reason: str = "") -> RolloutIn
         if active is not None:
             raise conflict(f"rollout {active.id} of the same model is {active.state}")
     now = time.time()
+    if ro.state in ACTIVE_STATES and _RESULT[action] not in ACTIVE_STATES:
+        freeze_gates(s, ro)
     ro.state = _RESULT[action]
     ro.reason = reason or f"{action} by an operator"
     ro.updated_at = now

@@ -101,7 +101,8 @@ def selector_matches(selector: TargetSelector, device_id: str, labels: Mapping[s
 
 
 def percent_cutoff(ranks: list[float], percent: float, min_devices: int) -> float:
-    """The rank under which ``percent`` of these devices fall, but at least ``min_devices`` of them.
+    """The rank under which ``percent`` of these devices fall, rounded down, but at least ``min_devices`` of them
+    and at least one (34 % of 3 devices is 1: a step never takes more than it says, nor nothing).
 
     100 % is 1.0: every device, also those that enroll later.
     """
@@ -110,7 +111,7 @@ def percent_cutoff(ranks: list[float], percent: float, min_devices: int) -> floa
     n = len(ranks)
     if n == 0:
         return percent / 100.0
-    want = min(n, max(math.ceil(round(percent * n / 100.0, 9)), min_devices))
+    want = min(n, max(math.floor(round(percent * n / 100.0, 9)), min_devices, 1))
     if want <= 0:
         return -1.0
     return sorted(ranks)[want - 1]

@@ -15,7 +15,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from edged.backoff import Backoff
@@ -35,12 +35,18 @@ log = logging.getLogger(__name__)
 STOP_WAIT_S = 30.0
 
 
-def device_facts(facts: HardwareFacts, profile: str) -> dict[str, Any]:
+def device_facts(facts: HardwareFacts, profile: str, serving_backends: Iterable[str] = ()) -> dict[str, Any]:
     """The device profile and the hardware facts rollouts may target (scalars only, dotted keys).
 
     The daemon passes in what it probed and chose at start: sync never probes or picks a profile itself.
+    The daemon does not try the engine libraries at start (``engines.probed`` false): their unprobed
+    defaults (``available: false``) are not sent as facts, and an engine the daemon serves a model on
+    is reported available (``serving_backends``), so a rollout targeted on it matches the devices using it.
     """
     flat = {k: v for k, v in facts.flat().items() if isinstance(v, (str, int, float, bool)) and k != "root"}
+    if not facts.engines.probed:
+        flat = {k: v for k, v in flat.items() if not k.startswith("engines.") or k == "engines.probed"}
+        flat.update({f"engines.{b}.available": True for b in sorted(set(serving_backends)) if b})
     return {"profile": profile, **flat}
 
 

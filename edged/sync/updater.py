@@ -390,7 +390,16 @@ class Updater:
         self.client.report(model, "active-trial", version=m.version, release=m.release,
                            detail={"engine": mv.candidate.label if mv.candidate else None, "trial_s": self.s.trial_s},
                            quality=self.quality.get(model))
+        self._send_facts()
         return True
+
+    def _send_facts(self) -> None:
+        """Clients get the new version from the trial's first moment on: the registry hears it now, not when
+        the trial ends (the agent sends facts only between two rounds, and a trial lasts a whole round)."""
+        try:
+            self.client.send_facts(self.serving())
+        except SyncHttpError as e:  # the registry hears them after the trial; the trial itself goes on
+            log.info("model trial: facts not sent now (%s); sent after the trial", e)
 
     def _rescore(self, model: str, m: ReleaseManifest) -> None:
         """A trial resumed after a restart: score the evaluation set again (the replaced version is gone)."""
@@ -477,7 +486,9 @@ class Updater:
         self._collect_garbage(model)
         detail: dict[str, Any] = {}
         if trial is not None:
-            detail = {"requests": trial.total, "errors": trial.errors, "p99_ms": trial.p99_s * 1000}
+            # no request, no latency: a p99 of 0.0 ms would read as a measurement
+            detail = {"requests": trial.total, "errors": trial.errors,
+                      "p99_ms": trial.p99_s * 1000 if trial.total else None}
         detail.update(self._judged_on(model, m, trial))
         self.baselines.pop(model, None)
         self.client.report(model, "committed", version=m.version, release=m.release, detail=detail)

@@ -60,7 +60,7 @@ def self_test(service: InferenceService, versions: list[ModelVersion], timeout: 
         t0 = time.monotonic()
         try:
             resp = service.infer(InferRequest(model=mv.name, version=mv.version, inputs=sample_inputs(mv),
-                                              id=SELF_TEST_ID, internal=True), timeout)
+                                              id=SELF_TEST_ID, source="self-test"), timeout)
             why = check_response(mv, resp)
         except concurrent.futures.TimeoutError:
             why = f"no answer within {timeout:.0f}s"
@@ -114,7 +114,7 @@ class Prober:
     def _submit(self, mv: ModelVersion) -> concurrent.futures.Future[InferResponse] | str | None:
         try:
             return self.service.submit(InferRequest(model=mv.name, version=mv.version, inputs=self._inputs_for(mv),
-                                                    id=PROBE_ID, internal=True))
+                                                    id=PROBE_ID, source="watchdog"))
         except (ModelNotReadyError, ModelNotFoundError):
             return None  # swapped or unloaded since we listed it: not a health problem
         except OverloadedError:

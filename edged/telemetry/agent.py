@@ -30,6 +30,7 @@ from edged.errors import EdgedError
 from edged.protocol.fleet.telemetry import ModelWindow, MqttWindow, TelemetrySample
 from edged.telemetry import message, prometheus
 from edged.telemetry.buffer import BufferStats, TelemetryBuffer
+from edged.telemetry.counter_journal import JOURNAL_FILE, JOURNAL_INTERVAL_S, CounterJournal, JournalLine
 from edged.telemetry.device import DeviceSampler
 from edged.telemetry.model_metrics import Key, ModelCounters, ModelMetrics, ModelSnapshot
 from edged.telemetry.readings import DeviceReading
@@ -77,6 +78,21 @@ class _Window:
         return prev_dev, {s.key: p.counters for s in snaps
                           if (p := prev.get(s.key)) is not None and p.activation == s.activation}
 
+    def pending(self, snaps: list[ModelSnapshot], metrics: ModelMetrics) -> list[ModelWindow]:
+        """The model windows a sample taken now would carry, without advancing (for the counter journal)."""
+        now = {s.key: s for s in snaps}
+        prev = {s.key: p.counters for s in snaps
+                if (p := self.models.get(s.key)) is not None and p.activation == s.activation}
+        out = message.model_windows(snaps, prev)
+        for p in self.models.values():
+            s = now.get(p.key)
+            if s is not None and s.activation == p.activation:
+                continue
+            final = metrics.final(p.key, p.activation)
+            if final is not None:
+                out.append(message.model_window(replace(p, counters=final, in_flight=0), p.counters))
+        return [w for w in out if w.success or w.failures or w.executions or w.internal]
+
     def closing(self, metrics: ModelMetrics) -> list[ModelWindow]:
         """The last window of each activation that ended since the previous reading (after :meth:`advance`)."""
         out = []
@@ -122,6 +138,8 @@ class TelemetryAgent:
         # One series for /metrics, the status file and the windows: the renderer's, when there is one.
         self.models = metrics.collector.models if metrics is not None else ModelMetrics(service)
         self.buffer: TelemetryBuffer | None = None
+        self.journal: CounterJournal | None = None  # with a buffer: the counts since its last sample, every second
+        self._last_sample_mono = time.monotonic()
         self.uploader: Uploader | None = None
         self.samples_total = 0
         self.publish_failures = 0
@@ -153,6 +171,7 @@ class TelemetryAgent:
         if self.enabled and self.upload_settings is not None:
             self.buffer = self._open_buffer()
             if self.buffer is not None:
+                self._guard("counter journal replay", self._replay_journal)
                 try:
                     self.uploader = Uploader(self.upload_settings, self.buffer)
                 except EdgedError as e:
@@ -169,6 +188,24 @@ class TelemetryAgent:
         self._telemetry_window.advance(baseline, [])
         self._status_window.advance(baseline, snaps)
         self._guard("status snapshot", self.write_status)
+
+    def _replay_journal(self) -> None:
+        """What the previous run counted after its last buffered sample, from its journal (counter_journal)."""
+        buffer = self.buffer
+        assert buffer is not None
+        journal = CounterJournal(self.cfg.device.state_dir / JOURNAL_FILE)
+        line = journal.last()
+        if line is not None and line.models and line.after == buffer.next_seq() - 1:
+            sample = TelemetrySample(device=self.cfg.device.id, run=line.run, t=round(line.t, 3),
+                                     window_s=round(line.window_s, 3), uptime_s=round(line.uptime_s, 3),
+                                     profile=self.profile, models=line.models)
+            sample.seq = buffer.next_seq()
+            buffer.append(sample.seq, sample.model_dump_json(exclude_none=True).encode(), line.t)
+            log.warning("telemetry: the previous run (%s) ended without a last sample; %d request(s) it counted "
+                        "in its last %.1f s recovered from the counter journal", line.run,
+                        sum(w.success + w.failure_count for w in line.models), line.window_s)
+        journal.clear()
+        self.journal = journal
 
     def _open_buffer(self) -> TelemetryBuffer | None:
         capacity = int(self.cfg.telemetry.buffer_mb * (1 << 20))
@@ -221,6 +258,9 @@ class TelemetryAgent:
             self.metrics.collector.telemetry = None
             if self.metrics.collector.sampler is self.sampler:
                 self.metrics.collector.sampler = None
+        if self.journal is not None and sampling_done:
+            self.journal.close()
+            self.journal = None
         if self.buffer is not None and not stuck:
             self.buffer.close()
             self.buffer = None
@@ -230,15 +270,20 @@ class TelemetryAgent:
     def _loop(self) -> None:
         next_status = time.monotonic() + self.status_interval_s
         next_sample = time.monotonic() + self.interval_s
+        next_journal = time.monotonic() + JOURNAL_INTERVAL_S
         while not self._stop.is_set():
             now = time.monotonic()
             if self.enabled and now >= next_sample:
                 next_sample = max(next_sample + self.interval_s, now)
                 self._guard("telemetry sample", self.sample_now)
+            elif self.journal is not None and now >= next_journal:
+                next_journal = max(next_journal + JOURNAL_INTERVAL_S, now)
+                self._guard("counter journal", self.journal_now)
             if now >= next_status:
                 next_status = max(next_status + self.status_interval_s, now)
                 self._guard("status snapshot", self.write_status)
-            targets = [next_status] + ([next_sample] if self.enabled else [])
+            targets = [next_status] + ([next_sample] if self.enabled else []) + (
+                [next_journal] if self.journal is not None else [])
             self._stop.wait(max(0.0, min(targets) - time.monotonic()))
 
     def _guard(self, what: str, fn: Callable[[], object]) -> None:
@@ -275,10 +320,13 @@ class TelemetryAgent:
                 dropped = self.buffer.append(sample.seq, body, reading.wall_time)
                 if dropped:
                     log.debug("telemetry buffer full: dropped the %d oldest sample(s)", dropped)
+                if self.journal is not None:  # the buffer holds all of it now
+                    self.journal.clear()
             else:
                 self._seq += 1
                 sample.seq = self._seq
                 body = sample.model_dump_json(exclude_none=True).encode()
+            self._last_sample_mono = reading.monotonic
             self.samples_total += 1
             if self.publish is not None:
                 try:
@@ -294,6 +342,19 @@ class TelemetryAgent:
                         log.warning("telemetry not published on MQTT: %s", error)
                     self._last_publish_error = error
             return sample
+
+    def journal_now(self) -> None:
+        """Journal the counts a sample taken now would carry (fsync'ed; skipped when nothing changed)."""
+        with self._sample_lock:
+            journal, buffer = self.journal, self.buffer
+            if journal is None or buffer is None:
+                return
+            snaps = self.models.snapshot()
+            now = time.monotonic()
+            journal.write(JournalLine(run=self.run_id, after=buffer.next_seq() - 1, t=time.time(),
+                                      uptime_s=max(0.0, now - self._started_mono),
+                                      window_s=max(0.0, now - self._last_sample_mono),
+                                      models=self._telemetry_window.pending(snaps, self.models)))
 
     def upload_now(self) -> None:
         """Cut the uploader's wait short (after a burst of samples, or in tests)."""

@@ -62,6 +62,7 @@ def model_window(snap: ModelSnapshot, prev: ModelCounters | None) -> ModelWindow
         activated_at=round(snap.activated_at, 3) if snap.activation else None, success=w.success,
         failures=dict(sorted(w.failures_by_code.items())), inferences=w.inferences, executions=w.executions,
         batch_sizes=dict(sorted(w.batches.items())), in_flight=snap.in_flight,
+        internal=dict(sorted(w.internal.items())),
         latency=hist(w.latency), queue=hist(w.queue), compute=hist(w.compute),
         p50_s=_r(w.latency.quantile(0.5), 6), p99_s=_r(w.latency.quantile(0.99), 6),
     )

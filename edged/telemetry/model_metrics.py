@@ -58,6 +58,7 @@ class ModelCounters:
     latency: HistCounts = field(default_factory=HistCounts)  # end to end, successful requests
     queue: HistCounts = field(default_factory=HistCounts)
     compute: HistCounts = field(default_factory=HistCounts)  # per engine run
+    internal: dict[str, int] = field(default_factory=dict)  # the daemon's own requests by source, not served ones
 
     @property
     def failures(self) -> int:
@@ -75,7 +76,7 @@ class ModelCounters:
                 compute_output_s=st.compute_output.ns / 1e9,
                 batches={bs: b.compute_infer.count for bs, b in st.batches.items()},
                 latency=HistCounts.of(st.total_hist), queue=HistCounts.of(st.queue_hist),
-                compute=HistCounts.of(st.compute_hist))
+                compute=HistCounts.of(st.compute_hist), internal=dict(st.internal))
             return c, in_flight
 
     def _combine(self, o: ModelCounters, sign: int) -> ModelCounters:
@@ -91,7 +92,8 @@ class ModelCounters:
             compute_infer_s=self.compute_infer_s + sign * o.compute_infer_s,
             compute_output_s=self.compute_output_s + sign * o.compute_output_s,
             batches=_add(self.batches, o.batches, sign),
-            latency=h(self.latency, o.latency), queue=h(self.queue, o.queue), compute=h(self.compute, o.compute))
+            latency=h(self.latency, o.latency), queue=h(self.queue, o.queue), compute=h(self.compute, o.compute),
+            internal=_add(self.internal, o.internal, sign))
 
     def plus(self, o: ModelCounters) -> ModelCounters:
         return self._combine(o, 1)

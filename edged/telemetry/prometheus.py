@@ -130,6 +130,9 @@ class EdgedCollector:
                                     ("infer", "Time in the engine, summed over requests"),
                                     ("output", "Time splitting engine outputs, summed over requests"))}
         batch = HistogramMetricFamily(f"{p}_inference_batch_size", "Batch size of engine runs", labels=_MODEL)
+        internal = CounterMetricFamily(f"{p}_inference_internal_requests",
+                                       "Requests the daemon sent itself (self-test, watchdog probe), by source; "
+                                       "not counted as requests served", labels=[*_MODEL, "source"])
         pending = GaugeMetricFamily(f"{p}_inference_pending_requests", "Requests queued or running now",
                                     labels=_MODEL)
         for s in self.models.snapshot():
@@ -141,6 +144,8 @@ class EdgedCollector:
             success.add_metric(lv, float(c.success), created=created)
             for code, n in sorted(c.failures_by_code.items()):
                 failure.add_metric([*lv, code], float(n), created=created)
+            for source, n in sorted(c.internal.items()):
+                internal.add_metric([*lv, source], float(n), created=created)
             inferences.add_metric(lv, float(c.inferences), created=created)
             executions.add_metric(lv, float(c.executions), created=created)
             latency.add_metric(lv, _hist_buckets(c.latency), c.latency.total)
@@ -159,8 +164,8 @@ class EdgedCollector:
         for v in self.models.versions():
             ready.add_metric([v.model, str(v.version)], 1.0 if v.state == ModelState.READY.value else 0.0)
             info.add_metric([v.model, str(v.version), v.backend, v.device, v.precision, v.state], 1.0)
-        return [success, failure, inferences, executions, latency, queue, compute, *parts.values(), batch, pending,
-                ready, info]
+        return [success, failure, internal, inferences, executions, latency, queue, compute, *parts.values(), batch,
+                pending, ready, info]
 
     # ---- device ---------------------------------------------------------------------------------
     def _device_families(self, r: DeviceReading) -> Iterable[Metric]:

@@ -213,6 +213,8 @@ class ReleaseInfo(_Wire):
     notes: str = ""
     signed: SignedRelease | None = None
     restores: int | None = Field(default=None, description="a fleet rollback: the earlier release it brings back")
+    state: str = Field(default="", description="what became of it: valid, superseded, halted, aborted, rolled back, "
+                                               "expired or revoked; a fleet rollback's adds 'restores rN'")
 
 
 class NextRelease(_Wire):
@@ -269,7 +271,7 @@ class ServingInfo(_Wire):
     model: str
     version: int | None
     release: int | None
-    state: str = Field(description="committed | active-trial | local | not serving")
+    state: str = Field(description="committed | trial (the version on trial, already serving) | local | not serving")
     engine: str | None = None
     desired_release: int | None = None
     desired_version: int | None = None
@@ -308,6 +310,7 @@ class ReleaseStatus(_Wire):
     devices: dict[str, int] = Field(description="device count per last reported step for this release")
     committed_ever: int = Field(default=0, description="devices that ever committed this release (some may have "
                                                        "moved on since)")
+    state: str = Field(default="", description="as ReleaseInfo.state")
 
 
 class ModelStatus(_Wire):

@@ -135,6 +135,9 @@ class ModelWindow(_Wire):
     batch_sizes: dict[Annotated[int, Field(ge=0, le=1 << 20)], Count] = Field(
         default_factory=dict, max_length=1024, description="engine runs per batch size")
     in_flight: Count = Field(default=0, description="queued or running at the end of the window")
+    internal: dict[str, Count] = Field(default_factory=dict, max_length=16,
+                                       description="requests the daemon sent itself (self-test, watchdog probe) "
+                                                   "by source: served, but not counted in success or failures")
     latency: Hist = Field(default_factory=Hist, description="end to end, successful requests")
     queue: Hist = Field(default_factory=Hist)
     compute: Hist = Field(default_factory=Hist, description="per engine run")

@@ -22,7 +22,9 @@ from edged.protocol.fleet.messages import (
     ServingInfo,
 )
 from edged.registry import service
+from edged.registry.decommission import decommission
 from edged.registry.deps import AppContext
+from edged.registry.release_states import release_states, with_rollback_reasons
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,9 @@ def admin_router(ctx: AppContext) -> APIRouter:
     @router.get(f"{API_PREFIX}/devices/{{device_id}}", response_model=DeviceInfo)
     def device(device_id: str, events: int = 50) -> DeviceInfo:
         with ctx.rtx() as s:
-            return with_serving(s, [service.get_device(s, device_id, max(0, min(events, 1000)))])[0]
+            info = service.get_device(s, device_id, max(0, min(events, 1000)))
+            info.events = with_rollback_reasons(s, info.events)
+            return with_serving(s, [info])[0]
 
     @router.patch(f"{API_PREFIX}/devices/{{device_id}}/labels", response_model=DeviceInfo)
     def labels(device_id: str, req: LabelsUpdate) -> DeviceInfo:
@@ -84,6 +88,15 @@ def admin_router(ctx: AppContext) -> APIRouter:
         log.info("device %s: credential revoked by an operator, re-enrollment token issued", device_id)
         return out
 
+    @router.post(f"{API_PREFIX}/devices/{{device_id}}/decommission", response_model=DeviceInfo)
+    def decommission_device(device_id: str) -> DeviceInfo:
+        """Revoke its credential, take it out of every rollout, keep its history (edged.registry.decommission)."""
+        with ctx.tx() as s:
+            decommission(s, device_id)
+        log.info("device %s decommissioned by an operator", device_id)
+        with ctx.rtx() as s:
+            return with_serving(s, [service.get_device(s, device_id)])[0]
+
     @router.put(f"{API_PREFIX}/devices/{{device_id}}/models/{{model}}/pin", response_model=DeviceInfo)
     def pin(device_id: str, model: str, req: PinRequest) -> DeviceInfo:
         with ctx.tx() as s:
@@ -92,6 +105,11 @@ def admin_router(ctx: AppContext) -> APIRouter:
     @router.get(f"{API_PREFIX}/status", response_model=RegistryStatus)
     def status(model: str | None = None) -> RegistryStatus:
         with ctx.rtx() as s:
-            return service.registry_status(s, model)
+            st = service.registry_status(s, model)
+            for ms in st.models:
+                states = release_states(s, service.get_model(s, ms.model).id)
+                for r in ms.releases:
+                    r.state = states.get(r.release, "")
+            return st
 
     return router

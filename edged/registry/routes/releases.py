@@ -31,6 +31,7 @@ from edged.registry import service
 from edged.registry.auth import is_admin
 from edged.registry.blobs import SHA256_RE
 from edged.registry.deps import AppContext, Bearer, credential
+from edged.registry.release_states import release_states
 from edged.registry.service import RegistryError
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,11 @@ def releases_router(ctx: AppContext) -> APIRouter:
                 dependencies=admin)
     def releases(model: str, signed: bool = False) -> list[ReleaseInfo]:
         with ctx.rtx() as s:
-            return service.list_releases(s, model, signed)
+            out = service.list_releases(s, model, signed)
+            states = release_states(s, service.get_model(s, model).id)
+        for r in out:
+            r.state = states.get(r.release, "")
+        return out
 
     @router.get(f"{API_PREFIX}/models/{{model}}/next-release", tags=["admin"], response_model=NextRelease,
                 dependencies=admin)

@@ -25,6 +25,7 @@ from sqlalchemy.orm import sessionmaker
 from edged.errors import ErrorCode
 from edged.registry import desired as desired_state
 from edged.registry.cli_format import ago
+from edged.registry.rollouts import allowed_actions
 from edged.registry.service import RegistryError
 from edged.registry.web import views
 
@@ -33,7 +34,7 @@ HERE = Path(__file__).parent
 FLEET_PAGE = 200
 ACTIONS = {"pause": "Pause", "resume": "Resume", "abort": "Abort", "rollback": "Roll back"}
 PAGES = ("fleet", "device", "models", "rollouts", "rollout")
-QUERY = ("part", "from", "label", "model", "profile", "state", "window")  # what a page reads of its query
+QUERY = ("part", "from", "id", "label", "model", "profile", "state", "window")  # what a page reads of its query
 
 
 @functools.cache
@@ -135,7 +136,8 @@ class Pages:
     def _fleet(self, ask: PageAsk) -> tuple[str, dict[str, Any]]:
         q = ask.query
         flt = views.FleetFilter(label=q.get("label", "")[:256], model=q.get("model", "")[:128],
-                                profile=q.get("profile", "")[:128], state=q.get("state", "")[:16])
+                                profile=q.get("profile", "")[:128], state=q.get("state", "")[:16],
+                                id=q.get("id", "").strip()[:128])
         try:
             offset = max(0, int(q.get("from", "0")))
         except ValueError:
@@ -169,8 +171,11 @@ class Pages:
 
     def _rollout(self, ask: PageAsk) -> tuple[str, dict[str, Any]]:
         with self._tx() as s:
-            st = views.rollout(s, int(ask.key))
-        return "rollout.html", {"title": f"Rollout {ask.key}", "nav": "rollouts", "st": st, "actions": ACTIONS}
+            st, offline = views.rollout_page(s, int(ask.key), online_s=self.online_s)
+        # Only what the rollout's state machine accepts (a completed or halted rollout cannot be paused or resumed).
+        offered = {a: ACTIONS[a] for a in allowed_actions(st.rollout.state)}
+        return "rollout.html", {"title": f"Rollout {ask.key}", "nav": "rollouts", "st": st, "actions": offered,
+                                "offline": offline}
 
 
 def window_of(query: dict[str, str]) -> tuple[str, float]:

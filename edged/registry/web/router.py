@@ -27,9 +27,9 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from sqlalchemy.orm import Session as DbSession
 from sqlalchemy.orm import sessionmaker
 
-from edged.errors import ErrorCode
+from edged.errors import ConfigError, ErrorCode
 from edged.protocol.fleet.release import SignedRelease
-from edged.registry import rollouts
+from edged.registry import rollout_preview, rollouts, step_syntax
 from edged.registry.auth import is_admin
 from edged.registry.passwords import check_password
 from edged.registry.rollout_wire import Gates, RolloutCreate, RolloutInfo, RolloutStatus, StepSpec
@@ -57,17 +57,26 @@ class LoginRequiredError(Exception):
 
 
 def parse_steps(text: str, min_devices: int, soak_s: float) -> list[StepSpec]:
-    """``"1%, 50%, 100%"`` (or bare numbers) -> steps; the first step gets ``min_devices``."""
-    out = []
-    for i, part in enumerate(p.strip().rstrip("%").strip() for p in text.split(",") if p.strip()):
-        try:
-            pct = float(part)
-        except ValueError:
-            raise RegistryError(f"steps: {part!r} is not a percentage", 422, ErrorCode.INVALID_ARGUMENT) from None
-        out.append(StepSpec(percent=pct, min_devices=min_devices if i == 0 else 1, soak_s=soak_s))
-    if not out:
-        raise RegistryError("steps: give at least one percentage", 422, ErrorCode.INVALID_ARGUMENT)
+    """The CLI's step vocabulary (``label:ring=canary, devices:cam-1+cam-2, 10%/min=3/soak=15m, 100%``; a bare
+    number is a percentage); the first step gets ``min_devices`` unless it says ``/min=``."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    parts = [p if not _bare_number(p.split("/", 1)[0]) else p.replace("/", "%/", 1) if "/" in p else p + "%"
+             for p in parts]
+    try:
+        out = step_syntax.parse_steps(",".join(parts), soak_s=soak_s, min_devices=1, duration=step_syntax.duration_s)
+    except (ConfigError, ValueError) as e:
+        raise RegistryError(f"steps: {str(e).splitlines()[-1]}", 422, ErrorCode.INVALID_ARGUMENT) from None
+    if out and "/min=" not in parts[0]:
+        out[0] = out[0].model_copy(update={"min_devices": min_devices})
     return out
+
+
+def _bare_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _opt_float(form: dict[str, str], key: str, scale: float = 1.0) -> float | None:
@@ -78,6 +87,22 @@ def _opt_float(form: dict[str, str], key: str, scale: float = 1.0) -> float | No
         return float(raw) * scale
     except ValueError:
         raise RegistryError(f"{key}: {raw!r} is not a number", 422, ErrorCode.INVALID_ARGUMENT) from None
+
+
+def _pairs(form: dict[str, str], key: str) -> dict[str, str]:
+    """``k=v, k=v`` (globs allowed in the values, as on the CLI)."""
+    out = {}
+    for item in form.get(key, "").split(","):
+        if item.strip():
+            k, sep, v = item.partition("=")
+            if not sep or not k.strip():
+                raise RegistryError(f"{key}: {item.strip()!r} is not key=value", 422, ErrorCode.INVALID_ARGUMENT)
+            out[k.strip()] = v.strip()
+    return out
+
+
+def _list(form: dict[str, str], key: str) -> list[str]:
+    return [x.strip() for x in form.get(key, "").split(",") if x.strip()]
 
 
 def rollout_request(form: dict[str, str]) -> RolloutCreate:
@@ -103,17 +128,13 @@ def rollout_request(form: dict[str, str]) -> RolloutCreate:
     except ValueError:
         raise RegistryError("min_devices and min_reporting are whole numbers", 422,
                             ErrorCode.INVALID_ARGUMENT) from None
-    labels = {}
-    for item in form.get("target", "").split(","):
-        if item.strip():
-            k, sep, v = item.partition("=")
-            if not sep or not k.strip():
-                raise RegistryError(f"target: {item.strip()!r} is not key=value", 422, ErrorCode.INVALID_ARGUMENT)
-            labels[k.strip()] = v.strip()
+    target = RolloutTarget(labels=_pairs(form, "target"), facts=_pairs(form, "target_facts"),
+                           profiles=_list(form, "target_profiles"), devices=_list(form, "target_devices"))
     gates = Gates(max_failure_rate=_opt_float(form, "max_failure_pct", 0.01),
                   max_error_rate=_opt_float(form, "max_error_pct", 0.01),
-                  max_p99_ratio=_opt_float(form, "max_p99_ratio"), min_reporting=min_reporting)
-    return RolloutCreate(model=model, release=release, signed=signed, target=RolloutTarget(labels=labels),
+                  max_p99_ratio=_opt_float(form, "max_p99_ratio"), min_reporting=min_reporting,
+                  max_quality_drop=_opt_float(form, "max_quality_drop"), min_quality=_opt_float(form, "min_quality"))
+    return RolloutCreate(model=model, release=release, signed=signed, target=target,
                          steps=parse_steps(form.get("steps", ""), min_devices, _opt_float(form, "soak_s") or 0.0),
                          gates=gates, notes=form.get("notes", "")[:4096])
 
@@ -283,9 +304,12 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
         except ValueError as e:  # pydantic's, with the field that was wrong
             raise RegistryError(str(e).split("\n", 1)[-1][:500], 422, ErrorCode.INVALID_ARGUMENT) from None
         if form.get("confirmed") != "yes":
+            # The members each step would take, worked out by the code that starts it (rolled back): refused here
+            # already when starting would be (another rollout active, a bad release).
+            steps = await run_in_threadpool(rollout_preview.preview, sessions, req, settings.public_keys)
             return render("confirm.html", title="Confirm the rollout", nav="rollouts", csrf=sess.csrf,
                           action=f"{PREFIX}/rollouts", form=form, what="start this rollout", req=req,
-                          back=f"{PREFIX}/rollouts")
+                          back=f"{PREFIX}/rollouts", preview=steps)
         req = req.model_copy(update={"notes": f"{req.notes} (started by {sess.who} from the dashboard)".strip()[:4096]})
         def start(r: RolloutCreate) -> RolloutInfo:
             with sessions() as s, s.begin():
@@ -307,6 +331,10 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
                     return views.rollout(s, rollout_id)
 
             st = await run_in_threadpool(status)
+            if action not in rollouts.allowed_actions(st.rollout.state):  # refused before, not after, the confirmation
+                left = ", ".join(ACTIONS[a] for a in rollouts.allowed_actions(st.rollout.state)) or "none"
+                raise RegistryError(f"rollout {rollout_id} is {st.rollout.state}: {ACTIONS[action]} is not possible "
+                                    f"(possible now: {left})", 409, ErrorCode.FAILED_PRECONDITION)
             return render("confirm.html", title=f"Confirm: {ACTIONS[action].lower()}", nav="rollouts",
                           csrf=sess.csrf, action=f"{PREFIX}/rollouts/{rollout_id}/{action}", form=form,
                           what=f"{ACTIONS[action].lower()} rollout {rollout_id} ({st.rollout.model} release "
@@ -325,9 +353,15 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
     return router
 
 
+ERROR_TITLES = {400: "Invalid request", 401: "Sign-in required", 403: "Not allowed", 404: "Not found",
+                409: "Not possible now", 413: "Too large", 422: "Invalid request", 429: "Too many attempts",
+                503: "Registry busy"}
+
+
 def error_page(e: RegistryError) -> Response:
     """A refused or failed request under /ui as a page that says what was wrong."""
-    html = pages.env().get_template("error.html").render(prefix=PREFIX, title="Not done", nav="", csrf="",
+    html = pages.env().get_template("error.html").render(prefix=PREFIX, title=ERROR_TITLES.get(e.status, "Failed"),
+                                                    nav="", csrf="",
                                                     message=e.message, back=f"{PREFIX}/fleet")
     return HTMLResponse(html, status_code=e.status, headers={"Content-Security-Policy": CSP,
                                                              "Cache-Control": "no-store"})

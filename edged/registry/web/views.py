@@ -9,6 +9,7 @@ cached release snapshot), so the page and the devices never disagree about it.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import Counter, defaultdict
@@ -25,6 +26,7 @@ from edged.registry import desired as desired_state
 from edged.registry import rollouts, service
 from edged.registry.db import DeviceModelRow, DeviceRow, ModelRow, ReleaseRow, RolloutRow, VersionRow
 from edged.registry.gates import NOT_MODEL_ERRORS, Side
+from edged.registry.release_states import release_states, with_rollback_reasons
 from edged.registry.rollout_wire import RolloutInfo, RolloutStatus
 from edged.registry.telemetry_ingest import ModelSummary, device_series
 from edged.registry.telemetry_tables import TelemetryModelRow
@@ -48,6 +50,16 @@ class Serving:
     @property
     def on_target(self) -> bool:
         return self.want_release is None or self.want_release == self.release
+
+
+# What a device serves, in one vocabulary for the API, the CLI and the dashboard: the device's own word
+# (ServingModel.state) mapped here, once. A version on trial already answers the clients: it is what is served.
+SERVING_STATES = {"active-trial": "trial", "trial": "trial", "committed": "committed", "local": "local"}
+
+
+def serving_state(reported: str) -> str:
+    """``trial``, ``committed`` or ``local`` (an older device that sent no state served a committed version)."""
+    return SERVING_STATES.get(reported, "committed")
 
 
 @dataclass
@@ -120,12 +132,15 @@ class FleetFilter:
     model: str = ""
     profile: str = ""
     state: str = ""   # online | offline | off-target | error
+    id: str = ""      # device id prefix (the search box)
 
     def label_pair(self) -> tuple[str, str] | None:
         key, sep, value = self.label.partition("=")
         return (key.strip(), value.strip()) if sep and key.strip() else None
 
     def keeps(self, row: FleetRow) -> bool:
+        if self.id and not row.id.startswith(self.id):
+            return False
         pair = self.label_pair()
         if pair is not None and row.labels.get(pair[0]) != pair[1]:
             return False
@@ -149,7 +164,7 @@ def _row(dev_id: str, *, labels: dict[str, str], facts: dict[str, Any], last_see
         eng = mine.get(name)
         rv = wants.get(name)
         serving.append(Serving(model=name, version=sm.get("version"), release=sm.get("release"),
-                               state=str(sm.get("state", "")), engine=eng[1] if eng else None,
+                               state=serving_state(str(sm.get("state", ""))), engine=eng[1] if eng else None,
                                want_release=rv.number if rv else None, want_version=rv.version if rv else None))
     served = {sv.model for sv in serving}
     # a model the daemon serves outside the registry's updates (installed locally) shows in its telemetry only
@@ -301,9 +316,29 @@ class Chart:
         return sum(1 for v in self.series.values() for y in v if y is not None)
 
 
+GAP_FACTOR = 3.0  # a spacing this many times the usual one is a period without data, drawn as a break
+
+
+def _with_breaks(xs: list[float]) -> list[float]:
+    """``xs`` with an x of no value inside every gap much longer than the usual spacing (the median), so
+    no line is drawn across a period when nothing was reported (a device off, a version not loaded)."""
+    if len(xs) < 3:
+        return xs
+    steps = sorted(b - a for a, b in itertools.pairwise(xs))
+    usual = steps[len(steps) // 2]
+    if usual <= 0:
+        return xs
+    out = [xs[0]]
+    for a, b in itertools.pairwise(xs):
+        if b - a > GAP_FACTOR * usual:
+            out.append((a + b) / 2)
+        out.append(b)
+    return out
+
+
 def _chart(cid: str, title: str, unit: str, rows: Sequence[tuple[float, str, float | None]]) -> Chart:
-    """Rows of (t, series, y) -> a chart on the union of the x values."""
-    xs = sorted({t for t, _, _ in rows})
+    """Rows of (t, series, y) -> a chart on the union of the x values, gaps broken (``_with_breaks``)."""
+    xs = _with_breaks(sorted({t for t, _, _ in rows}))
     pos = {t: i for i, t in enumerate(xs)}
     ch = Chart(cid, title, unit, x=xs)
     for t, name, y in rows:
@@ -413,7 +448,7 @@ def device(s: Session, snap: desired_state.Snapshot, device_id: str, *, online_s
     serving = row.serving
     models = sorted({m.model for m in info.models} | {sv.model for sv in serving})
     return DevicePage(row=row, facts=dict(sorted(dev.facts.items())), enrolled_at=dev.enrolled_at,
-                      models=info.models, events=list(reversed(info.events)),
+                      models=info.models, events=list(reversed(with_rollback_reasons(s, info.events))),
                       charts=device_charts(s, device_id, models, since),
                       not_counted=not_counted(s, dev, {(e.model, e.release) for e in info.events
                                                        if e.release is not None}))
@@ -531,10 +566,11 @@ def models(s: Session, since: float, *, bucket_s: float) -> list[ModelView]:
         vnum = dict(conn.execute(select(VersionRow.id, VersionRow.version).where(VersionRow.model_id == m.id)).all())
         rel_devices = Counter(n for n, in conn.execute(select(DeviceModelRow.release_number).where(
             DeviceModelRow.model_id == m.id, DeviceModelRow.state == "committed")))
+        states = release_states(s, m.id)
         releases = [{"number": r.number, "version": vnum.get(r.version_id), "key_id": r.key_id,
                      "signature": r.signature, "issued_at": r.issued_at, "expires_at": r.expires_at,
                      "revoked": r.revoked_at is not None, "notes": r.notes, "devices": rel_devices.get(r.number, 0),
-                     "selector": r.selector}
+                     "selector": r.selector, "state": states.get(r.number, "")}
                     for r in s.scalars(select(ReleaseRow).where(ReleaseRow.model_id == m.id)
                                        .order_by(ReleaseRow.number.desc()))]
         out.append(ModelView(name=m.name, versions=versions, releases=releases,
@@ -572,6 +608,32 @@ def rollout_list(s: Session) -> list[RolloutInfo]:
 
 def rollout(s: Session, rollout_id: int) -> RolloutStatus:
     return rollouts.rollout_status(s, rollout_id)
+
+
+@dataclass
+class OfflineMember:
+    device_id: str
+    progress: str
+    last_seen_at: float | None
+
+
+# A member in one of these is done with the release: being offline holds nothing up.
+_SETTLED = {"committed", "rolled_back", "failed"}
+
+
+def rollout_page(s: Session, rollout_id: int, *, online_s: float) -> tuple[RolloutStatus, list[OfflineMember]]:
+    """The rollout with its members that have not settled and are offline: they read 'pending' in the counts,
+    but will not move until they call again, which an operator needs to see (a paused rollout's above all)."""
+    st = rollouts.rollout_status(s, rollout_id, with_members=True)
+    waiting = {m.device_id: m.progress for m in st.members if m.progress not in _SETTLED}
+    st.members = []  # the page shows counts per step, not every member
+    if not waiting:
+        return st, []
+    now = time.time()
+    offline = [OfflineMember(dev_id, waiting[dev_id], seen) for dev_id, seen in
+               s.execute(select(DeviceRow.id, DeviceRow.last_seen_at).where(DeviceRow.id.in_(list(waiting))))
+               if seen is None or now - seen > online_s]
+    return st, sorted(offline, key=lambda m: m.device_id)
 
 
 def releasable(s: Session) -> dict[str, list[dict[str, Any]]]:

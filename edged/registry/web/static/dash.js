@@ -31,7 +31,8 @@
       var data = [spec.x];
       var summary = [];
       spec.series.forEach(function (s, i) {
-        series.push({ label: s.label, stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: true });
+        // no line across a gap: a null is a period the version was not served (or nothing was reported)
+        series.push({ label: s.label, stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: false });
         data.push(s.values);
         var last = null;
         for (var k = s.values.length - 1; k >= 0; k--) { if (s.values[k] !== null) { last = s.values[k]; break; } }
@@ -57,6 +58,26 @@
     var status = document.getElementById("updated");
     var busy = false;
     var failed = false;
+    var banner = document.getElementById("stale-banner");
+    var asOf = new Date();  // when what the page shows was last fetched
+
+    // The live feed failed: what stays on screen is greyed and says how old it is, and a banner says why.
+    function markStale(why) {
+      live.classList.add("stale");
+      live.setAttribute("aria-describedby", "stale-banner");
+      if (banner) {
+        banner.textContent = "Live updates are failing (" + why + "): the figures below are as of " +
+          asOf.toLocaleTimeString() + ", not current.";
+        banner.hidden = false;
+      }
+    }
+
+    function markFresh() {
+      asOf = new Date();
+      live.classList.remove("stale");
+      live.removeAttribute("aria-describedby");
+      if (banner) { banner.hidden = true; banner.textContent = ""; }
+    }
 
     function poll() {
       if (busy || document.hidden) { return; }
@@ -79,11 +100,13 @@
             status.textContent = "Up to date again at " + new Date().toLocaleTimeString() + ".";
           }
           failed = false;
+          markFresh();
           live.setAttribute("data-polls", String(parseInt(live.getAttribute("data-polls") || "0", 10) + 1));
         })
         .catch(function (e) {
           failed = true;
           if (status) { status.textContent = "Update failed (" + e.message + "); retrying."; }
+          markStale(e.message);
         })
         .then(function () { busy = false; });
     }
