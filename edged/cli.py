@@ -220,6 +220,8 @@ def cmd_models_list(args: argparse.Namespace) -> int:
             print(f"  {s['name']} v{s['version']}: skipped {sk['candidate']}: {sk['reason']}")
         if s.get("warmup"):
             print(f"  {s['name']} v{s['version']}: {s['warmup']}")
+        for note in s.get("notes") or []:
+            print(f"  {s['name']} v{s['version']}: {note}")
     return 0
 
 

@@ -91,6 +91,7 @@ class ModelVersion:
     warmup_skipped: bool = False  # the model refused the made-up warm-up input (self-test skipped too)
     validation_plan: Any = None  # edged.core.validation's precomputed checks, made on first use
     pipeline: Pipeline | None = None  # set for a pipeline version (edged.core.pipelines): no engine of its own
+    notes: list[str] = field(default_factory=list)  # said at load and in `models list` (a batching choice...)
 
     @property
     def manifest(self) -> ModelManifest:
@@ -133,6 +134,8 @@ class ModelVersion:
                 out["models"] = sorted({m for m, _ in self.pipeline.models})
         if self.warmup_note:
             out["warmup"] = self.warmup_note
+        if self.notes:
+            out["notes"] = list(self.notes)
         if self.benchmark is not None:
             b = self.benchmark
             out["benchmark"] = [{"candidate": t.candidate, "throughput_per_s": round(t.throughput_per_s, 1),

@@ -27,7 +27,7 @@ from edged.core.types import InferRequest, InferResponse
 from edged.errors import DeadlineExceededError, EdgedError, InternalError, InvalidInputError, ModelNotReadyError
 from edged.pipeline.contract import ANY, PipelineDefinitionError, Port
 from edged.pipeline.definition import PIPELINE_FILE, files_read, load_pipeline
-from edged.pipeline.graph import Tensors, compile_pipeline
+from edged.pipeline.graph import CallContext, Tensors, compile_pipeline
 from edged.repository.digests import DigestCache
 from edged.repository.manifest import TensorSpec
 from edged.repository.store import VersionEntry, check_file
@@ -67,10 +67,15 @@ class ServiceGateway:
             return {s.name: Port(s.datatype, lead + tuple(ANY if d < 0 else d for d in s.shape)) for s in specs}
         return ports(list(mv.inputs)), ports(list(mv.outputs))
 
-    async def infer(self, model: str, version: int | None, inputs: Tensors) -> Tensors:
+    def max_batch_size(self, model: str, version: int | None) -> int:
+        mv = self.table.find(model, version)
+        return mv.max_batch_size if mv is not None and mv.entry.manifest is not None else 0
+
+    async def infer(self, model: str, version: int | None, inputs: Tensors, context: CallContext) -> Tensors:
         if self._infer is None:
             raise InternalError(f"model {model!r}: pipelines run only through an InferenceService")
-        response = await self._infer(InferRequest(model=model, inputs=inputs, version=version))
+        response = await self._infer(InferRequest(model=model, inputs=inputs, version=version,
+                                                  deadline=context.deadline, parameters=dict(context.parameters)))
         return response.outputs
 
 
@@ -186,9 +191,16 @@ def load_pipeline_version(entry: VersionEntry, gateway: ServiceGateway, digests:
     mv.stats = ModelStats(mv.name, mv.version, "pipeline")
     mv.load_seconds = time.monotonic() - t0
     mv.state = ModelState.READY
+    mv.notes = list(pipeline.notes)
     log.info("pipeline=%s version=%s ready (models: %s)", mv.name, mv.version,
              ", ".join(sorted({m for m, _ in pipeline.models})) or "none")
+    for note in pipeline.notes:
+        log.info("pipeline=%s version=%s: %s", mv.name, mv.version, note)
     return mv
+
+
+# Request parameters a pipeline's model calls inherit (v2 / Triton's ``priority``; ``timeout`` is the deadline).
+INHERITED_PARAMETERS = ("priority",)
 
 
 def start_pipeline_request(mv: ModelVersion, req: InferRequest, runner: PipelineRunner) -> Future[InferResponse]:
@@ -207,12 +219,14 @@ def start_pipeline_request(mv: ModelVersion, req: InferRequest, runner: Pipeline
         raise DeadlineExceededError(f"request to pipeline {mv.name!r} timed out before it started")
     stats = mv.stats
     assert stats is not None
+    context = CallContext(deadline=req.deadline, parameters={k: req.parameters[k] for k in INHERITED_PARAMETERS
+                                                             if k in req.parameters})
     stats.enter()
 
     async def run() -> InferResponse:
         start = time.monotonic_ns()
         try:
-            out = await pipeline.run(req.inputs)
+            out = await pipeline.run(req.inputs, context)
         except EdgedError as exc:
             stats.record_failure(exc.code.value, total_ns=time.monotonic_ns() - start)
             raise

@@ -58,6 +58,11 @@ class CropBoxes(BuiltinStep):
     Params = CropBoxesParams
     params: CropBoxesParams
 
+    @property
+    def fan_out(self) -> int:
+        """The most crops one request may make (the graph says so at load when a model's batch is smaller)."""
+        return self.params.max_crops
+
     def bind(self, inputs: Mapping[str, Port]) -> dict[str, Port]:
         opencv()  # a missing pipeline extra fails the load, explained, not the first request
         pixels = self.port(inputs, "pixels", ("UINT8",), rank=4)
