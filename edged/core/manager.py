@@ -107,6 +107,10 @@ class ModelManager:
             mv.scheduler = Scheduler(mv.name, mv.version, mv.engine, max_batch_size=mv.max_batch_size,
                                      batching=mv.batching, instances=manifest.instances.count,
                                      stats=mv.stats, shapes_vary=any(-1 in s.shape for s in mv.inputs))
+            note = mv.batching_note()
+            if note:
+                mv.notes.append(note)
+                log.warning("model=%s version=%s: %s", mv.name, mv.version, note)
         return mv
 
     def load_all(self) -> list[ModelVersion]:
