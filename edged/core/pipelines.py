@@ -179,12 +179,18 @@ def load_pipeline_version(entry: VersionEntry, gateway: ServiceGateway, digests:
         mv.state, mv.reason = ModelState.UNAVAILABLE, entry.error
         return mv
     t0 = time.monotonic()
+    spec = None
     try:
         spec = check_pipeline_files(entry, digests)
         pipeline = compile_pipeline(spec, entry.path, gateway)
     except EdgedError as exc:
         mv.state, mv.reason = ModelState.UNAVAILABLE, f"pipeline refused: {exc.message}"
-        log.error("pipeline=%s version=%s refused: %s", entry.model, entry.version, exc.message)
+        # A pipeline waiting for a model whose files are not fetched yet was said at INFO with the models.
+        waits = spec is not None and any(
+            (m := gateway.table.find(step.model, step.version)) is not None and m.entry.not_fetched
+            for step in spec.steps if step.model is not None)
+        log.log(logging.DEBUG if waits else logging.ERROR, "pipeline=%s version=%s refused: %s",
+                entry.model, entry.version, exc.message)
         return mv
     mv.pipeline = pipeline
     mv.inputs, mv.outputs = _specs(pipeline.inputs), _specs(pipeline.outputs)

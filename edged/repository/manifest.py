@@ -142,6 +142,9 @@ class ModelManifest(_Strict):
     labels: str | None = Field(default=None, description="text file with one class label per line")
     evaluation: Evaluation | None = Field(default=None, description="labelled evaluation set for the quality gate")
     memory_mb: float | None = Field(default=None, ge=0, description="expected resident memory, for admission")
+    fetch: str | None = Field(
+        default=None, description="the command that puts the model's files in place when they are not shipped "
+                                  "with the manifest (public example models): their absence is then said at INFO")
 
     @model_validator(mode="after")
     def _check(self) -> ModelManifest:
