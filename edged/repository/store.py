@@ -94,8 +94,8 @@ def verify_version(entry: VersionEntry, digests: DigestCache) -> None:
         missing = all(why.startswith("file ") and why.endswith(" is missing") for why in entry.bad_variants.values())
         if fetch and missing:
             entry.not_fetched = True
-            entry.error = (f"model {entry.model!r} version {entry.version}: its files are not fetched "
-                           f"({', '.join(entry.bad_variants)}); run: {fetch}")
+            entry.error = (f"model {entry.model!r} version {entry.version}: not fetched "
+                           f"({'; '.join(entry.bad_variants.values())}); run: {fetch}")
 
 
 def load_version(model: str, version: int, path: Path, digests: DigestCache) -> VersionEntry:
