@@ -24,12 +24,20 @@ from typing import Any, TypeVar
 from edged.core.model_versions import ModelState, ModelTable, ModelVersion
 from edged.core.stats import ModelStats
 from edged.core.types import InferRequest, InferResponse
-from edged.errors import DeadlineExceededError, EdgedError, InternalError, InvalidInputError, ModelNotReadyError
+from edged.errors import (
+    DeadlineExceededError,
+    EdgedError,
+    InternalError,
+    InvalidInputError,
+    ManifestError,
+    ModelNotReadyError,
+)
 from edged.pipeline.contract import ANY, PipelineDefinitionError, Port
 from edged.pipeline.definition import PIPELINE_FILE, files_read, load_pipeline
 from edged.pipeline.graph import CallContext, Tensors, compile_pipeline
 from edged.repository.digests import DigestCache
 from edged.repository.manifest import TensorSpec
+from edged.repository.onnx_metadata import read_metadata
 from edged.repository.store import VersionEntry, check_file
 
 log = logging.getLogger(__name__)
@@ -66,6 +74,21 @@ class ServiceGateway:
         def ports(specs: list[TensorSpec]) -> dict[str, Port]:
             return {s.name: Port(s.datatype, lead + tuple(ANY if d < 0 else d for d in s.shape)) for s in specs}
         return ports(list(mv.inputs)), ports(list(mv.outputs))
+
+    def model_metadata(self, model: str, version: int | None) -> dict[str, str]:
+        """The ONNX ``metadata_props`` of the model's ONNX variant (the one serving, else the first)."""
+        mv = self.table.find(model, version)
+        if mv is None or mv.entry.manifest is None:
+            raise PipelineDefinitionError(f"model {model!r} is not in the repository (its metadata was asked for)")
+        variants = [mv.candidate.variant] if mv.candidate is not None else []
+        variants += [v for v in mv.manifest.variants if v.format == "onnx"]
+        for variant in variants:
+            if variant.format == "onnx" and variant.file not in mv.entry.bad_variants:
+                try:
+                    return read_metadata(mv.entry.path / variant.file)
+                except ManifestError as exc:
+                    raise PipelineDefinitionError(f"model {model!r}: {exc.message}") from None
+        raise PipelineDefinitionError(f"model {model!r} has no usable ONNX variant to read metadata from")
 
     def max_batch_size(self, model: str, version: int | None) -> int:
         mv = self.table.find(model, version)

@@ -34,7 +34,7 @@ import numpy as np
 from edged.datatypes import DataType, to_numpy
 from edged.errors import EdgedError, InternalError, InvalidInputError
 from edged.pipeline.contract import ANY, PipelineDefinitionError, Port, Step, StepInputError
-from edged.pipeline.definition import PipelineSpec, StepSpec
+from edged.pipeline.definition import WIDTHS_PORT, PipelineSpec, StepSpec
 
 Tensors = dict[str, np.ndarray]
 CustomFunction = Callable[[dict[str, np.ndarray], dict[str, Any]], Mapping[str, np.ndarray]]
@@ -61,6 +61,10 @@ class ModelGateway(Protocol):
 
     def max_batch_size(self, model: str, version: int | None) -> int:
         """The most rows one call may carry (0: the model has no batch dimension)."""
+        ...
+
+    def model_metadata(self, model: str, version: int | None) -> Mapping[str, str]:
+        """The key/value metadata the model's file carries (ONNX ``metadata_props``)."""
         ...
 
     def infer(self, model: str, version: int | None, inputs: Tensors, context: CallContext) -> Awaitable[Tensors]:
@@ -228,8 +232,8 @@ class Pipeline:
         return {name: tensors[name].result() for name in self.outputs}
 
 
-def _builtin_node(spec: StepSpec, folder: Path, ports: dict[str, Port],
-                  lookup: Callable[[str], type[Step]]) -> tuple[Runner, dict[str, Port], int | None]:
+def _builtin_node(spec: StepSpec, folder: Path, ports: dict[str, Port], lookup: Callable[[str], type[Step]],
+                  gateway: ModelGateway | None) -> tuple[Runner, dict[str, Port], int | None]:
     assert spec.kind is not None
     cls = lookup(spec.kind)
     try:
@@ -237,6 +241,11 @@ def _builtin_node(spec: StepSpec, folder: Path, ports: dict[str, Port],
     except ValueError as exc:
         raise PipelineDefinitionError(f"params: {exc}") from None
     step = cls(params, folder)
+    use_models = getattr(step, "use_models", None)  # a step that reads a model's metadata (ctc_decode)
+    if callable(use_models):
+        if gateway is None:
+            raise PipelineDefinitionError("no models are served here to read metadata from")
+        use_models(lambda model: gateway.model_metadata(model, None))
     bound = step.bind(ports)
     fan_out = getattr(step, "fan_out", None)  # the most rows a fan-out step (crop_boxes) may emit
 
@@ -249,6 +258,41 @@ def _chunks(args: Tensors, size: int) -> list[Tensors]:
     """``args`` split along the leading (batch) dimension into pieces of at most ``size`` rows."""
     rows = next(iter(args.values())).shape[0]
     return [{name: value[i:i + size] for name, value in args.items()} for i in range(0, rows, size)]
+
+
+def _width_chunks(args: Tensors, widths: np.ndarray, limit: int) -> list[Tensors]:
+    """Runs of consecutive rows of one width (at most ``limit`` rows, when > 0), every input of rank >= 3
+    cut to that width along its last axis."""
+    out: list[Tensors] = []
+    values = widths.tolist()
+    start = 0
+    while start < len(values):
+        end = start + 1
+        while end < len(values) and values[end] == values[start] and (limit <= 0 or end - start < limit):
+            end += 1
+        width = max(1, int(values[start]))
+        out.append({name: np.ascontiguousarray(a[start:end, ..., :width]) if a.ndim >= 3 else a[start:end]
+                    for name, a in args.items()})
+        start = end
+    return out
+
+
+def _join_padded(parts: list[Tensors]) -> Tensors:
+    """The chunks' outputs joined along the rows, each zero-padded at the end of any axis where the
+    chunks differ (a recognizer's time steps follow its input width; zeros decode as CTC blanks)."""
+    joined: Tensors = {}
+    for name in parts[0]:
+        pieces = [p[name] for p in parts]
+        if len({x.shape[1:] for x in pieces}) > 1:
+            shape = tuple(max(x.shape[k] for x in pieces) for k in range(1, pieces[0].ndim))
+            padded = []
+            for x in pieces:
+                canvas = np.zeros((x.shape[0], *shape), dtype=x.dtype)
+                canvas[tuple(slice(0, d) for d in x.shape)] = x
+                padded.append(canvas)
+            pieces = padded
+        joined[name] = np.concatenate(pieces)
+    return joined
 
 
 def _model_node(spec: StepSpec, ports: dict[str, Port], gateway: ModelGateway | None
@@ -278,10 +322,18 @@ def _model_node(spec: StepSpec, ports: dict[str, Port], gateway: ModelGateway | 
              for name, p in model_out.items()}
 
     async def run(args: Tensors, context: CallContext) -> Tensors:
+        widths = args.pop(WIDTHS_PORT, None)
         if skippable and args and all(a.ndim > 0 and a.shape[0] == 0 for a in args.values()):
             return {name: value.copy() for name, value in empty.items()}
         limit = gateway.max_batch_size(model, version) if skippable else 0
         rows = {a.shape[0] for a in args.values() if a.ndim > 0}
+        if widths is not None:
+            if not skippable or len(rows) != 1 or widths.shape != (next(iter(rows)),):
+                raise StepInputError(f"model step {spec.name!r}: widths {list(widths.shape)} does not match "
+                                     f"its inputs' rows {sorted(rows)}", input=spec.widths or "")
+            parts = await asyncio.gather(*(gateway.infer(model, version, part, context)
+                                           for part in _width_chunks(args, widths, limit)))
+            return _join_padded(parts)
         if limit <= 0 or len(rows) != 1 or rows.pop() <= limit:
             return await gateway.infer(model, version, args, context)
         # More rows than one call may carry: chunks of max_batch_size, all submitted at once so the
@@ -327,7 +379,7 @@ def _order(spec: PipelineSpec) -> list[StepSpec]:
                                               f"{producer[tensor]}", step=step.name, tensor=tensor)
             producer[tensor] = f"step {step.name!r}"
     for step in spec.steps:
-        for port, tensor in step.inputs.items():
+        for port, tensor in step.reads().items():
             if tensor not in producer:
                 raise PipelineDefinitionError(f"step {step.name!r}: input {port!r} reads tensor {tensor!r}, "
                                               "which no pipeline input or step produces", step=step.name,
@@ -340,16 +392,16 @@ def _order(spec: PipelineSpec) -> list[StepSpec]:
     pending = list(spec.steps)
     ordered: list[StepSpec] = []
     while pending:
-        ready = [s for s in pending if set(s.inputs.values()) <= available]
+        ready = [s for s in pending if set(s.reads().values()) <= available]
         if not ready:
-            cycle = ", ".join(f"{s.name!r} (waits for {sorted(set(s.inputs.values()) - available)})"
+            cycle = ", ".join(f"{s.name!r} (waits for {sorted(set(s.reads().values()) - available)})"
                               for s in pending)
             raise PipelineDefinitionError(f"the steps form a cycle: {cycle}", step=pending[0].name)
         for s in ready:
             ordered.append(s)
             available.update(s.outputs.values())
         pending = [s for s in pending if s not in ready]
-    read = {t for step in spec.steps for t in step.inputs.values()} | {o.name for o in spec.outputs}
+    read = {t for step in spec.steps for t in step.reads().values()} | {o.name for o in spec.outputs}
     for inp in spec.inputs:
         if inp.name not in read:
             raise PipelineDefinitionError(f"pipeline input {inp.name!r}: no step reads tensor {inp.name!r}",
@@ -378,10 +430,15 @@ def compile_pipeline(spec: PipelineSpec, folder: Path, gateway: ModelGateway | N
         upstream = max((fan_out[t] for t in step.inputs.values() if t in fan_out), default=None)
         try:
             if step.kind is not None:
-                runner, bound, emits = _builtin_node(step, folder, wired, lookup)
+                runner, bound, emits = _builtin_node(step, folder, wired, lookup, gateway)
                 if emits is not None:
                     upstream = (emits, f"step {step.name!r} ({step.kind}) emits up to {emits} rows")
             elif step.model is not None:
+                if step.widths is not None:
+                    got = ports[step.widths]
+                    if got.datatype not in ("INT32", "INT64") or len(got.shape) != 1:
+                        raise PipelineDefinitionError(f"widths {step.widths!r} is {_describe(got)}, expected "
+                                                      "INT32 or INT64 [M]")
                 runner, bound = _model_node(step, wired, gateway)
                 models.append((step.model, step.version))
                 assert gateway is not None
@@ -403,7 +460,7 @@ def compile_pipeline(spec: PipelineSpec, folder: Path, gateway: ModelGateway | N
             ports[tensor] = bound[port]
             if upstream is not None:
                 fan_out[tensor] = upstream
-        nodes.append(_Node(step, dict(step.inputs), dict(step.outputs), runner))
+        nodes.append(_Node(step, step.reads(), dict(step.outputs), runner))
     outputs: dict[str, Port] = {}
     for out in spec.outputs:
         declared = _port(out.datatype, out.shape)
