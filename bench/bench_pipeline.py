@@ -413,7 +413,7 @@ level = "warning"
     return proc, f"127.0.0.1:{port}", str(load_config(cfg).shm_socket) + " | " + ", ".join(engines)
 
 
-def ocr_part(tmp: Path, rounds: int) -> None:
+def ocr_part(tmp: Path, rounds: int, names: list[str]) -> None:
     """The ocr example over HTTP and shm against RapidOCR's own call: the same lines, and time per image."""
     from edged.client.shm import ShmClient
     from tests.device.pipeline.documents import documents
@@ -425,7 +425,7 @@ def ocr_part(tmp: Path, rounds: int) -> None:
         if name != "ocr":
             shutil.copyfile(model_file(name), repo / name / "1" / "model.onnx")
     reference = rapidocr()
-    docs = documents()
+    docs = {k: v for k, v in documents().items() if not names or k in names}
     for profile, goal in ((None, 0.5), ("generic", 0.9)):
         proc, url, info = ocr_daemon(tmp, repo, profile)
         socket_path, engines = info.split(" | ")
@@ -435,7 +435,7 @@ def ocr_part(tmp: Path, rounds: int) -> None:
         try:
             ocr_round(url, shm, reference, docs, rounds=rounds, goal=goal)
             if profile is None:
-                ocr_shared_batches(url, docs["receipt"])
+                ocr_shared_batches(url, documents()["receipt"])
         finally:
             shm.close()
             stop_process(proc)
@@ -527,12 +527,13 @@ def main() -> int:
     ap.add_argument("--no-daemon", action="store_true", help="skip the daemon parts")
     ap.add_argument("--ocr-only", action="store_true", help="only part 5 (the ocr example against RapidOCR)")
     ap.add_argument("--ocr-rounds", type=int, default=3, help="alternating rounds per document in part 5")
+    ap.add_argument("--ocr-docs", default="", help="comma-separated documents for part 5 (default: all ten)")
     args = ap.parse_args()
     print(f"load average before: {os.getloadavg()}; {os.cpu_count()} CPUs")
     if args.ocr_only:
         tmp = Path(tempfile.mkdtemp(prefix="edged-bench-ocr-"))
         try:
-            ocr_part(tmp, args.ocr_rounds)
+            ocr_part(tmp, args.ocr_rounds, [d for d in args.ocr_docs.split(",") if d])
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         print(f"load average after: {os.getloadavg()}")
@@ -566,7 +567,7 @@ def main() -> int:
             print("4. the daemon")
             daemon_part(tmp, data, args.seconds)
             print("5. the ocr example against RapidOCR")
-            ocr_part(tmp, args.ocr_rounds)
+            ocr_part(tmp, args.ocr_rounds, [d for d in args.ocr_docs.split(",") if d])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"load average after: {os.getloadavg()}")
