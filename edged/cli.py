@@ -262,6 +262,8 @@ def cmd_models_list(args: argparse.Namespace) -> int:
             print(f"  {s['name']} v{s['version']}: {s['note']}")
         if s.get("chosen_how"):
             print(f"  {s['name']} v{s['version']}: {s['chosen_how']}")
+        for note in s.get("notes") or []:
+            print(f"  {s['name']} v{s['version']}: {note}")
     return 0
 
 

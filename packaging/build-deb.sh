@@ -180,6 +180,11 @@ install -D -m 0644 "$here/tmpfiles.d/edged.conf" "$s/usr/lib/tmpfiles.d/edged.co
 mkdir -p "$s/usr/share/edged/systemd"
 cp -R "$here/systemd/dropins" "$s/usr/share/edged/systemd/dropins"
 cp -R "$src/models" "$s/usr/share/edged/models"
+# Example model files fetched into a checkout (tools/fetch_example_models.py, git-ignored) stay out.
+if git -C "$src" rev-parse --git-dir >/dev/null 2>&1; then
+  git -C "$src" ls-files --others --ignored --exclude-standard -- models |
+    while IFS= read -r f; do rm -f "$s/usr/share/edged/$f"; done
+fi
 cp -R "$src/device_profiles" "$s/usr/share/edged/device_profiles"
 find "$s/usr/share/edged" -type d -exec chmod 0755 {} + -o -type f -exec chmod 0644 {} +
 if [ -f "$src/docs/packaging.md" ]; then

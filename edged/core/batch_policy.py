@@ -41,7 +41,7 @@ class BatchPolicy:
     """Per model version; ``record`` is called after every engine run, ``batch_now`` under the scheduler lock."""
 
     def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled  # the model batches at all (max_batch_size > 0 and a [batching] section)
+        self.enabled = enabled  # the model batches at all (max_batch_size > 0, not [batching] dynamic = false)
         self._lock = threading.Lock()
         self._single = _Ewma()
         self._batched = _Ewma()
@@ -84,7 +84,7 @@ class BatchPolicy:
             single = self._single.value if self._single.n else None
             batched = self._batched.value if self._batched.n else None
             if not self.enabled:
-                mode, reason = "off", "the model does not batch (max_batch_size 0 or no [batching] section)"
+                mode, reason = "off", "the model does not batch (max_batch_size 0, or [batching] dynamic = false)"
             elif single is None or batched is None or min(self._single.n, self._batched.n) < _MIN_SAMPLES:
                 mode, reason = "on", "measuring: not enough single and batched runs yet"
             elif self._pays:

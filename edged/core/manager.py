@@ -134,6 +134,10 @@ class ModelManager:
                                      output_check=_output_check(mv))
             if choice is not None:
                 choice.traffic = mv.scheduler.traffic = TrafficMix(mv.max_batch_size > 0)
+            note = mv.batching_note()
+            if note:
+                mv.notes.append(note)
+                log.warning("model=%s version=%s: %s", mv.name, mv.version, note)
         return mv
 
     def load_all(self) -> list[ModelVersion]:

@@ -104,6 +104,7 @@ class ModelVersion:
     choice: ChoiceView | None = None  # set when the engine is chosen by measurement while serving (core.chooser)
     candidates: list[Candidate] = field(default_factory=list)  # every candidate, in the profile's order
     selection_key: str = ""  # what a measurement of the candidates is remembered under
+    notes: list[str] = field(default_factory=list)  # said at load and in `models list` (a batching choice...)
 
     @property
     def manifest(self) -> ModelManifest:
@@ -120,12 +121,22 @@ class ModelVersion:
 
     @property
     def batching(self) -> Batching | None:
-        """The manifest's batching; dynamic batching with defaults when max_batch_size was auto-completed."""
-        if self.entry.manifest is None:
+        """Dynamic batching: the manifest's, or the defaults for a model that batches (max_batch_size > 0,
+        stated or auto-completed) without a [batching] section; None when it does not batch or says
+        ``dynamic = false``."""
+        if self.entry.manifest is None or self.max_batch_size <= 0:
             return None
-        if self.manifest.batching is None and self.auto_max_batch_size:
+        batching = self.manifest.batching
+        if batching is None:
             return Batching()
-        return self.manifest.batching
+        return batching if batching.dynamic else None
+
+    def batching_note(self) -> str | None:
+        """Why a model that could batch does not: said at load and in `models list`."""
+        if self.entry.manifest is None or self.max_batch_size <= 0 or self.batching is not None:
+            return None
+        return (f"dynamic batching off ([batching] dynamic = false): each request runs alone, "
+                f"up to max_batch_size {self.max_batch_size} rows")
 
     def status(self) -> dict[str, Any]:
         c = self.candidate
@@ -148,6 +159,8 @@ class ModelVersion:
             out["warmup"] = self.warmup_note
         if self.output_note:
             out["note"] = self.output_note
+        if self.notes:
+            out["notes"] = list(self.notes)
         if self.benchmark is not None:
             b = self.benchmark
             out["benchmark"] = [{"candidate": t.candidate, "throughput_per_s": round(t.throughput_per_s, 1),

@@ -29,14 +29,16 @@ from edged.errors import (
     EdgedError,
     InternalError,
     InvalidInputError,
+    ManifestError,
     model_not_ready,
 )
 from edged.membudget import MemoryBudget, set_current
 from edged.pipeline.contract import ANY, PipelineDefinitionError, Port
 from edged.pipeline.definition import PIPELINE_FILE, files_read, load_pipeline
-from edged.pipeline.graph import Tensors, compile_pipeline
+from edged.pipeline.graph import CallContext, Tensors, compile_pipeline
 from edged.repository.digests import DigestCache
 from edged.repository.manifest import TensorSpec
+from edged.repository.onnx_metadata import read_metadata
 from edged.repository.store import VersionEntry, check_file
 
 log = logging.getLogger(__name__)
@@ -74,10 +76,30 @@ class ServiceGateway:
             return {s.name: Port(s.datatype, lead + tuple(ANY if d < 0 else d for d in s.shape)) for s in specs}
         return ports(list(mv.inputs)), ports(list(mv.outputs))
 
-    async def infer(self, model: str, version: int | None, inputs: Tensors) -> Tensors:
+    def model_metadata(self, model: str, version: int | None) -> dict[str, str]:
+        """The ONNX ``metadata_props`` of the model's ONNX variant (the one serving, else the first)."""
+        mv = self.table.find(model, version)
+        if mv is None or mv.entry.manifest is None:
+            raise PipelineDefinitionError(f"model {model!r} is not in the repository (its metadata was asked for)")
+        variants = [mv.candidate.variant] if mv.candidate is not None else []
+        variants += [v for v in mv.manifest.variants if v.format == "onnx"]
+        for variant in variants:
+            if variant.format == "onnx" and variant.file not in mv.entry.bad_variants:
+                try:
+                    return read_metadata(mv.entry.path / variant.file)
+                except ManifestError as exc:
+                    raise PipelineDefinitionError(f"model {model!r}: {exc.message}") from None
+        raise PipelineDefinitionError(f"model {model!r} has no usable ONNX variant to read metadata from")
+
+    def max_batch_size(self, model: str, version: int | None) -> int:
+        mv = self.table.find(model, version)
+        return mv.max_batch_size if mv is not None and mv.entry.manifest is not None else 0
+
+    async def infer(self, model: str, version: int | None, inputs: Tensors, context: CallContext) -> Tensors:
         if self._infer is None:
             raise InternalError(f"model {model!r}: pipelines run only through an InferenceService")
-        response = await self._infer(InferRequest(model=model, inputs=inputs, version=version))
+        response = await self._infer(InferRequest(model=model, inputs=inputs, version=version,
+                                                  deadline=context.deadline, parameters=dict(context.parameters)))
         return response.outputs
 
 
@@ -181,21 +203,34 @@ def load_pipeline_version(entry: VersionEntry, gateway: ServiceGateway, digests:
         mv.state, mv.reason = ModelState.UNAVAILABLE, entry.error
         return mv
     t0 = time.monotonic()
+    spec = None
     try:
         spec = check_pipeline_files(entry, digests)
         pipeline = compile_pipeline(spec, entry.path, gateway)
     except EdgedError as exc:
         mv.state, mv.reason = ModelState.UNAVAILABLE, f"pipeline refused: {exc.message}"
-        log.error("pipeline=%s version=%s refused: %s", entry.model, entry.version, exc.message)
+        # A pipeline waiting for a model whose files are not fetched yet was said at INFO with the models.
+        waits = spec is not None and any(
+            (m := gateway.table.find(step.model, step.version)) is not None and m.entry.not_fetched
+            for step in spec.steps if step.model is not None)
+        log.log(logging.DEBUG if waits else logging.ERROR, "pipeline=%s version=%s refused: %s",
+                entry.model, entry.version, exc.message)
         return mv
     mv.pipeline = pipeline
     mv.inputs, mv.outputs = _specs(pipeline.inputs), _specs(pipeline.outputs)
     mv.stats = ModelStats(mv.name, mv.version, "pipeline")
     mv.load_seconds = time.monotonic() - t0
     mv.state = ModelState.READY
+    mv.notes = list(pipeline.notes)
     log.info("pipeline=%s version=%s ready (models: %s)", mv.name, mv.version,
              ", ".join(sorted({m for m, _ in pipeline.models})) or "none")
+    for note in pipeline.notes:
+        log.info("pipeline=%s version=%s: %s", mv.name, mv.version, note)
     return mv
+
+
+# Request parameters a pipeline's model calls inherit (v2 / Triton's ``priority``; ``timeout`` is the deadline).
+INHERITED_PARAMETERS = ("priority",)
 
 
 def start_pipeline_request(mv: ModelVersion, req: InferRequest, runner: PipelineRunner,
@@ -219,6 +254,8 @@ def start_pipeline_request(mv: ModelVersion, req: InferRequest, runner: Pipeline
         raise DeadlineExceededError(f"request to pipeline {mv.name!r} timed out before it started")
     stats = mv.stats
     assert stats is not None
+    context = CallContext(deadline=req.deadline, parameters={k: req.parameters[k] for k in INHERITED_PARAMETERS
+                                                             if k in req.parameters})
     stats.enter()
 
     async def run() -> InferResponse:
@@ -226,7 +263,7 @@ def start_pipeline_request(mv: ModelVersion, req: InferRequest, runner: Pipeline
         held = budget.reserve(0, f"pipeline {mv.name!r}") if budget is not None else None
         set_current(held)  # this task's own context: the steps' worker threads inherit it
         try:
-            out = await pipeline.run(req.inputs)
+            out = await pipeline.run(req.inputs, context)
         except EdgedError as exc:
             stats.record_failure(exc.code.value, total_ns=time.monotonic_ns() - start)
             raise

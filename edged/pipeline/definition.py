@@ -23,6 +23,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 PIPELINE_FILE = PIPELINE_NAME
+WIDTHS_PORT = "<widths>"  # the port under which a model step reads its ``widths`` tensor (never a model input)
 MAX_PIPELINE_FILE = 1 << 20  # a pipeline file is a few kB; refuse anything absurd before parsing
 
 
@@ -65,6 +66,13 @@ class StepSpec(_Strict):
     outputs: dict[str, str] = Field(min_length=1)
     params: dict[str, Any] = Field(default_factory=dict)
     output_ports: dict[str, PortSpec] = Field(default_factory=dict)
+    # model steps: a tensor [M] giving each row's width along the last axis of the inputs (crop_boxes'
+    # batch_widths); rows of one width run together, cut to it, and outputs are zero-padded back
+    widths: str | None = None
+
+    def reads(self) -> dict[str, str]:
+        """Every tensor the step waits for, by port (``widths`` under its own key)."""
+        return {**self.inputs, WIDTHS_PORT: self.widths} if self.widths is not None else dict(self.inputs)
 
     @model_validator(mode="after")
     def _one_target(self) -> StepSpec:
@@ -75,6 +83,8 @@ class StepSpec(_Strict):
             raise ValueError(f"step {self.name!r}: version applies to model steps only")
         if self.params and self.model is not None:
             raise ValueError(f"step {self.name!r}: a model step takes no params")
+        if self.widths is not None and self.model is None:
+            raise ValueError(f"step {self.name!r}: widths applies to model steps only")
         if self.function is not None:
             module, _, func = self.function.partition(":")
             if not module.isidentifier() or not func.isidentifier():

@@ -9,13 +9,17 @@ Running starts every step as soon as the tensors it reads exist, so independent
 branches overlap. Built-in and custom steps run in a worker thread (they are CPU
 work and must not block the event loop); model steps go through a ``ModelGateway``,
 which is the daemon's scheduler, so concurrent requests batch in the model's own
-dynamic batcher and a fan-out's crops reach the model as one batch.
+dynamic batcher. A model step never hands a model more rows than its ``max_batch_size``:
+a larger batch (a fan-out's crops) is split into chunks of that size, submitted together
+through the model's scheduler (so they batch with other requests) and their answers joined
+in order. The request's deadline and priority go with every model call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import math
 import sys
 import threading
 import time
@@ -30,10 +34,22 @@ import numpy as np
 from edged.datatypes import DataType, to_numpy
 from edged.errors import EdgedError, InternalError, InvalidInputError
 from edged.pipeline.contract import ANY, PipelineDefinitionError, Port, Step, StepInputError
-from edged.pipeline.definition import PipelineSpec, StepSpec
+from edged.pipeline.definition import WIDTHS_PORT, PipelineSpec, StepSpec
 
 Tensors = dict[str, np.ndarray]
 CustomFunction = Callable[[dict[str, np.ndarray], dict[str, Any]], Mapping[str, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """What a pipeline request hands every model call it makes: its deadline (``time.monotonic()``)
+    and its request parameters that the scheduler reads (``priority``)."""
+
+    deadline: float | None = None
+    parameters: Mapping[str, Any] = field(default_factory=dict)
+
+
+NO_CONTEXT = CallContext()
 
 
 class ModelGateway(Protocol):
@@ -43,8 +59,16 @@ class ModelGateway(Protocol):
         """The model's input and output ports; PipelineDefinitionError when it is not served."""
         ...
 
-    def infer(self, model: str, version: int | None, inputs: Tensors) -> Awaitable[Tensors]:
-        """One call through the model's scheduler."""
+    def max_batch_size(self, model: str, version: int | None) -> int:
+        """The most rows one call may carry (0: the model has no batch dimension)."""
+        ...
+
+    def model_metadata(self, model: str, version: int | None) -> Mapping[str, str]:
+        """The key/value metadata the model's file carries (ONNX ``metadata_props``)."""
+        ...
+
+    def infer(self, model: str, version: int | None, inputs: Tensors, context: CallContext) -> Awaitable[Tensors]:
+        """One call through the model's scheduler, under the pipeline request's deadline and priority."""
         ...
 
 
@@ -56,12 +80,15 @@ def _describe(port: Port) -> str:
     return f"{port.datatype}{list(port.shape)}"
 
 
+Runner = Callable[[Tensors, CallContext], Awaitable[Tensors]]
+
+
 @dataclass
 class _Node:
     spec: StepSpec
     reads: dict[str, str]  # port -> tensor
     writes: dict[str, str]  # port -> tensor
-    runner: Callable[[Tensors], Awaitable[Tensors]] = field(repr=False)
+    runner: Runner = field(repr=False)
 
 
 def _load_custom(folder: Path, spec: StepSpec, modules: dict[str, ModuleType]) -> CustomFunction:
@@ -146,26 +173,27 @@ class Pipeline:
     """A compiled pipeline: its ports and its steps in a checked order."""
 
     def __init__(self, spec: PipelineSpec, inputs: dict[str, Port], outputs: dict[str, Port],
-                 nodes: list[_Node], models: list[tuple[str, int | None]]) -> None:
+                 nodes: list[_Node], models: list[tuple[str, int | None]], *, notes: list[str] | None = None) -> None:
         self.spec = spec
         self.inputs = inputs
         self.outputs = outputs
         self.nodes = nodes  # topological order
         self.models = models  # the models this pipeline depends on (load order, unload checks)
+        self.notes = notes or []  # said at load (log, `models list`): e.g. a fan-out larger than a model's batch
         self.stats = PipelineStats()
 
-    async def run(self, inputs: Mapping[str, np.ndarray]) -> Tensors:
+    async def run(self, inputs: Mapping[str, np.ndarray], context: CallContext = NO_CONTEXT) -> Tensors:
         """Run one request; bad data raises an InvalidInputError naming the input at fault."""
         start = time.monotonic_ns()
         ok = False
         try:
-            out = await self._run(inputs)
+            out = await self._run(inputs, context)
             ok = True
             return out
         finally:
             self.stats.record(ok, time.monotonic_ns() - start)
 
-    async def _run(self, inputs: Mapping[str, np.ndarray]) -> Tensors:
+    async def _run(self, inputs: Mapping[str, np.ndarray], context: CallContext) -> Tensors:
         tensors: dict[str, asyncio.Future[np.ndarray]] = {}
         loop = asyncio.get_running_loop()
         for name, port in self.inputs.items():
@@ -186,7 +214,7 @@ class Pipeline:
 
         async def run_node(node: _Node) -> None:
             args = {port: await tensors[tensor] for port, tensor in node.reads.items()}
-            produced = await node.runner(args)
+            produced = await node.runner(args, context)
             for port, tensor in node.writes.items():
                 tensors[tensor].set_result(produced[port])
 
@@ -204,9 +232,8 @@ class Pipeline:
         return {name: tensors[name].result() for name in self.outputs}
 
 
-def _builtin_node(spec: StepSpec, folder: Path, ports: dict[str, Port],
-                  lookup: Callable[[str], type[Step]]) -> tuple[Callable[[Tensors], Awaitable[Tensors]],
-                                                                dict[str, Port]]:
+def _builtin_node(spec: StepSpec, folder: Path, ports: dict[str, Port], lookup: Callable[[str], type[Step]],
+                  gateway: ModelGateway | None) -> tuple[Runner, dict[str, Port], int | None]:
     assert spec.kind is not None
     cls = lookup(spec.kind)
     try:
@@ -214,15 +241,62 @@ def _builtin_node(spec: StepSpec, folder: Path, ports: dict[str, Port],
     except ValueError as exc:
         raise PipelineDefinitionError(f"params: {exc}") from None
     step = cls(params, folder)
+    use_models = getattr(step, "use_models", None)  # a step that reads a model's metadata (ctc_decode)
+    if callable(use_models):
+        if gateway is None:
+            raise PipelineDefinitionError("no models are served here to read metadata from")
+        use_models(lambda model: gateway.model_metadata(model, None))
     bound = step.bind(ports)
+    fan_out = getattr(step, "fan_out", None)  # the most rows a fan-out step (crop_boxes) may emit
 
-    async def run(args: Tensors) -> Tensors:
+    async def run(args: Tensors, context: CallContext) -> Tensors:
         return await asyncio.to_thread(step.run, args)
-    return run, bound
+    return run, bound, fan_out if isinstance(fan_out, int) else None
+
+
+def _chunks(args: Tensors, size: int) -> list[Tensors]:
+    """``args`` split along the leading (batch) dimension into pieces of at most ``size`` rows."""
+    rows = next(iter(args.values())).shape[0]
+    return [{name: value[i:i + size] for name, value in args.items()} for i in range(0, rows, size)]
+
+
+def _width_chunks(args: Tensors, widths: np.ndarray, limit: int) -> list[Tensors]:
+    """Runs of consecutive rows of one width (at most ``limit`` rows, when > 0), every input of rank >= 3
+    cut to that width along its last axis."""
+    out: list[Tensors] = []
+    values = widths.tolist()
+    start = 0
+    while start < len(values):
+        end = start + 1
+        while end < len(values) and values[end] == values[start] and (limit <= 0 or end - start < limit):
+            end += 1
+        width = max(1, int(values[start]))
+        out.append({name: np.ascontiguousarray(a[start:end, ..., :width]) if a.ndim >= 3 else a[start:end]
+                    for name, a in args.items()})
+        start = end
+    return out
+
+
+def _join_padded(parts: list[Tensors]) -> Tensors:
+    """The chunks' outputs joined along the rows, each zero-padded at the end of any axis where the
+    chunks differ (a recognizer's time steps follow its input width; zeros decode as CTC blanks)."""
+    joined: Tensors = {}
+    for name in parts[0]:
+        pieces = [p[name] for p in parts]
+        if len({x.shape[1:] for x in pieces}) > 1:
+            shape = tuple(max(x.shape[k] for x in pieces) for k in range(1, pieces[0].ndim))
+            padded = []
+            for x in pieces:
+                canvas = np.zeros((x.shape[0], *shape), dtype=x.dtype)
+                canvas[tuple(slice(0, d) for d in x.shape)] = x
+                padded.append(canvas)
+            pieces = padded
+        joined[name] = np.concatenate(pieces)
+    return joined
 
 
 def _model_node(spec: StepSpec, ports: dict[str, Port], gateway: ModelGateway | None
-                ) -> tuple[Callable[[Tensors], Awaitable[Tensors]], dict[str, Port]]:
+                ) -> tuple[Runner, dict[str, Port]]:
     assert spec.model is not None
     if gateway is None:
         raise PipelineDefinitionError(f"model {spec.model!r}: no models are served here")
@@ -247,15 +321,31 @@ def _model_node(spec: StepSpec, ports: dict[str, Port], gateway: ModelGateway | 
     empty = {name: np.empty((0, *(max(d, 0) for d in p.shape[1:])), dtype=to_numpy(p.datatype))
              for name, p in model_out.items()}
 
-    async def run(args: Tensors) -> Tensors:
+    async def run(args: Tensors, context: CallContext) -> Tensors:
+        widths = args.pop(WIDTHS_PORT, None)
         if skippable and args and all(a.ndim > 0 and a.shape[0] == 0 for a in args.values()):
             return {name: value.copy() for name, value in empty.items()}
-        return await gateway.infer(model, version, args)
+        limit = gateway.max_batch_size(model, version) if skippable else 0
+        rows = {a.shape[0] for a in args.values() if a.ndim > 0}
+        if widths is not None:
+            if not skippable or len(rows) != 1 or widths.shape != (next(iter(rows)),):
+                raise StepInputError(f"model step {spec.name!r}: widths {list(widths.shape)} does not match "
+                                     f"its inputs' rows {sorted(rows)}", input=spec.widths or "")
+            parts = await asyncio.gather(*(gateway.infer(model, version, part, context)
+                                           for part in _width_chunks(args, widths, limit)))
+            return _join_padded(parts)
+        if limit <= 0 or len(rows) != 1 or rows.pop() <= limit:
+            return await gateway.infer(model, version, args, context)
+        # More rows than one call may carry: chunks of max_batch_size, all submitted at once so the
+        # model's scheduler runs them (and other requests' rows) as it would any queued requests.
+        parts = await asyncio.gather(*(gateway.infer(model, version, part, context)
+                                       for part in _chunks(args, limit)))
+        return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
     return run, model_out
 
 
 def _custom_node(spec: StepSpec, folder: Path, modules: dict[str, ModuleType]
-                 ) -> tuple[Callable[[Tensors], Awaitable[Tensors]], dict[str, Port]]:
+                 ) -> tuple[Runner, dict[str, Port]]:
     func = _load_custom(folder, spec, modules)
     declared = {name: _port(p.datatype, p.shape) for name, p in spec.output_ports.items()}
     params = dict(spec.params)
@@ -270,7 +360,7 @@ def _custom_node(spec: StepSpec, folder: Path, modules: dict[str, ModuleType]
                                 step=spec.name) from exc
         return _check_custom_result(spec, result, declared)
 
-    async def run(args: Tensors) -> Tensors:
+    async def run(args: Tensors, context: CallContext) -> Tensors:
         return await asyncio.to_thread(call, args)
     return run, declared
 
@@ -289,7 +379,7 @@ def _order(spec: PipelineSpec) -> list[StepSpec]:
                                               f"{producer[tensor]}", step=step.name, tensor=tensor)
             producer[tensor] = f"step {step.name!r}"
     for step in spec.steps:
-        for port, tensor in step.inputs.items():
+        for port, tensor in step.reads().items():
             if tensor not in producer:
                 raise PipelineDefinitionError(f"step {step.name!r}: input {port!r} reads tensor {tensor!r}, "
                                               "which no pipeline input or step produces", step=step.name,
@@ -302,16 +392,16 @@ def _order(spec: PipelineSpec) -> list[StepSpec]:
     pending = list(spec.steps)
     ordered: list[StepSpec] = []
     while pending:
-        ready = [s for s in pending if set(s.inputs.values()) <= available]
+        ready = [s for s in pending if set(s.reads().values()) <= available]
         if not ready:
-            cycle = ", ".join(f"{s.name!r} (waits for {sorted(set(s.inputs.values()) - available)})"
+            cycle = ", ".join(f"{s.name!r} (waits for {sorted(set(s.reads().values()) - available)})"
                               for s in pending)
             raise PipelineDefinitionError(f"the steps form a cycle: {cycle}", step=pending[0].name)
         for s in ready:
             ordered.append(s)
             available.update(s.outputs.values())
         pending = [s for s in pending if s not in ready]
-    read = {t for step in spec.steps for t in step.inputs.values()} | {o.name for o in spec.outputs}
+    read = {t for step in spec.steps for t in step.reads().values()} | {o.name for o in spec.outputs}
     for inp in spec.inputs:
         if inp.name not in read:
             raise PipelineDefinitionError(f"pipeline input {inp.name!r}: no step reads tensor {inp.name!r}",
@@ -330,15 +420,33 @@ def compile_pipeline(spec: PipelineSpec, folder: Path, gateway: ModelGateway | N
     nodes: list[_Node] = []
     models: list[tuple[str, int | None]] = []
     modules: dict[str, ModuleType] = {}
+    notes: list[str] = []
+    # The most rows each tensor may hold, where a fan-out step declares it (crop_boxes' max_crops);
+    # carried through the steps after it, so a model step can say when it will split the batch.
+    fan_out: dict[str, tuple[int, str]] = {}
     for step in ordered:
         wired = {port: ports[tensor] for port, tensor in step.inputs.items()}
         where = ", ".join(f"{p} <- {t}" for p, t in step.inputs.items()) or "no inputs"
+        upstream = max((fan_out[t] for t in step.inputs.values() if t in fan_out), default=None)
         try:
             if step.kind is not None:
-                runner, bound = _builtin_node(step, folder, wired, lookup)
+                runner, bound, emits = _builtin_node(step, folder, wired, lookup, gateway)
+                if emits is not None:
+                    upstream = (emits, f"step {step.name!r} ({step.kind}) emits up to {emits} rows")
             elif step.model is not None:
+                if step.widths is not None:
+                    got = ports[step.widths]
+                    if got.datatype not in ("INT32", "INT64") or len(got.shape) != 1:
+                        raise PipelineDefinitionError(f"widths {step.widths!r} is {_describe(got)}, expected "
+                                                      "INT32 or INT64 [M]")
                 runner, bound = _model_node(step, wired, gateway)
                 models.append((step.model, step.version))
+                assert gateway is not None
+                limit = gateway.max_batch_size(step.model, step.version)
+                if upstream is not None and 0 < limit < upstream[0]:
+                    notes.append(f"{upstream[1]} into model {step.model!r} (step {step.name!r}), whose "
+                                 f"max_batch_size is {limit}: a request may be split into up to "
+                                 f"{math.ceil(upstream[0] / limit)} calls of at most {limit}")
             else:
                 runner, bound = _custom_node(step, folder, modules)
         except PipelineDefinitionError as exc:
@@ -350,7 +458,9 @@ def compile_pipeline(spec: PipelineSpec, folder: Path, gateway: ModelGateway | N
                 raise PipelineDefinitionError(f"step {step.name!r}: has no output {port!r} for tensor {tensor!r} "
                                               f"(outputs: {sorted(bound)})", step=step.name, tensor=tensor)
             ports[tensor] = bound[port]
-        nodes.append(_Node(step, dict(step.inputs), dict(step.outputs), runner))
+            if upstream is not None:
+                fan_out[tensor] = upstream
+        nodes.append(_Node(step, step.reads(), dict(step.outputs), runner))
     outputs: dict[str, Port] = {}
     for out in spec.outputs:
         declared = _port(out.datatype, out.shape)
@@ -360,7 +470,7 @@ def compile_pipeline(spec: PipelineSpec, folder: Path, gateway: ModelGateway | N
                                           tensor=out.name)
         outputs[out.name] = declared
     inputs = {t.name: _port(t.datatype, t.shape) for t in spec.inputs}
-    return Pipeline(spec, inputs, outputs, nodes, models)
+    return Pipeline(spec, inputs, outputs, nodes, models, notes=notes)
 
 
-__all__ = ["ModelGateway", "Pipeline", "StepInputError", "compile_pipeline"]
+__all__ = ["CallContext", "ModelGateway", "Pipeline", "StepInputError", "compile_pipeline"]

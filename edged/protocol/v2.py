@@ -8,6 +8,8 @@ the header length differs (an HTTP header or an MQTT user property / prefix).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -119,6 +121,17 @@ def _from_raw(buf: memoryview | bytes, datatype: str, shape: tuple[int, ...], wh
     return np.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
+def _b64_element(item: dict[Any, Any], i: int, where: str) -> bytes:
+    text = item.get("b64")
+    if len(item) != 1 or not isinstance(text, str):
+        raise InvalidInputError(f"{where}: BYTES element {i} is an object; the only one taken is "
+                                '{"b64": "<base64 string>"}')
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidInputError(f"{where}: BYTES element {i}: 'b64' is not valid base64") from None
+
+
 def _from_json_data(data: Any, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
     if isinstance(data, JsonArray):
         if datatype in NUMERIC_TYPES:
@@ -141,6 +154,8 @@ def _from_json_data(data: Any, datatype: str, shape: tuple[int, ...], where: str
                 out[i] = item.encode()
             elif isinstance(item, bytes):  # gRPC's typed bytes_contents
                 out[i] = item
+            elif isinstance(item, dict):  # {"b64": "..."}: binary data in JSON, as KServe v2 allows
+                out[i] = _b64_element(item, i, where)
             else:
                 raise InvalidInputError(f"{where}: BYTES element {i} is {type(item).__name__}, not a string")
         return out.reshape(shape)

@@ -75,6 +75,7 @@ class Batching(_Strict):
     max_queue_delay_us: int = Field(default=0, ge=0, description="how long a request may wait for a batch to fill")
     preferred_batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
     max_queue_size: int = Field(default=1024, ge=1, description="queued requests beyond this are refused")
+    dynamic: bool = Field(default=True, description="false: each request runs alone, never combined with others")
 
 
 class Instances(_Strict):
@@ -134,12 +135,16 @@ class ModelManifest(_Strict):
     inputs: list[TensorSpec] | None = Field(default=None, description="read from the model file when omitted")
     outputs: list[TensorSpec] | None = None
     variants: list[Variant] = Field(min_length=1)
-    batching: Batching | None = Field(default=None, description="dynamic batching; off when absent")
+    batching: Batching | None = Field(
+        default=None, description="dynamic batching; with max_batch_size > 0 and no section, on with the defaults")
     instances: Instances = Field(default_factory=Instances)
     warmup: Warmup = Field(default_factory=Warmup)
     labels: str | None = Field(default=None, description="text file with one class label per line")
     evaluation: Evaluation | None = Field(default=None, description="labelled evaluation set for the quality gate")
     memory_mb: float | None = Field(default=None, ge=0, description="expected resident memory, for admission")
+    fetch: str | None = Field(
+        default=None, description="the command that puts the model's files in place when they are not shipped "
+                                  "with the manifest (public example models): their absence is then said at INFO")
 
     @model_validator(mode="after")
     def _check(self) -> ModelManifest:

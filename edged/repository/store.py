@@ -34,6 +34,7 @@ class VersionEntry:
     # variant file -> why it cannot be used (missing file, digest mismatch)
     bad_variants: dict[str, str] = field(default_factory=dict)
     pipeline: bool = False  # the folder holds PIPELINE_NAME instead of a manifest: compiled by the core
+    not_fetched: bool = False  # every variant's files are missing and the manifest says how to fetch them
 
     @property
     def usable_variants(self) -> list[Variant]:
@@ -89,6 +90,12 @@ def verify_version(entry: VersionEntry, digests: DigestCache) -> None:
     if not entry.usable_variants:
         reasons = "; ".join(f"{k}: {v}" for k, v in entry.bad_variants.items())
         entry.error = f"model {entry.model!r} version {entry.version}: no usable variant ({reasons})"
+        fetch = entry.manifest.fetch
+        missing = all(why.startswith("file ") and why.endswith(" is missing") for why in entry.bad_variants.values())
+        if fetch and missing:
+            entry.not_fetched = True
+            entry.error = (f"model {entry.model!r} version {entry.version}: not fetched "
+                           f"({'; '.join(entry.bad_variants.values())}); run: {fetch}")
 
 
 def load_version(model: str, version: int, path: Path, digests: DigestCache) -> VersionEntry:
@@ -128,8 +135,19 @@ def scan_repository(root: Path, models: ModelsSection, digests: DigestCache | No
         for v in models.policy_for(name).select(versions):
             entries.append(load_version(name, v, model_dir / str(v), digests))
     digests.save()
+    # Models whose files are fetched by a command (the examples, from public wheels) are not an error:
+    # one INFO line per command says which ones wait for it.
+    waiting: dict[str, list[str]] = {}
     for e in entries:
-        if e.error:
+        if e.not_fetched and e.manifest is not None and e.manifest.fetch:
+            waiting.setdefault(e.manifest.fetch, []).append(e.model)
+    for command, names in waiting.items():
+        log.info("model(s) %s: files not fetched here, so they and the pipelines using them stay unavailable; "
+                 "to fetch them run: %s", ", ".join(sorted(set(names))), command)
+    for e in entries:
+        if e.error and e.not_fetched:
+            log.debug("model=%s version=%s skipped: %s", e.model, e.version, e.error)
+        elif e.error:
             log.error("model=%s version=%s skipped: %s", e.model, e.version, e.error)
         for f, why in e.bad_variants.items():
             if not e.error:

@@ -540,7 +540,7 @@ def test_two_cpu_instances_run_side_by_side_on_their_share_of_the_cores(model_re
     manifest = repo / "mobilenet" / "1" / "model.toml"
     text = manifest.read_text()
     # No dynamic batching, so concurrent requests stay separate runs for the two instances to share.
-    text = text[:text.index("[batching]")] + text[text.index("[instances]"):]
+    text = text[:text.index("[batching]")] + "[batching]\ndynamic = false\n\n" + text[text.index("[instances]"):]
     assert "[instances]\ncount = 1" in text
     manifest.write_text(text.replace("[instances]\ncount = 1", "[instances]\ncount = 2"))
     svc = _service(repo, threads=2)

@@ -27,6 +27,9 @@ _BUILTIN: dict[str, str] = {
     "detect_decode": "detect:DetectDecode",
     "ctc_decode": "text:CTCDecode",
     "crop_boxes": "crop:CropBoxes",
+    "db_decode": "ocr:DBDecode",
+    "rotate_by_class": "ocr:RotateByClass",
+    "collect": "ocr:Collect",
 }
 
 

@@ -24,12 +24,20 @@ Interpolation = Literal["nearest", "linear", "area", "cubic", "lanczos"]
 
 class ResizeParams(StepParams):
     """``stretch`` to width x height; ``letterbox`` keeps the aspect and pads; ``short_side``
-    scales the shorter side to ``short`` keeping the aspect (the output size follows the input)."""
+    scales the shorter side to ``short`` keeping the aspect (the output size follows the input);
+    ``limit`` keeps the aspect and scales only when a side breaks ``limit_side``: with
+    ``limit_type = "min"`` the shorter side is raised to it, with ``"max"`` the longer one lowered
+    to it (DB-net text detectors). ``multiple_of`` (short_side, limit) then rounds each side to
+    the nearest multiple, at least one multiple: ``int(round(int(side * ratio) / m) * m)``, as
+    PaddleOCR's detectors do (sides that are multiples of 32)."""
 
-    mode: Literal["stretch", "letterbox", "short_side"] = "stretch"
+    mode: Literal["stretch", "letterbox", "short_side", "limit"] = "stretch"
     width: int | None = Field(default=None, gt=0, le=16384)
     height: int | None = Field(default=None, gt=0, le=16384)
     short: int | None = Field(default=None, gt=0, le=16384)
+    limit_side: int | None = Field(default=None, gt=0, le=16384)
+    limit_type: Literal["min", "max"] = "min"
+    multiple_of: int | None = Field(default=None, gt=0, le=1024)
     interpolation: Interpolation = "linear"
     pad_value: int = Field(default=114, ge=0, le=255)
     align: Literal["center", "top_left"] = "center"
@@ -39,12 +47,17 @@ class ResizeParams(StepParams):
         if self.mode == "short_side":
             if self.short is None:
                 raise ValueError("mode 'short_side' needs 'short'")
+        elif self.mode == "limit":
+            if self.limit_side is None:
+                raise ValueError("mode 'limit' needs 'limit_side'")
         elif self.width is None or self.height is None:
             raise ValueError(f"mode {self.mode!r} needs 'width' and 'height'")
+        if self.multiple_of is not None and self.mode not in ("short_side", "limit"):
+            raise ValueError("'multiple_of' applies to modes 'short_side' and 'limit'")
         return self
 
     def out_hw(self) -> tuple[int, int]:
-        if self.mode == "short_side":
+        if self.mode in ("short_side", "limit"):
             return ANY, ANY
         assert self.width is not None and self.height is not None
         return self.height, self.width
@@ -64,6 +77,11 @@ def compose(first: np.ndarray, then: np.ndarray) -> np.ndarray:
     return out
 
 
+def _multiple(side: int, m: int) -> int:
+    """``side`` rounded to the nearest multiple of ``m`` (Python's round: halves to even), at least ``m``."""
+    return max(m, int(round(side / m) * m))
+
+
 def resize_one(img: np.ndarray, p: ResizeParams) -> tuple[np.ndarray, tuple[float, float, float, float]]:
     """One HWC image resized as ``p`` says, and its transform ``(sx, sy, px, py)``."""
     cv2 = opencv()
@@ -74,6 +92,16 @@ def resize_one(img: np.ndarray, p: ResizeParams) -> tuple[np.ndarray, tuple[floa
         assert p.short is not None
         ratio = p.short / min(w, h)
         nw, nh = max(1, round(w * ratio)), max(1, round(h * ratio))
+        if p.multiple_of:
+            nw, nh = _multiple(nw, p.multiple_of), _multiple(nh, p.multiple_of)
+    elif p.mode == "limit":
+        assert p.limit_side is not None
+        side = min(h, w) if p.limit_type == "min" else max(h, w)
+        breaks = side < p.limit_side if p.limit_type == "min" else side > p.limit_side
+        ratio = p.limit_side / side if breaks else 1.0
+        nw, nh = max(1, int(w * ratio)), max(1, int(h * ratio))
+        if p.multiple_of:
+            nw, nh = _multiple(nw, p.multiple_of), _multiple(nh, p.multiple_of)
     elif p.mode == "stretch":
         assert p.width is not None and p.height is not None
         nw, nh = p.width, p.height
@@ -222,6 +250,7 @@ class NormalizeParams(StepParams):
     mean: list[float] = Field(default_factory=lambda: [0.0, 0.0, 0.0])
     std: list[float] = Field(default_factory=lambda: [1.0, 1.0, 1.0])
     layout: Literal["HWC", "CHW"] = "HWC"
+    pad: float = 0.0  # with a ``widths`` input: the value of every column right of an image's width
 
     @model_validator(mode="after")
     def _same_length(self) -> NormalizeParams:
@@ -252,6 +281,8 @@ class Normalize(BuiltinStep):
         if port.shape[axis] not in (len(self.params.mean), ANY):
             raise PipelineDefinitionError(f"step 'normalize': input 'pixels' {list(port.shape)} has not "
                                           f"{len(self.params.mean)} channels on its {self.params.layout} axis")
+        if "widths" in inputs:
+            self.port(inputs, "widths", ("INT32", "INT64"), rank=1)
         return {"tensor": Port("FP32", port.shape)}
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -264,6 +295,16 @@ class Normalize(BuiltinStep):
         out = pixels.astype(np.float32)
         out *= self._mul.reshape(bshape)
         out += self._add.reshape(bshape)
+        widths = inputs.get("widths")
+        if widths is not None:  # padding in normalised space (PP-OCR pads with 0 after normalising)
+            if widths.shape != (len(out),):
+                raise StepInputError(f"step 'normalize': input 'widths' has shape {list(widths.shape)}, "
+                                     f"expected [{len(out)}]", input="widths")
+            for i, width in enumerate(widths.tolist()):
+                if axis == 3:
+                    out[i, :, max(0, width):, :] = self.params.pad
+                else:
+                    out[i, :, :, max(0, width):] = self.params.pad
         return {"tensor": out}
 
 

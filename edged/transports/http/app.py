@@ -19,9 +19,10 @@ from typing import Any
 from urllib.parse import unquote
 
 from edged.core.service import InferenceService
-from edged.core.types import InferResponse
+from edged.core.types import InferRequest, InferResponse
 from edged.errors import EdgedError, ErrorCode, InvalidInputError
 from edged.membudget import Reservation, owned_bytes
+from edged.protocol import media
 from edged.protocol.v2 import DecodedRequest, decode_request, dumps, loads
 from edged.protocol.v2_json import loads_request
 from edged.protocol.v2_plans import RequestPlans, encode_answer
@@ -62,6 +63,11 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.PERMISSION_DENIED: 403,
 }
 _JSON = [(b"content-type", b"application/json")]
+NOT_A_REQUEST = ("the body is neither a v2 inference request nor an image or sound: send JSON "
+                 "({\"inputs\": [...]}, Content-Type: application/json), Triton's binary form (JSON header + "
+                 "tensors, Inference-Header-Content-Length), or the raw file of a pipeline's one BYTES input "
+                 "with Content-Type image/jpeg, image/png, image/webp or audio/wav; BYTES elements in JSON are "
+                 "strings or {\"b64\": \"...\"}")
 
 
 class HttpError(Exception):
@@ -181,10 +187,20 @@ class V2App:
     # ---- inference --------------------------------------------------------------------------
     async def _infer(self, model: str, version: int | None, req: Request) -> Response:
         hlen_raw = None
+        ctype: bytes | None = None
         for k, v in req.headers:
             if k == b"inference-header-content-length":
                 hlen_raw = v
+            elif k == b"content-type":
+                ctype = v
         body = await self._body(req)
+        kind = media.declared_media_type(ctype.decode("latin-1")) if ctype else None
+        if kind is None and hlen_raw is None and body.lstrip()[:1] not in (b"{", b"[", b""):
+            kind = media.sniff_media_type(body)  # an image or sound posted without its content type
+            if kind is None:
+                raise InvalidInputError(NOT_A_REQUEST)
+        if kind is not None:
+            return await self._infer_media(model, version, body, kind)
         shm = self._shm_view(req)
         if len(body) > HEAVY:
             decoded = await asyncio.to_thread(self._decode, body, hlen_raw, model, version, shm)
@@ -201,6 +217,15 @@ class V2App:
         if encode_is_heavy(resp, decoded):
             return await asyncio.to_thread(self._encode, resp, decoded, shm)
         return self._encode(resp, decoded, shm)
+
+    async def _infer_media(self, model: str, version: int | None, body: bytes, kind: str) -> Response:
+        """A raw image or sound body: the one BYTES input of the model or pipeline, answered as plain JSON
+        (as over MQTT; protocol/media.py)."""
+        mv = self.service.model(model, version)
+        name = media.media_input(model, [(s.name, s.datatype) for s in mv.inputs])
+        request = InferRequest(model=model, version=version, inputs={name: media.media_tensor(body)})
+        resp = await asyncio.wrap_future(self.service.submit(request))
+        return 200, _JSON, dumps(media.answer(resp.model, resp.version, resp.outputs, media=kind))
 
     def _decode(self, body: bytes, hlen_raw: bytes | None, model: str, version: int | None,
                 shm: ShmView) -> DecodedRequest:

