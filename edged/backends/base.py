@@ -78,7 +78,7 @@ class Engine(abc.ABC):
     # UTF-8 text, for libraries whose string tensors hold text (ONNX Runtime's Python binding would
     # otherwise take ``str()`` of each bytes object, "b'0'"): validation then refuses a non-UTF-8
     # element naming its input and index, and the engine hands its string outputs back as bytes.
-    takes_text: ClassVar[bool] = False
+    takes_text: bool = False
 
     @abc.abstractmethod
     def infer(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:

@@ -50,6 +50,7 @@ class SwappableEngine(Engine):
     def _mirror(self, engine: Engine) -> None:
         self.backend, self.device, self.precision = engine.backend, engine.device, engine.precision
         self.inputs, self.outputs = engine.inputs, engine.outputs
+        self.takes_text = engine.takes_text  # how BYTES reach it: validation reads it through the proxy
 
     @property
     def current(self) -> Engine:
