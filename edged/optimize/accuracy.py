@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -248,6 +249,10 @@ def openvino_accuracy_control(fp32: Path, xml: Path, calib: SampleSet, evalset: 
                 return rec
             raise
     rec.kept_float = reverted_operations(log.messages)
+    for msg in log.messages:
+        counted = re.match(r"(\d+) out of (\d+)", msg)
+        if counted:
+            rec.quantized_layers = int(counted.group(2))
     for msg in log.messages:
         if msg.startswith("Algorithm completed") or "could not achieve" in msg or "Maximum number" in msg:
             rec.tries.append({"nncf": msg})

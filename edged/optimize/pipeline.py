@@ -50,6 +50,8 @@ from edged.optimize.writer import check_target, parse_target, publish, stage
 from edged.repository.manifest import ArtifactFile, Variant, VariantTiming
 
 WARMUP_SAMPLES = 4
+ORT_BF16_NOTE = ("timed on OpenVINO only: ONNX Runtime's CPU provider has no BF16 execution path on x86-64 "
+                 "(its bf16 fast-math GEMM option is for arm64)")
 
 
 class _Run:
@@ -145,6 +147,7 @@ class _Run:
                 if why is not None:
                     raise EngineUnavailableError(why)
                 quantize.openvino_ir(fp32, target, fp16=False)
+                outcome.notes.append(ORT_BF16_NOTE)
             elif recipe.key == "openvino-fp16":
                 quantize.openvino_ir(fp32, target, fp16=True)
             elif recipe.key == "openvino-int8":
@@ -285,6 +288,12 @@ class _Run:
         outcome_metrics = state.get("m")
         if not rec.passed or outcome_metrics is None:
             why = rec.stopped or "no variant passed"
+            if not rec.stopped and outcome_metrics is not None:
+                value = (f"{outcome_metrics.score * 100:.2f}%" if self.spec.is_fraction
+                         else f"{outcome_metrics.score:.3g}")
+                why = (f"its best measures {self.spec.describe(labels is not None)} {value} as served here "
+                       f"({len(rec.kept_float)} layers in float)")
+                outcome.details["accuracy_aware"]["measured"] = outcome_metrics.as_dict()
             return [*plain, f"accuracy-aware mode ({rec.method}) found none within the gate: {why}"], None
         outcome.metrics = outcome_metrics
         outcome.notes.append(f"accuracy-aware ({rec.method}): {len(rec.kept_float)} of {rec.quantized_layers or '?'} "

@@ -30,6 +30,7 @@ from edged.optimize import command
 from edged.optimize.data import load_samples
 from edged.optimize.errors import OptimizeInputError
 from edged.optimize.modelio import inspect_onnx
+from edged.optimize.timing import bf16_unavailable_reason, cpu_flags
 from edged.profiles import BackendPreference
 from edged.repository.manifest import ModelManifest, parse_manifest
 from tests.conftest import MODELS, load_make_models
@@ -234,6 +235,23 @@ def test_produced_version_serves_holdout_digits(optimized: Run, data: Data, back
     with serving(optimized.out.parent.parent, prefs) as svc:
         mv = svc.ready_model("digits")
         assert mv.candidate is not None and mv.candidate.variant.file == variant_file
+        acc = _holdout_accuracy(svc, data.x_test, data.y_test)
+    assert acc >= optimized.variant("fp32")["metrics"]["top1"] - ONE_POINT
+
+
+@pytest.mark.skipif(bf16_unavailable_reason(cpu_flags()) is not None, reason="this CPU has no BF16 instructions")
+def test_bf16_variant_is_a_candidate_and_the_engine_runs_bf16(optimized: Run, data: Data) -> None:
+    """On a CPU with AVX512-BF16/AMX: the bf16 variant is kept, the daemon's selection takes it as a
+    candidate when the profile lists bf16, and OpenVINO reports computing in bf16 (read back)."""
+    v = optimized.variant("openvino-bf16")
+    assert v["status"] == "kept", v
+    assert v["execution_precision"] == {"openvino": "bf16"}
+    assert optimized.variant("fp32")["execution_precision"]["openvino"] == "fp32"  # pinned to f32
+    prefs = [BackendPreference(backend="openvino", device="CPU", precisions=["bf16"])]
+    with serving(optimized.out.parent.parent, prefs) as svc:
+        mv = svc.ready_model("digits")
+        assert mv.candidate is not None and mv.candidate.variant.file == "openvino/model.bf16.xml"
+        assert mv.engine is not None and mv.engine.describe()["execution_precision"] == "bf16"
         acc = _holdout_accuracy(svc, data.x_test, data.y_test)
     assert acc >= optimized.variant("fp32")["metrics"]["top1"] - ONE_POINT
 
