@@ -14,6 +14,7 @@ Order of work (each step can only remove variants, never add them back):
 
 from __future__ import annotations
 
+import platform
 import shutil
 import sys
 import tempfile
@@ -147,7 +148,8 @@ class _Run:
                 if why is not None:
                     raise EngineUnavailableError(why)
                 quantize.openvino_ir(fp32, target, fp16=False)
-                outcome.notes.append(ORT_BF16_NOTE)
+                if platform.machine().lower() in ("x86_64", "amd64"):
+                    outcome.notes.append(ORT_BF16_NOTE)
             elif recipe.key == "openvino-fp16":
                 quantize.openvino_ir(fp32, target, fp16=True)
             elif recipe.key == "openvino-int8":
