@@ -146,7 +146,7 @@ class OpenVinoBackend(Backend):
             config["INFERENCE_NUM_THREADS"] = threads
         # CPUs with bf16/AMX otherwise run an fp32 model in reduced precision; honour the variant
         # (a bf16 variant asks for bf16, which the plugin ignores on CPUs without it: read it back).
-        precision = request.options.get("inference_precision")
+        precision = request.options.get("inference_precision") or request.variant.inference_precision
         if precision is None and request.variant.precision in ("fp32", "bf16") and device == "CPU":
             precision = "f32" if request.variant.precision == "fp32" else "bf16"
         if precision:

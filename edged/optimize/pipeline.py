@@ -68,6 +68,7 @@ class _Run:
         self.onnx_plan: opset.OpsetPlan | None = None
         self.onnx_source: Path | None = None
         self.spec = MetricSpec()
+        self.hints: dict[str, str] = {}  # recipe key -> OpenVINO inference precision for its float layers
 
     @property
     def scratch(self) -> Path:
@@ -170,13 +171,16 @@ class _Run:
         return outcome
 
     # ---- gate ---------------------------------------------------------------------------------
+    def variant(self, root: Path, recipe: Recipe) -> Variant:
+        return _variant(root, recipe, self.hints.get(recipe.key))
+
     def engine(self, spec: EngineSpec, root: Path, model_io: ModelIO) -> Engine:
         return load_engine(spec, root, model_io, name=self.name, version=self.version, threads=self.opts.threads)
 
     def evaluate(self, recipe: Recipe, root: Path, model_io: ModelIO, feeds: list[dict[str, np.ndarray]],
                  show: bool = True) -> tuple[Engine, dict[str, np.ndarray]]:
         backend = NATIVE_BACKEND[recipe.format]
-        engine = self.engine(EngineSpec(_variant(root, recipe), backend), root, model_io)
+        engine = self.engine(EngineSpec(self.variant(root, recipe), backend), root, model_io)
         with self.progress(f"evaluating {recipe.key}", len(feeds) if show else None, " batches") as p:
             return engine, _outputs_with_progress(engine, feeds, model_io, p.advance)
 
@@ -278,6 +282,18 @@ class _Run:
                         budget_s=self.opts.accuracy_budget_s)
                 if not rec.stopped:
                     rec.passed = passes()[0]
+                    if not rec.passed and bf16_unavailable_reason(cpu_flags()) is None:
+                        # NNCF validated its float layers at f32; this CPU's default runs them in bf16.
+                        served = state["m"]
+                        self.hints[recipe.key] = "f32"
+                        rec.passed = passes()[0]
+                        if rec.passed:
+                            value = (f"{served.score * 100:.2f}%" if spec.is_fraction else f"{served.score:.3g}")
+                            outcome.notes.append(
+                                f"served with its float layers in f32 (inference_precision = \"f32\" in model.toml), "
+                                f"the precision NNCF validated it at; with this CPU's default bf16 it measured {value}")
+                        else:
+                            del self.hints[recipe.key]
             else:
                 return plain, None
         except EdgedError:
@@ -301,7 +317,7 @@ class _Run:
         outcome.notes.append(f"accuracy-aware ({rec.method}): {len(rec.kept_float)} of {rec.quantized_layers or '?'} "
                              f"layers kept in float: {', '.join(rec.kept_float[:12])}"
                              + (" ..." if len(rec.kept_float) > 12 else ""))
-        engine = self.engine(EngineSpec(_variant(root, recipe), NATIVE_BACKEND[recipe.format]), root, model_io)
+        engine = self.engine(EngineSpec(self.variant(root, recipe), NATIVE_BACKEND[recipe.format]), root, model_io)
         return [], engine
 
     # ---- timing -------------------------------------------------------------------------------
@@ -323,7 +339,7 @@ class _Run:
                 key = (outcome.recipe.key, backend)
                 try:
                     engine = engines.pop(key, None) or self.engine(
-                        EngineSpec(_variant(root, outcome.recipe), backend), root, model_io)
+                        EngineSpec(self.variant(root, outcome.recipe), backend), root, model_io)
                 except EdgedError as e:
                     outcome.notes.append(f"not timed on {backend}: {e}")
                     continue
@@ -350,11 +366,12 @@ def _remove(root: Path, recipe: Recipe) -> None:
             path.parent.rmdir()
 
 
-def _variant(root: Path, recipe: Recipe) -> Variant:
+def _variant(root: Path, recipe: Recipe, hint: str | None = None) -> Variant:
     """The manifest entry for a recipe's files as they are on disk now."""
     extra = [ArtifactFile(file=f, sha256=sha256_file(root / f)) for f in recipe.extra]
     return Variant.model_validate({"file": recipe.file, "sha256": sha256_file(root / recipe.file),
-                                   "format": recipe.format, "precision": recipe.precision, "extra_files": extra})
+                                   "format": recipe.format, "precision": recipe.precision, "extra_files": extra,
+                                   "inference_precision": hint})
 
 
 def _outputs_with_progress(engine: Engine, feeds: list[dict[str, np.ndarray]], model_io: ModelIO,
@@ -409,7 +426,7 @@ def optimize(opts: OptimizeOptions, *, err: TextIO | None = None) -> OptimizeRes
                                 warmup_atol=float(f"{max(1e-4, 1.5 * worst):.2g}"), metric=opts.metric)
         for outcome in outcomes:
             if outcome.kept:
-                outcome.variant = _variant(root, outcome.recipe).model_copy(update={
+                outcome.variant = run.variant(root, outcome.recipe).model_copy(update={
                     "accuracy": outcome.metrics.score
                     if labels is not None and outcome.metrics and run.spec.is_fraction else None,
                     "timings": [VariantTiming(batch_size=t.batch_size, throughput_per_s=_sig(t.throughput_per_s),

@@ -70,6 +70,9 @@ class Variant(ArtifactFile):
     accuracy: float | None = Field(default=None, description="held-out metric recorded when the variant was made")
     timings: list[VariantTiming] = Field(default_factory=list, description="speed measured by `edged optimize`")
     calibration_cache: str | None = Field(default=None, description="TensorRT INT8 calibration cache file")
+    inference_precision: Literal["f32", "bf16", "f16"] | None = Field(
+        default=None, description="OpenVINO: precision of the layers left in float (its INFERENCE_PRECISION_HINT), "
+                                  "e.g. f32 for an INT8 model whose accuracy was validated so; a profile's option wins")
 
 
 class Batching(_Strict):
