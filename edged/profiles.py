@@ -245,7 +245,7 @@ class MatchSpec(_Strict):
         return True, reasons, ""
 
 
-Precision = Literal["fp32", "fp16", "int8"]
+Precision = Literal["fp32", "bf16", "fp16", "int8"]
 _DEVICES = {"tensorrt": ("GPU", "DLA"), "onnxruntime": ("CPU", "GPU")}
 
 

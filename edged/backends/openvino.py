@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import queue
@@ -205,6 +206,9 @@ class OpenVinoEngine(Engine):
     def describe(self) -> dict[str, Any]:
         d = super().describe()
         cur = self._current
+        if cur is not None:
+            with contextlib.suppress(Exception):  # not every plugin reports it
+                d["execution_precision"] = str(cur.compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name())
         if cur is not None and self.device == "CPU":
             d["streams"] = int(cur.compiled.get_property("NUM_STREAMS"))
             d["threads"] = int(cur.compiled.get_property("INFERENCE_NUM_THREADS"))
@@ -257,10 +261,11 @@ class OpenVinoBackend(Backend):
         threads = int(request.options.get("threads", request.threads) or 0)
         if threads > 0 and device in ("CPU", "AUTO"):
             config["INFERENCE_NUM_THREADS"] = threads
-        # CPUs with bf16/AMX otherwise run an fp32 model in reduced precision; honour the variant.
-        precision = request.options.get("inference_precision")
-        if precision is None and request.variant.precision == "fp32" and device == "CPU":
-            precision = "f32"
+        # CPUs with bf16/AMX otherwise run an fp32 model in reduced precision; honour the variant
+        # (a bf16 variant asks for bf16, which the plugin ignores on CPUs without it: read it back).
+        precision = request.options.get("inference_precision") or request.variant.inference_precision
+        if precision is None and request.variant.precision in ("fp32", "bf16") and device == "CPU":
+            precision = "f32" if request.variant.precision == "fp32" else "bf16"
         if precision:
             config["INFERENCE_PRECISION_HINT"] = str(precision)
         if request.options.get("num_streams") is not None:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from edged.errors import EdgedError
+from edged.optimize.metrics import METRICS
 from edged.optimize.recipes import CALIBRATION_METHODS, DEFAULT_VARIANTS, RECIPES
 
 _BACKENDS = ("onnxruntime", "openvino")
@@ -38,7 +39,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval", type=Path, default=None, metavar="DATA",
                    help="evaluation samples for the accuracy gate (default: the calibration data)")
     p.add_argument("--labels", type=Path, default=None, metavar="FILE.npy",
-                   help="integer class per evaluation sample; without it the FP32 outputs are the reference")
+                   help="per evaluation sample: a class (top1), a box list [K, 5] (map50), a -1-padded id sequence "
+                        "(ctc-exact) or the float target (max-abs-error); without it FP32's outputs are the reference")
+    p.add_argument("--metric", choices=METRICS, default="top1",
+                   help="the gate's task metric: top1 (classes), map50 (boxes), ctc-exact (CTC text), "
+                        "max-abs-error (regressors; needs --max-abs-error); default top1")
+    p.add_argument("--ctc-blank", type=int, default=0, metavar="ID", help="CTC blank class id (default 0)")
+    p.add_argument("--score-threshold", type=float, default=0.25, metavar="S",
+                   help="map50: detections below this score are dropped (default 0.25)")
+    p.add_argument("--no-accuracy-aware", dest="accuracy_aware", action="store_false",
+                   help="do not retry an INT8 variant that fails the gate with the engine's accuracy-aware mode")
+    p.add_argument("--accuracy-budget-s", type=float, default=300.0, metavar="S",
+                   help="time the accuracy-aware mode may spend per INT8 variant (default 300)")
     p.add_argument("--max-drop", type=float, default=1.0, metavar="POINTS",
                    help="leave out a variant whose top-1 falls more than this many percentage points below "
                         "FP32 (default 1; 0 refuses any drop)")
@@ -60,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time spent timing each variant at each batch size (default 1)")
     p.add_argument("--threads", type=int, default=0, help="engine threads (0: the library's default)")
     p.add_argument("--metric-output", default=None, metavar="NAME",
-                   help="output whose arg-max is the top-1 class (default: the first output)")
+                   help="output the metric reads (default: the first output)")
     p.add_argument("--description", default=None, help="manifest description")
     p.add_argument("--no-reduce-range", dest="reduce_range", action="store_false",
                    help="8-bit ONNX INT8 weights instead of 7-bit (faster on VNNI CPUs, may saturate elsewhere)")
@@ -72,8 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "optimize", help="make quantized variants of an ONNX model, gate them on accuracy, time them",
-        description="Make INT8/FP16 variants of an FP32 ONNX model (ONNX Runtime QDQ INT8, OpenVINO IR "
-                    "FP16 and INT8), leave out those that lose accuracy, time the rest on this device "
+        description="Make INT8/BF16/FP16 variants of an FP32 ONNX model (ONNX Runtime QDQ INT8, OpenVINO IR "
+                    "BF16, FP16 and INT8), leave out those that lose accuracy (after an accuracy-aware retry "
+                    "for INT8), time the rest on this device "
                     "and write a model repository version.")
     add_arguments(p)
 
@@ -90,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
             calibration_method=args.calibration_method, calibration_samples=args.calibration_samples,
             max_batch_size=args.max_batch_size, variants=tuple(args.variants), backends=tuple(args.backends),
             timing_budget_s=args.timing_budget_s, threads=args.threads, metric_output=args.metric_output,
+            metric=args.metric, ctc_blank=args.ctc_blank, score_threshold=args.score_threshold,
+            accuracy_aware=args.accuracy_aware, accuracy_budget_s=args.accuracy_budget_s,
             description=args.description, reduce_range=args.reduce_range, force=args.force,
             progress=not args.quiet,
         )

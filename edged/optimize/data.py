@@ -140,15 +140,16 @@ def load_samples(path: Path, io: ModelIO, *, what: str) -> SampleSet:
 
 
 def load_labels(path: Path, n_samples: int) -> np.ndarray:
-    """Integer class labels, one per evaluation sample (or one per position for dense outputs)."""
+    """Labels, one entry per evaluation sample: integer classes (or one per position for dense outputs),
+    integer sequences, boxes or float targets; the metric checks the form (metrics.check_labels)."""
     raw = _read(path, f"--labels {path.name}")
     if not isinstance(raw, np.ndarray):
         if len(raw) != 1:
             raise OptimizeInputError(f"--labels {path.name}: expected one array, found {sorted(raw)}")
         raw = next(iter(raw.values()))
-    if raw.dtype.kind not in "iu":
-        raise OptimizeInputError(f"--labels {path.name}: labels must be integer class indices, not {raw.dtype}")
+    if raw.dtype.kind not in "iuf":
+        raise OptimizeInputError(f"--labels {path.name}: labels must be numeric, not {raw.dtype}")
     if raw.ndim == 0 or raw.shape[0] != n_samples:
         raise OptimizeInputError(f"--labels {path.name}: {raw.shape[0] if raw.ndim else 0} labels for "
                                  f"{n_samples} evaluation samples")
-    return raw.astype(np.int64)
+    return raw

@@ -24,6 +24,10 @@ def _need(module: str, what: str) -> Any:
                                      f"installed ({e}); install it with: {OPTIMIZE_EXTRA}") from None
 
 
+def onnx() -> Any:
+    return _need("onnx", "ONNX model conversion")
+
+
 def onnx_quantization() -> Any:
     """``onnxruntime.quantization`` (it needs the ``onnx`` package as well)."""
     _need("onnx", "ONNX Runtime static INT8 quantization")

@@ -52,3 +52,19 @@ def run_outputs(engine: Engine, feeds: list[dict[str, np.ndarray]], model_io: Mo
     if model_io.batched:
         return {n: np.concatenate(p) for n, p in parts.items()}
     return {n: np.stack(p) for n, p in parts.items()}
+
+
+_OV_NAMES = {"f32": "fp32", "f16": "fp16", "bf16": "bf16", "i8": "int8", "u8": "int8"}
+
+
+def execution_precision(engine: Engine, variant_precision: str) -> str:
+    """The precision the engine reports computing in (OpenVINO's inference precision, read back after
+    compiling: ``bf16`` on AMX CPUs even for FP16 IR); the variant's own precision for engines that
+    report none (ONNX Runtime runs a QDQ file's int8 kernels and the rest in FP32)."""
+    reported = engine.describe().get("execution_precision")
+    if not reported:
+        return variant_precision
+    reported = _OV_NAMES.get(str(reported), str(reported))
+    if variant_precision == "int8":
+        return f"int8+{reported}"  # quantized layers in int8, the layers left in float at this precision
+    return str(reported)

@@ -1,18 +1,18 @@
 """The accuracy gate: each variant against the FP32 model on the evaluation set.
 
-Metrics:
+Metrics (:mod:`edged.optimize.metrics`, chosen with ``--metric``):
 
-``top1``
-    with labels, top-1 accuracy (arg-max over the last axis of the metric
-    output equals the label); without labels, top-1 agreement with the FP32
-    model's own arg-max. A fraction in [0, 1]; drops are reported in points (x100).
+``score``
+    the task metric: top-1 (default), mAP@0.5, CTC exact match (fractions in [0, 1], drops
+    reported in points, x100) or max-abs-error to the targets (lower is better).
 ``max_abs_error`` / ``mean_abs_error``
     absolute difference to the FP32 outputs, over every element of every output.
 
-A variant is left out when its top-1 is more than ``max_drop`` points below
-FP32's, or (when ``max_abs_error`` is set) when any output element differs from
-FP32's by more than it. ``max_drop = 0`` therefore refuses any top-1 loss and
-``max_abs_error = 0`` any change at all; a non-finite output always fails.
+A variant is left out when its fraction score is more than ``max_drop`` points below FP32's
+(for ``max-abs-error``: when its error exceeds FP32's by more than ``--max-abs-error``), or,
+when ``max_abs_error`` is set, when any output element differs from FP32's by more than it.
+``max_drop = 0`` therefore refuses any loss and ``max_abs_error = 0`` any change at all; a
+non-finite output always fails.
 """
 
 from __future__ import annotations
@@ -22,19 +22,28 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edged.optimize.errors import OptimizeInputError
+from edged.optimize.metrics import MetricSpec, score
 
 
 @dataclass(frozen=True)
 class Metrics:
-    top1: float
+    score: float
     max_abs_error: float
     mean_abs_error: float
     samples: int
+    metric: str = "top1"
 
-    def as_dict(self) -> dict[str, float | int]:
-        return {"top1": self.top1, "max_abs_error": self.max_abs_error, "mean_abs_error": self.mean_abs_error,
-                "samples": self.samples}
+    @property
+    def top1(self) -> float:
+        return self.score
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        d: dict[str, float | int | str] = {"metric": self.metric, "score": self.score,
+                                           "max_abs_error": self.max_abs_error,
+                                           "mean_abs_error": self.mean_abs_error, "samples": self.samples}
+        if self.metric == "top1":
+            d["top1"] = self.score
+        return d
 
 
 @dataclass(frozen=True)
@@ -43,34 +52,15 @@ class GatePolicy:
     max_abs_error: float | None = None
 
 
-def top1_classes(outputs: Mapping[str, np.ndarray], metric_output: str) -> np.ndarray:
-    return np.asarray(np.argmax(outputs[metric_output], axis=-1))
-
-
-def check_labels(labels: np.ndarray, reference: Mapping[str, np.ndarray], metric_output: str) -> np.ndarray:
-    """Labels reshaped like the arg-max of the metric output, or a clear error."""
-    classes = top1_classes(reference, metric_output)
-    if labels.size != classes.size:
-        raise OptimizeInputError(
-            f"--labels: {labels.size} labels but output {metric_output!r} gives {classes.size} class "
-            f"predictions (arg-max shape {list(classes.shape)}); give one label per prediction")
-    n_classes = reference[metric_output].shape[-1]
-    if labels.size and (labels.min() < 0 or labels.max() >= n_classes):
-        raise OptimizeInputError(f"--labels: class indices must be in [0, {n_classes - 1}] for output "
-                                 f"{metric_output!r}; found {int(labels.min())}..{int(labels.max())}")
-    return labels.reshape(classes.shape)
-
-
-def measure(outputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], metric_output: str,
+def measure(outputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], spec: MetricSpec,
             labels: np.ndarray | None) -> Metrics:
     """Metrics of ``outputs`` against the FP32 ``reference`` (and ``labels`` when given)."""
-    target = labels if labels is not None else top1_classes(reference, metric_output)
-    top1 = float(np.mean(top1_classes(outputs, metric_output) == target))
+    samples = len(next(iter(reference.values())))
     max_err, total, count = 0.0, 0.0, 0
     for name, ref in reference.items():
         got = np.asarray(outputs[name])
         if got.shape != ref.shape:
-            return Metrics(top1, float("inf"), float("inf"), len(target))
+            return Metrics(float("nan"), float("inf"), float("inf"), samples, spec.name)
         if got.dtype.kind not in "fiub":
             continue
         diff = np.abs(got.astype(np.float64) - ref.astype(np.float64))
@@ -79,18 +69,34 @@ def measure(outputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarra
             max_err = max(max_err, float(diff.max()) if finite else float("inf"))
             total += float(diff.sum()) if finite else float("inf")
             count += diff.size
-    return Metrics(top1, max_err, total / count if count else 0.0, len(target))
+    value = score(spec, outputs, reference, labels)
+    return Metrics(value, max_err, total / count if count else 0.0, samples, spec.name)
 
 
-def judge(reference: Metrics, candidate: Metrics, policy: GatePolicy, *, with_labels: bool) -> list[str]:
+def drop(reference: Metrics, candidate: Metrics, spec: MetricSpec) -> float:
+    """How much worse the candidate is: points for fractions, output units for max-abs-error."""
+    if spec.higher_is_better:
+        return (reference.score - candidate.score) * 100.0
+    return candidate.score - reference.score
+
+
+def judge(reference: Metrics, candidate: Metrics, policy: GatePolicy, spec: MetricSpec, *,
+          with_labels: bool) -> list[str]:
     """Why the candidate is left out; empty when it passes."""
     reasons = []
-    what = "top-1 accuracy" if with_labels else "top-1 agreement with FP32"
-    drop = (reference.top1 - candidate.top1) * 100.0
-    if not drop <= policy.max_drop_points + 1e-9:
-        reasons.append(f"{what} {candidate.top1 * 100:.2f}% is {drop:.2f} points below FP32's "
-                       f"{reference.top1 * 100:.2f}% (--max-drop {policy.max_drop_points:g})")
-    if policy.max_abs_error is not None and not candidate.max_abs_error <= policy.max_abs_error:
+    what = spec.describe(with_labels)
+    lost = drop(reference, candidate, spec)
+    if spec.higher_is_better:
+        if not lost <= policy.max_drop_points + 1e-9:
+            reasons.append(f"{what} {candidate.score * 100:.2f}% is {lost:.2f} points below FP32's "
+                           f"{reference.score * 100:.2f}% (--max-drop {policy.max_drop_points:g})")
+    else:
+        allowed = policy.max_abs_error if policy.max_abs_error is not None else 0.0
+        if not lost <= allowed:
+            reasons.append(f"{what} {candidate.score:.3g} exceeds FP32's {reference.score:.3g} by {lost:.3g} "
+                           f"(--max-abs-error {allowed:g})")
+    if spec.higher_is_better and policy.max_abs_error is not None \
+            and not candidate.max_abs_error <= policy.max_abs_error:
         reasons.append(f"max abs output error {candidate.max_abs_error:.3g} exceeds --max-abs-error "
                        f"{policy.max_abs_error:g}")
     elif not np.isfinite(candidate.max_abs_error):

@@ -6,6 +6,7 @@ Order of work (each step can only remove variants, never add them back):
 2. build each requested variant in a staging folder next to the target version;
 3. run the evaluation set through each variant on its native backend and drop the ones
    that fail the gate (:mod:`edged.optimize.gate`), deleting their files;
+   (an INT8 variant that fails gets the engine's accuracy-aware mode first: :mod:`edged.optimize.accuracy`);
 4. time FP32 and every kept variant on each backend that can run it, at batch 1 and the max batch;
 5. write ``model.toml`` (sha256, accuracy, timings), warm-up files and ``optimize-report.json``,
    then rename the staging folder into place.
@@ -13,10 +14,12 @@ Order of work (each step can only remove variants, never add them back):
 
 from __future__ import annotations
 
+import platform
 import shutil
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -26,20 +29,30 @@ from edged.backends.base import Engine
 from edged.backends.selection import unavailable_reason
 from edged.errors import EdgedError, EngineUnavailableError
 from edged.fsutil import sha256_file
-from edged.optimize import deps, quantize
+from edged.optimize import accuracy, deps, metrics, opset, quantize
 from edged.optimize.data import SampleSet, load_labels, load_samples
-from edged.optimize.engines import BACKENDS_FOR_FORMAT, NATIVE_BACKEND, EngineSpec, load_engine, run_outputs
+from edged.optimize.engines import (
+    BACKENDS_FOR_FORMAT,
+    NATIVE_BACKEND,
+    EngineSpec,
+    execution_precision,
+    load_engine,
+    run_outputs,
+)
 from edged.optimize.errors import OptimizeInputError
-from edged.optimize.gate import GatePolicy, check_labels, judge, measure
+from edged.optimize.gate import GatePolicy, Metrics, judge, measure
+from edged.optimize.metrics import MetricSpec
 from edged.optimize.modelio import ModelIO, inspect_onnx
 from edged.optimize.progress import Progress
 from edged.optimize.recipes import FP32, RECIPES, Recipe
 from edged.optimize.results import OptimizeOptions, OptimizeResult, Outcome
-from edged.optimize.timing import host_label, time_engine
+from edged.optimize.timing import bf16_unavailable_reason, cpu_flags, host_label, time_engine
 from edged.optimize.writer import check_target, parse_target, publish, stage
 from edged.repository.manifest import ArtifactFile, Variant, VariantTiming
 
 WARMUP_SAMPLES = 4
+ORT_BF16_NOTE = ("timed on OpenVINO only: ONNX Runtime's CPU provider has no BF16 execution path on x86-64 "
+                 "(its bf16 fast-math GEMM option is for arm64)")
 
 
 class _Run:
@@ -51,6 +64,26 @@ class _Run:
         _, self.name, self.version = parse_target(opts.out)
         self.host = host_label()
         self.notes: list[str] = []
+        self._scratch: Path | None = None
+        self.onnx_plan: opset.OpsetPlan | None = None
+        self.onnx_source: Path | None = None
+        self.spec = MetricSpec()
+        self.hints: dict[str, str] = {}  # recipe key -> OpenVINO inference precision for its float layers
+
+    @property
+    def scratch(self) -> Path:
+        """A private folder for intermediate models (converted opsets, pre-processed graphs)."""
+        if self._scratch is None:
+            self._scratch = Path(tempfile.mkdtemp(prefix="edged-optimize-"))
+        return self._scratch
+
+    @property
+    def calibration_cache(self) -> Path:
+        return self.scratch / f"ranges-{self.opts.calibration_method}.json"
+
+    def cleanup(self) -> None:
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
 
     def say(self, text: str) -> None:
         if self.opts.progress:
@@ -80,7 +113,16 @@ class _Run:
             self.notes.append("no --eval set: the gate compared against FP32 on the calibration data, "
                               "which flatters quantized variants")
         labels = load_labels(o.labels, len(evalset)) if o.labels is not None else None
+        self.spec = MetricSpec(o.metric, metric_output, o.ctc_blank, o.score_threshold)
         return model_io, calib, evalset, labels, metric_output
+
+    def onnx_prepare(self, root: Path, calib: SampleSet, model_io: ModelIO) -> tuple[opset.OpsetPlan, Path, list[str]]:
+        """The opset plan and the pre-processed FP32 model ONNX Runtime quantizes (made once per run)."""
+        notes: list[str] = []
+        if self.onnx_plan is None or self.onnx_source is None:
+            self.onnx_plan = opset.plan(root / FP32.file, self.scratch, calib, model_io)
+            self.onnx_source, notes = quantize.onnx_preprocess(self.onnx_plan.source, self.scratch)
+        return self.onnx_plan, self.onnx_source, notes
 
     # ---- building -----------------------------------------------------------------------------
     def build(self, recipe: Recipe, root: Path, calib: SampleSet, model_io: ModelIO) -> Outcome:
@@ -95,11 +137,20 @@ class _Run:
                     why or "TensorRT is present, but this edged version does not build TensorRT engines yet")
             if recipe.key == "onnx-int8":
                 method = self.opts.calibration_method
+                plan, source, pre_notes = self.onnx_prepare(root, calib, model_io)
+                outcome.details["quantization"] = plan.as_dict()
+                outcome.notes += plan.notes + pre_notes
                 feeds = calib.count_feeds(model_io, quantize.calibration_batch(method))
                 with self.progress(f"calibrating {recipe.key} ({method})", feeds, " feeds") as p:
-                    outcome.notes += quantize.onnx_int8(
-                        fp32, target, calib, model_io, method=self.opts.calibration_method,
-                        reduce_range=self.opts.reduce_range, progress=p)
+                    quantize.onnx_int8(source, target, calib, model_io, method=method, per_channel=plan.per_channel,
+                                       reduce_range=self.opts.reduce_range, progress=p, cache=self.calibration_cache)
+            elif recipe.key == "openvino-bf16":
+                why = bf16_unavailable_reason(cpu_flags())
+                if why is not None:
+                    raise EngineUnavailableError(why)
+                quantize.openvino_ir(fp32, target, fp16=False)
+                if platform.machine().lower() in ("x86_64", "amd64"):
+                    outcome.notes.append(ORT_BF16_NOTE)
             elif recipe.key == "openvino-fp16":
                 quantize.openvino_ir(fp32, target, fp16=True)
             elif recipe.key == "openvino-int8":
@@ -120,21 +171,29 @@ class _Run:
         return outcome
 
     # ---- gate ---------------------------------------------------------------------------------
+    def variant(self, root: Path, recipe: Recipe) -> Variant:
+        return _variant(root, recipe, self.hints.get(recipe.key))
+
     def engine(self, spec: EngineSpec, root: Path, model_io: ModelIO) -> Engine:
         return load_engine(spec, root, model_io, name=self.name, version=self.version, threads=self.opts.threads)
 
-    def gate(self, outcomes: list[Outcome], root: Path, model_io: ModelIO, *, evalset: SampleSet,
-             labels: np.ndarray | None, metric_output: str) -> dict[tuple[str, str], Engine]:
+    def evaluate(self, recipe: Recipe, root: Path, model_io: ModelIO, feeds: list[dict[str, np.ndarray]],
+                 show: bool = True) -> tuple[Engine, dict[str, np.ndarray]]:
+        backend = NATIVE_BACKEND[recipe.format]
+        engine = self.engine(EngineSpec(self.variant(root, recipe), backend), root, model_io)
+        with self.progress(f"evaluating {recipe.key}", len(feeds) if show else None, " batches") as p:
+            return engine, _outputs_with_progress(engine, feeds, model_io, p.advance)
+
+    def gate(self, outcomes: list[Outcome], root: Path, model_io: ModelIO, *, calib: SampleSet,
+             evalset: SampleSet, labels: np.ndarray | None) -> dict[tuple[str, str], Engine]:
         """Measure every built variant; returns the loaded native engines of the kept ones (FP32 first)."""
         feeds = list(evalset.feeds(model_io, model_io.max_batch_size or 1))
         engines: dict[tuple[str, str], Engine] = {}
         ref_outcome = outcomes[0]
-        ref_engine = self.engine(EngineSpec(_variant(root, FP32), "onnxruntime"), root, model_io)
-        with self.progress("evaluating fp32", len(feeds), " batches") as p:
-            reference = _outputs_with_progress(ref_engine, feeds, model_io, p.advance)
+        ref_engine, reference = self.evaluate(FP32, root, model_io, feeds)
         if labels is not None:
-            labels = check_labels(labels, reference, metric_output)
-        ref_outcome.metrics = measure(reference, reference, metric_output, labels)
+            labels = metrics.check_labels(self.spec, labels, reference)
+        ref_outcome.metrics = measure(reference, reference, self.spec, labels)
         engines[(FP32.key, "onnxruntime")] = ref_engine
         policy = GatePolicy(self.opts.max_drop, self.opts.max_abs_error)
         for outcome in outcomes[1:]:
@@ -142,16 +201,21 @@ class _Run:
                 continue
             backend = NATIVE_BACKEND[outcome.recipe.format]
             try:
-                engine = self.engine(EngineSpec(_variant(root, outcome.recipe), backend), root, model_io)
-                with self.progress(f"evaluating {outcome.recipe.key}", len(feeds), " batches") as p:
-                    outputs = _outputs_with_progress(engine, feeds, model_io, p.advance)
+                engine, outputs = self.evaluate(outcome.recipe, root, model_io, feeds)
             except EdgedError as e:
                 outcome.status, outcome.reasons = "failed", [f"{backend} could not run it: {e}"]
                 _remove(root, outcome.recipe)
                 self.say(f"{outcome.recipe.key}: failed: {outcome.reasons[0]}")
                 continue
-            outcome.metrics = measure(outputs, reference, metric_output, labels)
-            reasons = judge(ref_outcome.metrics, outcome.metrics, policy, with_labels=labels is not None)
+            outcome.metrics = measure(outputs, reference, self.spec, labels)
+            reasons = judge(ref_outcome.metrics, outcome.metrics, policy, self.spec, with_labels=labels is not None)
+            if reasons and outcome.recipe.precision == "int8" and self.opts.accuracy_aware:
+                engine.unload()
+                self.say(f"{outcome.recipe.key}: plain INT8 fails the gate (" + "; ".join(reasons)
+                         + "): trying the accuracy-aware mode")
+                reasons, recovered = self.recover(outcome, root, model_io, calib=calib, evalset=evalset,
+                                                  feeds=feeds, reference=reference, labels=labels, plain=reasons)
+                engine = recovered or engine
             if reasons:
                 outcome.status, outcome.reasons = "left out", reasons
                 engine.unload()
@@ -161,6 +225,100 @@ class _Run:
                 outcome.status = "kept"
                 engines[(outcome.recipe.key, backend)] = engine
         return engines
+
+    def recover(self, outcome: Outcome, root: Path, model_io: ModelIO, *, calib: SampleSet, evalset: SampleSet,
+                feeds: list[dict[str, np.ndarray]], reference: dict[str, np.ndarray], labels: np.ndarray | None,
+                plain: list[str]) -> tuple[list[str], Engine | None]:
+        """The engine's accuracy-aware INT8; returns the gate's reasons (empty: passed) and the loaded engine."""
+        recipe, target = outcome.recipe, root / outcome.recipe.file
+        policy = GatePolicy(self.opts.max_drop, self.opts.max_abs_error)
+        state: dict[str, Metrics] = {}
+
+        # Each try is screened on the first quarter of the evaluation set; only one that passes there
+        # is measured on all of it (the gate's verdict), which keeps a long search affordable.
+        screen = feeds[:max(1, len(feeds) // 4)]
+        n_screen = sum(len(next(iter(f.values()))) for f in screen) if model_io.batched else len(screen)
+
+        def passes() -> tuple[bool, float]:
+            parts = [screen, feeds] if len(screen) < len(feeds) else [feeds]
+            for part in parts:
+                engine, outputs = self.evaluate(recipe, root, model_io, part, show=False)
+                engine.unload()
+                n = n_screen if part is screen else len(next(iter(reference.values())))
+                ref = {k: v[:n] for k, v in reference.items()}
+                lab = labels[:n] if labels is not None else None
+                m = measure(outputs, ref, self.spec, lab)
+                base = measure(ref, ref, self.spec, lab)
+                state["m"] = m
+                if judge(base, m, policy, self.spec, with_labels=labels is not None):
+                    return False, m.score
+            return True, state["m"].score
+
+        t0 = time.monotonic()
+        try:
+            if recipe.key == "onnx-int8":
+                plan, source, _ = self.onnx_prepare(root, calib, model_io)
+
+                def build(exclude: Sequence[str]) -> None:
+                    with Progress(f"requantizing {recipe.key}", enabled=False) as p:
+                        quantize.onnx_int8(source, target, calib, model_io, method=self.opts.calibration_method,
+                                           per_channel=plan.per_channel, reduce_range=self.opts.reduce_range,
+                                           progress=p, exclude=exclude, cache=self.calibration_cache)
+
+                rec = accuracy.onnx_accuracy_aware(source, target, calib, model_io, build=build, passes=passes,
+                                                   budget_s=self.opts.accuracy_budget_s, say=self.say)
+            elif recipe.key == "openvino-int8":
+                spec = self.spec
+
+                def score(idx: list[int], outputs: dict[str, np.ndarray]) -> float:
+                    ref = {k: v[idx] for k, v in reference.items()}
+                    value = metrics.score(spec, outputs, ref, labels[idx] if labels is not None else None)
+                    return value if spec.higher_is_better else -value
+
+                max_drop = self.opts.max_drop / 100.0 if spec.higher_is_better else (self.opts.max_abs_error or 0.0)
+                with self.progress(f"{recipe.key}: NNCF accuracy control (budget {self.opts.accuracy_budget_s:g} s)"):
+                    rec = accuracy.openvino_accuracy_control(
+                        root / FP32.file, target, calib, evalset, model_io, score=score, max_drop=max_drop,
+                        budget_s=self.opts.accuracy_budget_s)
+                if not rec.stopped:
+                    rec.passed = passes()[0]
+                    if not rec.passed and bf16_unavailable_reason(cpu_flags()) is None:
+                        # NNCF validated its float layers at f32; this CPU's default runs them in bf16.
+                        served = state["m"]
+                        self.hints[recipe.key] = "f32"
+                        rec.passed = passes()[0]
+                        if rec.passed:
+                            value = (f"{served.score * 100:.2f}%" if spec.is_fraction else f"{served.score:.3g}")
+                            outcome.notes.append(
+                                f"served with its float layers in f32 (inference_precision = \"f32\" in model.toml), "
+                                f"the precision NNCF validated it at; with this CPU's default bf16 it measured {value}")
+                        else:
+                            del self.hints[recipe.key]
+            else:
+                return plain, None
+        except EdgedError:
+            raise
+        except Exception as e:  # the search failing must not lose the other variants
+            outcome.details["accuracy_aware"] = {"error": f"{type(e).__name__}: {e}"}
+            return [*plain, f"accuracy-aware mode failed: {type(e).__name__}: {e}"], None
+        outcome.build_s += time.monotonic() - t0
+        outcome.details["accuracy_aware"] = rec.as_dict()
+        outcome_metrics = state.get("m")
+        if not rec.passed or outcome_metrics is None:
+            why = rec.stopped or "no variant passed"
+            if not rec.stopped and outcome_metrics is not None:
+                value = (f"{outcome_metrics.score * 100:.2f}%" if self.spec.is_fraction
+                         else f"{outcome_metrics.score:.3g}")
+                why = (f"its best measures {self.spec.describe(labels is not None)} {value} as served here "
+                       f"({len(rec.kept_float)} layers in float)")
+                outcome.details["accuracy_aware"]["measured"] = outcome_metrics.as_dict()
+            return [*plain, f"accuracy-aware mode ({rec.method}) found none within the gate: {why}"], None
+        outcome.metrics = outcome_metrics
+        outcome.notes.append(f"accuracy-aware ({rec.method}): {len(rec.kept_float)} of {rec.quantized_layers or '?'} "
+                             f"layers kept in float: {', '.join(rec.kept_float[:12])}"
+                             + (" ..." if len(rec.kept_float) > 12 else ""))
+        engine = self.engine(EngineSpec(self.variant(root, recipe), NATIVE_BACKEND[recipe.format]), root, model_io)
+        return [], engine
 
     # ---- timing -------------------------------------------------------------------------------
     def time_all(self, outcomes: list[Outcome], engines: dict[tuple[str, str], Engine], root: Path,
@@ -181,10 +339,11 @@ class _Run:
                 key = (outcome.recipe.key, backend)
                 try:
                     engine = engines.pop(key, None) or self.engine(
-                        EngineSpec(_variant(root, outcome.recipe), backend), root, model_io)
+                        EngineSpec(self.variant(root, outcome.recipe), backend), root, model_io)
                 except EdgedError as e:
                     outcome.notes.append(f"not timed on {backend}: {e}")
                     continue
+                outcome.execution[backend] = execution_precision(engine, outcome.recipe.precision)
                 try:
                     got = engine.infer(warm)
                     for name, want in expected.items():
@@ -207,11 +366,12 @@ def _remove(root: Path, recipe: Recipe) -> None:
             path.parent.rmdir()
 
 
-def _variant(root: Path, recipe: Recipe) -> Variant:
+def _variant(root: Path, recipe: Recipe, hint: str | None = None) -> Variant:
     """The manifest entry for a recipe's files as they are on disk now."""
     extra = [ArtifactFile(file=f, sha256=sha256_file(root / f)) for f in recipe.extra]
     return Variant.model_validate({"file": recipe.file, "sha256": sha256_file(root / recipe.file),
-                                   "format": recipe.format, "precision": recipe.precision, "extra_files": extra})
+                                   "format": recipe.format, "precision": recipe.precision, "extra_files": extra,
+                                   "inference_precision": hint})
 
 
 def _outputs_with_progress(engine: Engine, feeds: list[dict[str, np.ndarray]], model_io: ModelIO,
@@ -237,18 +397,25 @@ def optimize(opts: OptimizeOptions, *, err: TextIO | None = None) -> OptimizeRes
                         ("--timing-budget-s", opts.timing_budget_s)):
         if value is not None and not value >= 0:
             raise OptimizeInputError(f"{flag} must be >= 0, not {value}")
+    if opts.metric not in metrics.METRICS:
+        raise OptimizeInputError(f"--metric {opts.metric!r}: choose from {', '.join(metrics.METRICS)}")
+    if opts.metric == "max-abs-error" and opts.max_abs_error is None:
+        raise OptimizeInputError("--metric max-abs-error needs --max-abs-error X: how much more error than "
+                                 "FP32's a variant may have")
+    if not opts.accuracy_budget_s >= 0:
+        raise OptimizeInputError(f"--accuracy-budget-s must be >= 0, not {opts.accuracy_budget_s}")
     unknown = [v for v in opts.variants if v not in RECIPES]
     if unknown:
         raise OptimizeInputError(f"unknown variant(s) {unknown}; choose from {', '.join(RECIPES)}")
     run = _Run(opts, err if err is not None else sys.stderr)
     check_target(opts.out, force=opts.force)
-    model_io, calib, evalset, labels, metric_output = run.read_inputs()
+    model_io, calib, evalset, labels, _ = run.read_inputs()
     root = stage(opts.out)
     try:
         shutil.copyfile(opts.model, root / FP32.file)
         outcomes = [Outcome(FP32, status="reference")]
         outcomes += [run.build(RECIPES[key], root, calib, model_io) for key in opts.variants]
-        engines = run.gate(outcomes, root, model_io, evalset=evalset, labels=labels, metric_output=metric_output)
+        engines = run.gate(outcomes, root, model_io, calib=calib, evalset=evalset, labels=labels)
         warm = _warmup_feed(evalset, model_io)
         expected = run_outputs(engines[(FP32.key, "onnxruntime")], [warm], model_io)
         if not model_io.batched:
@@ -256,11 +423,12 @@ def optimize(opts: OptimizeOptions, *, err: TextIO | None = None) -> OptimizeRes
         worst = run.time_all(outcomes, engines, root, model_io, evalset=evalset, warm=warm, expected=expected)
         result = OptimizeResult(opts.out, run.name, run.version, model_io, outcomes, labels is not None,
                                 len(evalset), len(calib), run.host, run.notes,
-                                warmup_atol=float(f"{max(1e-4, 1.5 * worst):.2g}"))
+                                warmup_atol=float(f"{max(1e-4, 1.5 * worst):.2g}"), metric=opts.metric)
         for outcome in outcomes:
             if outcome.kept:
-                outcome.variant = _variant(root, outcome.recipe).model_copy(update={
-                    "accuracy": outcome.metrics.top1 if labels is not None and outcome.metrics else None,
+                outcome.variant = run.variant(root, outcome.recipe).model_copy(update={
+                    "accuracy": outcome.metrics.score
+                    if labels is not None and outcome.metrics and run.spec.is_fraction else None,
                     "timings": [VariantTiming(batch_size=t.batch_size, throughput_per_s=_sig(t.throughput_per_s),
                                               latency_ms=_sig(t.latency_ms), device=f"{backend}/CPU ({run.host})")
                                 for backend, ts in outcome.timings.items() for t in ts],
@@ -273,6 +441,8 @@ def optimize(opts: OptimizeOptions, *, err: TextIO | None = None) -> OptimizeRes
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)
         raise
+    finally:
+        run.cleanup()
     return result
 
 

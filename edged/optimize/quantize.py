@@ -9,10 +9,10 @@ shown by the caller's :class:`~edged.optimize.progress.Progress`.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import logging
-import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,41 +59,72 @@ class _Reader:
         return feed
 
 
-def onnx_int8(fp32: Path, out: Path, calib: SampleSet, model_io: ModelIO, *, method: str,
-              per_channel: bool = True, reduce_range: bool = True, progress: Progress) -> list[str]:
-    """Static QDQ quantization: int8 weights (per channel), uint8 activations calibrated on ``calib``.
+def onnx_preprocess(source: Path, scratch: Path) -> tuple[Path, list[str]]:
+    """ONNX Runtime's pre-quantization pass (shape inference, graph clean-up), once per run.
 
+    Unnamed nodes (common in Paddle exports) get names: excluding a layer from quantization and
+    reporting it both need one.
+    """
+    q = deps.onnx_quantization()
+    onnx = deps.onnx()
+    pre = scratch / "pre.onnx"
+    notes: list[str] = []
+    try:
+        with _quiet():
+            q.quant_pre_process(str(source), str(pre), skip_symbolic_shape=True)
+    except Exception as e:  # shape inference fails on some exotic graphs; quantizing still works
+        notes.append(f"ONNX pre-processing skipped ({type(e).__name__}: {e})")
+        pre = source
+    model = onnx.load(str(pre))
+    taken = {n.name for n in model.graph.node}
+    unnamed = [n for n in model.graph.node if not n.name]
+    for i, node in enumerate(unnamed):
+        name = f"{node.op_type}_{i}"
+        while name in taken:
+            name += "_"
+        node.name = name
+        taken.add(name)
+    if unnamed:
+        pre = scratch / "named.onnx"
+        onnx.save(model, str(pre))
+    return pre, notes
+
+
+def onnx_int8(source: Path, out: Path, calib: SampleSet, model_io: ModelIO, *, method: str,
+              per_channel: bool = True, reduce_range: bool = True, progress: Progress,
+              exclude: Sequence[str] = (), cache: Path | None = None) -> None:
+    """Static QDQ quantization: int8 weights (per channel or per tensor), uint8 activations calibrated on ``calib``.
+
+    ``source`` is the (pre-processed, opset-checked) FP32 model, see :mod:`edged.optimize.opset`.
     ``reduce_range`` keeps weights to 7 bits so that CPUs without VNNI cannot saturate
     their u8 x s8 products: the accuracy measured here then holds on other hosts too.
-    Returns notes for the report (e.g. a pre-processing step that had to be skipped).
+    ``exclude`` names nodes left in FP32 (the accuracy-aware search, :mod:`edged.optimize.accuracy`).
+    ``cache``: a file for the calibrated ranges (ONNX Runtime >= 1.32 reads it back), so the
+    search's re-quantizations do not calibrate again.
     """
     q = deps.onnx_quantization()
     if method not in CALIBRATION_METHODS:
         raise ValueError(f"unknown calibration method {method!r}")
-    notes: list[str] = []
     calibrate = {"minmax": q.CalibrationMethod.MinMax, "entropy": q.CalibrationMethod.Entropy,
                  "percentile": q.CalibrationMethod.Percentile}[method]
-    with tempfile.TemporaryDirectory(prefix="edged-quant-") as scratch:
-        source = fp32
-        pre = Path(scratch) / "pre.onnx"
-        try:
-            with _quiet():
-                q.quant_pre_process(str(fp32), str(pre), skip_symbolic_shape=True)
-            source = pre
-        except Exception as e:  # shape inference fails on some exotic graphs; quantizing still works
-            notes.append(f"ONNX pre-processing skipped ({type(e).__name__}: {e})")
-        with _quiet():
-            q.quantize_static(
-                str(source), str(out), _Reader(calib, model_io, calibration_batch(method), progress),
-                quant_format=q.QuantFormat.QDQ, per_channel=per_channel, reduce_range=reduce_range,
-                activation_type=q.QuantType.QUInt8, weight_type=q.QuantType.QInt8,
-                calibrate_method=calibrate,
-            )
-    return notes
+    extra: dict[str, Any] = {}
+    if cache is not None and "calibration_cache_path" in inspect.signature(q.quantize_static).parameters:
+        extra["calibration_cache_path"] = str(cache)
+    with _quiet():
+        q.quantize_static(
+            str(source), str(out), _Reader(calib, model_io, calibration_batch(method), progress),
+            quant_format=q.QuantFormat.QDQ, per_channel=per_channel, reduce_range=reduce_range,
+            activation_type=q.QuantType.QUInt8, weight_type=q.QuantType.QInt8,
+            calibrate_method=calibrate, nodes_to_exclude=list(exclude) or None, **extra,
+        )
 
 
 def openvino_ir(fp32: Path, xml: Path, *, fp16: bool) -> None:
-    """ONNX -> OpenVINO IR; with ``fp16`` the weights are stored as FP16 (the device picks compute precision)."""
+    """ONNX -> OpenVINO IR; with ``fp16`` the weights are stored as FP16 (the device picks compute precision).
+
+    A BF16 variant is an IR with FP32 weights: its precision is the backend's inference precision
+    hint (``bf16`` on CPUs with AVX512-BF16/AMX), set from the variant's precision at load.
+    """
     ov = deps.openvino()
     model = ov.convert_model(str(fp32))
     xml.parent.mkdir(parents=True, exist_ok=True)

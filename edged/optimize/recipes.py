@@ -21,6 +21,7 @@ class Recipe:
 FP32 = Recipe("fp32", "model.onnx", "onnx", "fp32")
 RECIPES: dict[str, Recipe] = {r.key: r for r in (
     Recipe("onnx-int8", "model.int8.onnx", "onnx", "int8"),
+    Recipe("openvino-bf16", "openvino/model.bf16.xml", "openvino", "bf16", ("openvino/model.bf16.bin",)),
     Recipe("openvino-fp16", "openvino/model.fp16.xml", "openvino", "fp16", ("openvino/model.fp16.bin",)),
     Recipe("openvino-int8", "openvino/model.int8.xml", "openvino", "int8", ("openvino/model.int8.bin",)),
     Recipe("tensorrt-fp16", "tensorrt/model.fp16.plan", "tensorrt", "fp16"),

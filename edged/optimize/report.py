@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edged.optimize.metrics import MetricSpec
 from edged.optimize.writer import manifest_toml
 from edged.repository.manifest import ModelManifest, Warmup
 
@@ -46,16 +47,19 @@ def report_dict(result: OptimizeResult, opts: OptimizeOptions) -> dict[str, Any]
         "calibration": {"source": str(opts.calibration), "samples": result.calibration_samples,
                         "method": opts.calibration_method, "reduce_range": opts.reduce_range},
         "evaluation": {"source": str(opts.eval or opts.calibration), "samples": result.eval_samples,
-                       "metric": "top-1 accuracy" if result.with_labels else "top-1 agreement with FP32",
-                       "max_drop_points": opts.max_drop, "max_abs_error": opts.max_abs_error},
+                       "metric": _spec(opts).describe(result.with_labels), "metric_key": opts.metric,
+                       "max_drop_points": opts.max_drop, "max_abs_error": opts.max_abs_error,
+                       "accuracy_aware": opts.accuracy_aware, "accuracy_budget_s": opts.accuracy_budget_s},
         "timing_budget_s": opts.timing_budget_s,
         "variants": [{
             "key": o.recipe.key, "file": o.recipe.file, "format": o.recipe.format,
             "precision": o.recipe.precision, "status": o.status, "reasons": o.reasons, "notes": o.notes,
             "metrics": o.metrics.as_dict() if o.metrics else None, "build_s": round(o.build_s, 3),
             "sha256": o.variant.sha256 if o.variant else None, "timings": _timings(o),
+            "execution_precision": o.execution, **o.details,
         } for o in result.outcomes],
         "slower_int8": slower_int8(result),
+        "fastest": fastest(result),
         "notes": result.notes,
     }
 
@@ -83,6 +87,32 @@ def slower_int8(result: OptimizeResult) -> list[str]:
     return out
 
 
+def _spec(opts: OptimizeOptions) -> MetricSpec:
+    return MetricSpec(opts.metric)
+
+
+def fastest(result: OptimizeResult) -> list[str]:
+    """Per batch size, the fastest kept variant and engine against the fastest FP32 one (what to serve)."""
+    by_batch: dict[int, list[tuple[float, str, str, float]]] = {}
+    for o in result.outcomes:
+        if not o.kept:
+            continue
+        for backend, ts in o.timings.items():
+            for t in ts:
+                by_batch.setdefault(t.batch_size, []).append(
+                    (t.throughput_per_s, o.recipe.key, f"{backend} ({o.execution.get(backend, o.recipe.precision)})",
+                     t.latency_ms))
+    out = []
+    for b, rows in sorted(by_batch.items()):
+        best = max(rows)
+        ref = max((r for r in rows if r[1] == "fp32"), default=None)
+        if ref is None or ref[0] <= 0:
+            continue
+        out.append(f"batch {b}: {best[1]} on {best[2]}, {best[0] / ref[0]:.2f}x the fastest FP32 "
+                   f"({ref[1]} on {ref[2]}; {best[3]:.3g} ms vs {ref[3]:.3g} ms per batch)")
+    return out
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x * 100:.2f}%"
 
@@ -96,17 +126,22 @@ def render_table(result: OptimizeResult) -> str:
     mbs = result.model_io.max_batch_size
     sizes = [1] if mbs <= 1 else [1, mbs]
     ref = result.outcome("fp32").metrics
-    head = ["VARIANT", "FILE", "BACKEND", "TOP-1", "DROP", "MAX|ERR|", "MEAN|ERR|"]
+    metric = result.metric
+    head = ["VARIANT", "FILE", "BACKEND", {"top1": "TOP-1", "map50": "MAP50", "ctc-exact": "EXACT"}.get(metric, "ERR"),
+            "DROP", "MAX|ERR|", "MEAN|ERR|"]
     for b in sizes:
         head += [f"B{b} ms", f"B{b} /s"]
     head.append("STATUS")
     rows = [head]
     for o in result.outcomes:
         m = o.metrics
-        drop = "-" if m is None or ref is None or o.recipe.key == "fp32" else f"{(ref.top1 - m.top1) * 100:.2f}"
+        fraction = metric != "max-abs-error"
+        scale = 100.0 if fraction else 1.0
+        drop = "-" if m is None or ref is None or o.recipe.key == "fp32" else \
+            f"{(ref.score - m.score) * scale if fraction else m.score - ref.score:.3g}"
         is_ref = o.recipe.key == "fp32"
         cells = [o.recipe.key, o.recipe.file if o.kept or o.status == "left out" else "-", "",
-                 _pct(m.top1 if m else None), drop,
+                 (_pct if fraction else _num)(m.score if m else None), drop,
                  _num(m.max_abs_error if m and not is_ref else None),
                  _num(m.mean_abs_error if m and not is_ref else None)]
         status = o.status if o.kept else f"{o.status}: {'; '.join(o.reasons)}"
@@ -114,7 +149,7 @@ def render_table(result: OptimizeResult) -> str:
         for i, backend in enumerate(backends):
             by_batch = {t.batch_size: t for t in o.timings.get(backend, [])}
             row = [*cells] if i == 0 else ["", "", "", "", "", "", ""]
-            row[2] = backend or "-"
+            row[2] = f"{backend} ({o.execution[backend]})" if backend in o.execution else backend or "-"
             for b in sizes:
                 t = by_batch.get(b)
                 row += [f"{t.latency_ms:.3g}", f"{t.throughput_per_s:,.0f}"] if t else ["-", "-"]
@@ -122,14 +157,16 @@ def render_table(result: OptimizeResult) -> str:
             rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1] for r in rows]
-    metric = "top-1 accuracy" if result.with_labels else "top-1 agreement with FP32"
-    lines.insert(0, f"{result.name} version {result.version}: {metric} on {result.eval_samples} samples; "
+    lines.insert(0, f"{result.name} version {result.version}: {MetricSpec(metric).describe(result.with_labels)} "
+                    f"on {result.eval_samples} samples; "
                     f"speed on {result.host}")
     for o in result.outcomes:
         for note in o.notes:
             lines.append(f"note: {o.recipe.key}: {note}")
     for text in slower_int8(result):
         lines.append(f"INT8 is slower than FP32 here: {text}")
+    for text in fastest(result):
+        lines.append(f"fastest here at {text}")
     for note in result.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from edged.optimize.gate import Metrics
 from edged.optimize.modelio import ModelIO
@@ -35,6 +36,11 @@ class OptimizeOptions:
     timing_budget_s: float = 1.0
     threads: int = 0
     metric_output: str | None = None
+    metric: str = "top1"
+    ctc_blank: int = 0
+    score_threshold: float = 0.25
+    accuracy_aware: bool = True
+    accuracy_budget_s: float = 300.0
     description: str | None = None
     reduce_range: bool = True
     force: bool = False
@@ -53,6 +59,8 @@ class Outcome:
     timings: dict[str, list[Timing]] = field(default_factory=dict)
     build_s: float = 0.0
     variant: Variant | None = None
+    details: dict[str, Any] = field(default_factory=dict)  # quantization granularity, opsets, recovery
+    execution: dict[str, str] = field(default_factory=dict)  # backend -> precision the engine reports running
 
     @property
     def kept(self) -> bool:
@@ -72,6 +80,7 @@ class OptimizeResult:
     host: str
     notes: list[str] = field(default_factory=list)
     warmup_atol: float = 0.0
+    metric: str = "top1"
 
     def outcome(self, key: str) -> Outcome:
         return next(o for o in self.outcomes if o.recipe.key == key)

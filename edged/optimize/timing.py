@@ -43,6 +43,29 @@ def host_label(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return f"{platform.machine()}, {model}" if model else platform.machine()
 
 
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU's feature flags (x86 ``flags``, Arm ``Features``); empty when unreadable."""
+    try:
+        for line in cpuinfo.read_text(encoding="utf-8", errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("flags", "Features"):
+                return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def bf16_unavailable_reason(flags: frozenset[str]) -> str | None:
+    """Why BF16 compute is not worth a variant here, or None when the CPU has BF16 instructions."""
+    if any(f in flags for f in BF16_FLAGS) or "bf16" in flags:  # x86 AVX512-BF16/AMX; Arm's "bf16"
+        return None
+    return ("this CPU has no BF16 instructions (no avx512_bf16, amx_bf16 or Arm bf16 flag): "
+            "BF16 would be emulated, slower than FP32")
+
+
 def batch_sizes(model_io: ModelIO) -> list[int]:
     return [1] if model_io.max_batch_size <= 1 else [1, model_io.max_batch_size]
 

@@ -26,7 +26,7 @@ PIPELINE_NAME = "pipeline.toml"  # a version folder holds one of the two: a mode
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 
 Format = Literal["onnx", "openvino", "tensorrt"]
-Precision = Literal["fp32", "fp16", "int8"]
+Precision = Literal["fp32", "bf16", "fp16", "int8"]
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="lower-case hex sha256 of the file")]
 
 
@@ -63,12 +63,16 @@ class VariantTiming(_Strict):
 
 class Variant(ArtifactFile):
     format: Format = Field(description="onnx | openvino | tensorrt")
-    precision: Precision = Field(default="fp32")
+    precision: Precision = Field(
+        default="fp32", description="fp32 | bf16 | fp16 | int8; bf16 is an FP32 file run with the engine's bf16 hint")
     extra_files: list[ArtifactFile] = Field(
         default_factory=list, description="more files the variant needs (e.g. OpenVINO's weights .bin)")
     accuracy: float | None = Field(default=None, description="held-out metric recorded when the variant was made")
     timings: list[VariantTiming] = Field(default_factory=list, description="speed measured by `edged optimize`")
     calibration_cache: str | None = Field(default=None, description="TensorRT INT8 calibration cache file")
+    inference_precision: Literal["f32", "bf16", "f16"] | None = Field(
+        default=None, description="OpenVINO: precision of the layers left in float (its INFERENCE_PRECISION_HINT), "
+                                  "e.g. f32 for an INT8 model whose accuracy was validated so; a profile's option wins")
 
 
 class Batching(_Strict):

@@ -12,6 +12,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from edged.optimize import command
 from edged.optimize.data import load_samples
 from edged.optimize.errors import OptimizeInputError
 from edged.optimize.modelio import inspect_onnx
+from edged.optimize.timing import bf16_unavailable_reason, cpu_flags
 from edged.profiles import BackendPreference
 from edged.repository.manifest import ModelManifest, parse_manifest
 from tests.conftest import MODELS, load_make_models
@@ -236,6 +238,45 @@ def test_produced_version_serves_holdout_digits(optimized: Run, data: Data, back
         assert mv.candidate is not None and mv.candidate.variant.file == variant_file
         acc = _holdout_accuracy(svc, data.x_test, data.y_test)
     assert acc >= optimized.variant("fp32")["metrics"]["top1"] - ONE_POINT
+
+
+@pytest.mark.skipif(bf16_unavailable_reason(cpu_flags()) is not None, reason="this CPU has no BF16 instructions")
+def test_bf16_variant_is_a_candidate_and_the_engine_runs_bf16(optimized: Run, data: Data) -> None:
+    """On a CPU with AVX512-BF16/AMX: the bf16 variant is kept, the daemon's selection takes it as a
+    candidate when the profile lists bf16, and OpenVINO reports computing in bf16 (read back)."""
+    v = optimized.variant("openvino-bf16")
+    assert v["status"] == "kept", v
+    assert v["execution_precision"] == {"openvino": "bf16"}
+    assert optimized.variant("fp32")["execution_precision"]["openvino"] == "fp32"  # pinned to f32
+    prefs = [BackendPreference(backend="openvino", device="CPU", precisions=["bf16"])]
+    with serving(optimized.out.parent.parent, prefs) as svc:
+        mv = svc.ready_model("digits")
+        assert mv.candidate is not None and mv.candidate.variant.file == "openvino/model.bf16.xml"
+        assert mv.engine is not None and mv.engine.describe()["execution_precision"] == "bf16"
+        acc = _holdout_accuracy(svc, data.x_test, data.y_test)
+    assert acc >= optimized.variant("fp32")["metrics"]["top1"] - ONE_POINT
+
+
+@pytest.mark.skipif(bf16_unavailable_reason(cpu_flags()) is not None, reason="this CPU has no BF16 instructions")
+@pytest.mark.skipif(not HAVE_NNCF, reason="NNCF is not installed")
+def test_variant_inference_precision_sets_the_float_layers_precision(optimized: Run, tmp_path: Path) -> None:
+    """An INT8 IR's float layers run in bf16 on this CPU by default; ``inference_precision = "f32"`` in
+    the manifest (what accuracy control validated at) makes OpenVINO run them in f32."""
+    repo = tmp_path / "repo"
+    shutil.copytree(optimized.out, repo / "digits" / "1")
+    prefs = [BackendPreference(backend="openvino", device="CPU", precisions=["int8"])]
+    with serving(repo, prefs) as svc:
+        engine = svc.ready_model("digits").engine
+        assert engine is not None and engine.describe()["execution_precision"] == "bf16"
+    toml = repo / "digits" / "1" / "model.toml"
+    text = toml.read_text()
+    marker = 'file = "openvino/model.int8.xml"\n'
+    assert marker in text
+    toml.write_text(text.replace(marker, marker + 'inference_precision = "f32"\n'))
+    with serving(repo, prefs) as svc:
+        mv = svc.ready_model("digits")
+        assert mv.candidate is not None and mv.candidate.variant.inference_precision == "f32"
+        assert mv.engine is not None and mv.engine.describe()["execution_precision"] == "f32"
 
 
 def test_benchmark_selection_agrees_with_the_recorded_timings(optimized: Run, data: Data) -> None:
