@@ -18,9 +18,7 @@ in order. The request's deadline and priority go with every model call.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import math
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -33,6 +31,7 @@ import numpy as np
 
 from edged.datatypes import DataType, to_numpy
 from edged.errors import EdgedError, InternalError, InvalidInputError
+from edged.pipeline import custom_import
 from edged.pipeline.contract import ANY, PipelineDefinitionError, Port, Step, StepInputError
 from edged.pipeline.definition import WIDTHS_PORT, PipelineSpec, StepSpec
 
@@ -91,15 +90,16 @@ class _Node:
     runner: Runner = field(repr=False)
 
 
-def _load_custom(folder: Path, spec: StepSpec, modules: dict[str, ModuleType]) -> CustomFunction:
-    """Import ``module:function`` from the version folder only (never from sys.path).
+def _load_custom(folder: Path, spec: StepSpec, modules: dict[str, ModuleType], root: str) -> CustomFunction:
+    """Import ``module:function`` from the version folder only (never from sys.path), as a module of
+    the folder's private package ``root`` (its relative imports reach the folder's listed files).
 
     A module is imported once per pipeline, so its steps share its state."""
     assert spec.function is not None
     module_name, _, func_name = spec.function.partition(":")
     module = modules.get(module_name)
     if module is None:
-        module = _import_custom(folder, spec, module_name)
+        module = _import_custom(folder, spec, module_name, root)
         modules[module_name] = module
     func = getattr(module, func_name, None)
     if not callable(func):
@@ -108,24 +108,16 @@ def _load_custom(folder: Path, spec: StepSpec, modules: dict[str, ModuleType]) -
     return func  # type: ignore[no-any-return]
 
 
-def _import_custom(folder: Path, spec: StepSpec, module_name: str) -> ModuleType:
+def _import_custom(folder: Path, spec: StepSpec, module_name: str, root: str) -> ModuleType:
     path = folder / f"{module_name}.py"
     if not path.is_file():
         raise PipelineDefinitionError(f"step {spec.name!r}: module file {path.name!r} is not in the version folder",
                                       step=spec.name)
-    unique = f"edged_pipeline_custom_{abs(hash((str(folder), module_name)))}_{module_name}"
-    loader_spec = importlib.util.spec_from_file_location(unique, path)
-    if loader_spec is None or loader_spec.loader is None:
-        raise PipelineDefinitionError(f"step {spec.name!r}: cannot import {path.name!r}", step=spec.name)
-    module = importlib.util.module_from_spec(loader_spec)
     try:
-        loader_spec.loader.exec_module(module)
+        return custom_import.import_step_module(root, module_name)
     except Exception as exc:  # a broken custom module refuses this pipeline only
         raise PipelineDefinitionError(f"step {spec.name!r}: importing {path.name!r} failed: "
                                       f"{type(exc).__name__}: {exc}", step=spec.name) from None
-    finally:
-        sys.modules.pop(unique, None)
-    return module
 
 
 def _check_custom_result(spec: StepSpec, result: object, ports: dict[str, Port]) -> Tensors:
@@ -344,9 +336,9 @@ def _model_node(spec: StepSpec, ports: dict[str, Port], gateway: ModelGateway | 
     return run, model_out
 
 
-def _custom_node(spec: StepSpec, folder: Path, modules: dict[str, ModuleType]
+def _custom_node(spec: StepSpec, folder: Path, modules: dict[str, ModuleType], root: str
                  ) -> tuple[Runner, dict[str, Port]]:
-    func = _load_custom(folder, spec, modules)
+    func = _load_custom(folder, spec, modules, root)
     declared = {name: _port(p.datatype, p.shape) for name, p in spec.output_ports.items()}
     params = dict(spec.params)
 
@@ -420,6 +412,9 @@ def compile_pipeline(spec: PipelineSpec, folder: Path, gateway: ModelGateway | N
     nodes: list[_Node] = []
     models: list[tuple[str, int | None]] = []
     modules: dict[str, ModuleType] = {}
+    # Custom modules are imported afresh under the folder's private package, reaching its listed files.
+    root = (custom_import.open_folder(folder, {f.file: f.sha256 for f in spec.files})
+            if any(step.function is not None for step in spec.steps) else "")
     notes: list[str] = []
     # The most rows each tensor may hold, where a fan-out step declares it (crop_boxes' max_crops);
     # carried through the steps after it, so a model step can say when it will split the batch.
@@ -448,7 +443,7 @@ def compile_pipeline(spec: PipelineSpec, folder: Path, gateway: ModelGateway | N
                                  f"max_batch_size is {limit}: a request may be split into up to "
                                  f"{math.ceil(upstream[0] / limit)} calls of at most {limit}")
             else:
-                runner, bound = _custom_node(step, folder, modules)
+                runner, bound = _custom_node(step, folder, modules, root)
         except PipelineDefinitionError as exc:
             target = step.kind or step.model or step.function
             raise PipelineDefinitionError(f"step {step.name!r} ({target}; {where}): {exc.message}",

