@@ -14,7 +14,6 @@ client's requests only (no self-test, no benchmark run).
 from __future__ import annotations
 
 import hashlib
-import subprocess
 import textwrap
 import threading
 import time
@@ -27,7 +26,8 @@ import pytest
 
 from edged.core.traffic import TrafficMix
 from tests import made_models
-from tests.conftest import EDGED, REPO_ROOT
+from tests.conftest import REPO_ROOT
+from tests.edged_process import edged_run
 from tests.http_client import web
 from tests.netutil import free_port
 
@@ -113,28 +113,11 @@ def daemon(tmp_path: Path) -> Iterator[str]:
         [mqtt]
         enabled = false
         """))
-    log = (tmp_path / "edged.log").open("wb")
-    proc = subprocess.Popen([*EDGED, "run", "--config", str(cfg)], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (tmp_path / "edged.log").read_text()[-3000:]
-            try:
-                if web().get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
-                    break
-            except Exception:
-                pass
-            assert time.monotonic() < deadline, "daemon not ready in 60 s"
-            time.sleep(0.05)
+    with edged_run(cfg, tmp_path / "edged.log",
+                   lambda: web().get(f"{url}/v2/health/ready", timeout=2).status_code == 200,
+                   timeout=60, interval=0.05):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def _meta(url: str) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from edged.errors import EdgedError, InvalidInputError
 from edged.profiles import BackendPreference
 from edged.transports.v2_ops import server_ready
 from tests import corpus
-from tests.conftest import EDGED, REPO_ROOT
+from tests.edged_process import edged_run
 from tests.netutil import free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -123,34 +123,20 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         level = "info"
         """))
     log_path = tmp / "edged.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen([*EDGED, "run", "--config", str(cfg)], stdout=log, stderr=subprocess.STDOUT,
-                                cwd=REPO_ROOT)
-    d = Daemon(f"127.0.0.1:{port}", log_path, proc)
     names = [f"{m.name}_{e}" for m in models for e in ENGINES]
-    try:
-        deadline = time.monotonic() + 180
-        with HttpClient(d.url, timeout=5) as c:
-            while True:
-                assert proc.poll() is None, log_path.read_text()[-3000:]
-                try:
-                    if all(c.ready(n) for n in names):
-                        break
-                except (OSError, EdgedError):  # not listening yet
-                    pass
-                assert time.monotonic() < deadline, "edged run did not become ready: " + log_path.read_text()[-3000:]
-                time.sleep(0.2)
+    url = f"127.0.0.1:{port}"
+
+    def ready() -> bool:
+        with HttpClient(url, timeout=5) as c:
+            return all(c.ready(n) for n in names)
+
+    # OSError, EdgedError: not listening yet
+    with edged_run(cfg, log_path, ready, timeout=180, interval=0.2, transient=(OSError, EdgedError)) as proc:
+        with HttpClient(url, timeout=5) as c:
             for m in models:  # each served by the engine it is named after
                 for e in ENGINES:
                     assert c.metadata(f"{m.name}_{e}")["parameters"]["backend"] == e
-        yield d
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        yield Daemon(url, log_path, proc)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
