@@ -11,7 +11,6 @@ Runtime's own stderr in its log without colour codes.
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import subprocess
 import textwrap
@@ -34,6 +33,7 @@ from edged.errors import EdgedError, InvalidInputError
 from edged.profiles import BackendPreference
 from edged.transports.v2_ops import server_ready
 from tests import corpus
+from tests.conftest import sha256_file
 from tests.edged_process import edged_run
 from tests.netutil import free_port
 
@@ -60,10 +60,6 @@ precisions = ["fp32"]
 """
 
 
-def _sha(p: Path) -> str:
-    return hashlib.sha256(p.read_bytes()).hexdigest()
-
-
 def _write(repo: Path, m: corpus.CorpusModel, engine: str) -> None:
     """``<name>_<engine>``: the ONNX file (ONNX Runtime is the profile's first) or OpenVINO IR (only
     OpenVINO reads it), with the real shape declared so warm-up and self-test run on it."""
@@ -73,11 +69,11 @@ def _write(repo: Path, m: corpus.CorpusModel, engine: str) -> None:
     vdir.mkdir(parents=True)
     if engine == "onnxruntime":
         shutil.copyfile(m.fetch(), vdir / "model.onnx")
-        variant = f'file = "model.onnx"\nformat = "onnx"\nsha256 = "{_sha(vdir / "model.onnx")}"\n'
+        variant = f'file = "model.onnx"\nformat = "onnx"\nsha256 = "{sha256_file(vdir / "model.onnx")}"\n'
     else:
         ov.save_model(ov.Core().read_model(str(m.fetch())), str(vdir / "model.xml"), compress_to_fp16=False)
-        variant = (f'file = "model.xml"\nformat = "openvino"\nsha256 = "{_sha(vdir / "model.xml")}"\n'
-                   f'extra_files = [{{ file = "model.bin", sha256 = "{_sha(vdir / "model.bin")}" }}]\n')
+        variant = (f'file = "model.xml"\nformat = "openvino"\nsha256 = "{sha256_file(vdir / "model.xml")}"\n'
+                   f'extra_files = [{{ file = "model.bin", sha256 = "{sha256_file(vdir / "model.bin")}" }}]\n')
     shapes = f"[warmup.shapes.{m.input}]\nshape = {list(m.shape[1:])}\n"
     (vdir / "model.toml").write_text(f"[[variants]]\n{variant}\n{shapes}")
 
