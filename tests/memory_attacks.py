@@ -19,7 +19,7 @@ import threading
 import time
 import wave
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -328,10 +328,12 @@ def v2_bytes_body(input_name: str, items: list[bytes]) -> tuple[bytes, int]:
     return header + data, len(header)
 
 
-def post(port: int, path: str, body: bytes, headers: dict[str, str], timeout: float = 120) -> int:
+def post(port: int, path: str, body: bytes | Iterable[bytes], headers: dict[str, str], timeout: float = 120, *,
+         chunked: bool = False) -> int:
+    """The response's status, -1 when the connection failed; ``chunked``: send ``body`` chunk-encoded."""
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
-        c.request("POST", path, body, headers)
+        c.request("POST", path, body, headers, encode_chunked=chunked)
         r = c.getresponse()
         r.read()
         return r.status
