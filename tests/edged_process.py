@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,11 +25,12 @@ class DaemonExitedError(AssertionError):
         self.log = log
 
 
-def start_edged(config: Path, log_path: Path) -> subprocess.Popen[bytes]:
-    """``edged run --config config`` from the repository root, stdout and stderr into ``log_path``."""
+def start_edged(config: Path, log_path: Path, prefix: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+    """``edged run --config config`` from the repository root, stdout and stderr into ``log_path``;
+    ``prefix``: argv it runs under (e.g. prlimit)."""
     with log_path.open("wb") as log:
-        return subprocess.Popen([*EDGED, "run", "--config", str(config)], stdout=log, stderr=subprocess.STDOUT,
-                                cwd=REPO_ROOT)
+        return subprocess.Popen([*prefix, *EDGED, "run", "--config", str(config)], stdout=log,
+                                stderr=subprocess.STDOUT, cwd=REPO_ROOT)
 
 
 def wait_ready(proc: subprocess.Popen[bytes], log_path: Path, ready: Callable[[], bool], *, timeout: float,
@@ -54,9 +55,10 @@ def wait_ready(proc: subprocess.Popen[bytes], log_path: Path, ready: Callable[[]
 
 @contextmanager
 def edged_run(config: Path, log_path: Path, ready: Callable[[], bool], *, timeout: float, interval: float = 0.1,
-              transient: tuple[type[BaseException], ...] = (Exception,)) -> Iterator[subprocess.Popen[bytes]]:
+              transient: tuple[type[BaseException], ...] = (Exception,),
+              prefix: Sequence[str] = ()) -> Iterator[subprocess.Popen[bytes]]:
     """The daemon started and ready (see ``wait_ready``) for the body; SIGTERM, then SIGKILL, afterwards."""
-    proc = start_edged(config, log_path)
+    proc = start_edged(config, log_path, prefix)
     try:
         wait_ready(proc, log_path, ready, timeout=timeout, interval=interval, transient=transient)
         yield proc
