@@ -7,6 +7,7 @@ exits or the deadline passes), and on the way out SIGTERM it, then SIGKILL.
 
 from __future__ import annotations
 
+import http.client
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -51,6 +52,16 @@ def wait_ready(proc: subprocess.Popen[bytes], log_path: Path, ready: Callable[[]
         assert time.monotonic() < deadline, (f"edged run did not become ready in {timeout} s:\n"
                                              + log_path.read_text(errors="replace")[-3000:])
         time.sleep(interval)
+
+
+def http_ok(port: int, path: str) -> bool:
+    """``GET path`` on 127.0.0.1:``port`` answers 200 (a readiness check; OSError: not listening yet)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        c.request("GET", path)
+        return c.getresponse().status == 200
+    finally:
+        c.close()
 
 
 @contextmanager

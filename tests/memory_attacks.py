@@ -30,7 +30,7 @@ import orjson
 import psutil
 
 from tests.conftest import MODELS
-from tests.edged_process import DaemonExitedError, start_edged, wait_ready
+from tests.edged_process import DaemonExitedError, http_ok, start_edged, wait_ready
 from tests.mqtt_helpers import terminate
 from tests.netutil import free_port
 
@@ -140,16 +140,8 @@ def _start(tmp: Path, repo: Path, memory_mb: float | None, grpc_max_mb: float, e
         """) + limits + textwrap.dedent(extra))
     log = tmp / "edged.log"
     proc = start_edged(cfg, log)
-
-    def ready() -> bool:
-        c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-        c.request("GET", "/v2/models/image_size/ready")
-        ok = c.getresponse().status == 200
-        c.close()
-        return ok
-
     try:
-        wait_ready(proc, log, ready, timeout=90, transient=(OSError,))
+        wait_ready(proc, log, lambda: http_ok(port, "/v2/models/image_size/ready"), timeout=90, transient=(OSError,))
     except DaemonExitedError as e:
         if "cannot listen" in e.log:
             return None

@@ -31,7 +31,7 @@ import numpy as np
 import orjson
 import pytest
 
-from tests.edged_process import edged_run
+from tests.edged_process import edged_run, http_ok
 from tests.http_helpers import copy_models
 from tests.mqtt_helpers import DIGIT
 from tests.netutil import free_port
@@ -86,16 +86,8 @@ listen = "127.0.0.1:{grpc_port}"
 """ + extra)
     log = tmp / "edged.log"
     limit = [] if nofile is None else ["prlimit", f"--nofile={nofile}:{nofile}", "--"]
-
-    def ready() -> bool:
-        c = http.client.HTTPConnection("127.0.0.1", http_port, timeout=2)
-        try:
-            c.request("GET", "/v2/models/digits/ready")
-            return c.getresponse().status == 200
-        finally:
-            c.close()
-
-    with edged_run(cfg, log, ready, timeout=90, transient=(OSError,), prefix=limit) as proc:
+    with edged_run(cfg, log, lambda: http_ok(http_port, "/v2/models/digits/ready"), timeout=90,
+                   transient=(OSError,), prefix=limit) as proc:
         yield Daemon(proc, http_port, grpc_port, shm_socket, log)
 
 
