@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import shutil
 import sys
@@ -17,6 +18,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 MODELS = REPO_ROOT / "models"
 EDGED = [str(REPO_ROOT / ".venv" / "bin" / "edged")] if (REPO_ROOT / ".venv/bin/edged").exists() else [
     sys.executable, "-m", "edged"]
+
+
+def sha256_file(path: Path) -> str:
+    """The hex SHA-256 of a file, as a model.toml ``sha256`` names it."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def load_make_models() -> ModuleType:

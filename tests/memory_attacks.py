@@ -19,7 +19,7 @@ import threading
 import time
 import wave
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,7 +29,9 @@ import numpy as np
 import orjson
 import psutil
 
-from tests.conftest import EDGED, MODELS, REPO_ROOT
+from tests.conftest import MODELS
+from tests.edged_process import DaemonExitedError, http_ok, start_edged, wait_ready
+from tests.mqtt_helpers import terminate
 from tests.netutil import free_port
 
 MIB = 1 << 20
@@ -96,16 +98,6 @@ class MemDaemon:
         return int(psutil.Process(self.proc.pid).memory_info().rss)
 
 
-def _terminate(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 @contextmanager
 def daemon(tmp: Path, memory_mb: float | None, *, grpc_max_mb: float = 64, mqtt_url: str | None = None,
            extra: str = "") -> Iterator[MemDaemon]:
@@ -120,7 +112,7 @@ def daemon(tmp: Path, memory_mb: float | None, *, grpc_max_mb: float = 64, mqtt_
     try:
         yield d
     finally:
-        _terminate(d.proc)
+        terminate(d.proc, 30)
 
 
 def _start(tmp: Path, repo: Path, memory_mb: float | None, grpc_max_mb: float, extra: str) -> MemDaemon | None:
@@ -147,30 +139,15 @@ def _start(tmp: Path, repo: Path, memory_mb: float | None, grpc_max_mb: float, e
         level = "warning"
         """) + limits + textwrap.dedent(extra))
     log = tmp / "edged.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen([*EDGED, "run", "--config", str(cfg)], stdout=out, stderr=subprocess.STDOUT,
-                                cwd=REPO_ROOT)
+    proc = start_edged(cfg, log)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            if proc.poll() is not None:
-                text = log.read_text()
-                if "cannot listen" in text:
-                    return None
-                raise AssertionError(text[-3000:])
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                c.request("GET", "/v2/models/image_size/ready")
-                ok = c.getresponse().status == 200
-                c.close()
-                if ok:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "edged run did not become ready:\n" + log.read_text()[-3000:]
-            time.sleep(0.1)
+        wait_ready(proc, log, lambda: http_ok(port, "/v2/models/image_size/ready"), timeout=90, transient=(OSError,))
+    except DaemonExitedError as e:
+        if "cannot listen" in e.log:
+            return None
+        raise
     except BaseException:
-        _terminate(proc)
+        terminate(proc, 30)
         raise
     return MemDaemon(proc, port, gport, log, memory_mb or 0)
 
@@ -343,10 +320,12 @@ def v2_bytes_body(input_name: str, items: list[bytes]) -> tuple[bytes, int]:
     return header + data, len(header)
 
 
-def post(port: int, path: str, body: bytes, headers: dict[str, str], timeout: float = 120) -> int:
+def post(port: int, path: str, body: bytes | Iterable[bytes], headers: dict[str, str], timeout: float = 120, *,
+         chunked: bool = False) -> int:
+    """The response's status, -1 when the connection failed; ``chunked``: send ``body`` chunk-encoded."""
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
-        c.request("POST", path, body, headers)
+        c.request("POST", path, body, headers, encode_chunked=chunked)
         r = c.getresponse()
         r.read()
         return r.status

@@ -538,6 +538,33 @@ def started(obj: Any) -> Iterator[Any]:
         obj.stop()
 
 
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+
+
+@contextlib.contextmanager
+def headless_chromium(width: int = 1280, height: int = 900) -> Iterator[Any]:
+    """A selenium driver for Debian's headless Chromium at this window size; skips the test without them."""
+    import pytest
+
+    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+        pytest.skip("Debian's chromium and chromium-driver are not installed (install.sh installs them)")
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is in the dev extra")
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    opts = Options()
+    opts.binary_location = str(CHROMIUM)
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                f"--window-size={width},{height}"):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=opts)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
 # ---- fault injection ------------------------------------------------------------------------------
 GOOD_POINTS: tuple[str, ...] = (
     "download.start", "download.chunk:3", "download.file", "verify.done", "prepare.done", "install.renamed",

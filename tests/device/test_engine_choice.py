@@ -13,8 +13,6 @@ client's requests only (no self-test, no benchmark run).
 
 from __future__ import annotations
 
-import hashlib
-import subprocess
 import textwrap
 import threading
 import time
@@ -27,7 +25,8 @@ import pytest
 
 from edged.core.traffic import TrafficMix
 from tests import made_models
-from tests.conftest import EDGED, REPO_ROOT
+from tests.conftest import REPO_ROOT, sha256_file
+from tests.edged_process import edged_run
 from tests.http_client import web
 from tests.netutil import free_port
 
@@ -50,10 +49,6 @@ PROFILE = textwrap.dedent("""
     """)
 
 
-def _sha(p: Path) -> str:
-    return hashlib.sha256(p.read_bytes()).hexdigest()
-
-
 def make_doubler(repo: Path) -> Path:
     import openvino as ov
 
@@ -74,14 +69,14 @@ def make_doubler(repo: Path) -> Path:
         [[variants]]
         file = "quadratic.onnx"
         format = "onnx"
-        sha256 = "{_sha(vdir / 'quadratic.onnx')}"
+        sha256 = "{sha256_file(vdir / 'quadratic.onnx')}"
         [[variants]]
         file = "fixed.xml"
         format = "openvino"
-        sha256 = "{_sha(vdir / 'fixed.xml')}"
+        sha256 = "{sha256_file(vdir / 'fixed.xml')}"
         [[variants.extra_files]]
         file = "fixed.bin"
-        sha256 = "{_sha(vdir / 'fixed.bin')}"
+        sha256 = "{sha256_file(vdir / 'fixed.bin')}"
         [warmup.shapes.x]
         shape = [16]
         [batching]
@@ -113,28 +108,11 @@ def daemon(tmp_path: Path) -> Iterator[str]:
         [mqtt]
         enabled = false
         """))
-    log = (tmp_path / "edged.log").open("wb")
-    proc = subprocess.Popen([*EDGED, "run", "--config", str(cfg)], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (tmp_path / "edged.log").read_text()[-3000:]
-            try:
-                if web().get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
-                    break
-            except Exception:
-                pass
-            assert time.monotonic() < deadline, "daemon not ready in 60 s"
-            time.sleep(0.05)
+    with edged_run(cfg, tmp_path / "edged.log",
+                   lambda: web().get(f"{url}/v2/health/ready", timeout=2).status_code == 200,
+                   timeout=60, interval=0.05):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def _meta(url: str) -> dict[str, Any]:
@@ -331,7 +309,7 @@ def test_batch_one_and_larger_batches_get_the_engine_that_wins_each(tmp_path: Pa
     vdir = tmp_path / "models" / "doubler" / "1"
     made_models.doubler_batch_quadratic(vdir / "rows.onnx")
     made_models.doubler_fixed(vdir / "fixed.onnx")
-    variants = "".join(f'[[variants]]\nfile = "{f}"\nformat = "onnx"\nsha256 = "{_sha(vdir / f)}"\n'
+    variants = "".join(f'[[variants]]\nfile = "{f}"\nformat = "onnx"\nsha256 = "{sha256_file(vdir / f)}"\n'
                        for f in ("fixed.onnx", "rows.onnx"))
     (vdir / "model.toml").write_text(
         'max_batch_size = 8\n[[inputs]]\nname = "x"\ndatatype = "FP32"\nshape = [-1]\n'

@@ -11,7 +11,6 @@ Runtime's own stderr in its log without colour codes.
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import subprocess
 import textwrap
@@ -34,7 +33,8 @@ from edged.errors import EdgedError, InvalidInputError
 from edged.profiles import BackendPreference
 from edged.transports.v2_ops import server_ready
 from tests import corpus
-from tests.conftest import EDGED, REPO_ROOT
+from tests.conftest import sha256_file
+from tests.edged_process import edged_run
 from tests.netutil import free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -60,10 +60,6 @@ precisions = ["fp32"]
 """
 
 
-def _sha(p: Path) -> str:
-    return hashlib.sha256(p.read_bytes()).hexdigest()
-
-
 def _write(repo: Path, m: corpus.CorpusModel, engine: str) -> None:
     """``<name>_<engine>``: the ONNX file (ONNX Runtime is the profile's first) or OpenVINO IR (only
     OpenVINO reads it), with the real shape declared so warm-up and self-test run on it."""
@@ -73,11 +69,11 @@ def _write(repo: Path, m: corpus.CorpusModel, engine: str) -> None:
     vdir.mkdir(parents=True)
     if engine == "onnxruntime":
         shutil.copyfile(m.fetch(), vdir / "model.onnx")
-        variant = f'file = "model.onnx"\nformat = "onnx"\nsha256 = "{_sha(vdir / "model.onnx")}"\n'
+        variant = f'file = "model.onnx"\nformat = "onnx"\nsha256 = "{sha256_file(vdir / "model.onnx")}"\n'
     else:
         ov.save_model(ov.Core().read_model(str(m.fetch())), str(vdir / "model.xml"), compress_to_fp16=False)
-        variant = (f'file = "model.xml"\nformat = "openvino"\nsha256 = "{_sha(vdir / "model.xml")}"\n'
-                   f'extra_files = [{{ file = "model.bin", sha256 = "{_sha(vdir / "model.bin")}" }}]\n')
+        variant = (f'file = "model.xml"\nformat = "openvino"\nsha256 = "{sha256_file(vdir / "model.xml")}"\n'
+                   f'extra_files = [{{ file = "model.bin", sha256 = "{sha256_file(vdir / "model.bin")}" }}]\n')
     shapes = f"[warmup.shapes.{m.input}]\nshape = {list(m.shape[1:])}\n"
     (vdir / "model.toml").write_text(f"[[variants]]\n{variant}\n{shapes}")
 
@@ -123,34 +119,20 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         level = "info"
         """))
     log_path = tmp / "edged.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen([*EDGED, "run", "--config", str(cfg)], stdout=log, stderr=subprocess.STDOUT,
-                                cwd=REPO_ROOT)
-    d = Daemon(f"127.0.0.1:{port}", log_path, proc)
     names = [f"{m.name}_{e}" for m in models for e in ENGINES]
-    try:
-        deadline = time.monotonic() + 180
-        with HttpClient(d.url, timeout=5) as c:
-            while True:
-                assert proc.poll() is None, log_path.read_text()[-3000:]
-                try:
-                    if all(c.ready(n) for n in names):
-                        break
-                except (OSError, EdgedError):  # not listening yet
-                    pass
-                assert time.monotonic() < deadline, "edged run did not become ready: " + log_path.read_text()[-3000:]
-                time.sleep(0.2)
+    url = f"127.0.0.1:{port}"
+
+    def ready() -> bool:
+        with HttpClient(url, timeout=5) as c:
+            return all(c.ready(n) for n in names)
+
+    # OSError, EdgedError: not listening yet
+    with edged_run(cfg, log_path, ready, timeout=180, interval=0.2, transient=(OSError, EdgedError)) as proc:
+        with HttpClient(url, timeout=5) as c:
             for m in models:  # each served by the engine it is named after
                 for e in ENGINES:
                     assert c.metadata(f"{m.name}_{e}")["parameters"]["backend"] == e
-        yield d
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        yield Daemon(url, log_path, proc)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

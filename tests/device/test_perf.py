@@ -14,7 +14,6 @@ import shutil
 import struct
 import subprocess
 import sys
-import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +28,7 @@ from edged.perf.plot import latency_throughput_png, nice_step
 from edged.perf.ranges import concurrency_levels, rate_levels
 from edged.perf.report import CSV_COLUMNS
 from tests.conftest import EDGED, MODELS, REPO_ROOT
+from tests.edged_process import edged_run
 from tests.mqtt_helpers import Broker
 from tests.netutil import free_port
 
@@ -83,33 +83,18 @@ enabled = false
 [logging]
 level = "warning"
 """)
-    log = (tmp / "edged.log").open("wb")
-    proc = subprocess.Popen([*EDGED, "run", "--config", str(cfg)], stdout=log, stderr=subprocess.STDOUT,
-                            cwd=REPO_ROOT)
-    d = Daemon(cfg, f"127.0.0.1:{port}", tmp / "run" / "edged.sock", broker, proc)
-    try:
+    http, sock = f"127.0.0.1:{port}", tmp / "run" / "edged.sock"
+
+    def ready() -> bool:
         from edged.client.http import HttpClient
 
-        deadline = time.monotonic() + 90
-        with HttpClient(d.http, timeout=2) as c:
-            while True:
-                assert proc.poll() is None, (tmp / "edged.log").read_text()[-3000:]
-                try:
-                    if c.ready("digits") and d.sock.exists():
-                        break
-                except Exception:
-                    pass
-                assert time.monotonic() < deadline, "edged run did not become ready"
-                time.sleep(0.1)
-        yield d
+        with HttpClient(http, timeout=2) as c:
+            return c.ready("digits") and sock.exists()
+
+    try:
+        with edged_run(cfg, tmp / "edged.log", ready, timeout=90) as proc:
+            yield Daemon(cfg, http, sock, broker, proc)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
         broker.stop()
 
 

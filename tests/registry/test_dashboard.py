@@ -24,15 +24,22 @@ import numpy as np
 import pytest
 
 from edged.registry.passwords import hash_password
-from tests.registry_helpers import ADMIN_TOKEN, EdgedRun, Keys, RegistryServer, device_toml, free_port, make_version
+from tests.registry_helpers import (
+    ADMIN_TOKEN,
+    EdgedRun,
+    Keys,
+    RegistryServer,
+    device_toml,
+    free_port,
+    headless_chromium,
+    make_version,
+)
 from tests.registry_helpers import wait_for as _wait_for
 
 MODEL = "digits"
 OPERATOR_PASSWORD = "alice's long passphrase"
 N = 3
 FLEET = {"fleet": "dash-test"}
-CHROMIUM = Path("/usr/bin/chromium")
-DRIVER = Path("/usr/bin/chromedriver")
 DESKTOP = (1280, 900)
 PHONE = (390, 844)
 SIDEWAYS = "return document.documentElement.scrollWidth - window.innerWidth"
@@ -166,22 +173,8 @@ def test_pages_and_data_refuse_without_an_admin_session(world: World) -> None:
 # ---- in Chromium -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    if not (CHROMIUM.exists() and DRIVER.exists()):
-        pytest.skip("Debian's chromium and chromium-driver are not installed (install.sh installs them)")
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is in the dev extra")
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    opts = Options()
-    opts.binary_location = str(CHROMIUM)
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                f"--window-size={DESKTOP[0]},{DESKTOP[1]}"):
-        opts.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(str(DRIVER)), options=opts)
-    try:
+    with headless_chromium(*DESKTOP) as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 @pytest.fixture(scope="module")

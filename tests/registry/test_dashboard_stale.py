@@ -10,29 +10,13 @@ from typing import Any
 
 import pytest
 
-from tests.registry_helpers import ADMIN_TOKEN, Keys, RegistryServer, wait_for
-
-CHROMIUM = Path("/usr/bin/chromium")
-DRIVER = Path("/usr/bin/chromedriver")
+from tests.registry_helpers import ADMIN_TOKEN, Keys, RegistryServer, headless_chromium, wait_for
 
 
 @pytest.fixture
 def browser() -> Iterator[Any]:
-    if not (CHROMIUM.exists() and DRIVER.exists()):
-        pytest.skip("Debian's chromium and chromium-driver are not installed (install.sh installs them)")
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is in the dev extra")
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    opts = Options()
-    opts.binary_location = str(CHROMIUM)
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1280,900"):
-        opts.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(str(DRIVER)), options=opts)
-    try:
+    with headless_chromium(1280, 900) as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 @pytest.mark.slow  # a browser and two registry starts (~13 s); test_rollout_record.py holds the rest of item 8

@@ -72,14 +72,20 @@ def _post_telemetry(dev: ApiDevice, windows: list[dict[str, Any]], **sample: Any
     return web().post(f"{dev.url}{INGEST_PATH}", headers=dev.auth, json={"buffer_id": dev.run, "items": [item]})
 
 
-# ---- attack 1: a device outside the rollout decides nothing -------------------------------------------
-def test_a_device_outside_a_rollout_neither_halts_nor_completes_it(server: RegistryServer) -> None:
+def _two_versions_one_released(server: RegistryServer) -> tuple[str, Any, Keys]:
+    """A fresh model with versions 1 and 2 pushed and version 1 released; its name, a client, the keys."""
     m = f"c{next(_n)}"
     c = server.client()
     keys: Keys = server.keys  # type: ignore[attr-defined]
     for v in (1, 2):
         c.push_folder(make_version(server.root / "pub" / m / str(v), salt=f"{m}-{v}"), m, v)
     c.release(keys.load(), m, 1, expires_in_s=3600)
+    return m, c, keys
+
+
+# ---- attack 1: a device outside the rollout decides nothing -------------------------------------------
+def test_a_device_outside_a_rollout_neither_halts_nor_completes_it(server: RegistryServer) -> None:
+    m, c, keys = _two_versions_one_released(server)
     member = _enroll(server, f"{m}-member", {"ring": "canary", "fleet": m})
     rogue = _enroll(server, f"{m}-rogue", {"ring": "other", "fleet": m})
     spec = RolloutCreate(model=m, release=0, steps=[StepSpec(percent=100, soak_s=0)],
@@ -124,12 +130,7 @@ def test_a_device_outside_a_rollout_neither_halts_nor_completes_it(server: Regis
 
 def test_a_device_labelled_out_of_a_rollout_stops_counting(server: RegistryServer) -> None:
     """Verdicts are remembered between evaluations, but only while a device's labels stay what they were."""
-    m = f"c{next(_n)}"
-    c = server.client()
-    keys: Keys = server.keys  # type: ignore[attr-defined]
-    for v in (1, 2):
-        c.push_folder(make_version(server.root / "pub" / m / str(v), salt=f"{m}-{v}"), m, v)
-    c.release(keys.load(), m, 1, expires_in_s=3600)
+    m, c, keys = _two_versions_one_released(server)
     a = _enroll(server, f"{m}-a", {"ring": "canary", "fleet": m})
     b = _enroll(server, f"{m}-b", {"ring": "canary", "fleet": m})
     spec = RolloutCreate(model=m, release=0, steps=[StepSpec(percent=100, soak_s=3600)],

@@ -31,9 +31,9 @@ import numpy as np
 import orjson
 import pytest
 
-from tests.conftest import EDGED, REPO_ROOT
+from tests.edged_process import edged_run, http_ok
 from tests.http_helpers import copy_models
-from tests.mqtt_helpers import DIGIT, terminate
+from tests.mqtt_helpers import DIGIT
 from tests.netutil import free_port
 
 pytestmark = pytest.mark.timeout(240)
@@ -86,24 +86,9 @@ listen = "127.0.0.1:{grpc_port}"
 """ + extra)
     log = tmp / "edged.log"
     limit = [] if nofile is None else ["prlimit", f"--nofile={nofile}:{nofile}", "--"]
-    with log.open("wb") as out:
-        proc = subprocess.Popen([*limit, *EDGED, "run", "--config", str(cfg)], stdout=out, stderr=subprocess.STDOUT,
-                                cwd=REPO_ROOT)
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            with contextlib.suppress(OSError):
-                c = http.client.HTTPConnection("127.0.0.1", http_port, timeout=2)
-                c.request("GET", "/v2/models/digits/ready")
-                if c.getresponse().status == 200:
-                    c.close()
-                    break
-            assert time.monotonic() < deadline, "edged run did not become ready"
-            time.sleep(0.1)
+    with edged_run(cfg, log, lambda: http_ok(http_port, "/v2/models/digits/ready"), timeout=90,
+                   transient=(OSError,), prefix=limit) as proc:
         yield Daemon(proc, http_port, grpc_port, shm_socket, log)
-    finally:
-        terminate(proc, 30)
 
 
 REFUSALS: list[bytes] = []  # what refused requests were told (the first few, for the failure message)

@@ -19,9 +19,9 @@ import orjson
 import pytest
 
 from edged.protocol import mqtt as codec
-from tests.conftest import EDGED, REPO_ROOT
+from tests.edged_process import edged_run, http_ok
 from tests.http_helpers import copy_models
-from tests.mqtt_helpers import Broker, TestClient, running_broker, terminate
+from tests.mqtt_helpers import Broker, TestClient, running_broker
 from tests.netutil import free_port
 
 pytestmark = pytest.mark.timeout(180)
@@ -67,26 +67,9 @@ def daemon(tmp_path: Path, write_config: Callable[..., Path]) -> Iterator[Daemon
             level = "warning"
             """)
         log = tmp_path / "edged.log"
-        with log.open("wb") as out:
-            proc = subprocess.Popen([*EDGED, "run", "--config", str(cfg)], stdout=out, stderr=subprocess.STDOUT,
-                                    cwd=REPO_ROOT)
-        try:
-            deadline = time.monotonic() + 90
-            while True:
-                assert proc.poll() is None, log.read_text()[-3000:]
-                try:
-                    c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                    c.request("GET", "/v2/models/digits/ready")
-                    if c.getresponse().status == 200:
-                        c.close()
-                        break
-                except OSError:
-                    pass
-                assert time.monotonic() < deadline, "edged run did not become ready"
-                time.sleep(0.1)
+        with edged_run(cfg, log, lambda: http_ok(port, "/v2/models/digits/ready"), timeout=90,
+                       transient=(OSError,)) as proc:
             yield Daemon(proc, port, broker, log)
-        finally:
-            terminate(proc, 30)
 
 
 class HealthProbe:

@@ -22,8 +22,6 @@ import asyncio
 import hashlib
 import queue
 import shutil
-import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +31,7 @@ import numpy as np
 import orjson
 import pytest
 
-from tests.conftest import EDGED, REPO_ROOT
+from tests.edged_process import edged_run
 from tests.mqtt_helpers import Broker
 from tests.netutil import free_port
 from tests.triton_models import (
@@ -109,34 +107,19 @@ enabled = false
 [logging]
 level = "warning"
 """)
-    log = (tmp / "edged.log").open("wb")
-    proc = subprocess.Popen([*EDGED, "run", "--config", str(cfg)], stdout=log, stderr=subprocess.STDOUT,
-                            cwd=REPO_ROOT)
     d = Daemon(tmp, http, grpc, broker, text)
     d.sklearn = sklearn_pipeline
+    models = [*EXAMPLE_MODELS, *(["text_classifier", "text_pipeline"] if text else [])]
+
+    def ready() -> bool:
+        return all(client.is_model_ready(m) for m in models) and d.sock.exists()
+
     try:
         client = httpclient.InferenceServerClient(http)
-        deadline = time.monotonic() + 120
-        models = [*EXAMPLE_MODELS, *(["text_classifier", "text_pipeline"] if text else [])]
-        while True:
-            assert proc.poll() is None, d.log()
-            try:
-                if all(client.is_model_ready(m) for m in models) and d.sock.exists():
-                    break
-            except Exception:
-                pass
-            assert time.monotonic() < deadline, "edged run did not become ready:\n" + d.log()
-            time.sleep(0.1)
-        client.close()
-        yield d
+        with edged_run(cfg, tmp / "edged.log", ready, timeout=120):
+            client.close()
+            yield d
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
         broker.stop()
 
 

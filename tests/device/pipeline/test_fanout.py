@@ -15,29 +15,18 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from edged.config import ModelsSection
-from edged.core.manager import ModelManager
-from edged.core.service import InferenceService
 from edged.core.types import InferRequest
 from edged.errors import DeadlineExceededError
-from edged.profiles import BackendPreference
 from tests.conftest import MODELS
+from tests.device.pipeline.test_graph import HEAD, _close_json, _served
 
-ORT_CPU = [BackendPreference(backend="onnxruntime", device="CPU", precisions=["fp32"])]
-
-DIGITS_PIPELINE = """
-[[inputs]]
-name = "x"
-datatype = "FP32"
-shape = [-1, 64]
-
+# The digits model's top class: test_graph's input head, one model step and a top-1.
+DIGITS_PIPELINE = HEAD + """
 [[outputs]]
 name = "top"
 datatype = "INT64"
@@ -58,16 +47,6 @@ params = { k = 1 }
 """
 
 
-@contextmanager
-def _served(repo: Path) -> Iterator[InferenceService]:
-    manager = ModelManager(repo, ModelsSection(), ORT_CPU)
-    manager.load_all()
-    try:
-        yield InferenceService(manager)
-    finally:
-        manager.shutdown()
-
-
 def _set_max_batch(folder: Path, size: int) -> None:
     """The model's max_batch_size lowered to ``size`` (and preferred batch sizes that fit it)."""
     toml = folder / "1" / "model.toml"
@@ -81,7 +60,6 @@ def test_fan_out_split_over_the_classifiers_batch(tmp_path: Path) -> None:
     pytest.importorskip("cv2", reason="the pipeline extra (opencv-python-headless) is not installed")
     from tests.device.pipeline.examples import EXAMPLES, UnavailableError, model_file, run_pipeline
     from tests.device.pipeline.test_examples import jpeg, page
-    from tests.device.pipeline.test_graph import _close_json
     repo = tmp_path / "repo"
     try:
         for model in ("layout", "orientation"):

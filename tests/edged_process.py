@@ -1,0 +1,77 @@
+"""A real ``edged run --config`` in its own process for tests and benchmarks: started, waited on, stopped.
+
+The fixtures that serve a whole daemon all did the same: start it from the repository root with its
+output in a log, poll a readiness check until it holds (failing with the log's tail if the process
+exits or the deadline passes), and on the way out SIGTERM it, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import http.client
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from tests.conftest import EDGED, REPO_ROOT
+from tests.mqtt_helpers import terminate
+
+
+class DaemonExitedError(AssertionError):
+    """``edged run`` exited before it was ready; ``log`` is its whole log."""
+
+    def __init__(self, returncode: int | None, log: str) -> None:
+        super().__init__(f"edged run exited with {returncode}:\n{log[-3000:]}")
+        self.log = log
+
+
+def start_edged(config: Path, log_path: Path, prefix: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+    """``edged run --config config`` from the repository root, stdout and stderr into ``log_path``;
+    ``prefix``: argv it runs under (e.g. prlimit)."""
+    with log_path.open("wb") as log:
+        return subprocess.Popen([*prefix, *EDGED, "run", "--config", str(config)], stdout=log,
+                                stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+
+
+def wait_ready(proc: subprocess.Popen[bytes], log_path: Path, ready: Callable[[], bool], *, timeout: float,
+               interval: float = 0.1, transient: tuple[type[BaseException], ...] = (Exception,)) -> None:
+    """Poll ``ready()`` until it is true; an exception in ``transient`` counts as not yet (not listening).
+
+    Raises DaemonExitedError if the process exits first, AssertionError with the log's tail after ``timeout`` s.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise DaemonExitedError(proc.returncode, log_path.read_text(errors="replace"))
+        try:
+            if ready():
+                return
+        except transient:
+            pass
+        assert time.monotonic() < deadline, (f"edged run did not become ready in {timeout} s:\n"
+                                             + log_path.read_text(errors="replace")[-3000:])
+        time.sleep(interval)
+
+
+def http_ok(port: int, path: str) -> bool:
+    """``GET path`` on 127.0.0.1:``port`` answers 200 (a readiness check; OSError: not listening yet)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        c.request("GET", path)
+        return c.getresponse().status == 200
+    finally:
+        c.close()
+
+
+@contextmanager
+def edged_run(config: Path, log_path: Path, ready: Callable[[], bool], *, timeout: float, interval: float = 0.1,
+              transient: tuple[type[BaseException], ...] = (Exception,),
+              prefix: Sequence[str] = ()) -> Iterator[subprocess.Popen[bytes]]:
+    """The daemon started and ready (see ``wait_ready``) for the body; SIGTERM, then SIGKILL, afterwards."""
+    proc = start_edged(config, log_path, prefix)
+    try:
+        wait_ready(proc, log_path, ready, timeout=timeout, interval=interval, transient=transient)
+        yield proc
+    finally:
+        terminate(proc, 30)
