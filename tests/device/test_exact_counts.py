@@ -189,6 +189,12 @@ def test_journal_replay_is_idempotent_and_a_later_sample_wins(tmp_path: Path, mo
             svc.infer_blocking(InferRequest("digits", {"pixels": np.zeros((1, 64), np.float32)}))
         return a
 
+    def die(a: TelemetryAgent) -> None:
+        """Its threads end without a stop's last sample or journal clean-up (as a process killed would leave
+        things); the upload thread is woken too, so it does not outlive the test waiting out its interval."""
+        a._stop.set()
+        a._wake_upload.set()
+
     def buffered(a: TelemetryAgent) -> int:
         assert a.buffer is not None
         return sum(m.get("success", 0) for _, body in a.buffer.peek(1000, 1 << 24).items
@@ -197,12 +203,12 @@ def test_journal_replay_is_idempotent_and_a_later_sample_wins(tmp_path: Path, mo
     try:
         first = run(6)
         first.journal_now()
-        first._stop.set()  # the process dies: no stop, no last sample
+        die(first)  # the process dies: no stop, no last sample
         saved = tmp_path / "journal.copy"
         shutil.copy(journal, saved)
         second = run(0)
         assert buffered(second) == 6 and journal.stat().st_size == 0
-        second._stop.set()
+        die(second)
         shutil.copy(saved, journal)  # it died before emptying the journal: the same line is replayed again
         third = run(4)
         assert buffered(third) == 6, "the replayed line was counted twice"

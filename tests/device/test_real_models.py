@@ -9,8 +9,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -266,8 +268,17 @@ def test_edged_infer_over_http_keeps_an_unbatched_models_scalar(vad_http: Served
 
 
 def _models_list(cfg: Path, *extra: str) -> dict[str, object]:
-    r = subprocess.run([*EDGED, "models", "list", "--json", "--config", str(cfg), *extra], capture_output=True,
-                       text=True, timeout=180)
+    """``edged models list --json``; if it hangs, every thread's stack is in the failure (faulthandler on SIGABRT)."""
+    proc = subprocess.Popen([*EDGED, "models", "list", "--json", "--config", str(cfg), *extra], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        stdout, stderr = proc.communicate(timeout=30)
+        pytest.fail(f"edged models list hung for 120 s; its threads:\n{stderr[-12000:]}")
+    r = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert r.returncode == 0, r.stderr
     out: dict[str, object] = json.loads(r.stdout)
     return out
@@ -313,6 +324,9 @@ def test_models_list_tells_the_same_truth_as_the_daemon(tmp_path: Path) -> None:
         assert proc.stderr is not None
         while time.monotonic() < deadline and "edged ready" not in (line := proc.stderr.readline()):
             assert line, "the daemon stopped"
+        # Keep reading its log: a full pipe would block the daemon's next log line (its engine choice in the
+        # background logs after READY), and with it the status file this test reads.
+        threading.Thread(target=proc.stderr.read, name="drain-edged-log", daemon=True).start()
         status = tmp_path / "run" / "status.json"
         while time.monotonic() < deadline and not status.exists():
             time.sleep(0.1)
