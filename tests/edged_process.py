@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import orjson
+
 from tests.conftest import EDGED, REPO_ROOT
 from tests.mqtt_helpers import terminate
 
@@ -62,6 +64,24 @@ def http_ok(port: int, path: str) -> bool:
         return c.getresponse().status == 200
     finally:
         c.close()
+
+
+def engines_settled(port: int, model: str) -> bool:
+    """``model`` is ready and its background engine choice (edged.core.chooser) is done, so nothing loads or
+    measures candidate engines any more: what a test measures of the daemon (RSS, latency) is its own."""
+    if not http_ok(port, f"/v2/models/{model}/ready"):
+        return False
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        c.request("GET", f"/v2/models/{model}")
+        r = c.getresponse()
+        body = r.read()
+    finally:
+        c.close()
+    if r.status != 200:
+        return False
+    choice = orjson.loads(body).get("parameters", {}).get("choice")
+    return choice is None or choice.get("state") in ("chosen", "single")
 
 
 @contextmanager

@@ -30,7 +30,7 @@ import orjson
 import psutil
 
 from tests.conftest import MODELS
-from tests.edged_process import DaemonExitedError, http_ok, start_edged, wait_ready
+from tests.edged_process import DaemonExitedError, engines_settled, http_ok, start_edged, wait_ready
 from tests.mqtt_helpers import terminate
 from tests.netutil import free_port
 
@@ -141,7 +141,9 @@ def _start(tmp: Path, repo: Path, memory_mb: float | None, grpc_max_mb: float, e
     log = tmp / "edged.log"
     proc = start_edged(cfg, log)
     try:
-        wait_ready(proc, log, lambda: http_ok(port, "/v2/models/image_size/ready"), timeout=90, transient=(OSError,))
+        # Done choosing digits' engine too: candidates loaded to be measured would count in the RSS figures.
+        wait_ready(proc, log, lambda: http_ok(port, "/v2/models/image_size/ready") and engines_settled(port, "digits"),
+                   timeout=120, transient=(OSError,))
     except DaemonExitedError as e:
         if "cannot listen" in e.log:
             return None

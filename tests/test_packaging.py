@@ -450,7 +450,9 @@ def test_the_unit_under_systemd_notify_watchdog_reload_and_stop(
 
         # systemctl reload: RELOADING=1 ... READY=1, the service stays up.
         box.run("systemctl", "reload", "edged")
-        assert box.prop("ActiveState") == "active"
+        # "reloading" from RELOADING=1 until the daemon's READY=1: it must come back to "active".
+        box.wait_for(lambda: box.prop("ActiveState") == "active", timeout=60)
+        assert box.prop("MainPID") != "0" and box.prop("NRestarts") == "0"
         assert "SIGHUP: reloading" in box.run("journalctl", "-u", "edged", "--no-pager").stdout
 
         # A hung daemon stops pinging: systemd kills it and starts it again.

@@ -19,7 +19,7 @@ import orjson
 import pytest
 
 from edged.protocol import mqtt as codec
-from tests.edged_process import edged_run, http_ok
+from tests.edged_process import edged_run, engines_settled
 from tests.http_helpers import copy_models
 from tests.mqtt_helpers import Broker, TestClient, running_broker
 from tests.netutil import free_port
@@ -67,7 +67,8 @@ def daemon(tmp_path: Path, write_config: Callable[..., Path]) -> Iterator[Daemon
             level = "warning"
             """)
         log = tmp_path / "edged.log"
-        with edged_run(cfg, log, lambda: http_ok(port, "/v2/models/digits/ready"), timeout=90,
+        # Ready, and done choosing its engine: loading candidates to measure them would count as the attack's RSS.
+        with edged_run(cfg, log, lambda: engines_settled(port, "digits"), timeout=120,
                        transient=(OSError,)) as proc:
             yield Daemon(proc, port, broker, log)
 
