@@ -90,6 +90,15 @@ def serve_echo(port: int, model: Path | None = None) -> None:
 
 
 # ---- the load driver ----------------------------------------------------------------------------
+
+def reply_topic_for(topic: str) -> str:
+    """Where replies to a request on ``topic`` go: inside the addressed daemon's reply namespace
+    (``edged/<device>/reply/#``, the default ``[mqtt] reply_topics``), so that two daemons with their
+    own device ids (bench.ab_trees) both answer; the echo responder's topic keeps ``bench``'s."""
+    parts = topic.split("/")
+    device = parts[1] if len(parts) >= 3 and parts[0] == "edged" and parts[2] == "infer" else "bench"
+    return f"edged/{device}/reply/bench"
+
 class Driver:
     """Keeps ``concurrency`` requests in flight from one paho client; records each round trip."""
 
@@ -101,7 +110,7 @@ class Driver:
         self.c.on_message = self._on_message
         sub = threading.Event()
         self.c.on_subscribe = lambda *a: sub.set()
-        self.c.subscribe("edged/bench/reply/bench", qos=1)
+        self.c.subscribe("edged/+/reply/bench", qos=1)  # each daemon's reply namespace ([mqtt] reply_topics)
         self.c.loop_start()
         assert sub.wait(10)
         self._done = threading.Event()
@@ -111,6 +120,7 @@ class Driver:
     def run(self, topic: str, payload: bytes, users: list[tuple[str, str]], *, concurrency: int,
             n: int, timeout: float = 120) -> tuple[list[float], float]:
         self.topic, self.payload, self.users = topic, payload, users
+        self.reply_topic = reply_topic_for(topic)
         self.n, self.sent, self.received = n, 0, 0
         self.sent_at: dict[int, int] = {}
         self.lat: list[float] = []
@@ -134,7 +144,7 @@ class Driver:
                 return
             i = self.sent
             self.sent += 1
-        props = publish_properties(response_topic="edged/bench/reply/bench", user=self.users,
+        props = publish_properties(response_topic=self.reply_topic, user=self.users,
                                    correlation=(self.run_id << 32 | i).to_bytes(8, "big"))
         self.sent_at[i] = time.perf_counter_ns()
         self.c.publish(self.topic, self.payload, qos=self.qos, properties=props)
