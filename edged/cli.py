@@ -346,7 +346,7 @@ def _print_outputs(resp: Any, where: str, max_batch_size: int, labels: list[str]
 
 def _infer_remote(args: argparse.Namespace) -> tuple[Any, int]:
     from edged.client.oneshot import RemoteModel, specs_from_metadata
-    from edged.core.types import InferResponse
+    from edged.protocol.types import InferResponse
 
     remote = RemoteModel(_config(args), args.transport)
     try:
@@ -361,7 +361,7 @@ def _infer_remote(args: argparse.Namespace) -> tuple[Any, int]:
 
 
 def cmd_infer(args: argparse.Namespace) -> int:
-    from edged.core.types import InferRequest
+    from edged.protocol.types import InferRequest
     from edged.protocol.v2 import response_json
 
     labels: list[str] = []

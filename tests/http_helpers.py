@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 from edged.config import parse_config
 from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
-from edged.core.types import InferRequest
 from edged.profiles import BackendPreference
+from edged.protocol.types import InferRequest
 from edged.transports.http.transport import HttpTransport
 
 T = TypeVar("T")

@@ -423,7 +423,7 @@ class InProcessDevice:
         return StateStore(self.settings.sync_dir).load()
 
     def infer(self, x: np.ndarray, model: str = "digits") -> Any:
-        from edged.core.types import InferRequest
+        from edged.protocol.types import InferRequest
 
         return self.service.infer(InferRequest(model=model, inputs={"pixels": x}), timeout=30)
 

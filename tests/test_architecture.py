@@ -52,6 +52,13 @@ def test_the_rules_catch_each_kind_of_breach() -> None:
                            "edged.protocol.v2": {"edged.core.types"},
                            "edged.protocol.fleet.telemetry": set(), "edged.core.types": set()})
     assert split == ["top-level packages import each other: core <-> protocol"], split
+    # A loop through several packages, none of them importing another both ways (the six-package loop of
+    # issue 38: backends -> protocol -> core -> ... -> backends), each edge lazy or for types only in life.
+    loop = ag.violations({"edged.backends.trt_worker.supervisor": {"edged.protocol.shm"},
+                          "edged.protocol.v2": {"edged.core.types"},
+                          "edged.core.scheduler": {"edged.backends.base"},
+                          "edged.protocol.shm": set(), "edged.core.types": set(), "edged.backends.base": set()})
+    assert loop == ["top-level packages caught in an import loop: backends -> core -> protocol"], loop
     # The simulator is a part of its own that may use both wings' code.
     assert ag.violations({"edged.registry.sim.device": {"edged.sync.plan", "edged.registry.service"},
                           "edged.sync.plan": set(), "edged.registry.service": set()}) == []

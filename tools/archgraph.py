@@ -24,7 +24,8 @@ SIM = "edged.registry.sim"
 # What both wings may import: the contract (protocol/), the error root and small leaves with no
 # knowledge of either wing. A shared module may import only shared modules (checked).
 SHARED = ("edged", "edged.errors", "edged.fsutil", "edged.backoff", "edged.datatypes", "edged.logs",
-          "edged.journal", "edged.listen", "edged.latency_buckets", "edged.repository.manifest", "edged.protocol.fleet")
+          "edged.journal", "edged.listen", "edged.latency_buckets", "edged.repository.manifest", "edged.protocol.fleet",
+          "edged.protocol.names")
 CONTRACT = "edged.protocol.fleet"
 # The top of the device: entry points and the daemon that wires everything; nothing below imports them.
 TOP = ("edged.__main__", "edged.cli", "edged.daemon", "edged.sync_runner")
@@ -175,6 +176,8 @@ def violations(graph: Mapping[str, Iterable[str]]) -> list[str]:
     top = top_edges(graph)
     out += [f"top-level packages import each other: {a} <-> {b}"
             for a in sorted(top) for b in sorted(top[a]) if a < b and a in top.get(b, ())]
+    # ...nor go round a loop of any length (a pair is said just above).
+    out += [f"top-level packages caught in an import loop: {' -> '.join(c)}" for c in cycles(top) if len(c) > 2]
     # Inside a package too: two modules that import each other (even lazily or for types) are one module
     # in two files; move what both need into a third or pass it in.
     out += [f"module import cycle: {' <-> '.join(c)}" for c in cycles(graph)]

@@ -23,7 +23,6 @@ from typing import Any, TypeVar
 
 from edged.core.model_versions import ModelState, ModelTable, ModelVersion
 from edged.core.stats import ModelStats
-from edged.core.types import InferRequest, InferResponse
 from edged.errors import (
     DeadlineExceededError,
     EdgedError,
@@ -36,6 +35,7 @@ from edged.membudget import MemoryBudget, set_current
 from edged.pipeline.contract import ANY, PipelineDefinitionError, Port
 from edged.pipeline.definition import PIPELINE_FILE, files_read, load_pipeline
 from edged.pipeline.graph import CallContext, Tensors, compile_pipeline
+from edged.protocol.types import InferRequest, InferResponse
 from edged.repository.digests import DigestCache
 from edged.repository.manifest import TensorSpec
 from edged.repository.onnx_metadata import read_metadata

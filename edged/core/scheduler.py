@@ -23,7 +23,6 @@ from edged.core.engine_errors import GoodShapes, failure_key
 from edged.core.output_shapes import OutputShapeCheck
 from edged.core.stats import ModelStats
 from edged.core.traffic import TrafficMix
-from edged.core.types import InferRequest, InferResponse
 from edged.errors import (
     DeadlineExceededError,
     EdgedError,
@@ -32,6 +31,7 @@ from edged.errors import (
     ModelNotReadyError,
     OverloadedError,
 )
+from edged.protocol.types import InferRequest, InferResponse
 from edged.repository.manifest import Batching
 
 log = logging.getLogger(__name__)

@@ -16,10 +16,10 @@ from edged.core.manager import ModelManager
 from edged.core.model_versions import ModelState, ModelVersion
 from edged.core.pipelines import start_pipeline_request
 from edged.core.scheduler import Scheduler
-from edged.core.types import InferRequest, InferResponse
 from edged.core.validation import validate
 from edged.errors import ModelNotReadyError, model_not_ready, unknown_model
 from edged.membudget import MemoryBudget
+from edged.protocol.types import InferRequest, InferResponse
 
 T = TypeVar("T")
 

@@ -13,8 +13,8 @@ import numpy as np
 
 from edged import datatypes
 from edged.core.model_versions import ModelVersion
-from edged.core.types import InferRequest
 from edged.errors import InvalidInputError
+from edged.protocol.types import InferRequest
 
 
 @dataclass(frozen=True)

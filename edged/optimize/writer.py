@@ -17,7 +17,8 @@ from typing import Any
 
 from edged.fsutil import publish_dir
 from edged.optimize.errors import OptimizeInputError, VersionExistsError
-from edged.repository.manifest import ModelManifest, parse_manifest, valid_model_name
+from edged.protocol.names import valid_model_name
+from edged.repository.manifest import ModelManifest, parse_manifest
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 

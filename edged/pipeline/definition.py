@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from edged.datatypes import DataType
 from edged.errors import format_validation_error
 from edged.pipeline.contract import PipelineDefinitionError
-from edged.repository.manifest import PIPELINE_NAME
+from edged.protocol.names import PIPELINE_NAME
 
 if sys.version_info >= (3, 11):
     import tomllib

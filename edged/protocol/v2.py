@@ -19,8 +19,8 @@ import numpy as np
 import orjson
 
 from edged import datatypes
-from edged.core.types import InferRequest, InferResponse
 from edged.errors import InvalidInputError
+from edged.protocol.types import InferRequest, InferResponse
 from edged.protocol.v2_json import NUMERIC_TYPES, JsonArray, array_from_json, numbers_from_list
 
 # (region, offset, byte_size) -> the byte_size bytes of an input slot

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from edged.core.types import InferRequest, InferResponse
+from edged.protocol.types import InferRequest, InferResponse
 from edged.protocol.v2 import DecodedRequest, OutputOptions, dumps
 
 # Longer headers are not planned (a key is the header's bytes); a realistic binary header is ~200 bytes.

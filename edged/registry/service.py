@@ -40,6 +40,7 @@ from edged.protocol.fleet.messages import (
     VersionInfo,
 )
 from edged.protocol.fleet.release import FileEntry, ReleaseError, SignedRelease, TargetSelector, verify_release
+from edged.protocol.names import MANIFEST_NAME, PIPELINE_NAME, valid_model_name
 from edged.registry import desired
 from edged.registry.auth import DEVICE_PREFIX, ENROLL_PREFIX, new_token, same_hash, token_hash
 from edged.registry.blobs import BlobStore
@@ -55,12 +56,7 @@ from edged.registry.db import (
     VersionFileRow,
     VersionRow,
 )
-from edged.repository.manifest import (
-    MANIFEST_NAME,
-    PIPELINE_NAME,
-    ModelManifest,
-    valid_model_name,
-)
+from edged.repository.manifest import ModelManifest
 
 if sys.version_info >= (3, 11):
     import tomllib

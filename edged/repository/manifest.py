@@ -6,7 +6,6 @@ dimension; ``-1`` marks a dynamic dimension.
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -15,15 +14,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from edged.datatypes import DataType
 from edged.errors import ManifestError, format_validation_error
+from edged.protocol.names import MANIFEST_NAME
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-MANIFEST_NAME = "model.toml"
-PIPELINE_NAME = "pipeline.toml"  # a version folder holds one of the two: a model or a pipeline (edged.pipeline)
-_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 
 Format = Literal["onnx", "openvino", "tensorrt"]
 Precision = Literal["fp32", "bf16", "fp16", "int8"]
@@ -173,10 +170,6 @@ class ModelManifest(_Strict):
             if too_big:
                 raise ValueError(f"preferred_batch_sizes {too_big} exceed max_batch_size {self.max_batch_size}")
         return self
-
-
-def valid_model_name(name: str) -> bool:
-    return bool(_NAME_RE.fullmatch(name))
 
 
 def parse_manifest(path: Path, *, model: str = "", version: int | None = None) -> ModelManifest:

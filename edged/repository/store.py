@@ -11,15 +11,9 @@ from pathlib import Path
 
 from edged.config import ModelsSection
 from edged.errors import ManifestError
+from edged.protocol.names import MANIFEST_NAME, PIPELINE_NAME, valid_model_name
 from edged.repository.digests import DigestCache
-from edged.repository.manifest import (
-    MANIFEST_NAME,
-    PIPELINE_NAME,
-    ModelManifest,
-    Variant,
-    parse_manifest,
-    valid_model_name,
-)
+from edged.repository.manifest import ModelManifest, Variant, parse_manifest
 
 log = logging.getLogger(__name__)
 

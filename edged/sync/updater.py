@@ -23,8 +23,9 @@ from edged.core.service import InferenceService
 from edged.errors import EdgedError
 from edged.protocol.fleet.messages import DesiredModel, QualityReport, ServingModel
 from edged.protocol.fleet.release import ReleaseManifest
+from edged.protocol.names import MANIFEST_NAME
 from edged.repository.digests import DigestCache
-from edged.repository.manifest import MANIFEST_NAME, Evaluation, parse_manifest
+from edged.repository.manifest import Evaluation, parse_manifest
 from edged.repository.store import load_version
 from edged.sync import localfault, plan, quality
 from edged.sync.capped_http import RegistryHttp, StoppedError, SyncHttpError, TransferError

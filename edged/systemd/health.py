@@ -19,9 +19,9 @@ import numpy as np
 
 from edged.core.model_versions import ModelState, ModelVersion, sample_inputs
 from edged.core.service import InferenceService
-from edged.core.types import InferRequest, InferResponse
 from edged.errors import EdgedError, ModelNotFoundError, ModelNotReadyError, OverloadedError
 from edged.logs import log_fields
+from edged.protocol.types import InferRequest, InferResponse
 
 log = logging.getLogger(__name__)
 

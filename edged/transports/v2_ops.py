@@ -14,10 +14,10 @@ from typing import Any
 import edged
 from edged.core.model_versions import ModelState
 from edged.core.service import InferenceService, ready_now
-from edged.core.types import InferResponse
 from edged.errors import EdgedError, ErrorCode, InvalidInputError, ModelNotFoundError
+from edged.protocol.names import valid_model_name
+from edged.protocol.types import InferResponse
 from edged.protocol.v2 import DecodedRequest, encode_response
-from edged.repository.manifest import valid_model_name
 from edged.transports.authority import LOAD, UNLOAD, Authority, Peer
 from edged.transports.shm.sysshm import OutputStaging, ShmView
 

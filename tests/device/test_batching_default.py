@@ -13,8 +13,8 @@ import numpy as np
 from edged.config import ModelsSection
 from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
-from edged.core.types import InferRequest
 from edged.profiles import BackendPreference
+from edged.protocol.types import InferRequest
 from tests.conftest import MODELS
 from tests.http_helpers import held_engine
 

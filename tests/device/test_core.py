@@ -20,7 +20,6 @@ from edged.core.model_versions import ModelState
 from edged.core.scheduler import Scheduler
 from edged.core.service import InferenceService
 from edged.core.stats import ModelStats
-from edged.core.types import InferRequest, InferResponse
 from edged.errors import (
     DeadlineExceededError,
     EdgedError,
@@ -31,6 +30,7 @@ from edged.errors import (
     OverloadedError,
 )
 from edged.profiles import BackendPreference
+from edged.protocol.types import InferRequest, InferResponse
 from edged.repository.manifest import Batching
 from tests.conftest import MODELS
 

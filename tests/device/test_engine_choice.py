@@ -303,8 +303,8 @@ def test_batch_one_and_larger_batches_get_the_engine_that_wins_each(tmp_path: Pa
     from edged.config import ModelsSection
     from edged.core.manager import ModelManager
     from edged.core.service import InferenceService
-    from edged.core.types import InferRequest
     from edged.profiles import BackendPreference
+    from edged.protocol.types import InferRequest
 
     vdir = tmp_path / "models" / "doubler" / "1"
     made_models.doubler_batch_quadratic(vdir / "rows.onnx")

@@ -28,9 +28,9 @@ from edged.client.http import HttpClient, HttpStatusError
 from edged.config import ModelsSection
 from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
-from edged.core.types import InferRequest
 from edged.errors import EdgedError, InvalidInputError
 from edged.profiles import BackendPreference
+from edged.protocol.types import InferRequest
 from edged.transports.v2_ops import server_ready
 from tests import corpus
 from tests.conftest import sha256_file

@@ -164,8 +164,8 @@ def test_journal_replay_is_idempotent_and_a_later_sample_wins(tmp_path: Path, mo
     from edged.config import ModelsSection, load_config
     from edged.core.manager import ModelManager
     from edged.core.service import InferenceService
-    from edged.core.types import InferRequest
     from edged.profiles import BackendPreference
+    from edged.protocol.types import InferRequest
     from edged.telemetry.agent import TelemetryAgent
     from edged.telemetry.counter_journal import JOURNAL_FILE
     from edged.telemetry.upload import UploadSettings

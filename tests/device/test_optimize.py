@@ -24,7 +24,6 @@ import pytest
 from edged.config import ModelsSection
 from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
-from edged.core.types import InferRequest
 from edged.errors import ErrorCode
 from edged.fsutil import sha256_file
 from edged.optimize import command
@@ -33,6 +32,7 @@ from edged.optimize.errors import OptimizeInputError
 from edged.optimize.modelio import inspect_onnx
 from edged.optimize.timing import bf16_unavailable_reason, cpu_flags
 from edged.profiles import BackendPreference
+from edged.protocol.types import InferRequest
 from edged.repository.manifest import ModelManifest, parse_manifest
 from tests.conftest import MODELS, load_make_models
 

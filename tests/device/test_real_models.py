@@ -26,9 +26,9 @@ from edged.config import ModelsSection
 from edged.core.manager import ModelManager
 from edged.core.model_versions import ModelState
 from edged.core.service import InferenceService
-from edged.core.types import InferRequest
 from edged.errors import ErrorCode, InternalError, InvalidInputError
 from edged.profiles import BackendPreference
+from edged.protocol.types import InferRequest
 from tests import made_models
 from tests.conftest import EDGED
 from tests.http_helpers import Served, served

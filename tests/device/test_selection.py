@@ -30,9 +30,9 @@ from edged.config import ModelsSection
 from edged.core.manager import ModelManager
 from edged.core.model_versions import ModelVersion
 from edged.core.service import InferenceService
-from edged.core.types import InferRequest
 from edged.errors import EngineUnavailableError
 from edged.profiles import BackendPreference
+from edged.protocol.types import InferRequest
 from edged.repository.manifest import Variant
 
 MakeRepo = Callable[..., Path]

@@ -20,9 +20,9 @@ from edged import datatypes
 from edged.config import parse_config
 from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
-from edged.core.types import InferRequest
 from edged.errors import ErrorCode, InvalidInputError
 from edged.profiles import BackendPreference
+from edged.protocol.types import InferRequest
 from tests.triton_models import build_examples
 
 pytestmark = pytest.mark.timeout(120)

@@ -150,7 +150,7 @@ def test_zero_failed_requests_during_update_under_load(case: Case) -> None:
     lock = threading.Lock()
 
     def hammer(seed: int) -> None:
-        from edged.core.types import InferRequest
+        from edged.protocol.types import InferRequest
 
         x = np.random.default_rng(seed).random((1, 64), dtype=np.float32) * 16
         while not stop.is_set():
@@ -355,7 +355,7 @@ def test_errors_under_live_traffic_roll_back(case: Case) -> None:
     stop = threading.Event()
 
     def traffic() -> None:
-        from edged.core.types import InferRequest
+        from edged.protocol.types import InferRequest
 
         x = pixels(2)  # batch 2: the broken version only takes batch 1
         while not stop.is_set():
@@ -515,7 +515,7 @@ def test_a_pipeline_is_released_and_updated_like_a_model(case: Case) -> None:
     prepared against the device's models and served; a tampered [[files]] digest is refused at push."""
     import hashlib
 
-    from edged.core.types import InferRequest
+    from edged.protocol.types import InferRequest
 
     dev = at_v1(case)
     try:

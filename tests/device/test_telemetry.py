@@ -24,10 +24,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from edged.config import ModelsSection, load_config
 from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
-from edged.core.types import InferRequest
 from edged.errors import DeadlineExceededError
 from edged.profiles import BackendPreference
 from edged.protocol.fleet.telemetry import HistCounts, TelemetrySample
+from edged.protocol.types import InferRequest
 from edged.telemetry import jetson
 from edged.telemetry.agent import TelemetryAgent
 from edged.telemetry.buffer import TelemetryBuffer

@@ -29,10 +29,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from edged.config import Config, ModelsSection, load_config
 from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
-from edged.core.types import InferRequest
 from edged.errors import EdgedError
 from edged.profiles import BackendPreference
 from edged.protocol.fleet.telemetry import INGEST_PATH, Hist, ModelWindow, TelemetrySample
+from edged.protocol.types import InferRequest
 from edged.registry.auth import token_hash
 from edged.registry.db import DeviceRow, make_engine, make_sessionmaker
 from edged.registry.service import RegistryError

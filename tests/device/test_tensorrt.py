@@ -29,10 +29,10 @@ from edged.backends.selection import candidates
 from edged.config import ModelsSection
 from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
-from edged.core.types import InferRequest
 from edged.core.upgrade import SwappableEngine
 from edged.errors import EngineUnavailableError, ModelLoadError
 from edged.profiles import BackendPreference
+from edged.protocol.types import InferRequest
 from edged.repository.manifest import Variant, parse_manifest
 from tests.conftest import MODELS
 

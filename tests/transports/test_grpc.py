@@ -23,7 +23,7 @@ from tritonclient.utils import InferenceServerException
 
 from edged.client.http import HttpClient
 from edged.config import parse_config
-from edged.core.types import InferRequest
+from edged.protocol.types import InferRequest
 from tests.http_helpers import TOKEN, Segment, Served, copy_models, held_engine, in_process, served
 from tests.mqtt_helpers import make_test_ca
 

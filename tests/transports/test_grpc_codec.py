@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edged.core.types import InferResponse
 from edged.errors import InvalidInputError
+from edged.protocol.types import InferResponse
 from edged.protocol.v2 import DecodedRequest, encode_response
 from edged.transports.grpc import codec
 from edged.transports.grpc.gen import grpc_service_pb2 as pb

@@ -19,9 +19,9 @@ import tritonclient.utils.shared_memory as tshm
 from tritonclient.utils import InferenceServerException
 
 from edged.client.http import HttpClient, HttpStatusError
-from edged.core.types import InferRequest
 from edged.errors import EdgedError, ErrorCode
 from edged.listen import parse_listen
+from edged.protocol.types import InferRequest
 from tests.http_helpers import AUTH, Served, copy_models, held_engine, in_process, served
 
 pytestmark = pytest.mark.timeout(120)

@@ -25,10 +25,10 @@ from edged.client.mqtt import MqttClient, MqttServerError
 from edged.config import ModelsSection, parse_config
 from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
-from edged.core.types import InferRequest
 from edged.errors import ConfigError, DeadlineExceededError, EdgedError, ErrorCode
 from edged.profiles import BackendPreference
 from edged.protocol import mqtt as codec
+from edged.protocol.types import InferRequest
 from edged.protocol.v2 import dumps
 from edged.telemetry.prometheus import MetricsRenderer
 from edged.transports.mqtt.bindings import BindingBuffer, Item, validate_bindings

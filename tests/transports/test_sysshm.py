@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edged.client.http import HttpClient
-from edged.core.types import InferRequest
 from edged.errors import EdgedError, InvalidInputError
+from edged.protocol.types import InferRequest
 from edged.transports.shm.sysshm import ShmCaller, SystemShmRegions, check_key
 from tests.http_helpers import TOKEN, Segment, Served, copy_models, served
 

@@ -537,7 +537,7 @@ def test_text_classifier_answers_like_onnx_runtime_on_every_transport(
     from edged.config import parse_config
     from edged.core.manager import ModelManager
     from edged.core.service import InferenceService
-    from edged.core.types import InferRequest
+    from edged.protocol.types import InferRequest
     from tests.http_helpers import ORT
 
     x = _sentences()

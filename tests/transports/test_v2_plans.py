@@ -9,7 +9,7 @@ import numpy as np
 import orjson
 import pytest
 
-from edged.core.types import InferResponse
+from edged.protocol.types import InferResponse
 from edged.protocol.v2 import DecodedRequest, decode_request
 from edged.protocol.v2_json import loads_request
 from edged.protocol.v2_plans import PLAN_HEADER_MAX, RequestPlan, RequestPlans

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from edged.protocol.fleet.release import FileEntry, SignedRelease, TargetSelector
-from edged.repository.manifest import valid_model_name
+from edged.protocol.names import valid_model_name
 
 API_PREFIX = "/api/v1"
 # Checked with fullmatch: ``$`` alone would accept a trailing newline ("victim-01\n" beside "victim-01").

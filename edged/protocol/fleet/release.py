@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from edged.errors import ConfigError, EdgedError, ErrorCode, format_validation_error
-from edged.repository.manifest import MANIFEST_NAME, PIPELINE_NAME, valid_model_name
+from edged.protocol.names import MANIFEST_NAME, PIPELINE_NAME, valid_model_name
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey

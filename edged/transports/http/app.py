@@ -19,10 +19,10 @@ from typing import Any
 from urllib.parse import unquote
 
 from edged.core.service import InferenceService
-from edged.core.types import InferRequest, InferResponse
 from edged.errors import EdgedError, ErrorCode, InvalidInputError
 from edged.membudget import Reservation, owned_bytes
 from edged.protocol import media
+from edged.protocol.types import InferRequest, InferResponse
 from edged.protocol.v2 import DecodedRequest, decode_request, dumps, loads
 from edged.protocol.v2_json import loads_request
 from edged.protocol.v2_plans import RequestPlans, encode_answer

@@ -31,7 +31,6 @@ from paho.mqtt.reasoncodes import ReasonCode
 from edged.backoff import Backoff
 from edged.config import Config, StreamBinding
 from edged.core.service import InferenceService
-from edged.core.types import InferRequest, InferResponse
 from edged.errors import (
     DeadlineExceededError,
     EdgedError,
@@ -48,6 +47,7 @@ from edged.protocol import mqtt as codec
 from edged.protocol.fleet.telemetry import MqttWindow, StreamWindow
 from edged.protocol.mqtt import Form, Topics
 from edged.protocol.mqtt_topics import ReplyPolicy
+from edged.protocol.types import InferRequest, InferResponse
 from edged.protocol.v2 import DecodedRequest, decode_request, dumps, encode_response, loads
 from edged.protocol.v2_plans import RequestPlans, encode_answer
 from edged.transports.mqtt.bindings import (

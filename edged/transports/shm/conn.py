@@ -31,7 +31,6 @@ import orjson
 
 from edged import datatypes
 from edged.core.service import InferenceService
-from edged.core.types import InferRequest, InferResponse
 from edged.errors import (
     EdgedError,
     ErrorCode,
@@ -42,6 +41,7 @@ from edged.errors import (
     ResourceExhaustedError,
 )
 from edged.protocol import shm as p
+from edged.protocol.types import InferRequest, InferResponse
 from edged.protocol.v2 import bytes_from_buffer, bytes_to_buffer
 from edged.transports.redact import Scrubber
 from edged.transports.shm.segments import Segment, SegmentError, check_range, map_segment

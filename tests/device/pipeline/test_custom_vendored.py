@@ -22,9 +22,9 @@ import pytest
 from edged.config import ModelsSection
 from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
-from edged.core.types import InferRequest
 from edged.errors import InternalError
 from edged.profiles import BackendPreference
+from edged.protocol.types import InferRequest
 from tests.conftest import MODELS
 
 ORT_CPU = [BackendPreference(backend="onnxruntime", device="CPU", precisions=["fp32"])]

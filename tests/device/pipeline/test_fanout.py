@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edged.core.types import InferRequest
 from edged.errors import DeadlineExceededError
+from edged.protocol.types import InferRequest
 from tests.conftest import MODELS
 from tests.device.pipeline.test_graph import HEAD, _close_json, _served
 

@@ -15,12 +15,12 @@ import pytest
 from edged.config import ModelsSection
 from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
-from edged.core.types import InferRequest
 from edged.errors import ErrorCode, InternalError, InvalidInputError
 from edged.pipeline.contract import PipelineDefinitionError, StepInputError
 from edged.pipeline.definition import MAX_PIPELINE_FILE, load_pipeline, parse_pipeline
 from edged.pipeline.graph import Pipeline, compile_pipeline
 from edged.profiles import BackendPreference
+from edged.protocol.types import InferRequest
 
 ORT_CPU = [BackendPreference(backend="onnxruntime", device="CPU", precisions=["fp32"])]
 

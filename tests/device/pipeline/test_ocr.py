@@ -24,10 +24,10 @@ import pytest
 from edged.config import ModelsSection
 from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
-from edged.core.types import InferRequest
 from edged.pipeline.contract import Port
 from edged.pipeline.steps import builtin_step
 from edged.profiles import BackendPreference
+from edged.protocol.types import InferRequest
 from tests.device.pipeline.examples import EXAMPLES, UnavailableError, model_file
 
 cv2 = pytest.importorskip("cv2", reason="the pipeline extra (opencv-python-headless) is not installed")

@@ -352,7 +352,7 @@ def test_concurrent_requests_to_a_served_pipeline_batch_in_its_models_scheduler(
     model's queue (they overlap), and its dynamic batcher runs them together."""
     import time
 
-    from edged.core.types import InferRequest
+    from edged.protocol.types import InferRequest
     from tests.http_helpers import held_engine
 
     s, _ = served
