@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from edged import datatypes
 from edged.errors import ConfigError, format_validation_error
+from edged.protocol.mqtt_topics import DEFAULT_REPLY_TOPICS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -188,6 +189,16 @@ Policy = Literal["drop_oldest", "latest_per_topic", "queue"]
 PLACEHOLDERS = frozenset({"topic", "device", "model", "version", "prefix"})
 
 
+WILDCARD_RULE = "'+' must fill a whole level and '#' must be the whole last level"
+
+
+def _wildcards_ok(topic_filter: str) -> bool:
+    """MQTT's wildcard rules for a topic filter (stream bindings' inputs, reply namespaces)."""
+    levels = topic_filter.split("/")
+    return not any(("#" in level and (level != "#" or i != len(levels) - 1)) or ("+" in level and level != "+")
+                   for i, level in enumerate(levels))
+
+
 class StreamBinding(BaseModel):
     """One ``[[mqtt.bindings]]`` entry (run by :mod:`edged.transports.mqtt.bindings`)."""
 
@@ -214,12 +225,10 @@ class StreamBinding(BaseModel):
     @field_validator("topic")
     @classmethod
     def _filter(cls, v: str) -> str:
-        levels = v.split("/")
         if not v or "\0" in v:
             raise ValueError("must be a non-empty topic filter")
-        for i, level in enumerate(levels):
-            if ("#" in level and (level != "#" or i != len(levels) - 1)) or ("+" in level and level != "+"):
-                raise ValueError("'+' must fill a whole level and '#' must be the whole last level")
+        if not _wildcards_ok(v):
+            raise ValueError(WILDCARD_RULE)
         return v
 
     @field_validator("output_topic")
@@ -297,7 +306,7 @@ class MqttSection(_Section):
     reconnect_max_s: float = Field(default=30, gt=0)
     bindings: list[StreamBinding] = Field(default_factory=list, description="stream bindings: topic -> model -> topic")
     reply_topics: list[str] = Field(
-        default_factory=lambda: ["{prefix}/{device}/reply/#"], min_length=1, max_length=64,
+        default_factory=lambda: list(DEFAULT_REPLY_TOPICS), min_length=1, max_length=64,
         description="topic filters a request's response topic (MQTT 5) or reply_to (3.1.1) must match; "
         "{prefix} and {device} are filled in. Any other is refused with a note on {prefix}/{device}/errors. "
         "The daemon's own, other devices' and fleet topics are refused whatever these say")
@@ -310,9 +319,8 @@ class MqttSection(_Section):
             levels = static.split("/")
             if not pattern or "\0" in pattern or "{" in static or "}" in static:
                 raise ValueError(f"{pattern!r}: a topic filter; only {{prefix}} and {{device}} may be filled in")
-            for i, level in enumerate(levels):
-                if ("#" in level and (level != "#" or i != len(levels) - 1)) or ("+" in level and level != "+"):
-                    raise ValueError(f"{pattern!r}: '+' must fill a whole level and '#' must be the whole last level")
+            if not _wildcards_ok(static):
+                raise ValueError(f"{pattern!r}: {WILDCARD_RULE}")
             if levels[0] in ("+", "#") or levels[0].startswith("$"):
                 raise ValueError(f"{pattern!r}: the first level must be a fixed name (not a wildcard or '$')")
         return v

@@ -105,11 +105,15 @@ class MemoryBudget:
                               f"({used / MIB:.0f} of {self.limit / MIB:.0f} MiB held by requests in progress); "
                               "retry later")
 
-    def _give(self, nbytes: int) -> None:
+    def _give(self, nbytes: int, *, freed: bool = True) -> None:
+        """``freed``: the bytes were allocated and are now let go (counts towards a trim); False for a worst
+        case reserved and never allocated (a shrink), which gives the allocator nothing to hand back."""
         if nbytes <= 0:
             return
         with self._lock:
             self.used -= nbytes
+            if not freed:
+                return
             self._released_since_trim += nbytes
             due = self._released_since_trim >= TRIM_AFTER
             if due:
@@ -175,7 +179,7 @@ class Reservation:
         with self._lock:
             extra = max(0, self.held - max(0, int(nbytes)))
             self.held -= extra
-        self.budget._give(extra)
+        self.budget._give(extra, freed=False)
 
     def release(self) -> None:
         with self._lock:
@@ -192,10 +196,6 @@ class Reservation:
 # The reservation of the request being computed here: pipeline steps charge what they decode to it.
 # Set by the pipeline runner for each request; worker threads see it (asyncio.to_thread copies it).
 _current: contextvars.ContextVar[Reservation | None] = contextvars.ContextVar("edged_request_memory", default=None)
-
-
-def current() -> Reservation | None:
-    return _current.get()
 
 
 def set_current(res: Reservation | None) -> contextvars.Token[Reservation | None]:

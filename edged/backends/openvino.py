@@ -147,7 +147,6 @@ class OpenVinoEngine(Engine):
         self._clean = threading.Event()  # cleared while a restore runs
         self._clean.set()
         self.restores = 0  # clean compiled models made after failures
-        self.last_restore_ms: float | None = None
 
     @property
     def restoring(self) -> bool:
@@ -195,7 +194,6 @@ class OpenVinoEngine(Engine):
             if fresh is not None and self._current is failed:
                 self._current = fresh
                 self.restores += 1
-                self.last_restore_ms = (time.monotonic() - t0) * 1e3
             elif fresh is None and self._current is failed:
                 self._current = _Compiled(failed.compiled, self._nrequests)
             self._clean.set()

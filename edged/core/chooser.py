@@ -297,6 +297,10 @@ class EngineChooser:
             held[cand.label] = (cand, got.engine)
         if len(held) < 2:  # nothing to compare with: the engine serving stays
             choice.state = "single"
+            # Never measured again: the scheduler need not note the traffic of every run any more.
+            choice.traffic = None
+            if mv.scheduler is not None:
+                mv.scheduler.traffic = None
             choice.last_measured = time.monotonic()
             self.loader.explain(mv, choice.group, BenchmarkResult(
                 key=choice.key, chosen=serving.label, timings=[], batch_sizes=[], failures=load_failures))

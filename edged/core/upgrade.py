@@ -86,24 +86,18 @@ class SwappableEngine(Engine):
                     self._cv.notify_all()
 
     def swap(self, new: Engine, timeout: float = SWAP_DRAIN_TIMEOUT_S) -> Engine | None:
-        """Route later calls to ``new``; return the old engine once its running calls are done.
+        """Route every later call to ``new`` (:meth:`install` with no batched split); return the engine it
+        replaced once its running calls are done. An engine that served the batched runs is released here,
+        so a background upgrade replaces a split choice whole.
 
         Returns None (and releases ``new``) when the proxy was unloaded meanwhile.
         """
-        with self._cv:
-            if self._closed:
-                closed = True
-            else:
-                closed = False
-                old, self._current = self._current, new
-                self._mirror(new)
-                if not self._cv.wait_for(lambda: id(old) not in self._users, timeout):
-                    log.warning("engine swap: calls on the old %s engine still running after %.0fs",
-                                old.backend, timeout)
-        if closed:
-            new.unload()
+        old = self.install(new, None, timeout)
+        if not old:
             return None
-        return old
+        for engine in old[1:]:
+            engine.unload()
+        return old[0]
 
     def install(self, current: Engine, batched: Engine | None, timeout: float = SWAP_DRAIN_TIMEOUT_S
                 ) -> list[Engine] | None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edged.optimize.errors import OptimizeInputError
+from edged.pipeline.steps.detect import iou_one, nms
 
 METRICS = ("top1", "map50", "ctc-exact", "max-abs-error")
 IOU_THRESHOLD = 0.5
@@ -136,29 +137,6 @@ def ctc_decode(probs: np.ndarray, blank: int) -> list[tuple[int, ...]]:
     return out
 
 
-def _iou(box: np.ndarray, boxes: np.ndarray) -> np.ndarray:
-    x1 = np.maximum(box[0], boxes[:, 0])
-    y1 = np.maximum(box[1], boxes[:, 1])
-    x2 = np.minimum(box[2], boxes[:, 2])
-    y2 = np.minimum(box[3], boxes[:, 3])
-    inter = np.clip(x2 - x1, 0, None) * np.clip(y2 - y1, 0, None)
-    area = (box[2] - box[0]) * (box[3] - box[1])
-    areas = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
-    return np.asarray(inter / np.maximum(area + areas - inter, 1e-12))
-
-
-def _nms(boxes: np.ndarray, scores: np.ndarray) -> list[int]:
-    order = list(np.argsort(-scores, kind="stable"))
-    keep: list[int] = []
-    while order and len(keep) < MAX_DETECTIONS:
-        i = order.pop(0)
-        keep.append(int(i))
-        if order:
-            rest = np.asarray(order)
-            order = [int(j) for j in rest[_iou(boxes[i], boxes[rest]) <= NMS_IOU]]
-    return keep
-
-
 def decode_boxes(out: np.ndarray, threshold: float) -> list[np.ndarray]:
     """Per sample ``[K, 6]`` detections ``x1, y1, x2, y2, score, class`` from either supported layout."""
     if out.ndim != 3:
@@ -180,7 +158,7 @@ def decode_boxes(out: np.ndarray, threshold: float) -> list[np.ndarray]:
             rows = []
             for c in np.unique(cls):
                 idx = np.nonzero(cls == c)[0]
-                for k in _nms(boxes[idx], conf[idx]):
+                for k in nms(boxes[idx], conf[idx], NMS_IOU, MAX_DETECTIONS):
                     rows.append([*boxes[idx[k]], conf[idx[k]], float(c)])
             dets = np.asarray(rows, dtype=np.float64).reshape(-1, 6)
         result.append(dets)
@@ -205,7 +183,7 @@ def mean_average_precision(dets: list[np.ndarray], truth: list[np.ndarray]) -> f
         tp = np.zeros(len(found))
         for k, (_, i, box) in enumerate(found):
             if len(gts[i]):
-                ious = _iou(box, gts[i])
+                ious = iou_one(box, gts[i])
                 j = int(np.argmax(ious))
                 if ious[j] >= IOU_THRESHOLD and not used[i][j]:
                     used[i][j] = True

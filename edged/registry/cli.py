@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -24,15 +23,14 @@ CLIENT_CERT_ENV = "EDGED_REGISTRY_CLIENT_CERT"
 CLIENT_KEY_ENV = "EDGED_REGISTRY_CLIENT_KEY"
 TOKEN_ENV = "EDGED_REGISTRY_TOKEN"
 DEFAULT_URL = "http://127.0.0.1:8700"
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw]?)$")
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
 def parse_duration(text: str) -> float:
-    m = _DURATION.fullmatch(text.strip())
-    if not m:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number with s, m, h, d or w (e.g. 90d)")
-    return float(m.group(1)) * _UNITS[m.group(2)]
+    """``90``, ``15m``, ``2h``, ``90d`` -> seconds, as the rollout step syntax reads them (one grammar)."""
+    from edged.registry.step_syntax import duration_s
+
+    try:
+        return duration_s(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_label(text: str) -> tuple[str, str]:

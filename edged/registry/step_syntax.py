@@ -20,7 +20,7 @@ _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 def duration_s(text: str) -> float:
     """``90``, ``15m``, ``2h``, ``7d`` -> seconds."""
-    m = _DURATION.match(text.strip())
+    m = _DURATION.fullmatch(text.strip())
     if not m:
         raise ConfigError(f"{text!r}: expected a number with s, m, h, d or w (e.g. 15m)")
     return float(m.group(1)) * _UNITS[m.group(2)]
