@@ -19,8 +19,8 @@ from bench.common import measure, ratio_line
 from edged.config import ModelsSection
 from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
-from edged.core.types import InferRequest
 from edged.profiles import BackendPreference
+from edged.protocol.types import InferRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 

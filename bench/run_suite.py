@@ -58,8 +58,8 @@ from edged.client.http import HttpClient  # noqa: E402
 from edged.client.shm import AsyncShmClient, ShmClient  # noqa: E402
 from edged.client.shm_prepared import AsyncPreparedInfer  # noqa: E402
 from edged.config import load_config  # noqa: E402
-from edged.core.types import InferRequest  # noqa: E402
 from edged.daemon import Runtime, build_runtime  # noqa: E402
+from edged.protocol.types import InferRequest  # noqa: E402
 from tests.mqtt_helpers import Broker  # noqa: E402
 from tests.netutil import free_port  # noqa: E402
 
