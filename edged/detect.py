@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 
 def _backend_line(b: BackendPreference) -> str:
-    opts = ", ".join(f"{k}={json.dumps(v)}" for k, v in b.options.items())
+    opts = ", ".join(f"{k}={json.dumps(v)}" for k, v in b.options.model_dump(mode="json", exclude_unset=True).items())
     return f"{b.backend} {b.device} [{', '.join(b.precisions)}]" + (f" {{{opts}}}" if opts else "")
 
 

@@ -37,9 +37,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 import edged
+from edged.backends.options import BackendOptions
+from edged.backends.specs import SPECS
 from edged.errors import ConfigError, format_validation_error
 from edged.hardware.facts import FactValue, HardwareFacts, fact_keys, facts_as_dict
 from edged.hardware.jetpack import ReleaseRow, row_for
@@ -246,63 +258,39 @@ class MatchSpec(_Strict):
 
 
 Precision = Literal["fp32", "bf16", "fp16", "int8"]
-_DEVICES = {"tensorrt": ("GPU", "DLA"), "onnxruntime": ("CPU", "GPU")}
-
-
-class TensorRTOptions(_Strict):
-    """``options`` of a ``tensorrt`` backend (read by :mod:`edged.backends.tensorrt`)."""
-
-    dla_core: int | None = None
-    gpu_fallback: bool = True
-    workspace_mb: float | None = None
-    gpu_id: int = 0
-    opt_batch_size: int | None = None
-    engine_worker: str | None = None  # set from the JetPack matrix when the engine runs under the system Python
-    worker_timeout_s: float | None = None
-
-
-class OnnxRuntimeOptions(_Strict):
-    """``options`` of an ``onnxruntime`` backend (read by :mod:`edged.backends.onnxruntime`)."""
-
-    providers: list[str] | None = None
-    intra_op_threads: int | None = None
-
-
-class OpenVinoOptions(_Strict):
-    """``options`` of an ``openvino`` backend (read by :mod:`edged.backends.openvino`)."""
-
-    hint: str | None = None
-    threads: int | None = None
-    inference_precision: str | None = None
-    num_streams: int | str | None = None
-    cache: bool = True
-    static_batch: int | None = None
-
-
-BACKEND_OPTIONS: dict[str, type[_Strict]] = {
-    "tensorrt": TensorRTOptions, "onnxruntime": OnnxRuntimeOptions, "openvino": OpenVinoOptions}
 
 
 class BackendPreference(_Strict):
-    """One engine/device to try; ``precisions`` in order of preference."""
+    """One engine/device to try; ``precisions`` in order of preference; ``options`` typed per engine."""
 
-    backend: Literal["tensorrt", "openvino", "onnxruntime"]
+    backend: str = Field(description=" | ".join(SPECS))
     device: str = "CPU"
     precisions: list[Precision] = Field(min_length=1)
-    options: dict[str, Any] = {}
+    options: SerializeAsAny[BackendOptions] = Field(default_factory=dict, validate_default=True)
 
-    @field_validator("options")
+    @field_validator("backend")
     @classmethod
-    def _typed_options(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        """Each backend's options are checked against its own model: a typo such as ``dla_cor`` is refused."""
-        model = BACKEND_OPTIONS.get(str(info.data.get("backend")))
-        if model is None:
+    def _known(cls, v: str) -> str:
+        """The names are the spec registry's (edged.backends.specs), in the words a Literal would use."""
+        if v not in SPECS:
+            expected = ", ".join(repr(n) for n in SPECS)
+            expected = " or ".join(expected.rsplit(", ", 1))
+            raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+        return v
+
+    @field_validator("options", mode="before")
+    @classmethod
+    def _typed_options(cls, v: object, info: ValidationInfo) -> BackendOptions:
+        """Each backend's options are its own model: a typo such as ``dla_cor`` is refused."""
+        spec = SPECS.get(str(info.data.get("backend")))
+        if spec is None:  # the backend's own error says why
+            return BackendOptions()
+        if isinstance(v, spec.options):
             return v
         try:
-            model.model_validate(v)
+            return spec.options.model_validate(v.model_dump(exclude_unset=True) if isinstance(v, BackendOptions) else v)
         except ValidationError as e:
             raise ValueError("; ".join(format_validation_error(e))) from None
-        return v
 
     @field_validator("precisions")
     @classmethod
@@ -313,13 +301,9 @@ class BackendPreference(_Strict):
 
     @model_validator(mode="after")
     def _device_for_backend(self) -> BackendPreference:
-        allowed = _DEVICES.get(self.backend)
-        if allowed is not None and self.device not in allowed:
-            raise ValueError(f"device {self.device!r} is not one {self.backend} offers "
-                             f"({', '.join(allowed)})")
-        if self.backend == "openvino" and not re.fullmatch(r"[A-Z][A-Z0-9_.:,()]*", self.device):
-            raise ValueError(f"device {self.device!r} is not an OpenVINO device name "
-                             "(CPU, GPU, NPU, AUTO...)")
+        problem = SPECS[self.backend].device_problem(self.device)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
 
@@ -420,8 +404,8 @@ def resolve_profile(profile: DeviceProfile, facts: HardwareFacts, reasons: list[
         support = row.support(b.backend, b.device)
         if support.status == "unavailable":
             gone.append((b, support.how))
-        elif support.status == "worker" and "engine_worker" not in b.options:
-            kept.append(b.model_copy(update={"options": {**b.options, "engine_worker": SYSTEM_PYTHON}}))
+        elif support.status == "worker" and "engine_worker" not in b.options.model_fields_set:
+            kept.append(b.model_copy(update={"options": b.options.model_copy(update={"engine_worker": SYSTEM_PYTHON})}))
         else:
             kept.append(b)
     if kept:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from edged.backends.options import BackendOptions
 from edged.repository.manifest import InputShape, TensorSpec, Variant
 
 if TYPE_CHECKING:
@@ -38,7 +39,8 @@ class LoadRequest:
     version_dir: Path
     variant: Variant
     device: str = "CPU"
-    options: Mapping[str, Any] = field(default_factory=dict)
+    options: BackendOptions = field(default_factory=BackendOptions)  # the engine's own model (or the defaults)
+    precision: str = ""  # to run at; "": the variant's own (TensorRT builds an FP32 ONNX file lower)
     max_batch_size: int = 0
     inputs: Sequence[TensorSpec] | None = None
     shapes: Mapping[str, InputShape] = field(default_factory=dict)  # declared [warmup.shapes]: min/usual/max
@@ -104,17 +106,16 @@ class Engine(abc.ABC):
 
 
 class Backend(abc.ABC):
-    """Factory for engines of one library."""
+    """Factory for engines of one library; what it is (formats, devices, options) is its spec's
+    (:mod:`edged.backends.specs`)."""
 
     name: ClassVar[str]
-    formats: ClassVar[frozenset[str]]
-    extra: ClassVar[str]  # the pip extra or package that provides the library
 
     @abc.abstractmethod
     def check_available(self) -> None:
         """Raise EngineUnavailableError, naming what to install, when the library cannot be used."""
 
-    def check_available_for(self, options: Mapping[str, Any]) -> None:
+    def check_available_for(self, options: BackendOptions) -> None:
         """Like ``check_available``, for one profile line's options (some change what is needed)."""
         self.check_available()
 

@@ -386,7 +386,8 @@ def selection_key(model: str, version: int, cands: Sequence[Candidate], library_
         "method": _METHOD, "model": model, "version": version, "threads": threads, "batch_sizes": list(batch_sizes),
         "workload": workload, "instances": instances,
         "device": dict(fingerprint if fingerprint is not None else device_fingerprint()),
-        "candidates": [{"label": c.label, "digest": variant_digest(c.variant), "options": c.options,
+        "candidates": [{"label": c.label, "digest": variant_digest(c.variant),
+                        "options": c.options.model_dump(mode="json", exclude_unset=True),
                         "library": library_versions.get(c.backend, "")} for c in cands],
     }
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()

@@ -1,25 +1,22 @@
-"""Backend lookup by name; each library is imported only when its backend is used."""
+"""Backend lookup by name, from :data:`~edged.backends.specs.SPECS`; each library is imported only when
+its backend is used."""
 
 from __future__ import annotations
 
-from edged.backends.base import Backend
-from edged.errors import EngineUnavailableError
+import threading
 
-BACKEND_NAMES = ("tensorrt", "openvino", "onnxruntime")
+from edged.backends.base import Backend
+from edged.backends.specs import spec_for
+
 _instances: dict[str, Backend] = {}
+_lock = threading.Lock()
 
 
 def get_backend(name: str) -> Backend:
-    if name not in _instances:
-        if name == "onnxruntime":
-            from edged.backends.onnxruntime import OnnxRuntimeBackend
-            _instances[name] = OnnxRuntimeBackend()
-        elif name == "openvino":
-            from edged.backends.openvino import OpenVinoBackend
-            _instances[name] = OpenVinoBackend()
-        elif name == "tensorrt":
-            from edged.backends.tensorrt import TensorRtBackend
-            _instances[name] = TensorRtBackend()
-        else:
-            raise EngineUnavailableError(f"unknown backend {name!r}; known: {', '.join(BACKEND_NAMES)}")
-    return _instances[name]
+    """The one instance of backend ``name``; EngineUnavailableError for an unknown name or a missing module."""
+    spec = spec_for(name)
+    with _lock:
+        backend = _instances.get(name)
+        if backend is None:
+            backend = _instances[name] = spec.backend_class()()
+        return backend

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
 from edged import datatypes
 from edged.backends.base import Backend, Engine, EngineTensor, LoadRequest
+from edged.backends.options import OnnxRuntimeOptions
 from edged.errors import EngineInputError, EngineUnavailableError, ModelLoadError
 
 _PROVIDER_BY_DEVICE = {
@@ -102,8 +103,6 @@ class OnnxRuntimeEngine(Engine):
 
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
-    formats: ClassVar[frozenset[str]] = frozenset({"onnx"})
-    extra = "onnxruntime"
 
     def check_available(self) -> None:
         _import()
@@ -117,7 +116,8 @@ class OnnxRuntimeBackend(Backend):
 
     def load(self, request: LoadRequest) -> Engine:
         ort = _import()
-        wanted = list(request.options.get("providers") or _PROVIDER_BY_DEVICE.get(request.device.upper(), []))
+        options = OnnxRuntimeOptions.of(request.options)
+        wanted = list(options.providers or _PROVIDER_BY_DEVICE.get(request.device.upper(), []))
         if not wanted:
             raise ModelLoadError(f"{request.label}: ONNX Runtime has no device {request.device!r}")
         available = set(ort.get_available_providers())
@@ -128,8 +128,8 @@ class OnnxRuntimeBackend(Backend):
                 f"{request.label}: none of the providers {accelerated} is available in this ONNX Runtime "
                 f"(available: {sorted(available)})")
         opts = ort.SessionOptions()
-        explicit = request.options.get("intra_op_threads")
-        threads = int(explicit if explicit is not None else _intra_op_threads(request))
+        explicit = options.intra_op_threads
+        threads = explicit if explicit is not None else _intra_op_threads(request)
         if threads > 0:
             opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1

@@ -9,12 +9,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
 from edged import datatypes
 from edged.backends.base import Backend, Engine, EngineTensor, LoadRequest
+from edged.backends.options import OpenVinoOptions
 from edged.errors import EngineUnavailableError, ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -240,8 +241,6 @@ def _remaker(core: Any, device: str, config: Mapping[str, Any], recompile: Calla
 
 class OpenVinoBackend(Backend):
     name = "openvino"
-    formats: ClassVar[frozenset[str]] = frozenset({"openvino", "onnx"})
-    extra = "openvino"
 
     def check_available(self) -> None:
         _import()
@@ -255,24 +254,25 @@ class OpenVinoBackend(Backend):
     def load(self, request: LoadRequest) -> Engine:
         core = _get_core()
         device = request.device.upper()
-        config: dict[str, Any] = {"PERFORMANCE_HINT": str(request.options.get("hint", "LATENCY")).upper()}
-        threads = int(request.options.get("threads", request.threads) or 0)
+        opts = OpenVinoOptions.of(request.options)
+        config: dict[str, Any] = {"PERFORMANCE_HINT": (opts.hint or "LATENCY").upper()}
+        threads = opts.threads if opts.threads is not None else request.threads
         if threads > 0 and device in ("CPU", "AUTO"):
             config["INFERENCE_NUM_THREADS"] = threads
         # CPUs with bf16/AMX otherwise run an fp32 model in reduced precision; honour the variant
         # (a bf16 variant asks for bf16, which the plugin ignores on CPUs without it: read it back).
-        precision = request.options.get("inference_precision") or request.variant.inference_precision
+        precision = opts.inference_precision or request.variant.inference_precision
         if precision is None and request.variant.precision in ("fp32", "bf16") and device == "CPU":
             precision = "f32" if request.variant.precision == "fp32" else "bf16"
         if precision:
             config["INFERENCE_PRECISION_HINT"] = str(precision)
-        if request.options.get("num_streams") is not None:
-            config["NUM_STREAMS"] = str(request.options["num_streams"])
+        if opts.num_streams is not None:
+            config["NUM_STREAMS"] = str(opts.num_streams)
         elif request.instances > 1 and device == "CPU" and config["PERFORMANCE_HINT"] == "LATENCY":
             # One stream (LATENCY) would run the instances' requests one after another; a stream
             # each splits the threads between them.
             config["NUM_STREAMS"] = str(request.instances)
-        if request.cache_dir is not None and request.options.get("cache", True):
+        if request.cache_dir is not None and opts.cache:
             request.cache_dir.mkdir(parents=True, exist_ok=True)
             config["CACHE_DIR"] = str(request.cache_dir)
 
@@ -280,7 +280,7 @@ class OpenVinoBackend(Backend):
             model = core.read_model(str(request.file))
             _refuse_strings(model, request)
             _bound_dynamic_dims(model, request)
-            batch = request.options.get("static_batch")
+            batch = opts.static_batch
             if batch and request.max_batch_size > 0:
                 # A fixed batch lets the plugin pick static kernels (and is required by NPUs).
                 model.reshape({p.get_any_name(): [int(batch), *list(p.get_partial_shape())[1:]] for p in model.inputs})

@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
 from edged.backends.factory import get_backend
+from edged.backends.options import BackendOptions
+from edged.backends.specs import SPECS
 from edged.errors import EdgedError
 from edged.repository.manifest import Variant
 
-if TYPE_CHECKING:
-    from edged.profiles import BackendPreference
 
-# Formats each backend can load natively, best first (OpenVINO and TensorRT also read ONNX).
-_FORMATS = {"onnxruntime": ("onnx",), "openvino": ("openvino", "onnx"), "tensorrt": ("tensorrt", "onnx")}
+class Preference(Protocol):
+    """One engine/device line of a profile (``edged.profiles.BackendPreference``), read only."""
+
+    @property
+    def backend(self) -> str: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def precisions(self) -> Sequence[str]: ...
+    @property
+    def options(self) -> BackendOptions: ...
 
 
 @dataclass(frozen=True)
@@ -23,7 +32,7 @@ class Candidate:
     backend: str
     device: str
     precision: str
-    options: dict[str, Any] = field(default_factory=dict)
+    options: BackendOptions = field(default_factory=BackendOptions)  # the backend's own model, from the profile
 
     @property
     def label(self) -> str:
@@ -33,25 +42,27 @@ class Candidate:
 def can_run_at(backend: str, variant: Variant, precision: str) -> bool:
     """Whether ``backend`` can run ``variant`` at ``precision``.
 
-    Every backend runs a variant at its own precision. TensorRT also builds an
-    engine from an FP32 ONNX file at a lower precision: FP16 always, INT8 only with
+    Every backend runs a variant at its own precision. One whose spec ``builds_lower_precision``
+    (TensorRT) also builds an engine from an FP32 ONNX file at a lower one: FP16 always, INT8 only with
     the calibration cache that ships with the variant (an INT8 ONNX file carries
     its own quantization and builds as INT8 directly).
     """
     if variant.precision == precision:
         return True
-    if backend == "tensorrt" and variant.format == "onnx" and variant.precision == "fp32":
+    spec = SPECS.get(backend)
+    if spec is not None and spec.builds_lower_precision and variant.format == "onnx" and variant.precision == "fp32":
         return precision == "fp16" or (precision == "int8" and variant.calibration_cache is not None)
     return False
 
 
-def candidates(variants: Sequence[Variant], preferences: Sequence[BackendPreference]) -> list[Candidate]:
+def candidates(variants: Sequence[Variant], preferences: Sequence[Preference]) -> list[Candidate]:
     """Ordered candidates: by preference, then precision order, then native format, then a file's own precision."""
     out: list[Candidate] = []
     seen: set[tuple[str, str, str, str]] = set()
     for pref in preferences:
         for precision in pref.precisions:
-            for fmt in _FORMATS.get(pref.backend, ()):
+            spec = SPECS.get(pref.backend)
+            for fmt in spec.formats if spec is not None else ():
                 matching = [v for v in variants if v.format == fmt and can_run_at(pref.backend, v, precision)]
                 # A file made at the wanted precision beats one converted on the device.
                 matching.sort(key=lambda v: v.precision != precision)
@@ -60,14 +71,14 @@ def candidates(variants: Sequence[Variant], preferences: Sequence[BackendPrefere
                     if key in seen:
                         continue
                     seen.add(key)
-                    out.append(Candidate(v, pref.backend, pref.device, precision, dict(pref.options)))
+                    out.append(Candidate(v, pref.backend, pref.device, precision, pref.options))
     return out
 
 
-def unavailable_reason(backend: str, options: Mapping[str, Any] | None = None) -> str | None:
+def unavailable_reason(backend: str, options: BackendOptions | None = None) -> str | None:
     """Why a backend (with a profile line's options) cannot be used on this machine, or None when it can."""
     try:
-        get_backend(backend).check_available_for(options or {})
+        get_backend(backend).check_available_for(options or BackendOptions())
     except EdgedError as e:
         return str(e)
     return None

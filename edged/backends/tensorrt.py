@@ -28,7 +28,7 @@ import queue
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from edged.backends.base import Backend, Engine, EngineTensor, LoadRequest
 from edged.backends.build import EngineBuildRequiredError
 from edged.backends.cudart import D2H, H2D, INSTALL_HINT, CudaRuntime, cuda_runtime
 from edged.backends.enginecache import EngineCache, EngineCacheKey, variant_digest
+from edged.backends.options import BackendOptions, TensorRtOptions
 from edged.errors import EngineUnavailableError, InternalError, InvalidInputError, ModelLoadError
 from edged.fsutil import atomic_write_bytes
 from edged.hardware.facts import HardwareFacts
@@ -270,16 +271,23 @@ def _build_lock(key: str) -> threading.Lock:
 
 
 def _dla_core(request: LoadRequest) -> int:
-    core = request.options.get("dla_core")
+    core = TensorRtOptions.of(request.options).dla_core
     if request.device.upper() == "DLA":
-        return int(core) if core is not None and int(core) >= 0 else 0
-    return int(core) if core is not None else -1
+        return core if core is not None and core >= 0 else 0
+    return core if core is not None else -1
 
 
 def _opt_batch(request: LoadRequest) -> int:
     mbs = request.max_batch_size
-    opt = int(request.options.get("opt_batch_size", 1) or 1)
+    opt = TensorRtOptions.of(request.options).opt_batch_size or 1
     return max(1, min(opt, mbs)) if mbs > 0 else 1
+
+
+def _number(value: float | None) -> str:
+    """A number as a cache key records it ("" for none; 512, not 512.0, as a profile usually writes it)."""
+    if value is None:
+        return ""
+    return str(int(value)) if float(value).is_integer() else str(value)
 
 
 def _shape_profile(request: LoadRequest, opt: int) -> str:
@@ -291,8 +299,6 @@ def _shape_profile(request: LoadRequest, opt: int) -> str:
 
 class TensorRtBackend(Backend):
     name = "tensorrt"
-    formats: ClassVar[frozenset[str]] = frozenset({"tensorrt", "onnx"})
-    extra = "tensorrt (JetPack ships it; pip install tensorrt on x86 with CUDA)"
 
     def check_available(self) -> None:
         _import_trt()
@@ -300,11 +306,11 @@ class TensorRtBackend(Backend):
         if count < 1:
             raise EngineUnavailableError(f"TensorRT needs an NVIDIA GPU, but CUDA sees none ({why or 'no device'})")
 
-    def check_available_for(self, options: Mapping[str, Any]) -> None:
-        worker = options.get("engine_worker")
+    def check_available_for(self, options: BackendOptions) -> None:
+        worker = TensorRtOptions.of(options).engine_worker
         if not worker:
             self.check_available()
-        elif not os.access(str(worker), os.X_OK):
+        elif not os.access(worker, os.X_OK):
             raise EngineUnavailableError(f"the TensorRT engine worker's Python {worker} is not there (JetPack 5 "
                                          "puts TensorRT's bindings under /usr/bin/python3: python3-libnvinfer)")
 
@@ -330,6 +336,7 @@ class TensorRtBackend(Backend):
     def engine_key(self, request: LoadRequest, *, precision: str, dla_core: int, opt_batch: int,
                    gpu: int = 0) -> EngineCacheKey:
         hw = self.hardware(gpu, request.facts)
+        opts = TensorRtOptions.of(request.options)
         more: dict[str, str] = {}
         calib = request.variant.calibration_cache
         if precision == "int8" and calib and request.variant.precision != "int8":
@@ -345,18 +352,17 @@ class TensorRtBackend(Backend):
             compute_capability=hw["compute_capability"],
             platform=f"{hw['platform']} cuda-driver {hw['cuda_driver']}".strip(), precision=precision,
             shape_profile=_shape_profile(request, opt_batch),
-            options={"gpu_fallback": str(bool(request.options.get("gpu_fallback", True))),
-                     "workspace_mb": str(request.options.get("workspace_mb", ""))})
+            options={"gpu_fallback": str(opts.gpu_fallback), "workspace_mb": _number(opts.workspace_mb)})
 
     # ---- loading ------------------------------------------------------------------------------
     def load(self, request: LoadRequest) -> Engine:
-        worker = request.options.get("engine_worker")
-        if worker:
-            return self._load_in_worker(request, str(worker))
+        opts = TensorRtOptions.of(request.options)
+        if opts.engine_worker:
+            return self._load_in_worker(request, opts.engine_worker)
         trt, cuda = _import_trt(), cuda_runtime()
-        gpu = int(request.options.get("gpu_id", 0))
+        gpu = opts.gpu_id
         cuda.set_device(gpu)
-        precision = str(request.options.get("precision", request.variant.precision))
+        precision = request.precision or request.variant.precision
         dla = _dla_core(request)
         if request.variant.format == "tensorrt":
             try:
@@ -387,7 +393,9 @@ class TensorRtBackend(Backend):
         if request.variant.format != "tensorrt":
             raise ModelLoadError(f"{request.label}: the TensorRT engine worker serves prebuilt plans only "
                                  "(format = \"tensorrt\"); build one on the device, e.g. with trtexec")
-        timeout = float(request.options.get("worker_timeout_s", DEFAULT_REQUEST_TIMEOUT_S))
+        timeout = TensorRtOptions.of(request.options).worker_timeout_s
+        if timeout is None:
+            timeout = DEFAULT_REQUEST_TIMEOUT_S
         return WorkerEngine(python, request.file, request.label, device=request.device,
                             precision=request.variant.precision, request_timeout_s=timeout)
 
@@ -482,7 +490,8 @@ def build_plan(trt: Any, request: LoadRequest, *, precision: str, dla: int, opt:
         errors = "; ".join(str(parser.get_error(i)) for i in range(min(parser.num_errors, 3)))
         raise ModelLoadError(f"{request.label}: TensorRT's ONNX parser refused it: {errors or logger.summary()}")
     config = builder.create_builder_config()
-    workspace = request.options.get("workspace_mb")
+    opts = TensorRtOptions.of(request.options)
+    workspace = opts.workspace_mb
     if workspace:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace) << 20)
     calibrator = None
@@ -509,7 +518,7 @@ def build_plan(trt: Any, request: LoadRequest, *, precision: str, dla: int, opt:
     if dla >= 0:
         config.default_device_type = trt.DeviceType.DLA
         config.DLA_core = dla
-        if request.options.get("gpu_fallback", True):
+        if opts.gpu_fallback:
             config.set_flag(trt.BuilderFlag.GPU_FALLBACK)
     if timing_cache is not None:
         try:

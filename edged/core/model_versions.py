@@ -44,7 +44,9 @@ from edged.backends.benchmark import (
 from edged.backends.build import EngineBuild, EngineBuildRequiredError
 from edged.backends.enginecache import EngineCache, EngineCacheKey, variant_digest
 from edged.backends.factory import get_backend
+from edged.backends.options import BackendOptions, OpenVinoOptions, TensorRtOptions
 from edged.backends.selection import Candidate, candidates, unavailable_reason
+from edged.backends.specs import SPECS
 from edged.core.scheduler import Scheduler
 from edged.core.stats import ModelStats
 from edged.core.upgrade import EngineUpgrade, SwappableEngine
@@ -614,21 +616,20 @@ class ModelLoader:
 
     def _request(self, mv: ModelVersion, cand: Candidate) -> LoadRequest:
         manifest = mv.manifest
-        options = dict(cand.options)
-        if cand.backend == "tensorrt":
-            # TensorRT builds from ONNX at the candidate's precision, with its batch profile.
-            options["precision"] = cand.precision
+        options = cand.options
+        if isinstance(options, TensorRtOptions) and options.opt_batch_size is None:
+            # TensorRT builds from ONNX with its batch profile tuned for the batch the model prefers.
             preferred = manifest.batching.preferred_batch_sizes if manifest.batching else []
-            options.setdefault("opt_batch_size", max(preferred) if preferred else 1)
+            options = options.model_copy(update={"opt_batch_size": max(preferred) if preferred else 1})
         return LoadRequest(
             model=mv.name, version=mv.version, version_dir=mv.entry.path, variant=cand.variant,
-            device=cand.device, options=options, max_batch_size=mv.max_batch_size,
+            device=cand.device, options=options, precision=cand.precision, max_batch_size=mv.max_batch_size,
             inputs=manifest.inputs, shapes=manifest.warmup.shapes, threads=self.threads,
             instances=manifest.instances.count,
             cache_dir=self._cache_dir_for(mv, cand, options), facts=self.facts,
         )
 
-    def _cache_dir_for(self, mv: ModelVersion, cand: Candidate, options: dict[str, Any]) -> Path | None:
+    def _cache_dir_for(self, mv: ModelVersion, cand: Candidate, options: BackendOptions) -> Path | None:
         if self.cache_dir is None:
             return None
         if cand.backend != "openvino":
@@ -639,8 +640,9 @@ class ModelLoader:
             model=mv.name, version=mv.version, backend="openvino", variant=cand.variant.file,
             model_digest=variant_digest(cand.variant),
             library_versions={"openvino": _library_version("openvino")}, device=cand.device,
-            precision=cand.precision, shape_profile=f"static_batch={options.get('static_batch') or 'dynamic'}",
-            options={k: str(v) for k, v in sorted(options.items())})
+            precision=cand.precision,
+            shape_profile=f"static_batch={OpenVinoOptions.of(options).static_batch or 'dynamic'}",
+            options=options.as_text())
         try:
             return EngineCache(self.cache_dir / "openvino").dir_for(key)
         except OSError as e:
@@ -773,19 +775,13 @@ def _slower(t: CandidateTiming, best: CandidateTiming) -> str:
             f"for {best.candidate}")
 
 
-_DISTRIBUTIONS = {
-    "onnxruntime": ("onnxruntime", "onnxruntime-gpu", "onnxruntime-openvino", "onnxruntime-directml"),
-    "openvino": ("openvino",),
-    "tensorrt": ("tensorrt", "tensorrt-cu12", "tensorrt-cu11"),
-}
-
-
 def _library_version(backend: str) -> str:
     """The engine library's version, read from package metadata so that keying a cache does not
     import (and keep in memory) an engine that may never run here."""
     from importlib import metadata
 
-    for dist in _DISTRIBUTIONS.get(backend, ()):
+    spec = SPECS.get(backend)
+    for dist in spec.distributions if spec is not None else ():
         try:
             return f"{dist} {metadata.version(dist)}"
         except metadata.PackageNotFoundError:

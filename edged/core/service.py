@@ -12,6 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from edged.backends.specs import platform_of
 from edged.core.manager import ModelManager
 from edged.core.model_versions import ModelState, ModelVersion
 from edged.core.pipelines import start_pipeline_request
@@ -165,9 +166,7 @@ class InferenceService:
         return {
             "name": name,
             "versions": versions,
-            "platform": "ensemble" if mv.entry.pipeline else {
-                "onnxruntime": "onnxruntime_onnx", "openvino": "openvino", "tensorrt": "tensorrt_plan"}.get(
-                c.backend if c else "", "unknown"),
+            "platform": "ensemble" if mv.entry.pipeline else platform_of(c.backend if c else None) or "unknown",
             "inputs": tensors(mv.inputs),
             "outputs": tensors(mv.outputs),
             "parameters": {

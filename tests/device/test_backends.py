@@ -13,6 +13,7 @@ import pytest
 from edged.backends.base import LoadRequest
 from edged.backends.onnxruntime import OnnxRuntimeBackend
 from edged.backends.openvino import OpenVinoBackend
+from edged.backends.options import BackendOptions, OnnxRuntimeOptions, OpenVinoOptions
 from edged.errors import EngineUnavailableError, ModelLoadError
 from edged.repository.manifest import parse_manifest
 from tests.conftest import MODELS
@@ -20,11 +21,12 @@ from tests.conftest import MODELS
 DIGITS = MODELS / "digits" / "1"
 
 
-def _request(variant_file: str, device: str = "CPU", cache: Path | None = None, **options: object) -> LoadRequest:
+def _request(variant_file: str, device: str = "CPU", cache: Path | None = None,
+             options: BackendOptions | None = None) -> LoadRequest:
     manifest = parse_manifest(DIGITS / "model.toml")
     variant = next(v for v in manifest.variants if v.file == variant_file)
     return LoadRequest(model="digits", version=1, version_dir=DIGITS, variant=variant, device=device,
-                       options=options, max_batch_size=manifest.max_batch_size, cache_dir=cache)
+                       options=options or BackendOptions(), max_batch_size=manifest.max_batch_size, cache_dir=cache)
 
 
 def test_onnxruntime_classifies_held_out_digits(digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
@@ -49,14 +51,15 @@ def test_openvino_agrees_with_onnxruntime(tmp_path: Path, digits_holdout: tuple[
 
 def test_openvino_static_batch_reshape(tmp_path: Path, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
     x, _ = digits_holdout
-    ov = OpenVinoBackend().load(_request("openvino/model.xml", static_batch=8, hint="throughput"))
+    ov = OpenVinoBackend().load(_request("openvino/model.xml",
+                                         options=OpenVinoOptions(static_batch=8, hint="throughput")))
     assert ov.inputs[0].shape == (8, 64)
     assert ov.infer({"pixels": x[:8]})["probabilities"].shape == (8, 10)
 
 
 def test_openvino_writes_its_compiled_model_cache(tmp_path: Path) -> None:
     cache = tmp_path / "ovcache"
-    OpenVinoBackend().load(_request("openvino/model.xml", cache=cache, static_batch=4))
+    OpenVinoBackend().load(_request("openvino/model.xml", cache=cache, options=OpenVinoOptions(static_batch=4)))
     assert any(cache.iterdir()), "OpenVINO should have written a compiled blob to the cache dir"
 
 
@@ -88,7 +91,7 @@ def test_corrupt_file_is_a_load_error_naming_the_model(tmp_path: Path) -> None:
 def test_unavailable_accelerator_provider_is_refused() -> None:
     with pytest.raises(ModelLoadError, match="providers"):
         OnnxRuntimeBackend().load(_request("model.onnx", device="GPU",
-                                           providers=["CUDAExecutionProvider"]))
+                                           options=OnnxRuntimeOptions(providers=["CUDAExecutionProvider"])))
 
 
 def test_missing_library_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,7 +119,8 @@ def test_cpu_instances_share_the_thread_budget_instead_of_each_spanning_it() -> 
     assert pool(_with_instances(base, 2, threads=2)) == 1  # each run on its caller's thread alone
     assert pool(_with_instances(base, 8, threads=4)) == 1
     assert pool(_with_instances(base, 2)) == max(1, len(os.sched_getaffinity(0)) - 1)  # budget: usable CPUs
-    assert pool(_with_instances(_request("model.onnx", intra_op_threads=3), 2, threads=4)) == 3  # asked for
+    asked = _request("model.onnx", options=OnnxRuntimeOptions(intra_op_threads=3))
+    assert pool(_with_instances(asked, 2, threads=4)) == 3  # asked for
 
 
 def test_openvino_gives_each_cpu_instance_a_stream(digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
@@ -126,7 +130,8 @@ def test_openvino_gives_each_cpu_instance_a_stream(digits_holdout: tuple[np.ndar
     two = backend.load(_with_instances(_request("openvino/model.xml"), 2, threads=2))
     assert one.describe()["streams"] == 1
     assert two.describe()["streams"] == 2 and two.describe()["threads"] == 2
-    chosen = backend.load(_with_instances(_request("openvino/model.xml", num_streams=1), 2, threads=2))
+    own = _request("openvino/model.xml", options=OpenVinoOptions(num_streams=1))
+    chosen = backend.load(_with_instances(own, 2, threads=2))
     assert chosen.describe()["streams"] == 1  # the profile's own choice wins
     np.testing.assert_allclose(two.infer({"pixels": x[:8]})["probabilities"],
                                one.infer({"pixels": x[:8]})["probabilities"], atol=1e-5)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from edged.backends.options import OpenVinoOptions, TensorRtOptions
 from edged.detect import render_detect
 from edged.errors import ConfigError
 from edged.hardware import HardwareFacts, probe
@@ -105,7 +106,7 @@ def test_user_dir_overrides_by_name(tmp_path: Path) -> None:
     profiles = load_profiles([tmp_path])
     orin = [p for p in profiles if p.name == "jetson-orin"]
     assert len(orin) == 1 and orin[0].source == tmp_path / "my-orin.toml"
-    assert orin[0].backends[0].options == {"dla_core": 0, "gpu_fallback": True}
+    assert orin[0].backends[0].options == TensorRtOptions(dla_core=0, gpu_fallback=True)  # typed from the file
     assert match_profile(probe(SYSROOTS / "jetson-agx-orin", engines=False), profiles).profile.description == (
         "site override: DLA first")
     # The override only matches AGX Orin, so the Orin Nano now falls through to the next Jetson profile.
@@ -188,7 +189,7 @@ def test_backend_options_are_typed_per_backend(tmp_path: Path, backend: str, opt
 
 
 def test_every_bundled_backend_option_is_known(bundled: list[DeviceProfile]) -> None:
-    options = [(b.backend, dict(b.options)) for p in bundled for b in p.backends if b.options]
+    options = [(b.backend, b.options.model_dump(exclude_unset=True)) for p in bundled for b in p.backends]
     assert any(backend == "tensorrt" and "dla_core" in o for backend, o in options)
     assert any(backend == "onnxruntime" and "providers" in o for backend, o in options)
 
@@ -297,7 +298,7 @@ def test_memory_budget() -> None:
 
 def test_backend_preference_defaults() -> None:
     pref = BackendPreference(backend="openvino", precisions=["fp16"])
-    assert pref.device == "CPU" and pref.options == {}
+    assert pref.device == "CPU" and pref.options == OpenVinoOptions()
     with pytest.raises(ValueError, match="repeat"):
         BackendPreference(backend="openvino", precisions=["fp16", "fp16"])
     assert "source" not in _profile(source=Path("/x.toml")).model_dump()
@@ -355,9 +356,9 @@ def test_jetpack_matrix_resolution(bundled: list[DeviceProfile], fixture: str) -
     assert all(why for _, why in match.unavailable)
     trt = next((b for b in match.profile.backends if b.backend == "tensorrt"), None)
     if jetpack == "5.x":  # TensorRT's bindings are for the system Python 3.8: the engine worker serves them
-        assert trt is not None and trt.options["engine_worker"] == "/usr/bin/python3"
+        assert trt is not None and TensorRtOptions.of(trt.options).engine_worker == "/usr/bin/python3"
     elif trt is not None:
-        assert "engine_worker" not in trt.options
+        assert "engine_worker" not in trt.options.model_fields_set
 
 
 def test_forced_profile_gets_the_matrix_too(tmp_path: Path) -> None:

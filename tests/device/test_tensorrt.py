@@ -14,7 +14,7 @@ import shutil
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,7 +25,9 @@ from edged.backends.build import BuildState, EngineBuild, EngineBuildRequiredErr
 from edged.backends.enginecache import EngineCache, EngineCacheKey
 from edged.backends.onnxruntime import OnnxRuntimeBackend
 from edged.backends.openvino import OpenVinoBackend
+from edged.backends.options import TensorRtOptions
 from edged.backends.selection import candidates
+from edged.backends.specs import SPECS
 from edged.config import ModelsSection
 from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
@@ -158,7 +160,7 @@ def _tensorrt_usable() -> bool:
 
 def test_tensorrt_unavailable_is_explained_not_crashed() -> None:
     backend = registry.get_backend("tensorrt")
-    assert backend.name == "tensorrt" and backend.formats == {"tensorrt", "onnx"}
+    assert backend.name == "tensorrt" and SPECS["tensorrt"].formats == ("tensorrt", "onnx")
     if _tensorrt_usable():
         pytest.skip("TensorRT and a CUDA device are present here")
     with pytest.raises(EngineUnavailableError) as err:
@@ -323,8 +325,6 @@ class DeferredOpenVino(Backend):
     """
 
     name = "openvino"
-    formats: ClassVar[frozenset[str]] = frozenset({"openvino", "onnx"})
-    extra = "openvino"
 
     def __init__(self, gate: threading.Event, fail: str | None = None) -> None:
         self.real = OpenVinoBackend()
@@ -495,10 +495,11 @@ def _needs_gpu() -> None:
         pytest.skip("needs TensorRT and a CUDA device")
 
 
-def _trt_request(version_dir: Path, cache: Path | None, **options: Any) -> LoadRequest:
+def _trt_request(version_dir: Path, cache: Path | None, precision: str = "", **options: Any) -> LoadRequest:
     m = parse_manifest(version_dir / "model.toml")
     v = next(v for v in m.variants if v.file == "model.onnx")
-    return LoadRequest("mobilenet", 1, version_dir, v, device="GPU", options=options,
+    return LoadRequest("mobilenet", 1, version_dir, v, device="GPU", options=TensorRtOptions(**options),
+                       precision=precision,
                        max_batch_size=m.max_batch_size, inputs=m.inputs, cache_dir=cache)
 
 

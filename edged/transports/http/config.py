@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from edged.backends.specs import native_backend, platform_of
 from edged.config import VersionPolicy
 from edged.core.model_versions import ModelVersion
 from edged.repository.manifest import TensorSpec
-
-_PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "openvino": "openvino", "tensorrt": "tensorrt_plan"}
-_FORMAT_BACKEND = {"onnx": "onnxruntime", "openvino": "openvino", "tensorrt": "tensorrt"}
 
 
 def triton_data_type(datatype: str) -> str:
@@ -59,7 +57,7 @@ def model_config(mv: ModelVersion, policy: VersionPolicy) -> dict[str, Any]:
         backend, device, variant_file = cand.backend, cand.device, cand.variant.file
     elif manifest is not None:
         first = manifest.variants[0]
-        backend, device, variant_file = _FORMAT_BACKEND.get(first.format, ""), "CPU", first.file
+        backend, device, variant_file = native_backend(first.format) or "", "CPU", first.file
     else:
         backend, device, variant_file = "", "CPU", ""
     mbs = mv.max_batch_size
@@ -71,7 +69,7 @@ def model_config(mv: ModelVersion, policy: VersionPolicy) -> dict[str, Any]:
     kind = instance_kind(device)
     config: dict[str, Any] = {
         "name": mv.name,
-        "platform": _PLATFORMS.get(backend, ""),
+        "platform": platform_of(backend) or "",
         "backend": backend,
         "version_policy": _version_policy(policy),
         "max_batch_size": mbs,
