@@ -41,9 +41,10 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SerializeAsAny,
+    SerializationInfo,
     ValidationError,
     ValidationInfo,
+    field_serializer,
     field_validator,
     model_validator,
 )
@@ -263,10 +264,10 @@ Precision = Literal["fp32", "bf16", "fp16", "int8"]
 class BackendPreference(_Strict):
     """One engine/device to try; ``precisions`` in order of preference; ``options`` typed per engine."""
 
-    backend: str = Field(description=" | ".join(SPECS))
+    backend: str
     device: str = "CPU"
     precisions: list[Precision] = Field(min_length=1)
-    options: SerializeAsAny[BackendOptions] = Field(default_factory=dict, validate_default=True)
+    options: BackendOptions = Field(default_factory=dict, validate_default=True)
 
     @field_validator("backend")
     @classmethod
@@ -291,6 +292,11 @@ class BackendPreference(_Strict):
             return spec.options.model_validate(v.model_dump(exclude_unset=True) if isinstance(v, BackendOptions) else v)
         except ValidationError as e:
             raise ValueError("; ".join(format_validation_error(e))) from None
+
+    @field_serializer("options")
+    def _given_options(self, v: BackendOptions, info: SerializationInfo) -> dict[str, Any]:
+        """The options the profile gave (``edged detect --json`` shows those, not every default)."""
+        return v.model_dump(mode=info.mode, exclude_unset=True)
 
     @field_validator("precisions")
     @classmethod

@@ -86,6 +86,7 @@ def test_a_new_spec_is_all_the_daemon_needs(tagged: BackendSpec, model_repo: Mak
                                           'backend = "tagged"\nprecisions = ["fp32"]\noptions = { tag = "blue" }\n')
     (pref,) = next(p for p in load_profiles([profiles]) if p.name == "tagged").backends
     assert pref.options == TaggedOptions(tag="blue")
+    assert pref.model_dump(mode="json")["options"] == {"tag": "blue"}  # what `edged detect --json` shows
 
     repo = model_repo("digits")
     manager = ModelManager(repo, ModelsSection(), [pref])
