@@ -256,7 +256,8 @@ class OpenVinoBackend(Backend):
         core = _get_core()
         device = request.device.upper()
         config: dict[str, Any] = {"PERFORMANCE_HINT": str(request.options.get("hint", "LATENCY")).upper()}
-        threads = int(request.options.get("threads", request.threads) or 0)
+        explicit = request.options.get("threads")
+        threads = int(explicit if explicit is not None else request.pool_threads())
         if threads > 0 and device in ("CPU", "AUTO"):
             config["INFERENCE_NUM_THREADS"] = threads
         # CPUs with bf16/AMX otherwise run an fp32 model in reduced precision; honour the variant
