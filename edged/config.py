@@ -399,6 +399,12 @@ class LimitsSection(_Section):
                              "bodies in flight, decoded tensors, decoded images and audio, padding; a request that "
                              "does not fit now is answered 'overloaded'. 0: a quarter of the device profile's "
                              "memory budget (at least 64 MB)")
+    engine_threads: int = Field(default=0, ge=0, le=1024, description="each engine's CPU thread pool; 0: the "
+                                "device profile's threads, else the engine's default (a thread per physical core), "
+                                "capped at the CPUs this process may use (its affinity and cgroup CPU quota)")
+    decode_threads: int = Field(default=0, ge=0, le=256, description="threads that decode and encode large "
+                                "requests off the transports' event loop; 0: half the CPUs this process may use "
+                                "(at least one). Two more are kept for control calls (model loads, file work)")
 
 
 class LoggingSection(_Section):

@@ -36,6 +36,7 @@ from edged.profiles import DeviceProfile, ProfileMatch, load_profiles, match_pro
 from edged.repository.store import list_versions
 from edged.systemd.health import Prober, self_test
 from edged.systemd.notify import Notifier, watchdog_interval
+from edged.threadplan import install_worker_pool, plan_threads
 from edged.transports.base import Transport
 
 if TYPE_CHECKING:
@@ -98,7 +99,8 @@ def build_runtime(cfg: Config, *, load: bool = True, only: str | None = None, de
 
     repo = serving_repository(cfg.device.model_repository, cfg.device.model_seed)
     manager = ModelManager(repo, cfg.models, profile.backends, cache_dir=cache_dir,
-                           threads=profile.threads, memory_budget_mb=profile.effective_memory_budget_mb(facts),
+                           threads=cfg.limits.engine_threads or profile.threads,
+                           memory_budget_mb=profile.effective_memory_budget_mb(facts),
                            select=profile.select, facts=facts, defer_choice=defer_choice)
     if load:
         if only is not None:
@@ -231,6 +233,7 @@ class Daemon:
         """Everything before READY=1; False when a stop was asked for on the way."""
         t0 = time.monotonic()
         n = self.notifier
+        install_worker_pool(asyncio.get_running_loop(), self.cfg.limits)
         # Before anything reads or writes device state (crash-loop counter, pins, status file): a
         # refused second daemon must leave the first one's state exactly as it was.
         self.owner = await asyncio.to_thread(claim_state_dir, self.cfg.device.state_dir)
@@ -255,6 +258,7 @@ class Daemon:
             from edged.sync.boot import prepare_boot
             await asyncio.to_thread(prepare_boot, self.cfg, self.sync_settings)
         self.runtime = rt = await asyncio.to_thread(build_runtime, self.cfg, defer_choice=True)
+        log.info("%s", plan_threads(self.cfg.limits, rt.profile.threads).describe())
         if self._stop.is_set():
             return False
         ready = _ready(rt.manager.table.all())

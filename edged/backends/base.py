@@ -8,7 +8,6 @@ threads over one engine, relying on the engines releasing the GIL.
 from __future__ import annotations
 
 import abc
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from edged.backends.options import BackendOptions
+from edged.cpus import constrained_cpus, usable_cpus
 from edged.repository.manifest import InputShape, TensorSpec, Variant
 
 if TYPE_CHECKING:
@@ -66,8 +66,13 @@ class LoadRequest:
 
     def cpu_threads(self) -> int:
         """The engine's thread budget on a CPU: the profile's ``threads``, else the CPUs this process
-        may run on (logical ones: what its affinity allows)."""
-        return self.threads or len(os.sched_getaffinity(0))
+        may run on (logical ones: what its affinity and its cgroup's CPU quota allow)."""
+        return self.threads or usable_cpus()
+
+    def pool_threads(self) -> int:
+        """The pool size to ask an engine for; 0: the engine's own default (a thread per physical core),
+        which is kept unless the process may use fewer CPUs than the machine has (affinity, quota)."""
+        return self.threads or constrained_cpus()
 
 
 class Engine(abc.ABC):

@@ -41,7 +41,7 @@ def _intra_op_threads(request: LoadRequest) -> int:
     all run, and a lone request still uses all but N - 1 of its threads.
     """
     if request.instances <= 1 or request.device.upper() != "CPU":
-        return request.threads
+        return request.pool_threads()
     return max(1, request.cpu_threads() - request.instances + 1)
 
 

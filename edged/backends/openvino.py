@@ -256,7 +256,7 @@ class OpenVinoBackend(Backend):
         device = request.device.upper()
         opts = OpenVinoOptions.of(request.options)
         config: dict[str, Any] = {"PERFORMANCE_HINT": (opts.hint or "LATENCY").upper()}
-        threads = opts.threads if opts.threads is not None else request.threads
+        threads = opts.threads if opts.threads is not None else request.pool_threads()
         if threads > 0 and device in ("CPU", "AUTO"):
             config["INFERENCE_NUM_THREADS"] = threads
         # CPUs with bf16/AMX otherwise run an fp32 model in reduced precision; honour the variant

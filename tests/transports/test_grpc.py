@@ -9,6 +9,7 @@ import json
 import queue
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -224,6 +225,45 @@ def test_stream_answers_each_request_once_in_order_with_errors_in_place(
     assert ids == [i for i in range(n) if i != bad]
     row = x[5:6]
     np.testing.assert_allclose(got[5][0].as_numpy("probabilities"), in_process(srv, "digits", row), rtol=1e-5)
+
+
+def test_a_lone_unary_request_runs_on_the_loop_and_concurrent_or_streamed_ones_are_queued(
+        srv: Served, triton: tg.InferenceServerClient, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    """A ModelInfer alone on the server skips the hand-off to a scheduler thread and back (the model is
+    idle and quick); requests in flight together, and a stream's requests, go to the batcher; every
+    answer is the in-process one, counted once."""
+    x, _ = digits_holdout
+    want = in_process(srv, "digits", x[:40])
+    # The batcher remembers concurrent arrivals (the tests before) for a moment: serve until one runs inline.
+    deadline = time.monotonic() + 30
+    while True:
+        before = srv.service.statistics("digits")[0]
+        triton.infer("digits", [digits_request(x[:1])])
+        if srv.service.statistics("digits")[0]["inline_count"] > before["inline_count"]:
+            break
+        assert time.monotonic() < deadline, "no lone request ran inline in 30 s"
+    before = srv.service.statistics("digits")[0]
+    for i in range(20):
+        got = triton.infer("digits", [digits_request(x[i:i + 1])]).as_numpy("probabilities")
+        np.testing.assert_allclose(got[0], want[i], rtol=1e-5, atol=1e-6)
+    serial = srv.service.statistics("digits")[0]
+    assert serial["inline_count"] - before["inline_count"] == 20
+
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    triton.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for i in range(20, 40):
+            triton.async_stream_infer("digits", [digits_request(x[i:i + 1])], request_id=str(i))
+        got_all = [answers.get(timeout=60) for _ in range(20)]
+    finally:
+        triton.stop_stream()
+    for i, (result, error) in zip(range(20, 40), got_all, strict=True):
+        assert error is None and result.get_response().id == str(i)
+        np.testing.assert_allclose(result.as_numpy("probabilities")[0], want[i], rtol=1e-5, atol=1e-6)
+    after = srv.service.statistics("digits")[0]
+    assert after["inline_count"] == serial["inline_count"], "a stream's requests ran on the loop"
+    assert after["inference_stats"]["success"]["count"] == before["inference_stats"]["success"]["count"] + 40
+    assert after["in_flight"] == 0
 
 
 # ---- refusals: the right status, and the next request is served ----------------------------------

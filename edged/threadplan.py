@@ -1,0 +1,60 @@
+"""The daemon's threads sized together from the CPUs it may use, so its pools never outnumber them.
+
+Three pools do CPU work at once in a busy daemon: each engine's own pool (ONNX Runtime's intra-op
+threads, OpenVINO's inference threads), the event loop's worker pool that decodes and encodes large
+requests, and the transports' own threads (one per shm client, paho's network thread). The engine
+pool is the one that matters for throughput; the worker pool is for the rare large body. Python's
+default worker pool is ``min(32, CPUs + 4)`` threads whatever the engine takes; here it is half the
+usable CPUs plus two for control calls, so a model load never holds every decoder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from edged.config import LimitsSection
+from edged.cpus import cgroup_cpu_quota, constrained_cpus, usable_cpus
+
+CONTROL_THREADS = 2  # model loads and file work share the loop's worker pool with the decoders
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    cpus: int  # what this process may use: affinity, capped by the cgroup CPU quota
+    engine: int  # each engine's pool; 0: the engine's default (a thread per physical core)
+    decode: int  # loop workers for large decodes/encodes (plus CONTROL_THREADS for control calls)
+    reasons: tuple[str, ...]
+
+    def describe(self) -> str:
+        engine = f"{self.engine} thread(s)" if self.engine else "the engine's default (a thread per physical core)"
+        return (f"threads: {self.cpus} usable CPU(s) ({'; '.join(self.reasons)}); each engine's pool {engine}; "
+                f"{self.decode} decode worker(s) + {CONTROL_THREADS} for control calls")
+
+
+
+def install_worker_pool(loop: asyncio.AbstractEventLoop, limits: LimitsSection) -> None:
+    """The loop's default executor (``asyncio.to_thread``) becomes the sized worker pool; called before
+    the loop's first ``to_thread``, since a replaced executor is not shut down."""
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=decode_threads(limits) + CONTROL_THREADS,
+                                                 thread_name_prefix="edged-worker"))
+
+
+def decode_threads(limits: LimitsSection) -> int:
+    return limits.decode_threads or max(1, usable_cpus() // 2)
+
+
+def plan_threads(limits: LimitsSection, profile_threads: int) -> ThreadPlan:
+    cpus = usable_cpus()
+    quota = cgroup_cpu_quota()
+    reasons = [f"cgroup CPU quota {quota}" if quota is not None and quota <= cpus else "affinity mask"]
+    if limits.engine_threads:
+        engine = limits.engine_threads
+        reasons.append("[limits] engine_threads")
+    elif profile_threads:
+        engine = profile_threads
+        reasons.append("the profile's threads")
+    else:
+        engine = constrained_cpus()
+    return ThreadPlan(cpus=cpus, engine=engine, decode=decode_threads(limits), reasons=tuple(reasons))

@@ -1,0 +1,100 @@
+"""The daemon's threads sized from the CPUs it may really use: affinity and cgroup CPU quota."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edged.cpus import cgroup_cpu_quota, usable_cpus
+from tests.conftest import MODELS
+from tests.edged_process import edged_run, http_ok
+from tests.netutil import free_port
+
+DIGITS = MODELS / "digits" / "1"
+
+
+def _cgroup(root: Path, proc_line: str, files: dict[str, str]) -> Path:
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/self/cgroup").write_text(proc_line + "\n")
+    for rel, text in files.items():
+        f = root / "sys/fs/cgroup" / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text + "\n")
+    return root
+
+
+def test_cgroup_quota_v2_v1_and_unlimited(tmp_path: Path) -> None:
+    v2 = _cgroup(tmp_path / "v2", "0::/system.slice/edged.service",
+                 {"system.slice/edged.service/cpu.max": "150000 100000"})
+    assert cgroup_cpu_quota(v2) == 2  # 1.5 CPUs' worth of time: two threads can use it
+    assert usable_cpus(v2) == min(2, len(os.sched_getaffinity(0)))
+    container = _cgroup(tmp_path / "ct", "0::/", {"cpu.max": "50000 100000"})  # a container's own namespace
+    assert cgroup_cpu_quota(container) == 1 and usable_cpus(container) == 1
+    unlimited = _cgroup(tmp_path / "max", "0::/a", {"a/cpu.max": "max 100000"})
+    assert cgroup_cpu_quota(unlimited) is None
+    assert usable_cpus(unlimited) == len(os.sched_getaffinity(0))
+    v1 = _cgroup(tmp_path / "v1", "5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc",
+                 {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "300000",
+                  "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000"})
+    assert cgroup_cpu_quota(v1) == 3
+    v1_off = _cgroup(tmp_path / "v1off", "5:cpu,cpuacct:/x",
+                     {"cpu,cpuacct/x/cpu.cfs_quota_us": "-1", "cpu,cpuacct/x/cpu.cfs_period_us": "100000"})
+    assert cgroup_cpu_quota(v1_off) is None
+    assert cgroup_cpu_quota(tmp_path / "nothing") is None  # no cgroup files at all: unknown, not zero
+
+
+_PINNED = """
+import sys
+import numpy as np
+from edged.backends.base import LoadRequest
+from edged.backends.onnxruntime import OnnxRuntimeBackend
+from edged.backends.openvino import OpenVinoBackend
+from edged.repository.manifest import parse_manifest
+from pathlib import Path
+d = Path(sys.argv[1])
+m = parse_manifest(d / "model.toml")
+def req(f):
+    v = next(v for v in m.variants if v.file == f)
+    return LoadRequest(model="digits", version=1, version_dir=d, variant=v, max_batch_size=m.max_batch_size)
+ort = OnnxRuntimeBackend().load(req("model.onnx"))
+ov = OpenVinoBackend().load(req("openvino/model.xml"))
+x = np.load(sys.argv[2])
+np.testing.assert_allclose(ort.infer({"pixels": x})["probabilities"], ov.infer({"pixels": x})["probabilities"],
+                           rtol=1e-4, atol=1e-5)
+print(ort.describe()["intra_op_threads"], ov.describe()["threads"])
+"""
+
+
+def test_engine_pools_follow_the_cpus_the_process_may_use(
+        tmp_path: Path, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    """On a machine with more CPUs than the process may use, the engines' default pools (a thread per
+    physical core) would oversubscribe the one it has; they get one thread each, and still answer.
+    In a process of its own: engine libraries remember the CPUs they saw when first loaded."""
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) < 2:
+        pytest.skip("needs a machine with at least 2 CPUs to pin the process to fewer")
+    np.save(tmp_path / "x.npy", digits_holdout[0][:4])
+    r = subprocess.run(["taskset", "-c", str(min(cpus)), sys.executable, "-c", _PINNED, str(DIGITS),
+                        str(tmp_path / "x.npy")], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["1", "1"], r.stdout
+
+
+def test_daemon_pinned_to_one_cpu_sizes_its_pools_to_it(
+        tmp_path: Path, model_repo: Callable[..., Path], write_config: Callable[..., Path]) -> None:
+    port = free_port()
+    cfg = write_config(model_repo("digits"), f'[http]\nlisten = "127.0.0.1:{port}"\n[mqtt]\nenabled = false\n'
+                                   '[limits]\ndecode_threads = 3\n')
+    log = tmp_path / "edged.log"
+    first = min(os.sched_getaffinity(0))
+    with edged_run(cfg, log, lambda: http_ok(port, "/v2/health/ready"), timeout=60,
+                   prefix=["taskset", "-c", str(first)]):
+        text = log.read_text()
+    assert "threads: 1 usable CPU(s) (affinity mask); each engine's pool 1 thread(s); " \
+           "3 decode worker(s) + 2 for control calls" in text, text[-3000:]
