@@ -119,12 +119,16 @@ def verify_server(sock: socket.socket, path: str, trusted: frozenset[int]) -> No
         raise PermissionDeniedError(
             f"the shared-memory socket {path} is served by uid {uid} (pid {pid}), not by the daemon this client "
             f"trusts (uid {', '.join(map(str, sorted(trusted)))}); nothing was sent. If that is the right daemon, "
-            f"pass server_uid= or set ${SERVER_UID_ENV}")
+            f"pass server_uid= or set ${SERVER_UID_ENV}"
+        )
 
 
 def _unavailable(path: str, e: OSError) -> EdgedError:
-    return EdgedError(f"cannot connect to edged's shared-memory socket {path}: {e.strerror or e} "
-                      f"(is the daemon running, and may this user use the socket?)", code=ErrorCode.UNAVAILABLE)
+    return EdgedError(
+        f"cannot connect to edged's shared-memory socket {path}: {e.strerror or e} "
+        f"(is the daemon running, and may this user use the socket?)",
+        code=ErrorCode.UNAVAILABLE,
+    )
 
 
 def _wake(fut: asyncio.Future[None]) -> None:
@@ -179,7 +183,7 @@ class ShmClient:
                     raise closed_error()
                 _, status, count, got = p.HEADER.unpack_from(self._buf)
                 if got == rid:
-                    return status, count, self._view[p.HEADER.size:n]
+                    return status, count, self._view[p.HEADER.size : n]
         except OSError as e:
             raise link_error(e) from None
 
@@ -206,8 +210,9 @@ class ShmClient:
         self._slots[key] = slot
         return slot
 
-    def _exchange(self, msg: bytes | bytearray, slot: Slot, copy: bool, grow_above: int,
-                  interrupted: Callable[[], object]) -> dict[str, np.ndarray] | int:
+    def _exchange(
+        self, msg: bytes | bytearray, slot: Slot, copy: bool, grow_above: int, interrupted: Callable[[], object]
+    ) -> dict[str, np.ndarray] | int:
         """One INFER round trip (:func:`~edged.client.shm_core.answer`); ``interrupted`` runs when the
         call is cut off before its answer."""
         try:
@@ -223,9 +228,16 @@ class ShmClient:
         with self._lock:
             return self._run(self._core.metadata(model, version))
 
-    def infer(self, model: str, inputs: Mapping[str, Any], version: int | None = None, *,
-              outputs: list[str] | None = None, timeout: float | None = None,
-              copy: bool = True) -> dict[str, np.ndarray]:
+    def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        version: int | None = None,
+        *,
+        outputs: list[str] | None = None,
+        timeout: float | None = None,
+        copy: bool = True,
+    ) -> dict[str, np.ndarray]:
         """Run one request. Inputs already in this client's shared memory are not copied.
 
         ``copy=False`` returns views on the shared output area: no copy, but they are
@@ -239,20 +251,29 @@ class ShmClient:
             packed = plan_inputs(self._core.segments, inputs)
             for attempt in range(TRIES):
                 slot = self._slot(key, packed.staged_bytes, info.output_bytes(inputs))
-                msg = encode_request(self._core.next_id(), model, version, slot, packed, outputs=outputs,
-                                     timeout=timeout)
+                msg = encode_request(
+                    self._core.next_id(), model, version, slot, packed, outputs=outputs, timeout=timeout
+                )
                 # Interrupted or disconnected: the daemon may still write into this slot, so the next
                 # call gets a fresh one (the old segment is released with the connection).
-                got = self._exchange(msg, slot, copy, grow_limit(attempt, info.output_hint),
-                                     lambda: self._slots.pop(key, None))
+                got = self._exchange(
+                    msg, slot, copy, grow_limit(attempt, info.output_hint), lambda: self._slots.pop(key, None)
+                )
                 if not isinstance(got, int):
                     return got
                 info.output_hint = got  # the output area was too small: grow it and retry
             raise AssertionError("unreachable: the last try raises")
 
-    def prepare(self, model: str, shapes: Mapping[str, tuple[int, ...] | list[int]], version: int | None = None, *,
-                dtypes: Mapping[str, Any] | None = None, outputs: list[str] | None = None,
-                timeout: float | None = None) -> PreparedInfer:
+    def prepare(
+        self,
+        model: str,
+        shapes: Mapping[str, tuple[int, ...] | list[int]],
+        version: int | None = None,
+        *,
+        dtypes: Mapping[str, Any] | None = None,
+        outputs: list[str] | None = None,
+        timeout: float | None = None,
+    ) -> PreparedInfer:
         """A request of fixed input shapes bound to shared buffers, for a loop that sends one after another.
 
         Write each request's data into ``prepared.inputs[name]`` and call ``prepared.run()``: the
@@ -302,8 +323,13 @@ class ShmClient:
                     slot = prep.slot
                     assert slot is not None
                 p.set_request_id(prep.message, self._core.next_id())
-                got = self._exchange(prep.message, slot, copy, grow_limit(attempt, slot.out_cap),
-                                     functools.partial(self._orphan, prep, slot))
+                got = self._exchange(
+                    prep.message,
+                    slot,
+                    copy,
+                    grow_limit(attempt, slot.out_cap),
+                    functools.partial(self._orphan, prep, slot),
+                )
                 if not isinstance(got, int):
                     return got
                 info = self._info(prep.model, prep.version)
@@ -333,8 +359,9 @@ class ShmClient:
         with self._lock:
             return self._run(self._core.tensor(shape, dtype))
 
-    def input_buffer(self, model: str, name: str, shape: tuple[int, ...] | list[int], dtype: Any = None,
-                     version: int | None = None) -> np.ndarray:
+    def input_buffer(
+        self, model: str, name: str, shape: tuple[int, ...] | list[int], dtype: Any = None, version: int | None = None
+    ) -> np.ndarray:
         """A shared array for one input of one model, reused across calls (grown when a bigger shape is asked)."""
         with self._lock:
             return self._run(self._core.input_buffer(model, name, shape, dtype, version))
@@ -419,8 +446,9 @@ class AsyncShmClient:
     async def __aenter__(self) -> AsyncShmClient:
         return await self.connect()
 
-    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.close()
 
     # ---- plumbing: replies matched to requests by id, and the core's operations run on them ----
@@ -442,7 +470,7 @@ class AsyncShmClient:
             _, status, count, rid = p.HEADER.unpack_from(self._buf)
             fut = self._pending.pop(rid, None)
             if fut is not None and not fut.done():
-                fut.set_result((status, count, bytes(self._buf[p.HEADER.size:n])))
+                fut.set_result((status, count, bytes(self._buf[p.HEADER.size : n])))
             elif (late := self._late.pop(rid, None)) is not None:
                 late()
 
@@ -510,8 +538,15 @@ class AsyncShmClient:
     async def metadata(self, model: str, version: int | None = None) -> dict[str, Any]:
         return await self._run(self._core.metadata(model, version))
 
-    async def infer(self, model: str, inputs: Mapping[str, Any], version: int | None = None, *,
-                    outputs: list[str] | None = None, timeout: float | None = None) -> dict[str, np.ndarray]:
+    async def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        version: int | None = None,
+        *,
+        outputs: list[str] | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, np.ndarray]:
         """Run one request; call it concurrently (gather, tasks) to pipeline. Outputs are copies."""
         assert self._sem is not None, "call connect() (or use 'async with') first"
         async with self._sem:
@@ -528,11 +563,11 @@ class AsyncShmClient:
                         slot = await self._take_slot(key, packed.staged_bytes, info.output_bytes(inputs))
                     rid = self._core.next_id()
                     # Tell the daemon to queue (batch) this request when others of ours are in flight.
-                    msg = encode_request(rid, model, version, slot, packed, outputs=outputs, timeout=timeout,
-                                         queue=bool(self._pending))
+                    msg = encode_request(
+                        rid, model, version, slot, packed, outputs=outputs, timeout=timeout, queue=bool(self._pending)
+                    )
                     try:
-                        reply = await self._exchange(
-                            rid, msg, late=functools.partial(self._pool_slot, key, slot))
+                        reply = await self._exchange(rid, msg, late=functools.partial(self._pool_slot, key, slot))
                     except asyncio.CancelledError:
                         if rid in self._late:  # cut off: the slot is pooled when the late completion arrives
                             slot = None
@@ -546,9 +581,16 @@ class AsyncShmClient:
                 if slot is not None and not self._core.closed:
                     self._free.setdefault(key, []).append(slot)
 
-    async def prepare(self, model: str, shapes: Mapping[str, tuple[int, ...] | list[int]],
-                      version: int | None = None, *, dtypes: Mapping[str, Any] | None = None,
-                      outputs: list[str] | None = None, timeout: float | None = None) -> AsyncPreparedInfer:
+    async def prepare(
+        self,
+        model: str,
+        shapes: Mapping[str, tuple[int, ...] | list[int]],
+        version: int | None = None,
+        *,
+        dtypes: Mapping[str, Any] | None = None,
+        outputs: list[str] | None = None,
+        timeout: float | None = None,
+    ) -> AsyncPreparedInfer:
         """:meth:`ShmClient.prepare` for asyncio: ``await prepared.run()`` per request, nothing encoded,
         copied or allocated per run. Make one per concurrent loop; they are pipelined like ``infer``."""
         assert self._sem is not None, "call connect() (or use 'async with') first"
@@ -578,8 +620,10 @@ class AsyncShmClient:
         if prep.closed or self._core.closed:
             raise EdgedError("the prepared request is closed", code=ErrorCode.FAILED_PRECONDITION)
         if prep.running:
-            raise EdgedError("this prepared request is already running: make one per concurrent loop",
-                             code=ErrorCode.FAILED_PRECONDITION)
+            raise EdgedError(
+                "this prepared request is already running: make one per concurrent loop",
+                code=ErrorCode.FAILED_PRECONDITION,
+            )
         assert self._sem is not None and self._loop is not None
         prep.running = True
         try:
@@ -595,8 +639,7 @@ class AsyncShmClient:
                     p.set_request_id(msg, rid)
                     p.set_request_flags(msg, p.FLAG_QUEUE if self._pending else 0)  # batch it with others in flight
                     try:
-                        reply = await self._exchange(
-                            rid, msg, late=functools.partial(self._spare, prep, slot))
+                        reply = await self._exchange(rid, msg, late=functools.partial(self._spare, prep, slot))
                     except asyncio.CancelledError:
                         if rid in self._late:  # cut off: the next run gets another area
                             prep.slot = None
@@ -624,8 +667,9 @@ class AsyncShmClient:
         else:
             prep.spares.append(slot)
 
-    async def _exchange(self, rid: int, msg: bytes | bytearray, fd: int = -1, *,
-                        late: Callable[[], None] | None = None) -> tuple[int, int, bytes]:
+    async def _exchange(
+        self, rid: int, msg: bytes | bytearray, fd: int = -1, *, late: Callable[[], None] | None = None
+    ) -> tuple[int, int, bytes]:
         """Send one message and await its reply. Cancelled before the reply arrived, ``late`` is kept
         for it (``rid in self._late``): the daemon may still read the request's inputs and write its
         outputs, so that memory must not be used again until then. Cancelled after: nothing to do."""

@@ -22,8 +22,7 @@ class Backlog:
     def __init__(self) -> None:
         # Replies handed to paho that the broker has not taken yet (QoS 0: not yet written; QoS 1: no PUBACK),
         # one queue per QoS: each completes in order, but QoS 0 refusals overtake QoS 1 answers.
-        self.unsent: tuple[collections.deque[mqtt.MQTTMessageInfo], ...] = (collections.deque(),
-                                                                            collections.deque())
+        self.unsent: tuple[collections.deque[mqtt.MQTTMessageInfo], ...] = (collections.deque(), collections.deque())
         self.unsent_lock = threading.Lock()
         self.inflight = 0  # requests submitted to the service, not yet answered
         self._inflight_cv = threading.Condition()

@@ -74,8 +74,17 @@ class Incoming:
 class RequestIntake:
     """Takes each request from paho's thread to the service, and its completion to the one reply."""
 
-    def __init__(self, session: MqttSession, service: InferenceService, replies: ReplyPublisher, *,
-                 backlog: Backlog, counts: Counts, stall: StallDetector, max_payload_mb: float) -> None:
+    def __init__(
+        self,
+        session: MqttSession,
+        service: InferenceService,
+        replies: ReplyPublisher,
+        *,
+        backlog: Backlog,
+        counts: Counts,
+        stall: StallDetector,
+        max_payload_mb: float,
+    ) -> None:
         self.session, self.service, self.replies = session, service, replies
         self.topics = session.topics
         self.options = session.options
@@ -101,13 +110,20 @@ class RequestIntake:
 
     def on_request(self, msg: mqtt.MQTTMessage, topic: str) -> None:
         props = msg.properties if self.options.v5 else None
-        inc = Incoming(topic=topic, payload=msg.payload, qos=self._reply_qos(msg.qos),
-                       response_topic=getattr(props, "ResponseTopic", None) if props else None,
-                       correlation=getattr(props, "CorrelationData", None) if props else None,
-                       header_length=user_property(props, codec.HEADER_LENGTH_PROPERTY),
-                       deadline=message_deadline(props), request_qos=msg.qos, received=time.monotonic())
-        declared = (getattr(props, "ContentType", None) or user_property(props, media.CONTENT_TYPE_PROPERTY)
-                    if props else None)
+        inc = Incoming(
+            topic=topic,
+            payload=msg.payload,
+            qos=self._reply_qos(msg.qos),
+            response_topic=getattr(props, "ResponseTopic", None) if props else None,
+            correlation=getattr(props, "CorrelationData", None) if props else None,
+            header_length=user_property(props, codec.HEADER_LENGTH_PROPERTY),
+            deadline=message_deadline(props),
+            request_qos=msg.qos,
+            received=time.monotonic(),
+        )
+        declared = (
+            getattr(props, "ContentType", None) or user_property(props, media.CONTENT_TYPE_PROPERTY) if props else None
+        )
         inc.media = media.media_type(msg.payload, declared)
         self.counts.count("requests")
         if self.session.stopping:
@@ -116,17 +132,22 @@ class RequestIntake:
         if self.backlog.count() >= self.options.max_pending_replies:
             # Refuse while there is still room to say so: the refusal is a small reply, the answer may not be.
             self.counts.count("overloaded")
-            self.counts.warn("overloaded", f"{self.backlog.count()} requests and replies pending "
-                             f"(max_pending_replies {self.options.max_pending_replies}): answering 'overloaded'")
-            self._process(inc, reject=OverloadedError(
-                "too many requests are waiting for their replies; retry later"))
+            self.counts.warn(
+                "overloaded",
+                f"{self.backlog.count()} requests and replies pending "
+                f"(max_pending_replies {self.options.max_pending_replies}): answering 'overloaded'",
+            )
+            self._process(inc, reject=OverloadedError("too many requests are waiting for their replies; retry later"))
             return
         size = len(inc.payload)
         if size > self.options.max_payload_bytes:
             self.counts.count("oversized")
-            self._process(inc, reject=ResourceExhaustedError(
-                f"payload of {size} bytes exceeds the limit of {self.max_payload_mb:g} MB "
-                "([mqtt] max_payload_mb)"))
+            self._process(
+                inc,
+                reject=ResourceExhaustedError(
+                    f"payload of {size} bytes exceeds the limit of {self.max_payload_mb:g} MB ([mqtt] max_payload_mb)"
+                ),
+            )
             return
         try:  # the payload and what is decoded from it (views, or JSON data as arrays), before decoding
             inc.hold = self.service.budget.reserve(PAYLOAD_COPIES * size, f"a {size}-byte MQTT request")
@@ -140,8 +161,9 @@ class RequestIntake:
             _release(inc)
             return
         # Parsing a large JSON body takes milliseconds: do it off paho's thread, within a bound.
-        admitted = self.backlog.admit_decode(size, MAX_PENDING_DECODES,
-                                             PENDING_DECODE_PAYLOADS * self.options.max_payload_bytes)
+        admitted = self.backlog.admit_decode(
+            size, MAX_PENDING_DECODES, PENDING_DECODE_PAYLOADS * self.options.max_payload_bytes
+        )
         if not admitted or self._pool is None:
             _release(inc)
             self._process(inc, reject=OverloadedError("too many large requests are waiting to be decoded"))
@@ -183,12 +205,14 @@ class RequestIntake:
                 if not codec.valid_publish_topic(inc.response_topic):
                     self.replies.drop(inc.topic, "its response topic is not a valid topic name")
                     return
-                form = Form.BINARY_PROPERTY if inc.header_length is not None else (
-                    Form.BINARY_PREFIX if inc.payload[:1] == b"\0" else Form.JSON)
+                form = (
+                    Form.BINARY_PROPERTY
+                    if inc.header_length is not None
+                    else (Form.BINARY_PREFIX if inc.payload[:1] == b"\0" else Form.JSON)
+                )
                 if inc.media is not None:
                     form = Form.JSON
-                reply = Reply(inc.response_topic, inc.correlation, None, form, inc.qos, inc.deadline,
-                               media=inc.media)
+                reply = Reply(inc.response_topic, inc.correlation, None, form, inc.qos, inc.deadline, media=inc.media)
                 if self.replies.refused(inc.topic, reply):
                     return
                 # A refused request is not remembered: its retry (same correlation) deserves an answer.
@@ -257,8 +281,11 @@ class RequestIntake:
             stall = self.stall.request(reply.topic, inc.request_qos)
             if stall is not None:
                 log.warning("%s", stall)
-            done = (self.service.infer_or_submit(decoded.request, LOOP_INLINE_MAX_NS)
-                    if inline and not self._more_to_read() else self.service.submit(decoded.request))
+            done = (
+                self.service.infer_or_submit(decoded.request, LOOP_INLINE_MAX_NS)
+                if inline and not self._more_to_read()
+                else self.service.submit(decoded.request)
+            )
         except EdgedError as e:
             self.replies.error(reply, e, inc.topic)
             return
@@ -299,8 +326,13 @@ class RequestIntake:
             name = media.media_input(model, [(s.name, s.datatype) for s in mv.inputs])
             if inc.deadline is not None and time.monotonic() > inc.deadline:
                 raise DeadlineExceededError("the request expired before it could be computed")
-            request = InferRequest(model=model, version=version, inputs={name: media.media_tensor(inc.payload)},
-                                   deadline=inc.deadline, memory=inc.hold)
+            request = InferRequest(
+                model=model,
+                version=version,
+                inputs={name: media.media_tensor(inc.payload)},
+                deadline=inc.deadline,
+                memory=inc.hold,
+            )
             inc.hold = None
             reply.received = inc.received
             future = self.service.submit(request)
@@ -348,7 +380,6 @@ class RequestIntake:
             self.counts.count("duplicates")
             return True
         return False
-
 
 
 def _release(inc: Incoming) -> None:

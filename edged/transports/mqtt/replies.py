@@ -57,8 +57,16 @@ class Reply:
 class ReplyPublisher:
     """Publishes replies: answers, error replies, refusals of reply topics; counts what it drops."""
 
-    def __init__(self, session: MqttSession, policy: ReplyPolicy, *, backlog: Backlog, counts: Counts,
-                 stall: StallDetector, scrub: Scrubber) -> None:
+    def __init__(
+        self,
+        session: MqttSession,
+        policy: ReplyPolicy,
+        *,
+        backlog: Backlog,
+        counts: Counts,
+        stall: StallDetector,
+        scrub: Scrubber,
+    ) -> None:
         self.session, self.policy, self.topics = session, policy, session.topics
         self.options = session.options
         self.backlog, self.counts, self.stall, self.scrub = backlog, counts, stall, scrub
@@ -118,7 +126,8 @@ class ReplyPublisher:
                 correlation=reply.correlation,
                 content_type=codec.CONTENT_TYPE_JSON if form is Form.JSON else codec.CONTENT_TYPE_BINARY,
                 expiry_s=None if reply.deadline is None else max(1, math.ceil(reply.deadline - time.monotonic())),
-                user=users)
+                user=users,
+            )
         info = client.publish(reply.topic, payload, qos=reply.qos, properties=props)
         if info.rc != mqtt.MQTT_ERR_SUCCESS:
             self.dropped(reply, mqtt.error_string(info.rc))
@@ -133,19 +142,29 @@ class ReplyPublisher:
         if why is None:
             return False
         self.counts.count("replies_refused")
-        self.counts.warn("reply-refused", f"a request on {request_topic!r} asked for its reply on "
-                         f"{reply.topic[:128]!r}: refused, {why}; {self.counts.counters['replies_refused']} so far")
+        self.counts.warn(
+            "reply-refused",
+            f"a request on {request_topic!r} asked for its reply on "
+            f"{reply.topic[:128]!r}: refused, {why}; {self.counts.counters['replies_refused']} so far",
+        )
         client = self.session.client
         if client is None or self.backlog.count() >= self.options.max_pending_replies + REFUSAL_RESERVE:
             return True
-        body: dict[str, Any] = {"error": f"response topic refused: {why}", "code": ErrorCode.PERMISSION_DENIED.value,
-                                "request_topic": request_topic[:256], "response_topic": reply.topic[:256]}
+        body: dict[str, Any] = {
+            "error": f"response topic refused: {why}",
+            "code": ErrorCode.PERMISSION_DENIED.value,
+            "request_topic": request_topic[:256],
+            "response_topic": reply.topic[:256],
+        }
         if reply.request_id is not None:
             body["id"] = reply.request_id[:256]
         props = None
         if self.options.v5:
-            props = publish_properties(correlation=reply.correlation, content_type=codec.CONTENT_TYPE_JSON,
-                                       user=[(codec.ERROR_CODE_PROPERTY, ErrorCode.PERMISSION_DENIED.value)])
+            props = publish_properties(
+                correlation=reply.correlation,
+                content_type=codec.CONTENT_TYPE_JSON,
+                user=[(codec.ERROR_CODE_PROPERTY, ErrorCode.PERMISSION_DENIED.value)],
+            )
         try:
             info = client.publish(self.topics.errors, dumps(body), qos=0, properties=props)
         except ValueError:
@@ -156,8 +175,10 @@ class ReplyPublisher:
 
     def dropped(self, reply: Reply, why: str) -> None:
         self.counts.count("replies_dropped")
-        self.counts.warn("reply-dropped", f"a reply to {reply.topic!r} was dropped ({why}); "
-                         f"{self.counts.counters['replies_dropped']} so far")
+        self.counts.warn(
+            "reply-dropped",
+            f"a reply to {reply.topic!r} was dropped ({why}); {self.counts.counters['replies_dropped']} so far",
+        )
 
     def drop(self, topic: str, why: str) -> None:
         """A request that gets no reply at all (it says nowhere to send one)."""

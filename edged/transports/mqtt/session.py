@@ -33,9 +33,18 @@ OnMessage = Callable[[mqtt.MQTTMessage, str], None]
 class MqttSession:
     """paho's client and the state of its link; ``client`` is None until :meth:`start`."""
 
-    def __init__(self, options: MqttOptions, topics: Topics, bindings: list[StreamBinding], counts: Counts, *,
-                 device: str, on_message: OnMessage, on_up: Callable[[], None],
-                 on_status: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        options: MqttOptions,
+        topics: Topics,
+        bindings: list[StreamBinding],
+        counts: Counts,
+        *,
+        device: str,
+        on_message: OnMessage,
+        on_up: Callable[[], None],
+        on_status: Callable[[], None],
+    ) -> None:
         """``on_message(msg, topic)`` gets every message (paho's thread); ``on_up`` runs on each
         connect, ``on_status`` when the retained status must be said again (connected, or refused)."""
         self.options, self.topics, self.bindings = options, topics, bindings
@@ -55,8 +64,9 @@ class MqttSession:
     def start(self) -> None:
         """Start connecting in the background; a missing broker never stops the daemon."""
         opts = self.options
-        client = make_client(opts, will_topic=self.topics.status,
-                             will_payload=device_offline(self.device, "connection lost"))
+        client = make_client(
+            opts, will_topic=self.topics.status, will_payload=device_offline(self.device, "connection lost")
+        )
         client.on_connect = self._on_connect
         client.on_connect_fail = self._on_connect_fail
         client.on_disconnect = self._on_disconnect
@@ -67,9 +77,15 @@ class MqttSession:
         kwargs: dict[str, Any] = {}
         if opts.v5:
             kwargs = {"clean_start": opts.clean_start, "properties": connect_properties(opts)}
-        log.info("MQTT transport: connecting to %s as %r (MQTT %s); requests on %sinfer/<model>[/<version>], "
-                 "%d stream binding(s)", opts.url, opts.client_id, "5" if opts.v5 else "3.1.1",
-                 self.topics.base + "/", len(self.bindings))
+        log.info(
+            "MQTT transport: connecting to %s as %r (MQTT %s); requests on %sinfer/<model>[/<version>], "
+            "%d stream binding(s)",
+            opts.url,
+            opts.client_id,
+            "5" if opts.v5 else "3.1.1",
+            self.topics.base + "/",
+            len(self.bindings),
+        )
         client.connect_async(opts.host, opts.port, keepalive=opts.keepalive_s, **kwargs)
         client.loop_start()
 
@@ -125,8 +141,9 @@ class MqttSession:
             return False
 
     # ---- paho's callbacks (its network thread: never block) --------------------------------
-    def _on_connect(self, client: mqtt.Client, userdata: Any, flags: Any, reason: ReasonCode,
-                    properties: Properties | None) -> None:
+    def _on_connect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason: ReasonCode, properties: Properties | None
+    ) -> None:
         try:
             if reason.is_failure:
                 self.link.set_down(f"broker refused the connection: {reason}")
@@ -143,8 +160,9 @@ class MqttSession:
         except Exception:
             log.exception("MQTT on_connect handler failed")
 
-    def _on_subscribe(self, client: mqtt.Client, userdata: Any, mid: int, reasons: list[ReasonCode],
-                      properties: Properties | None) -> None:
+    def _on_subscribe(
+        self, client: mqtt.Client, userdata: Any, mid: int, reasons: list[ReasonCode], properties: Properties | None
+    ) -> None:
         try:
             if mid != self._sub_mid:
                 return
@@ -156,12 +174,14 @@ class MqttSession:
                 if i < n_infer:
                     infer_refused.append(f"{topic!r} ({r})")
                 else:
-                    self._counts.warn(f"binding-sub-{topic}", f"the broker refused the stream binding's "
-                                      f"subscription {topic!r} ({r})")
+                    self._counts.warn(
+                        f"binding-sub-{topic}", f"the broker refused the stream binding's subscription {topic!r} ({r})"
+                    )
             if infer_refused:
                 self.ready.clear()
-                self.link.set_subscriptions("the broker refused the request subscription(s) "
-                                            + ", ".join(infer_refused))
+                self.link.set_subscriptions(
+                    "the broker refused the request subscription(s) " + ", ".join(infer_refused)
+                )
                 self._on_status()  # the retained device status carries the error
             else:
                 self.link.set_subscriptions(None)
@@ -179,8 +199,9 @@ class MqttSession:
         except Exception:
             log.exception("MQTT on_connect_fail handler failed")
 
-    def _on_disconnect(self, client: mqtt.Client, userdata: Any, flags: Any, reason: ReasonCode,
-                       properties: Properties | None) -> None:
+    def _on_disconnect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason: ReasonCode, properties: Properties | None
+    ) -> None:
         try:
             self.ready.clear()
             self.settled.clear()
@@ -198,8 +219,9 @@ class MqttSession:
         delay = self.backoff.next_delay()
         client.reconnect_delay_set(cast(int, delay), cast(int, delay))
 
-    def _on_publish(self, client: mqtt.Client, userdata: Any, mid: int, reason: ReasonCode,
-                    properties: Properties | None) -> None:
+    def _on_publish(
+        self, client: mqtt.Client, userdata: Any, mid: int, reason: ReasonCode, properties: Properties | None
+    ) -> None:
         quick_ack(client)  # the broker's PUBACK: do not let its next write wait for our delayed ACK
 
     def _on_any_message(self, client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:

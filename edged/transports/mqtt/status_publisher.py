@@ -26,8 +26,9 @@ STATUS_POLL_S = 2.0
 class StatusPublisher:
     """The retained statuses last published, and the thread that republishes them on change."""
 
-    def __init__(self, session: MqttSession, service: InferenceService, scrub: Scrubber, *, device: str,
-                 profile_name: str) -> None:
+    def __init__(
+        self, session: MqttSession, service: InferenceService, scrub: Scrubber, *, device: str, profile_name: str
+    ) -> None:
         self.session, self.service, self.scrub = session, service, scrub
         self.device, self.profile_name = device, profile_name
         self._status_lock = threading.Lock()
@@ -65,9 +66,12 @@ class StatusPublisher:
         with self._status_lock:
             if not force and docs == self._published_models:
                 return
-            client.publish(topics.status, device_online(self.device, self.profile_name, statuses,
-                                                        error=self.session.link.subscription_error),
-                           qos=qos, retain=True)
+            client.publish(
+                topics.status,
+                device_online(self.device, self.profile_name, statuses, error=self.session.link.subscription_error),
+                qos=qos,
+                retain=True,
+            )
             for name, doc in docs.items():
                 if force or self._published_models.get(name) != doc:
                     client.publish(topics.model_status(name), doc, qos=qos, retain=True)

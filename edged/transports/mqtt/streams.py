@@ -36,15 +36,31 @@ FRAME_TIMESTAMP_PROPERTY = "Frame-Timestamp"
 class StreamBindings:
     """The bindings' workers, and what they need of the transport: the model, the output, the connection."""
 
-    def __init__(self, bindings: list[StreamBinding], session: MqttSession, service: InferenceService,
-                 counts: Counts, scrub: Scrubber, *, device: str, prefix: str, max_payload_mb: float) -> None:
+    def __init__(
+        self,
+        bindings: list[StreamBinding],
+        session: MqttSession,
+        service: InferenceService,
+        counts: Counts,
+        scrub: Scrubber,
+        *,
+        device: str,
+        prefix: str,
+        max_payload_mb: float,
+    ) -> None:
         self.session, self.service, self.counts, self.scrub = session, service, counts, scrub
         self.options = session.options
         self.device, self.prefix = device, prefix
         self.max_payload_mb = max_payload_mb  # as configured, for the warning
         self._workers = [
-            BindingWorker(i, b, render=self._render_output, process=self._process,
-                          error_payload=self._error, publish=self._publish)
+            BindingWorker(
+                i,
+                b,
+                render=self._render_output,
+                process=self._process,
+                error_payload=self._error,
+                publish=self._publish,
+            )
             for i, b in enumerate(bindings)
         ]
 
@@ -77,8 +93,11 @@ class StreamBindings:
             return
         if len(msg.payload) > self.options.max_payload_bytes:
             self.counts.count("binding_oversized")
-            self.counts.warn(f"binding-size-{w.index}", f"binding {w.index}: dropped a {len(msg.payload)}-byte "
-                             f"message on {topic!r} (limit {self.max_payload_mb} MB)")
+            self.counts.warn(
+                f"binding-size-{w.index}",
+                f"binding {w.index}: dropped a {len(msg.payload)}-byte "
+                f"message on {topic!r} (limit {self.max_payload_mb} MB)",
+            )
             return
         props = msg.properties if self.options.v5 else None
         hlen = user_property(props, codec.HEADER_LENGTH_PROPERTY)
@@ -86,14 +105,27 @@ class StreamBindings:
             header_length = codec.header_length_property(hlen)
         except InvalidInputError:
             header_length = None
-        w.offer(Item(topic, msg.payload, header_length, time.time(), message_deadline(props),
-                     frame_timestamp=(user_property(props, FRAME_TIMESTAMP_PROPERTY) or "")[:64] or None,
-                     content_type=getattr(props, "ContentType", None) if props else None,
-                     arrived=time.monotonic()))
+        w.offer(
+            Item(
+                topic,
+                msg.payload,
+                header_length,
+                time.time(),
+                message_deadline(props),
+                frame_timestamp=(user_property(props, FRAME_TIMESTAMP_PROPERTY) or "")[:64] or None,
+                content_type=getattr(props, "ContentType", None) if props else None,
+                arrived=time.monotonic(),
+            )
+        )
 
     def _render_output(self, b: StreamBinding, topic: str) -> str:
-        return b.output_topic.format(topic=topic, device=self.device, model=b.model, prefix=self.prefix,
-                                     version=b.version if b.version is not None else "latest")
+        return b.output_topic.format(
+            topic=topic,
+            device=self.device,
+            model=b.model,
+            prefix=self.prefix,
+            version=b.version if b.version is not None else "latest",
+        )
 
     def _process(self, b: StreamBinding, item: Item) -> tuple[bytes, int | None]:
         """Run one buffered message through the model (a binding's own thread)."""
@@ -122,12 +154,20 @@ class StreamBindings:
         """A camera frame (or sound chunk): the model's one BYTES input, answered as plain JSON."""
         kind = media.declared_media_type(b.content_type) or media.media_type(item.payload, item.content_type)
         if kind is None:
-            raise InvalidInputError("the message is not a JPEG, PNG, WebP or WAV (set the binding's content_type "
-                                    "or the message's MQTT 5 content type)")
+            raise InvalidInputError(
+                "the message is not a JPEG, PNG, WebP or WAV (set the binding's content_type "
+                "or the message's MQTT 5 content type)"
+            )
         mv = self.service.model(b.model, b.version)
         name = media.media_input(b.model, [(s.name, s.datatype) for s in mv.inputs])
-        resp = self.service.infer_blocking(InferRequest(model=b.model, version=b.version, deadline=item.deadline,
-                                                        inputs={name: media.media_tensor(item.payload)}))
+        resp = self.service.infer_blocking(
+            InferRequest(
+                model=b.model,
+                version=b.version,
+                deadline=item.deadline,
+                inputs={name: media.media_tensor(item.payload)},
+            )
+        )
         body = media.answer(resp.model, resp.version, resp.outputs, media=kind)
         body["input_topic"] = item.topic
         body["timestamp"] = item.received_at
@@ -136,8 +176,13 @@ class StreamBindings:
         return dumps(body)
 
     def _error(self, b: StreamBinding, item: Item, err: EdgedError) -> bytes:
-        body: dict[str, Any] = {"error": self.scrub.text(err.message), "code": err.code.value, "model_name": b.model,
-                                "input_topic": item.topic, "timestamp": item.received_at}
+        body: dict[str, Any] = {
+            "error": self.scrub.text(err.message),
+            "code": err.code.value,
+            "model_name": b.model,
+            "input_topic": item.topic,
+            "timestamp": item.received_at,
+        }
         if item.frame_timestamp is not None:
             body["frame_timestamp"] = item.frame_timestamp
         return dumps(body)
@@ -157,10 +202,17 @@ class StreamBindings:
     def _window(w: BindingWorker) -> StreamWindow:
         fps, p50, p99 = w.rate()
         st = w.stats
-        return StreamWindow(topic=w.binding.topic[:256], model=w.binding.model, received=st.received,
-                            processed=st.processed, dropped=st.dropped, errors=st.errors, fps=round(fps, 3),
-                            latency_ms_p50=round(p50, 3), latency_ms_p99=round(p99, 3))
+        return StreamWindow(
+            topic=w.binding.topic[:256],
+            model=w.binding.model,
+            received=st.received,
+            processed=st.processed,
+            dropped=st.dropped,
+            errors=st.errors,
+            fps=round(fps, 3),
+            latency_ms_p50=round(p50, 3),
+            latency_ms_p99=round(p99, 3),
+        )
 
     def stats(self) -> list[BindingStats]:
         return [w.stats for w in self._workers]
-

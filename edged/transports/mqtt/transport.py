@@ -44,8 +44,15 @@ STOP_GRACE_S = 2.0
 class MqttTransport:
     name = "mqtt"
 
-    def __init__(self, cfg: Config, service: InferenceService, profile_name: str, *,
-                 options: MqttOptions | None = None, metrics: MetricsRenderer | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        service: InferenceService,
+        profile_name: str,
+        *,
+        options: MqttOptions | None = None,
+        metrics: MetricsRenderer | None = None,
+    ) -> None:
         """``options`` overrides what is read from ``cfg`` (tools and tests); errors are ConfigError.
         ``metrics``, the daemon's ``/metrics`` renderer, shows this transport's counts while it runs."""
         self.cfg = cfg
@@ -59,26 +66,49 @@ class MqttTransport:
         self.prefix = cfg.mqtt.topic_prefix
         self.topics = Topics(self.prefix, self.device)
         # Where a client may have its reply published (never another device's or the daemon's own topics).
-        self.replies = ReplyPolicy(self.prefix, self.device, cfg.mqtt.reply_topics,
-                                   also_reserved=[b.topic for b in self.bindings])
+        self.replies = ReplyPolicy(
+            self.prefix, self.device, cfg.mqtt.reply_topics, also_reserved=[b.topic for b in self.bindings]
+        )
         self.scrub = Scrubber.for_config(cfg)  # model reasons and errors name files under these
         self.counts = Counts()
         self.counters = self.counts.counters
         self.pending = Backlog()
         self._stall = StallDetector()
-        self.session = MqttSession(self.options, self.topics, self.bindings, self.counts, device=self.device,
-                                   on_message=self._on_message, on_up=self.pending.reconnected,
-                                   on_status=lambda: self.publish_status(force=True))
+        self.session = MqttSession(
+            self.options,
+            self.topics,
+            self.bindings,
+            self.counts,
+            device=self.device,
+            on_message=self._on_message,
+            on_up=self.pending.reconnected,
+            on_status=lambda: self.publish_status(force=True),
+        )
         self.link = self.session.link
         self.ready = self.session.ready  # connected and subscribed to every request filter
-        self.status = StatusPublisher(self.session, service, self.scrub, device=self.device,
-                                      profile_name=profile_name)
-        self.answers = ReplyPublisher(self.session, self.replies, backlog=self.pending, counts=self.counts,
-                                      stall=self._stall, scrub=self.scrub)
-        self.requests = RequestIntake(self.session, service, self.answers, backlog=self.pending, counts=self.counts,
-                                      stall=self._stall, max_payload_mb=cfg.mqtt.max_payload_mb)
-        self.streams = StreamBindings(self.bindings, self.session, service, self.counts, self.scrub,
-                                      device=self.device, prefix=self.prefix, max_payload_mb=cfg.mqtt.max_payload_mb)
+        self.status = StatusPublisher(self.session, service, self.scrub, device=self.device, profile_name=profile_name)
+        self.answers = ReplyPublisher(
+            self.session, self.replies, backlog=self.pending, counts=self.counts, stall=self._stall, scrub=self.scrub
+        )
+        self.requests = RequestIntake(
+            self.session,
+            service,
+            self.answers,
+            backlog=self.pending,
+            counts=self.counts,
+            stall=self._stall,
+            max_payload_mb=cfg.mqtt.max_payload_mb,
+        )
+        self.streams = StreamBindings(
+            self.bindings,
+            self.session,
+            service,
+            self.counts,
+            self.scrub,
+            device=self.device,
+            prefix=self.prefix,
+            max_payload_mb=cfg.mqtt.max_payload_mb,
+        )
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -138,11 +168,18 @@ class MqttTransport:
         """Counts since start, for /metrics, telemetry and ``edged status``."""
         c = self.counts.snapshot()
         errors = sum(v for k, v in c.items() if k.startswith("error_"))
-        return MqttWindow(requests=c.get("requests", 0), replies=c.get("replies", 0), error_replies=errors,
-                          overloaded=c.get("overloaded", 0), replies_dropped=c.get("replies_dropped", 0),
-                          requests_dropped=c.get("dropped", 0), replies_refused=c.get("replies_refused", 0),
-                          backlog=self.backlog(),
-                          broker_stall=self._stall.message, streams=self.streams.windows())
+        return MqttWindow(
+            requests=c.get("requests", 0),
+            replies=c.get("replies", 0),
+            error_replies=errors,
+            overloaded=c.get("overloaded", 0),
+            replies_dropped=c.get("replies_dropped", 0),
+            requests_dropped=c.get("dropped", 0),
+            replies_refused=c.get("replies_refused", 0),
+            backlog=self.backlog(),
+            broker_stall=self._stall.message,
+            streams=self.streams.windows(),
+        )
 
     def binding_stats(self) -> list[BindingStats]:
         return self.streams.stats()
