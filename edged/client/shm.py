@@ -38,32 +38,40 @@ The wire protocol is described in :mod:`edged.protocol.shm`.
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import functools
-import math
 import os
 import socket
 import threading
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
-import orjson
 
-from edged import datatypes
+from edged.client.shm_core import (
+    TRIES,
+    Key,
+    Op,
+    ShmCore,
+    answer,
+    arun,
+    closed_error,
+    fds_message,
+    grow_limit,
+    link_error,
+    not_open_error,
+    run,
+)
 from edged.client.shm_memory import (
     ClientSegment,
     ModelInfo,
     PackedInputs,
     Slot,
-    create_segment,
     encode_request,
     find_segment,
     plan_inputs,
-    read_outputs,
 )
 from edged.client.shm_prepared import AsyncPreparedInfer, PreparedInfer
 from edged.errors import EdgedError, ErrorCode, InvalidInputError, PermissionDeniedError
@@ -72,8 +80,7 @@ from edged.transports.peercred import peer_credentials
 
 __all__ = ["AsyncShmClient", "PreparedInfer", "ShmClient", "default_socket"]
 
-_Key = tuple[str, int]
-_TRIES = 3  # an INFER is sent again at most twice, each time with a bigger output area
+T = TypeVar("T")
 
 
 def default_socket(path: str | os.PathLike[str] | None = None) -> str:
@@ -112,81 +119,21 @@ def verify_server(sock: socket.socket, path: str, trusted: frozenset[int]) -> No
         raise PermissionDeniedError(
             f"the shared-memory socket {path} is served by uid {uid} (pid {pid}), not by the daemon this client "
             f"trusts (uid {', '.join(map(str, sorted(trusted)))}); nothing was sent. If that is the right daemon, "
-            f"pass server_uid= or set ${SERVER_UID_ENV}")
+            f"pass server_uid= or set ${SERVER_UID_ENV}"
+        )
 
 
 def _unavailable(path: str, e: OSError) -> EdgedError:
-    return EdgedError(f"cannot connect to edged's shared-memory socket {path}: {e.strerror or e} "
-                      f"(is the daemon running, and may this user use the socket?)", code=ErrorCode.UNAVAILABLE)
-
-
-def _closed() -> EdgedError:
-    return EdgedError("edged closed the shared-memory connection", code=ErrorCode.UNAVAILABLE)
-
-
-def _fds_message(fd: int) -> list[tuple[int, int, bytes]]:
-    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())]
+    return EdgedError(
+        f"cannot connect to edged's shared-memory socket {path}: {e.strerror or e} "
+        f"(is the daemon running, and may this user use the socket?)",
+        code=ErrorCode.UNAVAILABLE,
+    )
 
 
 def _wake(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
-
-
-def _check(status: int, body: memoryview | bytes) -> None:
-    if status:
-        needed, message = p.decode_error(body)
-        raise p.error_from_status(status, message, needed)
-
-
-_Place = tuple[str, np.dtype[Any], tuple[int, ...], int]  # an input's name, dtype, shape and offset
-
-
-def _prepared_places(info: ModelInfo, shapes: Mapping[str, tuple[int, ...] | list[int]],
-                     dtypes: Mapping[str, Any] | None) -> tuple[list[_Place], int]:
-    """Where each input of a prepared request lies in its segment, and the segment's size."""
-    places: list[_Place] = []
-    end = 0
-    for name, shape in shapes.items():
-        dt = _dtype(info, name, (dtypes or {}).get(name))
-        shp = tuple(int(d) for d in shape)
-        if dt.kind in "SUO":
-            raise InvalidInputError(f"input {name!r} is BYTES: its size follows its data, so it cannot be "
-                                    "prepared; send it with infer()")
-        dt = dt.newbyteorder("=")  # the daemon reads native byte order (infer() converts; here nothing is)
-        if dt not in p.NUMPY_CODE:
-            raise InvalidInputError(f"input {name!r}: numpy dtype {dt} has no v2 datatype")
-        if any(d < 0 for d in shp) or len(shp) > p.MAX_DIMS:
-            raise InvalidInputError(f"input {name!r}: shape {list(shp)} is not a concrete tensor shape")
-        end = p.align(end)
-        places.append((name, dt, shp, end))
-        end += dt.itemsize * math.prod(shp)
-    return places, max(1, end)
-
-
-def _dtype(info: ModelInfo | None, name: str, dtype: Any) -> np.dtype[Any]:
-    if dtype is not None:
-        dt: np.dtype[Any] = np.dtype(dtype)
-        return dt
-    if info is None or name not in info.inputs:
-        raise InvalidInputError(f"unknown input {name!r}; pass dtype=")
-    return datatypes.to_numpy(info.inputs[name][0])
-
-
-class _State:
-    """Bookkeeping both clients share: segments, slots, model metadata, named input buffers."""
-
-    def __init__(self) -> None:
-        self.segments: dict[int, ClientSegment] = {}
-        self.models: dict[_Key, ModelInfo] = {}
-        self.buffers: dict[tuple[str, int, str], ClientSegment] = {}
-        self.closed = False
-
-    def drop_all(self) -> None:
-        for seg in self.segments.values():
-            seg.close()
-        self.segments.clear()
-        self.buffers.clear()
 
 
 class ShmClient:
@@ -208,82 +155,50 @@ class ShmClient:
         self._sock = sock
         self._buf = bytearray(p.MAX_MESSAGE)
         self._view = memoryview(self._buf)
-        self._rid = 0
         self._lock = threading.RLock()
-        self._st = _State()
-        self._slots: dict[_Key, Slot] = {}
+        self._core = ShmCore()
+        self._slots: dict[Key, Slot] = {}
         self._prepared_segments: set[int] = set()  # ids of segments prepared requests own
         try:
-            status, _, body = self._call(p.header(p.HELLO, self._next()) + p.U32.pack(p.PROTOCOL_VERSION))
-            _check(status, body)
+            self.server: dict[str, Any] = self._run(self._core.hello())
         except BaseException:
             sock.close()
             raise
-        self.server: dict[str, Any] = orjson.loads(bytes(body))
 
-    # ---- plumbing ---------------------------------------------------------------------------
-    def _next(self) -> int:
-        self._rid += 1
-        return self._rid
-
+    # ---- plumbing: the one blocking round trip, and the core's operations run on it ------------
     def _call(self, msg: bytes | bytearray, fd: int = -1) -> tuple[int, int, memoryview]:
         """Send one request and wait for its reply (status, count, body view valid until the next call)."""
-        if self._st.closed:
-            raise EdgedError("the client is closed", code=ErrorCode.FAILED_PRECONDITION)
+        if self._core.closed:
+            raise not_open_error()
         rid = p.HEADER.unpack_from(msg)[3]
         sock = self._sock
         try:
             if fd >= 0:
-                sock.sendmsg([msg], _fds_message(fd))
+                sock.sendmsg([msg], fds_message(fd))
             else:
                 sock.send(msg)
             while True:
                 n = sock.recv_into(self._buf)
                 if n == 0:
-                    raise _closed()
+                    raise closed_error()
                 _, status, count, got = p.HEADER.unpack_from(self._buf)
                 if got == rid:
-                    return status, count, self._view[p.HEADER.size:n]
+                    return status, count, self._view[p.HEADER.size : n]
         except OSError as e:
-            raise EdgedError(f"shared-memory connection failed: {e.strerror or e}",
-                             code=ErrorCode.UNAVAILABLE) from None
+            raise link_error(e) from None
 
-    def _register(self, size: int) -> ClientSegment:
-        fd, seg = create_segment(size)
-        try:
-            status, _, body = self._call(p.header(p.REGISTER, self._next()) + p.U64.pack(seg.size), fd)
-        finally:
-            os.close(fd)
-        if status:
-            seg.close()
-            _check(status, body)
-        (seg.id,) = p.U32.unpack_from(body)
-        self._st.segments[seg.id] = seg
-        return seg
+    def _run(self, op: Op[T]) -> T:
+        return run(op, self._call)
 
     def _unregister(self, seg: ClientSegment) -> None:
-        self._st.segments.pop(seg.id, None)
-        with contextlib.suppress(EdgedError):
-            status, _, body = self._call(p.header(p.UNREGISTER, self._next()) + p.U32.pack(seg.id))
-            _check(status, body)
-        seg.close()
+        self._run(self._core.unregister(seg))
 
     def _info(self, model: str, version: int | None) -> ModelInfo:
-        key = (model, version or 0)
-        info = self._st.models.get(key)
-        if info is None:
-            info = ModelInfo.from_metadata(self._metadata(model, version))
-            self._st.models[key] = info
-        return info
+        info = self._core.models.get((model, version or 0))
+        return info if info is not None else self._run(self._core.info(model, version))
 
-    def _metadata(self, model: str, version: int | None) -> dict[str, Any]:
-        nb = model.encode()
-        status, _, body = self._call(p.header(p.METADATA, self._next()) + p.META_BODY.pack(version or 0, len(nb)) + nb)
-        _check(status, body)
-        meta: dict[str, Any] = orjson.loads(bytes(body))
-        return meta
-
-    def _slot(self, key: _Key, in_need: int, out_need: int) -> Slot:
+    def _slot(self, key: Key, in_need: int, out_need: int) -> Slot:
+        """The model's slot, replaced by a bigger one when the needs outgrow it."""
         slot = self._slots.get(key)
         if slot is not None and slot.fits(in_need, out_need):
             return slot
@@ -291,20 +206,38 @@ class ShmClient:
             in_need, out_need = max(in_need, slot.in_cap), max(out_need, slot.out_cap)
             del self._slots[key]
             self._unregister(slot.segment)
-        size, out_off, out_cap = Slot.layout(in_need, out_need)
-        slot = Slot(self._register(size), out_off, out_off, out_cap)
+        slot = self._run(self._core.area(in_need, out_need))
         self._slots[key] = slot
         return slot
+
+    def _exchange(
+        self, msg: bytes | bytearray, slot: Slot, copy: bool, grow_above: int, interrupted: Callable[[], object]
+    ) -> dict[str, np.ndarray] | int:
+        """One INFER round trip (:func:`~edged.client.shm_core.answer`); ``interrupted`` runs when the
+        call is cut off before its answer."""
+        try:
+            reply = self._call(msg)
+        except BaseException:
+            interrupted()
+            raise
+        return answer(reply, slot, copy, grow_above)
 
     # ---- public API -------------------------------------------------------------------------
     def metadata(self, model: str, version: int | None = None) -> dict[str, Any]:
         """The daemon's v2 model metadata (plus ``max_batch_size`` and the serving ``version``)."""
         with self._lock:
-            return self._metadata(model, version)
+            return self._run(self._core.metadata(model, version))
 
-    def infer(self, model: str, inputs: Mapping[str, Any], version: int | None = None, *,
-              outputs: list[str] | None = None, timeout: float | None = None,
-              copy: bool = True) -> dict[str, np.ndarray]:
+    def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        version: int | None = None,
+        *,
+        outputs: list[str] | None = None,
+        timeout: float | None = None,
+        copy: bool = True,
+    ) -> dict[str, np.ndarray]:
         """Run one request. Inputs already in this client's shared memory are not copied.
 
         ``copy=False`` returns views on the shared output area: no copy, but they are
@@ -315,39 +248,32 @@ class ShmClient:
         with self._lock:
             key = (model, version or 0)
             info = self._info(model, version)
-            packed = plan_inputs(self._st.segments, inputs)
-            for attempt in range(_TRIES):
+            packed = plan_inputs(self._core.segments, inputs)
+            for attempt in range(TRIES):
                 slot = self._slot(key, packed.staged_bytes, info.output_bytes(inputs))
-                msg = encode_request(self._next(), model, version, slot, packed, outputs=outputs, timeout=timeout)
+                msg = encode_request(
+                    self._core.next_id(), model, version, slot, packed, outputs=outputs, timeout=timeout
+                )
                 # Interrupted or disconnected: the daemon may still write into this slot, so the next
                 # call gets a fresh one (the old segment is released with the connection).
-                got = self._exchange(msg, slot, copy, info.output_hint if attempt < _TRIES - 1 else -1,
-                                     lambda: self._slots.pop(key, None))
+                got = self._exchange(
+                    msg, slot, copy, grow_limit(attempt, info.output_hint), lambda: self._slots.pop(key, None)
+                )
                 if not isinstance(got, int):
                     return got
                 info.output_hint = got  # the output area was too small: grow it and retry
             raise AssertionError("unreachable: the last try raises")
 
-    def _exchange(self, msg: bytes | bytearray, slot: Slot, copy: bool, grow_above: int,
-                  interrupted: Callable[[], object]) -> dict[str, np.ndarray] | int:
-        """One INFER round trip: its outputs, or the bytes they need when that is more than ``grow_above``
-        (the slot was too small; -1: never). Any other error is raised; ``interrupted`` runs when the
-        call is cut off before its answer."""
-        try:
-            status, count, body = self._call(msg)
-        except BaseException:
-            interrupted()
-            raise
-        if not status:
-            return read_outputs(slot, count, body, copy)
-        needed, message = p.decode_error(body)
-        if grow_above < 0 or not needed or needed <= grow_above:
-            raise p.error_from_status(status, message, needed)
-        return needed
-
-    def prepare(self, model: str, shapes: Mapping[str, tuple[int, ...] | list[int]], version: int | None = None, *,
-                dtypes: Mapping[str, Any] | None = None, outputs: list[str] | None = None,
-                timeout: float | None = None) -> PreparedInfer:
+    def prepare(
+        self,
+        model: str,
+        shapes: Mapping[str, tuple[int, ...] | list[int]],
+        version: int | None = None,
+        *,
+        dtypes: Mapping[str, Any] | None = None,
+        outputs: list[str] | None = None,
+        timeout: float | None = None,
+    ) -> PreparedInfer:
         """A request of fixed input shapes bound to shared buffers, for a loop that sends one after another.
 
         Write each request's data into ``prepared.inputs[name]`` and call ``prepared.run()``: the
@@ -357,10 +283,8 @@ class ShmClient:
         """
         with self._lock:
             info = self._info(model, version)
-            places, size = _prepared_places(info, shapes, dtypes)
-            seg = self._register(size)
+            seg, arrays = self._run(self._core.prepared_inputs(info, shapes, dtypes))
             self._prepared_segments.add(seg.id)
-            arrays = {name: seg.view(dt, shp, off) for name, dt, shp, off in places}
             prep = PreparedInfer(self, model, version, inputs=arrays, segment=seg, outputs=outputs, timeout=timeout)
             try:
                 self._bind(prep, info.output_bytes(arrays))
@@ -371,17 +295,11 @@ class ShmClient:
 
     def _bind(self, prep: PreparedInfer, out_need: int) -> None:
         """(Re)make a prepared request's output area and encode its message once."""
-        packed = plan_inputs(self._st.segments, prep.inputs)
-        if packed.staged:  # every input must lie in prep.segment, sent by reference: nothing copied per run
-            raise EdgedError("the prepared request's input buffers are no longer registered",
-                             code=ErrorCode.FAILED_PRECONDITION)
+        packed = self._core.prepared_packed(prep)
         self._give_back(prep)
-        size, out_off, out_cap = Slot.layout(0, out_need)
-        slot = Slot(self._register(size), out_off, out_off, out_cap)
+        slot = self._run(self._core.area(0, out_need))
         self._prepared_segments.add(slot.segment.id)
-        prep.message = bytearray(encode_request(0, prep.model, prep.version, slot, packed, outputs=prep.outputs,
-                                                timeout=prep.timeout))
-        prep.slot = slot
+        self._core.encode_prepared(prep, slot, packed)
 
     def _give_back(self, prep: PreparedInfer) -> None:
         """Unregister the current output area and those of interrupted runs. The daemon serves this
@@ -398,15 +316,20 @@ class ShmClient:
         with self._lock:
             if prep.closed:
                 raise EdgedError("the prepared request is closed", code=ErrorCode.FAILED_PRECONDITION)
-            for attempt in range(_TRIES):
+            for attempt in range(TRIES):
                 slot = prep.slot
                 if slot is None:  # the last run was interrupted: its reply may still land in the old area
                     self._bind(prep, self._info(prep.model, prep.version).output_bytes(prep.inputs))
                     slot = prep.slot
                     assert slot is not None
-                p.set_request_id(prep.message, self._next())
-                got = self._exchange(prep.message, slot, copy, slot.out_cap if attempt < _TRIES - 1 else -1,
-                                     functools.partial(self._orphan, prep, slot))
+                p.set_request_id(prep.message, self._core.next_id())
+                got = self._exchange(
+                    prep.message,
+                    slot,
+                    copy,
+                    grow_limit(attempt, slot.out_cap),
+                    functools.partial(self._orphan, prep, slot),
+                )
                 if not isinstance(got, int):
                     return got
                 info = self._info(prep.model, prep.version)
@@ -425,7 +348,7 @@ class ShmClient:
             if prep.closed:
                 return
             prep.closed = True
-            if self._st.closed:
+            if self._core.closed:
                 return
             self._give_back(prep)
             self._prepared_segments.discard(prep.segment.id)
@@ -433,53 +356,40 @@ class ShmClient:
 
     def tensor(self, shape: tuple[int, ...] | list[int], dtype: Any = np.float32) -> np.ndarray:
         """A new array in its own shared segment; passing it (or a contiguous part) to infer copies nothing."""
-        dt = np.dtype(dtype)
-        shp = tuple(int(d) for d in shape)
         with self._lock:
-            seg = self._register(max(1, int(np.prod(shp, dtype=np.int64)) * dt.itemsize))
-            return seg.view(dt, shp, 0)
+            return self._run(self._core.tensor(shape, dtype))
 
-    def input_buffer(self, model: str, name: str, shape: tuple[int, ...] | list[int], dtype: Any = None,
-                     version: int | None = None) -> np.ndarray:
+    def input_buffer(
+        self, model: str, name: str, shape: tuple[int, ...] | list[int], dtype: Any = None, version: int | None = None
+    ) -> np.ndarray:
         """A shared array for one input of one model, reused across calls (grown when a bigger shape is asked)."""
         with self._lock:
-            info = self._info(model, version)
-            dt = _dtype(info, name, dtype)
-            shp = tuple(int(d) for d in shape)
-            nbytes = int(np.prod(shp, dtype=np.int64)) * dt.itemsize
-            key = (model, version or 0, name)
-            seg = self._st.buffers.get(key)
-            if seg is None or seg.size < nbytes:
-                if seg is not None:
-                    self._unregister(seg)
-                seg = self._register(max(1, nbytes))
-                self._st.buffers[key] = seg
-            return seg.view(dt, shp, 0)
+            return self._run(self._core.input_buffer(model, name, shape, dtype, version))
 
     def release(self, arr: np.ndarray) -> None:
         """Give back the segment of an array from :meth:`tensor` (the array stays readable locally)."""
         with self._lock:
-            hit = find_segment(self._st.segments, arr)
+            hit = find_segment(self._core.segments, arr)
             if hit is None:
                 raise InvalidInputError("the array is not in this client's shared memory")
             if any(s.segment is hit[0] for s in self._slots.values()):
                 raise InvalidInputError("the array belongs to a request slot, not to a tensor() buffer")
             if hit[0].id in self._prepared_segments:
                 raise InvalidInputError("the array belongs to a prepared request: close the request instead")
-            for k, seg in list(self._st.buffers.items()):
+            for k, seg in list(self._core.buffers.items()):
                 if seg is hit[0]:
-                    del self._st.buffers[k]
+                    del self._core.buffers[k]
             self._unregister(hit[0])
 
     def close(self) -> None:
         """Disconnect; the daemon releases everything this client registered."""
         with self._lock:
-            if self._st.closed:
+            if self._core.closed:
                 return
-            self._st.closed = True
+            self._core.closed = True
             self._sock.close()
             self._slots.clear()
-            self._st.drop_all()
+            self._core.drop_all()
 
     def __enter__(self) -> ShmClient:
         return self
@@ -502,14 +412,13 @@ class AsyncShmClient:
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[int, asyncio.Future[tuple[int, int, bytes]]] = {}
-        self._rid = 0
         self._buf = bytearray(p.MAX_MESSAGE)
-        self._st = _State()
-        self._free: dict[_Key, list[Slot]] = {}
+        self._core = ShmCore()
+        self._free: dict[Key, list[Slot]] = {}
         # what becomes of a cancelled request's memory once its late completion arrives, by request id
         self._late: dict[int, Callable[[], None]] = {}
         self._sem: asyncio.Semaphore | None = None
-        self._info_locks: dict[_Key, asyncio.Lock] = {}
+        self._info_locks: dict[Key, asyncio.Lock] = {}
 
     async def connect(self) -> AsyncShmClient:
         loop = asyncio.get_running_loop()
@@ -527,23 +436,22 @@ class AsyncShmClient:
         self._sock, self._loop = sock, loop
         loop.add_reader(sock.fileno(), self._on_readable)
         try:
-            status, _, body = await self._call(p.HELLO, p.U32.pack(p.PROTOCOL_VERSION))
-            _check(status, body)
+            self.server = await self._run(self._core.hello())
         except BaseException:
             await self.close()
             raise
-        self.server = orjson.loads(body)
         self._sem = asyncio.Semaphore(int(self.server.get("max_inflight", 64)))
         return self
 
     async def __aenter__(self) -> AsyncShmClient:
         return await self.connect()
 
-    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.close()
 
-    # ---- plumbing ---------------------------------------------------------------------------
+    # ---- plumbing: replies matched to requests by id, and the core's operations run on them ----
     def _on_readable(self) -> None:
         sock = self._sock
         assert sock is not None
@@ -555,14 +463,14 @@ class AsyncShmClient:
             except OSError:
                 n = 0
             if n == 0:
-                self._fail_all(_closed())
+                self._fail_all(closed_error())
                 return
             if n < p.HEADER.size:
                 continue
             _, status, count, rid = p.HEADER.unpack_from(self._buf)
             fut = self._pending.pop(rid, None)
             if fut is not None and not fut.done():
-                fut.set_result((status, count, bytes(self._buf[p.HEADER.size:n])))
+                fut.set_result((status, count, bytes(self._buf[p.HEADER.size : n])))
             elif (late := self._late.pop(rid, None)) is not None:
                 late()
 
@@ -574,13 +482,15 @@ class AsyncShmClient:
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(err)
-        self._st.closed = True
+        self._core.closed = True
 
-    async def _call(self, kind: int, body: bytes, fd: int = -1) -> tuple[int, int, bytes]:
-        if self._st.closed or self._sock is None or self._loop is None:
-            raise EdgedError("the client is closed", code=ErrorCode.FAILED_PRECONDITION)
-        self._rid += 1
-        return await self._exchange(self._rid, p.header(kind, self._rid) + body, fd)
+    async def _call(self, msg: bytes | bytearray, fd: int = -1) -> tuple[int, int, bytes]:
+        if self._core.closed or self._sock is None or self._loop is None:
+            raise not_open_error()
+        return await self._exchange(p.HEADER.unpack_from(msg)[3], msg, fd)
+
+    async def _run(self, op: Op[T]) -> T:
+        return await arun(op, self._call)
 
     async def _send(self, msg: bytes | bytearray, fd: int) -> None:
         sock, loop = self._sock, self._loop
@@ -588,7 +498,7 @@ class AsyncShmClient:
         while True:
             try:
                 if fd >= 0:
-                    sock.sendmsg([msg], _fds_message(fd))
+                    sock.sendmsg([msg], fds_message(fd))
                 else:
                     sock.send(msg)
                 return
@@ -600,42 +510,21 @@ class AsyncShmClient:
                 finally:
                     loop.remove_writer(sock.fileno())
             except OSError as e:
-                raise EdgedError(f"shared-memory connection failed: {e.strerror or e}",
-                                 code=ErrorCode.UNAVAILABLE) from None
-
-    async def _register(self, size: int) -> ClientSegment:
-        fd, seg = create_segment(size)
-        try:
-            status, _, body = await self._call(p.REGISTER, p.U64.pack(seg.size), fd)
-        finally:
-            os.close(fd)
-        if status:
-            seg.close()
-            _check(status, body)
-        (seg.id,) = p.U32.unpack_from(body)
-        self._st.segments[seg.id] = seg
-        return seg
+                raise link_error(e) from None
 
     async def _unregister(self, seg: ClientSegment) -> None:
-        self._st.segments.pop(seg.id, None)
-        with contextlib.suppress(EdgedError):
-            status, _, body = await self._call(p.UNREGISTER, p.U32.pack(seg.id))
-            _check(status, body)
-        seg.close()
+        await self._run(self._core.unregister(seg))
 
     async def _info(self, model: str, version: int | None) -> ModelInfo:
         key = (model, version or 0)
-        info = self._st.models.get(key)
+        info = self._core.models.get(key)
         if info is not None:
             return info
-        async with self._info_locks.setdefault(key, asyncio.Lock()):
-            info = self._st.models.get(key)
-            if info is None:
-                info = ModelInfo.from_metadata(await self.metadata(model, version))
-                self._st.models[key] = info
-            return info
+        async with self._info_locks.setdefault(key, asyncio.Lock()):  # one METADATA per model, not per caller
+            return await self._run(self._core.info(model, version))
 
-    async def _take_slot(self, key: _Key, in_need: int, out_need: int) -> Slot:
+    async def _take_slot(self, key: Key, in_need: int, out_need: int) -> Slot:
+        """A pooled slot of the model that fits (unfit ones are given back), else a new one."""
         free = self._free.setdefault(key, [])
         while free:
             slot = free.pop()
@@ -643,66 +532,70 @@ class AsyncShmClient:
                 return slot
             in_need, out_need = max(in_need, slot.in_cap), max(out_need, slot.out_cap)
             await self._unregister(slot.segment)
-        size, out_off, out_cap = Slot.layout(in_need, out_need)
-        return Slot(await self._register(size), out_off, out_off, out_cap)
+        return await self._run(self._core.area(in_need, out_need))
 
     # ---- public API -------------------------------------------------------------------------
     async def metadata(self, model: str, version: int | None = None) -> dict[str, Any]:
-        nb = model.encode()
-        status, _, body = await self._call(p.METADATA, p.META_BODY.pack(version or 0, len(nb)) + nb)
-        _check(status, body)
-        meta: dict[str, Any] = orjson.loads(body)
-        return meta
+        return await self._run(self._core.metadata(model, version))
 
-    async def infer(self, model: str, inputs: Mapping[str, Any], version: int | None = None, *,
-                    outputs: list[str] | None = None, timeout: float | None = None) -> dict[str, np.ndarray]:
+    async def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        version: int | None = None,
+        *,
+        outputs: list[str] | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, np.ndarray]:
         """Run one request; call it concurrently (gather, tasks) to pipeline. Outputs are copies."""
         assert self._sem is not None, "call connect() (or use 'async with') first"
         async with self._sem:
             key = (model, version or 0)
             info = await self._info(model, version)
-            packed: PackedInputs = plan_inputs(self._st.segments, inputs)
+            packed: PackedInputs = plan_inputs(self._core.segments, inputs)
             slot: Slot | None = await self._take_slot(key, packed.staged_bytes, info.output_bytes(inputs))
             try:
-                for _attempt in range(3):
+                for attempt in range(TRIES):
                     assert slot is not None
                     if not slot.fits(packed.staged_bytes, info.output_bytes(inputs)):
                         old, slot = slot, None
                         await self._unregister(old.segment)
                         slot = await self._take_slot(key, packed.staged_bytes, info.output_bytes(inputs))
-                    self._rid += 1
-                    rid = self._rid
+                    rid = self._core.next_id()
                     # Tell the daemon to queue (batch) this request when others of ours are in flight.
-                    msg = encode_request(rid, model, version, slot, packed, outputs=outputs, timeout=timeout,
-                                         queue=bool(self._pending))
+                    msg = encode_request(
+                        rid, model, version, slot, packed, outputs=outputs, timeout=timeout, queue=bool(self._pending)
+                    )
                     try:
-                        status, count, body = await self._exchange(
-                            rid, msg, late=functools.partial(self._pool_slot, key, slot))
+                        reply = await self._exchange(rid, msg, late=functools.partial(self._pool_slot, key, slot))
                     except asyncio.CancelledError:
                         if rid in self._late:  # cut off: the slot is pooled when the late completion arrives
                             slot = None
                         raise
-                    if not status:
-                        return read_outputs(slot, count, body, True)
-                    needed, message = p.decode_error(body)
-                    if not needed or needed <= info.output_hint:
-                        raise p.error_from_status(status, message, needed)
-                    info.output_hint = needed
-                raise p.error_from_status(status, message, needed)
+                    got = answer(reply, slot, True, grow_limit(attempt, info.output_hint))
+                    if not isinstance(got, int):
+                        return got
+                    info.output_hint = got  # the output area was too small: grow it and retry
+                raise AssertionError("unreachable: the last try raises")
             finally:
-                if slot is not None and not self._st.closed:
+                if slot is not None and not self._core.closed:
                     self._free.setdefault(key, []).append(slot)
 
-    async def prepare(self, model: str, shapes: Mapping[str, tuple[int, ...] | list[int]],
-                      version: int | None = None, *, dtypes: Mapping[str, Any] | None = None,
-                      outputs: list[str] | None = None, timeout: float | None = None) -> AsyncPreparedInfer:
+    async def prepare(
+        self,
+        model: str,
+        shapes: Mapping[str, tuple[int, ...] | list[int]],
+        version: int | None = None,
+        *,
+        dtypes: Mapping[str, Any] | None = None,
+        outputs: list[str] | None = None,
+        timeout: float | None = None,
+    ) -> AsyncPreparedInfer:
         """:meth:`ShmClient.prepare` for asyncio: ``await prepared.run()`` per request, nothing encoded,
         copied or allocated per run. Make one per concurrent loop; they are pipelined like ``infer``."""
         assert self._sem is not None, "call connect() (or use 'async with') first"
         info = await self._info(model, version)
-        places, size = _prepared_places(info, shapes, dtypes)
-        seg = await self._register(size)
-        arrays = {name: seg.view(dt, shp, off) for name, dt, shp, off in places}
+        seg, arrays = await self._run(self._core.prepared_inputs(info, shapes, dtypes))
         prep = AsyncPreparedInfer(self, model, version, inputs=arrays, segment=seg, outputs=outputs, timeout=timeout)
         try:
             await self._bind(prep, info.output_bytes(arrays))
@@ -712,66 +605,58 @@ class AsyncShmClient:
         return prep
 
     async def _bind(self, prep: AsyncPreparedInfer, out_need: int) -> None:
-        """(Re)make a prepared request's output area and encode its message once."""
-        packed = plan_inputs(self._st.segments, prep.inputs)
-        if packed.staged:  # every input must lie in prep.segment, sent by reference
-            raise EdgedError("the prepared request's input buffers are no longer registered",
-                             code=ErrorCode.FAILED_PRECONDITION)
+        """(Re)make a prepared request's output area (a spare one when it fits) and encode its message once."""
+        packed = self._core.prepared_packed(prep)
         old, prep.slot = prep.slot, None
         spares, prep.spares = prep.spares, []
         slot = next((s for s in spares if s.out_cap >= out_need), None)
         for s in ([old] if old is not None else []) + [s for s in spares if s is not slot]:
             await self._unregister(s.segment)
         if slot is None:
-            size, out_off, out_cap = Slot.layout(0, out_need)
-            slot = Slot(await self._register(size), out_off, out_off, out_cap)
-        prep.message = bytearray(encode_request(0, prep.model, prep.version, slot, packed, outputs=prep.outputs,
-                                                timeout=prep.timeout))
-        prep.slot = slot
+            slot = await self._run(self._core.area(0, out_need))
+        self._core.encode_prepared(prep, slot, packed)
 
     async def _run_prepared(self, prep: AsyncPreparedInfer, copy: bool) -> dict[str, np.ndarray]:
-        if prep.closed or self._st.closed:
+        if prep.closed or self._core.closed:
             raise EdgedError("the prepared request is closed", code=ErrorCode.FAILED_PRECONDITION)
         if prep.running:
-            raise EdgedError("this prepared request is already running: make one per concurrent loop",
-                             code=ErrorCode.FAILED_PRECONDITION)
+            raise EdgedError(
+                "this prepared request is already running: make one per concurrent loop",
+                code=ErrorCode.FAILED_PRECONDITION,
+            )
         assert self._sem is not None and self._loop is not None
         prep.running = True
         try:
             async with self._sem:
-                for attempt in range(_TRIES):
+                for attempt in range(TRIES):
                     slot = prep.slot
                     if slot is None:  # the last run was cancelled: its reply may still land in the old area
                         await self._bind(prep, (await self._info(prep.model, prep.version)).output_bytes(prep.inputs))
                         slot = prep.slot
                         assert slot is not None
-                    self._rid += 1
-                    rid = self._rid
+                    rid = self._core.next_id()
                     msg = prep.message
                     p.set_request_id(msg, rid)
                     p.set_request_flags(msg, p.FLAG_QUEUE if self._pending else 0)  # batch it with others in flight
                     try:
-                        status, count, body = await self._exchange(
-                            rid, msg, late=functools.partial(self._spare, prep, slot))
+                        reply = await self._exchange(rid, msg, late=functools.partial(self._spare, prep, slot))
                     except asyncio.CancelledError:
                         if rid in self._late:  # cut off: the next run gets another area
                             prep.slot = None
                         raise
-                    if not status:
-                        return read_outputs(slot, count, body, copy)
-                    needed, message = p.decode_error(body)
-                    if attempt == _TRIES - 1 or not needed or needed <= slot.out_cap:
-                        raise p.error_from_status(status, message, needed)
+                    got = answer(reply, slot, copy, grow_limit(attempt, slot.out_cap))
+                    if not isinstance(got, int):
+                        return got
                     info = await self._info(prep.model, prep.version)
-                    info.output_hint = max(info.output_hint, needed)
-                    await self._bind(prep, needed)  # the outputs need more room: grow the area, encode again
+                    info.output_hint = max(info.output_hint, got)
+                    await self._bind(prep, got)  # the outputs need more room: grow the area, encode again
                 raise AssertionError("unreachable: the last try raises")
         finally:
             prep.running = False
             if prep.closed:  # closed while this run was in flight: give its buffers back now
                 await self._release_prepared(prep)
 
-    def _pool_slot(self, key: _Key, slot: Slot) -> None:
+    def _pool_slot(self, key: Key, slot: Slot) -> None:
         self._free.setdefault(key, []).append(slot)
 
     def _spare(self, prep: AsyncPreparedInfer, slot: Slot) -> None:
@@ -782,8 +667,9 @@ class AsyncShmClient:
         else:
             prep.spares.append(slot)
 
-    async def _exchange(self, rid: int, msg: bytes | bytearray, fd: int = -1, *,
-                        late: Callable[[], None] | None = None) -> tuple[int, int, bytes]:
+    async def _exchange(
+        self, rid: int, msg: bytes | bytearray, fd: int = -1, *, late: Callable[[], None] | None = None
+    ) -> tuple[int, int, bytes]:
         """Send one message and await its reply. Cancelled before the reply arrived, ``late`` is kept
         for it (``rid in self._late``): the daemon may still read the request's inputs and write its
         outputs, so that memory must not be used again until then. Cancelled after: nothing to do."""
@@ -812,7 +698,7 @@ class AsyncShmClient:
             await self._release_prepared(prep)
 
     async def _release_prepared(self, prep: AsyncPreparedInfer) -> None:
-        if self._st.closed:
+        if self._core.closed:
             return
         old = [prep.slot] if prep.slot is not None else []
         prep.slot = None
@@ -823,18 +709,15 @@ class AsyncShmClient:
 
     async def tensor(self, shape: tuple[int, ...] | list[int], dtype: Any = np.float32) -> np.ndarray:
         """A new array in its own shared segment; passing it to infer copies nothing."""
-        dt = np.dtype(dtype)
-        shp = tuple(int(d) for d in shape)
-        seg = await self._register(max(1, int(np.prod(shp, dtype=np.int64)) * dt.itemsize))
-        return seg.view(dt, shp, 0)
+        return await self._run(self._core.tensor(shape, dtype))
 
     async def close(self) -> None:
-        if self._st.closed and self._sock is None:
+        if self._core.closed and self._sock is None:
             return
-        self._fail_all(_closed())
+        self._fail_all(closed_error())
         if self._sock is not None:
             self._sock.close()
             self._sock = None
         self._free.clear()
         self._late.clear()
-        self._st.drop_all()
+        self._core.drop_all()

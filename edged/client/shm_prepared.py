@@ -25,7 +25,7 @@ class _Client(Protocol):
     def _close_prepared(self, prep: PreparedInfer) -> None: ...
 
 
-class _Prepared:
+class PreparedBase:
     """What a prepared request holds, with either client."""
 
     def __init__(self, model: str, version: int | None, *, inputs: dict[str, np.ndarray],
@@ -40,7 +40,7 @@ class _Prepared:
         self.closed = False
 
 
-class PreparedInfer(_Prepared):
+class PreparedInfer(PreparedBase):
     """Made by :meth:`ShmClient.prepare`. Runs one request at a time, under its client's lock."""
 
     def __init__(self, client: _Client, model: str, version: int | None, *, inputs: dict[str, np.ndarray],
@@ -76,7 +76,7 @@ class _AsyncClient(Protocol):
     async def _close_prepared(self, prep: AsyncPreparedInfer) -> None: ...
 
 
-class AsyncPreparedInfer(_Prepared):
+class AsyncPreparedInfer(PreparedBase):
     """Made by :meth:`AsyncShmClient.prepare`: one per concurrent loop (each runs one request at a
     time; several prepared requests run side by side on one connection, batched by the daemon)."""
 

@@ -46,7 +46,8 @@ from edged.backends.benchmark import (
     shape_label,
 )
 from edged.backends.selection import Candidate
-from edged.core.model_versions import ModelLoader, ModelState, ModelTable, ModelVersion, sample_inputs, synthesized
+from edged.core.model_loader import ModelLoader
+from edged.core.model_versions import ModelState, ModelTable, ModelVersion, sample_inputs, synthesized
 from edged.core.traffic import Seen, TrafficMix
 from edged.core.upgrade import SwappableEngine
 from edged.repository.manifest import TensorSpec

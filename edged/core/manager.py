@@ -19,7 +19,8 @@ import psutil
 
 from edged.config import ModelsSection
 from edged.core.chooser import EngineChooser, attach
-from edged.core.model_versions import ModelLoader, ModelState, ModelTable, ModelVersion
+from edged.core.model_loader import ModelLoader
+from edged.core.model_versions import ModelState, ModelTable, ModelVersion
 from edged.core.output_shapes import OutputShapeCheck
 from edged.core.pipelines import PipelineRunner, ServiceGateway, load_pipeline_version
 from edged.core.scheduler import Scheduler

@@ -275,7 +275,7 @@ def test_selection_key_changes_with_what_the_speed_depends_on() -> None:
         selection_key("m", 1, c, {"onnxruntime": "1.20"}, threads=0, batch_sizes=[1, 8],
                       fingerprint={"cpu": ["x86_64", "GenuineIntel", "Core i7", 8, ["avx2", "avx512_vnni"]]}),
         selection_key("m", 2, c, {"onnxruntime": "1.20"}, threads=0, batch_sizes=[1, 8], fingerprint=fp),
-        # other declared shapes or warm-up data (core.model_versions.workload_digest)
+        # other declared shapes or warm-up data (core.model_loader.workload_digest)
         selection_key("m", 1, c, {"onnxruntime": "1.20"}, threads=0, batch_sizes=[1, 8], fingerprint=fp,
                       workload="f" * 64),
         # two instances split a CPU engine's threads (OpenVINO: its streams)

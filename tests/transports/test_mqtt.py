@@ -185,7 +185,7 @@ def test_repeated_binary_headers_are_decoded_by_plan(
                        CorrelationData=f"p-{k}".encode(), UserProperty=hlen)
         msg = client.get(where=_correlated(f"p-{k}".encode()))
         np.testing.assert_array_equal(_probs(msg.payload, user_properties(msg)), digits.expected(x))
-    assert t._plans.hits == 3
+    assert t.requests.plans.hits == 3
     client.publish("edged/dev/infer/digits", header + digits.x[:1].astype(np.float32).tobytes(),
                    ResponseTopic=f"{REPLY}/py", CorrelationData=b"p-short", UserProperty=hlen)
     msg = client.get(where=_correlated(b"p-short"))
@@ -203,7 +203,7 @@ def test_repeated_binary_headers_are_decoded_by_plan(
                                           digits.expected(digits.x[k:k + 1]))
     finally:
         c.close()
-    assert t._plans.hits == 3
+    assert t.requests.plans.hits == 3
 
 
 def test_a_lone_request_runs_on_pahos_thread_and_a_burst_is_queued(
@@ -214,7 +214,7 @@ def test_a_lone_request_runs_on_pahos_thread_and_a_burst_is_queued(
     is the in-process one and every request is counted once, whichever path it took."""
     # The run-time bound is the scheduler's to judge (tests/device/test_core.py); here a loaded
     # machine's slow digits run must not queue a lone request.
-    monkeypatch.setattr("edged.transports.mqtt.transport.LOOP_INLINE_MAX_NS", 10**9)
+    monkeypatch.setattr("edged.transports.mqtt.intake.LOOP_INLINE_MAX_NS", 10**9)
     t = transports(broker.url)
     want = digits.expected(digits.x[:40])
     time.sleep(0.15)  # past the scheduler's memory of overlapping traffic (earlier tests share the model)
@@ -238,7 +238,7 @@ def test_a_lone_request_runs_on_pahos_thread_and_a_burst_is_queued(
     # Hold paho's thread at its first request (it takes this lock to read the backlog) until the other
     # requests are waiting on the socket behind it: then none of them is alone.
     requests = t.counters["requests"]
-    with t._unsent_lock:
+    with t.pending.unsent_lock:
         for i in range(20, 40):
             client.publish("edged/dev/infer/digits", _json_request(digits.x[i:i + 1]), qos=0,
                            ResponseTopic=f"{REPLY}/py", CorrelationData=f"burst-{i}".encode())
@@ -596,9 +596,9 @@ def test_unreachable_broker_at_start_logs_once_and_connects_later(
     caplog.set_level(logging.INFO, logger="edged.transports.mqtt.transport")
     t = transports(broker.url, ready=False, reconnect_min_s=0.05, reconnect_max_s=0.2)
     end = time.monotonic() + 20
-    while t._backoff.attempts < 4 and time.monotonic() < end:
+    while t.session.backoff.attempts < 4 and time.monotonic() < end:
         time.sleep(0.05)
-    assert t._backoff.attempts >= 4 and not t.link.up
+    assert t.session.backoff.attempts >= 4 and not t.link.up
     downs = [r for r in caplog.records if "not connected" in r.getMessage()]
     assert len(downs) == 1, [r.getMessage() for r in downs]
     broker.start()
@@ -700,9 +700,9 @@ def test_username_password(tmp_path: Path, transports: Callable[..., MqttTranspo
         bad = transports(broker.url, 'username = "edge"\npassword = "wrong"', device="bad", ready=False,
                          reconnect_min_s=0.05, reconnect_max_s=0.1)
         end = time.monotonic() + 10
-        while bad._backoff.attempts < 3 and time.monotonic() < end:
+        while bad.session.backoff.attempts < 3 and time.monotonic() < end:
             time.sleep(0.05)
-        assert bad._backoff.attempts >= 3, "the refused client did not retry"
+        assert bad.session.backoff.attempts >= 3, "the refused client did not retry"
         assert not bad.ready.is_set()
         refused = [r for r in caplog.records if "refused" in r.getMessage()]
         assert len(refused) == 1

@@ -198,7 +198,7 @@ def test_zero_copy_inputs_and_output_views(served: Served, digits_holdout: tuple
         buf = c.input_buffer("digits", "pixels", (4, 64))
         assert buf.dtype == np.float32 and not buf.flags.owndata
         buf[:] = x[:4]
-        packed = plan_inputs(c._st.segments, {"pixels": buf})
+        packed = plan_inputs(c._core.segments, {"pixels": buf})
         assert packed.staged == [] and len(packed.refs) == 1  # sent by reference, not copied
         out = c.infer("digits", {"pixels": buf}, copy=False)["probabilities"]
         assert not out.flags.owndata  # a view on the shared output area

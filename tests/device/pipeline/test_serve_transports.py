@@ -193,16 +193,16 @@ def test_shm_bytes_descriptor_claiming_more_elements_than_its_range_holds_is_ref
     from edged.protocol import shm as p
 
     with ShmClient(shm) as client:
-        seg = client._register(4096)
+        seg = client._run(client._core.register(4096))
         seg.view(np.dtype(np.uint8), (8,), 0)[:] = np.frombuffer(b"\x04\0\0\0abcd", np.uint8)
         # 2^31 elements claimed in 8 bytes: refused before any allocation, the connection serves on
         tensor = p.encode_tensor("image", p.BYTES, (1 << 31,), segment=seg.id, offset=0, nbytes=8)
-        msg = p.encode_infer(client._next(), "orientation_classify", 0, [tensor], out_segment=seg.id,
+        msg = p.encode_infer(client._core.next_id(), "orientation_classify", 0, [tensor], out_segment=seg.id,
                              out_offset=1024, out_capacity=3072)
         status, _, body = client._call(msg)
         assert status == 1 and "2147483648 BYTES elements" in p.decode_error(body)[1]
         tensor = p.encode_tensor("image", p.BYTES, (1,), segment=seg.id, offset=4090, nbytes=8)
-        msg = p.encode_infer(client._next(), "orientation_classify", 0, [tensor], out_segment=seg.id,
+        msg = p.encode_infer(client._core.next_id(), "orientation_classify", 0, [tensor], out_segment=seg.id,
                              out_offset=1024, out_capacity=3072)
         status, _, body = client._call(msg)
         assert status == 1 and "input 'image'" in p.decode_error(body)[1]
