@@ -8,18 +8,24 @@ Transports decode their wire format into an :class:`InferRequest`, call
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
+from edged.config import VersionPolicy
 from edged.core.manager import ModelManager
 from edged.core.model_versions import ModelState, ModelVersion
-from edged.core.pipelines import start_pipeline_request
+from edged.core.pipelines import load_pipeline_version, start_pipeline_request
 from edged.core.scheduler import Scheduler
 from edged.core.validation import validate
 from edged.errors import ModelNotReadyError, model_not_ready, unknown_model
 from edged.membudget import MemoryBudget
+from edged.protocol.names import valid_model_name
 from edged.protocol.types import InferRequest, InferResponse
+from edged.protocol.v2_models import RepositoryEntry
+from edged.repository.digests import DigestCache
+from edged.repository.store import VersionEntry
 
 T = TypeVar("T")
 
@@ -54,7 +60,19 @@ def _release_when_done(future: Future[InferResponse], owned: _Owned) -> None:
         future.add_done_callback(lambda _f: memory.release())
 
 
+class LoadCheck(NamedTuple):
+    """What loading a version aside (never published) showed: the engine it got, or why it did not load."""
+
+    engine: str | None
+    reason: str | None
+
+
 class InferenceService:
+    """The façade of core: inference, model control, the repository index, readiness and statistics.
+
+    Transports, telemetry, health and sync call these methods and nothing else of core (checked by
+    tools/archgraph.py); the types they hand out are named in :mod:`edged.core.public`."""
+
     def __init__(self, manager: ModelManager, budget: MemoryBudget | None = None) -> None:
         """``budget``: what requests in progress may hold together, shared by every transport."""
         self.manager = manager
@@ -81,6 +99,93 @@ class InferenceService:
     def is_ready(self, name: str, version: int | None = None) -> bool:
         mv = self.manager.table.find(name, version)
         return mv is not None and ready_now(mv)
+
+    def find(self, name: str, version: int | None = None) -> ModelVersion | None:
+        """The version in the table (the serving one for ``None``), or None: never raises."""
+        return self.manager.table.find(name, version)
+
+    def versions(self, name: str | None = None) -> list[ModelVersion]:
+        """The versions in the table, loaded or refused: of ``name``, or of every model."""
+        return self.manager.table.all() if name is None else self.manager.table.versions(name)
+
+    def ready(self) -> bool:
+        """Able to infer: some model can answer now, or none is configured (server readiness)."""
+        mvs = self.manager.table.all()
+        return not mvs or any(ready_now(mv) for mv in mvs)
+
+    def statuses(self) -> list[dict[str, object]]:
+        """Every version's status (``models list``, MQTT status), reloads that failed included."""
+        return self.manager.statuses()
+
+    def version_policy(self, name: str) -> VersionPolicy:
+        """Which versions of ``name`` the live configuration serves."""
+        return self.manager.models_cfg.policy_for(name)
+
+    def repository_index(self) -> list[RepositoryEntry]:
+        """Every model in the repository: the table's versions, then folders on disk not loaded
+        (disabled or unloaded), in no particular order. Reads the disk: not on an event loop."""
+        manager = self.manager
+        out: list[RepositoryEntry] = []
+        loaded: set[str] = set()
+        for mv in manager.table.all():
+            loaded.add(mv.name)
+            out.append(RepositoryEntry(mv.name, mv.version, mv.state.value, mv.reason or ""))
+        try:
+            on_disk = sorted(p.name for p in manager.repository.iterdir()
+                             if p.is_dir() and valid_model_name(p.name) and p.name not in loaded)
+        except OSError:
+            on_disk = []
+        disabled = set(manager.models_cfg.disabled)
+        out += [RepositoryEntry(name, None, ModelState.UNAVAILABLE.value,
+                                "disabled in the configuration" if name in disabled else "unloaded")
+                for name in on_disk]
+        return out
+
+    # ---- model control ----------------------------------------------------------------------
+    def load(self, name: str, versions: list[int] | None = None) -> list[ModelVersion]:
+        """(Re)load ``name`` without downtime (``versions`` None: the version policy decides); blocks."""
+        return self.manager.load_model(name, versions)
+
+    def unload(self, name: str, *, by_operator: bool = False) -> None:
+        """Drain and unload every version of ``name``; ``by_operator``: asked for through a management API."""
+        self.manager.unload_model(name, by_operator=by_operator)
+
+    def unloaded_by_operator(self, name: str) -> bool:
+        """Whether an operator unloaded ``name`` (a release's trial pauses instead of failing)."""
+        return name in self.manager.operator_unloaded
+
+    def pin(self, name: str, version: int | None) -> None:
+        """Make the live version policy serve exactly ``version`` of ``name`` (None: disable the model).
+        Takes effect on the next :meth:`load`; a configuration reload (SIGHUP) replaces it."""
+        models = self.manager.models_cfg
+        if version is None:
+            if name not in models.disabled:
+                models.disabled.append(name)
+            return
+        models.policies[name] = VersionPolicy(specific=[version])
+        if name in models.disabled:
+            models.disabled.remove(name)
+
+    def try_load(self, entry: VersionEntry, stop: threading.Event | None = None) -> LoadCheck:
+        """Load a version aside, never published: a model gets its engine (a better engine being built
+        finishes first, unless ``stop`` is set) and lets it go; a pipeline compiles against what is
+        served now. Blocks for the whole load: run it in a worker thread."""
+        if entry.error:
+            return LoadCheck(None, entry.error)
+        if entry.pipeline:
+            mv = load_pipeline_version(entry, self.manager.gateway, DigestCache(None))
+            return LoadCheck("pipeline", None) if mv.state is ModelState.READY else LoadCheck(None, mv.reason)
+        mv = self.manager.loader.load(entry)
+        if mv.upgrade is not None:
+            while not mv.upgrade.wait(1.0) and not (stop is not None and stop.is_set()):
+                pass
+            mv.upgrade.cancel()
+        if mv.state is ModelState.READY and mv.engine is not None:
+            label = mv.candidate.label if mv.candidate else None
+            mv.engine.unload()
+            mv.engine = None
+            return LoadCheck(label, None)
+        return LoadCheck(None, mv.reason or "did not load")
 
     # ---- inference --------------------------------------------------------------------------
     def _dispatch(self, req: InferRequest, run: Callable[[Scheduler, InferRequest, int], T],

@@ -230,7 +230,7 @@ class GrpcApp:
 
     async def model_config(self, req: pb.ModelConfigRequest, context: Any) -> pb.ModelConfigResponse:
         mv = self.service.model(req.name, _version(req.version))
-        cfg = self._scrubbed(model_config(mv, self.service.manager.models_cfg.policy_for(req.name)))
+        cfg = self._scrubbed(model_config(mv, self.service.version_policy(req.name)))
         return pb.ModelConfigResponse(config=json_format.ParseDict(cfg, mc.ModelConfig(), ignore_unknown_fields=True))
 
     async def model_statistics(self, req: pb.ModelStatisticsRequest, context: Any) -> pb.ModelStatisticsResponse:

@@ -177,7 +177,7 @@ class V2App:
         if action == "config":
             _allow(method, "GET")
             mv = self.service.model(model, version)
-            policy = self.service.manager.models_cfg.policy_for(model)
+            policy = self.service.version_policy(model)
             return self._json(model_config(mv, policy), scrub=True)
         if action == "stats":
             _allow(method, "GET")

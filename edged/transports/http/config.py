@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from edged.config import VersionPolicy
-from edged.core.model_versions import ModelVersion
+from edged.core.public import ModelVersion
 from edged.repository.manifest import TensorSpec
 
 _PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "openvino": "openvino", "tensorrt": "tensorrt_plan"}

@@ -855,7 +855,7 @@ class MqttTransport:
         client = self._client
         if client is None or not self.link.up:
             return
-        statuses = self.service.manager.statuses()
+        statuses = self.service.statuses()
         io: dict[str, dict[str, Any]] = {}
         for name in {str(st["name"]) for st in statuses}:
             try:
