@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, NamedTuple, TypeVar
@@ -19,12 +20,20 @@ from edged.core.model_versions import ModelState, ModelVersion
 from edged.core.pipelines import load_pipeline_version, start_pipeline_request
 from edged.core.scheduler import Scheduler
 from edged.core.validation import validate
-from edged.errors import ModelNotReadyError, model_not_ready, unknown_model
+from edged.errors import DeadlineExceededError, ModelNotReadyError, model_not_ready, unknown_model
 from edged.membudget import MemoryBudget
+from edged.pipeline.graph import CallContext, Tensors
 from edged.protocol.names import valid_model_name
 from edged.protocol.types import InferRequest, InferResponse
-from edged.protocol.v2_models import RepositoryEntry
+from edged.protocol.v2_models import (
+    ModelDescription,
+    RepositoryEntry,
+    TensorDescription,
+    VersionStatistics,
+    statistics_entry,
+)
 from edged.repository.digests import DigestCache
+from edged.repository.manifest import TensorSpec
 from edged.repository.store import VersionEntry
 
 T = TypeVar("T")
@@ -54,6 +63,12 @@ class _Owned:
             self.memory.release()
 
 
+def _heard(answer: asyncio.Future[InferResponse]) -> None:
+    """Take a late step's outcome, which nobody waits for any more (no "never retrieved" warning)."""
+    if not answer.cancelled():
+        answer.exception()
+
+
 def _release_when_done(future: Future[InferResponse], owned: _Owned) -> None:
     memory, owned.memory = owned.memory, None
     if memory is not None:
@@ -77,7 +92,9 @@ class InferenceService:
         """``budget``: what requests in progress may hold together, shared by every transport."""
         self.manager = manager
         self.budget = budget if budget is not None else MemoryBudget.unlimited()
-        manager.gateway.attach(self.infer_async)
+        # Pipelines: compiled by the manager against its table, run on its pipeline loop; each request's
+        # model steps come back here (call_model), handed with the request by _start_pipeline.
+        self._pipelines = manager.runner
 
     # ---- lookup -----------------------------------------------------------------------------
     def model(self, name: str, version: int | None = None) -> ModelVersion:
@@ -249,33 +266,53 @@ class InferenceService:
             return done
 
     def _start_pipeline(self, mv: ModelVersion, req: InferRequest) -> Future[InferResponse]:
-        return start_pipeline_request(mv, req, self.manager.runner, self.budget)
+        return start_pipeline_request(mv, req, self._pipelines, self, self.budget)
 
     async def infer_async(self, req: InferRequest) -> InferResponse:
         return await asyncio.wrap_future(self.submit(req))
 
+    async def call_model(self, model: str, version: int | None, inputs: Tensors,
+                         context: CallContext) -> Tensors:
+        """A pipeline's model step: queued on the model's scheduler with the pipeline request's deadline
+        and priority, and waited for no longer than that deadline. A step still queued or running then
+        fails the request at once (the scheduler drops it unstarted when its turn comes; a run already
+        started finishes unheard) instead of holding the caller past the time it gave."""
+        req = InferRequest(model=model, inputs=inputs, version=version, deadline=context.deadline,
+                           parameters=dict(context.parameters))
+        answer = asyncio.wrap_future(self.submit(req))
+        if context.deadline is not None:
+            try:
+                # asyncio.wait, not wait_for: the queued step is left for the scheduler to refuse as late.
+                done, _ = await asyncio.wait({answer}, timeout=max(0.0, context.deadline - time.monotonic()))
+            except asyncio.CancelledError:
+                answer.cancel()  # the pipeline request ended otherwise: its step is not wanted any more
+                raise
+            if not done:
+                answer.add_done_callback(_heard)
+                raise DeadlineExceededError(f"model {model!r}: the pipeline request's deadline passed while "
+                                            "its model step waited")
+        return (await answer).outputs
+
     # ---- metadata ---------------------------------------------------------------------------
-    def metadata(self, name: str, version: int | None = None) -> dict[str, Any]:
-        """The v2 model metadata response, plus where the model runs."""
+    def describe(self, name: str, version: int | None = None) -> ModelDescription:
+        """What a v2 server says about the model (protocol.v2_models.metadata_response), plus where it runs."""
         mv = self.model(name, version)
-        mbs = mv.max_batch_size
 
-        def tensors(specs: Any) -> list[dict[str, Any]]:
-            return [{"name": s.name, "datatype": s.datatype, "shape": ([-1] if mbs > 0 else []) + list(s.shape)}
-                    for s in specs]
+        def tensors(specs: list[TensorSpec]) -> tuple[TensorDescription, ...]:
+            return tuple(TensorDescription(s.name, s.datatype, tuple(s.shape)) for s in specs)
 
-        versions = [str(v.version) for v in self.manager.table.versions(name)]
         status = mv.status()
         c = mv.candidate
-        return {
-            "name": name,
-            "versions": versions,
-            "platform": "ensemble" if mv.entry.pipeline else {
+        return ModelDescription(
+            name=name,
+            versions=tuple(v.version for v in self.manager.table.versions(name)),
+            platform="ensemble" if mv.entry.pipeline else {
                 "onnxruntime": "onnxruntime_onnx", "openvino": "openvino", "tensorrt": "tensorrt_plan"}.get(
                 c.backend if c else "", "unknown"),
-            "inputs": tensors(mv.inputs),
-            "outputs": tensors(mv.outputs),
-            "parameters": {
+            batched=mv.max_batch_size > 0,
+            inputs=tensors(mv.inputs),
+            outputs=tensors(mv.outputs),
+            details={
                 "backend": c.backend if c else None, "device": c.device if c else None,
                 "precision": c.precision if c else None, "state": mv.state.value,
                 "reason": mv.reason, "warmup": mv.warmup_note, "note": mv.output_note,
@@ -286,9 +323,10 @@ class InferenceService:
                 "chosen_how": status.get("chosen_how"),
                 "upgrade": status.get("upgrade"),
             },
-        }
+        )
 
-    def statistics(self, name: str | None = None, version: int | None = None) -> list[dict[str, Any]]:
+    def version_statistics(self, name: str | None = None, version: int | None = None) -> list[VersionStatistics]:
+        """The counters of every version (``name`` None), of a model's versions, or of one version."""
         if name is None:
             mvs = self.manager.table.all()
         elif version is None:
@@ -297,4 +335,10 @@ class InferenceService:
                 raise unknown_model(name, None, f"model {name!r} is not in the repository")
         else:
             mvs = [self.model(name, version)]
-        return [mv.stats.to_triton() for mv in mvs if mv.stats is not None]
+        return [mv.stats.snapshot() for mv in mvs if mv.stats is not None]
+
+    def statistics(self, name: str | None = None, version: int | None = None) -> list[dict[str, Any]]:
+        """:meth:`version_statistics` in Triton's shape (counters by their wire names), kept for
+        edged.sync.trial until the updater's split reads ``version_statistics`` (issue 38) and for tests;
+        transports format on their side (protocol.v2_models)."""
+        return [statistics_entry(s) for s in self.version_statistics(name, version)]

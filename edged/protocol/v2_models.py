@@ -22,7 +22,7 @@ class RepositoryEntry:
     reason: str = ""
 
 
-def repository_index(entries: Sequence[RepositoryEntry], ready_only: bool) -> list[dict[str, Any]]:
+def index_response(entries: Sequence[RepositoryEntry], ready_only: bool) -> list[dict[str, Any]]:
     """Triton's repository index: name, version, state (upper case) and reason, sorted by name and version."""
     out = [
         {
@@ -58,7 +58,7 @@ class ModelDescription:
     details: Mapping[str, Any] = field(default_factory=dict)
 
 
-def model_metadata(d: ModelDescription) -> dict[str, Any]:
+def metadata_response(d: ModelDescription) -> dict[str, Any]:
     """The v2 model metadata response (a batched model's tensors lead with -1), edged's details as parameters."""
     lead = [-1] if d.batched else []
 
@@ -118,7 +118,7 @@ def _duration(d: Duration) -> dict[str, int]:
     return {"count": d.count, "ns": d.ns}
 
 
-def model_statistics(s: VersionStatistics) -> dict[str, Any]:
+def statistics_entry(s: VersionStatistics) -> dict[str, Any]:
     """Triton's statistics extension entry for one version (edged's extra counters alongside)."""
     return {
         "name": s.name,
@@ -151,3 +151,8 @@ def model_statistics(s: VersionStatistics) -> dict[str, Any]:
         "inline_count": s.inline_count,
         "batching": None if s.batching is None else dict(s.batching),
     }
+
+
+def statistics_response(stats: Sequence[VersionStatistics]) -> dict[str, Any]:
+    """The v2 statistics extension's response body."""
+    return {"model_stats": [statistics_entry(s) for s in stats]}

@@ -48,7 +48,7 @@ def parse_version(raw: str) -> int:
 
 def repository_index(service: InferenceService, ready_only: bool) -> list[dict[str, Any]]:
     """Every model in the repository, loaded or not (Triton's index shape). Reads the disk: not on the loop."""
-    return v2_models.repository_index(service.repository_index(), ready_only)
+    return v2_models.index_response(service.repository_index(), ready_only)
 
 
 def check_model_control(authority: Authority, peer: Peer, name: str, action: str, params: set[str]) -> None:

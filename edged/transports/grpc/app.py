@@ -27,6 +27,7 @@ from edged.core.service import InferenceService
 from edged.errors import EdgedError, ErrorCode, InvalidInputError
 from edged.membudget import Reservation
 from edged.protocol.v2 import dumps, loads
+from edged.protocol.v2_models import metadata_response, statistics_response
 from edged.transports import v2_ops
 from edged.transports.authority import Authority, Peer, bearer
 from edged.transports.grpc.codec import (
@@ -223,7 +224,7 @@ class GrpcApp:
         return pb.ServerMetadataResponse(**v2_ops.server_metadata())
 
     async def model_metadata(self, req: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
-        md = self._scrubbed(self.service.metadata(req.name, _version(req.version)))
+        md = self._scrubbed(metadata_response(self.service.describe(req.name, _version(req.version))))
         out = pb.ModelMetadataResponse()
         json_format.ParseDict(md, out, ignore_unknown_fields=True)
         return out
@@ -234,9 +235,9 @@ class GrpcApp:
         return pb.ModelConfigResponse(config=json_format.ParseDict(cfg, mc.ModelConfig(), ignore_unknown_fields=True))
 
     async def model_statistics(self, req: pb.ModelStatisticsRequest, context: Any) -> pb.ModelStatisticsResponse:
-        stats = self.service.statistics(req.name or None, _version(req.version))
+        stats = self.service.version_statistics(req.name or None, _version(req.version))
         out = pb.ModelStatisticsResponse()
-        json_format.ParseDict({"model_stats": stats}, out, ignore_unknown_fields=True)
+        json_format.ParseDict(statistics_response(stats), out, ignore_unknown_fields=True)
         return out
 
     # ---- model repository -------------------------------------------------------------------

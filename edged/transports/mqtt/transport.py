@@ -49,6 +49,7 @@ from edged.protocol.mqtt import Form, Topics
 from edged.protocol.mqtt_topics import ReplyPolicy
 from edged.protocol.types import InferRequest, InferResponse
 from edged.protocol.v2 import DecodedRequest, decode_request, dumps, encode_response, loads
+from edged.protocol.v2_models import metadata_response
 from edged.protocol.v2_plans import RequestPlans, encode_answer
 from edged.transports.mqtt.bindings import (
     BindingStats,
@@ -859,7 +860,7 @@ class MqttTransport:
         io: dict[str, dict[str, Any]] = {}
         for name in {str(st["name"]) for st in statuses}:
             try:
-                io[name] = self.service.metadata(name)
+                io[name] = metadata_response(self.service.describe(name))
             except EdgedError:
                 pass  # unloaded meanwhile
         docs = {name: self.scrub.data(dumps(doc)) for name, doc in model_statuses(statuses, io).items()}
