@@ -203,7 +203,7 @@ def graph_part(tmp: Path, data: bytes, seconds: float) -> None:
     import asyncio
 
     from edged.pipeline.definition import load_pipeline
-    from edged.pipeline.graph import compile_pipeline
+    from edged.pipeline.graph import CallContext, compile_pipeline
     from tests.http_helpers import served
 
     repo = tmp / "graph-models"
@@ -214,8 +214,10 @@ def graph_part(tmp: Path, data: bytes, seconds: float) -> None:
         pipeline = compile_pipeline(load_pipeline(folder), folder, s.service.manager.gateway)
         request = {"image": one(data)}
 
+        context = CallContext(models=s.service)
+
         def call() -> object:
-            return asyncio.run_coroutine_threadsafe(pipeline.run(request), s.loop).result(60)
+            return asyncio.run_coroutine_threadsafe(pipeline.run(request, context), s.loop).result(60)
 
         res = interleaved({"graph runtime, c=1": call, "by hand, c=1": lambda: hand_orientation(data)}, seconds)
         c1, hand_now = show(res["graph runtime, c=1"]), show(res["by hand, c=1"])

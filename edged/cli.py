@@ -218,8 +218,8 @@ def _local_models(cfg: Any) -> tuple[list[dict[str, Any]], str, str]:
 
     rt = build_runtime(cfg)
     try:
-        self_test(rt.service, rt.manager.table.all(), SELF_TEST_TIMEOUT_S)
-        return rt.manager.statuses(), "loaded here as the daemon loads them (no daemon is running)", rt.profile.name
+        self_test(rt.service, rt.service.versions(), SELF_TEST_TIMEOUT_S)
+        return rt.service.statuses(), "loaded here as the daemon loads them (no daemon is running)", rt.profile.name
     finally:
         rt.manager.shutdown()
 

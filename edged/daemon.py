@@ -79,7 +79,7 @@ def choose_profile(cfg: Config, facts: HardwareFacts) -> ProfileMatch:
 
 def _serving_backends(rt: Runtime) -> list[str]:
     """The engines that serve a model now: known to work here, probed or not."""
-    return sorted({mv.candidate.backend for mv in _ready(rt.manager.table.all()) if mv.candidate is not None})
+    return sorted({mv.candidate.backend for mv in _ready(rt.service.versions()) if mv.candidate is not None})
 
 
 def build_runtime(cfg: Config, *, load: bool = True, only: str | None = None, defer_choice: bool = False) -> Runtime:
@@ -140,7 +140,7 @@ def _log_crash(task: asyncio.Task[None]) -> None:
 
 def _in_flight(rt: Runtime) -> int:
     """Requests queued or running (stats count both, the inline fast path included)."""
-    return sum(mv.stats.in_flight for mv in rt.manager.table.all() if mv.stats is not None)
+    return sum(mv.stats.in_flight for mv in rt.service.versions() if mv.stats is not None)
 
 
 class Daemon:
@@ -261,7 +261,7 @@ class Daemon:
         log.info("%s", plan_threads(self.cfg.limits, rt.profile.threads).describe())
         if self._stop.is_set():
             return False
-        ready = _ready(rt.manager.table.all())
+        ready = _ready(rt.service.versions())
         n.status(f"self-test of {len(ready)} model version(s) on profile {rt.profile.name}")
         failed = await asyncio.to_thread(self_test, rt.service, ready, SELF_TEST_TIMEOUT_S)
         if self._stop.is_set():
@@ -276,7 +276,7 @@ class Daemon:
         for s in self._make_services(rt, metrics):
             await s.start()
             self.services.append(s)
-        all_mvs = rt.manager.table.all()
+        all_mvs = rt.service.versions()
         log.info("edged ready in %.2fs: %d model version(s) serving, %d unavailable (%d failed the self-test), "
                  "profile %s", time.monotonic() - t0, len(_ready(all_mvs)), len(all_mvs) - len(_ready(all_mvs)),
                  len(failed), rt.profile.name)
@@ -350,7 +350,7 @@ class Daemon:
     def _drain_all(rt: Runtime, budget_s: float) -> bool:
         end = time.monotonic() + budget_s
         ok = True
-        for mv in rt.manager.table.all():
+        for mv in rt.service.versions():
             if mv.scheduler is not None:
                 ok = mv.scheduler.drain(max(0.0, end - time.monotonic())) and ok
         # Requests a transport runs inline on its own thread are not in any queue: wait for those too.
@@ -369,7 +369,7 @@ class Daemon:
         rt = self.runtime
         if rt is None:
             return "starting"
-        mvs = rt.manager.table.all()
+        mvs = rt.service.versions()
         ready = _ready(mvs)
         text = f"serving {len(ready)} model version(s)"
         if len(mvs) > len(ready):

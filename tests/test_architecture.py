@@ -47,21 +47,43 @@ def test_the_rules_catch_each_kind_of_breach() -> None:
                            "edged.telemetry.prometheus": {"edged.telemetry.agent"}})
     assert inner == ["module import cycle: edged.telemetry.agent <-> edged.telemetry.prometheus"]
     # Two top-level packages importing each other through modules the diagram draws apart (protocol's
-    # wire formats are boxes of their own): core.stats -> protocol.fleet, protocol.v2 -> core.types.
+    # wire formats are boxes of their own): core.stats -> protocol.fleet, protocol.v2 -> core.service.
     split = ag.violations({"edged.core.stats": {"edged.protocol.fleet.telemetry"},
-                           "edged.protocol.v2": {"edged.core.types"},
-                           "edged.protocol.fleet.telemetry": set(), "edged.core.types": set()})
+                           "edged.protocol.v2": {"edged.core.service"},
+                           "edged.protocol.fleet.telemetry": set(), "edged.core.service": set()})
     assert split == ["top-level packages import each other: core <-> protocol"], split
     # A loop through several packages, none of them importing another both ways (the six-package loop of
     # issue 38: backends -> protocol -> core -> ... -> backends), each edge lazy or for types only in life.
     loop = ag.violations({"edged.backends.trt_worker.supervisor": {"edged.protocol.shm"},
-                          "edged.protocol.v2": {"edged.core.types"},
+                          "edged.protocol.v2": {"edged.core.service"},
                           "edged.core.scheduler": {"edged.backends.base"},
-                          "edged.protocol.shm": set(), "edged.core.types": set(), "edged.backends.base": set()})
+                          "edged.protocol.shm": set(), "edged.core.service": set(), "edged.backends.base": set()})
     assert loop == ["top-level packages caught in an import loop: backends -> core -> protocol"], loop
     # The simulator is a part of its own that may use both wings' code.
     assert ag.violations({"edged.registry.sim.device": {"edged.sync.plan", "edged.registry.service"},
                           "edged.sync.plan": set(), "edged.registry.service": set()}) == []
+
+
+def test_outside_core_only_the_facade_is_imported() -> None:
+    """Transports, telemetry, health and the rest reach core through the service (and the types it hands
+    out); the wiring at the top and core itself may import any of it; an unused exception is reported."""
+    ag = _archgraph()
+    graph = {
+        "edged.transports.v2_ops": {"edged.core.service", "edged.core.public"},
+        "edged.telemetry.model_metrics": {"edged.core.stats"},
+        "edged.systemd.health": {"edged.core.manager"},
+        "edged.daemon": {"edged.core.manager"},
+        "edged.core.service": {"edged.core.manager", "edged.core.stats"},
+        "edged.core.manager": set(), "edged.core.stats": set(), "edged.core.public": set(),
+    }
+    assert ag.violations(graph) == [
+        "edged.systemd.health reaches into core: edged.core.manager "
+        "(outside core use edged.core.service or edged.core.public)",
+        "edged.telemetry.model_metrics reaches into core: edged.core.stats "
+        "(outside core use edged.core.service or edged.core.public)"]
+    (a, b), *_ = sorted(ag.FACADE_EXCEPTIONS)
+    assert ag.violations({a: {b}, b: set()}) == []
+    assert ag.violations({a: set()}) == [f"façade exception no longer used: {a} -> {b}"]
 
 
 def test_the_scan_sees_lazy_and_type_checking_imports(tmp_path: Path) -> None:

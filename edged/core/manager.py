@@ -22,7 +22,7 @@ from edged.core.chooser import EngineChooser, attach
 from edged.core.model_loader import ModelLoader
 from edged.core.model_versions import ModelState, ModelTable, ModelVersion
 from edged.core.output_shapes import OutputShapeCheck
-from edged.core.pipelines import PipelineRunner, ServiceGateway, load_pipeline_version
+from edged.core.pipelines import PipelineRunner, ServedModels, load_pipeline_version
 from edged.core.scheduler import Scheduler
 from edged.core.stats import ModelStats
 from edged.core.traffic import TrafficMix
@@ -89,8 +89,9 @@ class ModelManager:
         self._failed_lock = threading.Lock()  # statuses() must not wait for a slow load
         # Models an operator unloaded through a management API: the updater pauses a trial instead of failing it.
         self.operator_unloaded: set[str] = set()
-        # Pipelines compile against this table and call models through the InferenceService it attaches.
-        self.gateway = ServiceGateway(self.table)
+        # Pipelines compile against this table; their requests run on the runner's loop, their model
+        # steps going back through the InferenceService that started each one (InferenceService.call_model).
+        self.gateway = ServedModels(self.table)
         self.runner = PipelineRunner()
 
     # ---- admission --------------------------------------------------------------------------

@@ -2,9 +2,11 @@
 
 A version folder holding ``pipeline.toml`` becomes a :class:`ModelVersion` whose
 ``pipeline`` is set (no engine, no scheduler of its own), so the table, the v2
-endpoints, statuses and telemetry see it as they see a model. Its model steps go
-through :class:`ServiceGateway`, i.e. the model's own scheduler: concurrent pipeline
-requests overlap and batch there, nothing serializes them at the pipeline.
+endpoints, statuses and telemetry see it as they see a model. It compiles against
+:class:`ServedModels` (the table); its model steps go back through the InferenceService
+that started the request (handed with it, :func:`start_pipeline_request`), i.e. to the
+model's own scheduler: concurrent pipeline requests overlap and batch there, nothing
+serializes them at the pipeline.
 
 Pipeline requests run as coroutines on one event loop in a thread of its own
 (:class:`PipelineRunner`), whatever transport or thread submits them; their CPU
@@ -17,7 +19,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -26,7 +28,6 @@ from edged.core.stats import ModelStats
 from edged.errors import (
     DeadlineExceededError,
     EdgedError,
-    InternalError,
     InvalidInputError,
     ManifestError,
     model_not_ready,
@@ -34,7 +35,7 @@ from edged.errors import (
 from edged.membudget import MemoryBudget, set_current
 from edged.pipeline.contract import ANY, PipelineDefinitionError, Port
 from edged.pipeline.definition import PIPELINE_FILE, files_read, load_pipeline
-from edged.pipeline.graph import CallContext, Tensors, compile_pipeline
+from edged.pipeline.graph import CallContext, ModelCaller, compile_pipeline
 from edged.protocol.types import InferRequest, InferResponse
 from edged.repository.digests import DigestCache
 from edged.repository.manifest import TensorSpec
@@ -43,22 +44,15 @@ from edged.repository.store import VersionEntry, check_file
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-InferAsync = Callable[[InferRequest], Awaitable[InferResponse]]
 
 
-class ServiceGateway:
-    """The graph's ModelGateway over the served models; ``version=None`` follows the serving version.
+class ServedModels:
+    """The graph's ModelGateway over the table (``version=None`` follows the serving version): what a
+    pipeline compiles against. The manager compiles pipelines before any service exists; calling the
+    models is the service's, handed to each request (``CallContext.models``)."""
 
-    Pipelines compile against the table (the manager loads them before any service
-    exists); requests go through the InferenceService's ``infer_async``, attached by
-    the service built on the manager (given, not imported: the service imports the manager)."""
-
-    def __init__(self, table: ModelTable, infer: InferAsync | None = None) -> None:
+    def __init__(self, table: ModelTable) -> None:
         self.table = table
-        self._infer = infer
-
-    def attach(self, infer: InferAsync) -> None:
-        self._infer = infer
 
     def model_ports(self, model: str, version: int | None) -> tuple[dict[str, Port], dict[str, Port]]:
         mv = self.table.find(model, version)
@@ -94,13 +88,6 @@ class ServiceGateway:
     def max_batch_size(self, model: str, version: int | None) -> int:
         mv = self.table.find(model, version)
         return mv.max_batch_size if mv is not None and mv.entry.manifest is not None else 0
-
-    async def infer(self, model: str, version: int | None, inputs: Tensors, context: CallContext) -> Tensors:
-        if self._infer is None:
-            raise InternalError(f"model {model!r}: pipelines run only through an InferenceService")
-        response = await self._infer(InferRequest(model=model, inputs=inputs, version=version,
-                                                  deadline=context.deadline, parameters=dict(context.parameters)))
-        return response.outputs
 
 
 class PipelineRunner:
@@ -196,7 +183,7 @@ def check_pipeline_files(entry: VersionEntry, digests: DigestCache) -> Any:
     return spec
 
 
-def load_pipeline_version(entry: VersionEntry, gateway: ServiceGateway, digests: DigestCache) -> ModelVersion:
+def load_pipeline_version(entry: VersionEntry, gateway: ServedModels, digests: DigestCache) -> ModelVersion:
     """Compile a pipeline version against what is served now; a refusal keeps its reason, never raises."""
     mv = ModelVersion(entry.model, entry.version, entry)
     if entry.error:
@@ -233,9 +220,10 @@ def load_pipeline_version(entry: VersionEntry, gateway: ServiceGateway, digests:
 INHERITED_PARAMETERS = ("priority",)
 
 
-def start_pipeline_request(mv: ModelVersion, req: InferRequest, runner: PipelineRunner,
+def start_pipeline_request(mv: ModelVersion, req: InferRequest, runner: PipelineRunner, models: ModelCaller,
                            budget: MemoryBudget | None = None) -> Future[InferResponse]:
-    """Check what can be checked at once, then run the request on the pipeline loop.
+    """Check what can be checked at once, then run the request on the pipeline loop; its model steps
+    go to ``models`` (the service that started it) with the request's deadline and priority.
 
     The request's steps charge what they decode (images, audio, padding) to a reservation on
     ``budget`` before allocating it; it is released when the request ends, whichever way."""
@@ -255,7 +243,7 @@ def start_pipeline_request(mv: ModelVersion, req: InferRequest, runner: Pipeline
     stats = mv.stats
     assert stats is not None
     context = CallContext(deadline=req.deadline, parameters={k: req.parameters[k] for k in INHERITED_PARAMETERS
-                                                             if k in req.parameters})
+                                                             if k in req.parameters}, models=models)
     stats.enter()
 
     async def run() -> InferResponse:

@@ -1,4 +1,4 @@
-"""Per model-version statistics, in the shape Triton's statistics extension reports.
+"""Per model-version statistics: the counters Triton's statistics extension reports, and edged's own.
 
 Durations come from ``time.monotonic_ns``; only ``last_inference`` is wall-clock
 (milliseconds since the epoch), because that is what clients display.
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edged.latency_buckets import LATENCY_BUCKETS_S  # the buckets the telemetry contract carries
+from edged.protocol.v2_models import BatchTimes, Duration, VersionStatistics
 
 # Inline runs waiting to be folded into the counters before the recording thread folds them itself
 # (readers fold first, so this only bounds the memory of a model nobody reads).
@@ -66,8 +67,8 @@ class _Duration:
         self.count += n
         self.ns += ns
 
-    def to_json(self) -> dict[str, int]:
-        return {"count": self.count, "ns": self.ns}
+    def frozen(self) -> Duration:
+        return Duration(self.count, self.ns)
 
 
 @dataclass
@@ -217,33 +218,17 @@ class ModelStats:
         if stamp:
             self.last_inference_ms = time.time_ns() // 1_000_000
 
-    def to_triton(self) -> dict[str, Any]:
+    def snapshot(self) -> VersionStatistics:
+        """Every counter as of one moment (protocol.v2_models puts it into Triton's statistics shape)."""
         batching = self.batching() if self.batching is not None else None
         with self.settled() as in_flight:
-            return {
-                "name": self.name,
-                "version": str(self.version),
-                "last_inference": self.last_inference_ms,
-                "inference_count": self.inference_count,
-                "execution_count": self.execution_count,
-                "inference_stats": {
-                    "success": self.success.to_json(),
-                    "fail": self.fail.to_json(),
-                    "queue": self.queue.to_json(),
-                    "compute_input": self.compute_input.to_json(),
-                    "compute_infer": self.compute_infer.to_json(),
-                    "compute_output": self.compute_output.to_json(),
-                    "cache_hit": {"count": 0, "ns": 0},
-                    "cache_miss": {"count": 0, "ns": 0},
-                },
-                "batch_stats": [
-                    {"batch_size": bs, "compute_input": b.compute_input.to_json(),
-                     "compute_infer": b.compute_infer.to_json(), "compute_output": b.compute_output.to_json()}
-                    for bs, b in sorted(self.batches.items())
-                ],
-                "failures_by_code": dict(self.failures_by_code),
-                "internal_requests": dict(self.internal),
-                "in_flight": in_flight,
-                "inline_count": self.inline_count,
-                "batching": batching,
-            }
+            return VersionStatistics(
+                name=self.name, version=self.version, last_inference_ms=self.last_inference_ms,
+                inference_count=self.inference_count, execution_count=self.execution_count,
+                success=self.success.frozen(), fail=self.fail.frozen(), queue=self.queue.frozen(),
+                compute_input=self.compute_input.frozen(), compute_infer=self.compute_infer.frozen(),
+                compute_output=self.compute_output.frozen(),
+                batches=tuple(BatchTimes(bs, b.compute_input.frozen(), b.compute_infer.frozen(),
+                                         b.compute_output.frozen()) for bs, b in sorted(self.batches.items())),
+                failures_by_code=dict(self.failures_by_code), internal_requests=dict(self.internal),
+                in_flight=in_flight, inline_count=self.inline_count, batching=batching)

@@ -39,20 +39,29 @@ Tensors = dict[str, np.ndarray]
 CustomFunction = Callable[[dict[str, np.ndarray], dict[str, Any]], Mapping[str, np.ndarray]]
 
 
+class ModelCaller(Protocol):
+    """Who answers a pipeline request's model steps: the inference service that started the request."""
+
+    def call_model(self, model: str, version: int | None, inputs: Tensors, context: CallContext) -> Awaitable[Tensors]:
+        """One call through the model's scheduler, under the pipeline request's deadline and priority."""
+        ...
+
+
 @dataclass(frozen=True)
 class CallContext:
-    """What a pipeline request hands every model call it makes: its deadline (``time.monotonic()``)
-    and its request parameters that the scheduler reads (``priority``)."""
+    """What a pipeline request hands every model call it makes: who answers them (``models``), its
+    deadline (``time.monotonic()``) and its request parameters that the scheduler reads (``priority``)."""
 
     deadline: float | None = None
     parameters: Mapping[str, Any] = field(default_factory=dict)
+    models: ModelCaller | None = None
 
 
 NO_CONTEXT = CallContext()
 
 
 class ModelGateway(Protocol):
-    """What the graph needs of the repository and its scheduler."""
+    """What compiling (and splitting a model step's batch) needs of the served models."""
 
     def model_ports(self, model: str, version: int | None) -> tuple[dict[str, Port], dict[str, Port]]:
         """The model's input and output ports; PipelineDefinitionError when it is not served."""
@@ -66,9 +75,6 @@ class ModelGateway(Protocol):
         """The key/value metadata the model's file carries (ONNX ``metadata_props``)."""
         ...
 
-    def infer(self, model: str, version: int | None, inputs: Tensors, context: CallContext) -> Awaitable[Tensors]:
-        """One call through the model's scheduler, under the pipeline request's deadline and priority."""
-        ...
 
 
 def _port(datatype: DataType, shape: list[int]) -> Port:
@@ -317,20 +323,23 @@ def _model_node(spec: StepSpec, ports: dict[str, Port], gateway: ModelGateway | 
         widths = args.pop(WIDTHS_PORT, None)
         if skippable and args and all(a.ndim > 0 and a.shape[0] == 0 for a in args.values()):
             return {name: value.copy() for name, value in empty.items()}
+        models = context.models
+        if models is None:
+            raise InternalError(f"model step {spec.name!r}: pipelines call models only through an InferenceService")
         limit = gateway.max_batch_size(model, version) if skippable else 0
         rows = {a.shape[0] for a in args.values() if a.ndim > 0}
         if widths is not None:
             if not skippable or len(rows) != 1 or widths.shape != (next(iter(rows)),):
                 raise StepInputError(f"model step {spec.name!r}: widths {list(widths.shape)} does not match "
                                      f"its inputs' rows {sorted(rows)}", input=spec.widths or "")
-            parts = await asyncio.gather(*(gateway.infer(model, version, part, context)
+            parts = await asyncio.gather(*(models.call_model(model, version, part, context)
                                            for part in _width_chunks(args, widths, limit)))
             return _join_padded(parts)
         if limit <= 0 or len(rows) != 1 or rows.pop() <= limit:
-            return await gateway.infer(model, version, args, context)
+            return await models.call_model(model, version, args, context)
         # More rows than one call may carry: chunks of max_batch_size, all submitted at once so the
         # model's scheduler runs them (and other requests' rows) as it would any queued requests.
-        parts = await asyncio.gather(*(gateway.infer(model, version, part, context)
+        parts = await asyncio.gather(*(models.call_model(model, version, part, context)
                                        for part in _chunks(args, limit)))
         return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
     return run, model_out
@@ -468,4 +477,4 @@ def compile_pipeline(spec: PipelineSpec, folder: Path, gateway: ModelGateway | N
     return Pipeline(spec, inputs, outputs, nodes, models, notes=notes)
 
 
-__all__ = ["CallContext", "ModelGateway", "Pipeline", "StepInputError", "compile_pipeline"]
+__all__ = ["CallContext", "ModelCaller", "ModelGateway", "Pipeline", "StepInputError", "compile_pipeline"]

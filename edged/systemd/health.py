@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edged.core.model_versions import ModelState, ModelVersion, sample_inputs
+from edged.core.public import ModelState, ModelVersion, sample_inputs
 from edged.core.service import InferenceService
 from edged.errors import EdgedError, ModelNotFoundError, ModelNotReadyError, OverloadedError
 from edged.logs import log_fields
@@ -128,7 +128,7 @@ class Prober:
         """One round: submit where no probe is pending, then wait up to ``timeout`` for all of them."""
         now = time.monotonic()
         # Pipelines are not probed: their models are, and a pipeline has no sample input of its own.
-        versions = [mv for mv in self.service.manager.table.all()
+        versions = [mv for mv in self.service.versions()
                     if mv.state is ModelState.READY and mv.pipeline is None]
         live = {(mv.name, mv.version) for mv in versions}
         for key in [k for k in self._pending if k not in live]:
@@ -157,7 +157,7 @@ class Prober:
             del self._pending[key]
             exc = fut.exception()
             if exc is None:
-                found = self.service.manager.table.find(*key)
+                found = self.service.find(*key)
                 why = check_response(found, fut.result()) if found is not None else None
                 if why:
                     result.problems[key] = why

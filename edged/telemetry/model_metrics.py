@@ -22,9 +22,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from edged.core.model_versions import ModelState, ModelVersion, choice_line
+from edged.core.public import ModelState, ModelStats, ModelVersion, choice_line
 from edged.core.service import InferenceService
-from edged.core.stats import ModelStats
 from edged.protocol.fleet.telemetry import HistCounts
 
 Key = tuple[str, int, str]  # model, version, backend
@@ -176,7 +175,7 @@ class ModelMetrics:
         out = []
         with self._lock:
             seen: set[Key] = set()
-            for mv in self.service.manager.table.all():
+            for mv in self.service.versions():
                 st = mv.stats
                 if st is None:
                     continue
@@ -213,7 +212,7 @@ class ModelMetrics:
         return out
 
     def versions(self) -> list[VersionState]:
-        return [_state(mv) for mv in self.service.manager.table.all()]
+        return [_state(mv) for mv in self.service.versions()]
 
 
 def _state(mv: ModelVersion) -> VersionState:

@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.process_collector import ProcessCollector
 
-from edged.core.model_versions import ModelState
+from edged.core.public import ModelState
 from edged.core.service import InferenceService
 from edged.protocol.fleet.telemetry import HistCounts, MqttWindow
 from edged.telemetry.device import DeviceSampler

@@ -12,9 +12,10 @@ import time
 from typing import Any
 
 import edged
-from edged.core.model_versions import ModelState
-from edged.core.service import InferenceService, ready_now
+from edged.core.public import ModelState
+from edged.core.service import InferenceService
 from edged.errors import EdgedError, ErrorCode, InvalidInputError, ModelNotFoundError
+from edged.protocol import v2_models
 from edged.protocol.names import valid_model_name
 from edged.protocol.types import InferResponse
 from edged.protocol.v2 import DecodedRequest, encode_response
@@ -31,10 +32,7 @@ def server_metadata() -> dict[str, Any]:
 
 def server_ready(service: InferenceService, stopping: bool) -> bool:
     """Serving and able to infer: not stopping, and some model is ready now (or none is configured)."""
-    if stopping:
-        return False
-    mvs = service.manager.table.all()
-    return not mvs or any(ready_now(mv) for mv in mvs)
+    return not stopping and service.ready()
 
 
 def model_ready(service: InferenceService, name: str, version: int | None) -> bool:
@@ -50,26 +48,7 @@ def parse_version(raw: str) -> int:
 
 def repository_index(service: InferenceService, ready_only: bool) -> list[dict[str, Any]]:
     """Every model in the repository, loaded or not (Triton's index shape). Reads the disk: not on the loop."""
-    manager = service.manager
-    out: list[dict[str, Any]] = []
-    loaded: set[str] = set()
-    for mv in manager.table.all():
-        loaded.add(mv.name)
-        out.append({"name": mv.name, "version": str(mv.version), "state": mv.state.value.upper(),
-                    "reason": mv.reason or ""})
-    try:
-        on_disk = sorted(p.name for p in manager.repository.iterdir()
-                         if p.is_dir() and valid_model_name(p.name) and p.name not in loaded)
-    except OSError:
-        on_disk = []
-    disabled = set(manager.models_cfg.disabled)
-    for name in on_disk:
-        out.append({"name": name, "version": "", "state": "UNAVAILABLE",
-                    "reason": "disabled in the configuration" if name in disabled else "unloaded"})
-    out.sort(key=lambda e: (e["name"], e["version"]))
-    if ready_only:
-        out = [e for e in out if e["state"] == "READY"]
-    return out
+    return v2_models.index_response(service.repository_index(), ready_only)
 
 
 def check_model_control(authority: Authority, peer: Peer, name: str, action: str, params: set[str]) -> None:
@@ -88,9 +67,9 @@ def check_model_control(authority: Authority, peer: Peer, name: str, action: str
 def run_model_control(service: InferenceService, name: str, action: str) -> None:
     """Load or unload by name after :func:`check_model_control`; blocks: run it in a worker thread."""
     if action != "load":
-        service.manager.unload_model(name, by_operator=True)
+        service.unload(name, by_operator=True)
         return
-    results = service.manager.load_model(name)
+    results = service.load(name)
     failed = [mv for mv in results if mv.state is not ModelState.READY]
     if failed:
         why = "; ".join(f"version {mv.version}: {mv.reason}" for mv in failed)

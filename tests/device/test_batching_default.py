@@ -15,6 +15,7 @@ from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
 from edged.profiles import BackendPreference
 from edged.protocol.types import InferRequest
+from edged.protocol.v2_models import statistics_entry
 from tests.conftest import MODELS
 from tests.http_helpers import held_engine
 
@@ -41,7 +42,7 @@ def test_explicit_max_batch_size_batches_with_defaults(tmp_path: Path) -> None:
     try:
         mv = service.ready_model("digits")
         assert mv.scheduler is not None and mv.stats is not None
-        assert mv.stats.to_triton()["batching"]["mode"] == "on"
+        assert statistics_entry(mv.stats.snapshot())["batching"]["mode"] == "on"
         assert "notes" not in mv.status()
         x = np.ones((1, 64), np.float32)
         with held_engine(service, "digits") as entered:
@@ -54,7 +55,7 @@ def test_explicit_max_batch_size_batches_with_defaults(tmp_path: Path) -> None:
                 time.sleep(0.01)
         for f in (first, *rest):
             assert f.result(60).outputs["probabilities"].shape == (1, 10)
-        sizes = [b["batch_size"] for b in mv.stats.to_triton()["batch_stats"]]
+        sizes = [b["batch_size"] for b in statistics_entry(mv.stats.snapshot())["batch_stats"]]
         assert max(sizes) >= 2, sizes  # the three queued requests ran as one batch
     finally:
         service.manager.shutdown()
@@ -65,7 +66,7 @@ def test_dynamic_false_is_off_and_said(tmp_path: Path) -> None:
     service = _served(tmp_path)
     try:
         mv = service.ready_model("digits")
-        assert mv.stats is not None and mv.stats.to_triton()["batching"]["mode"] == "off"
+        assert mv.stats is not None and statistics_entry(mv.stats.snapshot())["batching"]["mode"] == "off"
         notes = {s["name"]: s for s in service.manager.statuses()}["digits"].get("notes", [])
         assert any("dynamic batching off" in n for n in notes), notes
     finally:

@@ -31,6 +31,7 @@ from edged.errors import (
 )
 from edged.profiles import BackendPreference
 from edged.protocol.types import InferRequest, InferResponse
+from edged.protocol.v2_models import statistics_entry
 from edged.repository.manifest import Batching
 from tests.conftest import MODELS
 
@@ -525,11 +526,11 @@ def test_a_queued_answer_leaves_after_its_instance_is_free() -> None:
         assert sched.stats.in_flight == 0
         # After the overlap is forgotten, a serial caller runs inline every time.
         time.sleep(0.15)
-        inline_before = sched.stats.to_triton()["inline_count"]
+        inline_before = statistics_entry(sched.stats.snapshot())["inline_count"]
         for i in range(20):
             np.testing.assert_array_equal(sched.run_inline(InferRequest("m", {"x": x + i}), 1).outputs["y"],
                                           (x + i) * 2)
-        assert sched.stats.to_triton()["inline_count"] - inline_before == 20
+        assert statistics_entry(sched.stats.snapshot())["inline_count"] - inline_before == 20
     finally:
         assert sched.drain(10)
 
@@ -588,7 +589,7 @@ def test_inline_runs_are_in_every_readers_figures() -> None:
         st.record_inline(2, 10, 100, 5, 130, end_ns=time.monotonic_ns())
         assert st.in_flight == 0
     st.record_batch(4, 2, 20, 200, 10)  # a queued run after the inline ones
-    t = st.to_triton()
+    t = statistics_entry(st.snapshot())
     assert t["inference_stats"]["success"] == {"count": 300, "ns": 300 * 130}
     assert t["inference_stats"]["compute_infer"] == {"count": 302, "ns": 300 * 100 + 200}
     assert (t["execution_count"], t["inference_count"], t["inline_count"], t["in_flight"]) == (301, 604, 300, 0)
@@ -607,11 +608,11 @@ def test_last_inference_is_when_the_latest_inline_run_ended() -> None:
     for ago_s in (30, 10, 20):  # appended out of order, as threads do
         st.enter()
         st.record_inline(1, 1, 1, 1, 3, end_ns=now - ago_s * 10**9)
-    assert abs(st.to_triton()["last_inference"] - (time.time() - 10) * 1000) < 1000
+    assert abs(statistics_entry(st.snapshot())["last_inference"] - (time.time() - 10) * 1000) < 1000
     st.record_batch(1, 1, 1, 1, 1)  # a queued run that ended now, then an older inline one folded later
     st.enter()
     st.record_inline(1, 1, 1, 1, 3, end_ns=now - 5 * 10**9)
-    assert abs(st.to_triton()["last_inference"] - time.time() * 1000) < 1000
+    assert abs(statistics_entry(st.snapshot())["last_inference"] - time.time() * 1000) < 1000
 
 
 def test_inline_runs_recorded_while_readers_fold_are_all_counted() -> None:
@@ -628,7 +629,7 @@ def test_inline_runs_recorded_while_readers_fold_are_all_counted() -> None:
 
     def read(stop: threading.Event) -> None:
         while not stop.is_set():
-            st.to_triton()
+            statistics_entry(st.snapshot())
             _, in_flight = ModelCounters.read(st)
             seen_in_flight.append(in_flight)
             seen_in_flight.append(st.in_flight)
@@ -643,7 +644,7 @@ def test_inline_runs_recorded_while_readers_fold_are_all_counted() -> None:
         w.join()
     stop.set()
     reader.join()
-    t = st.to_triton()
+    t = statistics_entry(st.snapshot())
     total = per_thread * threads
     assert t["inference_stats"]["success"] == {"count": total, "ns": 7 * total}
     assert (t["execution_count"], t["inline_count"], t["in_flight"], st.in_flight) == (total, total, 0, 0)

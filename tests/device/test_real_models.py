@@ -29,6 +29,7 @@ from edged.core.service import InferenceService
 from edged.errors import ErrorCode, InternalError, InvalidInputError
 from edged.profiles import BackendPreference
 from edged.protocol.types import InferRequest
+from edged.protocol.v2_models import metadata_response
 from tests import made_models
 from tests.conftest import EDGED
 from tests.http_helpers import Served, served
@@ -97,7 +98,7 @@ def test_made_up_warmup_refused_still_serves_and_says_why(tmp_path: Path, engine
         assert mv.candidate is not None and mv.candidate.backend == engine
         note = mv.status()["warmup"]
         assert note.startswith("warm-up skipped") and "input [1, 64]" in note and "[warmup.shapes." in note
-        assert svc.metadata("vad")["parameters"]["warmup"] == note
+        assert metadata_response(svc.describe("vad"))["parameters"]["warmup"] == note
         x = vad_inputs()
         got = svc.infer(InferRequest(model="vad", inputs=x), 30).outputs
         want = made_models.vad_reference(x["input"], 16000, x["state"])
@@ -113,7 +114,7 @@ def test_max_batch_size_is_auto_completed_as_triton_does(tmp_path: Path) -> None
         assert mv is not None and mv.max_batch_size == 4 and mv.scheduler is not None
         assert mv.scheduler.batching is not None  # dynamic batching on
         assert [(t.name, t.shape) for t in mv.inputs] == [("image", [3, -1, -1]), ("ids", [-1])]
-        cfg = svc.metadata("multidyn")
+        cfg = metadata_response(svc.describe("multidyn"))
         assert cfg["inputs"][0]["shape"] == [-1, 3, -1, -1]
         with pytest.raises(InvalidInputError, match=r"batch size 5 is outside 1\.\.4"):
             svc.infer(InferRequest(model="multidyn", inputs={
@@ -233,7 +234,7 @@ def test_an_output_shape_the_answers_contradict_is_logged_once_and_noted(tmp_pat
         note = mv.output_note
         assert note is not None and "output 'y' is declared with shape [1, 2] but the engine answers [4, 2]" \
             in note
-        assert svc.metadata("misdeclared")["parameters"]["note"] == note
+        assert metadata_response(svc.describe("misdeclared"))["parameters"]["note"] == note
         assert mv.status()["note"] == note
 
 

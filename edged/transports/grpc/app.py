@@ -28,6 +28,7 @@ from edged.errors import EdgedError, ErrorCode, InvalidInputError
 from edged.membudget import Reservation
 from edged.protocol.types import InferResponse
 from edged.protocol.v2 import dumps, loads
+from edged.protocol.v2_models import metadata_response, statistics_response
 from edged.transports import v2_ops
 from edged.transports.authority import Authority, Peer, bearer
 from edged.transports.grpc.codec import (
@@ -237,20 +238,20 @@ class GrpcApp:
         return pb.ServerMetadataResponse(**v2_ops.server_metadata())
 
     async def model_metadata(self, req: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
-        md = self._scrubbed(self.service.metadata(req.name, _version(req.version)))
+        md = self._scrubbed(metadata_response(self.service.describe(req.name, _version(req.version))))
         out = pb.ModelMetadataResponse()
         json_format.ParseDict(md, out, ignore_unknown_fields=True)
         return out
 
     async def model_config(self, req: pb.ModelConfigRequest, context: Any) -> pb.ModelConfigResponse:
         mv = self.service.model(req.name, _version(req.version))
-        cfg = self._scrubbed(model_config(mv, self.service.manager.models_cfg.policy_for(req.name)))
+        cfg = self._scrubbed(model_config(mv, self.service.version_policy(req.name)))
         return pb.ModelConfigResponse(config=json_format.ParseDict(cfg, mc.ModelConfig(), ignore_unknown_fields=True))
 
     async def model_statistics(self, req: pb.ModelStatisticsRequest, context: Any) -> pb.ModelStatisticsResponse:
-        stats = self.service.statistics(req.name or None, _version(req.version))
+        stats = self.service.version_statistics(req.name or None, _version(req.version))
         out = pb.ModelStatisticsResponse()
-        json_format.ParseDict({"model_stats": stats}, out, ignore_unknown_fields=True)
+        json_format.ParseDict(statistics_response(stats), out, ignore_unknown_fields=True)
         return out
 
     # ---- model repository -------------------------------------------------------------------

@@ -25,6 +25,7 @@ from edged.protocol import media
 from edged.protocol.types import InferRequest, InferResponse
 from edged.protocol.v2 import DecodedRequest, decode_request, dumps, loads
 from edged.protocol.v2_json import loads_request
+from edged.protocol.v2_models import metadata_response, statistics_response
 from edged.protocol.v2_plans import RequestPlans, encode_answer
 from edged.transports.authority import Authority, Peer, bearer
 from edged.transports.http.config import model_config
@@ -155,7 +156,7 @@ class V2App:
     async def _models(self, method: str, rest: list[str], req: Request) -> Response:
         if rest == ["stats"]:
             _allow(method, "GET")
-            return self._json({"model_stats": self.service.statistics()})
+            return self._json(statistics_response(self.service.version_statistics()))
         model, rest = rest[0], rest[1:]
         version: int | None = None
         if rest and rest[0] == "versions":
@@ -169,7 +170,7 @@ class V2App:
             return await self._infer(model, version, req)
         if action == "":
             _allow(method, "GET")
-            return self._json(self.service.metadata(model, version), scrub=True)
+            return self._json(metadata_response(self.service.describe(model, version)), scrub=True)
         if action == "ready":
             _allow(method, "GET")
             ok = model_ready(self.service, model, version)
@@ -177,11 +178,11 @@ class V2App:
         if action == "config":
             _allow(method, "GET")
             mv = self.service.model(model, version)
-            policy = self.service.manager.models_cfg.policy_for(model)
+            policy = self.service.version_policy(model)
             return self._json(model_config(mv, policy), scrub=True)
         if action == "stats":
             _allow(method, "GET")
-            return self._json({"model_stats": self.service.statistics(model, version)})
+            return self._json(statistics_response(self.service.version_statistics(model, version)))
         raise HttpError(404, "not found")
 
     # ---- inference --------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from typing import Any
 
 from edged.backends.specs import native_backend, platform_of
 from edged.config import VersionPolicy
-from edged.core.model_versions import ModelVersion
+from edged.core.public import ModelVersion
 from edged.repository.manifest import TensorSpec
 
 

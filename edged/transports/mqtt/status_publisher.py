@@ -14,6 +14,7 @@ from typing import Any
 from edged.core.service import InferenceService
 from edged.errors import EdgedError
 from edged.protocol.v2 import dumps
+from edged.protocol.v2_models import metadata_response
 from edged.transports.mqtt.session import MqttSession
 from edged.transports.mqtt.status import device_online, model_statuses
 from edged.transports.redact import Scrubber
@@ -53,11 +54,11 @@ class StatusPublisher:
         client = self.session.client
         if client is None or not self.session.link.up:
             return
-        statuses = self.service.manager.statuses()
+        statuses = self.service.statuses()
         io: dict[str, dict[str, Any]] = {}
         for name in {str(st["name"]) for st in statuses}:
             try:
-                io[name] = self.service.metadata(name)
+                io[name] = metadata_response(self.service.describe(name))
             except EdgedError:
                 pass  # unloaded meanwhile
         docs = {name: self.scrub.data(dumps(doc)) for name, doc in model_statuses(statuses, io).items()}

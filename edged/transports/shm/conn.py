@@ -43,6 +43,7 @@ from edged.errors import (
 from edged.protocol import shm as p
 from edged.protocol.types import InferRequest, InferResponse
 from edged.protocol.v2 import bytes_from_buffer, bytes_to_buffer
+from edged.protocol.v2_models import metadata_response
 from edged.transports.redact import Scrubber
 from edged.transports.shm.segments import Segment, SegmentError, check_range, map_segment
 
@@ -294,7 +295,7 @@ class Connection:
         name = bytes(body[p.META_BODY.size:]).decode("utf-8", "replace")
         if version < 0:
             raise InvalidInputError(f"model version {version} is negative")
-        meta = self.service.metadata(name, version or None)
+        meta = metadata_response(self.service.describe(name, version or None))
         mv = self.service.model(name, version or None)
         meta["max_batch_size"] = mv.max_batch_size
         meta["version"] = mv.version

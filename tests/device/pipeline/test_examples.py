@@ -223,7 +223,7 @@ def test_graph_runtime_answers_as_the_steps_one_by_one(tmp_path: Path, name: str
     import asyncio
 
     from edged.pipeline.definition import load_pipeline
-    from edged.pipeline.graph import compile_pipeline
+    from edged.pipeline.graph import CallContext, compile_pipeline
     from tests.device.pipeline.examples import model_file
 
     repo = tmp_path / "models"
@@ -240,7 +240,8 @@ def test_graph_runtime_answers_as_the_steps_one_by_one(tmp_path: Path, name: str
     want = run_pipeline(name, {"image": request})
     with served(repo, tmp_path) as s:
         pipeline = compile_pipeline(load_pipeline(folder), folder, s.service.manager.gateway)
-        got = asyncio.run_coroutine_threadsafe(pipeline.run({"image": request}), s.loop).result(120)
+        run = pipeline.run({"image": request}, CallContext(models=s.service))
+        got = asyncio.run_coroutine_threadsafe(run, s.loop).result(120)
     assert set(got) == {o.name for o in load_pipeline(folder).outputs}
     for tensor, value in got.items():
         if value.dtype == object:

@@ -5,7 +5,7 @@
 - the shipped layout_regions answers a page of 60 regions (orientation batches of 16); a page of
   more than its max_crops (64) is refused whole, naming the limit;
 - the request's deadline reaches the model steps: a pipeline request whose model call waits past
-  it fails with a deadline error instead of running late.
+  it fails with a deadline error when the deadline passes, instead of running (or waiting) late.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import pytest
 
 from edged.errors import DeadlineExceededError
 from edged.protocol.types import InferRequest
+from edged.protocol.v2_models import statistics_entry
 from tests.conftest import MODELS
 from tests.device.pipeline.test_graph import HEAD, _close_json, _served
 
@@ -87,7 +88,7 @@ def test_fan_out_split_over_the_classifiers_batch(tmp_path: Path) -> None:
                 np.testing.assert_array_equal(got[out], want[out])
         stats = service.ready_model("orientation").stats
         assert stats is not None
-        sizes = [b["batch_size"] for b in stats.to_triton()["batch_stats"]]
+        sizes = [b["batch_size"] for b in statistics_entry(stats.snapshot())["batch_stats"]]
         assert sizes and max(sizes) <= 2, sizes
 
 
@@ -118,6 +119,34 @@ def test_request_deadline_reaches_the_model_step(tmp_path: Path) -> None:
         with pytest.raises(DeadlineExceededError):
             late.result(60)
         assert patient.result(60).outputs["top"].shape == (1, 1)
+
+
+def test_model_step_does_not_outlive_the_request_deadline(tmp_path: Path) -> None:
+    """A pipeline request whose model step is still queued behind a held engine when the request's
+    deadline passes fails then, while the engine is still held, not when the engine lets go; the
+    model then drops the step unstarted, as a late request of its own."""
+    from tests.http_helpers import held_engine
+    repo = tmp_path / "repo"
+    shutil.copytree(MODELS / "digits", repo / "digits")
+    (repo / "top_digit" / "1").mkdir(parents=True)
+    (repo / "top_digit" / "1" / "pipeline.toml").write_text(DIGITS_PIPELINE)
+    x = np.ones((1, 64), np.float32)
+    with _served(repo) as service:
+        stats = service.ready_model("digits").stats
+        assert stats is not None
+        with held_engine(service, "digits") as entered:
+            first = service.submit(InferRequest(model="digits", inputs={"pixels": x}))
+            assert entered.wait(60)
+            with pytest.raises(DeadlineExceededError, match="deadline"):
+                service.submit(InferRequest(model="top_digit", inputs={"x": x},
+                                            deadline=time.monotonic() + 0.5)).result(30)
+            assert not first.done(), "the engine was let go before the pipeline request failed"
+        first.result(60)
+        deadline = time.monotonic() + 60
+        while stats.snapshot().failures_by_code.get("deadline_exceeded", 0) < 1:  # dropped on its turn
+            assert time.monotonic() < deadline, stats.snapshot()
+            time.sleep(0.01)
+        assert stats.snapshot().execution_count == 1  # only the call that held the engine ran
 
 
 def _layout_regions_copy(repo: Path, max_per_class: int) -> None:
@@ -175,6 +204,6 @@ def test_layout_regions_answers_a_page_of_60_regions(tmp_path: Path) -> None:
             top = json.loads(answer)
             assert len(top) == 2 and all(t["label"] in labels for t in top), top
         assert stats is not None
-        batches = stats.to_triton()["batch_stats"]
+        batches = statistics_entry(stats.snapshot())["batch_stats"]
         assert max(b["batch_size"] for b in batches) <= 16, batches
         assert sum(b["batch_size"] * b["compute_infer"]["count"] for b in batches) == 60, batches

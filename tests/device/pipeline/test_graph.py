@@ -18,9 +18,10 @@ from edged.core.service import InferenceService
 from edged.errors import ErrorCode, InternalError, InvalidInputError
 from edged.pipeline.contract import PipelineDefinitionError, StepInputError
 from edged.pipeline.definition import MAX_PIPELINE_FILE, load_pipeline, parse_pipeline
-from edged.pipeline.graph import Pipeline, compile_pipeline
+from edged.pipeline.graph import CallContext, ModelCaller, Pipeline, compile_pipeline
 from edged.profiles import BackendPreference
 from edged.protocol.types import InferRequest
+from edged.protocol.v2_models import statistics_entry
 
 ORT_CPU = [BackendPreference(backend="onnxruntime", device="CPU", precisions=["fp32"])]
 
@@ -97,15 +98,16 @@ def _compile(text: str, service: InferenceService, folder: Path) -> Pipeline:
     return compile_pipeline(parse_pipeline(text), folder, service.manager.gateway)
 
 
-def _run(pipeline: Pipeline, **inputs: np.ndarray) -> dict[str, np.ndarray]:
-    return asyncio.run(pipeline.run(inputs))
+def _run(pipeline: Pipeline, models: ModelCaller | None = None, /, **inputs: np.ndarray) -> dict[str, np.ndarray]:
+    """One request; ``models`` answers its model steps (the service, as for a request it starts)."""
+    return asyncio.run(pipeline.run(inputs, CallContext(models=models)))
 
 
 def test_runs_model_and_branches_like_by_hand(service: InferenceService, tmp_path: Path) -> None:
     pipeline = _compile(GOOD, service, tmp_path)
     assert pipeline.models == [("digits", None)]
     x = np.random.default_rng(1).uniform(0, 16, (5, 64)).astype(np.float32)
-    out = _run(pipeline, x=x)
+    out = _run(pipeline, service, x=x)
     probs = service.infer(InferRequest(model="digits", inputs={"pixels": x})).outputs["probabilities"]
     assert np.array_equal(out["top"], np.argsort(-probs, axis=1, kind="stable")[:, :3])
     e = np.exp(probs - probs.max(axis=1, keepdims=True))
@@ -169,9 +171,9 @@ def test_unused_input_and_file_errors_refused(service: InferenceService, tmp_pat
 def test_bad_request_names_input_and_next_succeeds(service: InferenceService, tmp_path: Path) -> None:
     pipeline = _compile(GOOD, service, tmp_path)
     with pytest.raises(InvalidInputError, match="'x'") as info:
-        _run(pipeline, x=np.zeros((2, 63), np.float32))
+        _run(pipeline, service, x=np.zeros((2, 63), np.float32))
     assert info.value.code is ErrorCode.INVALID_ARGUMENT
-    assert _run(pipeline, x=np.zeros((2, 64), np.float32))["top"].shape == (2, 3)
+    assert _run(pipeline, service, x=np.zeros((2, 64), np.float32))["top"].shape == (2, 3)
 
 
 CUSTOM = HEAD + """
@@ -218,7 +220,7 @@ def test_custom_step_fans_out_into_one_model_batch(service: InferenceService, tm
     (tmp_path / "myfan.py").write_text(MYFAN)
     pipeline = _compile(CUSTOM, service, tmp_path)
     x = np.random.default_rng(2).uniform(0, 16, (2, 64)).astype(np.float32)
-    out = _run(pipeline, x=x)
+    out = _run(pipeline, service, x=x)
     assert out["rows"].tolist() == [0, 0, 0, 1, 1, 1]
     by_hand = service.infer(InferRequest(model="digits", inputs={"pixels": np.repeat(x, 3, axis=0)}))
     np.testing.assert_allclose(out["probs"], by_hand.outputs["probabilities"], rtol=1e-6)
@@ -228,12 +230,12 @@ def test_custom_step_errors_are_contained(service: InferenceService, tmp_path: P
     (tmp_path / "myfan.py").write_text(MYFAN)
     pipeline = _compile(CUSTOM, service, tmp_path)
     with pytest.raises(InternalError, match="custom step 'fan' failed: ValueError: negative pixels"):
-        _run(pipeline, x=np.full((1, 64), -1, np.float32))
+        _run(pipeline, service, x=np.full((1, 64), -1, np.float32))
     one = np.zeros((1, 64), np.float32)
     one[0, 0] = 1.0
     with pytest.raises(InternalError, match="output 'crops' is float64"):
-        _run(pipeline, x=one)
-    assert _run(pipeline, x=np.ones((1, 64), np.float32))["probs"].shape == (3, 10)
+        _run(pipeline, service, x=one)
+    assert _run(pipeline, service, x=np.ones((1, 64), np.float32))["probs"].shape == (3, 10)
 
 
 def test_custom_module_missing_or_broken_refused(service: InferenceService, tmp_path: Path) -> None:
@@ -344,14 +346,14 @@ def test_concurrent_requests_batch_in_the_models_scheduler(tmp_path: Path) -> No
         pipeline = _compile(GOOD, service, tmp_path)
         mv = service.ready_model("digits")
         assert mv.stats is not None and mv.scheduler is not None
-        before = mv.stats.to_triton()["inference_count"]
+        before = statistics_entry(mv.stats.snapshot())["inference_count"]
         x = np.ones((1, 64), np.float32)
 
         async def scenario() -> list[dict[str, np.ndarray]]:
             with held_engine(service, "digits") as entered:
-                first = asyncio.ensure_future(pipeline.run({"x": x}))
+                first = asyncio.ensure_future(pipeline.run({"x": x}, CallContext(models=service)))
                 assert await asyncio.to_thread(entered.wait, 60)
-                rest = [asyncio.ensure_future(pipeline.run({"x": x})) for _ in range(3)]
+                rest = [asyncio.ensure_future(pipeline.run({"x": x}, CallContext(models=service))) for _ in range(3)]
                 deadline = time.monotonic() + 60
                 while mv.scheduler is not None and mv.scheduler.queued < 3:  # all three wait behind the held call
                     assert time.monotonic() < deadline, "pipeline requests never reached the model's queue"
@@ -360,7 +362,7 @@ def test_concurrent_requests_batch_in_the_models_scheduler(tmp_path: Path) -> No
 
         results = asyncio.run(scenario())
         assert all(r["top"].shape == (1, 3) for r in results)
-        stats = mv.stats.to_triton()  # read through the statistics, whichever path the steps took
+        stats = statistics_entry(mv.stats.snapshot())  # read through the statistics, whichever path the steps took
         assert stats["inference_count"] - before == 4
         sizes = [b["batch_size"] for b in stats["batch_stats"]]
         assert max(sizes) >= 2, sizes  # the three queued requests ran together
@@ -387,7 +389,7 @@ def test_example_pipelines_through_the_service_equal_the_reference(tmp_path: Pat
         data = jpeg(page(0))  # the steps' own test page: layout regions to find
         batch = np.empty(1, dtype=object)
         batch[:] = [data]
-        got = _run(pipeline, image=batch)
+        got = _run(pipeline, service, image=batch)
         want = run_pipeline(name, {"image": batch})
         if name == "layout_regions":  # the fan-out had boxes to crop: the classifier ran on a batch
             assert len(got["crop_index"]) >= 2, got["crop_index"]

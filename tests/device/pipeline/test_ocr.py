@@ -171,10 +171,12 @@ outputs = { text = "text" }
 params = { characters_from = "ocr_rec" }
 """
     import asyncio
+
+    from edged.pipeline.graph import CallContext
     pipeline = compile_pipeline(parse_pipeline(text), tmp_path, service.manager.gateway)
     x = np.random.default_rng(0).uniform(-1, 1, (3, 3, 48, 640)).astype(np.float32)
     w = np.array([320, 320, 640], np.int32)
-    out = asyncio.run(pipeline.run({"x": x, "w": w}))
+    out = asyncio.run(pipeline.run({"x": x, "w": w}, CallContext(models=service)))
     assert out["probs"].shape == (3, 80, 6625)
     for row, width in enumerate(w.tolist()):
         one = np.ascontiguousarray(x[row:row + 1, ..., :width])

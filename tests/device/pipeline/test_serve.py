@@ -361,7 +361,7 @@ def test_concurrent_requests_to_a_served_pipeline_batch_in_its_models_scheduler(
 
     def batched_runs() -> int:
         assert mv.stats is not None
-        return sum(b["compute_infer"]["count"] for b in mv.stats.to_triton()["batch_stats"] if b["batch_size"] >= 2)
+        return sum(b.compute_infer.count for b in mv.stats.snapshot().batches if b.batch_size >= 2)
 
     before = batched_runs()
     data = _jpeg(_page(5))
