@@ -15,7 +15,6 @@ import sys
 import tempfile
 import textwrap
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from edged.transports.shm.conn import Limits
 from edged.transports.shm.segments import clean_stale_shm
 from edged.transports.shm.transport import ShmTransport
 from tests.conftest import EDGED, REPO_ROOT
+from tests.polling import wait_until
 
 ORT_CPU = [BackendPreference(backend="onnxruntime", device="CPU", precisions=["fp32"])]
 MAPS_TAG = "memfd:edged-shm"
@@ -80,11 +80,7 @@ def served(model_repo: Callable[..., Path], tmp_path: Path) -> Iterator[Served]:
 
 
 def _wait(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.02)
+    wait_until(cond, timeout, 0.02, what)
 
 
 def _maps_count() -> int:
