@@ -27,6 +27,7 @@ import httpx
 import numpy as np
 
 from tests.http_client import web
+from tests.polling import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DIGITS = REPO_ROOT / "models" / "digits" / "1"
@@ -41,17 +42,8 @@ def free_port() -> int:
 
 
 def wait_for(pred: Callable[[], Any], timeout: float = 30.0, interval: float = 0.05, what: str = "condition") -> Any:
-    end = time.monotonic() + timeout
-    last_exc: BaseException | None = None
-    while time.monotonic() < end:
-        try:
-            v = pred()
-            if v:
-                return v
-        except Exception as e:  # the thing may not be up yet
-            last_exc = e
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}" + (f" (last error: {last_exc!r})" if last_exc else ""))
+    """:func:`tests.polling.wait_until` where an exception means "not up yet"."""
+    return wait_until(pred, timeout, interval, what, ignore=(Exception,))
 
 
 # ---- keys -----------------------------------------------------------------------------------------
@@ -708,7 +700,7 @@ class FaultHarness:
             except subprocess.TimeoutExpired:
                 pass
         else:
-            time.sleep(delay or 0.0)
+            time.sleep(delay or 0.0)  # sleep-ok: the fault lands this long into the update, as asked
             killed = self.daemon.alive()
             self.daemon.kill()
         with contextlib.suppress(FileNotFoundError):

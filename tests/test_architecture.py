@@ -104,3 +104,61 @@ def test_the_checked_in_diagram_matches_the_imports() -> None:
     text = (ROOT / "docs" / "architecture.md").read_text()
     assert ag.BEGIN in text and ag.END in text
     assert text == ag.render_doc(text, ag.mermaid(ag.imports())), "run: python tools/archgraph.py --write"
+
+
+def test_every_hop_of_the_documented_data_paths_holds_and_the_doc_draws_them() -> None:
+    ag = _archgraph()
+    graph = ag.imports()
+    broken = ag.datapaths().problems(graph, ag.modules())
+    assert broken == [], "stale data path (fix the hop in tools/datapaths.py, then run python tools/archgraph.py " \
+                         "--write):\n" + "\n".join(broken)
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    assert ag.datapaths().BEGIN in text and ag.datapaths().END in text
+    assert text == ag.render_all(text, graph), "run: python tools/archgraph.py --write"
+
+
+def test_a_stale_hop_is_named_with_what_broke(tmp_path: Path) -> None:
+    ag = _archgraph()
+    dp = ag.datapaths()
+    pkg = tmp_path / "edged"
+    pkg.mkdir()
+    for name, text in {
+        "__init__": "",
+        "front": "from edged import service\nclass Front:\n    def handle(self, req):\n"
+                 "        return self._go(req)\n    def _go(self, req):\n        return service.submit(req)\n",
+        "service": "def submit(req):\n    return req\ndef lonely(req):\n    return req\n",
+        "server": "class Conn:\n    def serve(self):\n        return self.handler(1)\n",
+        "wiring": "from edged import front, server\n",
+        "stranger": "def submit(req):\n    return req\n",
+    }.items():
+        (pkg / f"{name}.py").write_text(text)
+    graph, files = ag.imports(tmp_path), ag.modules(tmp_path)
+
+    def check(*hops: object) -> list[str]:
+        return dp.problems(graph, files, {"p": list(hops)})
+
+    serve = dp.Hop("edged.server", "Conn.serve", "")
+    handle = dp.Hop("edged.front", "Front.handle", "", call="handler", via="edged.wiring")
+    submit = dp.Hop("edged.service", "submit", "")
+    # A path that holds: a callback wired by a named module, then a call through a helper of the module.
+    assert check(serve, handle, submit) == []
+    # The function moved or renamed; the module gone.
+    assert check(serve, handle, dp.Hop("edged.service", "submit_now", "")) == [
+        "data path 'p', hop 3 (edged.service:submit_now): edged.service has no function submit_now"]
+    assert check(serve, handle, dp.Hop("edged.core.service", "submit", "")) == [
+        "data path 'p', hop 3 (edged.core.service:submit): module edged.core.service does not exist"]
+    # The caller no longer imports the hop's module, and no wiring module is named.
+    assert check(serve, handle, dp.Hop("edged.stranger", "submit", "")) == [
+        "data path 'p', hop 3 (edged.stranger:submit): edged.front (caller, Front.handle) does not import "
+        "edged.stranger"]
+    assert check(serve, dp.Hop("edged.front", "Front.handle", "", call="handler")) == [
+        "data path 'p', hop 2 (edged.front:Front.handle): edged.server (caller, Conn.serve) does not import "
+        "edged.front"]
+    # The caller imports it but does not call it.
+    assert check(serve, handle, dp.Hop("edged.service", "lonely", "")) == [
+        "data path 'p', hop 3 (edged.service:lonely): edged.front:Front.handle never calls 'lonely' (not even "
+        "through a helper of its module)"]
+    # Whoever calls a later hop must be an earlier one.
+    assert check(serve, handle, dp.Hop("edged.service", "submit", "", by="edged.front:Front.gone")) == [
+        "data path 'p', hop 3 (edged.service:submit): its caller edged.front:Front.gone is not an earlier hop "
+        "of the path"]

@@ -1,7 +1,8 @@
 """Import structure of ``edged/``: the package diagram in docs/architecture.md and the rules CI checks.
 
-``python tools/archgraph.py`` prints the Mermaid diagram; ``--write`` puts it into docs/architecture.md
-between the markers; ``--check`` exits 1 when the checked-in diagram differs from the imports.
+``python tools/archgraph.py`` prints the Mermaid diagram; ``--write`` puts it, and the data paths of
+tools/datapaths.py, into docs/architecture.md between their markers; ``--check`` exits 1 when either
+checked-in drawing differs from the code, or a data path's hop no longer holds.
 tests/test_architecture.py applies :func:`violations` (a plain AST scan, every import counted:
 module level, inside functions and under ``TYPE_CHECKING`` alike, since each is a dependency).
 """
@@ -10,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "architecture.md"
@@ -236,10 +239,28 @@ def _node(p: str) -> str:
     return "n_" + p.replace(".", "_")
 
 
-def render_doc(text: str, diagram: str) -> str:
-    head, _, rest = text.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    return f"{head}{BEGIN}\n{diagram}{END}{tail}"
+def render_doc(text: str, diagram: str, begin: str = BEGIN, end: str = END) -> str:
+    head, _, rest = text.partition(begin)
+    _, _, tail = rest.partition(end)
+    return f"{head}{begin}\n{diagram}{end}{tail}"
+
+
+def datapaths() -> ModuleType:
+    """tools/datapaths.py (loaded by path: tools/ is no package)."""
+    name = "edged_tools_datapaths"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / "datapaths.py")
+        assert spec is not None and spec.loader is not None
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+def render_all(text: str, graph: Mapping[str, Iterable[str]] | None = None) -> str:
+    """docs/architecture.md with both generated parts redrawn: the package diagram and the data paths."""
+    dp = datapaths()
+    return render_doc(render_doc(text, mermaid(imports() if graph is None else graph)), dp.mermaid(), dp.BEGIN,
+                      dp.END)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,20 +269,22 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--write", action="store_true", help="update docs/architecture.md")
     mode.add_argument("--check", action="store_true", help="exit 1 when docs/architecture.md is stale")
     args = p.parse_args(argv)
-    diagram = mermaid(imports())
     if not (args.write or args.check):
-        sys.stdout.write(diagram)
+        sys.stdout.write(mermaid(imports()))
         return 0
+    graph = imports()
+    broken = datapaths().problems(graph, modules())
+    for line in broken:
+        print(line, file=sys.stderr)
     current = DOC.read_text()
-    wanted = render_doc(current, diagram)
+    wanted = render_all(current, graph)
     if args.write:
         DOC.write_text(wanted)
-        return 0
+        return 1 if broken else 0
     if current != wanted:
-        print("docs/architecture.md: the package diagram is stale; run python tools/archgraph.py --write",
-              file=sys.stderr)
+        print("docs/architecture.md: a drawing is stale; run python tools/archgraph.py --write", file=sys.stderr)
         return 1
-    return 0
+    return 1 if broken else 0
 
 
 if __name__ == "__main__":

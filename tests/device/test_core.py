@@ -34,6 +34,7 @@ from edged.protocol.types import InferRequest, InferResponse
 from edged.protocol.v2_models import statistics_entry
 from edged.repository.manifest import Batching
 from tests.conftest import MODELS
+from tests.polling import wait_until
 
 MakeRepo = Callable[..., Path]
 ORT_CPU = [BackendPreference(backend="onnxruntime", device="CPU", precisions=["fp32"])]
@@ -220,11 +221,11 @@ def test_swap_under_load_fails_nothing(model_repo: MakeRepo, digits_holdout: tup
         threads = [threading.Thread(target=client, args=(k,)) for k in range(6)]
         for t in threads:
             t.start()
-        time.sleep(0.3)
+        wait_until(lambda: seen.count(1) >= 30, 60, what="version 1 answering the clients")
         _add_version(repo, 2)
         results = svc.manager.load_model("digits")
         assert [m.version for m in results] == [2] and results[0].state is ModelState.READY
-        time.sleep(0.3)
+        wait_until(lambda: seen.count(2) >= 30, 60, what="version 2 answering the clients")
         stop.set()
         for t in threads:
             t.join()
@@ -284,7 +285,7 @@ def test_an_operators_reload_stays_an_operators_unload_until_it_serves(model_rep
     real_load = manager.loader.load
 
     def slow_load(entry: object) -> object:
-        time.sleep(0.4)  # a big model takes a while to build its engine
+        time.sleep(0.4)  # sleep-ok: a big model takes a while to build its engine
         return real_load(entry)  # type: ignore[arg-type]
 
     try:
@@ -298,7 +299,7 @@ def test_an_operators_reload_stays_an_operators_unload_until_it_serves(model_rep
             ready = [mv for mv in manager.table.versions("digits") if mv.state is ModelState.READY]
             if not ready and not marked:
                 seen_gone += 1
-            time.sleep(0.001)
+            time.sleep(0.001)  # sleep-ok: samples the table for as long as the load runs
         loading.join()
         assert seen_gone == 0
         assert "digits" not in manager.operator_unloaded
@@ -392,7 +393,8 @@ def test_traffic_moving_between_inline_and_queued_paths_counts_every_request_onc
         with ThreadPoolExecutor(8) as pool:  # overlapping blocking and queued callers
             futs = {i: pool.submit(ask, i, i % 2 == 0) for i in range(32, 96)}
             answers.update({i: f.result() for i, f in futs.items()})
-        time.sleep(0.2)  # past the scheduler's memory of overlapping traffic: idle again
+        sched = mv.scheduler
+        wait_until(lambda: time.monotonic() >= sched._concurrent_until, 10, 0.01, "the overlap to be forgotten")
         answers.update({i: ask(i, True) for i in range(96, 112)})
 
         for i, r in answers.items():
@@ -483,7 +485,7 @@ def test_a_filling_batch_leaves_when_full_not_at_the_delay() -> None:
         paced = []
         for i in range(8):
             paced.append(sched.submit(InferRequest("m", {"x": x + i}), 1))
-            time.sleep(0.03)
+            time.sleep(0.03)  # sleep-ok: arrivals paced far apart
         answers = [f.result(10).outputs["y"] for f in paced]
         took = time.monotonic() - t0
         for i, y in enumerate(answers):
@@ -517,7 +519,7 @@ def test_a_queued_answer_leaves_after_its_instance_is_free() -> None:
         assert engine.entered.wait(10)
         late = sched.submit(InferRequest("m", {"x": x}, deadline=time.monotonic() + 0.01), 1)
         late.add_done_callback(lambda f: busy_at_answer.append(sched._busy))
-        time.sleep(0.05)
+        time.sleep(0.05)  # sleep-ok: the late request's 10 ms deadline passes while the run is held
         engine.gate.set()
         held.result(10)
         with pytest.raises(DeadlineExceededError):
@@ -525,7 +527,7 @@ def test_a_queued_answer_leaves_after_its_instance_is_free() -> None:
         assert busy_at_answer == [0, 0]
         assert sched.stats.in_flight == 0
         # After the overlap is forgotten, a serial caller runs inline every time.
-        time.sleep(0.15)
+        wait_until(lambda: time.monotonic() >= sched._concurrent_until, 10, 0.01, "the overlap to be forgotten")
         inline_before = statistics_entry(sched.stats.snapshot())["inline_count"]
         for i in range(20):
             np.testing.assert_array_equal(sched.run_inline(InferRequest("m", {"x": x + i}), 1).outputs["y"],

@@ -154,7 +154,7 @@ class Client:
                 self.ok += 1
             else:
                 self.wrong += 1
-            time.sleep(self.pause_s)
+            time.sleep(self.pause_s)  # sleep-ok: the load's pace between requests
 
     def stop(self) -> None:
         self._stop.set()
@@ -186,7 +186,7 @@ def test_ready_first_then_chosen_in_the_background_and_again_when_traffic_moves(
         assert chosen["backend"] == "onnxruntime", chosen["benchmark"]
         assert chosen["choice"]["switches"][-1]["to"].startswith("onnxruntime/CPU/fp32 (quadratic.onnx)")
         assert set(chosen["choice"]["measured_on"]) == {"x[16]@1", "x[16]@4"}
-        time.sleep(0.5)
+        time.sleep(0.5)  # sleep-ok: traffic goes on on the chosen engine (failures counted below)
         # Traffic unlike the warm-up: now the fixed-cost file wins by far. (With pauses between requests the
         # engines are not busy most of the time: no burst, so the chooser need not wait for one to pass.)
         client.pause_s = 0.05
@@ -197,7 +197,7 @@ def test_ready_first_then_chosen_in_the_background_and_again_when_traffic_moves(
         assert "traffic moved" in moved["choice"]["switches"][-1]["why"]
         assert "x[2048]" in moved["chosen_how"] and "openvino*" in moved["chosen_how"]
         assert any(k.startswith("x[2048]") for k in moved["choice"]["measured_on"])
-        time.sleep(0.5)
+        time.sleep(0.5)  # sleep-ok: traffic goes on on the new engine (failures counted below)
     finally:
         client.stop()
     assert client.failed == 0, client.errors[:3]

@@ -136,7 +136,7 @@ def test_registry_counts_exactly_the_clients_requests_across_restart_watchdog_an
         daemon.start()
         daemon.send(40)
         wait_for(lambda: daemon.pings() >= 10, 30, 0.05, "watchdog probes")
-        time.sleep(2.0)  # the kill comes more than a second after the last request
+        time.sleep(2.0)  # sleep-ok: the kill comes more than a second after the last request
         daemon.end(signal.SIGKILL)  # no last sample: only the counter journal has these 40
 
         daemon.start()  # replays the journal into the buffer and uploads it

@@ -33,6 +33,7 @@ from edged.protocol.v2_models import metadata_response
 from tests import made_models
 from tests.conftest import EDGED
 from tests.http_helpers import Served, served
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -331,8 +332,15 @@ def test_models_list_tells_the_same_truth_as_the_daemon(tmp_path: Path) -> None:
         status = tmp_path / "run" / "status.json"
         while time.monotonic() < deadline and not status.exists():
             time.sleep(0.1)
-        time.sleep(1.5)  # the status file is rewritten after the self-test took nan out of service
-        check(_models_list(cfg), "the running daemon")
+
+        def rewritten() -> bool:  # the status file is rewritten after the self-test took nan out of service
+            try:
+                check(_models_list(cfg), "the running daemon")
+            except AssertionError:
+                return False
+            return True
+
+        wait_until(rewritten, 60, 0.5, "the status file to show every model's self-test")
         st = subprocess.run([*EDGED, "status", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
         assert "note: vad v1: warm-up" in st.stdout and "[warmup.shapes." in st.stdout, st.stdout + st.stderr
         assert "note: misdeclared v1: output 'y' is declared with shape [1, 2]" in st.stdout, st.stdout

@@ -196,7 +196,7 @@ def _blob_path(case: Case, version: int, rel: str) -> Path:
 def _refused(case: Case, dev: InProcessDevice, release: int, expect: str) -> None:
     ev = case.event("failed", release)
     assert expect in (ev.reason or ""), ev.reason
-    time.sleep(0.3)  # a few more polls: still nothing activated
+    time.sleep(0.3)  # sleep-ok: a few more polls: still nothing activated
     only_v1_serving(case, dev, pixels())
     ms = dev.state().models[case.model]
     assert ms.current.release == 1 and (ms.pending is None or ms.pending.step == "download")
@@ -244,7 +244,7 @@ def test_expired_release_is_refused(case: Case) -> None:
     dev.stop()  # the device is off while the short-lived release comes and expires
     case.push(2)
     r2 = case.release(2, expires_in_s=1)
-    time.sleep(1.5)
+    time.sleep(1.5)  # sleep-ok: the release expires
     dev = case.device()
     try:
         _refused(case, dev, r2, "expired")
@@ -273,7 +273,7 @@ def test_lower_release_number_is_refused(case: Case) -> None:
         case.world.client.revoke(case.model, r2)
         ev = case.event("failed", 1)
         assert "lower than release" in (ev.reason or "")
-        time.sleep(0.3)
+        time.sleep(0.3)  # sleep-ok: a few more polls: the older release is never taken
         assert dev.serving(case.model) == [2]
         assert dev.state().models[case.model].current.release == r2
     finally:
@@ -344,7 +344,7 @@ def test_golden_check_failure_rolls_back(case: Case) -> None:
         assert r2 in ms.rejected and ms.pending is None
         info = case.world.client.device(case.device_id)
         assert info.models[0].state == "rolled-back" and "golden check" in (info.models[0].reason or "")
-        time.sleep(0.3)  # never retried
+        time.sleep(0.3)  # sleep-ok: a few more polls: never retried
         assert sum(1 for e in case.events() if e.step == "rolled-back") == 1
     finally:
         dev.stop()
@@ -363,7 +363,7 @@ def test_errors_under_live_traffic_roll_back(case: Case) -> None:
                 dev.service.infer(InferRequest(model=case.model, inputs={"pixels": x}), timeout=30)
             except Exception:
                 pass
-            time.sleep(0.005)
+            time.sleep(0.005)  # sleep-ok: paces the traffic
 
     t = threading.Thread(target=traffic)
     t.start()
@@ -407,7 +407,7 @@ def test_local_unload_during_trial_needs_authority_and_is_never_a_failed_release
             # with the authority the operator may unload; the trial pauses instead of failing
             assert c.request("POST", unload, [b"{}"], AUTH).status == 200
             assert dev.serving(case.model) == []
-            time.sleep(2.5)  # longer than the whole trial
+            time.sleep(2.5)  # sleep-ok: longer than the whole trial, which must pause, not fail
             ms = dev.state().models[case.model]
             assert ms.pending is not None and ms.pending.step == "trial" and r2 not in ms.rejected
             assert c.request("POST", f"/v2/repository/models/{case.model}/load", [b"{}"], AUTH).status == 200
@@ -553,7 +553,7 @@ def test_offline_keeps_serving_then_updates(case: Case, tmp_path: Path) -> None:
     try:
         own.push(2)
         server.stop()
-        time.sleep(1.0)  # several failed polls with back-off
+        time.sleep(1.0)  # sleep-ok: several failed polls with back-off, serving all along
         assert dev.serving(own.model) == [1]
         assert dev.infer(pixels(), own.model).version == 1
         server.start()
@@ -704,7 +704,7 @@ def test_mqtt_nudge_makes_the_device_poll_at_once(tmp_path: Path, world: World) 
             dev = InProcessDevice(cfg, trial_s=0.2, mqtt_nudge=True).start()
             try:
                 wait_for(lambda: committed(dev, own.model, r1), 30, 0.05, "release 1 (first poll at start)")
-                time.sleep(0.5)  # the nudge subscription is up
+                time.sleep(0.5)  # sleep-ok: the nudge subscription is up (its SUBACK shows nowhere outside)
                 own.push(2)
                 r2 = own.release(2)
                 wait_for(lambda: committed(dev, own.model, r2), 30, 0.05, "release 2 after the nudge")

@@ -41,6 +41,7 @@ from edged.telemetry.agent import TelemetryAgent
 from edged.telemetry.buffer import BufferStats, TelemetryBuffer
 from edged.telemetry.prometheus import MetricsRenderer
 from edged.telemetry.upload import Outcome, Uploader, UploadSettings, UploadStats
+from tests import polling
 from tests.http_client import web
 from tests.netutil import free_port
 
@@ -52,10 +53,7 @@ WAIT_S = 60.0
 
 
 def wait_until(cond: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.05)
+    polling.wait_until(cond, timeout, 0.05, what)
 
 
 def make_service(repo: Path) -> tuple[ModelManager, InferenceService]:

@@ -20,6 +20,7 @@ from edged.latency_buckets import LATENCY_BUCKETS_S
 from edged.protocol.fleet.telemetry import INGEST_PATH
 from edged.registry.rollout_wire import Gates, RolloutCreate, StepSpec
 from tests.http_client import web
+from tests.polling import wait_until
 from tests.registry.conftest import Env, registry_env
 from tests.registry_helpers import make_version
 
@@ -202,7 +203,7 @@ def test_pausing_a_rollout_stops_its_soak_clock(env: Env) -> None:
         ready = c.rollout(ro.id)
         assert ready.rollout.step_ready_at is not None and ready.soak_left_s is not None
         c.rollout_action(ro.id, "pause")
-        time.sleep(5)  # longer than the whole soak
+        time.sleep(5)  # sleep-ok: longer than the whole soak, which must not run on while paused
         paused = c.rollout(ro.id)
         assert paused.soak_left_s == pytest.approx(ready.soak_left_s, abs=1.0)  # frozen while paused
         assert f"paused, {paused.soak_left_s:.0f}s of soak left" in cli(env, "rollout", "status", str(ro.id))
@@ -210,6 +211,9 @@ def test_pausing_a_rollout_stops_its_soak_clock(env: Env) -> None:
         c.evaluate_rollouts()
         after = c.rollout(ro.id)
         assert after.rollout.state == "running" and after.soak_left_s is not None and after.soak_left_s > 1.5
-        time.sleep(after.soak_left_s + 0.5)
-        c.evaluate_rollouts()
-        assert c.rollout(ro.id).rollout.state == "completed"
+
+        def completed() -> bool:
+            c.evaluate_rollouts()
+            return c.rollout(ro.id).rollout.state == "completed"
+
+        wait_until(completed, after.soak_left_s + 30, 0.2, "the resumed soak to complete the rollout")

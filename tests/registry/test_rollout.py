@@ -300,7 +300,7 @@ def test_a_paced_step_lets_its_devices_in_over_time_and_is_ready_only_when_all_a
     assert held.rollout.admission is not None and held.rollout.admission.held
     assert held.rollout.admission.reason == "rollout paused"
     frozen = f.on(ro.release)
-    time.sleep(2.5)
+    time.sleep(2.5)  # sleep-ok: more than two admissions' worth of time, in which nobody may be let in
     assert f.on(ro.release) == frozen
     assert f.client.rollout_action(ro.id, "abort").state == "aborted"
     # a rollout at its own, faster pace: everyone in within seconds, then ready and complete

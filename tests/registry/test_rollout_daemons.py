@@ -123,7 +123,7 @@ def test_rollouts_across_real_daemons(world: World) -> None:
     assert st.totals["rolled_back"] == 2 and st.steps[1].members == 0
     canaries = {d for d in w.daemons if any(e.release == bad.release for e in w.events(d))}
     assert len(canaries) == 2
-    time.sleep(2.0)  # ten more polls of every daemon: nobody else may touch the release
+    time.sleep(2.0)  # sleep-ok: ten more polls of every daemon: nobody else may touch the release
     for d in w.daemons:
         mine = [e for e in w.events(d) if e.release == bad.release]
         if d in canaries:

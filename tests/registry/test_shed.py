@@ -162,7 +162,7 @@ def test_a_device_updating_through_a_busy_spell_loses_nothing_and_reports_no_fai
         shed_before = registry.signal.shed
         with Busy(registry.signal):
             r2 = release(2)  # an operator's release goes through while devices are shed
-            time.sleep(2.5)  # polls see it; its download and reports are refused meanwhile
+            time.sleep(2.5)  # sleep-ok: polls see it; its download and reports are refused meanwhile
             assert not committed(dev, r2)
             assert registry.signal.shed > shed_before
         wait_for(lambda: committed(dev, r2), 60, 0.05, "release 2 committed after the busy spell")
@@ -229,7 +229,7 @@ def test_a_busy_registry_holds_a_rollouts_admission_and_goes_on_after(registry: 
         admission = registry.client.rollout(ro.id).rollout.admission
         assert admission is not None and admission.reason and "behind" in admission.reason
         frozen = on(ro.release)
-        time.sleep(2.0)  # two devices a second would have come in meanwhile
+        time.sleep(2.0)  # sleep-ok: two devices a second would have come in meanwhile
         assert on(ro.release) == frozen and len(frozen) < len(devices)
         assert on(r1) == {d.id for d in devices} - frozen
     wait_for(lambda: len(on(ro.release)) == len(devices), 60, 0.2, "every device let in once the registry keeps up")

@@ -35,6 +35,7 @@ from tests.edged_process import edged_run, http_ok
 from tests.http_helpers import copy_models
 from tests.mqtt_helpers import DIGIT
 from tests.netutil import free_port
+from tests.polling import wait_until, wait_until_async
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -138,8 +139,7 @@ class SlowBodies:
 
     async def _main(self) -> None:
         tasks = [asyncio.create_task(self._one(i)) for i in range(self.count)]
-        while not self._stop.is_set():
-            await asyncio.sleep(0.05)
+        await asyncio.to_thread(self._stop.wait)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -155,7 +155,7 @@ class SlowBodies:
                 self.opened += 1
                 writer.write(head)
                 while not self._stop.is_set():
-                    await asyncio.sleep(self.interval)
+                    await asyncio.sleep(self.interval)  # sleep-ok: a slow body, one byte per interval
                     if reader.at_eof() or writer.is_closing() or writer.transport.is_closing():
                         break  # the server closed it (connection_lost closes our transport)
                     writer.write(b" ")
@@ -166,7 +166,7 @@ class SlowBodies:
                 if writer is not None:
                     writer.close()
             self.cut += 1
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # sleep-ok: the attacker's pause before it reconnects
 
 
 def _victim(port: int, seconds: float) -> tuple[int, int, list[int]]:
@@ -188,7 +188,7 @@ def _slow_body_attack(tmp: Path, http_lines: str, count: int, seconds: float, ra
         base_ok, base_tried, _ = _victim(d.http_port, 1.0)
         assert base_ok == base_tried > 0
         with SlowBodies(d.http_port, count) as attack:
-            time.sleep(ramp)  # every attacker connection opened and sending
+            wait_until(lambda: attack.opened >= count, ramp + 30, what=f"{count} attacker connections opened")
             ok, tried, bad = _victim(d.http_port, seconds)
             health = one_request(d.http_port, "/v2/health/live", None)
             opened = attack.opened
@@ -235,13 +235,13 @@ def test_a_body_over_its_clients_share_waits_and_is_then_read(tmp_path: Path) ->
         head = b"POST /v2/models/digits/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(BODY)
         half = len(BODY) // 2
         socks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3)]
-        for s in socks:
-            s.sendall(head + BODY[:half])
-            time.sleep(0.1)
         state = srv.transport._server._state  # type: ignore[union-attr]
+        for i, s in enumerate(socks):  # one at a time, in this order
+            s.sendall(head + BODY[:half])
+            wait_until(lambda n=i + 1: len(state.busy) + len(state.parked) == n, 10, 0.01, f"body {i + 1} taken in")
         assert (len(state.busy), len(state.parked)) == (2, 1)
         socks[2].sendall(BODY[half:])  # waits unread in the kernel
-        time.sleep(0.2)
+        time.sleep(0.2)  # sleep-ok: time the server must not use to read the parked body
         assert len(state.parked) == 1
         for s in socks[:2]:
             s.sendall(BODY[half:])
@@ -309,8 +309,14 @@ def _shm_infer(sock: Path) -> bool:
 def _idle_grpc_attack(tmp: Path, count: int, nofile: int | None, extra: str) -> None:
     with edged_daemon(tmp, extra, nofile=nofile) as d:
         with idle_connections(d.grpc_port, count) as opened:
-            time.sleep(1.0)  # grpcio accepts and closes those over its cap
-            held = d.fds()
+            counts: list[int] = []
+
+            def settled() -> bool:  # grpcio accepts and closes those over its cap: the count stops moving
+                counts.append(d.fds())
+                return len(counts) >= 3 and len(set(counts[-3:])) == 1
+
+            wait_until(settled, 30, 0.2, "the daemon's descriptor count to settle")
+            held = counts[-1]
             health = [one_request(d.http_port, "/v2/health/live", None, timeout=3) for _ in range(5)]
             infer = [one_request(d.http_port, timeout=3) for _ in range(5)]
             shm = _shm_infer(d.shm_socket)
@@ -407,8 +413,7 @@ def test_an_answer_the_client_does_not_read_is_dropped_after_the_request_timeout
         client = socket.create_connection(("127.0.0.1", port))
         client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        await asyncio.sleep(0.5)
-        held = server.connections
+        held = await wait_until_async(lambda: server.connections, 10, what="the server to take the connection")
         deadline = time.monotonic() + 10
         while server.connections and time.monotonic() < deadline:
             await asyncio.sleep(0.1)

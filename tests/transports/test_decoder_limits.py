@@ -23,6 +23,7 @@ from tests.edged_process import edged_run, engines_settled
 from tests.http_helpers import copy_models
 from tests.mqtt_helpers import Broker, TestClient, running_broker
 from tests.netutil import free_port
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -118,9 +119,10 @@ def attack_rounds(port: int, attack: Callable[[], None], what: str) -> None:
     worst: list[float] = []
     for _ in range(3):
         with HealthProbe(port) as probe:
-            time.sleep(0.1)
+            wait_until(lambda: len(probe.latencies) >= 5, 30, 0.01, "health probes before the attack")
             attack()
-            time.sleep(0.1)
+            n = len(probe.latencies) + 5
+            wait_until(lambda n=n: len(probe.latencies) >= n, 30, 0.01, "health probes after the attack")
         assert not probe.failures, probe.failures
         assert len(probe.latencies) > 10
         worst.append(max(probe.latencies))

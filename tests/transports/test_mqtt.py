@@ -217,7 +217,7 @@ def test_a_lone_request_runs_on_pahos_thread_and_a_burst_is_queued(
     monkeypatch.setattr("edged.transports.mqtt.intake.LOOP_INLINE_MAX_NS", 10**9)
     t = transports(broker.url)
     want = digits.expected(digits.x[:40])
-    time.sleep(0.15)  # past the scheduler's memory of overlapping traffic (earlier tests share the model)
+    time.sleep(0.15)  # sleep-ok: the scheduler forgets overlapping traffic (earlier tests') after a time
     before = digits.service.statistics("digits")[0]
     for i in range(20):
         x = digits.x[i:i + 1]
@@ -242,7 +242,7 @@ def test_a_lone_request_runs_on_pahos_thread_and_a_burst_is_queued(
         for i in range(20, 40):
             client.publish("edged/dev/infer/digits", _json_request(digits.x[i:i + 1]), qos=0,
                            ResponseTopic=f"{REPLY}/py", CorrelationData=f"burst-{i}".encode())
-        time.sleep(0.5)
+        time.sleep(0.5)  # sleep-ok: the burst queues behind paho's held thread, which nothing outside shows
         assert t.counters["requests"] == requests + 1, "paho's thread was not held at the first request"
     got: dict[int, np.ndarray] = {}
     while len(got) < 20:
@@ -414,7 +414,7 @@ def test_persistent_session_and_message_expiry(
                    CorrelationData=b"expires", MessageExpiryInterval=1)
     client.publish("edged/dev/infer/digits", _json_request(x), qos=1, ResponseTopic=f"{REPLY}/q",
                    CorrelationData=b"keeps", MessageExpiryInterval=60)
-    time.sleep(2.2)  # let the first request expire while nobody serves it (the broker counts whole seconds)
+    time.sleep(2.2)  # sleep-ok: the first request expires while nobody serves it (the broker counts whole s)
     transports(broker.url, **session)
     msg = client.get(where=_correlated(b"keeps"))
     assert "outputs" in json.loads(msg.payload)
@@ -555,7 +555,7 @@ def test_broker_restart_mid_stream_recovers(
             with contextlib.suppress(Exception):
                 stream.publish("edged/dev/infer/digits", _json_request(x), qos=0, ResponseTopic=f"{REPLY}/stream",
                                CorrelationData=str(i).encode())
-            time.sleep(0.005)
+            time.sleep(0.005)  # sleep-ok: paces the stream
 
     sender = threading.Thread(target=keep_sending, daemon=True)
     sender.start()

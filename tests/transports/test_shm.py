@@ -15,7 +15,6 @@ import sys
 import tempfile
 import textwrap
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from edged.transports.shm.conn import Limits
 from edged.transports.shm.segments import clean_stale_shm
 from edged.transports.shm.transport import ShmTransport
 from tests.conftest import EDGED, REPO_ROOT
+from tests.polling import wait_until
 
 ORT_CPU = [BackendPreference(backend="onnxruntime", device="CPU", precisions=["fp32"])]
 MAPS_TAG = "memfd:edged-shm"
@@ -80,11 +80,7 @@ def served(model_repo: Callable[..., Path], tmp_path: Path) -> Iterator[Served]:
 
 
 def _wait(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.02)
+    wait_until(cond, timeout, 0.02, what)
 
 
 def _maps_count() -> int:
@@ -538,7 +534,7 @@ def test_async_pipelined_requests(served: Served, digits_holdout: tuple[np.ndarr
             for _ in range(3):
                 tasks = [asyncio.ensure_future(c.infer("digits", {"pixels": x[i:i + 2]})) for i in range(40)]
                 for _ in range(3):
-                    await asyncio.sleep(0)
+                    await asyncio.sleep(0)  # sleep-ok: let the calls get under way, then cancel some
                 for task in tasks[::3]:
                     task.cancel()
                 done = await asyncio.gather(*tasks, return_exceptions=True)
@@ -578,7 +574,7 @@ def test_async_prepared_requests_run_side_by_side(served: Served,
             first, second = (await preps[0].run())["probabilities"], (await preps[0].run())["probabilities"]
             assert not first.flags.owndata and np.shares_memory(first, second)  # views made once
             busy = asyncio.ensure_future(preps[1].run())
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # sleep-ok: one turn of the loop starts the run
             with pytest.raises(EdgedError, match="already running") as ei:
                 await preps[1].run()  # one request at a time per prepared request
             assert ei.value.code is ErrorCode.FAILED_PRECONDITION
@@ -591,7 +587,7 @@ def test_async_prepared_requests_run_side_by_side(served: Served,
             preps[2].inputs["pixels"][:] = x[:2]
             for _ in range(200):
                 cut = asyncio.ensure_future(preps[2].run())
-                await asyncio.sleep(0)
+                await asyncio.sleep(0)  # sleep-ok: one turn of the loop sends it, then it is cut
                 cut.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await cut
@@ -603,7 +599,7 @@ def test_async_prepared_requests_run_side_by_side(served: Served,
             assert [prep.message is m for prep, m in zip(preps, messages, strict=True)][:2] == [True, True]
             # closed while a run is in flight: the run finishes, then its buffers go back
             running = asyncio.ensure_future(preps[3].run(copy=True))
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # sleep-ok: one turn of the loop sends it, then close
             await preps[3].close()
             assert (await running)["probabilities"].shape == (2, 10)
             assert served.transport.clients()[0]["segments"] <= segments + 2 - 2

@@ -114,7 +114,7 @@ def test_request_deadline_reaches_the_model_step(tmp_path: Path) -> None:
             while mv.scheduler.queued < 2:  # both pipeline requests wait in the model's queue
                 assert time.monotonic() < deadline, "pipeline requests never reached the model's queue"
                 time.sleep(0.01)
-            threading.Event().wait(0.5)  # past the first one's deadline, still held
+            threading.Event().wait(0.5)  # sleep-ok: past the first one's deadline, still held
         first.result(60)
         with pytest.raises(DeadlineExceededError):
             late.result(60)
