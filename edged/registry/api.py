@@ -123,7 +123,7 @@ def create_app(settings: RegistrySettings) -> FastAPI:
     ro_engine = readonly(engine)
     store = BlobStore(settings.blobs)
     ctx = AppContext(
-        settings=settings, admin_hash=admin_hash, engine=engine, sessions=sessions,
+        settings=settings, engine=engine, sessions=sessions,
         read_sessions=make_sessionmaker(ro_engine), ro_engine=ro_engine, snapshots=SnapshotCache(),
         last_seen=LastSeen(engine, flush_s=settings.last_seen_flush_s,
                            resolution_s=settings.last_seen_resolution_s), report_writer=ReportWriter(engine),

@@ -33,11 +33,6 @@ bearer_scheme = HTTPBearer(auto_error=False, description="an operator token, or 
 Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)]
 
 
-def credential(auth: HTTPAuthorizationCredentials | None) -> str:
-    """The ``Authorization`` header value back from FastAPI's parsed form ("" when none was sent)."""
-    return f"Bearer {auth.credentials}" if auth is not None else ""
-
-
 @contextlib.contextmanager
 def transaction(sessions: sessionmaker[Session]) -> Iterator[Session]:
     """One session in one committed transaction (rolled back when the block raises)."""
@@ -50,7 +45,6 @@ class AppContext:
     """The parts one registry app is built from, handed to each router (nothing module-level)."""
 
     settings: RegistrySettings
-    admin_hash: str
     engine: Engine
     sessions: sessionmaker[Session]
     read_sessions: sessionmaker[Session]

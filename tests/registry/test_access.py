@@ -289,6 +289,10 @@ def test_named_tokens_and_the_audit_log(world: World) -> None:
         ("bootstrap", "cli", "token.create", "token ci-alice"),
     ]
     assert log[1]["reason"] == "<i>night</i>" and log[1]["role"] == "releaser"
+    # what the fixture did to set the registry up is there too, by the bootstrap admin over the API
+    done = {(e.actor, e.action) for e in world.client.audit(limit=1000).entries}
+    for action in ("blob.upload", "version.push", "release.create", "enrollment-token.create", "rollout.create"):
+        assert ("bootstrap", action) in done, action
     text = cli(world, world.tokens["viewer"], "audit", "--limit", "2").stdout
     assert "token.revoke" in text and "rollout.pause" in text and "device.labels" not in text
 
