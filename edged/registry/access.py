@@ -1,12 +1,12 @@
-"""Who may call what: the three operator roles, one table with the access rule of every route, and the
-one dependency (:class:`Guard`, set on the whole app) that enforces it before any handler runs.
+"""Who may call what: one table with the access rule of every route (:data:`RULES`), and the one
+dependency (:class:`Guard`, set on the whole app) that enforces it before any handler runs.
 
 Callers are operators (a named API token, the bootstrap admin token, or a dashboard session),
 devices (their credential, checked by the device routes themselves) or anyone (health, docs,
 enrollment with a token in the body, the sign-in page). An operator has a role
-(:mod:`edged.registry.roles`). A route that
-is not in :data:`RULES` is refused, so a route added without a decision here cannot be called
-(and tests/registry/test_access.py fails, as it walks the app's routes).
+(:mod:`edged.registry.roles`). A route that is not in :data:`RULES` is refused, so a route added
+without a decision here cannot be called (and tests/registry/test_access.py fails: it walks the
+app's routes).
 """
 
 from __future__ import annotations
