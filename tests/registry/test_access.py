@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from edged.protocol.fleet.telemetry import INGEST_PATH
-from edged.registry.access import RULES, Kind
+from edged.registry.access import RULES, Kind, principal
 from edged.registry.admin_client import RegistryClient, RegistryClientError
 from edged.registry.passwords import hash_password
 from edged.registry.roles import Role
@@ -47,8 +47,8 @@ NOTHING = {
 PASSWORD = "operator password for tests"
 
 
-def app_routes(tmp: Path, keys: Keys) -> set[tuple[str, str]]:
-    """Every (method, path) the registry app answers, as FastAPI lists them (HEAD goes with GET)."""
+def app_routes(tmp: Path, keys: Keys) -> dict[tuple[str, str], Any]:
+    """Every (method, path) the registry app answers, as FastAPI lists them (HEAD goes with GET), and its route."""
     from fastapi.routing import iter_route_contexts
 
     from edged.registry.api import create_app
@@ -58,7 +58,12 @@ def app_routes(tmp: Path, keys: Keys) -> set[tuple[str, str]]:
     app = create_app(
         RegistrySettings(data_dir=tmp / "data", admin_token_file=tmp / "admin.token", public_keys=[keys.public])
     )
-    return {(m, rc.path) for rc in iter_route_contexts(app.routes) for m in rc.methods or () if m != "HEAD"}
+    return {
+        (m, rc.path): rc.original_route
+        for rc in iter_route_contexts(app.routes)
+        for m in rc.methods or ()
+        if m != "HEAD"
+    }
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
@@ -121,8 +126,16 @@ def world(env: Env) -> Iterator[World]:
 
 def test_every_route_has_a_rule(tmp_path: Path) -> None:
     routes = app_routes(tmp_path, Keys.make(tmp_path))
-    assert routes - set(RULES) == set(), "routes without an access rule in edged.registry.access.RULES"
-    assert set(RULES) - routes == set(), "rules for routes the app does not have"
+    assert set(routes) - set(RULES) == set(), "routes without an access rule in edged.registry.access.RULES"
+    assert set(RULES) - set(routes) == set(), "rules for routes the app does not have"
+    # an API route that changes something takes the operator (access.Actor): its audit row needs the actor
+    takes_actor = {
+        key
+        for key, route in routes.items()
+        if any(d.call is principal for d in getattr(getattr(route, "dependant", None), "dependencies", []))
+    }
+    changes = {k for k, r in RULES.items() if r.kind is Kind.OPERATOR and r.role > Role.VIEWER}
+    assert changes - takes_actor == {("POST", "/api/v1/blobs/missing")}  # a question, answered with a POST
 
 
 def test_a_route_without_a_rule_is_refused(tmp_path: Path) -> None:
