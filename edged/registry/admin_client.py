@@ -32,6 +32,7 @@ from edged.protocol.fleet.messages import (
     VersionInfo,
 )
 from edged.protocol.fleet.release import FileEntry, ReleaseManifest, SignedRelease, TargetSelector, sign_release
+from edged.registry.access_wire import CLIENT_HEADER, AuditPage, TokenCreate, TokenCreated, TokenInfo
 from edged.registry.rollout_wire import (
     RollbackPlan,
     RollbackRequest,
@@ -77,9 +78,10 @@ def folder_files(folder: Path) -> list[tuple[FileEntry, Path]]:
 
 class RegistryClient:
     def __init__(self, url: str, token: str, *, timeout: float = 60.0, ca_file: Path | None = None,
-                 client_cert: Path | None = None, client_key: Path | None = None) -> None:
+                 client_cert: Path | None = None, client_key: Path | None = None, source: str | None = None) -> None:
         """``ca_file``: the CA bundle that signed an https registry's certificate (default: the system's);
-        ``client_cert``/``client_key``: for a registry that requires client certificates."""
+        ``client_cert``/``client_key``: for a registry that requires client certificates; ``source``: "cli"
+        when the ``edged-registry`` command calls (the audit log says so)."""
         import ssl
 
         import httpx
@@ -90,7 +92,8 @@ class RegistryClient:
             verify = ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
             if client_cert is not None:
                 verify.load_cert_chain(str(client_cert), str(client_key) if client_key else None)
-        self._http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"},
+        headers = {"Authorization": f"Bearer {token}", **({CLIENT_HEADER: source} if source else {})}
+        self._http = httpx.Client(base_url=self.url, headers=headers,
                                   timeout=httpx.Timeout(timeout, connect=10.0), verify=verify)
 
     def close(self) -> None:
@@ -328,3 +331,19 @@ class RegistryClient:
     def evaluate_rollouts(self) -> dict[str, str]:
         out: dict[str, str] = self._call("POST", "/rollouts/evaluate").json()
         return out
+
+    # ---- access: named tokens and the audit log -------------------------------------------------
+    def create_token(self, name: str, role: str) -> TokenCreated:
+        r = self._call("POST", "/tokens", content=TokenCreate(name=name, role=role).model_dump_json(),
+                       headers={"Content-Type": "application/json"})
+        return TokenCreated.model_validate_json(r.content)
+
+    def tokens(self) -> list[TokenInfo]:
+        return TypeAdapter(list[TokenInfo]).validate_json(self._call("GET", "/tokens").content)
+
+    def revoke_token(self, name: str) -> TokenInfo:
+        return TokenInfo.model_validate_json(self._call("POST", f"/tokens/{name}/revoke").content)
+
+    def audit(self, limit: int = 100, offset: int = 0) -> AuditPage:
+        r = self._call("GET", "/audit", params={"limit": limit, "offset": offset})
+        return AuditPage.model_validate_json(r.content)

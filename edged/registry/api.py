@@ -1,8 +1,10 @@
 """The registry HTTP API (FastAPI; OpenAPI at ``/openapi.json``, docs at ``/docs``).
 
-Three callers, three kinds of credential in ``Authorization: Bearer``: operators (the admin
-token) publish; devices (their per-device credential) read only their own desired state and
-the files of the releases meant for them, and write only their own reports; anyone may
+Three callers, three kinds of credential in ``Authorization: Bearer``: operators (a named API
+token with a role, or the bootstrap admin token) read, publish and administer, as
+:mod:`edged.registry.access` allows each route, checked by one dependency of the whole app;
+devices (their per-device credential) read only their own desired state and the files of the
+releases meant for them, and write only their own reports; anyone may
 enroll with a valid enrollment token. The app holds no state of its own, so several
 processes may serve one PostgreSQL database and one shared blob folder (what it caches —
 the release snapshot, small blobs, model ids — is checked against the database or
@@ -23,10 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -37,6 +40,8 @@ from edged.errors import ErrorCode
 from edged.protocol.fleet.messages import API_PREFIX
 from edged.protocol.fleet.nudge import Nudger
 from edged.protocol.fleet.telemetry import INGEST_PATH
+from edged.registry import api_tokens
+from edged.registry.access import Guard
 from edged.registry.blob_urls import UrlSigner, signing_key
 from edged.registry.blobs import BlobError, BlobStore, SmallBlobCache
 from edged.registry.db import make_engine, make_sessionmaker, readonly
@@ -46,6 +51,7 @@ from edged.registry.evaluator import Evaluator
 from edged.registry.fastpath import DeviceFastPath, validation_status
 from edged.registry.lastseen import LastSeen
 from edged.registry.migrate import upgrade
+from edged.registry.routes.access import access_router
 from edged.registry.routes.admin import admin_router, health_router
 from edged.registry.routes.devices import devices_router
 from edged.registry.routes.releases import releases_router
@@ -117,7 +123,7 @@ def create_app(settings: RegistrySettings) -> FastAPI:
     ro_engine = readonly(engine)
     store = BlobStore(settings.blobs)
     ctx = AppContext(
-        settings=settings, admin_hash=admin_hash, engine=engine, sessions=sessions,
+        settings=settings, engine=engine, sessions=sessions,
         read_sessions=make_sessionmaker(ro_engine), ro_engine=ro_engine, snapshots=SnapshotCache(),
         last_seen=LastSeen(engine, flush_s=settings.last_seen_flush_s,
                            resolution_s=settings.last_seen_resolution_s), report_writer=ReportWriter(engine),
@@ -150,7 +156,9 @@ def create_app(settings: RegistrySettings) -> FastAPI:
         engine.dispose()
         ro_engine.dispose()
 
-    app = FastAPI(title="edged registry", version=__version__, lifespan=lifespan,
+    # Who may call what: one rule per route (edged.registry.access.RULES), checked before any handler.
+    guard = Guard(admin_hash, functools.partial(api_tokens.lookup, ctx.read_sessions))
+    app = FastAPI(title="edged registry", version=__version__, lifespan=lifespan, dependencies=[Depends(guard)],
                   description="Model versions, signed releases, device enrollment, desired state and reports.")
     app.state.load_signal = load
     app.add_middleware(BodyLimit, limit=MAX_JSON_BYTES, exempt_prefix=f"{API_PREFIX}/blobs/")
@@ -162,12 +170,12 @@ def create_app(settings: RegistrySettings) -> FastAPI:
                            routes=[("POST", INGEST_PATH, 2.0), ("PUT", f"{API_PREFIX}/device/facts", 1.0),
                                    ("POST", f"{API_PREFIX}/device/reports", 0.45),
                                    ("GET", f"{API_PREFIX}/blobs/", 0.35)])
-    app.include_router(telemetry_router(sessions, admin_hash, settings.last_seen_resolution_s))
+    app.include_router(telemetry_router(sessions, settings.last_seen_resolution_s))
     _install_error_handlers(app)
-    for router in (health_router, devices_router, releases_router, admin_router, rollouts_router):
+    for router in (health_router, devices_router, releases_router, admin_router, rollouts_router, access_router):
         app.include_router(router(ctx))
     # The dashboard (/ui) after the error handlers, so that its errors become pages.
-    install_dashboard(app, settings=settings, admin_hash=admin_hash, sessions=sessions,
+    install_dashboard(app, guard, settings=settings, admin_hash=admin_hash, sessions=sessions,
                       read_sessions=ctx.read_sessions, renderer=pages,
                       on_rollout_change=lambda rid, what: ctx.rollout_changed({rid: what}))
     return app

@@ -13,6 +13,7 @@ import secrets
 ADMIN_PREFIX = "edga_"
 DEVICE_PREFIX = "edgd_"
 ENROLL_PREFIX = "edge_"
+TOKEN_PREFIX = "edgt_"  # a named operator token (edged.registry.api_tokens)
 
 
 def new_token(prefix: str) -> str:

@@ -43,7 +43,7 @@ def parse_label(text: str) -> tuple[str, str]:
 def _client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=os.environ.get(URL_ENV, DEFAULT_URL), help=f"registry URL (env {URL_ENV})")
     p.add_argument("--token-file", type=Path, default=None,
-                   help=f"file holding the admin token (else env {TOKEN_ENV})")
+                   help=f"file holding your API token or the admin token (else env {TOKEN_ENV})")
     p.add_argument("--ca-file", type=Path, default=os.environ.get(CA_ENV) or None,
                    help=f"CA bundle of an https registry's certificate (env {CA_ENV}; default: the system's)")
     p.add_argument("--client-cert", type=Path, default=os.environ.get(CLIENT_CERT_ENV) or None,
@@ -190,10 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("release")
 
-    from edged.registry import rollout_cli
+    from edged.registry import access_cli, rollout_cli
     from edged.registry.sim import command as simulate
 
     rollout_cli.add_parser(sub, _client_args, parse_duration, parse_label)
+    access_cli.add_parser(sub, _client_args)
     simulate.add_parser(sub)
     return parser
 
@@ -374,9 +375,9 @@ def _client(args: argparse.Namespace) -> Any:
     else:
         token = os.environ.get(TOKEN_ENV, "")
     if not token:
-        raise ConfigError(f"no admin token: give --token-file or set {TOKEN_ENV}")
+        raise ConfigError(f"no token: give --token-file or set {TOKEN_ENV}")
     return RegistryClient(args.url, token, ca_file=args.ca_file, client_cert=args.client_cert,
-                          client_key=args.client_key)
+                          client_key=args.client_key, source="cli")
 
 
 def _print(args: argparse.Namespace, obj: Any, text: Callable[[], str]) -> None:
@@ -692,6 +693,18 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     return rollout_cli.run_rollback(args, lambda: _client(args), _print)
 
 
+def cmd_token(args: argparse.Namespace) -> int:
+    from edged.registry import access_cli
+
+    return access_cli.run_token(args, lambda: _client(args), _print)
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    from edged.registry import access_cli
+
+    return access_cli.run_audit(args, lambda: _client(args), _print)
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from edged.registry.sim import command as simulate
 
@@ -707,6 +720,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "label": cmd_label,
     "reenroll": cmd_reenroll, "decommission": cmd_decommission,
     "pin": cmd_pin, "rollout": cmd_rollout, "rollback": cmd_rollback, "simulate": cmd_simulate,
+    "token": cmd_token, "audit": cmd_audit,
 }
 
 

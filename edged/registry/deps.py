@@ -1,11 +1,11 @@
 """What the registry's routers share: the app's parts (:class:`AppContext`), the bearer scheme,
-the admin check, device authentication and the transactions."""
+device authentication and the transactions (who may call a route is :mod:`edged.registry.access`'s)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -18,7 +18,7 @@ from edged.errors import ErrorCode
 from edged.protocol.fleet.nudge import Nudger
 from edged.registry import desired as desired_state
 from edged.registry import service
-from edged.registry.auth import bearer_token, is_admin, token_hash
+from edged.registry.auth import bearer_token, token_hash
 from edged.registry.blob_urls import UrlSigner
 from edged.registry.blobs import BlobStore, SmallBlobCache
 from edged.registry.db import DeviceRow
@@ -29,23 +29,8 @@ from edged.registry.writer import ReportWriter
 
 log = logging.getLogger(__name__)
 
-bearer_scheme = HTTPBearer(auto_error=False, description="admin token, or a device credential")
+bearer_scheme = HTTPBearer(auto_error=False, description="an operator token, or a device credential")
 Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)]
-
-
-def credential(auth: HTTPAuthorizationCredentials | None) -> str:
-    """The ``Authorization`` header value back from FastAPI's parsed form ("" when none was sent)."""
-    return f"Bearer {auth.credentials}" if auth is not None else ""
-
-
-def admin_check(admin_hash: str) -> Callable[[HTTPAuthorizationCredentials | None], None]:
-    """A dependency that refuses (401) anything but the admin token."""
-
-    def require_admin(auth: Bearer) -> None:
-        if not is_admin(credential(auth), admin_hash):
-            raise RegistryError("an admin token is required", 401, ErrorCode.INVALID_ARGUMENT)
-
-    return require_admin
 
 
 @contextlib.contextmanager
@@ -60,7 +45,6 @@ class AppContext:
     """The parts one registry app is built from, handed to each router (nothing module-level)."""
 
     settings: RegistrySettings
-    admin_hash: str
     engine: Engine
     sessions: sessionmaker[Session]
     read_sessions: sessionmaker[Session]
@@ -72,10 +56,6 @@ class AppContext:
     blob_cache: SmallBlobCache
     nudger: Nudger | None
     blob_signer: UrlSigner | None = None  # set: devices fetch blobs from the blob server (signed URLs)
-
-    def admin(self) -> Any:
-        """``dependencies=[ctx.admin()]``: the route answers the admin token only."""
-        return Depends(admin_check(self.admin_hash))
 
     def tx(self) -> contextlib.AbstractContextManager[Session]:
         return transaction(self.sessions)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from sqlalchemy import MetaData
 
-from edged.registry import db, telemetry_tables
+from edged.registry import access_tables, db, telemetry_tables
 
 # Each declares its tables on db.Base's one metadata when imported.
-TABLE_MODULES = (db, telemetry_tables)
+TABLE_MODULES = (db, telemetry_tables, access_tables)
 
 
 def metadata() -> MetaData:

@@ -21,6 +21,7 @@ from edged.fsutil import make_private_dir
 from edged.listen import parse_listen
 from edged.protocol.fleet.release import check_public_keys
 from edged.registry.passwords import NAME, is_password_hash
+from edged.registry.roles import ROLES
 
 # A device's stored last-seen time is rewritten at most this often however often it polls: a large
 # fleet's polls stay reads (settings.last_seen_resolution_s shortens it for a short online window).
@@ -86,6 +87,9 @@ class RegistrySettings(BaseModel):
     operators: dict[str, str] = Field(default_factory=dict,
                                       description="dashboard operator accounts: name = password hash printed by "
                                                   "edged-registry operator-hash (the admin token also signs in)")
+    operator_roles: dict[str, str] = Field(default_factory=dict,
+                                           description="dashboard operators' roles: name = viewer, releaser or admin "
+                                                       "(an operator not named here is a releaser)")
 
     @property
     def last_seen_resolution_s(self) -> float:
@@ -104,6 +108,15 @@ class RegistrySettings(BaseModel):
             if not is_password_hash(hashed):
                 raise ValueError(f"operator {name!r}: not a hash from edged-registry operator-hash")
         return v
+
+    @model_validator(mode="after")
+    def _operator_roles(self) -> RegistrySettings:
+        for name, role in self.operator_roles.items():
+            if name not in self.operators:
+                raise ValueError(f"operator_roles: {name!r} is not in operators")
+            if role not in ROLES:
+                raise ValueError(f"operator_roles: {name!r}: {role!r} is not one of {', '.join(ROLES)}")
+        return self
 
     @model_validator(mode="after")
     def _online_window(self) -> RegistrySettings:

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -74,6 +74,7 @@ class IngestRegistry:
     """The telemetry router on a FastAPI app over SQLite, served by uvicorn; stop and start it at will."""
 
     def __init__(self, workdir: Path) -> None:
+        from edged.registry.access import Guard
         from edged.registry.schema import metadata
         from edged.registry.telemetry_ingest import telemetry_router
 
@@ -85,8 +86,9 @@ class IngestRegistry:
         with self.sessions() as s, s.begin():
             s.add(DeviceRow(id=DEVICE, credential_hash=token_hash(self.credential), labels={},
                             admin_labels={"site": "a"}, facts={}, serving=[]))
-        self.app = FastAPI()
-        self.app.include_router(telemetry_router(self.sessions, token_hash(ADMIN), 60.0))
+        # the registry's own access check (edged.registry.access), with the admin token and no named tokens
+        self.app = FastAPI(dependencies=[Depends(Guard(token_hash(ADMIN), lambda _token: None))])
+        self.app.include_router(telemetry_router(self.sessions, 60.0))
 
         @self.app.exception_handler(RegistryError)
         async def _err(_r: Request, e: RegistryError) -> JSONResponse:

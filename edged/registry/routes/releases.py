@@ -26,11 +26,11 @@ from edged.protocol.fleet.messages import (
     VersionInfo,
 )
 from edged.protocol.fleet.release import SignedRelease
+from edged.registry import audit, service
 from edged.registry import desired as desired_state
-from edged.registry import service
-from edged.registry.auth import is_admin
+from edged.registry.access import Actor
 from edged.registry.blobs import SHA256_RE
-from edged.registry.deps import AppContext, Bearer, credential
+from edged.registry.deps import AppContext
 from edged.registry.release_states import release_states
 from edged.registry.service import RegistryError
 
@@ -39,16 +39,15 @@ log = logging.getLogger(__name__)
 
 def releases_router(ctx: AppContext) -> APIRouter:
     router = APIRouter()
-    admin = [ctx.admin()]
     settings = ctx.settings
     max_upload = int(settings.max_upload_mb * (1 << 20))
 
     @router.get(f"{API_PREFIX}/blobs/{{sha256}}", tags=["device", "admin"],
                 responses={200: {"content": {"application/octet-stream": {}}}, 206: {"description": "a byte range"}})
-    async def get_blob(sha256: str, auth: Bearer, request: Request) -> Response:
+    async def get_blob(sha256: str, request: Request) -> Response:
         if not SHA256_RE.fullmatch(sha256):
             raise service.invalid("not a lower-case hex sha256")
-        if not is_admin(credential(auth), ctx.admin_hash):
+        if getattr(request.state, "principal", None) is None:  # not an operator (access.Guard): a device
             with ctx.ro_engine.connect() as conn:
                 if not desired_state.blob_allowed(conn, ctx.decide(conn, request.headers.get("authorization")), sha256,
                                                   ctx.snapshots):
@@ -74,14 +73,13 @@ def releases_router(ctx: AppContext) -> APIRouter:
         # Starlette answers Range / If-Range itself (206, 416); the digest is the strong ETag.
         return FileResponse(path, media_type="application/octet-stream", headers=headers)
 
-    @router.post(f"{API_PREFIX}/blobs/missing", tags=["admin"], response_model=MissingBlobsResponse,
-                 dependencies=admin)
+    @router.post(f"{API_PREFIX}/blobs/missing", tags=["admin"], response_model=MissingBlobsResponse)
     def blobs_missing(req: MissingBlobsRequest) -> MissingBlobsResponse:
         with ctx.rtx() as s:
             return MissingBlobsResponse(missing=service.missing_blobs(s, ctx.store, req.sha256))
 
-    @router.put(f"{API_PREFIX}/blobs/{{sha256}}", tags=["admin"], dependencies=admin, status_code=201)
-    async def put_blob(sha256: str, request: Request,
+    @router.put(f"{API_PREFIX}/blobs/{{sha256}}", tags=["admin"], status_code=201)
+    async def put_blob(sha256: str, request: Request, who: Actor,
                        content_length: Annotated[int | None, Header()] = None) -> dict[str, Any]:
         if not SHA256_RE.fullmatch(sha256):
             raise service.invalid("not a lower-case hex sha256")
@@ -104,34 +102,35 @@ def releases_router(ctx: AppContext) -> APIRouter:
         def record() -> None:
             with ctx.tx() as s:
                 service.record_blob(s, sha256, size)
+                audit.record(s, who, "blob.upload", f"blob {sha256}", f"{size} bytes")
 
         await asyncio.to_thread(record)
         return {"sha256": sha256, "size": size}
 
-    @router.put(f"{API_PREFIX}/models/{{model}}/versions/{{version}}", tags=["admin"], response_model=VersionInfo,
-                dependencies=admin)
-    def push_version(model: str, version: int, req: PushVersionRequest, response: Response) -> VersionInfo:
+    @router.put(f"{API_PREFIX}/models/{{model}}/versions/{{version}}", tags=["admin"], response_model=VersionInfo)
+    def push_version(model: str, version: int, req: PushVersionRequest, response: Response, who: Actor) -> VersionInfo:
         with ctx.tx() as s:
             info = service.push_version(s, ctx.store, model, version, req.files)
+            if info.created:
+                audit.record(s, who, "version.push", f"model {model} version {version}",
+                             f"{len(info.files)} files, {info.total_size} bytes")
         response.status_code = 201 if info.created else 200
         if info.created:
             log.info("model %s version %d pushed (%d files, %d bytes)", model, version, len(info.files),
                      info.total_size)
         return info
 
-    @router.get(f"{API_PREFIX}/models", tags=["admin"], response_model=list[ModelInfo], dependencies=admin)
+    @router.get(f"{API_PREFIX}/models", tags=["admin"], response_model=list[ModelInfo])
     def models() -> list[ModelInfo]:
         with ctx.rtx() as s:
             return service.list_models(s)
 
-    @router.get(f"{API_PREFIX}/models/{{model}}/versions/{{version}}", tags=["admin"], response_model=VersionInfo,
-                dependencies=admin)
+    @router.get(f"{API_PREFIX}/models/{{model}}/versions/{{version}}", tags=["admin"], response_model=VersionInfo)
     def get_version(model: str, version: int) -> VersionInfo:
         with ctx.rtx() as s:
             return service.get_version(s, model, version)
 
-    @router.get(f"{API_PREFIX}/models/{{model}}/releases", tags=["admin"], response_model=list[ReleaseInfo],
-                dependencies=admin)
+    @router.get(f"{API_PREFIX}/models/{{model}}/releases", tags=["admin"], response_model=list[ReleaseInfo])
     def releases(model: str, signed: bool = False) -> list[ReleaseInfo]:
         with ctx.rtx() as s:
             out = service.list_releases(s, model, signed)
@@ -140,27 +139,28 @@ def releases_router(ctx: AppContext) -> APIRouter:
             r.state = states.get(r.release, "")
         return out
 
-    @router.get(f"{API_PREFIX}/models/{{model}}/next-release", tags=["admin"], response_model=NextRelease,
-                dependencies=admin)
+    @router.get(f"{API_PREFIX}/models/{{model}}/next-release", tags=["admin"], response_model=NextRelease)
     def next_release(model: str) -> NextRelease:
         with ctx.rtx() as s:
             return NextRelease(model=model, release=service.next_release_number(s, model))
 
-    @router.post(f"{API_PREFIX}/releases", tags=["admin"], response_model=ReleaseInfo, status_code=201,
-                 dependencies=admin)
-    def create_release(signed: SignedRelease) -> ReleaseInfo:
+    @router.post(f"{API_PREFIX}/releases", tags=["admin"], response_model=ReleaseInfo, status_code=201)
+    def create_release(signed: SignedRelease, who: Actor) -> ReleaseInfo:
         with ctx.tx() as s:
             info = service.create_release(s, signed, settings.public_keys)
+            audit.record(s, who, "release.create", f"model {info.model} release {info.release}",
+                         f"version {info.version}, key {info.key_id}")
         log.info("release %d of model %s (version %d) created, key %s", info.release, info.model, info.version,
                  info.key_id)
         ctx.nudge({"model": info.model, "release": info.release})
         return info
 
     @router.post(f"{API_PREFIX}/models/{{model}}/releases/{{number}}/revoke", tags=["admin"],
-                 response_model=ReleaseInfo, dependencies=admin)
-    def revoke(model: str, number: int) -> ReleaseInfo:
+                 response_model=ReleaseInfo)
+    def revoke(model: str, number: int, who: Actor) -> ReleaseInfo:
         with ctx.tx() as s:
             info = service.revoke_release(s, model, number)
+            audit.record(s, who, "release.revoke", f"model {model} release {number}")
         log.info("release %d of model %s revoked", number, model)
         ctx.nudge({"model": model, "revoked": number})
         return info

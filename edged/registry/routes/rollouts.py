@@ -7,7 +7,8 @@ import logging
 from fastapi import APIRouter
 
 from edged.protocol.fleet.messages import API_PREFIX
-from edged.registry import rollback, rollouts
+from edged.registry import audit, rollback, rollouts
+from edged.registry.access import Actor
 from edged.registry.deps import AppContext
 from edged.registry.evaluator import tick
 from edged.registry.rollout_wire import (
@@ -24,13 +25,15 @@ log = logging.getLogger(__name__)
 
 
 def rollouts_router(ctx: AppContext) -> APIRouter:
-    router = APIRouter(tags=["admin", "rollouts"], dependencies=[ctx.admin()])
+    router = APIRouter(tags=["admin", "rollouts"])
 
     @router.post(f"{API_PREFIX}/rollouts", response_model=RolloutInfo, status_code=201)
-    def create_rollout(req: RolloutCreate) -> RolloutInfo:
+    def create_rollout(req: RolloutCreate, who: Actor) -> RolloutInfo:
         with ctx.tx() as s:
             info = rollouts.create_rollout(s, req, ctx.settings.public_keys,
                                            admit_per_minute=ctx.settings.rollout_admit_per_minute)
+            audit.record(s, who, "rollout.create", f"rollout {info.id}",
+                         f"model {info.model} release {info.release}, {len(info.steps)} step(s)")
         log.info("rollout %d of model %s release %d (version %d) started: %d step(s), %d device(s) in the first",
                  info.id, info.model, info.release, info.version, len(info.steps), info.members)
         ctx.nudge({"model": info.model, "release": info.release, "rollout": info.id})
@@ -53,26 +56,32 @@ def rollouts_router(ctx: AppContext) -> APIRouter:
             return rollback.plan(s, model, to)
 
     @router.post(f"{API_PREFIX}/models/{{model}}/rollback", response_model=RollbackResult, status_code=201)
-    def rollback_to(model: str, req: RollbackRequest) -> RollbackResult:
+    def rollback_to(model: str, req: RollbackRequest, who: Actor) -> RollbackResult:
         """Store the operator-signed release that brings an earlier version back to the fleet."""
         with ctx.tx() as s:
             out = rollback.rollback(s, model, req, ctx.settings.public_keys)
+            audit.record(s, who, "model.rollback", f"model {model} release {out.release}",
+                         f"restores release {out.restores}" + (f": {req.reason}" if req.reason else ""))
         log.info("model %s rolled back to release %d (version %d) as release %d; rollouts stopped: %s", model,
                  out.restores, out.version, out.release, out.stopped_rollouts or "none")
         ctx.nudge({"model": model, "release": out.release, "rollback": out.restores})
         return out
 
     @router.post(f"{API_PREFIX}/rollouts/evaluate")
-    def evaluate_rollouts() -> dict[str, str]:
+    def evaluate_rollouts(who: Actor) -> dict[str, str]:
         """Evaluate every running rollout now (the registry also does it every ``rollout_tick_s``)."""
         changes = tick(ctx.sessions, read_sessions=ctx.read_sessions)
+        if changes:  # what the evaluator does every tick anyway: logged when it changed something
+            with ctx.tx() as s:
+                audit.record(s, who, "rollouts.evaluate", ", ".join(f"rollout {k}: {v}" for k, v in changes.items()))
         ctx.rollout_changed(changes)
         return {str(k): v for k, v in changes.items()}
 
     @router.post(f"{API_PREFIX}/rollouts/{{rollout_id}}/{{action}}", response_model=RolloutInfo)
-    def rollout_action(rollout_id: int, action: str, req: RolloutAction | None = None) -> RolloutInfo:
+    def rollout_action(rollout_id: int, action: str, who: Actor, req: RolloutAction | None = None) -> RolloutInfo:
         with ctx.tx() as s:
             info = rollouts.act(s, rollout_id, action, req.reason if req else "")
+            audit.record(s, who, f"rollout.{action}", f"rollout {rollout_id}", req.reason if req else "")
         log.info("rollout %d: %s by an operator (now %s)", rollout_id, action, info.state)
         ctx.nudge({"rollout": rollout_id, "change": info.state})
         return info

@@ -17,6 +17,7 @@ from edged.registry.service import RegistryError
 from edged.registry.settings import RegistrySettings
 
 if TYPE_CHECKING:
+    from edged.registry.access import Guard
     from edged.registry.web.worker import PageRenderer
 
 
@@ -33,14 +34,15 @@ def renderer(settings: RegistrySettings, read_sessions: sessionmaker[Session],
                            online_s=settings.dashboard_online_s))
 
 
-def install(app: FastAPI, *, settings: RegistrySettings, admin_hash: str, sessions: sessionmaker[Session],
+def install(app: FastAPI, guard: Guard, *, settings: RegistrySettings, admin_hash: str, sessions: sessionmaker[Session],
             read_sessions: sessionmaker[Session], renderer: PageRenderer,
             on_rollout_change: Callable[[int, str], None]) -> None:
-    """Mount the dashboard; call after the app's own exception handlers so errors under /ui become pages."""
+    """Mount the dashboard; call after the app's own exception handlers so errors under /ui become pages.
+    ``guard`` (the app's access check) learns from it who is signed in."""
     from edged.registry.web.pages import PREFIX
     from edged.registry.web.router import LoginRequiredError, dashboard_router, error_page, need_login
 
-    app.include_router(dashboard_router(settings=settings, admin_hash=admin_hash, sessions=sessions,
+    app.include_router(dashboard_router(guard, settings=settings, admin_hash=admin_hash, sessions=sessions,
                                         read_sessions=read_sessions, renderer=renderer,
                                         on_rollout_change=on_rollout_change))
     app.add_exception_handler(LoginRequiredError, need_login)

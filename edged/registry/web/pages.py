@@ -23,8 +23,10 @@ from sqlalchemy.orm import Session as DbSession
 from sqlalchemy.orm import sessionmaker
 
 from edged.errors import ErrorCode
+from edged.registry import audit
 from edged.registry import desired as desired_state
 from edged.registry.cli_format import ago
+from edged.registry.roles import ROLES, Role
 from edged.registry.rollouts import allowed_actions
 from edged.registry.service import RegistryError
 from edged.registry.web import views
@@ -33,7 +35,8 @@ PREFIX = "/ui"
 HERE = Path(__file__).parent
 FLEET_PAGE = 200
 ACTIONS = {"pause": "Pause", "resume": "Resume", "abort": "Abort", "rollback": "Roll back"}
-PAGES = ("fleet", "device", "models", "rollouts", "rollout")
+PAGES = ("fleet", "device", "models", "rollouts", "rollout", "audit")
+AUDIT_PAGE = 100
 QUERY = ("part", "from", "id", "label", "model", "profile", "state", "window")  # what a page reads of its query
 
 
@@ -75,6 +78,7 @@ class PageAsk:
     query: dict[str, str] = field(default_factory=dict)
     csrf: str = ""
     who: str = ""
+    role: str = "viewer"  # what the page offers follows it: a viewer is shown no action
     here: str = ""  # the page's own path and query (the forms come back to it)
     if_none_match: str | None = None  # live region only: the ETags the page has
 
@@ -122,6 +126,7 @@ class Pages:
         except RegistryError as e:
             return Rendered(error=(e.message, e.status, e.code.value))
         read_ms = (time.perf_counter() - t0) * 1e3
+        ctx["may_release"] = ROLES.get(ask.role, Role.VIEWER) >= Role.RELEASER
         live = env().get_template(template.replace(".html", "_live.html")).render(prefix=PREFIX, csrf=ask.csrf, **ctx)
         etag = etag_of(live)
         if ask.live_only:
@@ -129,7 +134,8 @@ class Pages:
                 return Rendered(etag=etag, read_ms=read_ms)
             return Rendered(etag=etag, body=live.encode("utf-8"), read_ms=read_ms)
         html = env().get_template(template).render(prefix=PREFIX, poll_s=self.poll_s, csrf=ask.csrf, live=live,
-                                                   live_etag=etag, here=ask.here, who=ask.who, **ctx)
+                                                   live_etag=etag, here=ask.here, who=ask.who, role=ask.role,
+                                                   **ctx)
         return Rendered(etag=etag, body=html.encode("utf-8"), read_ms=read_ms)
 
     # ---- one method per page: its template and what the template shows --------------------------
@@ -172,10 +178,22 @@ class Pages:
     def _rollout(self, ask: PageAsk) -> tuple[str, dict[str, Any]]:
         with self._tx() as s:
             st, offline = views.rollout_page(s, int(ask.key), online_s=self.online_s)
-        # Only what the rollout's state machine accepts (a completed or halted rollout cannot be paused or resumed).
-        offered = {a: ACTIONS[a] for a in allowed_actions(st.rollout.state)}
+        # Only what the rollout's state machine accepts (a completed or halted rollout cannot be paused or resumed),
+        # and nothing to a viewer.
+        may = ROLES.get(ask.role, Role.VIEWER) >= Role.RELEASER
+        offered = {a: ACTIONS[a] for a in allowed_actions(st.rollout.state)} if may else {}
         return "rollout.html", {"title": f"Rollout {ask.key}", "nav": "rollouts", "st": st, "actions": offered,
                                 "offline": offline}
+
+    def _audit(self, ask: PageAsk) -> tuple[str, dict[str, Any]]:
+        try:
+            offset = max(0, int(ask.query.get("from", "0")))
+        except ValueError:
+            offset = 0
+        with self._tx() as s:
+            log = audit.recent(s, AUDIT_PAGE, offset)
+        return "audit.html", {"title": "Audit log", "nav": "audit", "log": log, "offset": offset,
+                              "page_size": AUDIT_PAGE}
 
 
 def window_of(query: dict[str, str]) -> tuple[str, float]:

@@ -10,7 +10,9 @@ while its session is open in the database (sign-out closes it: :mod:`edged.regis
 device credentials and enrollment tokens are refused at the login. Without a session, pages
 redirect to the login and live fragments answer 401.
 Every action is a POST carrying the session's CSRF token, and none happens before the
-operator confirmed it on a page that says what it will do.
+operator confirmed it on a page that says what it will do. Which role each page and action
+needs is :data:`edged.registry.access.RULES`, checked before the route runs; each action adds
+its row to the audit log in its own transaction.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ from sqlalchemy.orm import sessionmaker
 
 from edged.errors import ConfigError, ErrorCode
 from edged.protocol.fleet.release import SignedRelease
-from edged.registry import rollout_preview, rollouts, step_syntax
+from edged.registry import audit, rollout_preview, rollouts, step_syntax
+from edged.registry.access import BOOTSTRAP, Guard, Principal, principal
 from edged.registry.auth import is_admin
 from edged.registry.passwords import check_password
+from edged.registry.roles import DEFAULT_OPERATOR_ROLE, ROLES, Role
 from edged.registry.rollout_wire import Gates, RolloutCreate, RolloutInfo, RolloutStatus, StepSpec
 from edged.registry.service import RegistryError
 from edged.registry.settings import RegistrySettings
@@ -139,7 +143,7 @@ def rollout_request(form: dict[str, str]) -> RolloutCreate:
                          gates=gates, notes=form.get("notes", "")[:4096])
 
 
-def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: sessionmaker[DbSession],
+def dashboard_router(access: Guard, *, settings: RegistrySettings, admin_hash: str, sessions: sessionmaker[DbSession],
                      read_sessions: sessionmaker[DbSession], renderer: PageRenderer,
                      on_rollout_change: Callable[[int, str], None]) -> APIRouter:
     env = pages.env()
@@ -154,12 +158,26 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
                 "Cache-Control": "no-store", "X-Frame-Options": "DENY", **(extra or {})}
 
     def session_of(request: Request, *, live: bool = False) -> Session:
+        known = getattr(request.state, "session", None)  # the access check found it already
+        if isinstance(known, Session):
+            return known
         request.state.t0 = time.perf_counter()  # for the Server-Timing header of what it answers
         sess = auth.check(request.cookies.get(COOKIE))
         # one primary-key read, as a device poll makes: a signed-out cookie is refused even though its MAC holds
         if sess is None or not store.is_open(sess.nonce, sess.who):
             raise LoginRequiredError(live)
+        request.state.session = sess
         return sess
+
+    async def signed_in(request: Request) -> Principal:
+        """Who the session is, with their role: what the app's access check (:mod:`edged.registry.access`) asks."""
+        sess = session_of(request, live=request.method != "GET" or request.query_params.get("part") == "live")
+        if sess.who == ADMIN:  # signed in with the registry's own admin token
+            return Principal(BOOTSTRAP, Role.ADMIN, "dashboard")
+        role = settings.operator_roles.get(sess.who)
+        return Principal(sess.who, ROLES[role] if role else DEFAULT_OPERATOR_ROLE, "dashboard")
+
+    access.pages = signed_in
 
     def render(name: str, status: int = 200, **ctx: Any) -> HTMLResponse:
         ctx.setdefault("who", "")
@@ -172,6 +190,7 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
         live = q.get("part") == "live"
         sess = session_of(request, live=live)
         ask = PageAsk(name=name, key=key, query={k: q[k] for k in QUERY if k in q}, csrf=sess.csrf, who=sess.who,
+                      role=principal(request).role.label,
                       here=request.url.path + ("?" + request.url.query if request.url.query else ""),
                       if_none_match=request.headers.get("if-none-match") if live else None)
         out = await renderer.render(ask)
@@ -295,6 +314,10 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
     async def rollout(rollout_id: int, request: Request) -> Response:
         return await page(request, "rollout", str(rollout_id))
 
+    @router.get("/audit")
+    async def audit_log(request: Request) -> Response:
+        return await page(request, "audit")
+
     # ---- actions: a confirmation page first, then the action ------------------------------------
     @router.post("/rollouts")
     async def create(request: Request) -> Response:
@@ -311,10 +334,15 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
                           action=f"{PREFIX}/rollouts", form=form, what="start this rollout", req=req,
                           back=f"{PREFIX}/rollouts", preview=steps)
         req = req.model_copy(update={"notes": f"{req.notes} (started by {sess.who} from the dashboard)".strip()[:4096]})
+        who = principal(request)
+
         def start(r: RolloutCreate) -> RolloutInfo:
             with sessions() as s, s.begin():
-                return rollouts.create_rollout(s, r, settings.public_keys,
+                info = rollouts.create_rollout(s, r, settings.public_keys,
                                                admit_per_minute=settings.rollout_admit_per_minute)
+                audit.record(s, who, "rollout.create", f"rollout {info.id}",
+                             f"model {info.model} release {info.release}, {len(info.steps)} step(s)")
+                return info
 
         info = await run_in_threadpool(start, req)  # the database work off the event loop the devices use
         on_rollout_change(info.id, "created")
@@ -340,11 +368,15 @@ def dashboard_router(*, settings: RegistrySettings, admin_hash: str, sessions: s
                           what=f"{ACTIONS[action].lower()} rollout {rollout_id} ({st.rollout.model} release "
                                f"{st.rollout.release}, now {st.rollout.state})", req=None,
                           back=f"{PREFIX}/rollouts/{rollout_id}")
-        reason = form.get("reason", "").strip()[:1000]
-        reason = f"{reason} ({sess.who}, dashboard)" if reason else f"{action} by {sess.who} from the dashboard"
+        given = form.get("reason", "").strip()[:1000]
+        reason = f"{given} ({sess.who}, dashboard)" if given else f"{action} by {sess.who} from the dashboard"
+        who = principal(request)
+
         def do() -> RolloutInfo:
             with sessions() as s, s.begin():
-                return rollouts.act(s, rollout_id, action, reason)
+                info = rollouts.act(s, rollout_id, action, reason)
+                audit.record(s, who, f"rollout.{action}", f"rollout {rollout_id}", given)
+                return info
 
         info = await run_in_threadpool(do)
         on_rollout_change(rollout_id, info.state)
