@@ -621,3 +621,27 @@ def test_every_action_offered_is_accepted_and_every_refused_one_is_not_offered(e
                        "paused": {"resume", "abort", "rollback"}, "halted": set(), "aborted": {"rollback"},
                        "rolled-back": set(), "completed": {"rollback"}}
     f.client.close()
+
+
+def test_a_failed_reports_log_lines_are_bounded_stored_and_shown_escaped(env: Env) -> None:
+    f = make_fleet(env, plain(1))
+    m, (dev_id, dev) = f.model, next(iter(f.devices.items()))
+    for logs, status in ((["ok"] * 51, 413), (["x" * 257], 413), (["é" * 200] * 41, 413),  # 51 lines; 257 chars;
+                         (["bell \x07"], 422)):                                             # 16 KiB; a control char
+        r = dev.report(m, "failed", f.r1, 1, "load failed", logs=logs, expect=status)
+        assert "logs" in r.text
+    lines = ["2026-12-06T05:00:00Z WARNING edged.core: <script>alert(1)</script> did not load", "é" * 256]
+    dev.report(m, "failed", f.r1, 1, "prepare failed", logs=lines)
+    r = web().post(f"{env.url}/api/v1/device/reports", headers=dev.auth, json={"events": [  # free-form detail
+        {"seq": dev.seq + 1, "model": m, "step": "failed", "release": f.r1, "detail": {"logs": ["forged"]},
+         "at": time.time()}]})
+    assert r.status_code == 200, r.text
+    events = f.client.device(dev_id, events=10).events
+    assert [e.logs for e in events[-2:]] == [lines, []] and "logs" not in events[-1].detail
+    text = env.server.cli("device", dev_id).stdout
+    assert "the device's last 2 log line(s):" in text and "| " + lines[0] in text
+    with httpx.Client(base_url=env.url, timeout=30) as h:
+        assert h.post("/ui/login", data={"token": ADMIN_TOKEN}).status_code == 303
+        page = h.get(f"/ui/devices/{dev_id}").text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt; did not load" in page and "<script>alert" not in page
+    f.client.close()
