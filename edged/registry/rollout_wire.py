@@ -249,4 +249,4 @@ class RollbackResult(_Wire):
     version: int
     restores: int
     stopped_rollouts: list[int] = Field(default_factory=list, description="running or paused rollouts of the model "
-                                                                          "now rolled back")
+                                                                          "now rolled back (scheduled ones: aborted)")
