@@ -47,8 +47,9 @@ def _version(s: Session, r: ReleaseRow) -> int:
 
 
 def current_release(rows: list[ReleaseRow], states: dict[int, str]) -> ReleaseRow | None:
-    """The newest unrevoked release whose rollout (if any) was not halted or rolled back."""
-    return next((r for r in rows if r.revoked_at is None and states.get(r.id) not in REVERT_STATES), None)
+    """The newest unrevoked release whose rollout (if any) was not halted or rolled back, nor is still scheduled."""
+    return next((r for r in rows if r.revoked_at is None and states.get(r.id) not in REVERT_STATES
+                 and states.get(r.id) != "scheduled"), None)
 
 
 def previous_release(s: Session, rows: list[ReleaseRow], states: dict[int, str], cur: ReleaseRow) -> ReleaseRow | None:

@@ -563,6 +563,8 @@ def test_a_scheduled_rollout_admits_nobody_before_its_time(env: Env) -> None:
     assert ro.state == "scheduled"
     assert f.on(ro.release) == set() and f.on(f.r1) == set(f.devices)
     assert {dev.blob(f.blob(2)) for dev in f.devices.values()} == {403}
+    states = {r.release: r.state for r in f.client.releases(m)}
+    assert (states[ro.release], states[f.r1]) == ("scheduled", "valid")  # it supersedes nothing yet
     if time.time() < (ro.start_at or 0):
         assert str(ro.id) not in f.evaluate()
     wait_for(lambda: time.time() >= (ro.start_at or 0), 10, 0.1, "the start time")

@@ -234,7 +234,7 @@ class ReleaseInfo(_Wire):
     signed: SignedRelease | None = None
     restores: int | None = Field(default=None, description="a fleet rollback: the earlier release it brings back")
     state: str = Field(default="", description="what became of it: valid, superseded, halted, aborted, rolled back, "
-                                               "expired or revoked; a fleet rollback's adds 'restores rN'")
+                                               "scheduled, expired or revoked; a fleet rollback's adds 'restores rN'")
 
 
 class NextRelease(_Wire):
