@@ -32,8 +32,17 @@ from edged.registry.gates import (
     release_counts,
     waiting_for_quality,
 )
-from edged.registry.rollout_wire import Gates, StepSpec
-from edged.registry.rollouts import begin, enter_step, freeze_gates, own_limits, population, recount, step_base
+from edged.registry.rollout_wire import StepSpec
+from edged.registry.rollouts import (
+    begin,
+    enter_step,
+    freeze_gates,
+    own_limits,
+    population,
+    recount,
+    step_base,
+    step_gates,
+)
 from edged.registry.service import bump_revision
 from edged.registry.targets import Ramp
 
@@ -80,7 +89,7 @@ def evaluate(s: Session, ro: RolloutRow, now: float | None = None, busy: Busy | 
     model = s.get_one(ModelRow, ro.model_id).name
     selector = TargetSelector.model_validate(rel.selector)
     spec = StepSpec.model_validate(ro.steps[ro.step])
-    gates = spec.judged_by(Gates.model_validate(ro.gates))  # the step's own thresholds where it sets them
+    gates = step_gates(ro)  # the rollout's, with the step's own thresholds where it sets them
     last = float((ro.gate_state or {}).get("recounted_at", 0.0))
     if ro.step_members < max(1, spec.min_devices) and t - last >= RECOUNT_S:
         recount(s, ro, selector)  # O(fleet): at most every RECOUNT_S

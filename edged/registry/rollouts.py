@@ -429,16 +429,20 @@ def step_status(state: str, current: int, k: int) -> str:
 FINAL_GATES = "final_gates"  # in RolloutRow.gate_state: the readings as they stood at the end
 
 
+def _last_step(ro: RolloutRow) -> tuple[int, StepSpec]:
+    """The current step, or the last one of a completed rollout (its index == len(steps))."""
+    k = min(ro.step, len(ro.steps) - 1)
+    return k, StepSpec.model_validate(ro.steps[k])
+
+
 def step_gates(ro: RolloutRow) -> Gates:
     """The gates the current (or last) step is judged by: the rollout's, with the step's own thresholds."""
-    spec = StepSpec.model_validate(ro.steps[min(ro.step, len(ro.steps) - 1)])
-    return spec.judged_by(Gates.model_validate(ro.gates))
+    return _last_step(ro)[1].judged_by(Gates.model_validate(ro.gates))
 
 
 def own_limits(ro: RolloutRow, rs: list[GateReading]) -> list[GateReading]:
     """Readings whose limit is the step's own say so (the gate table shows where a limit came from)."""
-    k = min(ro.step, len(ro.steps) - 1)
-    spec = StepSpec.model_validate(ro.steps[k])
+    k, spec = _last_step(ro)
     own = {g for g, v in (("failure_rate", spec.max_failure_rate), ("min_reporting", spec.min_reporting))
            if v is not None}
     return [r.model_copy(update={"detail": f"{r.detail}; step {k + 1}'s own limit"}) if r.gate in own else r
