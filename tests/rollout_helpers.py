@@ -52,12 +52,16 @@ class ApiDevice:
         return next((list(v["releases"]) for v in self.desired()["revert"] if v["model"] == model), [])
 
     def report(self, model: str, step: str, release: int, version: int | None = None,
-               reason: str | None = None, *, quality: dict[str, Any] | None = None) -> None:
+               reason: str | None = None, *, quality: dict[str, Any] | None = None, logs: list[str] | None = None,
+               expect: int = 200) -> httpx.Response:
         self.seq += 1
-        r = web().post(f"{self.url}/api/v1/device/reports", headers=self.auth, json={"events": [
-            {"seq": self.seq, "model": model, "step": step, "version": version, "release": release,
-             "reason": reason, "quality": quality, "at": time.time()}]})
-        assert r.status_code == 200, r.text
+        event: dict[str, Any] = {"seq": self.seq, "model": model, "step": step, "version": version,
+                                 "release": release, "reason": reason, "quality": quality, "at": time.time()}
+        if logs is not None:
+            event["logs"] = logs
+        r = web().post(f"{self.url}/api/v1/device/reports", headers=self.auth, json={"events": [event]})
+        assert r.status_code == expect, r.text
+        return r
 
     def blob(self, sha256: str) -> int:
         return web().get(f"{self.url}/api/v1/blobs/{sha256}", headers=self.auth).status_code

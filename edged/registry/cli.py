@@ -570,6 +570,9 @@ def cmd_device(args: argparse.Namespace) -> int:
                          f"{version_ref(e.version, e.release)}")
             if e.reason:
                 lines += wrapped("reason: ", e.reason, 6)
+            if e.logs:
+                lines.append(f"      the device's last {len(e.logs)} log line(s):")
+                lines += [f"        | {line}" for line in e.logs]
         return "\n".join(lines)
 
     _print(args, d, text)

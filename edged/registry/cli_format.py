@@ -12,14 +12,25 @@ def ago(t: float | None, now: float | None = None) -> str:
     """``42s ago``, ``5m ago``, ``3.2h ago``, ``4d ago``; ``never`` for None (a clock ahead reads ``now``)."""
     if t is None:
         return "never"
-    s = max(0.0, (time.time() if now is None else now) - t)
+    return _span(max(0.0, (time.time() if now is None else now) - t)) + " ago"
+
+
+def until(t: float | None, now: float | None = None) -> str:
+    """``in 42s``, ``in 2.0h`` for a time ahead; ``now`` once it came; ``never`` for None."""
+    if t is None:
+        return "never"
+    s = t - (time.time() if now is None else now)
+    return "now" if s <= 0 else "in " + _span(s)
+
+
+def _span(s: float) -> str:
     if s < 120:
-        return f"{s:.0f}s ago"
+        return f"{s:.0f}s"
     if s < 7200:
-        return f"{s / 60:.0f}m ago"
+        return f"{s / 60:.0f}m"
     if s < 172800:
-        return f"{s / 3600:.1f}h ago"
-    return f"{s / 86400:.0f}d ago"
+        return f"{s / 3600:.1f}h"
+    return f"{s / 86400:.0f}d"
 
 
 def utc(t: float | None) -> str:

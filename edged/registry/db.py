@@ -199,6 +199,7 @@ class RolloutRow(Base):
     (percent steps) or null (group steps); it only grows, so no device flips out of a rollout.
     ``admission``, while a percent step still lets its new members in at ``admit_per_minute``,
     is the ramp of its cutoff (see :class:`edged.registry.targets.Ramp`); null once all are in.
+    A ``scheduled`` rollout has no step yet: the evaluator starts it at ``start_at``.
     """
 
     __tablename__ = "rollouts"
@@ -226,6 +227,7 @@ class RolloutRow(Base):
     finished_at: Mapped[float | None] = mapped_column(Double, nullable=True)
     admit_per_minute: Mapped[float | None] = mapped_column(Double, nullable=True)
     admission: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    start_at: Mapped[float | None] = mapped_column(Double, nullable=True)  # when it starts (or started)
 
 
 class DashboardSessionRow(Base):

@@ -14,7 +14,8 @@ Per model the device gets: its pinned release, else the highest unrevoked releas
 signed selector matches and which is live for it: a release without a rollout is live for
 everyone it selects; one with a rollout only for the rollout's members (running, paused,
 completed), for the members that already activated it (aborted), or for nobody, its
-members being told to return to their last-known-good instead (halted, rolled back). A step
+members being told to return to their last-known-good instead (halted, rolled back), or for nobody
+yet (scheduled: its start time has not come). A step
 that admits at a pace widens its membership with the clock (:class:`~edged.registry.targets.Ramp`),
 so the snapshot stays valid while devices are let in one after another.
 """
@@ -143,7 +144,8 @@ def load_snapshot(conn: Connection) -> Snapshot:
         ro = latest.get(r.id)
         if ro is not None:
             member = Membership.of(RolloutTarget.model_validate(ro.target), ro.salt, list(ro.steps),
-                                   list(ro.cutoffs), ro.step, ramp=Ramp.load(ro.admission))
+                                   list(ro.cutoffs), ro.step if ro.state != "scheduled" else -1,  # nobody yet
+                                   ramp=Ramp.load(ro.admission))
             view = RolloutView(ro.id, ro.state, member, ro.reason or f"rollout {ro.id} {ro.state}")
             if ro.state in ("running", "paused"):
                 snap.active_rollouts += 1

@@ -32,8 +32,17 @@ from edged.registry.gates import (
     release_counts,
     waiting_for_quality,
 )
-from edged.registry.rollout_wire import Gates, StepSpec
-from edged.registry.rollouts import enter_step, freeze_gates, population, recount, step_base
+from edged.registry.rollout_wire import StepSpec
+from edged.registry.rollouts import (
+    begin,
+    enter_step,
+    freeze_gates,
+    own_limits,
+    population,
+    recount,
+    step_base,
+    step_gates,
+)
 from edged.registry.service import bump_revision
 from edged.registry.targets import Ramp
 
@@ -79,8 +88,8 @@ def evaluate(s: Session, ro: RolloutRow, now: float | None = None, busy: Busy | 
     rel = s.get_one(ReleaseRow, ro.release_id)
     model = s.get_one(ModelRow, ro.model_id).name
     selector = TargetSelector.model_validate(rel.selector)
-    gates = Gates.model_validate(ro.gates)
     spec = StepSpec.model_validate(ro.steps[ro.step])
+    gates = step_gates(ro)  # the rollout's, with the step's own thresholds where it sets them
     last = float((ro.gate_state or {}).get("recounted_at", 0.0))
     if ro.step_members < max(1, spec.min_devices) and t - last >= RECOUNT_S:
         recount(s, ro, selector)  # O(fleet): at most every RECOUNT_S
@@ -93,7 +102,7 @@ def evaluate(s: Session, ro: RolloutRow, now: float | None = None, busy: Busy | 
     quality = Quality()
     if gates.max_quality_drop is not None or gates.min_quality is not None:
         quality = quality_scores(s, ro.model_id, rel.number, pop)
-    rs = readings(gates, counts, ro.step_members, new, base, quality=quality)
+    rs = own_limits(ro, readings(gates, counts, ro.step_members, new, base, quality=quality))
     bad = crossed(rs)
     if bad:
         freeze_gates(s, ro, rs)
@@ -129,12 +138,34 @@ def evaluate(s: Session, ro: RolloutRow, now: float | None = None, busy: Busy | 
     return f"step {ro.step + 1}"
 
 
+def start_due(s: Session, ro: RolloutRow, t: float) -> str | None:
+    """A scheduled rollout whose time came starts: its first step takes its members (``"started"``)."""
+    if ro.state != "scheduled" or ro.start_at is None or ro.start_at > t:
+        return None
+    rel = s.get_one(ReleaseRow, ro.release_id)
+    begin(s, ro, t, TargetSelector.model_validate(rel.selector), rel.number)
+    bump_revision(s)
+    log.info("rollout %d (release %d): its scheduled time came; step 1 of %d, %d device(s)", ro.id, rel.number,
+             len(ro.steps), ro.step_members)
+    return "started"
+
+
 def tick(sessions: sessionmaker[Session], now: float | None = None, *,
          read_sessions: sessionmaker[Session] | None = None, busy: Busy | None = None) -> dict[int, str]:
-    """Evaluate every running rollout once, each in its own transaction."""
+    """Start the scheduled rollouts whose time came, then evaluate every running rollout once, each in its own
+    transaction."""
+    t = time.time() if now is None else now
+    out: dict[int, str] = {}
+    with (read_sessions or sessions)() as s:
+        due = list(s.scalars(select(RolloutRow.id).where(RolloutRow.state == "scheduled", RolloutRow.start_at <= t)))
+    for rid in due:
+        with sessions() as s, s.begin():
+            ro = s.scalar(select(RolloutRow).where(RolloutRow.id == rid, RolloutRow.state == "scheduled")
+                          .with_for_update(skip_locked=True))
+            if ro is not None and (what := start_due(s, ro, t)) is not None:
+                out[rid] = what
     with (read_sessions or sessions)() as s:
         ids = list(s.scalars(select(RolloutRow.id).where(RolloutRow.state == "running")))
-    out: dict[int, str] = {}
     for rid in ids:
         with sessions() as s, s.begin():
             ro = s.scalar(select(RolloutRow).where(RolloutRow.id == rid, RolloutRow.state == "running")

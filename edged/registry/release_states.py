@@ -17,7 +17,8 @@ from edged.protocol.fleet.messages import EventInfo
 from edged.registry.db import ModelRow, ReleaseRow, RolloutRow
 
 # A release whose last rollout ended in one of these is not in use, whatever later releases exist.
-STOPPED = {"halted": "halted", "aborted": "aborted", "rolled-back": "rolled back"}
+# Releases no device runs by their rollout: stopped, or not started yet (scheduled: it supersedes nothing yet).
+STOPPED = {"halted": "halted", "aborted": "aborted", "rolled-back": "rolled back", "scheduled": "scheduled"}
 
 
 def release_states(s: Session, model_id: int, now: float | None = None) -> dict[int, str]:

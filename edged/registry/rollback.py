@@ -6,7 +6,8 @@ keep, so two of those in a row split a fleet. A rollback here is therefore a new
 signed by the operator like any other, that carries the earlier release's version (and its
 signed selector): every device that release selects converges on it, downloading it again
 where it was pruned, and a second rollback is simply a newer release still. Running or
-paused rollouts of the model are rolled back with it, so devices trying that release stop.
+paused rollouts of the model are rolled back with it, so devices trying that release stop (a
+scheduled one is aborted: it never starts).
 
 "previous" follows what the fleet ran: the current release is the newest one not halted
 or rolled back; the release before a rollback release is the one before the release it
@@ -46,8 +47,9 @@ def _version(s: Session, r: ReleaseRow) -> int:
 
 
 def current_release(rows: list[ReleaseRow], states: dict[int, str]) -> ReleaseRow | None:
-    """The newest unrevoked release whose rollout (if any) was not halted or rolled back."""
-    return next((r for r in rows if r.revoked_at is None and states.get(r.id) not in REVERT_STATES), None)
+    """The newest unrevoked release whose rollout (if any) was not halted or rolled back, nor is still scheduled."""
+    return next((r for r in rows if r.revoked_at is None and states.get(r.id) not in REVERT_STATES
+                 and states.get(r.id) != "scheduled"), None)
 
 
 def previous_release(s: Session, rows: list[ReleaseRow], states: dict[int, str], cur: ReleaseRow) -> ReleaseRow | None:
@@ -122,7 +124,9 @@ def rollback(s: Session, model: str, req: RollbackRequest, public_keys: list[str
     for ro in s.scalars(select(RolloutRow).where(RolloutRow.model_id == m.id, RolloutRow.state.in_(ACTIVE_STATES))
                         .with_for_update()):
         freeze_gates(s, ro)
-        ro.state, ro.reason, ro.updated_at, ro.finished_at = "rolled-back", why, now, now
+        # a scheduled one never started: it has no member to send back, it just never starts
+        ro.state = "aborted" if ro.state == "scheduled" else "rolled-back"
+        ro.reason, ro.updated_at, ro.finished_at = why, now, now
         stopped.append(ro.id)
     info = create_release(s, req.signed, public_keys)  # bumps the registry revision
     row = s.scalar(select(ReleaseRow).where(ReleaseRow.model_id == m.id, ReleaseRow.number == info.release))

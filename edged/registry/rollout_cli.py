@@ -2,11 +2,12 @@
 
 Steps are written as a comma-separated list: ``1%`` (a share of the target, stable
 hashing), ``label:ring=canary`` or ``label:site=a+hw=orin`` (an explicit group),
-``devices:cam-1+cam-2``; each may end with ``/min=N`` and ``/soak=DURATION``, which
-override ``--min-devices`` and ``--soak`` for that step. Example::
+``devices:cam-1+cam-2``; each may end with ``/min=N``, ``/soak=DURATION``, ``/failure=RATE`` and
+``/reporting=N``, which override ``--min-devices``, ``--soak``, ``--max-failure-rate`` and
+``--min-reporting`` for that step. ``--start-at`` schedules the start. Example::
 
-    edged-registry rollout create digits 3 --key op.key --steps "devices:lab-1,1%/min=5,10%,50%,100%" \\
-        --soak 15m --target-profile 'jetson-orin*' --target-label site=plant-4 --max-p99-ratio 1.5
+    edged-registry rollout create digits 3 --key op.key --steps "devices:lab-1/failure=0,1%/min=5,10%,50%,100%" \\
+        --soak 15m --target-profile 'jetson-orin*' --target-label site=plant-4 --max-p99-ratio 1.5 --start-at +2h
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from edged.errors import ConfigError
-from edged.registry.cli_format import ago, table, wrapped
+from edged.registry.cli_format import ago, table, until, utc, wrapped
 from edged.registry.rollout_wire import PROGRESS, Gates, RolloutCreate, RolloutInfo, RolloutStatus
-from edged.registry.step_syntax import parse_steps
+from edged.registry.step_syntax import parse_steps, start_time
 from edged.registry.targets import RolloutTarget
 
 TERMINAL = ("halted", "aborted", "rolled-back", "completed")
@@ -67,6 +68,9 @@ def add_parser(sub: Any, client_args: Callable[[argparse.ArgumentParser], None],
     p.add_argument("--admit-per-minute", type=float, default=None, metavar="N",
                    help="let each percent step's new devices in at most N a minute (0: all at once; default: the "
                         "registry's rollout_admit_per_minute)")
+    p.add_argument("--start-at", default="", metavar="WHEN",
+                   help="start later: +2h (from now) or an ISO-8601 time (UTC unless it says otherwise, e.g. "
+                        "2026-12-24T18:00Z); until then the rollout is scheduled and admits no device")
     p.add_argument("--notes", default="")
     p.add_argument("--expires", type=duration, default=duration("90d"), help="release validity (default 90d)")
     p.add_argument("--label", type=label, action="append", default=[], help="signed selector, as for release")
@@ -126,12 +130,16 @@ def build_spec(args: argparse.Namespace, duration: Callable[[str], float]) -> Ro
     # Without --release the client signs a new release and puts it in ``signed`` (release 0 is a placeholder).
     return RolloutCreate(model=args.model, release=args.release if args.release is not None else 0, target=target,
                          steps=steps, gates=gates, salt=args.salt, baseline_version=args.baseline_version,
-                         notes=args.notes, admit_per_minute=args.admit_per_minute)
+                         notes=args.notes, admit_per_minute=args.admit_per_minute,
+                         start_at=start_time(args.start_at))
 
 
 # ---- display --------------------------------------------------------------------------------------
 def format_info(r: RolloutInfo) -> str:
-    step = f"step {min(r.step + 1, len(r.steps))}/{len(r.steps)}"
+    if r.state == "scheduled":
+        step = f"starts {utc(r.start_at)} ({until(r.start_at)})"
+    else:
+        step = f"step {min(r.step + 1, len(r.steps))}/{len(r.steps)}"
     return (f"rollout {r.id}  model {r.model}  release {r.release} (version {r.version})  {r.state}  {step}"
             + (f"  - {r.reason}" if r.reason and r.state != "running" else ""))
 
@@ -140,7 +148,8 @@ def format_status(st: RolloutStatus) -> str:
     r = st.rollout
     lines = [format_info(r),
              f"target: {r.target.describe()} ({st.targeted} device(s)); gates: {r.gates.describe()}; "
-             f"started {ago(r.created_at)}"]
+             + (f"scheduled: starts {utc(r.start_at)} ({until(r.start_at)}), no device before then"
+              if r.state == "scheduled" else f"started {ago(r.start_at or r.created_at)}")]
     rows: list[tuple[str, ...]] = [("STEP", "SELECT", "SOAK", "STATUS", "DEVICES", *(HEADINGS[p] for p in PROGRESS))]
     for sp in st.steps:
         status: str = sp.status
@@ -218,7 +227,8 @@ def run(args: argparse.Namespace, client: Callable[[], Any], duration: Callable[
                                               expires_in_s=args.expires, number=args.number, notes=args.notes,
                                               selector=TargetSelector(labels=dict(args.label),
                                                                       devices=list(args.device)))
-            emit(args, info, lambda: format_info(info) + f"\n{info.members} device(s) in the first step")
+            emit(args, info, lambda: format_info(info) + ("" if info.state == "scheduled" else
+                                                          f"\n{info.members} device(s) in the first step"))
             return 0
         if cmd == "list":
             items = c.rollouts(args.model, args.state)

@@ -33,7 +33,7 @@ def preview(sessions: sessionmaker[Session], req: RolloutCreate, public_keys: li
     with sessions() as s:
         s.begin()
         try:
-            info = rollouts.create_rollout(s, req, public_keys)
+            info = rollouts.create_rollout(s, req.model_copy(update={"start_at": None}), public_keys)  # as if now
             ro = rollouts.get_rollout(s, info.id)
             rel = s.get_one(ReleaseRow, ro.release_id)
             selector = TargetSelector.model_validate(rel.selector)

@@ -9,8 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from edged.protocol.fleet.release import SignedRelease, TargetSelector
 from edged.registry.targets import RolloutTarget
 
-RolloutState = Literal["running", "paused", "halted", "aborted", "rolled-back", "completed"]
-ACTIVE_STATES: frozenset[str] = frozenset({"running", "paused"})
+RolloutState = Literal["scheduled", "running", "paused", "halted", "aborted", "rolled-back", "completed"]
+# Not finished: one of these per model at a time. A scheduled rollout admits nobody until its start time.
+ACTIVE_STATES: frozenset[str] = frozenset({"scheduled", "running", "paused"})
 # Members of a rollout in these states are told to return to their last-known-good.
 REVERT_STATES: frozenset[str] = frozenset({"halted", "rolled-back"})
 # Per-device progress, from the device's last report for the rollout's release.
@@ -35,6 +36,12 @@ class StepSpec(_Wire):
                                          "must have committed before its soak time starts")
     soak_s: float = Field(default=0.0, ge=0, le=30 * 86400,
                           description="how long the step runs healthy before the next one starts")
+    max_failure_rate: float | None = Field(default=None, ge=0, le=1,
+                                           description="this step's own failure-rate limit, instead of the "
+                                                       "rollout's gate (None: the rollout's)")
+    min_reporting: int | None = Field(default=None, ge=1, le=1_000_000,
+                                      description="this step's own reporting minimum, instead of the rollout's "
+                                                  "(None: the rollout's)")
 
     @model_validator(mode="after")
     def _one(self) -> StepSpec:
@@ -45,7 +52,16 @@ class StepSpec(_Wire):
     def describe(self) -> str:
         sel = f"{self.percent:g}%" if self.percent is not None else (
             self.group.describe() if self.group is not None else "?")
-        return sel + (f" (min {self.min_devices})" if self.min_devices > 1 else "")
+        own = ([f"min {self.min_devices}"] if self.min_devices > 1 else []) + (
+            [f"failure rate <= {self.max_failure_rate:.0%}"] if self.max_failure_rate is not None else []) + (
+            [f"min {self.min_reporting} reporting"] if self.min_reporting is not None else [])
+        return sel + (f" ({', '.join(own)})" if own else "")
+
+    def judged_by(self, rollout: Gates) -> Gates:
+        """The gates this step is judged by: the rollout's, with the step's own thresholds where it sets them."""
+        own = {k: v for k, v in (("max_failure_rate", self.max_failure_rate), ("min_reporting", self.min_reporting))
+               if v is not None}
+        return rollout.model_copy(update=own) if own else rollout
 
 
 class Gates(_Wire):
@@ -106,6 +122,9 @@ class RolloutCreate(_Wire):
         description="a percent step lets its new members in at most this many a minute, in rank order "
                     "(0: all at once; default: the registry's rollout_admit_per_minute); a step's soak "
                     "starts once all its members are in")
+    start_at: float | None = Field(default=None, ge=0, le=2**33,
+                                   description="Unix time to start at: until then the rollout is scheduled and "
+                                               "admits no device (None or a past time: now)")
 
     @model_validator(mode="after")
     def _check(self) -> RolloutCreate:
@@ -156,6 +175,7 @@ class RolloutInfo(_Wire):
     notes: str = ""
     admit_per_minute: float | None = Field(default=None, description="the pace of percent steps (None: at once)")
     admission: Admission | None = Field(default=None, description="the current step's admission, while it lasts")
+    start_at: float | None = Field(default=None, description="when a scheduled rollout starts (or started)")
 
 
 class StepProgress(_Wire):
@@ -229,4 +249,4 @@ class RollbackResult(_Wire):
     version: int
     restores: int
     stopped_rollouts: list[int] = Field(default_factory=list, description="running or paused rollouts of the model "
-                                                                          "now rolled back")
+                                                                          "now rolled back (scheduled ones: aborted)")

@@ -84,6 +84,8 @@ def membership(ro: RolloutRow, step: int | None = None, *, admitted: bool = True
     """Members up to ``step`` (default: the current one); ``admitted=False``: the whole current step, also
     the devices its ramp has not let in yet."""
     k = ro.step if step is None else step
+    if ro.state == "scheduled":
+        k = -1  # not started: no step, no member
     ramp = Ramp.load(ro.admission) if admitted and k == ro.step else None
     return Membership.of(RolloutTarget.model_validate(ro.target), ro.salt, list(ro.steps), list(ro.cutoffs), k,
                          ramp=ramp)
@@ -265,23 +267,32 @@ def create_rollout(s: Session, req: RolloutCreate, public_keys: list[str], *,
         _require_evaluation(s.get_one(VersionRow, rel.version_id), req.model)
     now = time.time()
     baseline = req.baseline_version if req.baseline_version is not None else default_baseline(s, m.id, number)
-    ro = RolloutRow(model_id=m.id, release_id=rel.id, state="running", target=req.target.model_dump(mode="json"),
+    later = req.start_at is not None and req.start_at > now
+    ro = RolloutRow(model_id=m.id, release_id=rel.id, state="scheduled" if later else "running",
+                    target=req.target.model_dump(mode="json"), start_at=req.start_at if later else now,
                     steps=[st.model_dump(mode="json") for st in req.steps], gates=req.gates.model_dump(mode="json"),
                     salt=req.salt or req.model, step=0, cutoffs=[], step_members=0, step_started_at=now,
-                    baseline_version=baseline, gate_state={"watermark": telemetry_watermark(s)}, notes=req.notes,
+                    baseline_version=baseline, gate_state={}, notes=req.notes,
                     created_at=now, updated_at=now,
                     admit_per_minute=(req.admit_per_minute if req.admit_per_minute is not None
                                       else admit_per_minute) or None)
-    selector = TargetSelector.model_validate(rel.selector)
-    enter_step(s, ro, 0, now, selector, committed=0)
-    # members that committed the release before the rollout began (a pin, an earlier rollout): the step
-    # needs its own commits on top of them
-    ro.gate_state = {**ro.gate_state, "step_base": {
-        "members": 0, "committed": release_counts(s, m.id, number, population(ro, selector)).committed}}
+    if not later:
+        begin(s, ro, now, TargetSelector.model_validate(rel.selector), number)
     s.add(ro)
     s.flush()
     bump_revision(s)
     return rollout_info(s, ro)
+
+
+def begin(s: Session, ro: RolloutRow, now: float, selector: TargetSelector, release: int) -> None:
+    """Start ``ro`` now (created to run at once, or its scheduled time came): its first step takes its members."""
+    ro.state, ro.updated_at, ro.step_started_at = "running", now, now
+    ro.gate_state = {**(ro.gate_state or {}), "watermark": telemetry_watermark(s)}
+    enter_step(s, ro, 0, now, selector, committed=0)
+    # members that committed the release before the rollout began (a pin, an earlier rollout): the step
+    # needs its own commits on top of them
+    ro.gate_state = {**ro.gate_state, "step_base": {
+        "members": 0, "committed": release_counts(s, ro.model_id, release, population(ro, selector)).committed}}
 
 
 # ---- read -----------------------------------------------------------------------------------------
@@ -304,7 +315,7 @@ def rollout_info(s: Session, ro: RolloutRow) -> RolloutInfo:
                        salt=ro.salt, baseline_version=ro.baseline_version, reason=ro.reason,
                        members=ro.step_members, step_started_at=ro.step_started_at, step_ready_at=ro.step_ready_at,
                        created_at=ro.created_at, updated_at=ro.updated_at, finished_at=ro.finished_at, notes=ro.notes,
-                       admit_per_minute=ro.admit_per_minute, admission=admission_info(ro))
+                       admit_per_minute=ro.admit_per_minute, admission=admission_info(ro), start_at=ro.start_at)
 
 
 def admission_info(ro: RolloutRow, now: float | None = None) -> Admission | None:
@@ -394,7 +405,7 @@ def rollout_status(s: Session, rollout_id: int, *, with_members: bool = False) -
     if ro.state not in ACTIVE_STATES and isinstance(final, list):  # frozen when it ended (freeze_gates)
         gate_readings = [GateReading.model_validate(x) for x in final]
     else:
-        gate_readings = live_readings(s, ro, info.gates, info.release, selector)
+        gate_readings = live_readings(s, ro, info.release, selector)
     soak_left = None
     if ro.state in ACTIVE_STATES and ro.step_ready_at is not None and ro.step < len(ro.steps):
         clock = float((ro.gate_state or {}).get("paused_at") or time.time()) if ro.state == "paused" else time.time()
@@ -405,6 +416,8 @@ def rollout_status(s: Session, rollout_id: int, *, with_members: bool = False) -
 
 def step_status(state: str, current: int, k: int) -> str:
     """A step as the rollout's state machine sees it: a stopped rollout's step is where it stopped, not current."""
+    if state == "scheduled":
+        return "waiting"
     if state == "completed" or k < current:
         return "done"
     if state in ACTIVE_STATES:
@@ -416,14 +429,33 @@ def step_status(state: str, current: int, k: int) -> str:
 FINAL_GATES = "final_gates"  # in RolloutRow.gate_state: the readings as they stood at the end
 
 
-def live_readings(s: Session, ro: RolloutRow, gates: Gates, release: int,
-                  selector: TargetSelector) -> list[GateReading]:
+def _last_step(ro: RolloutRow) -> tuple[int, StepSpec]:
+    """The current step, or the last one of a completed rollout (its index == len(steps))."""
+    k = min(ro.step, len(ro.steps) - 1)
+    return k, StepSpec.model_validate(ro.steps[k])
+
+
+def step_gates(ro: RolloutRow) -> Gates:
+    """The gates the current (or last) step is judged by: the rollout's, with the step's own thresholds."""
+    return _last_step(ro)[1].judged_by(Gates.model_validate(ro.gates))
+
+
+def own_limits(ro: RolloutRow, rs: list[GateReading]) -> list[GateReading]:
+    """Readings whose limit is the step's own say so (the gate table shows where a limit came from)."""
+    k, spec = _last_step(ro)
+    own = {g for g, v in (("failure_rate", spec.max_failure_rate), ("min_reporting", spec.min_reporting))
+           if v is not None}
+    return [r.model_copy(update={"detail": f"{r.detail}; step {k + 1}'s own limit"}) if r.gate in own else r
+            for r in rs]
+
+
+def live_readings(s: Session, ro: RolloutRow, release: int, selector: TargetSelector) -> list[GateReading]:
     acc = ro.gate_state or {}
     pop = population(ro, selector)
     counts = release_counts(s, ro.model_id, release, pop)
     quality = quality_scores(s, ro.model_id, release, pop)
-    return readings(gates, counts, ro.step_members, Side.load(acc.get("new")), Side.load(acc.get("base")),
-                    quality=quality)
+    return own_limits(ro, readings(step_gates(ro), counts, ro.step_members, Side.load(acc.get("new")),
+                                   Side.load(acc.get("base")), quality=quality))
 
 
 def freeze_gates(s: Session, ro: RolloutRow, rs: list[GateReading] | None = None) -> None:
@@ -434,17 +466,19 @@ def freeze_gates(s: Session, ro: RolloutRow, rs: list[GateReading] | None = None
         return
     if rs is None:
         rel = s.get_one(ReleaseRow, ro.release_id)
-        rs = live_readings(s, ro, Gates.model_validate(ro.gates), rel.number,
-                           TargetSelector.model_validate(rel.selector))
+        rs = live_readings(s, ro, rel.number, TargetSelector.model_validate(rel.selector))
     ro.gate_state = {**(ro.gate_state or {}), FINAL_GATES: [r.model_dump(mode="json") for r in rs]}
 
 
 # ---- the operator's controls ----------------------------------------------------------------------
+# Rolling back a completed or aborted rollout is meaningful: its members (those that activated the release) are
+# told to return to their last-known-good. A halted one's members already are: a rollback would change nothing for
+# any device and only overwrite the halt's reason, the record of why it stopped. A scheduled one has no member yet.
 _ALLOWED = {
     "pause": {"running"},
     "resume": {"paused"},
-    "abort": {"running", "paused"},
-    "rollback": {"running", "paused", "halted", "aborted", "completed"},
+    "abort": {"scheduled", "running", "paused"},
+    "rollback": {"running", "paused", "aborted", "completed"},
 }
 _RESULT = {"pause": "paused", "resume": "running", "abort": "aborted", "rollback": "rolled-back"}
 
@@ -459,8 +493,10 @@ def act(s: Session, rollout_id: int, action: str, reason: str = "") -> RolloutIn
         raise invalid(f"unknown action {action!r} (known: {', '.join(ACTIONS)})")
     ro = get_rollout(s, rollout_id, lock=True)
     if ro.state not in _ALLOWED[action]:
-        hint = " (a halted rollout stays halted: release a fixed version in a new rollout)" \
-            if action == "resume" and ro.state == "halted" else ""
+        hint = (" (a halted rollout stays halted: release a fixed version in a new rollout)"
+                if action == "resume" and ro.state == "halted" else
+                " (its members are already told to return to their last-known-good)"
+                if action == "rollback" and ro.state == "halted" else "")
         raise conflict(f"rollout {rollout_id} is {ro.state}; cannot {action} it{hint}")
     if action == "resume":
         active = s.scalar(select(RolloutRow).where(RolloutRow.model_id == ro.model_id, RolloutRow.id != ro.id,

@@ -458,6 +458,17 @@ def _plain(x: Any, depth: int = 0) -> Any:
     return str(x)
 
 
+EVENT_LOGS = "logs"  # in DeviceEventRow.detail: the device's last log lines before a failure (ReportEvent.logs)
+
+
+def event_info(e: DeviceEventRow) -> EventInfo:
+    detail = dict(e.detail or {})
+    logs = detail.pop(EVENT_LOGS, None)
+    return EventInfo(seq=e.seq, model=e.model, step=e.step, version=e.version, release=e.release_number,
+                     reason=e.reason, detail=detail, at=e.device_time, received_at=e.received_at,
+                     logs=[str(x) for x in logs] if isinstance(logs, list) else [])
+
+
 def json_safe(d: dict[str, Any]) -> dict[str, Any]:
     """JSON with anything unusual stringified, at most 16 KiB (else a marker)."""
     try:
@@ -519,9 +530,7 @@ def _device_info(s: Session, dev: DeviceRow, events: int = 0,
     if events:
         q = (select(DeviceEventRow).where(DeviceEventRow.device_id == dev.id)
              .order_by(DeviceEventRow.seq.desc()).limit(events))
-        info.events = [EventInfo(seq=e.seq, model=e.model, step=e.step, version=e.version,
-                                 release=e.release_number, reason=e.reason, detail=e.detail, at=e.device_time,
-                                 received_at=e.received_at) for e in reversed(s.scalars(q).all())]
+        info.events = [event_info(e) for e in reversed(s.scalars(q).all())]
     return info
 
 

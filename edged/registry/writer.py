@@ -30,7 +30,7 @@ from sqlalchemy.exc import IntegrityError
 
 from edged.protocol.fleet.messages import ReportEvent
 from edged.registry.db import DeviceEventRow, DeviceModelRow, DeviceRow, ModelRow, QualityScoreRow
-from edged.registry.service import FactsWrite, json_safe
+from edged.registry.service import EVENT_LOGS, FactsWrite, json_safe
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,16 @@ class ReportWriter:
         return self._models
 
 
+def event_detail(e: ReportEvent) -> dict[str, Any]:
+    """What an event row keeps beside its columns: the device's detail with its quality scores (JSON-safe, capped),
+    and its log tail, bounded by the protocol already (a ``logs`` key in the free-form detail is not taken for it)."""
+    detail = {k: v for k, v in e.detail.items() if k != EVENT_LOGS}
+    out = json_safe({**detail, "quality": e.quality.model_dump()} if e.quality else detail)
+    if e.logs:
+        out[EVENT_LOGS] = list(e.logs)
+    return out
+
+
 def store_reports(conn: Connection, device_id: str, events: list[ReportEvent], model_ids: dict[str, int],
                   t: float) -> int:
     """New events of one device (a repeated sequence number is ignored) and its per-model latest state."""
@@ -170,7 +180,7 @@ def store_reports(conn: Connection, device_id: str, events: list[ReportEvent], m
     conn.execute(insert(DeviceEventRow), [
         {"device_id": device_id, "seq": e.seq, "model": e.model, "step": e.step, "version": e.version,
          "release_number": e.release, "reason": e.reason,
-         "detail": json_safe({**e.detail, "quality": e.quality.model_dump()} if e.quality else e.detail),
+         "detail": event_detail(e),
          "device_time": e.at,
          "received_at": t} for e in new])
     for e in new:
@@ -259,8 +269,7 @@ def store_batch(conn: Connection, batch: list[tuple[str, list[ReportEvent], Fact
             n += 1
             new_rows.append({"device_id": device_id, "seq": e.seq, "model": e.model, "step": e.step,
                              "version": e.version, "release_number": e.release, "reason": e.reason,
-                             "detail": json_safe({**e.detail, "quality": e.quality.model_dump()} if e.quality
-                                                 else e.detail),
+                             "detail": event_detail(e),
                              "device_time": e.at, "received_at": t})
             mid = model_ids.get(e.model)
             if mid is None:

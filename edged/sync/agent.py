@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from edged import logring
 from edged.backoff import Backoff
 from edged.config import Config
 from edged.core.service import InferenceService
@@ -78,6 +79,7 @@ class SyncAgent:
         http = RegistryHttp(s.url, timeout=s.request_timeout_s, ca_file=s.ca_file, client_cert=s.client_cert,
                             client_key=s.client_key)
         self.client = DeviceClient(s, http, self._store, state)
+        self.client.log_tail = logring.install().tail  # a failed update's report carries the last log lines
         self.client.start()
         self.updater = Updater(self.cfg, self.service, s, store=self._store, state=state, client=self.client, http=http,
                                stop=self._stop)

@@ -11,6 +11,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -33,6 +34,7 @@ from edged.sync.state import Credential, StateStore, SyncState
 
 log = logging.getLogger(__name__)
 REPORT_BATCH = 200
+FAILED_STEPS = frozenset({"failed", "rolled-back"})  # reports that carry the device's last log lines
 FLUSH_RETRY_S = 5.0
 
 
@@ -65,6 +67,9 @@ class DeviceClient:
         self._flusher: threading.Thread | None = None
         self._busy_until = 0.0  # monotonic: the registry said it is busy (503 + Retry-After) until then
         self.extra_facts: dict[str, Any] = {}  # device profile and hardware facts, for rollout targets
+        # The daemon's last log lines (edged.logring), attached to a failed update's report: what the device said
+        # around the failure, for the operator who has no shell on it.
+        self.log_tail: Callable[[], list[str]] | None = None
         if settings.labels:
             log.warning("[registry] labels (%s) are not sent: labels are set by operators "
                         "(edged-registry label, or enroll-token --label); a device never labels itself",
@@ -156,11 +161,12 @@ class DeviceClient:
                reason: str | None = None, detail: dict[str, Any] | None = None, quiet: bool = False,
                quality: QualityReport | None = None) -> None:
         """Queue a report for the registry; ``quiet``: the caller logs it (one line per event)."""
+        logs = self.log_tail() if self.log_tail is not None and step in FAILED_STEPS else []
         with self.store.lock:
             self.state.seq += 1
             ev = ReportEvent(seq=self.state.seq, model=model, step=step,
                              version=version, release=release, reason=reason[:4000] if reason else None,
-                             detail=detail or {}, quality=quality, at=time.time())
+                             detail=detail or {}, quality=quality, logs=logs, at=time.time())
             self.state.outbox.append(ev)
             self.store.save(self.state)
         log.log(logging.DEBUG if quiet else logging.INFO, "model=%s release=%s version=%s %s%s", model, release,

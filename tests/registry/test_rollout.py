@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import pytest
 
+from edged.errors import ConfigError
 from edged.registry.rollout_wire import Gates, RolloutCreate, StepSpec
+from edged.registry.step_syntax import duration_s, parse_steps, start_time
 from edged.registry.targets import Membership, Ramp, RolloutTarget, percent_cutoff, rank
+from tests.http_client import web
 from tests.registry.conftest import Env, registry_env
-from tests.registry_helpers import make_version, wait_for, write_evaluation_set
+from tests.registry_helpers import ADMIN_TOKEN, make_version, wait_for, write_evaluation_set
 from tests.rollout_helpers import ApiDevice
 
 _n = itertools.count(1)
@@ -114,12 +119,13 @@ class Fleet:
     r1: int
 
     def rollout(self, version: int, steps: list[StepSpec], gates: Gates | None = None,
-                target: RolloutTarget | None = None, admit_per_minute: float | None = None) -> Any:
+                target: RolloutTarget | None = None, *, admit_per_minute: float | None = None,
+                start_at: float | None = None) -> Any:
         # the server is shared by the tests: a rollout targets this fleet's devices only
         mine = RolloutTarget(labels={"fleet": self.model})
         target = mine if target is None else target.model_copy(update={"labels": {**target.labels, **mine.labels}})
         spec = RolloutCreate(model=self.model, release=0, steps=steps, gates=gates or Gates(min_reporting=1),
-                             target=target, admit_per_minute=admit_per_minute)
+                             target=target, admit_per_minute=admit_per_minute, start_at=start_at)
         return self.client.release_with_rollout(self.env.keys.load(), self.model, version, spec, expires_in_s=3600)
 
     def evaluate(self) -> dict[str, str]:
@@ -360,7 +366,8 @@ def test_cli_create_status_and_controls(env: Env) -> None:
                   "--max-p99-ratio", "1.5", "--target-profile", "x86-*", "--notes", "cli test", "--json").stdout
     info = json.loads(out)
     assert info["steps"][0]["group"]["devices"] == [f"{m}-d0"] and info["steps"][0]["soak_s"] == 0
-    assert info["steps"][1] == {"percent": 60.0, "group": None, "min_devices": 2, "soak_s": 300.0}
+    assert info["steps"][1] == {"percent": 60.0, "group": None, "min_devices": 2, "soak_s": 300.0,
+                                "max_failure_rate": None, "min_reporting": None}
     assert info["gates"]["max_p99_ratio"] == 1.5 and info["target"]["profiles"] == ["x86-*"]
     assert f.on(info["release"]) == {f"{m}-d0"}
     text = srv.cli("rollout", "status", "--model", m).stdout
@@ -481,4 +488,168 @@ def test_quality_gate_compares_evaluation_scores_with_last_known_good(env: Env) 
     assert all(f.devices[d].reverts(m) == [bad.release] for d in members)
     text = env.server.cli("rollout", "status", str(bad.id)).stdout
     assert "gate quality_drop: 0.86 (limit 0.02) CROSSED" in text
+    f.client.close()
+
+
+# ---- per-step thresholds, scheduled starts, the actions each state offers (issue 40) ---------------
+def test_step_options_carry_thresholds_and_start_times_read_as_dates() -> None:
+    steps = parse_steps("label:ring=canary/failure=0/reporting=2, 10%/failure=5%, 100%", soak_s=60, min_devices=1,
+                        duration=duration_s)
+    assert (steps[0].max_failure_rate, steps[0].min_reporting) == (0.0, 2)
+    assert (steps[1].max_failure_rate, steps[1].min_reporting) == (0.05, None)
+    assert steps[2].max_failure_rate is None
+    assert steps[0].describe() == "ring=canary (failure rate <= 0%, min 2 reporting)"
+    judged = steps[0].judged_by(Gates(max_failure_rate=0.2, min_reporting=5, max_p99_ratio=1.5))
+    assert (judged.max_failure_rate, judged.min_reporting, judged.max_p99_ratio) == (0.0, 2, 1.5)
+    for bad in ("10%/failure=2", "10%/failure=x", "10%/reporting=0"):
+        with pytest.raises(ConfigError):
+            parse_steps(bad, soak_s=0, min_devices=1, duration=duration_s)
+    assert start_time("+2h", now=1000.0) == 1000.0 + 7200
+    assert start_time("2026-12-24T18:00Z") == start_time("2026-12-24T18:00") == start_time("2026-12-24T19:00+01:00")
+    assert start_time("") is None and start_time("now") is None
+    with pytest.raises(ConfigError, match="ISO-8601"):
+        start_time("tomorrow")
+
+
+def test_a_step_with_its_own_thresholds_is_judged_by_them(env: Env) -> None:
+    f = make_fleet(env, plain(6))
+    m = f.model
+    # the rollout allows half its devices to fail and judges after one; its canary step allows none after two
+    ro = f.rollout(2, [StepSpec(percent=34, min_devices=2, max_failure_rate=0.0, min_reporting=2),
+                       StepSpec(percent=100)], gates=Gates(max_failure_rate=0.5, min_reporting=1))
+    a, b = sorted(f.on(ro.release))[:2]
+    f.devices[a].report(m, "rolled-back", ro.release, 2, "trial failed")
+    assert f.evaluate() == {}  # the step's own minimum: two must finish (the rollout's one would judge 1/1 > 0.5)
+    rate = next(g for g in f.client.rollout(ro.id).gates if g.gate == "failure_rate")
+    assert (rate.limit, rate.judged) == (0.0, False) and "step 1's own limit" in rate.detail
+    f.devices[b].report(m, "committed", ro.release, 2)
+    assert f.evaluate() == {str(ro.id): "halted"}  # 1 of 2 = 0.5: within the rollout's gate, over the step's
+    st = f.client.rollout(ro.id)
+    assert "failure_rate 0.5 > 0" in (st.rollout.reason or "")
+    frozen = [g.model_dump() for g in st.gates]
+    assert next(g for g in st.gates if g.gate == "failure_rate").ok is False
+    f.devices[b].report(m, "rolled-back", ro.release, 2, "returned to last-known-good")  # the fleet moves on
+    assert [g.model_dump() for g in f.client.rollout(ro.id).gates] == frozen
+    text = env.server.cli("rollout", "status", str(ro.id)).stdout
+    assert "failure rate <= 0%, min 2 reporting" in text and "gate failure_rate: 0.5 (limit 0) CROSSED" in text
+    # the CLI takes the same vocabulary
+    out = json.loads(env.server.cli("rollout", "create", m, "--release", str(f.r1), "--steps",
+                                    "34%/failure=5%/reporting=2,100%", "--target-label", f"fleet={m}",
+                                    "--json").stdout)
+    assert (out["steps"][0]["max_failure_rate"], out["steps"][0]["min_reporting"]) == (0.05, 2)
+    f.client.close()
+
+
+def test_a_scheduled_rollout_admits_nobody_before_its_time(env: Env) -> None:
+    f = make_fleet(env, plain(3), versions=3)
+    m = f.model
+    # an hour ahead: what it shows, what it refuses (only abort is possible)
+    ahead = f.rollout(3, [StepSpec(percent=100)], start_at=time.time() + 3600)
+    assert (ahead.state, ahead.members) == ("scheduled", 0) and ahead.start_at is not None
+    with pytest.raises(Exception, match="scheduled"):
+        f.rollout(2, [StepSpec(percent=100)])  # one unfinished rollout per model, a scheduled one too
+    st = f.client.rollout(ahead.id)
+    assert [s.status for s in st.steps] == ["waiting"] and st.totals["pending"] == 0
+    for action in ("pause", "resume", "rollback"):
+        with pytest.raises(Exception, match="scheduled"):
+            f.client.rollout_action(ahead.id, action)
+    text = env.server.cli("rollout", "status", str(ahead.id)).stdout
+    assert re.search(r"scheduled: starts \d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ \(in (59m|60m)\)", text), text
+    listed = env.server.cli("rollout", "list", "--model", m).stdout
+    assert "scheduled  starts " in listed and str(int(ahead.start_at)) not in listed
+    assert f.client.rollout_action(ahead.id, "abort").state == "aborted"
+    # 2 s ahead: nobody is offered it or may fetch its files until then; the first evaluation after starts it
+    ro = f.rollout(2, [StepSpec(percent=100)], start_at=time.time() + 2.0)
+    assert ro.state == "scheduled"
+    assert f.on(ro.release) == set() and f.on(f.r1) == set(f.devices)
+    assert {dev.blob(f.blob(2)) for dev in f.devices.values()} == {403}
+    states = {r.release: r.state for r in f.client.releases(m)}
+    assert (states[ro.release], states[f.r1]) == ("scheduled", "valid")  # it supersedes nothing yet
+    if time.time() < (ro.start_at or 0):
+        assert str(ro.id) not in f.evaluate()
+    wait_for(lambda: time.time() >= (ro.start_at or 0), 10, 0.1, "the start time")
+    assert f.evaluate().get(str(ro.id)) == "started"
+    assert f.on(ro.release) == set(f.devices)
+    assert f.client.rollout(ro.id).rollout.state == "running"
+    assert f.client.rollout_action(ro.id, "abort").state == "aborted"
+    assert f.client.rollout(ahead.id).rollout.state == "aborted"  # the aborted scheduled one never started
+    # a fleet rollback stops a scheduled rollout too: aborted (it has no member to send back)
+    later = f.rollout(3, [StepSpec(percent=100)], start_at=time.time() + 3600)
+    back = f.client.rollback(env.keys.load(), m, str(f.r1), reason="not now", expires_in_s=3600)
+    assert back.stopped_rollouts == [later.id] and f.client.rollout(later.id).rollout.state == "aborted"
+    assert all(dev.reverts(m) == [] for dev in f.devices.values())
+    f.client.close()
+
+
+def _buttons(h: Any, url: str, rollout_id: int) -> set[str]:
+    r = h.get(f"{url}/ui/rollouts/{rollout_id}")
+    assert r.status_code == 200, r.text
+    return set(re.findall(r'id="action-([a-z]+)"', r.text))
+
+
+def test_every_action_offered_is_accepted_and_every_refused_one_is_not_offered(env: Env) -> None:
+    f = make_fleet(env, plain(2))
+    m = f.model
+    actions = {"pause", "resume", "abort", "rollback"}
+
+    def make(state: str) -> int:
+        ro = f.rollout(2, [StepSpec(percent=100)], gates=Gates(min_reporting=1),
+                       start_at=time.time() + 3600 if state == "scheduled" else None)
+        rid = int(ro.id)
+        if state in ("paused", "rolled-back", "aborted"):
+            f.client.rollout_action(rid, {"paused": "pause", "rolled-back": "rollback", "aborted": "abort"}[state])
+        elif state in ("halted", "completed"):
+            for dev in f.devices.values():
+                dev.report(m, "committed" if state == "completed" else "failed", ro.release, 2)
+            assert f.evaluate().get(str(rid)) == state
+        assert f.client.rollout(rid).rollout.state == state
+        return rid
+
+    def finish(rid: int) -> None:
+        if f.client.rollout(rid).rollout.state in ("scheduled", "running", "paused"):
+            f.client.rollout_action(rid, "abort")
+
+    offered: dict[str, set[str]] = {}
+    with httpx.Client(base_url=env.url, timeout=30, follow_redirects=False) as h:
+        assert h.post("/ui/login", data={"token": ADMIN_TOKEN}).status_code == 303
+        for state in ("scheduled", "running", "paused", "halted", "aborted", "rolled-back", "completed"):
+            rid = make(state)
+            shown = offered[state] = _buttons(h, env.url, rid)
+            for action in sorted(actions - shown):  # refused by the API, and the state stays
+                r = web().post(f"{env.url}/api/v1/rollouts/{rid}/{action}", headers=env.admin(), json={})
+                assert r.status_code == 409, (state, action, r.text)
+            assert f.client.rollout(rid).rollout.state == state
+            for i, action in enumerate(sorted(shown)):  # each offered one is accepted (a fresh rollout each)
+                target = rid if i == 0 else make(state)
+                r = web().post(f"{env.url}/api/v1/rollouts/{target}/{action}", headers=env.admin(), json={})
+                assert r.status_code == 200, (state, action, r.text)
+                finish(target)
+            finish(rid)
+    assert offered == {"scheduled": {"abort"}, "running": {"pause", "abort", "rollback"},
+                       "paused": {"resume", "abort", "rollback"}, "halted": set(), "aborted": {"rollback"},
+                       "rolled-back": set(), "completed": {"rollback"}}
+    f.client.close()
+
+
+def test_a_failed_reports_log_lines_are_bounded_stored_and_shown_escaped(env: Env) -> None:
+    f = make_fleet(env, plain(1))
+    m, (dev_id, dev) = f.model, next(iter(f.devices.items()))
+    for logs, status in ((["ok"] * 51, 413), (["x" * 257], 413), (["é" * 200] * 41, 413),  # 51 lines; 257 chars;
+                         (["bell \x07"], 422)):                                             # 16 KiB; a control char
+        r = dev.report(m, "failed", f.r1, 1, "load failed", logs=logs, expect=status)
+        assert "logs" in r.text
+    lines = ["2026-12-06T05:00:00Z WARNING edged.core: <script>alert(1)</script> did not load", "é" * 256]
+    dev.report(m, "failed", f.r1, 1, "prepare failed", logs=lines)
+    r = web().post(f"{env.url}/api/v1/device/reports", headers=dev.auth, json={"events": [  # free-form detail
+        {"seq": dev.seq + 1, "model": m, "step": "failed", "release": f.r1, "detail": {"logs": ["forged"]},
+         "at": time.time()}]})
+    assert r.status_code == 200, r.text
+    events = f.client.device(dev_id, events=10).events
+    assert [e.logs for e in events[-2:]] == [lines, []] and "logs" not in events[-1].detail
+    text = env.server.cli("device", dev_id).stdout
+    assert "the device's last 2 log line(s):" in text and "| " + lines[0] in text
+    with httpx.Client(base_url=env.url, timeout=30) as h:
+        assert h.post("/ui/login", data={"token": ADMIN_TOKEN}).status_code == 303
+        page = h.get(f"/ui/devices/{dev_id}").text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt; did not load" in page and "<script>alert" not in page
     f.client.close()

@@ -1,9 +1,10 @@
 """A rollout across six real daemons (``edged run`` processes) and one registry process.
 
 A good version goes through every step to 100 %; a broken one (its golden check fails)
-halts in its first step, its canaries roll back by themselves, and the devices outside
-the canary step never download it; rolling the good rollout back by hand sends every
-daemon back to its last-known-good version.
+halts in its first step, its canaries roll back by themselves (their reports carry their own
+last log lines, shown by the CLI and the dashboard), and the devices outside the canary step
+never download it; rolling the good rollout back by hand sends every daemon back to its
+last-known-good version. A rollout scheduled a few seconds ahead starts by itself at its time.
 """
 
 from __future__ import annotations
@@ -15,11 +16,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from edged.registry.rollout_wire import Gates, RolloutCreate, StepSpec
 from edged.registry.targets import RolloutTarget
-from tests.registry_helpers import EdgedRun, Keys, RegistryServer, device_toml, free_port, make_version, wait_for
+from tests.registry_helpers import (
+    ADMIN_TOKEN,
+    EdgedRun,
+    Keys,
+    RegistryServer,
+    device_toml,
+    free_port,
+    make_version,
+    wait_for,
+)
 
 MODEL = "digits"
 N = 6
@@ -129,11 +140,22 @@ def test_rollouts_across_real_daemons(world: World) -> None:
         if d in canaries:
             outcome = [e for e in mine if e.step == "rolled-back"]
             assert outcome and "prepare failed" in (outcome[0].reason or ""), mine
+            # the daemon's own last log lines came with it: the golden check that failed, on each engine
+            logs = outcome[0].logs
+            assert any("golden check failed" in line and "version=3" in line for line in logs), logs
+            assert 0 < len(logs) <= 50 and all(len(line) <= 256 for line in logs)
         else:
             assert mine == [], f"{d} reported {[(e.step, e.reason) for e in mine]} for the halted release"
             assert not (w.repos[d] / MODEL / "3").exists()
             assert not any((w.repos[d] / ".staging").glob(f"{MODEL}/3-*"))
     assert all(v == [2] for v in w.serving().values()), w.serving()
+    canary = sorted(canaries)[0]
+    text = w.server.cli("device", canary).stdout
+    assert "log line(s):" in text and "golden check failed" in text, text
+    with httpx.Client(base_url=w.server.url, timeout=30) as h:
+        assert h.post("/ui/login", data={"token": ADMIN_TOKEN}).status_code == 303
+        page = h.get(f"/ui/devices/{canary}").text
+    assert 'class="device-log"' in page and "golden check failed for output &#39;probabilities&#39;" in page
 
     # -- rolling the good release back by hand: every daemon returns to its last-known-good (version 1)
     w.client.rollout_action(good.id, "rollback", "operator test")
@@ -143,6 +165,26 @@ def test_rollouts_across_real_daemons(world: World) -> None:
         assert back and "last-known-good" in (back[-1].reason or "") and back[-1].detail.get("serving") == 1
     for d in w.daemons.values():
         assert d.alive()
+
+
+def test_a_scheduled_rollout_starts_by_itself_at_its_time(world: World) -> None:
+    """Scheduled 2.5 s ahead: no daemon hears of the release before then; the registry's own evaluator loop (no
+    evaluate call) starts it at its time, and the daemons update."""
+    w = world
+    spec = RolloutCreate(model=MODEL, release=0, steps=[StepSpec(percent=100)], target=RolloutTarget(labels=FLEET),
+                         gates=Gates(max_failure_rate=0.0, min_reporting=1), start_at=time.time() + 2.5)
+    ro = w.client.release_with_rollout(w.keys.load(), MODEL, 2, spec, expires_in_s=3600)
+    assert (ro.state, ro.members) == ("scheduled", 0)
+    time.sleep(1.5)  # seven polls of every daemon
+    assert w.client.rollout(ro.id).rollout.state == "scheduled"
+    assert all(e.release != ro.release for d in w.daemons for e in w.events(d))
+    assert all(v == [1] for v in w.serving().values()), w.serving()
+    wait_for(lambda: w.client.rollout(ro.id).rollout.state != "scheduled", 10, 0.05, "the scheduled start")
+    started = time.time()
+    assert started >= (ro.start_at or 0) and w.client.rollout(ro.id).rollout.state in ("running", "completed")
+    wait_for(lambda: on_release(w, ro.release, 2), 60, 0.1, "version 2 on every daemon after the scheduled start")
+    first = min(e.received_at for d in w.daemons for e in w.events(d) if e.release == ro.release)
+    assert first >= (ro.start_at or 0)
 
 
 def on_release(w: World, release: int, version: int) -> bool:

@@ -3,6 +3,8 @@ process with devices driven over its HTTP API, evaluations triggered by hand (as
 
 from __future__ import annotations
 
+import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -81,7 +83,8 @@ def test_a_halted_rollout_keeps_its_crossed_gate_offers_only_what_it_accepts_and
     h = signed_in(env)
     page = h.get(f"/ui/rollouts/{ro.id}").text
     assert "CROSSED" in page and 'class="step-halted"' in page and ">current<" not in page
-    assert offered(page) == {"rollback"}
+    # nothing: its members are already told to go back; a rollback would only overwrite why it halted
+    assert offered(page) == set() and "None: a halted rollout takes no action." in page
     csrf = page.split('name="csrf" value="', 1)[1].split('"', 1)[0]
     # Resume cannot be walked through a confirmation: refused at once, on a page titled for what happened.
     r = h.post(f"/ui/rollouts/{ro.id}/resume", data={"csrf": csrf})
@@ -250,6 +253,28 @@ def test_the_dashboard_form_speaks_the_cli_vocabulary_and_shows_the_members_befo
     again = f.client.sign(env.keys.load(), m, 2, expires_in_s=3600).model_dump_json()
     refused = h.post("/ui/rollouts", data={**form, "signed": again, "steps": "100%", "max_quality_drop": "0.02"})
     assert refused.status_code in (400, 409, 422) and "evaluation" in refused.text, refused.text
+
+    # A step's own thresholds and a start time come through the form too; the rollout waits, scheduled.
+    later = {**form, "signed": again, "steps": "label:ring=canary/failure=0/reporting=1, 100%", "start_at": "+2h"}
+    page = h.post("/ui/rollouts", data=later)
+    assert page.status_code == 200 and "ring=canary (failure rate &lt;= 0%, min 1 reporting)" in page.text
+    start = page.text.split('id="confirm-start">', 1)[1].split("</dd>", 1)[0]
+    assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC \(in (120m|2\.0h)\): scheduled until then", start), start
+    started = h.post("/ui/rollouts", data={**later, "confirmed": "yes"})
+    assert started.status_code == 303, started.text
+    rid = int(started.headers["location"].rsplit("/", 1)[1])
+    ro = f.client.rollout(rid).rollout
+    assert ro.state == "scheduled" and ro.steps[0].max_failure_rate == 0.0 and ro.steps[0].min_reporting == 1
+    assert abs((ro.start_at or 0) - time.time() - 7200) < 60 and f.on(ro.release) == set()
+    view = h.get(f"/ui/rollouts/{rid}").text
+    assert offered(view) == {"abort"}
+    assert re.search(r"\(in (120m|2\.0h)\)", view.split('id="rollout-start">', 1)[1].split("</dd>")[0])
+    assert str(int(ro.start_at or 0)) not in view  # a date and a relative time, never the epoch
+    listing = h.get("/ui/rollouts").text.split(f'data-rollout="{rid}"', 1)[1].split("</tr>", 1)[0]
+    assert re.search(r"starts in (120m|2\.0h)", listing), listing
+    bad = h.post("/ui/rollouts", data={**later, "start_at": "next tuesday"})
+    assert bad.status_code == 422 and "ISO-8601" in bad.text
+    f.client.rollout_action(rid, "abort", "test")
     h.close()
 
 

@@ -9,6 +9,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from edged.protocol.fleet.release import FileEntry, SignedRelease, TargetSelector
 from edged.protocol.names import valid_model_name
@@ -23,6 +24,10 @@ MAX_SERVING = 1024  # models a device reports serving: far above any device's re
 # larger ones are refused with a 400 instead of failing in the database.
 MAX_COUNT = 2**53
 MAX_INT32 = 2**31 - 1
+# The device's own last log lines a failed-update report may carry (the registry answers 413 above these).
+MAX_LOG_LINES = 50
+MAX_LOG_LINE = 256  # characters
+MAX_LOG_BYTES = 8192  # UTF-8, all lines together
 Version = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
 # Every step a device reports; the order is the happy path.
@@ -132,9 +137,24 @@ class ReportEvent(_Wire):
     reason: str | None = Field(default=None, max_length=4096)
     detail: dict[str, Any] = Field(default_factory=dict, max_length=64)
     quality: QualityReport | None = Field(default=None, description="with active-trial: the evaluation-set scores")
+    logs: list[str] = Field(default_factory=list, max_length=MAX_LOG_LINES,
+                            description="with failed or rolled-back: the device's own last log lines before it, "
+                                        "oldest first (at most 50 lines of 256 characters, 8 KiB in all, no "
+                                        "control characters)")
     at: float = Field(description="device wall clock, Unix seconds (informational: edge clocks jump)")
 
     _model = field_validator("model")(_check_model)
+
+    @field_validator("logs")
+    @classmethod
+    def _logs(cls, v: list[str]) -> list[str]:
+        if any(len(line) > MAX_LOG_LINE for line in v) or sum(len(line.encode()) for line in v) > MAX_LOG_BYTES:
+            # "too_long", as a list over its bound: the registry answers 413 like for its other bounded fields
+            raise PydanticCustomError("too_long", f"log lines are at most {MAX_LOG_LINE} characters and "
+                                                  f"{MAX_LOG_BYTES} bytes in all")
+        if any(has_control(line) for line in v):
+            raise ValueError("log lines carry no control characters")
+        return v
 
 
 class ServingModel(_Wire):
@@ -214,7 +234,7 @@ class ReleaseInfo(_Wire):
     signed: SignedRelease | None = None
     restores: int | None = Field(default=None, description="a fleet rollback: the earlier release it brings back")
     state: str = Field(default="", description="what became of it: valid, superseded, halted, aborted, rolled back, "
-                                               "expired or revoked; a fleet rollback's adds 'restores rN'")
+                                               "scheduled, expired or revoked; a fleet rollback's adds 'restores rN'")
 
 
 class NextRelease(_Wire):
@@ -263,6 +283,7 @@ class EventInfo(_Wire):
     detail: dict[str, Any]
     at: float
     received_at: float
+    logs: list[str] = Field(default_factory=list, description="the device's last log lines before a failure")
 
 
 class ServingInfo(_Wire):

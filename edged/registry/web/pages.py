@@ -25,7 +25,7 @@ from sqlalchemy.orm import sessionmaker
 from edged.errors import ErrorCode
 from edged.registry import audit
 from edged.registry import desired as desired_state
-from edged.registry.cli_format import ago
+from edged.registry.cli_format import ago, until
 from edged.registry.roles import ROLES, Role
 from edged.registry.rollouts import allowed_actions
 from edged.registry.service import RegistryError
@@ -50,6 +50,7 @@ def env() -> Any:
                            undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     e.filters["when"] = _when
     e.filters["ago"] = ago
+    e.filters["until"] = until
     e.filters["ms"] = lambda s: "-" if s is None else f"{s * 1e3:.2f} ms"
     e.filters["pct"] = lambda x: "-" if x is None else f"{x * 100:.2f} %"
     e.filters["mb"] = lambda n: f"{n / 2**20:.1f} MB"

@@ -138,9 +138,13 @@ def rollout_request(form: dict[str, str]) -> RolloutCreate:
                   max_error_rate=_opt_float(form, "max_error_pct", 0.01),
                   max_p99_ratio=_opt_float(form, "max_p99_ratio"), min_reporting=min_reporting,
                   max_quality_drop=_opt_float(form, "max_quality_drop"), min_quality=_opt_float(form, "min_quality"))
+    try:
+        start_at = step_syntax.start_time(form.get("start_at", ""))
+    except ConfigError as e:
+        raise RegistryError(str(e), 422, ErrorCode.INVALID_ARGUMENT) from None
     return RolloutCreate(model=model, release=release, signed=signed, target=target,
                          steps=parse_steps(form.get("steps", ""), min_devices, _opt_float(form, "soak_s") or 0.0),
-                         gates=gates, notes=form.get("notes", "")[:4096])
+                         gates=gates, notes=form.get("notes", "")[:4096], start_at=start_at)
 
 
 def dashboard_router(access: Guard, *, settings: RegistrySettings, admin_hash: str, sessions: sessionmaker[DbSession],

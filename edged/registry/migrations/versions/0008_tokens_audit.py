@@ -1,6 +1,6 @@
 """Named API tokens with roles, and the append-only audit log (a trigger refuses UPDATE and DELETE).
 
-Revision ID: 0008_tokens_audit
+Revision ID: 0008
 Revises: 0007
 Create Date: 2026-12-06
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0008_tokens_audit"
+revision = "0008"
 down_revision = "0007"
 branch_labels = None
 depends_on = None
