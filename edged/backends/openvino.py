@@ -148,6 +148,7 @@ class OpenVinoEngine(Engine):
         self._clean = threading.Event()  # cleared while a restore runs
         self._clean.set()
         self.restores = 0  # clean compiled models made after failures
+        self._restorer: threading.Thread | None = None
 
     @property
     def restoring(self) -> bool:
@@ -178,7 +179,9 @@ class OpenVinoEngine(Engine):
             if failed is not self._current or not self._clean.is_set():
                 return
             self._clean.clear()
-        threading.Thread(target=self._restore_now, args=(failed,), name="edged-openvino-restore", daemon=True).start()
+            self._restorer = threading.Thread(target=self._restore_now, args=(failed,), name="edged-openvino-restore",
+                                              daemon=True)
+            self._restorer.start()
 
     def _restore_now(self, failed: _Compiled) -> None:
         t0 = time.monotonic()
@@ -215,6 +218,12 @@ class OpenVinoEngine(Engine):
         return d
 
     def unload(self) -> None:
+        # A restore still compiling would outlive the engine, and one still inside OpenVINO when the
+        # process exits aborts it ("terminate called without an active exception": the library's
+        # threads are torn down under it, as `edged models list` did after a warm-up refusal).
+        restorer = self._restorer
+        if restorer is not None and restorer is not threading.current_thread():
+            restorer.join(RESTORE_WAIT_S)
         with self._lock:
             cur, self._current = self._current, None
         if cur is not None:

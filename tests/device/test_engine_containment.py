@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -228,3 +229,31 @@ def test_openvino_restores_off_the_request_path_and_readiness_says_so(ov_cls: tu
         np.testing.assert_array_equal(got[k], want[k])
     assert not engine.restoring and svc.is_ready("ocr_cls") and server_ready(svc, stopping=False)
     assert engine.describe()["restores"] == 1
+
+
+def test_unloading_waits_for_a_restore_in_progress(ov_cls: tuple[ModelManager, InferenceService]) -> None:
+    """A restore still inside OpenVINO when the process exits aborts it (std::terminate): unload, which
+    shutdown and `edged models list` call last, lets the restore finish first."""
+    mgr, svc = ov_cls
+    mv = mgr.table.find("ocr_cls")
+    assert mv is not None and mv.scheduler is not None
+    engine = mv.scheduler.engine
+    remake, entered, gate = engine._remake, threading.Event(), threading.Event()  # type: ignore[attr-defined]
+
+    def held(compiled: object) -> object:
+        entered.set()
+        gate.wait(60)
+        return remake(compiled)
+
+    engine._remake = held  # type: ignore[attr-defined]
+    bad = np.random.default_rng(5).random((1, 3, 8, 8), dtype=np.float32)
+    with pytest.raises(EdgedError):  # the input's fault or the engine's: either way the run failed
+        svc.infer(InferRequest(model="ocr_cls", inputs={"x": bad}), 30)
+    assert entered.wait(30), "no restore started after the failed run"
+    with ThreadPoolExecutor(1) as pool:
+        unloading = pool.submit(engine.unload)
+        with pytest.raises(FuturesTimeout):
+            unloading.result(timeout=0.3)  # still waiting: the restore is held inside OpenVINO's remake
+        gate.set()
+        unloading.result(60)
+    assert not [t for t in threading.enumerate() if t.name == "edged-openvino-restore" and t.is_alive()]
