@@ -81,11 +81,10 @@ class SyncAgent:
         state = await asyncio.to_thread(self._store.load)
         http = RegistryHttp(s.url, timeout=s.request_timeout_s, ca_file=s.ca_file, client_cert=s.client_cert,
                             client_key=s.client_key)
-        self.client = DeviceClient(s, http, self._store, state)
+        self.client = DeviceClient(s, http, self._store, state, extra_facts=self.facts)
         self.client.start()
         self.updater = Updater(s, ServiceEngine(self.service), store=self._store, state=state, client=self.client,
                                http=http, stop=self._stop)
-        self.client.extra_facts = dict(self.facts)
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._run(), name="edged-sync")
         if s.mqtt_nudge and self.cfg.mqtt.enabled:
@@ -206,7 +205,7 @@ class SyncAgent:
             return
         self._facts_due = True
         try:
-            if self.client.send_facts(self.updater.serving()):
+            if self.client.facts.send(self.updater.serving()):
                 self._facts_at, self._facts_due = time.monotonic(), False
         except SyncHttpError as e:
             log.debug("facts not sent after a trial (%s); sent at the next poll", e)
@@ -221,11 +220,11 @@ class SyncAgent:
     def _cycle(self) -> None:
         assert self.client is not None and self.updater is not None
         c, u = self.client, self.updater
-        c.credential()
-        c.flush()
-        desired = c.poll()
-        changed = desired is not None
-        for rv in (c.desired.revert if c.desired is not None else []):
+        c.auth.credential()
+        c.outbox.flush()
+        changed = c.desired.poll() is not None
+        desired = c.desired.last
+        for rv in (desired.revert if desired is not None else []):
             try:
                 u.revert(rv.model, rv.releases, rv.reason)
             except (SyncHttpError, StoppedError):
@@ -233,7 +232,7 @@ class SyncAgent:
             except Exception:
                 log.exception("model=%s returning to the last-known-good failed", rv.model)
         faults: list[LocalFaultError] = []
-        for dm in (c.desired.models if c.desired is not None else []):
+        for dm in (desired.models if desired is not None else []):
             if self._stop.is_set():
                 raise StoppedError("stopping")
             try:
@@ -250,8 +249,8 @@ class SyncAgent:
         if u.tick() or changed:
             self._facts_due = True
         due = self._facts_due or time.monotonic() - self._facts_at > self.settings.facts_interval_s
-        if due and c.send_facts(u.serving()):
+        if due and c.facts.send(u.serving()):
             self._facts_at, self._facts_due = time.monotonic(), False
-        c.flush()
+        c.outbox.flush()
         if faults:
             raise LocalFaultError("; ".join(str(e) for e in faults))

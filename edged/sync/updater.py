@@ -251,7 +251,7 @@ class Updater:
             ms.current = VersionRef(version=m.version, release=m.release)
             ms.refused.pop(m.release, None)
             ctx.store.save(self.state)
-        ctx.client.report(
+        ctx.client.outbox.report(
             model,
             "committed",
             version=m.version,

@@ -33,7 +33,7 @@ from edged.protocol.fleet.release import ReleaseManifest
 from edged.protocol.fleet.telemetry import INGEST_PATH
 from edged.registry.sim.http_pool import Answer, HttpPool, SimHttpError
 from edged.sync import plan
-from edged.sync.registry_client import FLUSH_RETRY_S, REPORT_BATCH, retry_after_s
+from edged.sync.outbox import FLUSH_RETRY_S, REPORT_BATCH, retry_after_s
 from edged.sync.settings import SyncSettings
 from edged.sync.state import ModelSync, Pending, SyncState, VersionRef
 from edged.sync.trial import Sample, judge

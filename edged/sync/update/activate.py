@@ -93,7 +93,7 @@ def run(ctx: UpdateContext, model: str, m: ReleaseManifest, staged: Path) -> boo
             return False
         ctx.quality[model] = q
     machine.move(ctx.store, ctx.state, model, "trial")
-    ctx.client.report(
+    ctx.client.outbox.report(
         model,
         "active-trial",
         version=m.version,
@@ -109,6 +109,6 @@ def _send_facts(ctx: UpdateContext) -> None:
     """Clients get the new version from the trial's first moment on: the registry hears it now, not when
     the trial ends (the agent sends facts only after a round)."""
     try:
-        ctx.client.send_facts(serving(ctx))
+        ctx.client.facts.send(serving(ctx))
     except SyncHttpError as e:  # the registry hears them at the next round; the trial itself goes on
         log.info("model trial: facts not sent now (%s); sent at the next round", e)

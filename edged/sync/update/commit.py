@@ -37,7 +37,7 @@ def run(ctx: UpdateContext, model: str, trial: Sample | None) -> None:
         }
     detail.update(_judged_on(ctx, model, p.release, trial))
     ctx.baselines.pop(model, None)
-    ctx.client.report(model, "committed", version=p.version, release=p.release, detail=detail)
+    ctx.client.outbox.report(model, "committed", version=p.version, release=p.release, detail=detail)
 
 
 def _judged_on(ctx: UpdateContext, model: str, release: int, trial: Sample | None) -> dict[str, Any]:

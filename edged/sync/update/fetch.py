@@ -18,7 +18,7 @@ def run(ctx: UpdateContext, model: str, m: ReleaseManifest, staged: Path) -> boo
     c = ctx.client
     if folder_matches(ctx.repo.version_dir(model, m.version), m.files):
         # e.g. going back to the last-known-good by a new release: the files are already here
-        c.report(
+        c.outbox.report(
             model,
             "verifying",
             version=m.version,
@@ -29,7 +29,7 @@ def run(ctx: UpdateContext, model: str, m: ReleaseManifest, staged: Path) -> boo
         return True
     if (model, m.release) not in ctx.download_reported:  # once, not at every resumed attempt
         ctx.download_reported.add((model, m.release))
-        c.report(
+        c.outbox.report(
             model,
             "downloading",
             version=m.version,
@@ -39,7 +39,7 @@ def run(ctx: UpdateContext, model: str, m: ReleaseManifest, staged: Path) -> boo
     try:
         stats = fetch_release(
             ctx.http,
-            c.credential(),
+            c.auth.credential(),
             m,
             staged,
             chunk=ctx.settings.download_chunk_kb * 1024,
@@ -55,7 +55,7 @@ def run(ctx: UpdateContext, model: str, m: ReleaseManifest, staged: Path) -> boo
             undo.refuse(ctx, model, m.release, m.version, f"download refused by the registry: {e}")
             return False
         raise
-    c.report(
+    c.outbox.report(
         model,
         "verifying",
         version=m.version,

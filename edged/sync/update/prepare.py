@@ -32,5 +32,5 @@ def run(ctx: UpdateContext, model: str, m: ReleaseManifest, staged: Path) -> boo
         return False
     fault_point("prepare.done")
     machine.move(ctx.store, ctx.state, model, "install")
-    ctx.client.report(model, "prepared", version=m.version, release=m.release, detail={"engine": label})
+    ctx.client.outbox.report(model, "prepared", version=m.version, release=m.release, detail={"engine": label})
     return True

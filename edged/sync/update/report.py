@@ -27,7 +27,7 @@ def failure(
     quiet: bool = False,
 ) -> None:
     """Queue the report of a failed update (``quiet``: the caller logs it)."""
-    client.report(
+    client.outbox.report(
         model,
         step,
         version=version,
