@@ -23,7 +23,7 @@ from edged.repository.digests import DigestCache
 from edged.repository.manifest import Evaluation
 from edged.repository.store import VersionEntry
 from edged.sync import quality
-from edged.sync.trial import Sample, sample
+from edged.sync.trial import NOT_MODEL_ERRORS, Sample
 
 UPGRADE_WAIT_S = 1.0
 
@@ -114,7 +114,20 @@ class ServiceEngine:
         return Loaded(True, label=label)
 
     def sample(self, model: str, version: int) -> Sample | None:
-        return sample(self.service, model, version)
+        """The version's outcomes so far (the model's own errors only), None when it is not served."""
+        try:
+            stats = self.service.statistics(model, version)
+            mv = self.service.model(model, version)
+        except EdgedError:
+            return None
+        if not stats:
+            return None
+        s = stats[0]
+        ok = int(s["inference_stats"]["success"]["count"])
+        by_code: dict[str, int] = s.get("failures_by_code", {})
+        errors = sum(n for code, n in by_code.items() if code not in NOT_MODEL_ERRORS)
+        counts = mv.stats.latency_counts() if mv.stats is not None else ()
+        return Sample(ok=ok, errors=errors, latency_counts=counts)
 
     def score(self, model: str, version: int, folder: Path, ev: Evaluation) -> quality.Score:
         return quality.score(self.service.model(model, version), folder, ev)
