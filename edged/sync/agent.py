@@ -207,7 +207,7 @@ class SyncAgent:
         try:
             if self.client.facts.send(self.updater.serving()):
                 self._facts_at, self._facts_due = time.monotonic(), False
-        except SyncHttpError as e:
+        except EdgedError as e:  # the registry is unreachable or refuses: the next poll round sends them
             log.debug("facts not sent after a trial (%s); sent at the next poll", e)
 
     @property

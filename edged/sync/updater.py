@@ -28,7 +28,7 @@ from edged.sync.registry_client import DeviceClient
 from edged.sync.repo import DeviceRepo, folder_matches
 from edged.sync.settings import SyncSettings
 from edged.sync.state import ModelSync, Pending, PendingStep, StateStore, SyncState, VersionRef
-from edged.sync.update import activate, fetch, install, prepare, report, revert, trial, undo
+from edged.sync.update import activate, fetch, install, machine, prepare, report, revert, trial, undo
 from edged.sync.update.context import UpdateContext
 from edged.sync.update.serving import serving
 from edged.sync.verify import RefusedError, check_release
@@ -141,12 +141,8 @@ class Updater:
         if p is None:
             if self._already_serving(model, ms, manifest):
                 return
-            with ctx.store.lock:
-                ms.highest_release = max(ms.highest_release, manifest.release)
-                ms.pending = Pending(
-                    release=manifest.release, version=manifest.version, step="download", signed=dm.signed
-                )
-                ctx.store.save(self.state)
+            pending = Pending(release=manifest.release, version=manifest.version, step="download", signed=dm.signed)
+            machine.start(ctx.store, self.state, model, pending)
             ctx.run_up[model] = ctx.engine.sample(model, ms.current.version) if ms.current else None
         try:
             self._advance(model, manifest)

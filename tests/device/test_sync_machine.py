@@ -9,7 +9,7 @@ import pytest
 
 from edged.protocol.fleet.release import SignedRelease
 from edged.sync.state import Pending, PendingStep, StateStore
-from edged.sync.update.machine import NEXT, IllegalMoveError, finish, move
+from edged.sync.update.machine import NEXT, IllegalMoveError, finish, move, start
 
 
 def test_every_step_is_reachable_and_every_update_can_end() -> None:
@@ -28,15 +28,11 @@ def test_every_step_is_reachable_and_every_update_can_end() -> None:
 def test_a_move_is_persisted_and_an_illegal_one_changes_nothing(tmp_path: Path) -> None:
     store = StateStore(tmp_path)
     state = store.load()
-    ms = state.model("m")
-    ms.pending = Pending(
-        release=3,
-        version=2,
-        step="download",
-        signed=SignedRelease(manifest="e30=", signature="", key_id="0"),
-        fault="disk full",
-    )
-    store.save(state)
+    signed = SignedRelease(manifest="e30=", signature="", key_id="0")
+    start(store, state, "m", Pending(release=3, version=2, step="download", signed=signed, fault="disk full"))
+    assert store.load().models["m"].highest_release == 3
+    with pytest.raises(IllegalMoveError):
+        start(store, state, "m", Pending(release=4, version=3, step="download", signed=signed))  # one at a time
     move(store, state, "m", "prepare")
     on_disk = store.load().models["m"].pending
     assert on_disk is not None and (on_disk.step, on_disk.fault) == ("prepare", None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from edged.errors import EdgedError, ErrorCode
-from edged.sync.state import ModelSync, PendingStep, StateStore, SyncState
+from edged.sync.state import ModelSync, Pending, PendingStep, StateStore, SyncState
 
 Step = PendingStep | None
 
@@ -32,6 +32,17 @@ class IllegalMoveError(EdgedError):
     """A step asked for a move the machine does not allow: a bug, never a property of the release."""
 
     code = ErrorCode.INTERNAL
+
+
+def start(store: StateStore, state: SyncState, model: str, pending: Pending) -> None:
+    """Begin an update of ``model`` (its release becomes the highest accepted), in one atomic write."""
+    with store.lock:
+        ms = state.model(model)
+        if ms.pending is not None or pending.step not in NEXT[None]:
+            raise IllegalMoveError(f"model={model}: an update may not start at {pending.step!r} here")
+        ms.highest_release = max(ms.highest_release, pending.release)
+        ms.pending = pending
+        store.save(state)
 
 
 def move(

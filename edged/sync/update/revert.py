@@ -6,13 +6,11 @@ from edged.sync import plan
 from edged.sync.update import report, undo
 from edged.sync.update.context import UpdateContext
 
-REVERT_PREFIX = "the registry asked to return to the last-known-good"
-
 
 def run(ctx: UpdateContext, model: str, releases: list[int], reason: str) -> None:
     ms = ctx.ms(model)
     action, release = plan.revert_action(ms, releases)
-    why = f"{REVERT_PREFIX}: {reason or 'rollout stopped'}"
+    why = f"{plan.REVERT_PREFIX}: {reason or 'rollout stopped'}"
     if action == "none" or release is None:
         return
     if action == "forget":
