@@ -73,39 +73,32 @@ def visit(ctx: UpdateContext, model: str) -> bool:
     clock = ctx.trials.get(model) or begin(ctx, model)
     if time.monotonic() < clock.due:
         return False
+    ended = _look(ctx, model, p.version, clock)
+    if not ended:
+        fault_point("trial.tick")
+    return ended
+
+
+def _look(ctx: UpdateContext, model: str, version: int, clock: TrialClock) -> bool:
     s, eng = ctx.settings, ctx.engine
     # The operator's mark is read on both sides of the sample: an unload sets it before the versions go
     # and a reload clears it after they are back, so a model found gone with the mark unset both times
     # really vanished on its own.
     marked = eng.operator_unloaded(model)
-    new = eng.sample(model, p.version)
+    new = eng.sample(model, version)
     now = time.monotonic()
     if new is None:
-        if not marked and not eng.operator_unloaded(model):
-            undo.rollback(ctx, model, f"trial failed: version {p.version} is no longer loaded")
-            return True
-        if not clock.paused:  # an operator's choice is not the release's failure: nothing is reported
-            log.warning(
-                "model=%s trial of version %d paused: an operator unloaded the model; the trial starts "
-                "over once it is loaded again",
-                model,
-                p.version,
-            )
-            clock.paused = True
-        clock.due = now + TRIAL_TICK_S
-        fault_point("trial.tick")
-        return False
+        return _gone(ctx, model, version, clock, marked=marked)
     if clock.paused:
-        log.info("model=%s loaded again: the trial of version %d starts over", model, p.version)
+        log.info("model=%s loaded again: the trial of version %d starts over", model, version)
         clock = ctx.trials[model] = _clock(s, now)
     if clock.settled is None and now >= clock.settle_at:
         clock.settled = new
     if now >= clock.end and clock.end < clock.cap and new.total < s.trial_min_requests and model not in ctx.quality:
         clock.end = min(clock.cap, now + TRIAL_TICK_S)  # too little traffic to judge, no evaluation set: wait on
     left = clock.end - now
-    reason = judge(
-        new, ctx.baselines.get(model), s, final=left <= 0, latency=new.since(clock.settled) if clock.settled else None
-    )
+    latency = new.since(clock.settled) if clock.settled else None
+    reason = judge(new, ctx.baselines.get(model), s, final=left <= 0, latency=latency)
     if reason is not None:
         undo.rollback(ctx, model, f"trial failed: {reason}")
         return True
@@ -114,5 +107,21 @@ def visit(ctx: UpdateContext, model: str) -> bool:
         commit.run(ctx, model, new)
         return True
     clock.due = now + min(TRIAL_TICK_S, left)
-    fault_point("trial.tick")
+    return False
+
+
+def _gone(ctx: UpdateContext, model: str, version: int, clock: TrialClock, *, marked: bool) -> bool:
+    """The version is not served: a failed trial, unless an operator unloaded the model (then it waits)."""
+    if not marked and not ctx.engine.operator_unloaded(model):
+        undo.rollback(ctx, model, f"trial failed: version {version} is no longer loaded")
+        return True
+    if not clock.paused:  # an operator's choice is not the release's failure: nothing is reported
+        log.warning(
+            "model=%s trial of version %d paused: an operator unloaded the model; the trial starts over "
+            "once it is loaded again",
+            model,
+            version,
+        )
+        clock.paused = True
+    clock.due = time.monotonic() + TRIAL_TICK_S
     return False
