@@ -3,8 +3,9 @@
 PATHS below is the one place the paths are declared. :func:`problems` checks every hop with an AST scan:
 its module exists, its function or method exists, and the hop that hands it the data can reach it: that
 module imports it, or a named module (``via``) wires the two together (imports both, as the transport
-wires its app into the server) or is the façade between them (the caller imports it, it imports the
-callee), and the caller's code names it (directly or through a helper of its own module), unless the
+wires its app into the server) or is the façade between them (the caller imports it, and it imports the
+callee itself or through its own imports: what it hands out leads there), and the caller's code names it
+(directly, or through a helper or a table of its own module), unless the
 data crosses a queue inside one module (``queued``). :func:`mermaid` draws them; tools/archgraph.py puts
 the drawing into docs/architecture.md and tests/test_architecture.py fails when a hop no longer holds.
 """
@@ -75,59 +76,35 @@ PATHS: dict[str, list[Hop]] = {
         ),
     ],
     "model update": [
-        Hop("edged.sync.agent", "SyncAgent._cycle", "one round of the sync thread"),
-        Hop("edged.sync.registry_client", "DeviceClient.poll", "registry poll: the desired state"),
-        Hop(
-            "edged.sync.updater",
-            "Updater.process",
-            "one model's desired release",
-            by="edged.sync.agent:SyncAgent._cycle",
-        ),
+        Hop("edged.sync.agent", "SyncAgent._run", "the sync loop: poll rounds, trials between them"),
+        Hop("edged.sync.agent", "SyncAgent._cycle", "one poll round, in a worker thread"),
+        Hop("edged.sync.desired", "DesiredStatePoller.poll", "registry poll: the desired state",
+            via="edged.sync.registry_client"),
+        Hop("edged.sync.updater", "Updater.process", "one model's desired release, one step at a time",
+            by="edged.sync.agent:SyncAgent._cycle"),
         Hop("edged.sync.verify", "check_release", "verify: signature, release number, expiry, size"),
-        Hop(
-            "edged.sync.download",
-            "fetch_release",
-            "fetch: resumable, capped, hashed into staging",
-            by="edged.sync.updater:Updater.process",
-        ),
-        Hop(
-            "edged.repository.store",
-            "load_version",
-            "stage: the staged folder read as a version",
-            by="edged.sync.updater:Updater.process",
-        ),
-        Hop(
-            "edged.core.model_loader",
-            "ModelLoader.load",
-            "stage: loaded, warmed up, golden-checked, let go",
-            by="edged.sync.updater:Updater.process",
-            via="edged.core.manager",
-        ),
-        Hop(
-            "edged.sync.repo",
-            "DeviceRepo.install",
-            "install: renamed into the repository",
-            by="edged.sync.updater:Updater.process",
-        ),
-        Hop(
-            "edged.core.manager",
-            "ModelManager.load_model",
-            "activate: the new version serves",
-            by="edged.sync.updater:Updater.process",
-            via="edged.core.service",
-        ),
-        Hop(
-            "edged.sync.trial",
-            "judge",
-            "trial: errors and latency against the baseline",
-            by="edged.sync.updater:Updater.process",
-        ),
-        Hop(
-            "edged.sync.registry_client",
-            "DeviceClient.report",
-            "committed (or rolled back), told the registry",
-            by="edged.sync.updater:Updater.process",
-        ),
+        Hop("edged.sync.update.fetch", "run", "step download", by="edged.sync.updater:Updater.process"),
+        Hop("edged.sync.download", "fetch_release", "resumable, capped, hashed into staging"),
+        Hop("edged.sync.update.prepare", "run", "step prepare", by="edged.sync.updater:Updater.process"),
+        Hop("edged.repository.store", "load_version", "the staged folder read as a version"),
+        Hop("edged.sync.engine_port", "ServiceEngine.rehearse", "loaded aside through the port",
+            by="edged.sync.update.prepare:run", call="rehearse", via="edged.sync.update.context"),
+        Hop("edged.core.service", "InferenceService.try_load", "the façade: engine chosen, warmed up, let go"),
+        Hop("edged.sync.update.install", "run", "step install", by="edged.sync.updater:Updater.process"),
+        Hop("edged.sync.repo", "DeviceRepo.install", "renamed into the repository", call="install",
+            via="edged.sync.update.context"),
+        Hop("edged.sync.update.activate", "run", "step activate", by="edged.sync.updater:Updater.process"),
+        Hop("edged.sync.engine_port", "ServiceEngine.load", "the version pinned and loaded", call="load",
+            via="edged.sync.update.context"),
+        Hop("edged.core.service", "InferenceService.load", "the façade: the new version serves"),
+        Hop("edged.sync.updater", "Updater.tick", "later turns of the loop: the trials due a look",
+            by="edged.sync.agent:SyncAgent._run"),
+        Hop("edged.sync.update.trial", "visit", "trial: one look, never a wait"),
+        Hop("edged.sync.trial", "judge", "errors and latency against the replaced version"),
+        Hop("edged.sync.update.commit", "run", "committed (a failed trial rolls back instead)",
+            by="edged.sync.update.trial:visit"),
+        Hop("edged.sync.outbox", "ReportOutbox.report", "told the registry, in order, from the outbox",
+            call="report", via="edged.sync.update.context"),
     ],
     "pipeline fan-out": [
         Hop("edged.core.service", "InferenceService.submit", "a request for a pipeline"),
@@ -177,11 +154,18 @@ def _names(node: ast.AST) -> set[str]:
 
 
 def _reaches(tree: ast.Module, func: ast.AST, name: str) -> bool:
-    """``func`` names ``name`` itself or through functions of its own module that it names."""
+    """``func`` names ``name`` itself or through functions or module-level tables (``STEPS = {...}``) of
+    its own module that it names."""
     defs: dict[str, list[ast.AST]] = {}
     for n in ast.walk(tree):
         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
             defs.setdefault(n.name, []).append(n)
+    for st in tree.body:
+        targets = st.targets if isinstance(st, ast.Assign) else [st.target] if isinstance(st, ast.AnnAssign) else []
+        value = st.value if isinstance(st, (ast.Assign, ast.AnnAssign)) else None
+        for t in targets:
+            if isinstance(t, ast.Name) and value is not None:
+                defs.setdefault(t.id, []).append(value)
     seen: set[str] = set()
     todo = [func]
     while todo:
@@ -202,8 +186,20 @@ def _linked(graph: Mapping[str, Iterable[str]], caller: str, callee: str, via: s
         return True
     if via is None:
         return False
+    def imports_in_time(a: str, b: str) -> bool:
+        """``a`` imports ``b``, or one of its imports does, and so on (the objects it hands out lead there)."""
+        seen, todo = {a}, [a]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt == b:
+                    return True
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return False
+
     wires = reaches(via, caller) and reaches(via, callee)
-    facade = via in graph.get(caller, ()) and reaches(via, callee)
+    facade = via in graph.get(caller, ()) and imports_in_time(via, callee)
     return wires or facade
 
 

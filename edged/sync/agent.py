@@ -3,7 +3,9 @@
 It polls the registry for the device's desired state (with ETag, every
 ``poll_interval_s`` with +-20% jitter, sooner after an MQTT nudge), and hands each model
 to the :class:`~edged.sync.updater.Updater`. All blocking work (HTTP, hashing, loading
-models, trials) runs in a worker thread, one cycle at a time, never on the event loop.
+models, judging trials) runs in a worker thread, one cycle at a time, never on the event loop.
+Between two polls the loop wakes for the models on trial when they are due a look, so a
+trial never holds the worker for its whole length and other models update meanwhile.
 Offline, it keeps serving what it has and retries with exponential back-off.
 """
 
@@ -26,10 +28,12 @@ from edged.errors import EdgedError
 from edged.hardware.facts import HardwareFacts
 from edged.sync.boot import prepare_boot
 from edged.sync.capped_http import RegistryHttp, StoppedError, SyncHttpError, TransferError
+from edged.sync.engine_port import ServiceEngine
 from edged.sync.localfault import LocalFaultError
 from edged.sync.registry_client import DeviceClient
 from edged.sync.settings import SyncSettings
 from edged.sync.state import RISKY_STEPS, StateStore
+from edged.sync.update import report
 from edged.sync.updater import Updater
 
 log = logging.getLogger(__name__)
@@ -78,13 +82,11 @@ class SyncAgent:
         state = await asyncio.to_thread(self._store.load)
         http = RegistryHttp(s.url, timeout=s.request_timeout_s, ca_file=s.ca_file, client_cert=s.client_cert,
                             client_key=s.client_key)
-        self.client = DeviceClient(s, http, self._store, state)
+        self.client = DeviceClient(s, http, self._store, state, extra_facts=self.facts)
         self.client.log_tail = logring.install().tail  # a failed update's report carries the last log lines
         self.client.start()
-        self.updater = Updater(self.cfg, self.service, s, store=self._store, state=state, client=self.client, http=http,
-                               stop=self._stop)
-        self.updater.revert_check = self._revert_check
-        self.client.extra_facts = dict(self.facts)
+        self.updater = Updater(s, ServiceEngine(self.service), store=self._store, state=state, client=self.client,
+                               http=http, stop=self._stop)
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._run(), name="edged-sync")
         if s.mqtt_nudge and self.cfg.mqtt.enabled:
@@ -146,53 +148,69 @@ class SyncAgent:
         # A fleet that powers up together should not poll in lockstep.
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._wake.wait(), random.uniform(0, min(self.settings.poll_interval_s, 5.0)))
-        retry = self.retry
+        next_poll = time.monotonic()
         while not self._stop.is_set():
-            try:
-                await asyncio.to_thread(self._cycle)
-                retry.reset()
-                delay = self.settings.poll_interval_s * random.uniform(0.8, 1.2)
-            except StoppedError:
-                break
-            except (SyncHttpError, TransferError) as e:
-                busy = e.retry_after_s if isinstance(e, SyncHttpError) else None
-                if busy is not None:  # not a failure: the registry is shedding load and said when to return
-                    delay = busy * random.uniform(1.0, 1.5)
-                    log.info("registry busy (%s); retry in %.1fs", e, delay)
-                else:
-                    delay = retry.next_delay()
-                    log.warning("registry not reachable (%s); keeping the current versions, retry in %.1fs", e,
-                                delay)
-            except LocalFaultError as e:  # reported to the registry and kept in the state: one line, no traceback
-                delay = retry.next_delay()
-                log.error("update blocked by a local fault: %s; retry in %.1fs", e, delay)
-            except EdgedError as e:
-                delay = retry.next_delay()
-                log.error("sync cycle failed: %s; retry in %.1fs", e, delay)
-            except Exception:
-                delay = retry.next_delay()
-                log.exception("sync cycle failed; retry in %.1fs", delay)
-            self.cycles += 1
+            if time.monotonic() >= next_poll:
+                delay = await self._round()
+                if delay is None:
+                    break
+                next_poll = time.monotonic() + delay
+                self.cycles += 1
+            else:
+                await asyncio.to_thread(self._trials)
             if self._stop.is_set():
                 break
+            # Sleep until the next poll, or until a model on trial is due a look (trials never hold the loop).
+            wait = next_poll - time.monotonic()
+            trial_in = self.updater.next_tick_in()
+            if trial_in is not None:
+                wait = min(wait, trial_in)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), delay)
+                await asyncio.wait_for(self._wake.wait(), max(0.0, wait))
             if self._wake.is_set() and not self._stop.is_set():
                 self._wake.clear()
                 await asyncio.sleep(random.uniform(0, min(1.0, self.settings.poll_interval_s)))
+                next_poll = time.monotonic()
 
-    def _revert_check(self, model: str, release: int) -> str | None:
-        """Called during a trial: has the registry halted this release's rollout meanwhile?"""
-        assert self.client is not None
+    async def _round(self) -> float | None:
+        """One poll round; the seconds until the next one (None: stopping)."""
+        retry = self.retry
         try:
-            self.client.poll()
-        except (SyncHttpError, TransferError) as e:
-            log.debug("poll during the trial failed: %s", e)
+            await asyncio.to_thread(self._cycle)
+            retry.reset()
+            return self.settings.poll_interval_s * random.uniform(0.8, 1.2)
+        except StoppedError:
             return None
-        for rv in self.client.desired.revert if self.client.desired is not None else []:
-            if rv.model == model and release in rv.releases:
-                return rv.reason or "rollout stopped"
-        return None
+        except (SyncHttpError, TransferError) as e:
+            busy = e.retry_after_s if isinstance(e, SyncHttpError) else None
+            if busy is not None:  # not a failure: the registry is shedding load and said when to return
+                delay = busy * random.uniform(1.0, 1.5)
+                log.info("registry busy (%s); retry in %.1fs", e, delay)
+            else:
+                delay = retry.next_delay()
+                log.warning("registry not reachable (%s); keeping the current versions, retry in %.1fs", e, delay)
+        except LocalFaultError as e:  # reported to the registry and kept in the state: one line, no traceback
+            delay = retry.next_delay()
+            log.error("update blocked by a local fault: %s; retry in %.1fs", e, delay)
+        except EdgedError as e:
+            delay = retry.next_delay()
+            log.error("sync cycle failed: %s; retry in %.1fs", e, delay)
+        except Exception:
+            delay = retry.next_delay()
+            log.exception("sync cycle failed; retry in %.1fs", delay)
+        return delay
+
+    def _trials(self) -> None:
+        """Between two polls: look at the models on trial; one that ended changes what the registry is told."""
+        assert self.client is not None and self.updater is not None
+        if not self.updater.tick():
+            return
+        self._facts_due = True
+        try:
+            if self.client.facts.send(self.updater.serving()):
+                self._facts_at, self._facts_due = time.monotonic(), False
+        except EdgedError as e:  # the registry is unreachable or refuses: the next poll round sends them
+            log.debug("facts not sent after a trial (%s); sent at the next poll", e)
 
     @property
     def retry(self) -> Backoff:
@@ -204,11 +222,11 @@ class SyncAgent:
     def _cycle(self) -> None:
         assert self.client is not None and self.updater is not None
         c, u = self.client, self.updater
-        c.credential()
-        c.flush()
-        desired = c.poll()
-        changed = desired is not None
-        for rv in (c.desired.revert if c.desired is not None else []):
+        c.auth.credential()
+        c.outbox.flush()
+        changed = c.desired.poll() is not None
+        desired = c.desired.last
+        for rv in (desired.revert if desired is not None else []):
             try:
                 u.revert(rv.model, rv.releases, rv.reason)
             except (SyncHttpError, StoppedError):
@@ -216,7 +234,7 @@ class SyncAgent:
             except Exception:
                 log.exception("model=%s returning to the last-known-good failed", rv.model)
         faults: list[LocalFaultError] = []
-        for dm in (c.desired.models if c.desired is not None else []):
+        for dm in (desired.models if desired is not None else []):
             if self._stop.is_set():
                 raise StoppedError("stopping")
             try:
@@ -228,13 +246,13 @@ class SyncAgent:
             except Exception as e:
                 log.exception("model=%s update failed", dm.model)
                 with contextlib.suppress(Exception):
-                    c.report(dm.model, "failed", version=dm.version, release=dm.release,
-                             reason=f"internal error: {type(e).__name__}")
-        if changed:
+                    report.failure(c, dm.model, "failed", version=dm.version, release=dm.release,
+                                   reason=f"internal error: {type(e).__name__}")
+        if u.tick() or changed:
             self._facts_due = True
         due = self._facts_due or time.monotonic() - self._facts_at > self.settings.facts_interval_s
-        if due and c.send_facts(u.serving()):
+        if due and c.facts.send(u.serving()):
             self._facts_at, self._facts_due = time.monotonic(), False
-        c.flush()
+        c.outbox.flush()
         if faults:
             raise LocalFaultError("; ".join(str(e) for e in faults))

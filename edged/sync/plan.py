@@ -13,6 +13,7 @@ from typing import Literal
 from edged.sync.state import ModelSync, Refusal
 
 BEFORE_ACTIVATION = ("download", "prepare", "install")
+REVERT_PREFIX = "the registry asked to return to the last-known-good"  # how a revert's reason begins
 RevertAction = Literal["none", "forget", "abandon", "rollback", "to-lkg", "no-lkg"]
 
 

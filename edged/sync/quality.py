@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edged.core.model_versions import ModelVersion
+from edged.core.public import ModelVersion
 from edged.errors import EdgedError, ErrorCode
 from edged.repository.manifest import Evaluation
 

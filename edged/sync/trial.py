@@ -1,9 +1,10 @@
 """Judge a version in trial against the version it replaced, from the scheduler's statistics.
 
-Counts come from ``InferenceService.statistics(name, version)``; latency from the same
-statistics object's histogram (bucket upper bounds, hence the floor). The previous
-version is measured over the minutes just before the switch (same load, same machine)
-when it served enough requests then, else over its whole life. Errors the client caused
+Counts come from the scheduler's statistics of the version (taken by
+:meth:`edged.sync.engine_port.ServiceEngine.sample`); latency from the same statistics'
+histogram (bucket upper bounds, hence the floor). The previous version is measured over
+the minutes just before the switch (same load, same machine) when it served enough
+requests then, else over its whole life. Errors the client caused
 (invalid input) or that only say the queue was full are not the model's fault and are
 not counted; an input that passed validation but that the engine refused
 (``engine_refused_input``) is counted, since the version broke what its manifest promised
@@ -18,13 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edged.core.service import InferenceService
-from edged.errors import EdgedError
 from edged.latency_buckets import LATENCY_BUCKETS_S
 from edged.protocol.fleet.telemetry import Outcomes
 from edged.sync.settings import SyncSettings
 
-NOT_MODEL_ERRORS = frozenset({"invalid_argument", "overloaded", "cancelled"})
+NOT_MODEL_ERRORS = frozenset({"invalid_argument", "overloaded", "cancelled"})  # counted by ServiceEngine.sample
 P99_MIN_SAMPLES = 100
 SETTLE_FRACTION = 0.2
 SETTLE_MAX_S = 5.0
@@ -52,22 +51,6 @@ class Sample(Outcomes):
         """What happened between ``earlier`` and this sample of the same version."""
         counts = tuple(a - b for a, b in zip(self.latency_counts, earlier.latency_counts, strict=False))
         return Sample(self.ok - earlier.ok, self.errors - earlier.errors, counts)
-
-
-def sample(service: InferenceService, model: str, version: int) -> Sample | None:
-    try:
-        stats = service.statistics(model, version)
-        mv = service.model(model, version)
-    except EdgedError:
-        return None
-    if not stats:
-        return None
-    s = stats[0]
-    ok = int(s["inference_stats"]["success"]["count"])
-    by_code: dict[str, int] = s.get("failures_by_code", {})
-    errors = sum(n for code, n in by_code.items() if code not in NOT_MODEL_ERRORS)
-    counts = mv.stats.latency_counts() if mv.stats is not None else ()
-    return Sample(ok=ok, errors=errors, latency_counts=counts)
 
 
 def baseline(before: Sample | None, at_switch: Sample | None, cfg: SyncSettings) -> Sample | None:

@@ -444,6 +444,31 @@ def test_trial_without_traffic_says_what_it_committed_on(case: Case) -> None:
         dev.stop()
 
 
+def on_trial(dev: InProcessDevice, model: str, release: int) -> bool:
+    ms = dev.state().models.get(model)
+    return bool(ms and ms.pending and ms.pending.step == "trial" and ms.pending.release == release)
+
+
+def test_a_trial_does_not_hold_other_models_updates(case: Case) -> None:
+    """A trial is a state the sync loop comes back to, not a wait on its thread: model A stays on trial (no
+    traffic and no evaluation set, so it waits up to trial_extend_s for requests) while model B downloads,
+    activates, passes its own trial on its evaluation set and commits."""
+    b = Case(model=f"{case.model}b", device_id=case.device_id, tmp=case.tmp, world=case.world)
+    case.push(1)
+    ra = case.release(1)
+    dev = case.device(trial_s=0.3, trial_extend_s=600)
+    try:
+        wait_for(lambda: on_trial(dev, case.model, ra), 30, 0.05, "model A on trial")
+        b.push(1, evaluation=True)
+        rb = b.release(1)
+        wait_for(lambda: committed(dev, b.model, rb), 30, 0.05, "model B committed while A is on trial")
+        assert on_trial(dev, case.model, ra)
+        assert dev.serving(b.model) == [1] and dev.serving(case.model) == [1]
+        assert dev.infer(pixels(), b.model).version == 1
+    finally:
+        dev.stop()
+
+
 def test_trial_resumed_after_a_restart_scores_its_evaluation_set_again(case: Case) -> None:
     at_v1(case).stop()
     dev = case.device(trial_s=30.0)

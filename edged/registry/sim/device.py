@@ -33,13 +33,13 @@ from edged.protocol.fleet.release import ReleaseManifest
 from edged.protocol.fleet.telemetry import INGEST_PATH
 from edged.registry.sim.http_pool import Answer, HttpPool, SimHttpError
 from edged.sync import plan
-from edged.sync.registry_client import FLUSH_RETRY_S, REPORT_BATCH, retry_after_s
+from edged.sync.outbox import FLUSH_RETRY_S, REPORT_BATCH, retry_after_s
+from edged.sync.plan import REVERT_PREFIX
 from edged.sync.settings import SyncSettings
 from edged.sync.state import ModelSync, Pending, SyncState, VersionRef
 from edged.sync.trial import Sample, judge
 from edged.sync.verify import RefusedError, check_release
 
-REVERT_PREFIX = "the registry asked to return to the last-known-good"
 TRIAL_REQUESTS = 600  # requests a device serves during a trial (enough for the p99 judgement)
 KINDS = ("poll", "report", "facts", "blob", "telemetry", "enroll")
 
