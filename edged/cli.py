@@ -345,8 +345,8 @@ def _print_outputs(resp: Any, where: str, max_batch_size: int, labels: list[str]
 
 
 def _infer_remote(args: argparse.Namespace) -> tuple[Any, int]:
-    from edged.client.oneshot import RemoteModel, specs_from_metadata
     from edged.protocol.types import InferResponse
+    from edged.remote_model import RemoteModel, specs_from_metadata
 
     remote = RemoteModel(_config(args), args.transport)
     try:

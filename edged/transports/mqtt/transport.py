@@ -46,6 +46,8 @@ from edged.protocol import media
 from edged.protocol import mqtt as codec
 from edged.protocol.fleet.telemetry import MqttWindow, StreamWindow
 from edged.protocol.mqtt import Form, Topics
+from edged.protocol.mqtt_properties import publish_properties
+from edged.protocol.mqtt_tcp import quick_ack
 from edged.protocol.mqtt_topics import ReplyPolicy
 from edged.protocol.types import InferRequest, InferResponse
 from edged.protocol.v2 import DecodedRequest, decode_request, dumps, encode_response, loads
@@ -57,9 +59,8 @@ from edged.transports.mqtt.bindings import (
     raw_tensor,
     validate_bindings,
 )
-from edged.transports.mqtt.connection import LinkState, MqttOptions, connect_properties, make_client, quick_ack
+from edged.transports.mqtt.connection import LinkState, MqttOptions, connect_properties, make_client
 from edged.transports.mqtt.dedup import RecentKeys
-from edged.transports.mqtt.properties import publish_properties
 from edged.transports.mqtt.stall import StallDetector
 from edged.transports.mqtt.status import device_offline, device_online, model_statuses
 from edged.transports.redact import Scrubber
