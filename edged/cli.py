@@ -21,6 +21,13 @@ def _add_config(p: argparse.ArgumentParser) -> None:
                    help="config file (default /etc/edged/edged.toml if present, else built-in defaults)")
 
 
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE")
+    return key, value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edged", description="Inference daemon for edge devices.")
     parser.add_argument("--version", action="version", version=f"edged {__version__}")
@@ -30,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run the daemon in the foreground until SIGINT/SIGTERM")
     _add_config(p)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sync_set", type=_key_value,
+                   help="a [registry] sync setting the config file cannot hold yet (e.g. trial_s=2)")
 
     p = sub.add_parser("detect", help="probe the hardware and show the matching device profile")
     _add_config(p)
@@ -399,9 +408,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from edged.native_stderr import capture
 
     cfg = _config(args)
+    overrides = dict(args.sync_set)
     native = capture()  # engine libraries' stderr (ONNX Runtime's coloured lines) into the daemon log
     try:
-        return run(cfg)
+        return run(cfg, overrides)
     finally:
         if native is not None:
             native.close()
