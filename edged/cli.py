@@ -417,6 +417,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             native.close()
 
 
+# What the 'device' extra brings (pyproject.toml): a command that needs one of them says which extra to install.
+DEVICE_EXTRA_MODULES = frozenset({"onnxruntime", "paho", "psutil", "prometheus_client"})
+
+
 def main(argv: list[str] | None = None) -> int:
     from edged.logs import setup_logging
 
@@ -438,6 +442,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "models":
             return cmd_models_list(args)
         return handlers[args.command](args)
+    except ModuleNotFoundError as e:
+        top = (e.name or "").split(".")[0]
+        if top not in DEVICE_EXTRA_MODULES:
+            raise
+        print(f"error: edged {args.command} needs {top!r}, part of the 'device' extra, which is not installed "
+              "here: pip install 'edged[device]', or use ./install.sh or the .deb", file=sys.stderr)
+        return 1
     except EdgedError as e:
         return exit_status(e)
     except KeyboardInterrupt:
