@@ -252,7 +252,7 @@ if [ -n "$wheelhouse" ]; then
     "$here/pyproject.toml" 2>/dev/null || sed -n 's/^version = "\(.*\)"/\1/p' "$here/pyproject.toml")
   reqs=$(mktemp)
   trap 'rm -f "$reqs"' EXIT
-  echo "edged==$version" >"$reqs"
+  echo "edged[device]==$version" >"$reqs"
   ls "$wheelhouse"/openvino-*.whl >/dev/null 2>&1 && echo "openvino>=2024.0" >>"$reqs"
   "${setup[@]}" venv "$prefix" "$reqs" "$wheelhouse"
 else
@@ -262,7 +262,7 @@ else
   if [ ! -f "$prefix/.edged-stamp" ] || [ "$(cat "$prefix/.edged-stamp")" != "$stamp" ]; then
     rm -rf "$prefix"
     "$py" -m venv --system-site-packages "$prefix"
-    pip_install "$prefix" --ignore-installed "${here}[openvino]"
+    pip_install "$prefix" --ignore-installed "${here}[device,openvino]"
     echo "$stamp" >"$prefix/.edged-stamp"
   fi
 fi

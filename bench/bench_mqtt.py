@@ -37,9 +37,9 @@ import paho.mqtt.client as mqtt  # noqa: E402
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
 
 from edged.protocol.mqtt import HEADER_LENGTH_PROPERTY  # noqa: E402
+from edged.protocol.mqtt_properties import publish_properties  # noqa: E402
+from edged.protocol.mqtt_tcp import no_delay  # noqa: E402
 from edged.protocol.v2 import dumps  # noqa: E402
-from edged.transports.mqtt.connection import no_delay  # noqa: E402
-from edged.transports.mqtt.properties import publish_properties  # noqa: E402
 from tests.mqtt_helpers import Broker  # noqa: E402
 
 GOAL_MS = 0.2

@@ -1,7 +1,7 @@
 """What one open dashboard costs a registry serving a simulated fleet (default 10,000 devices).
 
-One registry process (``edged-registry serve``) and, in a separate process, ``edged-registry
-simulate`` with N devices polling every ``--poll`` seconds and uploading telemetry. Then
+One registry process (``edged-registry serve``) and, in a separate process, ``python -m
+bench.sim`` with N devices polling every ``--poll`` seconds and uploading telemetry. Then
 windows of ``--phase`` seconds alternate: without a dashboard (the fleet only: device polls,
 reports, telemetry), and with one open dashboard page (a client that does what the page's
 script does: ``GET <page>?part=live`` with ``If-None-Match`` every ``--dashboard-poll``),
@@ -204,7 +204,7 @@ def run(args: argparse.Namespace, tmp: Path, pg_url: str | None) -> dict[str, An
         probe_token = client.enrollment_token(uses=1, ttl_s=86400, labels={"site": "sim"}).token
         client.close()
         status_file, samples_file = tmp / "fleet.json", tmp / "samples.npz"
-        argv = [PY, "-m", "edged.registry", "simulate", "--url", server.url, "--enroll-token", token,
+        argv = [PY, "-m", "bench.sim", "--url", server.url, "--enroll-token", token,
                 "--public-key", keys.public, "--devices", str(args.devices), "--poll", str(args.poll),
                 "--start", f"{MODEL}:1:{r1}", "--telemetry", str(args.telemetry), "--label", "site=sim",
                 "--status-file", str(status_file), "--samples", str(samples_file)]

@@ -1,7 +1,7 @@
 """Fleet benchmark: one registry process under a simulated fleet, a good rollout and a broken one.
 
 For each database (SQLite, PostgreSQL): starts a throwaway registry (``edged-registry serve``,
-uvicorn with httptools) and, in a separate process, ``edged-registry simulate`` with N
+uvicorn with httptools) and, in a separate process, ``python -m bench.sim`` with N
 devices polling every ``--poll`` seconds. Then:
 
 1. steady state: the fleet runs release 1 and only polls (measured over ``--steady`` s);
@@ -164,7 +164,7 @@ def run_one(db: str, args: argparse.Namespace, tmp: Path, keys: Keys, cluster: P
         r1 = client.release(key, MODEL, 1, expires_in_s=86400).release
         token = client.enrollment_token(uses=args.devices, ttl_s=86400).token
         status_file, samples_file = root / "fleet.json", root / "samples.npz"
-        argv = [PY, "-m", "edged.registry", "simulate", "--url", server.url, "--enroll-token", token,
+        argv = [PY, "-m", "bench.sim", "--url", server.url, "--enroll-token", token,
                 "--public-key", keys.public, "--devices", str(args.devices), "--poll", str(args.poll),
                 "--start", f"{MODEL}:1:{r1}", "--trial", str(args.trial), "--telemetry", str(args.telemetry),
                 "--behave", "1:p99_ms=8", "--behave", "2:p99_ms=8", "--behave", "3:trial_fail=1,p99_ms=40",

@@ -73,8 +73,8 @@ def mqtt(payload: bytes, hlen: int | None) -> None:
 
 def grpc(message: bytes) -> None:
     """edged.transports.grpc.app's path: protobuf parse, then the codec, with no shm region registered."""
+    from edged.protocol.grpc.gen import grpc_service_pb2 as pb
     from edged.transports.grpc import codec as grpc_codec
-    from edged.transports.grpc.gen import grpc_service_pb2 as pb
 
     req = grpc_codec.parse(pb.ModelInferRequest, message)
     grpc_codec.decode_infer(req, _no_regions())
@@ -89,8 +89,8 @@ def _no_regions() -> Any:
 def _grpc_message(rng: random.Random) -> bytes:
     """A ModelInferRequest built from the same hostile tensors: raw contents for the binary ones, typed
     contents for some of the others, odd shapes kept where protobuf's int64 can hold them."""
+    from edged.protocol.grpc.gen import grpc_service_pb2 as pb
     from edged.transports.grpc import codec as grpc_codec
-    from edged.transports.grpc.gen import grpc_service_pb2 as pb
 
     binary = rng.random() < 0.6
     req = pb.ModelInferRequest(model_name=rng.choice(("m", "m", "")), id="f")

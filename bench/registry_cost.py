@@ -116,7 +116,7 @@ async def measure(server: RegistryServer, token: str, blob_sha: str, release: in
                   ) -> list[tuple[str, float, float, dict[int, int]]]:
     import psutil
 
-    from edged.registry.sim.http_pool import HttpPool
+    from bench.sim.http_pool import HttpPool
 
     proc = psutil.Process(server.proc.pid)  # type: ignore[union-attr]
     pool = HttpPool(server.url, limit=args.concurrency, timeout=120)

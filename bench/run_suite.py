@@ -829,7 +829,7 @@ def main() -> int:
                        floor_server("bench.http_floor", floor_eng_port, model_file)]
         floor = HttpClient(f"127.0.0.1:{floor_port}")
         floor_eng = HttpClient(f"127.0.0.1:{floor_eng_port}")
-        from edged.transports.grpc.gen.grpc_service_pb2 import ModelInferResponse
+        from edged.protocol.grpc.gen.grpc_service_pb2 import ModelInferResponse
 
         grpc_reply = grpc.call("ModelInfer", infer_request(MODEL, {"image": x1}, None), ModelInferResponse)
         grpc_floor_port, grpc_floor_eng_port = free_port(), free_port()

@@ -1,7 +1,7 @@
 """Soak the device's update path: many SIGKILLed updates, then updates under inference load.
 
 Part 1 (fault injection): one registry process and one daemon process (``python -m
-edged.sync_runner``); each run releases a new version (a broken one a quarter of the time),
+edged run --set ...``); each run releases a new version (a broken one a quarter of the time),
 kills the daemon at a named step of the update (through ``EDGED_SYNC_FAULT_FILE``) or after
 a random delay, checks the repository on disk, restarts the daemon, checks what it serves,
 and waits for the update to be committed (good versions) or rolled back (broken ones).

@@ -21,6 +21,13 @@ def _add_config(p: argparse.ArgumentParser) -> None:
                    help="config file (default /etc/edged/edged.toml if present, else built-in defaults)")
 
 
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE")
+    return key, value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edged", description="Inference daemon for edge devices.")
     parser.add_argument("--version", action="version", version=f"edged {__version__}")
@@ -30,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run the daemon in the foreground until SIGINT/SIGTERM")
     _add_config(p)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sync_set", type=_key_value,
+                   help="a [registry] sync setting the config file cannot hold yet (e.g. trial_s=2)")
 
     p = sub.add_parser("detect", help="probe the hardware and show the matching device profile")
     _add_config(p)
@@ -345,8 +354,8 @@ def _print_outputs(resp: Any, where: str, max_batch_size: int, labels: list[str]
 
 
 def _infer_remote(args: argparse.Namespace) -> tuple[Any, int]:
-    from edged.client.oneshot import RemoteModel, specs_from_metadata
     from edged.protocol.types import InferResponse
+    from edged.remote_model import RemoteModel, specs_from_metadata
 
     remote = RemoteModel(_config(args), args.transport)
     try:
@@ -399,12 +408,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     from edged.native_stderr import capture
 
     cfg = _config(args)
+    overrides = dict(args.sync_set)
     native = capture()  # engine libraries' stderr (ONNX Runtime's coloured lines) into the daemon log
     try:
-        return run(cfg)
+        return run(cfg, overrides)
     finally:
         if native is not None:
             native.close()
+
+
+# What the 'device' extra brings (pyproject.toml): a command that needs one of them says which extra to install.
+DEVICE_EXTRA_MODULES = frozenset({"onnxruntime", "paho", "psutil", "prometheus_client"})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,6 +442,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "models":
             return cmd_models_list(args)
         return handlers[args.command](args)
+    except ModuleNotFoundError as e:
+        top = (e.name or "").split(".")[0]
+        if top not in DEVICE_EXTRA_MODULES:
+            raise
+        print(f"error: edged {args.command} needs {top!r}, part of the 'device' extra, which is not installed "
+              "here: pip install 'edged[device]', or use ./install.sh or the .deb", file=sys.stderr)
+        return 1
     except EdgedError as e:
         return exit_status(e)
     except KeyboardInterrupt:

@@ -146,7 +146,7 @@ def _in_flight(rt: Runtime) -> int:
 class Daemon:
     def __init__(self, cfg: Config, *, notifier: Notifier | None = None,
                  sync_settings: SyncSettings | None = None) -> None:
-        """``sync_settings`` override what the sync agent reads from ``[registry]`` (``edged.sync_runner --set``)."""
+        """``sync_settings`` override what the sync agent reads from ``[registry]`` (``edged run --set``)."""
         self.cfg = cfg
         self.sync_settings = sync_settings
         self.runtime: Runtime | None = None
@@ -474,5 +474,11 @@ class Daemon:
             self_test(rt.service, _ready(loaded), SELF_TEST_TIMEOUT_S)
 
 
-def run(cfg: Config) -> int:
-    return asyncio.run(Daemon(cfg).serve())
+def run(cfg: Config, sync_overrides: dict[str, str] | None = None) -> int:
+    """The daemon until SIGTERM; ``sync_overrides`` are ``edged run --set`` sync settings (the fault tests')."""
+    settings = None
+    if sync_overrides and cfg.registry.enabled:
+        from edged.sync.settings import SyncSettings
+
+        settings = SyncSettings.from_config(cfg, sync_overrides)  # the daemon runs the boot checks with them
+    return asyncio.run(Daemon(cfg, sync_settings=settings).serve())

@@ -100,7 +100,7 @@ dl() {  # dl DEST PYVER REQUIREMENT...
 }
 for pyver in $pythons; do
   say "downloading dependencies for CPython $pyver on $arch (glibc >= $glibc)"
-  dl "$work/wheels" "$pyver" "$edged_whl" pip
+  dl "$work/wheels" "$pyver" "${edged_whl}[device]" pip
   if [ "$openvino" = 1 ]; then
     dl "$work/openvino" "$pyver" "openvino>=2024.0"
   fi
@@ -173,7 +173,7 @@ gzip -9n <"$here/edged.1" >"$s/usr/share/man/man1/edged.1.gz"
 install -D -m 0755 "$here/edged-setup" "$s/usr/lib/edged/edged-setup"
 mkdir -p "$s/usr/lib/edged/wheels"
 install -m 0644 "$work"/wheels/*.whl "$s/usr/lib/edged/wheels/"
-echo "edged==$version" >"$s/usr/lib/edged/requirements.txt"
+echo "edged[device]==$version" >"$s/usr/lib/edged/requirements.txt"
 install -D -m 0644 "$here/systemd/edged.service" "$s/lib/systemd/system/edged.service"
 install -D -m 0644 "$here/sysusers.d/edged.conf" "$s/usr/lib/sysusers.d/edged.conf"
 install -D -m 0644 "$here/tmpfiles.d/edged.conf" "$s/usr/lib/tmpfiles.d/edged.conf"

@@ -380,7 +380,7 @@ def grpc_infer(port: int, nbytes: int, timeout: float = 120) -> str:
     """One ModelInfer of ``nbytes`` of raw FP32 data for digits; the status code's name."""
     import grpc
 
-    from edged.transports.grpc.gen import grpc_service_pb2 as pb
+    from edged.protocol.grpc.gen import grpc_service_pb2 as pb
     rows = max(1, nbytes // 256)
     req = pb.ModelInferRequest(model_name="digits", inputs=[pb.ModelInferRequest.InferInputTensor(
         name="pixels", datatype="FP32", shape=[rows, 64])], raw_input_contents=[bytes(rows * 256)])

@@ -421,7 +421,7 @@ class InProcessDevice:
 
 
 class DaemonProcess:
-    """``python -m edged.sync_runner`` (the daemon with its sync agent) as a real process, HTTP on."""
+    """``python -m edged run`` (the daemon with its sync agent, ``--set`` sync settings) as a real process, HTTP on."""
 
     def __init__(self, config_path: Path, http_port: int, log_path: Path, *, sets: dict[str, Any] | None = None,
                  env: dict[str, str] | None = None, prefix: list[str] | None = None) -> None:
@@ -433,7 +433,7 @@ class DaemonProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, extra_env: dict[str, str] | None = None) -> DaemonProcess:
-        argv = [*self.prefix, PY, "-m", "edged.sync_runner", "--config", str(self.config_path)]
+        argv = [*self.prefix, PY, "-m", "edged", "run", "--config", str(self.config_path)]
         for k, v in self.sets.items():
             argv += ["--set", f"{k}={v}"]
         env = {**os.environ, **self.env, **(extra_env or {})}

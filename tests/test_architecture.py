@@ -40,7 +40,8 @@ def test_the_rules_catch_each_kind_of_breach() -> None:
     assert any("edged.sync.registry_client imports the registry server" in v for v in found)
     assert any("edged.registry.gates imports device code" in v for v in found)
     assert any("shared module edged.errors imports device module edged.config" in v for v in found)
-    assert any("edged.core.model_versions imports edged.daemon from below" in v for v in found)
+    assert any("edged.core.model_versions imports edged.daemon (only edged.__main__, edged.cli may)" in v
+               for v in found)
     assert any("cycle" in v and "hardware" in v and "profiles" in v for v in found)
     # Modules inside one package may not import each other either (the diagram cannot show it).
     inner = ag.violations({"edged.telemetry.agent": {"edged.telemetry.prometheus"},
@@ -59,9 +60,29 @@ def test_the_rules_catch_each_kind_of_breach() -> None:
                           "edged.core.scheduler": {"edged.backends.base"},
                           "edged.protocol.shm": set(), "edged.core.service": set(), "edged.backends.base": set()})
     assert loop == ["top-level packages caught in an import loop: backends -> core -> protocol"], loop
-    # The simulator is a part of its own that may use both wings' code.
-    assert ag.violations({"edged.registry.sim.device": {"edged.sync.plan", "edged.registry.service"},
-                          "edged.sync.plan": set(), "edged.registry.service": set()}) == []
+    # daemon.py is imported by the two entry points and nothing else: not by a second runner beside them
+    # (edged/sync_runner.py did, issue 38), nor the CLI by anything but ``python -m edged``.
+    top = ag.violations({"edged.sync_runner": {"edged.daemon"}, "edged.cli": {"edged.daemon"},
+                         "edged.__main__": {"edged.cli"}, "edged.perf.command": {"edged.cli"},
+                         "edged.daemon": set()})
+    assert top == ["edged.perf.command imports edged.cli (only edged.__main__ may)",
+                   "edged.sync_runner imports edged.daemon (only edged.__main__, edged.cli may)"], top
+    # The clients import the wire formats and shared leaves only: not the daemon's transports (the gRPC stubs
+    # and MQTT helpers lived there, issue 38), nor its config.
+    client = ag.violations({"edged.client.grpc": {"edged.protocol.grpc", "edged.errors", "edged.transports.grpc"},
+                            "edged.client.oneshot": {"edged.config", "edged.client.http"},
+                            "edged.protocol.grpc": set(), "edged.errors": set(), "edged.transports.grpc": set(),
+                            "edged.config": set(), "edged.client.http": set()})
+    assert client == [
+        "client module edged.client.grpc imports edged.transports.grpc (a client imports only edged.protocol and "
+        "shared leaves)",
+        "client module edged.client.oneshot imports edged.config (a client imports only edged.protocol and "
+        "shared leaves)"], client
+    # The registry server's CLI may not reach device code, not even lazily for one command (the simulator
+    # did, issue 38: registry.cli -> registry.sim -> sync.trial -> core.service).
+    assert ag.violations({"edged.registry.cli": {"edged.registry.sim.device"},
+                          "edged.registry.sim.device": {"edged.sync.trial"}, "edged.sync.trial": set()}) == [
+        "registry module edged.registry.sim.device imports device code: edged.sync.trial"]
 
 
 def test_outside_core_only_the_facade_is_imported() -> None:

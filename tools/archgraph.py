@@ -21,18 +21,20 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "architecture.md"
 BEGIN, END = "<!-- archgraph:begin -->", "<!-- archgraph:end -->"
 
-# The registry server; its fleet simulator (registry.sim) is a part of its own, see SIM.
+# The registry server (its fleet simulator lives with the benchmarks, bench/sim/, as it runs device code).
 REGISTRY = "edged.registry"
-SIM = "edged.registry.sim"
+# The Python clients: a library for programs beside the daemon, so the wire formats and shared leaves only.
+CLIENT = "edged.client"
 # What both wings may import: the contract (protocol/), the error root and small leaves with no
 # knowledge of either wing. A shared module may import only shared modules (checked).
 SHARED = ("edged", "edged.errors", "edged.fsutil", "edged.backoff", "edged.datatypes", "edged.logs",
           "edged.journal", "edged.listen", "edged.latency_buckets", "edged.repository.manifest", "edged.protocol.fleet",
           "edged.protocol.names")
 CONTRACT = "edged.protocol.fleet"
-# The top of the device: entry points and the daemon that wires everything; nothing below imports them.
-TOP = ("edged.__main__", "edged.cli", "edged.daemon", "edged.sync_runner")
-SKIP = ("edged/transports/grpc/gen", "edged/registry/migrations")
+# The top of the device: the daemon that wires everything and the entry points that start it. Each may be
+# imported by the modules named here and by nothing else (``python -m edged`` -> cli -> daemon).
+TOP = {"edged.daemon": ("edged.__main__", "edged.cli"), "edged.cli": ("edged.__main__",), "edged.__main__": ()}
+SKIP = ("edged/protocol/grpc/gen", "edged/registry/migrations")
 # The one façade of core: outside it (and the TOP wiring), code reaches core only through the service
 # and the names the service hands out; the manager, loader, table and schedulers stay inside.
 CORE = "edged.core"
@@ -84,9 +86,7 @@ def under(module: str, prefix: str) -> bool:
 
 
 def part(module: str) -> str:
-    """The package a module belongs to in the diagram: ``edged.X`` (``registry.sim`` apart)."""
-    if under(module, SIM):
-        return "registry.sim"
+    """The package a module belongs to in the diagram: ``edged.X``."""
     if under(module, "edged.protocol") and module != "edged.protocol":
         return ".".join(module.split(".")[1:3])  # each wire format is a box of its own (fleet: a package)
     if module in SHARED and module.count(".") > 1:  # a shared leaf inside a device package stands apart
@@ -98,8 +98,6 @@ def part(module: str) -> str:
 def wing(module: str) -> str:
     if any(under(module, s) for s in SHARED if s != "edged") or module == "edged":
         return "shared"
-    if under(module, SIM):
-        return "sim"
     return "registry" if under(module, REGISTRY) else "device"
 
 
@@ -114,9 +112,9 @@ def part_edges(graph: Mapping[str, Iterable[str]]) -> dict[str, set[str]]:
 
 
 def top_edges(graph: Mapping[str, Iterable[str]]) -> dict[str, set[str]]:
-    """Imports between top-level packages and modules (``edged.X``), the registry's simulator apart."""
+    """Imports between top-level packages and modules (``edged.X``)."""
     def top(module: str) -> str:
-        return "registry.sim" if under(module, SIM) else (module.split(".")[1] if "." in module else "edged")
+        return module.split(".")[1] if "." in module else "edged"
 
     out: dict[str, set[str]] = {}
     for a, targets in graph.items():
@@ -182,12 +180,14 @@ def violations(graph: Mapping[str, Iterable[str]],
             wa, wb = wing(a), wing(b)
             if wa == "shared" and wb != "shared":
                 out.append(f"shared module {a} imports {wb} module {b}")
-            elif wa == "device" and wb in ("registry", "sim"):
+            elif wa == "device" and wb == "registry":
                 out.append(f"device module {a} imports the registry server: {b}")
             elif wa == "registry" and wb == "device":
                 out.append(f"registry module {a} imports device code: {b}")
-            if b in TOP and a not in TOP:
-                out.append(f"{a} imports {b} from below it")
+            if under(a, CLIENT) and not (under(b, CLIENT) or under(b, "edged.protocol") or wb == "shared"):
+                out.append(f"client module {a} imports {b} (a client imports only edged.protocol and shared leaves)")
+            if b in TOP and a not in TOP[b]:
+                out.append(f"{a} imports {b} (only {', '.join(TOP[b]) or 'nothing'} may)")
             if reaches_into_core(a, b, exceptions):
                 out.append(f"{a} reaches into core: {b} (outside core use {' or '.join(FACADE)})")
     out += [f"façade exception no longer used: {a} -> {b}" for a, b in sorted(exceptions)
@@ -214,12 +214,11 @@ def mermaid(graph: Mapping[str, Iterable[str]]) -> str:
     edges = {a: {b for b in bs if b not in LEAVES} for a, bs in part_edges(graph).items() if a not in LEAVES}
     used = set(edges) & ({a for a, bs in edges.items() if bs} | {b for bs in edges.values() for b in bs})
     edges = {a: bs for a, bs in edges.items() if a in used}
-    groups = {"device": [], "registry": [], "sim": [], "shared": []}  # type: dict[str, list[str]]
+    groups = {"device": [], "registry": [], "shared": []}  # type: dict[str, list[str]]
     for p in sorted(edges):
         groups[wing(p if p == "edged" else "edged." + p)].append(p)
     lines = ["```mermaid", "flowchart TB"]
-    titles = {"device": "device", "registry": "registry server", "sim": "fleet simulator",
-              "shared": "shared: contract and leaves"}
+    titles = {"device": "device", "registry": "registry server", "shared": "shared: contract and leaves"}
     for g, members in groups.items():
         if members:
             lines.append(f"  subgraph {g}[{titles[g]}]")

@@ -17,8 +17,8 @@ import numpy as np
 
 from edged import datatypes
 from edged.errors import EdgedError, ErrorCode
+from edged.protocol.grpc import require_grpc
 from edged.protocol.v2 import bytes_from_buffer, tensor_bytes
-from edged.transports.grpc import require_grpc
 
 _SERVICE = "/inference.GRPCInferenceService/"
 _MAX_MESSAGE = 2047 * 1024 * 1024  # the client accepts what the server is configured to send
@@ -29,7 +29,7 @@ _CODES = {"INVALID_ARGUMENT": ErrorCode.INVALID_ARGUMENT, "NOT_FOUND": ErrorCode
 
 
 def infer_request(model: str, inputs: Mapping[str, np.ndarray], version: int | None) -> Any:
-    from edged.transports.grpc.gen import grpc_service_pb2 as pb
+    from edged.protocol.grpc.gen import grpc_service_pb2 as pb
 
     req = pb.ModelInferRequest(model_name=model, model_version="" if version is None else str(version))
     for name, arr in inputs.items():
@@ -53,7 +53,7 @@ def infer_outputs(resp: Any) -> dict[str, np.ndarray]:
 
 class GrpcClient:
     def __init__(self, address: str = "127.0.0.1:8001", *, timeout: float = 60.0, token: str | None = None) -> None:
-        from edged.transports.grpc.gen import grpc_service_pb2 as pb
+        from edged.protocol.grpc.gen import grpc_service_pb2 as pb
 
         self._grpc = grpc = require_grpc()
         self._pb = pb

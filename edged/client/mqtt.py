@@ -44,7 +44,7 @@ class MqttClient:
         import paho.mqtt.client as mqtt
         from paho.mqtt.enums import CallbackAPIVersion
 
-        from edged.transports.mqtt.connection import no_delay, quick_ack
+        from edged.protocol.mqtt_tcp import no_delay, quick_ack
 
         if not device_id:
             raise EdgedError("MqttClient needs the daemon's device id", code=ErrorCode.INVALID_ARGUMENT)
@@ -116,7 +116,7 @@ class MqttClient:
 
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
         from edged.protocol import mqtt as codec
-        from edged.transports.mqtt.connection import quick_ack
+        from edged.protocol.mqtt_tcp import quick_ack
 
         quick_ack(client)
 
@@ -148,7 +148,7 @@ class MqttClient:
               timeout: float = 10.0, outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         """Run one inference; returns the outputs by name."""
         from edged.protocol import mqtt as codec
-        from edged.transports.mqtt.properties import publish_properties
+        from edged.protocol.mqtt_properties import publish_properties
 
         corr = uuid.uuid4().hex
         header, chunks = self._encode(inputs, outputs)
@@ -213,7 +213,7 @@ class MqttClient:
                     content_type: str | None = None) -> dict[str, Any]:
         """Send a raw image or sound (MQTT 5 only) and return the daemon's plain-JSON answer
         (edged.protocol.media.answer); an error answer raises MqttServerError."""
-        from edged.transports.mqtt.properties import publish_properties
+        from edged.protocol.mqtt_properties import publish_properties
 
         if not self.v5:
             raise EdgedError("raw image/sound requests need MQTT 5 (a response topic)")

@@ -76,7 +76,7 @@ from edged.client.shm_memory import (
 from edged.client.shm_prepared import AsyncPreparedInfer, PreparedInfer
 from edged.errors import EdgedError, ErrorCode, InvalidInputError, PermissionDeniedError
 from edged.protocol import shm as p
-from edged.transports.peercred import peer_credentials
+from edged.protocol.peercred import peer_credentials
 
 __all__ = ["AsyncShmClient", "PreparedInfer", "ShmClient", "default_socket"]
 

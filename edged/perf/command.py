@@ -105,28 +105,28 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 def _target(args: argparse.Namespace, cfg: Any) -> Any:
-    from edged.client import connect
+    from edged import reach
     from edged.perf import targets
 
     binary = args.input_tensor_format == "binary"
     if args.transport == "http":
-        return targets.HttpTarget(args.url or connect.http_address_of(cfg), args.model, args.model_version,
+        return targets.HttpTarget(args.url or reach.http_address_of(cfg), args.model, args.model_version,
                                   args.request_timeout, binary=binary)
     if args.transport == "shm":
         if args.input_tensor_format != "binary":
             from edged.errors import InvalidInputError
 
             raise InvalidInputError("--input-tensor-format json applies to http and mqtt, not shm")
-        return targets.ShmTarget(args.url or connect.shm_address_of(cfg), args.model, args.model_version,
+        return targets.ShmTarget(args.url or reach.shm_address_of(cfg), args.model, args.model_version,
                                  args.request_timeout)
     if args.transport == "grpc":
         if args.input_tensor_format != "binary":
             from edged.errors import InvalidInputError
 
             raise InvalidInputError("--input-tensor-format json applies to http and mqtt, not grpc")
-        return targets.GrpcTarget(args.url or connect.grpc_address_of(cfg), args.model, args.model_version,
+        return targets.GrpcTarget(args.url or reach.grpc_address_of(cfg), args.model, args.model_version,
                                   args.request_timeout, streaming=args.streaming)
-    settings = connect.MqttSettings.from_config(cfg, url=args.url, device_id=args.device_id,
+    settings = reach.MqttSettings.from_config(cfg, url=args.url, device_id=args.device_id,
                                                 topic_prefix=args.topic_prefix)
     return targets.MqttTarget(settings, args.model, args.model_version, args.request_timeout, binary=binary,
                               qos=args.qos)
@@ -140,7 +140,7 @@ def _stats_reader(args: argparse.Namespace, cfg: Any, target: Any) -> Any:
     elif args.http_url and args.http_url.lower() != "none":
         url, why = args.http_url, ""
     elif args.http_url is None and cfg.http.enabled:
-        from edged.client.connect import http_address_of
+        from edged.reach import http_address_of
 
         url, why = http_address_of(cfg), ""
     else:

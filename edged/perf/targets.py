@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from edged.client.connect import MqttSettings
 from edged.errors import EdgedError, ErrorCode
 from edged.perf.inputs import ModelInfo
+from edged.reach import MqttSettings
 
 Caller = Callable[[Mapping[str, np.ndarray]], object]
 

@@ -191,11 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("release")
 
     from edged.registry import access_cli, rollout_cli
-    from edged.registry.sim import command as simulate
 
     rollout_cli.add_parser(sub, _client_args, parse_duration, parse_label)
     access_cli.add_parser(sub, _client_args)
-    simulate.add_parser(sub)
     return parser
 
 
@@ -708,12 +706,6 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return access_cli.run_audit(args, lambda: _client(args), _print)
 
 
-def cmd_simulate(args: argparse.Namespace) -> int:
-    from edged.registry.sim import command as simulate
-
-    return simulate.run(args)
-
-
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "serve": cmd_serve, "serve-blobs": cmd_serve_blobs, "migrate": cmd_migrate, "keygen": cmd_keygen,
     "operator-hash": cmd_operator_hash,
@@ -722,7 +714,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "device": cmd_device, "status": cmd_status, "telemetry": cmd_telemetry, "enroll-token": cmd_enroll_token,
     "label": cmd_label,
     "reenroll": cmd_reenroll, "decommission": cmd_decommission,
-    "pin": cmd_pin, "rollout": cmd_rollout, "rollback": cmd_rollback, "simulate": cmd_simulate,
+    "pin": cmd_pin, "rollout": cmd_rollout, "rollback": cmd_rollback,
     "token": cmd_token, "audit": cmd_audit,
 }
 

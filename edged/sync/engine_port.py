@@ -21,7 +21,6 @@ from edged.sync import quality
 from edged.sync.trial import NOT_MODEL_ERRORS, Sample
 
 
-
 @dataclass(frozen=True)
 class Loaded:
     """How loading one version went: ``ready`` or the ``reason`` it is not; ``label``: the engine chosen."""

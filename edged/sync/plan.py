@@ -1,7 +1,7 @@
 """What the device does with one entry of its desired state: pure decisions over the sync state.
 
 Kept free of I/O so the real :class:`~edged.sync.updater.Updater` and the fleet simulator
-(``edged-registry simulate``) decide exactly alike.
+(``python -m bench.sim``) decide exactly alike.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ class SyncSettings:
 
     @classmethod
     def from_config(cls, cfg: Config, overrides: dict[str, Any] | None = None) -> SyncSettings:
-        """``overrides`` set keys the config cannot hold yet (tests, the runner's ``--set``)."""
+        """``overrides`` set keys the config cannot hold yet (tests, ``edged run --set``)."""
         reg = cfg.registry
         if not reg.url:
             raise ConfigError("registry.url: required when [registry] enabled = true")

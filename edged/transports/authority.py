@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from edged.config import ControlSection
 from edged.errors import PermissionDeniedError, UnauthenticatedError
-from edged.transports.peercred import peer_credentials
+from edged.protocol.peercred import peer_credentials
 
 LOAD = "load a model"
 UNLOAD = "unload a model"

@@ -216,7 +216,7 @@ def test_simulated_fleet_downloads_through_the_blob_server(setup: Setup) -> None
         r1 = c.releases(MODEL)[-1].release
         token = c.enrollment_token(uses=20).token
     status = setup.tmp / "fleet.json"
-    sim = subprocess.Popen([PY, "-m", "edged.registry", "simulate", "--url", setup.server.url, "--enroll-token",
+    sim = subprocess.Popen([PY, "-m", "bench.sim", "--url", setup.server.url, "--enroll-token",
                             token, "--public-key", setup.keys.public, "--devices", "20", "--poll", "1",
                             "--start", f"{MODEL}:1:{r1}", "--trial", "0.5", "--prepare", "0.1",
                             "--id-prefix", "slice-", "--status-file", str(status)],

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from edged.errors import InvalidInputError
+from edged.protocol.grpc.gen import grpc_service_pb2 as pb
 from edged.protocol.types import InferResponse
 from edged.protocol.v2 import DecodedRequest, encode_response
 from edged.transports.grpc import codec
-from edged.transports.grpc.gen import grpc_service_pb2 as pb
 from edged.transports.shm.sysshm import SystemShmRegions
 
 SHM = SystemShmRegions(max_region_bytes=1 << 20).view("")

@@ -795,7 +795,7 @@ def test_packed_properties_match_paho_encoding() -> None:
     from paho.mqtt.packettypes import PacketTypes
     from paho.mqtt.properties import Properties
 
-    from edged.transports.mqtt.properties import publish_properties
+    from edged.protocol.mqtt_properties import publish_properties
 
     slow = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
     slow.MessageExpiryInterval = 42

@@ -12,6 +12,8 @@ import threading
 from typing import Any
 from urllib.parse import urlsplit
 
+from edged.errors import MissingDependencyError
+
 log = logging.getLogger(__name__)
 
 
@@ -25,6 +27,12 @@ def device_topic(prefix: str, device_id: str) -> str:
 
 class Nudger:
     def __init__(self, url: str, prefix: str) -> None:
+        """Refuses at start when paho is missing: the registry's extra leaves MQTT out, a nudge is opt-in."""
+        try:
+            import paho.mqtt.client  # noqa: F401
+        except ImportError:
+            raise MissingDependencyError("nudge_mqtt_url is set but paho-mqtt is not installed: "
+                                         "pip install 'edged[registry,mqtt]', or remove nudge_mqtt_url") from None
         self.url, self.prefix = url, prefix
         self._client: Any = None
         self._lock = threading.Lock()

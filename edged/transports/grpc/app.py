@@ -26,6 +26,8 @@ from google.protobuf import json_format
 from edged.core.service import InferenceService
 from edged.errors import EdgedError, ErrorCode, InvalidInputError
 from edged.membudget import Reservation
+from edged.protocol.grpc.gen import grpc_service_pb2 as pb
+from edged.protocol.grpc.gen import model_config_pb2 as mc
 from edged.protocol.types import InferResponse
 from edged.protocol.v2 import dumps, loads
 from edged.protocol.v2_models import metadata_response, statistics_response
@@ -39,8 +41,6 @@ from edged.transports.grpc.codec import (
     parse,
     typed_elements,
 )
-from edged.transports.grpc.gen import grpc_service_pb2 as pb
-from edged.transports.grpc.gen import model_config_pb2 as mc
 from edged.transports.http.config import model_config
 from edged.transports.redact import Scrubber
 from edged.transports.shm.sysshm import ShmCaller, ShmView, SystemShmRegions

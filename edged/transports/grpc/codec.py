@@ -15,9 +15,9 @@ from google.protobuf.message import DecodeError, Message
 
 from edged import datatypes
 from edged.errors import InvalidInputError
+from edged.protocol.grpc.gen import grpc_service_pb2 as pb
 from edged.protocol.types import InferResponse
 from edged.protocol.v2 import DecodedRequest, decode_raw_request, decode_request, tensor_bytes
-from edged.transports.grpc.gen import grpc_service_pb2 as pb
 from edged.transports.shm.sysshm import ShmView
 from edged.transports.v2_ops import encode_outputs, parse_version
 

@@ -21,8 +21,8 @@ from edged.config import Config, GrpcTlsSection
 from edged.core.service import InferenceService
 from edged.errors import ConfigError, EdgedError, ErrorCode
 from edged.listen import parse_listen
+from edged.protocol.grpc import require_grpc
 from edged.transports.authority import Authority
-from edged.transports.grpc import require_grpc
 from edged.transports.http.transport import (
     UNIX_SOCKET_MODE,
     clear_unix_path,

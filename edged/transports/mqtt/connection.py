@@ -9,7 +9,6 @@ change instead of once per retry.
 from __future__ import annotations
 
 import logging
-import socket
 import ssl
 import threading
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from urllib.parse import urlsplit
 
 from edged.config import Config
 from edged.errors import ConfigError
+from edged.protocol.mqtt_tcp import no_delay
 
 if TYPE_CHECKING:
     import paho.mqtt.client as mqtt
@@ -132,36 +132,6 @@ def make_client(opts: MqttOptions, *, will_topic: str, will_payload: bytes) -> m
         if opts.insecure:
             client.tls_insecure_set(True)
     return client
-
-
-def no_delay(client: Any, userdata: Any, sock: Any) -> None:
-    """Disable Nagle: a reply written while the previous one is unacknowledged would wait for the
-    peer's delayed ACK (40 ms on Linux), which is what pipelined requests hit."""
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except (OSError, AttributeError):
-        pass  # not a TCP socket (websockets wrapper, Unix socket)
-
-
-def quick_ack(client: Any) -> None:
-    """Acknowledge what was just read at once instead of after Linux's delayed-ACK timer (~40 ms).
-
-    mosquitto (without ``set_tcp_nodelay``) holds its next write to us behind Nagle's algorithm until
-    we ACK its last one; when that last one was a PUBACK or a message we do not answer with data of
-    our own, our kernel waits for its timer and every request or reply behind it waits too. Linux
-    forgets TCP_QUICKACK after a while, so this is re-armed from the callbacks that follow each read;
-    setting it also sends an ACK that is already pending.
-    """
-    sock = client.socket()
-    if sock is None:
-        return
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, _TCP_QUICKACK, 1)
-    except (OSError, AttributeError):
-        pass  # not TCP (websockets wrapper) or not Linux
-
-
-_TCP_QUICKACK = getattr(socket, "TCP_QUICKACK", 12)
 
 
 def connect_properties(opts: MqttOptions) -> Any:

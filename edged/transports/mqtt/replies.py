@@ -22,13 +22,13 @@ from edged.errors import EdgedError, ErrorCode, InternalError
 from edged.protocol import media
 from edged.protocol import mqtt as codec
 from edged.protocol.mqtt import Form
+from edged.protocol.mqtt_properties import publish_properties
 from edged.protocol.mqtt_topics import ReplyPolicy
 from edged.protocol.types import InferResponse
 from edged.protocol.v2 import DecodedRequest, dumps, encode_response
 from edged.protocol.v2_plans import encode_answer
 from edged.transports.mqtt.backlog import Backlog
 from edged.transports.mqtt.counts import Counts
-from edged.transports.mqtt.properties import publish_properties
 from edged.transports.mqtt.session import MqttSession
 from edged.transports.mqtt.stall import StallDetector
 from edged.transports.redact import Scrubber

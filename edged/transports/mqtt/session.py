@@ -21,7 +21,8 @@ from edged.backoff import Backoff
 from edged.config import StreamBinding
 from edged.errors import EdgedError, ErrorCode
 from edged.protocol.mqtt import Topics
-from edged.transports.mqtt.connection import LinkState, MqttOptions, connect_properties, make_client, quick_ack
+from edged.protocol.mqtt_tcp import quick_ack
+from edged.transports.mqtt.connection import LinkState, MqttOptions, connect_properties, make_client
 from edged.transports.mqtt.counts import Counts
 from edged.transports.mqtt.status import device_offline
 

@@ -19,12 +19,12 @@ from edged.protocol import media
 from edged.protocol import mqtt as codec
 from edged.protocol.fleet.telemetry import StreamWindow
 from edged.protocol.mqtt import Form
+from edged.protocol.mqtt_properties import publish_properties
 from edged.protocol.types import InferRequest
 from edged.protocol.v2 import DecodedRequest, decode_request, dumps, encode_response
 from edged.transports.mqtt.bindings import BindingStats, BindingWorker, Item, raw_tensor
 from edged.transports.mqtt.counts import Counts
 from edged.transports.mqtt.incoming import message_deadline, user_property
-from edged.transports.mqtt.properties import publish_properties
 from edged.transports.mqtt.session import MqttSession
 from edged.transports.redact import Scrubber
 

@@ -26,7 +26,7 @@ from edged.config import Config
 from edged.core.service import InferenceService
 from edged.errors import EdgedError, ErrorCode
 from edged.fsutil import ensure_private_dir
-from edged.transports.peercred import peer_credentials
+from edged.protocol.peercred import peer_credentials
 from edged.transports.redact import Scrubber
 from edged.transports.shm.conn import Connection, Limits
 from edged.transports.shm.segments import clean_stale_shm, fds_needed

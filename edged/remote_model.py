@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from edged.client.connect import MqttSettings, grpc_address_of, http_address_of, shm_address_of
 from edged.config import Config
 from edged.errors import EdgedError
+from edged.reach import MqttSettings, grpc_address_of, http_address_of, shm_address_of
 from edged.repository.manifest import TensorSpec
 
 

@@ -1,6 +1,6 @@
-"""``edged-registry simulate``: a fleet of lightweight simulated devices against a real registry.
+"""``python -m bench.sim``: a fleet of lightweight simulated devices against a real registry.
 
-Every device runs the real sync decisions and checks (see :mod:`edged.registry.sim.device`)
+Every device runs the real sync decisions and checks (see :mod:`bench.sim.device`)
 on one asyncio loop, sharing a pool of keep-alive connections; the process is meant to run
 apart from the registry so that the registry is what gets measured. It enrolls the
 devices, then polls like the daemon's agent (every ``--poll`` seconds +-20 %), follows
@@ -8,7 +8,7 @@ rollouts, and writes a status file every second (devices per committed release, 
 in progress, activations, request counts) and, when stopped (SIGINT/SIGTERM or
 ``--duration``), every request's latency to ``--samples`` (``.npz``) for the benchmark.
 
-    edged-registry simulate --url http://127.0.0.1:8700 --enroll-token edge_... --public-key KEY \\
+    python -m bench.sim --url http://127.0.0.1:8700 --enroll-token edge_... --public-key KEY \\
         --devices 10000 --poll 30 --start digits:1:1 --behave 3:trial_fail=1 --status-file fleet.json
 """
 
@@ -53,8 +53,9 @@ def _behaviour(text: str) -> tuple[int, dict[str, float]]:
     return int(head), out
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("simulate", help="run N simulated devices against a registry (load and rollout tests)")
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.sim",
+                                description="run N simulated devices against a registry (load and rollout tests)")
     p.add_argument("--url", default=os.environ.get("EDGED_REGISTRY_URL", "http://127.0.0.1:8700"))
     p.add_argument("--enroll-token", required=True, help="an enrollment token with enough uses")
     p.add_argument("--public-key", action="append", required=True, dest="public_keys",
@@ -83,12 +84,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--status-file", type=Path, default=None)
     p.add_argument("--samples", type=Path, default=None, help=".npz of every request: t, kind, status, latency")
     p.add_argument("--seed", type=int, default=0)
+    return p
 
 
 class Fleet:
     def __init__(self, args: argparse.Namespace) -> None:
-        from edged.registry.sim.device import Behaviour, FleetContext, SimDevice, Stats, sim_settings
-        from edged.registry.sim.http_pool import HttpPool
+        from bench.sim.device import Behaviour, FleetContext, SimDevice, Stats, sim_settings
+        from bench.sim.http_pool import HttpPool
 
         self.args = args
         self.stats = Stats()
@@ -203,7 +205,8 @@ class Fleet:
                  latency=np.array([x[3] for x in a], dtype=np.float32))
 
 
-def run(args: argparse.Namespace) -> int:
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     fleet = Fleet(args)
     try:
         asyncio.run(fleet.run())

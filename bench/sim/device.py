@@ -27,11 +27,11 @@ from urllib.parse import urlsplit
 
 import orjson
 
+from bench.sim.http_pool import Answer, HttpPool, SimHttpError
 from edged.latency_buckets import LATENCY_BUCKETS_S
 from edged.protocol.fleet.messages import API_PREFIX, DesiredModel, DesiredState, RevertModel
 from edged.protocol.fleet.release import ReleaseManifest
 from edged.protocol.fleet.telemetry import INGEST_PATH
-from edged.registry.sim.http_pool import Answer, HttpPool, SimHttpError
 from edged.sync import plan
 from edged.sync.outbox import FLUSH_RETRY_S, REPORT_BATCH, retry_after_s
 from edged.sync.plan import REVERT_PREFIX

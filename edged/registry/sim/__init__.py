@@ -1,1 +1,0 @@
-"""The fleet simulator: many lightweight devices against a real registry."""
