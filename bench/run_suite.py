@@ -282,6 +282,18 @@ class Case:
         return statistics.median(b.p50 for b in self.blocks)
 
 
+def run_rounds(cases: list[Case], rounds: int, block_s: float, warmup_s: float = 0.3) -> None:
+    """Every case warmed up (threads, slots, connections, batchers), then ``rounds`` rounds of one block
+    per case, back and forth: each case sits next to its reference, and no case is always first or last."""
+    for case in cases:
+        case.run(warmup_s)
+    for k in range(rounds):
+        for case in cases if k % 2 == 0 else cases[::-1]:
+            time.sleep(0.02)  # let the previous case's engine threads go idle
+            case.blocks.append(case.run(block_s))
+        print(f"round {k + 1}/{rounds} done", flush=True)
+
+
 def paired(a: Case, b: Case, fn: Callable[[Block, Block], float]) -> float:
     """Median over rounds of fn(a's block, b's block) from the same round."""
     return statistics.median(fn(x, y) for x, y in zip(a.blocks, b.blocks, strict=True))
@@ -961,15 +973,8 @@ def main() -> int:
                 # The body edged gets, encoded once: the client's own encoding is nobody's overhead.
                 cases.append(Case("peer_json", f"peer: {peer_note}, HTTP JSON c1", lambda s: serial(
                     lambda: json_reply(ph.request("POST", infer_path, json_body, json_headers)), s)))
-            for case in cases:  # warm up every path (threads, slots, connections, the batcher)
-                case.run(0.3)
             block_s = seconds / rounds
-            for k in range(rounds):
-                # Back and forth: each case sits next to its reference, and no case is always first or last.
-                for case in cases if k % 2 == 0 else cases[::-1]:
-                    time.sleep(0.02)  # let the previous case's engine threads go idle
-                    case.blocks.append(case.run(block_s))
-                print(f"round {k + 1}/{rounds} done", flush=True)
+            run_rounds(cases, rounds, block_s)
             if peer_http is not None:
                 peer_http.close()
         pinger.close()
