@@ -5,7 +5,7 @@
 It starts a private mosquitto and a real ``edged run`` (shm, HTTP, gRPC and MQTT on free
 ports, the bundled models), then measures on the bundled CNN (mobilenet, 110 KB input):
 raw engine batch 1 and 8 in this process (the same engine the daemon picks), the
-inference service in-process at concurrency 1 and 8, native shm, HTTP binary (c1 and c8),
+inference service in-process at concurrency 1, 8 and 32, native shm (c1, c8, c32), HTTP binary (c1 and c8),
 HTTP JSON, gRPC unary (c1) and streaming (c1 and c8), MQTT and an MQTT echo through the
 same broker. The traffic cases alternate
 in short blocks, round after round, so that load from anything else on the machine
@@ -72,6 +72,7 @@ ENGINE_LIBS = {"onnxruntime": "libonnxruntime", "openvino": "libopenvino", "tens
 GOAL_SVC1 = 0.97  # x raw batch-1 throughput
 GOAL_SHM1_US = 15.0  # median shm overhead over raw <= the IPC floor + this
 GOAL_C8 = 0.9  # x the better of raw batch-1 and raw batch-8 throughput
+GOAL_C32 = 0.9  # x raw batch-8 throughput (issue 41)
 GOAL_HTTP_BINARY_MS = 0.15  # median overhead over raw
 GOAL_HTTP_JSON_MS = 0.6
 GOAL_MQTT_MS = 0.1  # median <= echo + raw + this
@@ -609,6 +610,11 @@ def build_rows(cases: dict[str, Case], *, rss: float, engines: list[str], ready:
         rows.append(Row(c[key].label, traffic_value(c[key]), best, r,
                         f"throughput >= {GOAL_C8}x (by wall time on both sides: {r_wall:.3f}x)",
                         verdict(r >= GOAL_C8)))
+    for key in ("svc32", "shm32"):
+        r = rounds(lambda a, b8: a.throughput / b8.throughput, c[key], raw8)
+        rows.append(Row(c[key].label, traffic_value(c[key]), f"raw b8 {raw8.throughput():.1f}/s", r,
+                        f"throughput >= {GOAL_C32}x raw b8 (the least batcher across processes: "
+                        f"bench/floor_procs.py)", verdict(r >= GOAL_C32)))
     for key, floor_key, goal in (("http_bin", "http_floor_bin", GOAL_HTTP_BINARY_MS),
                                  ("http_json", "http_floor_json", GOAL_HTTP_JSON_MS)):
         o = overhead(c[key], raw1) * 1e3
@@ -923,6 +929,10 @@ def main() -> int:
                     lambda: least8.infer(x1), 8, s)),
                 Case("shm8_prep", "shm, c8, prepared requests (8 loops, async client)",
                      lambda s: loop.run_until_complete(pipelined(ashm, x1, 8, s, aprepared))),
+                Case("svc32", "service in-process, c32", lambda s: threaded(
+                    lambda: svc.infer(InferRequest(MODEL, {"image": x1})), 32, s)),
+                Case("shm32", "shm, c32 (32 in flight, async client)",
+                     lambda s: loop.run_until_complete(pipelined(ashm, x1, 32, s))),
                 Case("raw1", "raw engine, batch 1", lambda s: noted(serial(lambda: engine.infer({"image": x1}), s))),
                 Case("svc1", "service in-process, c1 (infer_blocking)", lambda s: serial(
                     lambda: svc.infer_blocking(InferRequest(MODEL, {"image": x1})), s)),
