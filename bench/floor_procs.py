@@ -12,9 +12,11 @@ is a fresh interpreter with its own ONNX Runtime session of the same model, intr
 CPUs / K. No pickling, no statistics, no version lookup: what is left is what any such design pays.
 
 It prints, in alternating rounds on the bundled mobilenet: raw engine b1 and b8 and the in-process
-least batcher (this process), and the cross-process one for K = 1, 2 (and usable CPUs // 4 when that
-is more), at 1, 8 and 32 callers, each against the better raw reference and the in-process least
-batcher at the same concurrency in the same round; and the host (CPU, cores, load average).
+least batcher (this process; also with its engine split into K sessions of CPUs / K threads, one
+worker thread each, so that what the processes add beyond the split shows), and the cross-process
+one for K = 1, 2 (and usable CPUs // 4 when that is more), at 1, 8 and 32 callers, each against the
+better raw reference and the in-process least batcher at the same concurrency in the same round;
+and the host (CPU, cores, load average).
 """
 
 from __future__ import annotations
@@ -194,7 +196,15 @@ def main() -> int:
     x8 = np.repeat(x1, 8, axis=0)
     want = engine.run(None, {name: x1})
     outputs = [o.name for o in engine.get_outputs()]
-    least = LeastBatcher(lambda x: dict(zip(outputs, engine.run(None, {name: x}), strict=True)))
+
+    def lane(sess: Any) -> Any:
+        return lambda xs: dict(zip(outputs, sess.run(None, {name: np.concatenate(xs)}), strict=True))
+
+    least = LeastBatcher(lanes=[lane(engine)])
+    # The same split of the cores in this process (k sessions of cpus // k threads, one lane each):
+    # what the processes win beyond splitting the engine's threads is theirs.
+    split = {k: LeastBatcher(lanes=[lane(session(args.model, max(1, cpus // k))) for _ in range(k)])
+             for k in ks if k > 1}
     procs = {k: ProcBatcher(args.model, k) for k in ks}
     try:
         for pb in procs.values():  # the floor's numbers are for correct work
@@ -204,6 +214,11 @@ def main() -> int:
         for c in callers:
             cases.append(Case(f"least{c}", f"least batcher in-process, c{c}",
                               lambda s, c=c: threaded(lambda: least.infer(x1), c, s)))
+            for k, sb in split.items():
+                threads = max(1, cpus // k)
+                cases.append(Case(f"split{k}_{c}", f"least batcher in-process, {k} sessions of {threads} "
+                                  f"thread{'s' * (threads > 1)}, c{c}",
+                                  lambda s, c=c, sb=sb: threaded(lambda: sb.infer(x1), c, s)))
             for k, pb in procs.items():
                 threads = max(1, cpus // k)
                 cases.append(Case(f"procs{k}_{c}", f"least batcher across {k} process{'es' * (k > 1)} "
@@ -211,7 +226,8 @@ def main() -> int:
                                   lambda s, c=c, pb=pb: threaded(lambda: pb.infer(x1), c, s)))
         run_rounds(cases, args.rounds, args.seconds / args.rounds)
     finally:
-        least.close()
+        for b in [least, *split.values()]:
+            b.close()
         for pb in procs.values():
             pb.close()
     load_after = os.getloadavg()
@@ -248,6 +264,7 @@ def table(c: dict[str, Any], callers: list[int], ks: list[int]) -> str:
     for n in callers:
         least = c[f"least{n}"]
         lines.append(line(least, None))
+        lines += [line(c[f"split{k}_{n}"], least) for k in ks if k > 1]
         lines += [line(c[f"procs{k}_{n}"], least) for k in ks]
     return "\n".join(lines)
 
