@@ -11,23 +11,32 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+
+def session(model: Path, intra_threads: int = 0) -> Any:
+    """An ONNX Runtime CPU session as the generic profile makes it; ``intra_threads`` 0 = the library's
+    default (every core), more for an engine that shares the cores with others (bench/floor_procs.py)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = intra_threads
+    opts.inter_op_num_threads = 1
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3
+    return ort.InferenceSession(str(model), sess_options=opts, providers=["CPUExecutionProvider"])
 
 
 def engine_run(model: Path) -> Callable[[], None]:
     import numpy as np
-    import onnxruntime as ort
 
-    opts = ort.SessionOptions()
-    opts.inter_op_num_threads = 1
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.log_severity_level = 3
-    session = ort.InferenceSession(str(model), sess_options=opts, providers=["CPUExecutionProvider"])
-    spec = session.get_inputs()[0]
+    sess = session(model)
+    spec = sess.get_inputs()[0]
     shape = [d if isinstance(d, int) and d > 0 else 1 for d in spec.shape]
     x = np.random.default_rng(0).random(shape, dtype=np.float32)
     feed = {spec.name: x}
-    session.run(None, feed)  # the first run allocates; keep it out of the measurement
+    sess.run(None, feed)  # the first run allocates; keep it out of the measurement
 
     def run() -> None:
-        session.run(None, feed)
+        sess.run(None, feed)
     return run

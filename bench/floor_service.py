@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 Run = Callable[[Mapping[str, Any]], Any]
@@ -49,19 +49,34 @@ class LeastService:
 
 
 class LeastBatcher:
-    """One worker, greedy batches: a batch is whatever waits when the engine comes free."""
+    """Greedy batches: a batch is whatever waits when an engine comes free.
 
-    def __init__(self, run: Callable[[Any], Mapping[str, Any]], max_batch: int = 8) -> None:
-        self._run = run
+    By default one worker thread concatenates the batch and hands it to ``run``. With ``lanes``, one
+    worker thread per lane, each handed the list of waiting inputs to assemble where its engine reads
+    them (bench/floor_procs.py: a worker process's shared memory); the lanes share one queue, so a
+    batch goes to whichever engine is free first.
+    """
+
+    def __init__(self, run: Callable[[Any], Mapping[str, Any]] | None = None, max_batch: int = 8, *,
+                 lanes: Sequence[Callable[[list[Any]], Mapping[str, Any]]] = ()) -> None:
+        if not lanes:
+            assert run is not None
+            lanes = [lambda xs: run(_concatenate(xs))]
         self._max = max_batch
         self._cv = threading.Condition()
         self._queue: list[tuple[Any, list[Any]]] = []
-        threading.Thread(target=self._work, name="least-batcher", daemon=True).start()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._work, args=(lane,), name=f"least-batcher-{k}", daemon=True)
+                         for k, lane in enumerate(lanes)]
+        for t in self._threads:
+            t.start()
 
     def infer(self, x: Any) -> Any:
         """``x`` has a batch dimension of one; the answer is each output's row for it."""
         slot: list[Any] = [None, threading.Event()]
         with self._cv:
+            if self._closed:
+                raise RuntimeError("the batcher is closed")
             self._queue.append((x, slot))
             self._cv.notify()
         slot[1].wait()
@@ -69,17 +84,28 @@ class LeastBatcher:
             raise slot[0]
         return slot[0]
 
-    def _work(self) -> None:
-        import numpy as np
+    def close(self) -> None:
+        """The workers finish their batch and stop; whoever still waits in the queue hears of it."""
+        with self._cv:
+            self._closed = True
+            left, self._queue = self._queue, []
+            self._cv.notify_all()
+        for _, slot in left:
+            slot[0] = RuntimeError("the batcher is closed")
+            slot[1].set()
+        for t in self._threads:
+            t.join(5)
 
+    def _work(self, lane: Callable[[list[Any]], Mapping[str, Any]]) -> None:
         while True:
             with self._cv:
-                while not self._queue:
+                while not self._queue and not self._closed:
                     self._cv.wait()
+                if self._closed:
+                    return
                 batch, self._queue = self._queue[:self._max], self._queue[self._max:]
-            xs = [x for x, _ in batch]
             try:
-                out = self._run(np.concatenate(xs) if len(xs) > 1 else xs[0])
+                out = lane([x for x, _ in batch])
             except Exception as e:  # every caller hears of it; the worker stays
                 for _, slot in batch:
                     slot[0] = e
@@ -88,3 +114,9 @@ class LeastBatcher:
             for i, (_, slot) in enumerate(batch):
                 slot[0] = {name: v[i:i + 1] for name, v in out.items()}
                 slot[1].set()
+
+
+def _concatenate(xs: list[Any]) -> Any:
+    import numpy as np
+
+    return np.concatenate(xs) if len(xs) > 1 else xs[0]

@@ -5,7 +5,7 @@
 It starts a private mosquitto and a real ``edged run`` (shm, HTTP, gRPC and MQTT on free
 ports, the bundled models), then measures on the bundled CNN (mobilenet, 110 KB input):
 raw engine batch 1 and 8 in this process (the same engine the daemon picks), the
-inference service in-process at concurrency 1 and 8, native shm, HTTP binary (c1 and c8),
+inference service in-process at concurrency 1, 8 and 32, native shm (c1, c8, c32), HTTP binary (c1 and c8),
 HTTP JSON, gRPC unary (c1) and streaming (c1 and c8), MQTT and an MQTT echo through the
 same broker. The traffic cases alternate
 in short blocks, round after round, so that load from anything else on the machine
@@ -72,6 +72,7 @@ ENGINE_LIBS = {"onnxruntime": "libonnxruntime", "openvino": "libopenvino", "tens
 GOAL_SVC1 = 0.97  # x raw batch-1 throughput
 GOAL_SHM1_US = 15.0  # median shm overhead over raw <= the IPC floor + this
 GOAL_C8 = 0.9  # x the better of raw batch-1 and raw batch-8 throughput
+GOAL_C32 = 0.9  # x raw batch-8 throughput (issue 41)
 GOAL_HTTP_BINARY_MS = 0.15  # median overhead over raw
 GOAL_HTTP_JSON_MS = 0.6
 GOAL_MQTT_MS = 0.1  # median <= echo + raw + this
@@ -280,6 +281,18 @@ class Case:
 
     def p50(self) -> float:
         return statistics.median(b.p50 for b in self.blocks)
+
+
+def run_rounds(cases: list[Case], rounds: int, block_s: float, warmup_s: float = 0.3) -> None:
+    """Every case warmed up (threads, slots, connections, batchers), then ``rounds`` rounds of one block
+    per case, back and forth: each case sits next to its reference, and no case is always first or last."""
+    for case in cases:
+        case.run(warmup_s)
+    for k in range(rounds):
+        for case in cases if k % 2 == 0 else cases[::-1]:
+            time.sleep(0.02)  # let the previous case's engine threads go idle
+            case.blocks.append(case.run(block_s))
+        print(f"round {k + 1}/{rounds} done", flush=True)
 
 
 def paired(a: Case, b: Case, fn: Callable[[Block, Block], float]) -> float:
@@ -597,6 +610,11 @@ def build_rows(cases: dict[str, Case], *, rss: float, engines: list[str], ready:
         rows.append(Row(c[key].label, traffic_value(c[key]), best, r,
                         f"throughput >= {GOAL_C8}x (by wall time on both sides: {r_wall:.3f}x)",
                         verdict(r >= GOAL_C8)))
+    for key in ("svc32", "shm32"):
+        r = rounds(lambda a, b8: a.throughput / b8.throughput, c[key], raw8)
+        rows.append(Row(c[key].label, traffic_value(c[key]), f"raw b8 {raw8.throughput():.1f}/s", r,
+                        f"throughput >= {GOAL_C32}x raw b8 (the least batcher across processes: "
+                        f"bench/floor_procs.py)", verdict(r >= GOAL_C32)))
     for key, floor_key, goal in (("http_bin", "http_floor_bin", GOAL_HTTP_BINARY_MS),
                                  ("http_json", "http_floor_json", GOAL_HTTP_JSON_MS)):
         o = overhead(c[key], raw1) * 1e3
@@ -911,6 +929,10 @@ def main() -> int:
                     lambda: least8.infer(x1), 8, s)),
                 Case("shm8_prep", "shm, c8, prepared requests (8 loops, async client)",
                      lambda s: loop.run_until_complete(pipelined(ashm, x1, 8, s, aprepared))),
+                Case("svc32", "service in-process, c32", lambda s: threaded(
+                    lambda: svc.infer(InferRequest(MODEL, {"image": x1})), 32, s)),
+                Case("shm32", "shm, c32 (32 in flight, async client)",
+                     lambda s: loop.run_until_complete(pipelined(ashm, x1, 32, s))),
                 Case("raw1", "raw engine, batch 1", lambda s: noted(serial(lambda: engine.infer({"image": x1}), s))),
                 Case("svc1", "service in-process, c1 (infer_blocking)", lambda s: serial(
                     lambda: svc.infer_blocking(InferRequest(MODEL, {"image": x1})), s)),
@@ -961,15 +983,8 @@ def main() -> int:
                 # The body edged gets, encoded once: the client's own encoding is nobody's overhead.
                 cases.append(Case("peer_json", f"peer: {peer_note}, HTTP JSON c1", lambda s: serial(
                     lambda: json_reply(ph.request("POST", infer_path, json_body, json_headers)), s)))
-            for case in cases:  # warm up every path (threads, slots, connections, the batcher)
-                case.run(0.3)
             block_s = seconds / rounds
-            for k in range(rounds):
-                # Back and forth: each case sits next to its reference, and no case is always first or last.
-                for case in cases if k % 2 == 0 else cases[::-1]:
-                    time.sleep(0.02)  # let the previous case's engine threads go idle
-                    case.blocks.append(case.run(block_s))
-                print(f"round {k + 1}/{rounds} done", flush=True)
+            run_rounds(cases, rounds, block_s)
             if peer_http is not None:
                 peer_http.close()
         pinger.close()
