@@ -319,7 +319,8 @@ def make_version(dst: Path, *, golden_fail: bool = False, fixed_batch: bool = Fa
 
 
 # ---- devices --------------------------------------------------------------------------------------
-def device_toml(tmp: Path, repo: Path, registry_url: str, public_keys: list[str], *, token: str | None,
+def device_toml(  # noqa: PLR0913  one keyword per line of the device's edged.toml
+        tmp: Path, repo: Path, registry_url: str, public_keys: list[str], *, token: str | None,
                 device_id: str = "dev-1", http_port: int | None = None, poll_s: float = 0.2,
                 labels: dict[str, str] | None = None, mqtt_url: str | None = None) -> Path:
     keys = ", ".join(f'"{k}"' for k in public_keys)

@@ -51,7 +51,8 @@ class ApiDevice:
     def reverts(self, model: str) -> list[int]:
         return next((list(v["releases"]) for v in self.desired()["revert"] if v["model"] == model), [])
 
-    def report(self, model: str, step: str, release: int, version: int | None = None,
+    def report(  # noqa: PLR0913  one argument per field of the report event a test forges
+            self, model: str, step: str, release: int, version: int | None = None,
                reason: str | None = None, *, quality: dict[str, Any] | None = None, logs: list[str] | None = None,
                expect: int = 200) -> httpx.Response:
         self.seq += 1

@@ -32,7 +32,8 @@ class MqttServerError(EdgedError):
 
 
 class MqttClient:
-    def __init__(self, url: str = "mqtt://127.0.0.1:1883", device_id: str = "", topic_prefix: str = "edged", *,
+    def __init__(  # noqa: PLR0913  the public client's connection options, keyword-only after the first three
+            self, url: str = "mqtt://127.0.0.1:1883", device_id: str = "", topic_prefix: str = "edged", *,
                  protocol: Literal["5", "3.1.1"] = "5", binary: bool = True, username: str | None = None,
                  password: str | None = None, ca_file: Path | str | None = None, cert_file: Path | str | None = None,
                  key_file: Path | str | None = None, connect_timeout: float = 10.0, qos: int = 1,

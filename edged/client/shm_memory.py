@@ -196,7 +196,8 @@ def plan_inputs(segments: Mapping[int, ClientSegment], inputs: Mapping[str, Any]
     return PackedInputs(refs, staged, need)
 
 
-def encode_request(rid: int, model: str, version: int | None, slot: Slot, packed: PackedInputs, *,
+def encode_request(  # noqa: PLR0913  one argument per field of the INFER message
+        rid: int, model: str, version: int | None, slot: Slot, packed: PackedInputs, *,
                    outputs: list[str] | None, timeout: float | None, queue: bool = False) -> bytes:
     """Copy staged inputs into the slot and build the INFER message."""
     seg = slot.segment

@@ -63,7 +63,7 @@ def _server_args(p: argparse.ArgumentParser) -> None:
                    help="trusted release key (base64); repeatable")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915  one flat block per command, read as a table
     parser = argparse.ArgumentParser(prog="edged-registry", description="Central model registry for edged devices.")
     parser.add_argument("--version", action="version", version=f"edged-registry {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -155,8 +155,9 @@ class RegistryHttp:
             self._drop()
         return resp.status, hdrs, data
 
-    def download(self, path: str, *, token: str, dest: Path, size: int, etag: str, chunk: int,
-                 should_stop: Callable[[], bool], on_chunk: Callable[[], None] | None = None) -> int:
+    def download(  # noqa: PLR0913  where from, where to, what to expect, and the caller's two hooks
+            self, path: str, *, token: str, dest: Path, size: int, etag: str, chunk: int,
+            should_stop: Callable[[], bool], on_chunk: Callable[[], None] | None = None) -> int:
         """Fetch into ``dest`` (appending to what is there); returns the bytes transferred now.
 
         Refuses a body longer or shorter than ``size``; the caller checks the digest.
@@ -167,6 +168,23 @@ class RegistryHttp:
             offset = 0
         if offset == size:
             return 0
+        origin, resp = self._open_download(path, token, offset, etag)
+        got = 0
+        try:
+            offset = _body_offset(resp, offset, size)
+            got = _write_body(resp, dest, offset, size, chunk, should_stop, on_chunk)
+        except (OSError, http.client.HTTPException) as e:
+            raise SyncHttpError(f"download broke off after {got} bytes: {e}") from None
+        finally:
+            if not resp.isclosed():
+                self._drop(origin)  # a body left unread: the connection cannot be reused
+        if resp.will_close:
+            self._drop(origin)
+        return got
+
+    def _open_download(self, path: str, token: str, offset: int, etag: str
+                       ) -> tuple[Origin, http.client.HTTPResponse]:
+        """The answer to the download request (a resume from ``offset``), after at most one redirect."""
         h = {"Accept": "application/octet-stream", "Authorization": f"Bearer {token}"}
         if offset:
             h["Range"] = f"bytes={offset}-"
@@ -186,51 +204,54 @@ class RegistryHttp:
             if resp.status in REDIRECTS:
                 self._drop(origin)
                 raise SyncHttpError(f"download redirected twice (to {resp.getheader('Location')!r}): refused")
-        got = 0
-        try:
-            if resp.status == 416:
-                resp.read(4096)
-                raise TransferError(f"the registry has fewer bytes than the release's {size} (resume at {offset})")
-            if resp.status not in (200, 206):
-                body = resp.read(4096)
-                raise SyncHttpError(f"download refused: {resp.status} {body[:200]!r}", resp.status,
-                                    parse_retry_after(resp.getheader("Retry-After")) if resp.status == 503 else None)
-            if resp.status == 200:
-                offset = 0  # the server sent the whole file: start over
-            else:
-                crange = resp.getheader("Content-Range") or ""
-                if not crange.startswith(f"bytes {offset}-"):
-                    raise TransferError(f"registry answered range {crange!r} to a request from byte {offset}")
-            length = resp.getheader("Content-Length")
-            if length is not None and length.isdigit() and offset + int(length) != size:
-                raise TransferError(f"file is {offset + int(length)} bytes on the registry, the release says {size}")
-            with dest.open("r+b" if offset else "wb") as f:
-                f.seek(offset)
-                f.truncate()
-                pos = offset
-                while True:
-                    if should_stop():
-                        raise StoppedError("stopping")
-                    data = resp.read(min(chunk, size - pos + 1))
-                    if not data:
-                        break
-                    pos += len(data)
-                    if pos > size:
-                        raise TransferError(f"file is longer than the {size} bytes the release says")
-                    f.write(data)
-                    got += len(data)
-                    if on_chunk is not None:
-                        f.flush()
-                        on_chunk()
+        return origin, resp
+
+
+def _body_offset(resp: http.client.HTTPResponse, offset: int, size: int) -> int:
+    """Where the answer's body starts in the file (0: the whole file came), or why it cannot be used."""
+    if resp.status == 416:
+        resp.read(4096)
+        raise TransferError(f"the registry has fewer bytes than the release's {size} (resume at {offset})")
+    if resp.status not in (200, 206):
+        body = resp.read(4096)
+        raise SyncHttpError(f"download refused: {resp.status} {body[:200]!r}", resp.status,
+                            parse_retry_after(resp.getheader("Retry-After")) if resp.status == 503 else None)
+    if resp.status == 200:
+        offset = 0  # the server sent the whole file: start over
+    else:
+        crange = resp.getheader("Content-Range") or ""
+        if not crange.startswith(f"bytes {offset}-"):
+            raise TransferError(f"registry answered range {crange!r} to a request from byte {offset}")
+    length = resp.getheader("Content-Length")
+    if length is not None and length.isdigit() and offset + int(length) != size:
+        raise TransferError(f"file is {offset + int(length)} bytes on the registry, the release says {size}")
+    return offset
+
+
+def _write_body(resp: http.client.HTTPResponse, dest: Path, offset: int, size: int, chunk: int,
+                should_stop: Callable[[], bool], on_chunk: Callable[[], None] | None) -> int:
+    """The body written from ``offset`` on, made durable; the bytes written (never past ``size``)."""
+    got = 0
+    with dest.open("r+b" if offset else "wb") as f:
+        f.seek(offset)
+        f.truncate()
+        pos = offset
+        while True:
+            if should_stop():
+                raise StoppedError("stopping")
+            data = resp.read(min(chunk, size - pos + 1))
+            if not data:
+                break
+            pos += len(data)
+            if pos > size:
+                raise TransferError(f"file is longer than the {size} bytes the release says")
+            f.write(data)
+            got += len(data)
+            if on_chunk is not None:
                 f.flush()
-                os.fsync(f.fileno())
-            if pos != size:
-                raise TransferError(f"file ended at {pos} bytes, the release says {size}")
-        except (OSError, http.client.HTTPException) as e:
-            raise SyncHttpError(f"download broke off after {got} bytes: {e}") from None
-        finally:
-            if not resp.isclosed():
-                self._drop(origin)  # a body left unread: the connection cannot be reused
-        if resp.will_close:
-            self._drop(origin)
-        return got
+                on_chunk()
+        f.flush()
+        os.fsync(f.fileno())
+    if pos != size:
+        raise TransferError(f"file ended at {pos} bytes, the release says {size}")
+    return got

@@ -60,7 +60,7 @@ class ReportOutbox:
         except Exception:
             pass
 
-    def report(
+    def report(  # noqa: PLR0913  one keyword per field of the report event (protocol.fleet ReportEvent)
         self,
         model: str,
         step: str,

@@ -14,7 +14,7 @@ from edged.sync.registry_client import DeviceClient
 FailureStep = Literal["failed", "rolled-back"]
 
 
-def failure(
+def failure(  # noqa: PLR0913  the report event's fields, as ReportOutbox.report takes them
     client: DeviceClient,
     model: str,
     step: FailureStep,
