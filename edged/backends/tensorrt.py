@@ -159,7 +159,7 @@ class _Slot:
 class TensorRtEngine(Engine):
     backend = "tensorrt"
 
-    def __init__(self, trt: Any, engine: Any, runtime: Any, logger: Any, cuda: CudaRuntime, *, gpu: int,
+    def __init__(self, trt: Any, engine: Any, runtime: Any, logger: Any, cuda: CudaRuntime, *, gpu: int,  # noqa: PLR0913  an engine's TensorRT parts plus keyword-only options
                  device: str, precision: str, instances: int, max_batch_size: int) -> None:
         self._engine, self._runtime, self._logger, self._cuda = engine, runtime, logger, cuda
         self._gpu = gpu

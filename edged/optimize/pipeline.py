@@ -226,7 +226,7 @@ class _Run:
                 engines[(outcome.recipe.key, backend)] = engine
         return engines
 
-    def recover(self, outcome: Outcome, root: Path, model_io: ModelIO, *, calib: SampleSet, evalset: SampleSet,
+    def recover(self, outcome: Outcome, root: Path, model_io: ModelIO, *, calib: SampleSet, evalset: SampleSet,  # noqa: PLR0913  the run's evaluation data, keyword-only
                 feeds: list[dict[str, np.ndarray]], reference: dict[str, np.ndarray], labels: np.ndarray | None,
                 plain: list[str]) -> tuple[list[str], Engine | None]:
         """The engine's accuracy-aware INT8; returns the gate's reasons (empty: passed) and the loaded engine."""
