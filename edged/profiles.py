@@ -208,17 +208,21 @@ class MatchRule(_Strict):
         if self.matches is not None:
             pattern = self.matches
             return any(re.search(pattern, str(item)) for item in items)
-        bound = self.gte if self.gte is not None else self.lte
-        cmp = None if bound is None else _compare(value, bound)
-        if cmp is None:
-            return False
-        return cmp >= 0 if self.gte is not None else cmp <= 0
+        return _within(value, self.gte, self.lte)
 
     def describe(self, value: FactValue = None, *, with_value: bool = False) -> str:
         """``jetson.soc equals "tegra234" (is "tegra234")``, in the TOML/JSON spelling users write."""
         text = f"{self.fact} {self.operator} {json.dumps(self.operand)}"
         return f"{text} (is {json.dumps(value)})" if with_value else text
 
+
+def _within(value: FactValue, gte: float | str | None, lte: float | str | None) -> bool:
+    """A ``gte`` (else ``lte``) rule: False when the value cannot be compared with the bound."""
+    bound = gte if gte is not None else lte
+    cmp = None if bound is None else _compare(value, bound)
+    if cmp is None:
+        return False
+    return cmp >= 0 if gte is not None else cmp <= 0
 
 def _same(a: Scalar, b: Scalar) -> bool:
     # true == 1 in Python; a rule about a flag should not match a count.

@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from edged.config import Config, load_config
-from edged.telemetry.snapshot import STATUS_FILE, StatusFileError, StatusSnapshot, read_snapshot, snapshot_age
+from edged.telemetry.snapshot import (
+    STATUS_FILE,
+    StatusFileError,
+    StatusSnapshot,
+    TelemetryStatus,
+    read_snapshot,
+    snapshot_age,
+)
 
 STALE_INTERVALS = 3  # a snapshot older than this many rewrite intervals (plus slack) means the daemon is stuck
 STALE_SLACK_S = 5.0
@@ -144,12 +151,34 @@ def render(snap: StatusSnapshot, updates: dict[str, str], now: float) -> str:
              f"up {_duration(snap.written_at - snap.started_at)}, profile {snap.profile or '?'}",
              f"snapshot {_ago(age)} (rewritten every {snap.interval_s:g} s; rates over the last "
              f"{snap.window_s:.0f} s)", ""]
+    lines += _system_lines(snap)
+    lines.append("")
+    lines += _model_lines(snap, updates)
+    if snap.telemetry is not None:
+        lines.append("")
+        lines.append("telemetry  " + _telemetry_text(snap, snap.telemetry, age))
+    if (mq := snap.mqtt) is not None:
+        lines.append(f"mqtt       {mq.requests} requests, {mq.replies} answers, {mq.error_replies} error replies "
+                     f"({mq.overloaded} overloaded), {mq.replies_dropped} replies dropped, "
+                     f"{mq.requests_dropped} requests without a reply address, backlog {mq.backlog}")
+    for m in snap.models:
+        if m.warmup:
+            lines.append(f"note: {m.model} v{m.version}: {m.warmup}")
+        if m.note:
+            lines.append(f"note: {m.model} v{m.version}: {m.note}")
+    for note in snap.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def _system_lines(snap: StatusSnapshot) -> list[str]:
+    """The host's lines: CPU, memory, disk, the daemon's process, temperatures, accelerators, power."""
     sy = snap.system
     mem = f"memory {_bytes(sy.memory_used)} / {_bytes(sy.memory_total)}"
     swap = f"swap {_bytes(sy.swap_used)} / {_bytes(sy.swap_total)}"
     disk = f"state disk {_bytes(sy.disk_free)} free of {_bytes(sy.disk_total)}"
-    lines.append(f"system  CPU {_pct(sy.cpu_utilization)} of {sy.cpu_count} core(s), load {sy.load1 or 0:.2f} | "
-                 f"{mem} | {swap} | {disk}")
+    lines = [f"system  CPU {_pct(sy.cpu_utilization)} of {sy.cpu_count} core(s), load {sy.load1 or 0:.2f} | "
+             f"{mem} | {swap} | {disk}"]
     cores = "-" if sy.process_cpu_cores is None else f"{sy.process_cpu_cores:.2f}"
     lines.append(f"edged   RSS {_bytes(sy.process_rss)}, {sy.process_threads} threads, {cores} core(s) busy")
     if sy.temperatures_c:
@@ -169,7 +198,11 @@ def render(snap: StatusSnapshot, updates: dict[str, str], now: float) -> str:
         power.append(f"EMC {_pct(sy.emc_utilization)} @ {_mhz(sy.emc_freq_hz)}")
     if power:
         lines.append("power   " + "  ".join(power))
-    lines.append("")
+    return lines
+
+
+def _model_lines(snap: StatusSnapshot, updates: dict[str, str]) -> list[str]:
+    """The models' table (with models only an update knows of), then each model's engine choice."""
     header = ("MODEL", "VER", "STATE", "ENGINE", "REQ/S", "ERR/S", "P50 ms", "P99 ms", "QUEUED", "OK", "FAILED",
               "UPDATE")
     rows = [header]
@@ -181,47 +214,37 @@ def render(snap: StatusSnapshot, updates: dict[str, str], now: float) -> str:
                      updates.get(m.model, "-")))
     for model in sorted(set(updates) - {m.model for m in snap.models}):
         rows.append((model, "-", "not loaded", "-", "-", "-", "-", "-", "-", "-", "-", updates[model]))
+    lines: list[str] = []
     if len(rows) == 1:
         lines.append("no models")
     else:
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines += [f"  {m.model} v{m.version}: {m.choice}" for m in snap.models if m.choice]
-    tel = snap.telemetry
-    if tel is not None:
-        lines.append("")
-        if not tel.enabled:
-            lines.append("telemetry  disabled")
-        else:
-            parts = [f"every {tel.interval_s:g} s, {tel.samples_total} sample(s) this run",
-                     "MQTT on" if tel.mqtt else "MQTT off"]
-            if tel.buffer is not None:
-                b = tel.buffer
-                parts.append(f"buffer {b.samples} ({_bytes(b.bytes)} of {_bytes(b.capacity_bytes)}), "
-                             f"{b.dropped_total} dropped")
-            if tel.upload is not None:
-                u = tel.upload
-                # Both wall times come from the daemon's clock: their difference plus the file's age.
-                last = _ago(age + snap.written_at - u.last_success_wall) if u.last_success_wall else "never"
-                up = f"upload {_UPLOAD_STATES.get(u.state, u.state)}, last acknowledged {last}"
-                if u.state in ("not enrolled", "refused", "unreachable") and u.last_error:
-                    up += f" ({u.last_error[:80]})"
-                parts.append(up)
-            else:
-                parts.append("no upload")
-            lines.append("telemetry  " + "; ".join(parts))
-    if (mq := snap.mqtt) is not None:
-        lines.append(f"mqtt       {mq.requests} requests, {mq.replies} answers, {mq.error_replies} error replies "
-                     f"({mq.overloaded} overloaded), {mq.replies_dropped} replies dropped, "
-                     f"{mq.requests_dropped} requests without a reply address, backlog {mq.backlog}")
-    for m in snap.models:
-        if m.warmup:
-            lines.append(f"note: {m.model} v{m.version}: {m.warmup}")
-        if m.note:
-            lines.append(f"note: {m.model} v{m.version}: {m.note}")
-    for note in snap.notes:
-        lines.append(f"note: {note}")
-    return "\n".join(lines)
+    return lines
+
+
+def _telemetry_text(snap: StatusSnapshot, tel: TelemetryStatus, age: float) -> str:
+    """The telemetry line after its label: cadence, MQTT, buffer and upload state."""
+    if not tel.enabled:
+        return "disabled"
+    parts = [f"every {tel.interval_s:g} s, {tel.samples_total} sample(s) this run",
+             "MQTT on" if tel.mqtt else "MQTT off"]
+    if tel.buffer is not None:
+        b = tel.buffer
+        parts.append(f"buffer {b.samples} ({_bytes(b.bytes)} of {_bytes(b.capacity_bytes)}), "
+                     f"{b.dropped_total} dropped")
+    if tel.upload is not None:
+        u = tel.upload
+        # Both wall times come from the daemon's clock: their difference plus the file's age.
+        last = _ago(age + snap.written_at - u.last_success_wall) if u.last_success_wall else "never"
+        up = f"upload {_UPLOAD_STATES.get(u.state, u.state)}, last acknowledged {last}"
+        if u.state in ("not enrolled", "refused", "unreachable") and u.last_error:
+            up += f" ({u.last_error[:80]})"
+        parts.append(up)
+    else:
+        parts.append("no upload")
+    return "; ".join(parts)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -376,7 +376,7 @@ def device_fingerprint() -> dict[str, Any]:
     return fingerprint_of(f)
 
 
-def selection_key(model: str, version: int, cands: Sequence[Candidate], library_versions: Mapping[str, str], *,
+def selection_key(model: str, version: int, cands: Sequence[Candidate], library_versions: Mapping[str, str], *,  # noqa: PLR0913  every input a measurement depends on is part of its key
                   threads: int, batch_sizes: Sequence[int], fingerprint: Mapping[str, Any] | None = None,
                   workload: str = "", instances: int = 1) -> str:
     """Everything a measurement depends on: variants, options, libraries, hardware, and ``workload``

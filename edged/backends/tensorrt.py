@@ -159,7 +159,7 @@ class _Slot:
 class TensorRtEngine(Engine):
     backend = "tensorrt"
 
-    def __init__(self, trt: Any, engine: Any, runtime: Any, logger: Any, cuda: CudaRuntime, *, gpu: int,
+    def __init__(self, trt: Any, engine: Any, runtime: Any, logger: Any, cuda: CudaRuntime, *, gpu: int,  # noqa: PLR0913  an engine's TensorRT parts plus keyword-only options
                  device: str, precision: str, instances: int, max_batch_size: int) -> None:
         self._engine, self._runtime, self._logger, self._cuda = engine, runtime, logger, cuda
         self._gpu = gpu
@@ -477,6 +477,29 @@ def _optimization_profile(trt: Any, builder: Any, network: Any, request: LoadReq
     return profile if dynamic else None
 
 
+def _set_precision(trt: Any, builder: Any, config: Any, request: LoadRequest, precision: str) -> Any:
+    """The builder flags for ``precision``; returns the INT8 calibrator (from the variant's shipped
+    cache) when an FP32 ONNX is built as INT8, else None."""
+    if precision in ("fp16", "int8"):
+        if not getattr(builder, "platform_has_fast_fp16", True):  # deprecated in TensorRT 10
+            log.warning("%s: this GPU has no fast FP16; the %s engine may be slow", request.label, precision)
+        config.set_flag(trt.BuilderFlag.FP16)  # INT8 layers fall back to FP16, not FP32
+    if precision != "int8":
+        return None
+    config.set_flag(trt.BuilderFlag.INT8)
+    if request.variant.precision == "int8":
+        return None
+    # FP32 ONNX + shipped calibration cache
+    calib = request.variant.calibration_cache
+    if not calib:
+        raise ModelLoadError(f"{request.label}: INT8 needs the variant's calibration_cache")
+    try:
+        calibrator = _cache_calibrator(trt, (request.version_dir / calib).read_bytes())
+    except OSError as e:
+        raise ModelLoadError(f"{request.label}: cannot read calibration cache {calib}: {e.strerror}") from None
+    config.int8_calibrator = calibrator
+    return calibrator
+
 def build_plan(trt: Any, request: LoadRequest, *, precision: str, dla: int, opt: int,
                timing_cache: Path | None) -> bytes:
     """Parse the ONNX variant and build a serialized plan (blocking; minutes on a Jetson)."""
@@ -494,22 +517,7 @@ def build_plan(trt: Any, request: LoadRequest, *, precision: str, dla: int, opt:
     workspace = opts.workspace_mb
     if workspace:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace) << 20)
-    calibrator = None
-    if precision in ("fp16", "int8"):
-        if not getattr(builder, "platform_has_fast_fp16", True):  # deprecated in TensorRT 10
-            log.warning("%s: this GPU has no fast FP16; the %s engine may be slow", request.label, precision)
-        config.set_flag(trt.BuilderFlag.FP16)  # INT8 layers fall back to FP16, not FP32
-    if precision == "int8":
-        config.set_flag(trt.BuilderFlag.INT8)
-        if request.variant.precision != "int8":  # FP32 ONNX + shipped calibration cache
-            calib = request.variant.calibration_cache
-            if not calib:
-                raise ModelLoadError(f"{request.label}: INT8 needs the variant's calibration_cache")
-            try:
-                calibrator = _cache_calibrator(trt, (request.version_dir / calib).read_bytes())
-            except OSError as e:
-                raise ModelLoadError(f"{request.label}: cannot read calibration cache {calib}: {e.strerror}") from None
-            config.int8_calibrator = calibrator
+    calibrator = _set_precision(trt, builder, config, request, precision)
     profile = _optimization_profile(trt, builder, network, request, opt)
     if profile is not None:
         config.add_optimization_profile(profile)

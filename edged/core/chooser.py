@@ -232,17 +232,8 @@ class EngineChooser:
         runs = sum(s.runs for s in window)
         if runs >= MIN_RUNS_SLOW and time.monotonic() - choice.window_since >= SLOW_WINDOW_S:
             runs = max(runs, MIN_RUNS)  # few runs, but of a slow model: enough to go on
-        if choice.state == "pending":
-            if choice.boot_points:
-                return choice.boot_points, "declared", "first choice, on the shapes the model declares"
-            if runs >= MIN_RUNS or (force and runs):
-                return traffic_points(window, batched), "traffic", "first choice, on the shapes served so far"
-            choice.state = "waiting for traffic"
-            return None
-        if choice.state == "waiting for traffic":
-            if runs >= MIN_RUNS or (force and runs):
-                return traffic_points(window, batched), "traffic", "first choice, on the shapes served so far"
-            return None
+        if choice.state in ("pending", "waiting for traffic"):
+            return _first_due(choice, window, runs, batched=batched, force=force)
         if runs < MIN_RUNS or choice.state == "single":
             return None
         if not force and time.monotonic() - choice.last_measured < COOLDOWN_S:
@@ -275,27 +266,7 @@ class EngineChooser:
         held: dict[str, tuple[Candidate, Engine]] = {serving.label: (serving, choice.proxy.current)}
         if choice.batched is not None and choice.proxy.batched is not None:
             held[choice.batched.label] = (choice.batched, choice.proxy.batched)
-        opened: dict[str, Engine] = {}
-        load_failures: list[tuple[str, str]] = []
-        for cand in choice.group:
-            if cand.label in held:
-                continue
-            if cand.label in choice.unusable:
-                load_failures.append((cand.label, choice.unusable[cand.label]))
-                continue
-            got = self.loader.open_alternate(mv, cand)
-            if isinstance(got, str):
-                choice.unusable[cand.label] = got
-                load_failures.append((cand.label, got))
-                continue
-            mismatch = _io_mismatch(mv, got.inputs, got.outputs)
-            if mismatch:
-                got.engine.unload()
-                choice.unusable[cand.label] = mismatch
-                load_failures.append((cand.label, f"not usable in place of the serving engine: {mismatch}"))
-                continue
-            opened[cand.label] = got.engine
-            held[cand.label] = (cand, got.engine)
+        opened, load_failures = self._open_others(mv, choice, held)
         if len(held) < 2:  # nothing to compare with: the engine serving stays
             choice.state = "single"
             # Never measured again: the scheduler need not note the traffic of every run any more.
@@ -339,14 +310,8 @@ class EngineChooser:
                 return
             for engine in old:
                 engine.unload()
-            mv.candidate = held[one][0]
-            choice.batched = held[many_label][0] if many_label is not None else None
-            if mv.stats is not None:
-                mv.stats.backend = mv.candidate.backend
-            to = one + (f" (batches of 2+: {many_label})" if many_label else "")
-            choice.switches.append({"from": before[0] + (f" (batches of 2+: {before[1]})" if before[1] else ""),
-                                    "to": to, "why": why, "at": round(time.time(), 1)})
-            log.info("model=%s version=%s switched engine to %s (%s)", mv.name, mv.version, to, why)
+            _note_switch(mv, choice, before, held[one][0], held[many_label][0] if many_label is not None else None,
+                         why)
         result = BenchmarkResult(
             key=choice.key, chosen=one, timings=timings, batch_sizes=sorted({p.batch for p in points}),
             seconds=time.monotonic() - t0, complete=True, failures=load_failures + failures,
@@ -363,6 +328,33 @@ class EngineChooser:
         choice.state = "chosen"
         log.info("model=%s version=%s engine choice (%s): %s", mv.name, mv.version, why,
                  ", ".join(f"{t.candidate} {t.throughput_per_s:.0f}/s" for t in timings))
+
+    def _open_others(self, mv: ModelVersion, choice: Choice, held: dict[str, tuple[Candidate, Engine]]
+                     ) -> tuple[dict[str, Engine], list[tuple[str, str]]]:
+        """Open the group's candidates not ``held`` yet (added to it); returns those opened here and why
+        the others could not be (remembered in ``choice.unusable``, so they are not tried again)."""
+        opened: dict[str, Engine] = {}
+        load_failures: list[tuple[str, str]] = []
+        for cand in choice.group:
+            if cand.label in held:
+                continue
+            if cand.label in choice.unusable:
+                load_failures.append((cand.label, choice.unusable[cand.label]))
+                continue
+            got = self.loader.open_alternate(mv, cand)
+            if isinstance(got, str):
+                choice.unusable[cand.label] = got
+                load_failures.append((cand.label, got))
+                continue
+            mismatch = _io_mismatch(mv, got.inputs, got.outputs)
+            if mismatch:
+                got.engine.unload()
+                choice.unusable[cand.label] = mismatch
+                load_failures.append((cand.label, f"not usable in place of the serving engine: {mismatch}"))
+                continue
+            opened[cand.label] = got.engine
+            held[cand.label] = (cand, got.engine)
+        return opened, load_failures
 
     def _restore_split(self, mv: ModelVersion, choice: Choice, cand: Candidate) -> None:
         """Load the remembered engine for runs of several samples and route them to it again."""
@@ -416,6 +408,29 @@ def _io_mismatch(mv: ModelVersion, inputs: Sequence[TensorSpec], outputs: Sequen
         return "its outputs differ from the serving engine's (names or datatypes)"
     return None
 
+
+def _first_due(choice: Choice, window: Sequence[Seen], runs: int, *, batched: bool, force: bool
+               ) -> tuple[list[WorkPoint], str, str] | None:
+    """A model not measured yet: on its declared shapes when it has them, else once traffic came."""
+    if choice.state == "pending" and choice.boot_points:
+        return choice.boot_points, "declared", "first choice, on the shapes the model declares"
+    if runs >= MIN_RUNS or (force and runs):
+        return traffic_points(window, batched), "traffic", "first choice, on the shapes served so far"
+    choice.state = "waiting for traffic"
+    return None
+
+
+def _note_switch(mv: ModelVersion, choice: Choice, before: tuple[str, str | None], current: Candidate,
+                 batched: Candidate | None, why: str) -> None:
+    """Record a switch that took effect: the candidates serving now, and a line in the model's history."""
+    mv.candidate = current
+    choice.batched = batched
+    if mv.stats is not None:
+        mv.stats.backend = mv.candidate.backend
+    to = current.label + (f" (batches of 2+: {batched.label})" if batched is not None else "")
+    choice.switches.append({"from": before[0] + (f" (batches of 2+: {before[1]})" if before[1] else ""),
+                            "to": to, "why": why, "at": round(time.time(), 1)})
+    log.info("model=%s version=%s switched engine to %s (%s)", mv.name, mv.version, to, why)
 
 def attach(mv: ModelVersion, loader: ModelLoader) -> Choice | None:
     """Give a READY version a Choice (and its engine a SwappableEngine) when there is a choice to make."""

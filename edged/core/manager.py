@@ -68,7 +68,7 @@ def _output_check(mv: ModelVersion) -> OutputShapeCheck:
                             on_note=note)
 
 class ModelManager:
-    def __init__(self, repository: Path, models: ModelsSection, preferences: Sequence[BackendPreference], *,
+    def __init__(self, repository: Path, models: ModelsSection, preferences: Sequence[BackendPreference], *,  # noqa: PLR0913  keyword-only options passed through from the daemon's config
                  cache_dir: Path | None = None, threads: int = 0, memory_budget_mb: float = 0.0,
                  select: str = "first", facts: HardwareFacts | None = None, defer_choice: bool = False) -> None:
         self.repository = repository

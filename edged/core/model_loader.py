@@ -295,11 +295,11 @@ class ModelLoader:
                     load_failures.append((winner.label, why or "failed"))
         return False
 
-    def _load_benchmark(self, mv: ModelVersion, cands: Sequence[Candidate], key: str) -> bool:
-        tried: set[str] = set()
-        load_failures: list[tuple[str, str]] = []
-        if self._load_remembered(mv, cands, key, tried, load_failures):
-            return True
+    def _open_untried(self, mv: ModelVersion, cands: Sequence[Candidate], tried: set[str],
+                      load_failures: list[tuple[str, str]]
+                      ) -> tuple[list[_Opened], list[tuple[Candidate, EngineBuildRequiredError]]]:
+        """Open each candidate not ``tried`` yet: those that load, those that need an engine built first;
+        the others are skipped and added to ``load_failures``."""
         loaded: list[_Opened] = []
         pending: list[tuple[Candidate, EngineBuildRequiredError]] = []
         for cand in cands:
@@ -313,6 +313,14 @@ class ModelLoader:
             else:
                 self._skip(mv, cand, why or "failed")
                 load_failures.append((cand.label, why or "failed"))
+        return loaded, pending
+
+    def _load_benchmark(self, mv: ModelVersion, cands: Sequence[Candidate], key: str) -> bool:
+        tried: set[str] = set()
+        load_failures: list[tuple[str, str]] = []
+        if self._load_remembered(mv, cands, key, tried, load_failures):
+            return True
+        loaded, pending = self._open_untried(mv, cands, tried, load_failures)
         if not loaded:
             return self._build_now(mv, pending)
         t0 = time.monotonic()

@@ -64,7 +64,7 @@ def _signature(req: InferRequest, batched: bool) -> tuple[object, ...]:
 
 
 class Scheduler:
-    def __init__(self, name: str, version: int, engine: Engine, *, max_batch_size: int,
+    def __init__(self, name: str, version: int, engine: Engine, *, max_batch_size: int,  # noqa: PLR0913  keyword-only options from the model's config
                  batching: Batching | None, instances: int, stats: ModelStats, shapes_vary: bool = True,
                  output_check: OutputShapeCheck | None = None) -> None:
         self.name, self.version = name, version

@@ -15,6 +15,7 @@ from edged import datatypes
 from edged.core.model_versions import ModelVersion
 from edged.errors import InvalidInputError
 from edged.protocol.types import InferRequest
+from edged.repository.manifest import TensorSpec
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,39 @@ def validate(mv: ModelVersion, req: InferRequest) -> int:
     return _accept(_plan(mv), req) or _validate_fully(mv, req)
 
 
+def _check_datatype(where: str, name: str, arr: object, spec: TensorSpec, *, text: bool) -> None:
+    """An input is a tensor of its declared datatype; a text model's strings are UTF-8."""
+    if not isinstance(arr, np.ndarray):
+        raise InvalidInputError(f"{where}: input {name!r} is not a tensor")
+    got = datatypes.from_numpy(arr.dtype)
+    if got != spec.datatype:
+        raise InvalidInputError(f"{where}: input {name!r} has datatype {got}, expected {spec.datatype}")
+    if got == "BYTES" and text:
+        not_text = datatypes.utf8_error(arr)
+        if not_text is not None:
+            raise InvalidInputError(f"{where}: input {name!r} element {not_text[0]} is not UTF-8 text "
+                                    f"({not_text[1]}); "
+                                    f"this model's string tensors hold text")
+
+
+def _batch_and_dims(mv: ModelVersion, where: str, name: str, spec: TensorSpec, shape: tuple[int, ...],
+                    batch: int | None) -> tuple[int, tuple[int, ...]]:
+    """A batched input's batch size (within 1..max_batch_size, the same as the inputs before it) and
+    its other dimensions."""
+    mbs = mv.max_batch_size
+    if len(shape) != len(spec.shape) + 1:
+        raise _shape_error(mv, name, shape, f"{where}: input {name!r} has shape {list(shape)}, expected "
+                                            f"[batch, {_fmt(spec.shape)}] with batch <= {mbs}")
+    b, dims = shape[0], shape[1:]
+    if b > mbs:  # Triton's wording for it
+        raise InvalidInputError(f"inference request batch-size must be <= {mbs} for '{mv.name}' "
+                                f"({where}: input {name!r} batch size {b} is outside 1..{mbs})")
+    if b < 1:
+        raise _shape_error(mv, name, shape, f"{where}: input {name!r} batch size {b} is outside 1..{mbs}")
+    if batch is not None and b != batch:
+        raise InvalidInputError(f"{where}: inputs disagree on batch size ({batch} and {b})")
+    return b, dims
+
 def _validate_fully(mv: ModelVersion, req: InferRequest) -> int:
     where = f"model {mv.name!r} version {mv.version}"
     specs = {s.name: s for s in mv.inputs}
@@ -95,31 +129,10 @@ def _validate_fully(mv: ModelVersion, req: InferRequest) -> int:
     text = mv.scheduler is not None and mv.scheduler.engine.takes_text
     for name, spec in specs.items():
         arr = req.inputs[name]
-        if not isinstance(arr, np.ndarray):
-            raise InvalidInputError(f"{where}: input {name!r} is not a tensor")
-        got = datatypes.from_numpy(arr.dtype)
-        if got != spec.datatype:
-            raise InvalidInputError(f"{where}: input {name!r} has datatype {got}, expected {spec.datatype}")
-        if got == "BYTES" and text:
-            not_text = datatypes.utf8_error(arr)
-            if not_text is not None:
-                raise InvalidInputError(f"{where}: input {name!r} element {not_text[0]} is not UTF-8 text "
-                                        f"({not_text[1]}); "
-                                        f"this model's string tensors hold text")
+        _check_datatype(where, name, arr, spec, text=text)
         shape = arr.shape
         if mbs > 0:
-            if len(shape) != len(spec.shape) + 1:
-                raise _shape_error(mv, name, shape, f"{where}: input {name!r} has shape {list(shape)}, expected "
-                                                    f"[batch, {_fmt(spec.shape)}] with batch <= {mbs}")
-            b, dims = shape[0], shape[1:]
-            if b > mbs:  # Triton's wording for it
-                raise InvalidInputError(f"inference request batch-size must be <= {mbs} for '{mv.name}' "
-                                        f"({where}: input {name!r} batch size {b} is outside 1..{mbs})")
-            if b < 1:
-                raise _shape_error(mv, name, shape, f"{where}: input {name!r} batch size {b} is outside 1..{mbs}")
-            if batch is not None and b != batch:
-                raise InvalidInputError(f"{where}: inputs disagree on batch size ({batch} and {b})")
-            batch = b
+            batch, dims = _batch_and_dims(mv, where, name, spec, shape, batch)
         else:
             dims = shape
             if len(dims) != len(spec.shape):

@@ -145,7 +145,7 @@ def exclusion_schedule(n_layers: int) -> list[int]:
     return out
 
 
-def onnx_accuracy_aware(fp32: Path, plain_int8: Path, samples: SampleSet, model_io: ModelIO, *,
+def onnx_accuracy_aware(fp32: Path, plain_int8: Path, samples: SampleSet, model_io: ModelIO, *,  # noqa: PLR0913  the search's inputs plus keyword-only callbacks
                         build: Callable[[Sequence[str]], None], passes: Callable[[], tuple[bool, float]],
                         budget_s: float, say: Callable[[str], None]) -> Recovery:
     """Exclude the worst layers until ``passes()`` (after ``build(excluded)``) says the gate holds."""
@@ -209,7 +209,7 @@ def reverted_operations(messages: Sequence[str]) -> list[str]:
     return names
 
 
-def openvino_accuracy_control(fp32: Path, xml: Path, calib: SampleSet, evalset: SampleSet, model_io: ModelIO, *,
+def openvino_accuracy_control(fp32: Path, xml: Path, calib: SampleSet, evalset: SampleSet, model_io: ModelIO, *,  # noqa: PLR0913  the search's inputs plus keyword-only gate options
                               score: Callable[[list[int], dict[str, np.ndarray]], float], max_drop: float,
                               budget_s: float) -> Recovery:
     """NNCF accuracy control; ``score(indices, outputs)`` is the gate's metric (higher is better)."""

@@ -226,7 +226,21 @@ class _Run:
                 engines[(outcome.recipe.key, backend)] = engine
         return engines
 
-    def recover(self, outcome: Outcome, root: Path, model_io: ModelIO, *, calib: SampleSet, evalset: SampleSet,
+    def _passes_in_f32(self, key: str, outcome: Outcome, passes: Callable[[], tuple[bool, float]],
+                       served: Metrics) -> bool:
+        """NNCF validated its float layers at f32; this CPU's default runs them in bf16: whether the gate
+        holds with them in f32 (then kept as the recipe's hint, and said in the outcome's notes)."""
+        self.hints[key] = "f32"
+        if not passes()[0]:
+            del self.hints[key]
+            return False
+        value = (f"{served.score * 100:.2f}%" if self.spec.is_fraction else f"{served.score:.3g}")
+        outcome.notes.append(
+            f"served with its float layers in f32 (inference_precision = \"f32\" in model.toml), "
+            f"the precision NNCF validated it at; with this CPU's default bf16 it measured {value}")
+        return True
+
+    def recover(self, outcome: Outcome, root: Path, model_io: ModelIO, *, calib: SampleSet, evalset: SampleSet,  # noqa: PLR0913  the run's evaluation data, keyword-only
                 feeds: list[dict[str, np.ndarray]], reference: dict[str, np.ndarray], labels: np.ndarray | None,
                 plain: list[str]) -> tuple[list[str], Engine | None]:
         """The engine's accuracy-aware INT8; returns the gate's reasons (empty: passed) and the loaded engine."""
@@ -283,17 +297,7 @@ class _Run:
                 if not rec.stopped:
                     rec.passed = passes()[0]
                     if not rec.passed and bf16_unavailable_reason(cpu_flags()) is None:
-                        # NNCF validated its float layers at f32; this CPU's default runs them in bf16.
-                        served = state["m"]
-                        self.hints[recipe.key] = "f32"
-                        rec.passed = passes()[0]
-                        if rec.passed:
-                            value = (f"{served.score * 100:.2f}%" if spec.is_fraction else f"{served.score:.3g}")
-                            outcome.notes.append(
-                                f"served with its float layers in f32 (inference_precision = \"f32\" in model.toml), "
-                                f"the precision NNCF validated it at; with this CPU's default bf16 it measured {value}")
-                        else:
-                            del self.hints[recipe.key]
+                        rec.passed = self._passes_in_f32(recipe.key, outcome, passes, state["m"])
             else:
                 return plain, None
         except EdgedError:

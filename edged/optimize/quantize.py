@@ -90,7 +90,7 @@ def onnx_preprocess(source: Path, scratch: Path) -> tuple[Path, list[str]]:
     return pre, notes
 
 
-def onnx_int8(source: Path, out: Path, calib: SampleSet, model_io: ModelIO, *, method: str,
+def onnx_int8(source: Path, out: Path, calib: SampleSet, model_io: ModelIO, *, method: str,  # noqa: PLR0913  keyword-only quantization options
               per_channel: bool = True, reduce_range: bool = True, progress: Progress,
               exclude: Sequence[str] = (), cache: Path | None = None) -> None:
     """Static QDQ quantization: int8 weights (per channel or per tensor), uint8 activations calibrated on ``calib``.

@@ -10,9 +10,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from edged.errors import EdgedError
+
+if TYPE_CHECKING:
+    from edged.perf.measure import LevelResult
+    from edged.perf.report import RunInfo
 
 TRANSPORTS = ("http", "shm", "grpc", "mqtt")
 
@@ -160,11 +164,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, out: TextIO) -> int:
-    from edged.fsutil import atomic_write_bytes, atomic_write_text
     from edged.perf import report
     from edged.perf.inputs import build_inputs, parse_shapes
     from edged.perf.load import ClosedLoop, Load, OpenLoop
-    from edged.perf.measure import LevelResult, Settings, measure_level
+    from edged.perf.measure import Settings, measure_level
     from edged.perf.ranges import concurrency_levels, rate_levels
 
     _check(args)
@@ -226,6 +229,16 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         run_info = report.RunInfo(run_info.transport, run_info.address, run_info.model, run_info.version,
                                   stats.reason)
     stats.close()
+    _write_results(args, out, run_info, results, levels, open_loop=open_loop)
+    return status
+
+
+def _write_results(args: argparse.Namespace, out: TextIO, run_info: RunInfo, results: list[LevelResult],
+                   levels: list[float], *, open_loop: bool) -> None:
+    """The summary table, then the CSV, JSON and plot files asked for (nothing without results)."""
+    from edged.fsutil import atomic_write_bytes, atomic_write_text
+    from edged.perf import report
+
     if results:
         print("\n" + report.summary_table(results), file=out)
     if args.filename is not None and results:
@@ -245,10 +258,9 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         points = [(r.throughput, r.latency_us / 1e3, f"{r.level:g}") for r in results]
         what = "request rate" if open_loop else "concurrency"
         atomic_write_bytes(args.plot, latency_throughput_png(
-            points, title=f"{args.model} over {target.transport}: {metric} latency vs throughput",
+            points, title=f"{args.model} over {run_info.transport}: {metric} latency vs throughput",
             x_label=f"throughput (infer/s); points labelled with the {what}", y_label=f"{metric} latency (ms)"))
         print(f"wrote {args.plot}", file=out)
-    return status
 
 
 def _mqtt_notes(target: Any, result: Any, out: TextIO) -> None:

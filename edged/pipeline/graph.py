@@ -410,6 +410,14 @@ def _order(spec: PipelineSpec) -> list[StepSpec]:
     return ordered
 
 
+def _check_widths(step: StepSpec, ports: dict[str, Port]) -> None:
+    """A model step's ``widths`` tensor, when it names one, is a 1-D INT32 or INT64 vector."""
+    if step.widths is None:
+        return
+    got = ports[step.widths]
+    if got.datatype not in ("INT32", "INT64") or len(got.shape) != 1:
+        raise PipelineDefinitionError(f"widths {step.widths!r} is {_describe(got)}, expected INT32 or INT64 [M]")
+
 def compile_pipeline(spec: PipelineSpec, folder: Path, gateway: ModelGateway | None = None, *,
                      lookup: Callable[[str], type[Step]] | None = None) -> Pipeline:
     """Check the wiring and bind every step; PipelineDefinitionError names the step and the tensor."""
@@ -438,11 +446,7 @@ def compile_pipeline(spec: PipelineSpec, folder: Path, gateway: ModelGateway | N
                 if emits is not None:
                     upstream = (emits, f"step {step.name!r} ({step.kind}) emits up to {emits} rows")
             elif step.model is not None:
-                if step.widths is not None:
-                    got = ports[step.widths]
-                    if got.datatype not in ("INT32", "INT64") or len(got.shape) != 1:
-                        raise PipelineDefinitionError(f"widths {step.widths!r} is {_describe(got)}, expected "
-                                                      "INT32 or INT64 [M]")
+                _check_widths(step, ports)
                 runner, bound = _model_node(step, wired, gateway)
                 models.append((step.model, step.version))
                 assert gateway is not None

@@ -118,7 +118,7 @@ def encode_tensor(name: str, dtype: int, shape: tuple[int, ...], *, segment: int
     return TENSOR.pack(len(nb), dtype, len(shape), segment, offset, nbytes) + DIMS[len(shape)].pack(*shape) + nb
 
 
-def encode_infer(rid: int, model: str, version: int, inputs: list[bytes], *, out_segment: int, out_offset: int,
+def encode_infer(rid: int, model: str, version: int, inputs: list[bytes], *, out_segment: int, out_offset: int,  # noqa: PLR0913  wire format: one argument per INFER field
                  out_capacity: int, outputs: list[str] | None = None, timeout_us: int = 0,
                  flags: int = 0) -> bytes:
     """An INFER message; ``inputs`` are :func:`encode_tensor` results. No checks: the receiver does them."""

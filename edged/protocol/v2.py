@@ -200,7 +200,30 @@ def decode_request(header: Mapping[str, Any], binary: memoryview | bytes = b"", 
     raw_inputs = header.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidInputError("request has no 'inputs' list")
-    tail = memoryview(binary)
+    inputs = _decode_inputs(raw_inputs, memoryview(binary), shm)
+    req_params = header.get("parameters") or {}
+    if not isinstance(req_params, dict):
+        raise InvalidInputError("'parameters' must be an object")
+    binary_default = bool(_param(req_params, "binary_data_output", "request", bool))
+    outputs: dict[str, OutputOptions] = {}
+    raw_outputs = header.get("outputs")
+    if raw_outputs is not None:
+        if not isinstance(raw_outputs, list):
+            raise InvalidInputError("'outputs' must be a list")
+        outputs = _decode_outputs(raw_outputs, binary_default, shm)
+    rid = header.get("id")
+    if rid is not None and not isinstance(rid, str):
+        raise InvalidInputError("'id' must be a string")
+    timeout_us = _param(req_params, "timeout", "request", int)
+    request = InferRequest(model=model, version=version, inputs=inputs,
+                           outputs=list(outputs) if outputs else None, id=rid,
+                           parameters={"timeout_us": timeout_us} if timeout_us else {})
+    return DecodedRequest(request, outputs, binary_default)
+
+
+def _decode_inputs(raw_inputs: list[Any], tail: memoryview, shm: ShmResolver | None) -> dict[str, np.ndarray]:
+    """A request's input tensors, each from shared memory, its share of the binary tail, or JSON data;
+    the tail must be claimed to its last byte."""
     pos = 0
     inputs: dict[str, np.ndarray] = {}
     for i, raw in enumerate(raw_inputs):
@@ -230,40 +253,32 @@ def decode_request(header: Mapping[str, Any], binary: memoryview | bytes = b"", 
             raise InvalidInputError(f"{where} has no 'data', binary_data_size or shared memory parameters")
     if pos != len(tail):
         raise InvalidInputError(f"{len(tail) - pos} bytes of binary data are not claimed by any input")
-    req_params = header.get("parameters") or {}
-    if not isinstance(req_params, dict):
-        raise InvalidInputError("'parameters' must be an object")
-    binary_default = bool(_param(req_params, "binary_data_output", "request", bool))
+    return inputs
+
+
+def _decode_outputs(raw_outputs: list[Any], binary_default: bool,
+                    shm: ShmResolver | None) -> dict[str, OutputOptions]:
+    """How each requested output is to be sent: binary or JSON (``binary_default`` unless it says), or
+    into a shared memory region."""
     outputs: dict[str, OutputOptions] = {}
-    raw_outputs = header.get("outputs")
-    if raw_outputs is not None:
-        if not isinstance(raw_outputs, list):
-            raise InvalidInputError("'outputs' must be a list")
-        for i, raw in enumerate(raw_outputs):
-            if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
-                raise InvalidInputError(f"outputs[{i}] must be an object with a 'name'")
-            where = f"output {raw['name']!r}"
-            params = raw.get("parameters") or {}
-            opt = OutputOptions()
-            b = _param(params, "binary_data", where, bool)
-            opt.binary = binary_default if b is None else b
-            region = _param(params, "shared_memory_region", where, str)
-            if region is not None:
-                if shm is None:
-                    raise InvalidInputError(f"{where}: shared memory is not available on this transport")
-                size = _param(params, "shared_memory_byte_size", where, int)
-                if size is None:
-                    raise InvalidInputError(f"{where}: shared_memory_byte_size is required")
-                opt.shm = (region, _param(params, "shared_memory_offset", where, int) or 0, size)
-            outputs[raw["name"]] = opt
-    rid = header.get("id")
-    if rid is not None and not isinstance(rid, str):
-        raise InvalidInputError("'id' must be a string")
-    timeout_us = _param(req_params, "timeout", "request", int)
-    request = InferRequest(model=model, version=version, inputs=inputs,
-                           outputs=list(outputs) if outputs else None, id=rid,
-                           parameters={"timeout_us": timeout_us} if timeout_us else {})
-    return DecodedRequest(request, outputs, binary_default)
+    for i, raw in enumerate(raw_outputs):
+        if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+            raise InvalidInputError(f"outputs[{i}] must be an object with a 'name'")
+        where = f"output {raw['name']!r}"
+        params = raw.get("parameters") or {}
+        opt = OutputOptions()
+        b = _param(params, "binary_data", where, bool)
+        opt.binary = binary_default if b is None else b
+        region = _param(params, "shared_memory_region", where, str)
+        if region is not None:
+            if shm is None:
+                raise InvalidInputError(f"{where}: shared memory is not available on this transport")
+            size = _param(params, "shared_memory_byte_size", where, int)
+            if size is None:
+                raise InvalidInputError(f"{where}: shared_memory_byte_size is required")
+            opt.shm = (region, _param(params, "shared_memory_offset", where, int) or 0, size)
+        outputs[raw["name"]] = opt
+    return outputs
 
 
 def encode_response(resp: InferResponse, decoded: DecodedRequest | None = None,

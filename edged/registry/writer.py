@@ -285,21 +285,26 @@ def store_batch(conn: Connection, batch: list[tuple[str, list[ReportEvent], Fact
     for device_id, mid, e in quality:
         _store_quality(conn, device_id, mid, e, t)
     if latest:
-        have = {(r.device_id, r.model_id): r.last_seq for r in _existing(
-            conn, _MODEL_ROWS, (DeviceModelRow.device_id, DeviceModelRow.model_id), sorted(latest))}
-        updates, inserts = [], []
-        for (device_id, mid), e in latest.items():
-            values = {"last_seq": e.seq, "state": e.step, "version": e.version, "release_number": e.release,
-                      "reason": e.reason, "updated_at": t}
-            last = have.get((device_id, mid))
-            if last is None:
-                inserts.append({"device_id": device_id, "model_id": mid, "pinned_release_id": None, **values})
-            elif last < e.seq:
-                updates.append({"k_device": device_id, "k_model": mid, "v_seq": e.seq, "v_state": e.step,
-                                "v_version": e.version, "v_release": e.release, "v_reason": e.reason, "v_at": t})
-        if updates:
-            conn.execute(_UPDATE_MODEL, updates)
-        if inserts:
-            conn.execute(insert(DeviceModelRow), inserts)
+        _store_latest(conn, latest, t)
     store_facts(conn, sorted(facts.items()), t)
     return counts
+
+
+def _store_latest(conn: Connection, latest: dict[tuple[str, int], ReportEvent], t: float) -> None:
+    """Each (device, model)'s latest state: a new row, or an update where the event is newer than the stored one."""
+    have = {(r.device_id, r.model_id): r.last_seq for r in _existing(
+        conn, _MODEL_ROWS, (DeviceModelRow.device_id, DeviceModelRow.model_id), sorted(latest))}
+    updates, inserts = [], []
+    for (device_id, mid), e in latest.items():
+        values = {"last_seq": e.seq, "state": e.step, "version": e.version, "release_number": e.release,
+                  "reason": e.reason, "updated_at": t}
+        last = have.get((device_id, mid))
+        if last is None:
+            inserts.append({"device_id": device_id, "model_id": mid, "pinned_release_id": None, **values})
+        elif last < e.seq:
+            updates.append({"k_device": device_id, "k_model": mid, "v_seq": e.seq, "v_state": e.step,
+                            "v_version": e.version, "v_release": e.release, "v_reason": e.reason, "v_at": t})
+    if updates:
+        conn.execute(_UPDATE_MODEL, updates)
+    if inserts:
+        conn.execute(insert(DeviceModelRow), inserts)

@@ -110,7 +110,7 @@ class _Window:
 class TelemetryAgent:
     name = "telemetry"
 
-    def __init__(self, cfg: Config, service: InferenceService, *, publish: Publish | None = None,
+    def __init__(self, cfg: Config, service: InferenceService, *, publish: Publish | None = None,  # noqa: PLR0913  optional keyword-only collaborators
                  profile: str | None = None, sampler: DeviceSampler | None = None,
                  upload: UploadSettings | None = None, status_interval_s: float | None = None,
                  mqtt_stats: Callable[[], MqttWindow] | None = None,

@@ -161,13 +161,11 @@ class Worker:
             raise RequestError(wire.INVALID_ARGUMENT, f"{what}: range {offset}+{nbytes} is outside segment {sid}")
         return seg
 
-    def infer(self, body: bytes) -> tuple[int, bytes]:
-        try:
-            desc = wire.decode_infer(body)
-        except wire.WireError as e:
-            raise RequestError(wire.INVALID_ARGUMENT, str(e)) from None
-        np, ctx = self.np, self.context
-        given = {t.name: t for t in desc.inputs}
+    def _bind_inputs(self, inputs: list[wire.TensorDesc]) -> None:
+        """Check each input against the engine (name, dtype, size, segment range, shape) and point the
+        context at it."""
+        ctx = self.context
+        given = {t.name: t for t in inputs}
         if sorted(given) != sorted(self.inputs):
             raise RequestError(wire.INVALID_ARGUMENT, f"inputs {sorted(given)} do not match the engine's {self.inputs}")
         for name in self.inputs:
@@ -188,6 +186,14 @@ class Worker:
             if not ctx.set_input_shape(name, tuple(t.shape)):
                 raise RequestError(wire.INVALID_ARGUMENT, f"input {name!r}: the engine refuses shape {list(t.shape)}")
             ctx.set_tensor_address(name, seg.device + t.offset)
+
+    def infer(self, body: bytes) -> tuple[int, bytes]:
+        try:
+            desc = wire.decode_infer(body)
+        except wire.WireError as e:
+            raise RequestError(wire.INVALID_ARGUMENT, str(e)) from None
+        np, ctx = self.np, self.context
+        self._bind_inputs(desc.inputs)
         wanted = desc.outputs if desc.outputs is not None else self.outputs
         unknown = [n for n in wanted if n not in self.outputs]
         if unknown:

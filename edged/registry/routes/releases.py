@@ -39,6 +39,13 @@ log = logging.getLogger(__name__)
 
 def releases_router(ctx: AppContext) -> APIRouter:
     router = APIRouter()
+    _blob_routes(router, ctx)
+    _release_routes(router, ctx)
+    return router
+
+
+def _blob_routes(router: APIRouter, ctx: AppContext) -> None:
+    """Blobs: devices download them (or are sent to the blob server), operators upload them."""
     settings = ctx.settings
     max_upload = int(settings.max_upload_mb * (1 << 20))
 
@@ -107,6 +114,11 @@ def releases_router(ctx: AppContext) -> APIRouter:
         await asyncio.to_thread(record)
         return {"sha256": sha256, "size": size}
 
+
+def _release_routes(router: APIRouter, ctx: AppContext) -> None:
+    """Model versions and their signed releases."""
+    settings = ctx.settings
+
     @router.put(f"{API_PREFIX}/models/{{model}}/versions/{{version}}", tags=["admin"], response_model=VersionInfo)
     def push_version(model: str, version: int, req: PushVersionRequest, response: Response, who: Actor) -> VersionInfo:
         with ctx.tx() as s:
@@ -164,5 +176,3 @@ def releases_router(ctx: AppContext) -> APIRouter:
         log.info("release %d of model %s revoked", number, model)
         ctx.nudge({"model": model, "revoked": number})
         return info
-
-    return router

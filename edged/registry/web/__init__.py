@@ -34,7 +34,7 @@ def renderer(settings: RegistrySettings, read_sessions: sessionmaker[Session],
                            online_s=settings.dashboard_online_s))
 
 
-def install(app: FastAPI, guard: Guard, *, settings: RegistrySettings, admin_hash: str, sessions: sessionmaker[Session],
+def install(app: FastAPI, guard: Guard, *, settings: RegistrySettings, admin_hash: str, sessions: sessionmaker[Session],  # noqa: PLR0913  the app's parts the dashboard shares, keyword-only
             read_sessions: sessionmaker[Session], renderer: PageRenderer,
             on_rollout_change: Callable[[int, str], None]) -> None:
     """Mount the dashboard; call after the app's own exception handlers so errors under /ui become pages.

@@ -150,61 +150,76 @@ def rollout_request(form: dict[str, str]) -> RolloutCreate:
 def dashboard_router(access: Guard, *, settings: RegistrySettings, admin_hash: str, sessions: sessionmaker[DbSession],
                      read_sessions: sessionmaker[DbSession], renderer: PageRenderer,
                      on_rollout_change: Callable[[int, str], None]) -> APIRouter:
-    env = pages.env()
-    auth = Sessions(admin_hash, operators=settings.operators)
-    store = SessionStore(sessions, read_sessions)  # sign-out ends a session in every process
-    guard = LoginGuard()
+    ui = _Ui(settings, admin_hash=admin_hash, sessions=sessions, read_sessions=read_sessions, renderer=renderer)
+    access.pages = ui.signed_in
     router = APIRouter(prefix=PREFIX, include_in_schema=False)
-    poll_s = settings.dashboard_poll_s
+    _login_routes(router, ui)
+    _page_routes(router, ui)
+    _action_routes(router, ui, on_rollout_change)
+    return router
 
+
+class _Ui:
+    """What the dashboard's routes share: its sessions, sign-in guard, page renderer and response headers."""
+
+    def __init__(self, settings: RegistrySettings, *, admin_hash: str, sessions: sessionmaker[DbSession],
+                 read_sessions: sessionmaker[DbSession], renderer: PageRenderer) -> None:
+        self.settings, self.admin_hash, self.renderer = settings, admin_hash, renderer
+        self.sessions, self.read_sessions = sessions, read_sessions
+        self.env = pages.env()
+        self.auth = Sessions(admin_hash, operators=settings.operators)
+        self.store = SessionStore(sessions, read_sessions)  # sign-out ends a session in every process
+        self.guard = LoginGuard()
+        self.poll_s = settings.dashboard_poll_s
+
+    @staticmethod
     def headers(extra: dict[str, str] | None = None) -> dict[str, str]:
         return {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin",
                 "Cache-Control": "no-store", "X-Frame-Options": "DENY", **(extra or {})}
 
-    def session_of(request: Request, *, live: bool = False) -> Session:
+    def session_of(self, request: Request, *, live: bool = False) -> Session:
         known = getattr(request.state, "session", None)  # the access check found it already
         if isinstance(known, Session):
             return known
         request.state.t0 = time.perf_counter()  # for the Server-Timing header of what it answers
-        sess = auth.check(request.cookies.get(COOKIE))
+        sess = self.auth.check(request.cookies.get(COOKIE))
         # one primary-key read, as a device poll makes: a signed-out cookie is refused even though its MAC holds
-        if sess is None or not store.is_open(sess.nonce, sess.who):
+        if sess is None or not self.store.is_open(sess.nonce, sess.who):
             raise LoginRequiredError(live)
         request.state.session = sess
         return sess
 
-    async def signed_in(request: Request) -> Principal:
+    async def signed_in(self, request: Request) -> Principal:
         """Who the session is, with their role: what the app's access check (:mod:`edged.registry.access`) asks."""
-        sess = session_of(request, live=request.method != "GET" or request.query_params.get("part") == "live")
+        sess = self.session_of(request, live=request.method != "GET" or request.query_params.get("part") == "live")
         if sess.who == ADMIN:  # signed in with the registry's own admin token
             return Principal(BOOTSTRAP, Role.ADMIN, "dashboard")
-        role = settings.operator_roles.get(sess.who)
+        role = self.settings.operator_roles.get(sess.who)
         return Principal(sess.who, ROLES[role] if role else DEFAULT_OPERATOR_ROLE, "dashboard")
 
-    access.pages = signed_in
-
-    def render(name: str, status: int = 200, **ctx: Any) -> HTMLResponse:
+    def render(self, name: str, status: int = 200, **ctx: Any) -> HTMLResponse:
         ctx.setdefault("who", "")
-        html = env.get_template(name).render(prefix=PREFIX, poll_s=poll_s, **ctx)
-        return HTMLResponse(html, status_code=status, headers=headers())
+        html = self.env.get_template(name).render(prefix=PREFIX, poll_s=self.poll_s, **ctx)
+        return HTMLResponse(html, status_code=status, headers=self.headers())
 
-    async def page(request: Request, name: str, key: str = "") -> Response:
+    async def page(self, request: Request, name: str, key: str = "") -> Response:
         """A page, or with ``?part=live`` only its live region (ETag'd, 304 when unchanged), from the renderer."""
         q = request.query_params
         live = q.get("part") == "live"
-        sess = session_of(request, live=live)
+        sess = self.session_of(request, live=live)
         ask = PageAsk(name=name, key=key, query={k: q[k] for k in QUERY if k in q}, csrf=sess.csrf, who=sess.who,
                       role=principal(request).role.label,
                       here=request.url.path + ("?" + request.url.query if request.url.query else ""),
                       if_none_match=request.headers.get("if-none-match") if live else None)
-        out = await renderer.render(ask)
+        out = await self.renderer.render(ask)
         out.raise_error()
         timing = {"ETag": out.etag, "Server-Timing": f"app;dur={(time.perf_counter() - request.state.t0) * 1e3:.1f}, "
                                                      f"read;dur={out.read_ms:.1f}"}
         if out.body is None:
-            return Response(status_code=304, headers=headers(timing))
-        return HTMLResponse(out.body, headers=headers(timing))
+            return Response(status_code=304, headers=self.headers(timing))
+        return HTMLResponse(out.body, headers=self.headers(timing))
 
+    @staticmethod
     async def form_of(request: Request) -> dict[str, str]:
         if request.headers.get("content-type", "").split(";")[0].strip() != "application/x-www-form-urlencoded":
             raise RegistryError("expected a form (application/x-www-form-urlencoded)", 415,
@@ -216,70 +231,74 @@ def dashboard_router(access: Guard, *, settings: RegistrySettings, admin_hash: s
                 raise RegistryError(f"form over {MAX_FORM} bytes", 413, ErrorCode.INVALID_ARGUMENT)
         return {k: v[-1] for k, v in urllib.parse.parse_qs(body.decode("utf-8", "replace")).items()}
 
+    @staticmethod
     def same_origin(request: Request) -> bool:
         origin = request.headers.get("origin")
         if origin is None or origin == "null":
             return origin is None
         return urllib.parse.urlsplit(origin).netloc == request.headers.get("host", "")
 
-    async def action_form(request: Request) -> tuple[Session, dict[str, str]]:
+    async def action_form(self, request: Request) -> tuple[Session, dict[str, str]]:
         """The session and form of a POSTed action, refused without a session, from elsewhere or without CSRF."""
-        sess = session_of(request, live=True)
-        form = await form_of(request)
-        if not same_origin(request) or not Sessions.csrf_ok(sess, form.get("csrf")):
+        sess = self.session_of(request, live=True)
+        form = await self.form_of(request)
+        if not self.same_origin(request) or not Sessions.csrf_ok(sess, form.get("csrf")):
             raise RegistryError("missing or wrong CSRF token: reload the page and try again", 403,
                                 ErrorCode.INVALID_ARGUMENT)
         return sess, form
 
-    # ---- login -----------------------------------------------------------------------------------
+
+def _login_routes(router: APIRouter, ui: _Ui) -> None:
+    """Sign-in and sign-out, and the pages' static files."""
     @router.get("/login")
     def login_page(request: Request) -> Response:
-        return render("login.html", title="Sign in", nav="", csrf="", error=None, operator="",
-                      next=request.query_params.get("next", ""))
+        return ui.render("login.html", title="Sign in", nav="", csrf="", error=None, operator="",
+                         next=request.query_params.get("next", ""))
 
     @router.post("/login")
     async def login(request: Request) -> Response:
-        form = await form_of(request)
+        form = await ui.form_of(request)
         nxt = form.get("next", "")
         name = form.get("name", "").strip()
         secret = form.get("token", "")
         address = request.client.host if request.client is not None else "?"
-        wait_s = guard.retry_after(address)
+        wait_s = ui.guard.retry_after(address)
         if wait_s is not None:  # refused before any check: a guess costs nothing and proves nothing
-            refused = render("login.html", status=429, title="Sign in", nav="", csrf="", next=nxt, operator=name[:64],
-                          error=f"Too many failed sign-ins from this address: try again in {math.ceil(wait_s)} s.")
+            refused = ui.render("login.html", status=429, title="Sign in", nav="", csrf="", next=nxt,
+                                operator=name[:64], error="Too many failed sign-ins from this address: try again "
+                                                          f"in {math.ceil(wait_s)} s.")
             refused.headers["Retry-After"] = str(math.ceil(wait_s))
             return refused
         if name:
             # an operator account: scrypt, ~50 ms and 16 MiB, off the event loop and a few at a time
-            stored = settings.operators.get(name) if name != ADMIN and len(name) <= 64 else None
-            async with guard.checks:
+            stored = ui.settings.operators.get(name) if name != ADMIN and len(name) <= 64 else None
+            async with ui.guard.checks:
                 ok = await run_in_threadpool(check_password, secret, stored)
             who = name
         else:
             # device credentials and enrollment tokens end here too: only the admin token opens the dashboard
-            ok = is_admin(f"Bearer {secret.strip()}", admin_hash)
+            ok = is_admin(f"Bearer {secret.strip()}", ui.admin_hash)
             who = ADMIN
         if not ok:
-            guard.failed(address)
-            return render("login.html", status=401, title="Sign in", nav="", csrf="", next=nxt, operator=name[:64],
-                          error="That is not an operator's password." if name else
-                          "That is not the registry's admin token.")
-        guard.succeeded(address)
-        value, opened = auth.issue(who)
-        await run_in_threadpool(store.open, opened.nonce, opened.who, opened.expires_at)
-        renderer.warm()  # the page process starts while the browser follows the redirect
+            ui.guard.failed(address)
+            return ui.render("login.html", status=401, title="Sign in", nav="", csrf="", next=nxt,
+                             operator=name[:64], error="That is not an operator's password." if name else
+                             "That is not the registry's admin token.")
+        ui.guard.succeeded(address)
+        value, opened = ui.auth.issue(who)
+        await run_in_threadpool(ui.store.open, opened.nonce, opened.who, opened.expires_at)
+        ui.renderer.warm()  # the page process starts while the browser follows the redirect
         target = nxt if nxt.startswith(PREFIX + "/") and not nxt.startswith("//") else f"{PREFIX}/fleet"
-        resp = RedirectResponse(target, status_code=303, headers=headers())
-        resp.set_cookie(COOKIE, value, max_age=auth.lifetime_s, path=PREFIX, httponly=True, samesite="strict",
+        resp = RedirectResponse(target, status_code=303, headers=ui.headers())
+        resp.set_cookie(COOKIE, value, max_age=ui.auth.lifetime_s, path=PREFIX, httponly=True, samesite="strict",
                         secure=request.url.scheme == "https")
         return resp
 
     @router.post("/logout")
     async def logout(request: Request) -> Response:
-        sess, _ = await action_form(request)
-        await run_in_threadpool(store.close, sess.nonce)  # the cookie, even if kept or copied, is dead now
-        resp = RedirectResponse(f"{PREFIX}/login", status_code=303, headers=headers())
+        sess, _ = await ui.action_form(request)
+        await run_in_threadpool(ui.store.close, sess.nonce)  # the cookie, even if kept or copied, is dead now
+        resp = RedirectResponse(f"{PREFIX}/login", status_code=303, headers=ui.headers())
         resp.delete_cookie(COOKIE, path=PREFIX, httponly=True, samesite="strict")
         return resp
 
@@ -291,41 +310,45 @@ def dashboard_router(access: Guard, *, settings: RegistrySettings, admin_hash: s
         return Response((HERE / "static" / name).read_bytes(), media_type=kind,
                         headers={"Cache-Control": "public, max-age=3600", "X-Content-Type-Options": "nosniff"})
 
-    # ---- pages -----------------------------------------------------------------------------------
+
+def _page_routes(router: APIRouter, ui: _Ui) -> None:
+    """The pages, each drawn by the renderer."""
     @router.get("")
     @router.get("/")
     def home(request: Request) -> Response:
-        session_of(request)
+        ui.session_of(request)
         return RedirectResponse(f"{PREFIX}/fleet", status_code=303)
 
     @router.get("/fleet")
     async def fleet(request: Request) -> Response:
-        return await page(request, "fleet")
+        return await ui.page(request, "fleet")
 
     @router.get("/devices/{device_id}")
     async def device(device_id: str, request: Request) -> Response:
-        return await page(request, "device", device_id)
+        return await ui.page(request, "device", device_id)
 
     @router.get("/models")
     async def models(request: Request) -> Response:
-        return await page(request, "models")
+        return await ui.page(request, "models")
 
     @router.get("/rollouts")
     async def rollout_list(request: Request) -> Response:
-        return await page(request, "rollouts")
+        return await ui.page(request, "rollouts")
 
     @router.get("/rollouts/{rollout_id}")
     async def rollout(rollout_id: int, request: Request) -> Response:
-        return await page(request, "rollout", str(rollout_id))
+        return await ui.page(request, "rollout", str(rollout_id))
 
     @router.get("/audit")
     async def audit_log(request: Request) -> Response:
-        return await page(request, "audit")
+        return await ui.page(request, "audit")
 
-    # ---- actions: a confirmation page first, then the action ------------------------------------
+
+def _action_routes(router: APIRouter, ui: _Ui, on_rollout_change: Callable[[int, str], None]) -> None:
+    """Actions: a confirmation page first, then the action."""
     @router.post("/rollouts")
     async def create(request: Request) -> Response:
-        sess, form = await action_form(request)
+        sess, form = await ui.action_form(request)
         try:
             req = rollout_request(form)
         except ValueError as e:  # pydantic's, with the field that was wrong
@@ -333,33 +356,33 @@ def dashboard_router(access: Guard, *, settings: RegistrySettings, admin_hash: s
         if form.get("confirmed") != "yes":
             # The members each step would take, worked out by the code that starts it (rolled back): refused here
             # already when starting would be (another rollout active, a bad release).
-            steps = await run_in_threadpool(rollout_preview.preview, sessions, req, settings.public_keys)
-            return render("confirm.html", title="Confirm the rollout", nav="rollouts", csrf=sess.csrf,
-                          action=f"{PREFIX}/rollouts", form=form, what="start this rollout", req=req,
-                          back=f"{PREFIX}/rollouts", preview=steps)
+            steps = await run_in_threadpool(rollout_preview.preview, ui.sessions, req, ui.settings.public_keys)
+            return ui.render("confirm.html", title="Confirm the rollout", nav="rollouts", csrf=sess.csrf,
+                             action=f"{PREFIX}/rollouts", form=form, what="start this rollout", req=req,
+                             back=f"{PREFIX}/rollouts", preview=steps)
         req = req.model_copy(update={"notes": f"{req.notes} (started by {sess.who} from the dashboard)".strip()[:4096]})
         who = principal(request)
 
         def start(r: RolloutCreate) -> RolloutInfo:
-            with sessions() as s, s.begin():
-                info = rollouts.create_rollout(s, r, settings.public_keys,
-                                               admit_per_minute=settings.rollout_admit_per_minute)
+            with ui.sessions() as s, s.begin():
+                info = rollouts.create_rollout(s, r, ui.settings.public_keys,
+                                               admit_per_minute=ui.settings.rollout_admit_per_minute)
                 audit.record(s, who, "rollout.create", f"rollout {info.id}",
                              f"model {info.model} release {info.release}, {len(info.steps)} step(s)")
                 return info
 
         info = await run_in_threadpool(start, req)  # the database work off the event loop the devices use
         on_rollout_change(info.id, "created")
-        return RedirectResponse(f"{PREFIX}/rollouts/{info.id}", status_code=303, headers=headers())
+        return RedirectResponse(f"{PREFIX}/rollouts/{info.id}", status_code=303, headers=ui.headers())
 
     @router.post("/rollouts/{rollout_id}/{action}")
     async def act(rollout_id: int, action: str, request: Request) -> Response:
-        sess, form = await action_form(request)
+        sess, form = await ui.action_form(request)
         if action not in ACTIONS:
             raise RegistryError(f"unknown action {action!r}", 404, ErrorCode.NOT_FOUND)
         if form.get("confirmed") != "yes":
             def status() -> RolloutStatus:
-                with read_sessions() as s, s.begin():
+                with ui.read_sessions() as s, s.begin():
                     return views.rollout(s, rollout_id)
 
             st = await run_in_threadpool(status)
@@ -367,26 +390,25 @@ def dashboard_router(access: Guard, *, settings: RegistrySettings, admin_hash: s
                 left = ", ".join(ACTIONS[a] for a in rollouts.allowed_actions(st.rollout.state)) or "none"
                 raise RegistryError(f"rollout {rollout_id} is {st.rollout.state}: {ACTIONS[action]} is not possible "
                                     f"(possible now: {left})", 409, ErrorCode.FAILED_PRECONDITION)
-            return render("confirm.html", title=f"Confirm: {ACTIONS[action].lower()}", nav="rollouts",
-                          csrf=sess.csrf, action=f"{PREFIX}/rollouts/{rollout_id}/{action}", form=form,
-                          what=f"{ACTIONS[action].lower()} rollout {rollout_id} ({st.rollout.model} release "
-                               f"{st.rollout.release}, now {st.rollout.state})", req=None,
-                          back=f"{PREFIX}/rollouts/{rollout_id}")
+            return ui.render("confirm.html", title=f"Confirm: {ACTIONS[action].lower()}", nav="rollouts",
+                             csrf=sess.csrf, action=f"{PREFIX}/rollouts/{rollout_id}/{action}", form=form,
+                             what=f"{ACTIONS[action].lower()} rollout {rollout_id} ({st.rollout.model} release "
+                                  f"{st.rollout.release}, now {st.rollout.state})", req=None,
+                             back=f"{PREFIX}/rollouts/{rollout_id}")
         given = form.get("reason", "").strip()[:1000]
         reason = f"{given} ({sess.who}, dashboard)" if given else f"{action} by {sess.who} from the dashboard"
         who = principal(request)
 
         def do() -> RolloutInfo:
-            with sessions() as s, s.begin():
+            with ui.sessions() as s, s.begin():
                 info = rollouts.act(s, rollout_id, action, reason)
                 audit.record(s, who, f"rollout.{action}", f"rollout {rollout_id}", given)
                 return info
 
         info = await run_in_threadpool(do)
         on_rollout_change(rollout_id, info.state)
-        return RedirectResponse(f"{PREFIX}/rollouts/{rollout_id}", status_code=303, headers=headers())
+        return RedirectResponse(f"{PREFIX}/rollouts/{rollout_id}", status_code=303, headers=ui.headers())
 
-    return router
 
 
 ERROR_TITLES = {400: "Invalid request", 401: "Sign-in required", 403: "Not allowed", 404: "Not found",

@@ -152,7 +152,7 @@ class FleetFilter:
                                   "error": row.last_error is not None}.get(self.state, True)
 
 
-def _row(dev_id: str, *, labels: dict[str, str], facts: dict[str, Any], last_seen_at: float | None,
+def _row(dev_id: str, *, labels: dict[str, str], facts: dict[str, Any], last_seen_at: float | None,  # noqa: PLR0913  one keyword per source of a fleet row
          serving_json: list[Any] | None, wants: dict[str, desired_state.ReleaseView],
          engines: Engines, last_error: str | None, online_s: float,
          now: float) -> FleetRow:

@@ -69,6 +69,7 @@ class Incoming:
     parts: tuple[Form, memoryview, memoryview] | None = None  # the payload split, once known
     media: str | None = None  # the payload is a raw image/sound of this type, not a v2 request
     hold: Reservation | None = None  # its request memory, until the service takes it over with the request
+    reply: Reply | None = None  # where its answer (or error) goes, once known
 
 
 class RequestIntake:
@@ -199,105 +200,145 @@ class RequestIntake:
         ``inline``: on paho's thread, a request alone (its model idle, its runs short, nothing else
         waiting to be read) is computed and answered right here, as the event loop does for HTTP:
         no hand-off to a scheduler thread and back to paho's."""
-        reply: Reply | None = None
         try:
-            if inc.response_topic is not None:
-                if not codec.valid_publish_topic(inc.response_topic):
-                    self.replies.drop(inc.topic, "its response topic is not a valid topic name")
-                    return
-                form = (
-                    Form.BINARY_PROPERTY
-                    if inc.header_length is not None
-                    else (Form.BINARY_PREFIX if inc.payload[:1] == b"\0" else Form.JSON)
-                )
-                if inc.media is not None:
-                    form = Form.JSON
-                reply = Reply(inc.response_topic, inc.correlation, None, form, inc.qos, inc.deadline, media=inc.media)
-                if self.replies.refused(inc.topic, reply):
-                    return
-                # A refused request is not remembered: its retry (same correlation) deserves an answer.
-                if reject is None and self._duplicate(inc.topic, reply):
-                    return
-            if reject is not None:
-                if reply is None:
-                    reply = self._reply_from_small_header(inc)
-                    if reply is None:
-                        self.replies.drop(inc.topic, f"{reject.code.value}: {reject}")
-                        return
-                    if self.replies.refused(inc.topic, reply):
-                        return
-                if reject.code is ErrorCode.OVERLOADED:
-                    # Refusals must leave faster than requests arrive: QoS 0 does not wait in paho's
-                    # in-flight window behind the QoS 1 replies that caused the overload.
-                    reply.qos = 0
-                raise reject
-            model, version = self.topics.parse_infer(inc.topic)
-            if inc.media is not None:
-                if reply is None:
-                    self.replies.drop(inc.topic, "a raw image/sound request needs an MQTT 5 response topic")
-                    return
-                self._submit_media(inc, reply, model, version)
-                return
-            form, head, tail = inc.parts or codec.split(inc.payload, codec.header_length_property(inc.header_length))
-            # A binary header seen before needs no parsing (protocol/v2_plans.py); planned headers
-            # carry neither 'reply_to' nor 'id'.
-            key = None if form is Form.JSON else self.plans.key(model, version, head, len(tail))
-            plan = self.plans.get(key)
-            header = None if plan is not None else codec.parse_split(form, head, tail).header
-            reply_to, rid = (None, None) if header is None else codec.reply_address(header)
-            if reply is not None:
-                reply.form = form
-            if reply is None:
-                if reply_to is None:
-                    self.replies.drop(inc.topic, "it has no response topic (MQTT 5) or 'reply_to' (JSON header)")
-                    return
-                reply = Reply(reply_to, None, rid, form, inc.qos, inc.deadline)
-                if self.replies.refused(inc.topic, reply):
-                    return
-                if self._duplicate(inc.topic, reply):
-                    return
-            reply.request_id = rid
-            if header is None:
-                assert plan is not None
-                decoded = plan.decode(tail)
-            else:
-                if form is not Form.JSON:
-                    params = header.setdefault("parameters", {})
-                    if isinstance(params, dict):
-                        params.setdefault("binary_data_output", True)
-                decoded = decode_request(header, tail, model=model, version=version)
-                if key is not None:
-                    self.plans.learn(key, header, decoded)
-            timeout_us = decoded.request.parameters.get("timeout_us")
-            deadline = inc.deadline
-            if timeout_us:
-                limit = time.monotonic() + timeout_us / 1e6
-                deadline = limit if deadline is None else min(deadline, limit)
-            if deadline is not None and time.monotonic() > deadline:
-                raise DeadlineExceededError("the request expired before it could be computed")
-            decoded.request.deadline = deadline
-            decoded.request.memory, inc.hold = inc.hold, None  # the service releases it when the request ends
-            reply.received = inc.received
-            stall = self.stall.request(reply.topic, inc.request_qos)
-            if stall is not None:
-                log.warning("%s", stall)
-            done = (
-                self.service.infer_or_submit(decoded.request, LOOP_INLINE_MAX_NS)
-                if inline and not self._more_to_read()
-                else self.service.submit(decoded.request)
-            )
+            started = self._begin(inc, reject, inline)
         except EdgedError as e:
-            self.replies.error(reply, e, inc.topic)
+            self.replies.error(inc.reply, e, inc.topic)
             return
         except Exception:
             log.exception("MQTT request on %r failed", inc.topic)
-            self.replies.error(reply, InternalError("internal error while handling the request"), inc.topic)
+            self.replies.error(inc.reply, InternalError("internal error while handling the request"), inc.topic)
             return
+        if started is None:
+            return
+        decoded, reply, done = started
         if isinstance(done, InferResponse):
             self.replies.answer(decoded, reply, done)
             return
         self.backlog.started()
         done.add_done_callback(partial(self._finish, decoded, reply))
+
+    def _begin(
+        self, inc: Incoming, reject: EdgedError | None, inline: bool
+    ) -> tuple[DecodedRequest, Reply, InferResponse | Future[InferResponse]] | None:
+        """The checks, in order, then the submission; None: the request was dropped, refused, a
+        duplicate, or handed on as a media request. Raises what its error reply must say (to
+        ``inc.reply``, once known)."""
+        if inc.response_topic is not None and not self._property_reply(inc, inc.response_topic,
+                                                                       remember=reject is None):
+            return None
+        if reject is not None:
+            self._raise_reject(inc, reject)
+            return None
+        model, version = self.topics.parse_infer(inc.topic)
+        if inc.media is not None:
+            if inc.reply is None:
+                self.replies.drop(inc.topic, "a raw image/sound request needs an MQTT 5 response topic")
+                return None
+            self._submit_media(inc, inc.reply, model, version)
+            return None
+        form, head, tail = inc.parts or codec.split(inc.payload, codec.header_length_property(inc.header_length))
+        # A binary header seen before needs no parsing (protocol/v2_plans.py); planned headers
+        # carry neither 'reply_to' nor 'id'.
+        key = None if form is Form.JSON else self.plans.key(model, version, head, len(tail))
+        plan = self.plans.get(key)
+        header = None if plan is not None else codec.parse_split(form, head, tail).header
+        reply_to, rid = (None, None) if header is None else codec.reply_address(header)
+        if inc.reply is not None:
+            inc.reply.form = form
+        elif not self._header_reply(inc, reply_to, rid, form):
+            return None
+        reply = inc.reply
+        assert reply is not None
+        reply.request_id = rid
+        if header is None:
+            assert plan is not None
+            decoded = plan.decode(tail)
+        else:
+            decoded = self._decode_header(header, form, tail, key, model, version)
+        self._set_deadline(inc, decoded)
+        decoded.request.memory, inc.hold = inc.hold, None  # the service releases it when the request ends
+        reply.received = inc.received
+        stall = self.stall.request(reply.topic, inc.request_qos)
+        if stall is not None:
+            log.warning("%s", stall)
+        done = (
+            self.service.infer_or_submit(decoded.request, LOOP_INLINE_MAX_NS)
+            if inline and not self._more_to_read()
+            else self.service.submit(decoded.request)
+        )
+        return decoded, reply, done
+
+    def _property_reply(self, inc: Incoming, topic: str, *, remember: bool) -> bool:
+        """The reply address from MQTT 5 properties, in ``inc.reply``; False: dropped (not a topic
+        name), refused, or (when ``remember``) a duplicate."""
+        if not codec.valid_publish_topic(topic):
+            self.replies.drop(inc.topic, "its response topic is not a valid topic name")
+            return False
+        form = (
+            Form.BINARY_PROPERTY
+            if inc.header_length is not None
+            else (Form.BINARY_PREFIX if inc.payload[:1] == b"\0" else Form.JSON)
+        )
+        if inc.media is not None:
+            form = Form.JSON
+        reply = inc.reply = Reply(topic, inc.correlation, None, form, inc.qos, inc.deadline, media=inc.media)
+        if self.replies.refused(inc.topic, reply):
+            return False
+        # A refused request is not remembered: its retry (same correlation) deserves an answer.
+        return not (remember and self._duplicate(inc.topic, reply))
+
+    def _raise_reject(self, inc: Incoming, reject: EdgedError) -> None:
+        """Raise ``reject`` for its error reply, found in a small header when properties gave none;
+        returns when there is nowhere to send it (dropped) or the address is refused."""
+        reply = inc.reply
+        if reply is None:
+            reply = inc.reply = self._reply_from_small_header(inc)
+            if reply is None:
+                self.replies.drop(inc.topic, f"{reject.code.value}: {reject}")
+                return
+            if self.replies.refused(inc.topic, reply):
+                return
+        if reject.code is ErrorCode.OVERLOADED:
+            # Refusals must leave faster than requests arrive: QoS 0 does not wait in paho's
+            # in-flight window behind the QoS 1 replies that caused the overload.
+            reply.qos = 0
+        raise reject
+
+    def _header_reply(self, inc: Incoming, reply_to: str | None, rid: str | None, form: Form) -> bool:
+        """The reply address from the JSON header's 'reply_to', in ``inc.reply``; False: there is none,
+        it is refused, or the request is a duplicate."""
+        if reply_to is None:
+            self.replies.drop(inc.topic, "it has no response topic (MQTT 5) or 'reply_to' (JSON header)")
+            return False
+        reply = inc.reply = Reply(reply_to, None, rid, form, inc.qos, inc.deadline)
+        if self.replies.refused(inc.topic, reply):
+            return False
+        return not self._duplicate(inc.topic, reply)
+
+    def _decode_header(self, header: dict[str, Any], form: Form, tail: memoryview, key: Any, model: str,
+                       version: int | None) -> DecodedRequest:
+        """A parsed header's request; a binary one's plan is learnt for the next like it."""
+        if form is not Form.JSON:
+            params = header.setdefault("parameters", {})
+            if isinstance(params, dict):
+                params.setdefault("binary_data_output", True)
+        decoded = decode_request(header, tail, model=model, version=version)
+        if key is not None:
+            self.plans.learn(key, header, decoded)
+        return decoded
+
+    @staticmethod
+    def _set_deadline(inc: Incoming, decoded: DecodedRequest) -> None:
+        """The request's deadline: the message's expiry or its own timeout, whichever comes first."""
+        timeout_us = decoded.request.parameters.get("timeout_us")
+        deadline = inc.deadline
+        if timeout_us:
+            limit = time.monotonic() + timeout_us / 1e6
+            deadline = limit if deadline is None else min(deadline, limit)
+        if deadline is not None and time.monotonic() > deadline:
+            raise DeadlineExceededError("the request expired before it could be computed")
+        decoded.request.deadline = deadline
 
     def _more_to_read(self) -> bool:
         """Whether more bytes wait on the broker's connection (other requests, most likely): then this

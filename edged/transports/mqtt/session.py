@@ -34,7 +34,7 @@ OnMessage = Callable[[mqtt.MQTTMessage, str], None]
 class MqttSession:
     """paho's client and the state of its link; ``client`` is None until :meth:`start`."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913  the transport's shared parts plus keyword-only callbacks
         self,
         options: MqttOptions,
         topics: Topics,

@@ -36,7 +36,7 @@ FRAME_TIMESTAMP_PROPERTY = "Frame-Timestamp"
 class StreamBindings:
     """The bindings' workers, and what they need of the transport: the model, the output, the connection."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913  the transport's shared parts plus keyword-only options
         self,
         bindings: list[StreamBinding],
         session: MqttSession,
