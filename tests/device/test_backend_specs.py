@@ -23,6 +23,7 @@ from edged.core.service import InferenceService
 from edged.errors import ConfigError, EngineUnavailableError
 from edged.profiles import BackendPreference, load_profiles
 from edged.protocol.types import InferRequest
+from edged.protocol.v2_models import metadata_response
 from edged.transports.http.config import model_config
 
 MakeRepo = Callable[..., Path]
@@ -100,8 +101,9 @@ def test_a_new_spec_is_all_the_daemon_needs(tagged: BackendSpec, model_repo: Mak
         got = svc.infer(InferRequest("digits", {"pixels": x}), timeout=30).outputs["probabilities"]
         np.testing.assert_allclose(got, plain.infer({"pixels": x})["probabilities"], rtol=1e-5)
         assert mv.scheduler is not None and getattr(mv.scheduler.engine, "tag", None) == "blue"
-        assert svc.metadata("digits")["platform"] == "tagged_onnx"
-        assert svc.metadata("digits")["parameters"]["backend"] == "tagged"
+        meta = metadata_response(svc.describe("digits"))
+        assert meta["platform"] == "tagged_onnx"
+        assert meta["parameters"]["backend"] == "tagged"
         config = model_config(mv, VersionPolicy())
         assert (config["platform"], config["backend"]) == ("tagged_onnx", "tagged")
     finally:

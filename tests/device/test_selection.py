@@ -33,6 +33,7 @@ from edged.core.service import InferenceService
 from edged.errors import EngineUnavailableError
 from edged.profiles import BackendPreference
 from edged.protocol.types import InferRequest
+from edged.protocol.v2_models import metadata_response
 from edged.repository.manifest import Variant
 
 MakeRepo = Callable[..., Path]
@@ -79,7 +80,7 @@ def test_first_choice_then_the_next_when_it_fails(model_repo: MakeRepo, tmp_path
         (skip,) = s["skipped"]
         assert skip["candidate"] == "openvino/CPU/fp32 (openvino/model.xml)"
         assert "OpenVINO could not compile it" in skip["reason"]
-        meta = svc.metadata("mobilenet")
+        meta = metadata_response(svc.describe("mobilenet"))
         assert meta["parameters"]["skipped"] == s["skipped"]
         x = np.zeros((1, 3, 48, 192), np.float32)
         assert svc.infer(InferRequest("mobilenet", {"image": x}), timeout=10).outputs["probabilities"].shape == (1, 37)
