@@ -175,7 +175,7 @@ def test_a_scheduled_rollout_starts_by_itself_at_its_time(world: World) -> None:
                          gates=Gates(max_failure_rate=0.0, min_reporting=1), start_at=time.time() + 2.5)
     ro = w.client.release_with_rollout(w.keys.load(), MODEL, 2, spec, expires_in_s=3600)
     assert (ro.state, ro.members) == ("scheduled", 0)
-    time.sleep(1.5)  # seven polls of every daemon
+    time.sleep(1.5)  # sleep-ok: nothing may happen before the start time; seven polls of every daemon meanwhile
     assert w.client.rollout(ro.id).rollout.state == "scheduled"
     assert all(e.release != ro.release for d in w.daemons for e in w.events(d))
     assert all(v == [1] for v in w.serving().values()), w.serving()
