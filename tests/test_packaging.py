@@ -219,6 +219,7 @@ def test_package_contents_and_metadata(built: Built) -> None:
     assert conffiles == ["/etc/edged/edged.toml", "/etc/mosquitto/conf.d/edged-nodelay.conf"]
 
 
+@pytest.mark.slow  # the unit test below installs the same .deb into a systemd root in the default run
 def test_deb_installs_offline_runs_and_purges_without_a_trace(
         built: Built, root: Path, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
     before = snapshot(root)
@@ -272,6 +273,7 @@ def test_deb_installs_offline_runs_and_purges_without_a_trace(
 SOURCES = ("install.sh", "pyproject.toml", "README.md", "edged", "models", "device_profiles", "packaging")
 
 
+@pytest.mark.slow  # the unit test below installs the same .deb into a systemd root in the default run
 def test_install_sh_offline_is_idempotent_and_uninstalls(built: Built, root: Path) -> None:
     before = snapshot(root)
     src = root / "src"
