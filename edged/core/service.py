@@ -337,7 +337,7 @@ class InferenceService:
         return [mv.stats.snapshot() for mv in mvs if mv.stats is not None]
 
     def statistics(self, name: str | None = None, version: int | None = None) -> list[dict[str, Any]]:
-        """:meth:`version_statistics` in Triton's shape (counters by their wire names), kept for
-        edged.sync.trial until the updater's split reads ``version_statistics`` (issue 38) and for tests;
-        transports format on their side (protocol.v2_models)."""
+        """:meth:`version_statistics` in Triton's shape (counters by their wire names), for an embedding
+        program and the tests that compare with what a transport answers; the daemon's own readers (the
+        updater's trial, transports, telemetry) take the typed records and format on their side."""
         return [statistics_entry(s) for s in self.version_statistics(name, version)]
