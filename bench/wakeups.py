@@ -1,0 +1,223 @@
+"""Which of the daemon's threads wake for a lone request, per transport (issue 41).
+
+    .venv/bin/python -m bench.wakeups [--requests N]
+
+A thread wake-up costs from a few microseconds on bare metal to ~150 us on some 2-core VMs, so the
+one host-independent way to hold the serving path at its floor is to count them, not to time them:
+this runs a whole daemon (shm, HTTP, gRPC and MQTT through a private mosquitto, the bundled CNN) in
+this process, sends N requests one at a time on each transport from a client thread, and reads every
+daemon thread's context switches from /proc before and after. The thread that reads a request (the
+shm connection's thread, the event loop for HTTP and gRPC, paho's network thread for MQTT) must wake
+once per request; any other Python thread that wakes per request is a hand-off on the path. ONNX
+Runtime's own pool threads are native and not counted (the bare responders of the suite have them too).
+tests/transports/test_wakeups.py asserts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import shutil
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "mobilenet"
+DEVICE = "wakeups"
+
+
+def switches() -> dict[int, tuple[str, int, int]]:
+    """Each live Python thread of this process: native id -> (name, voluntary, involuntary) switches."""
+    out: dict[int, tuple[str, int, int]] = {}
+    for t in threading.enumerate():
+        tid = t.native_id
+        if tid is None:
+            continue
+        try:
+            text = Path(f"/proc/self/task/{tid}/status").read_text()
+        except OSError:
+            continue  # ended meanwhile
+        fields = dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
+        out[tid] = (t.name, int(fields["voluntary_ctxt_switches"]), int(fields["nonvoluntary_ctxt_switches"]))
+    return out
+
+
+@dataclass(frozen=True)
+class Woken:
+    """A thread's voluntary switches (sleeps, each ended by a wake-up) per request over a run."""
+
+    name: str
+    per_request: float
+
+
+def count(send: Callable[[], object], n: int, skip: set[int]) -> list[Woken]:
+    """Run ``send`` n times and return the Python threads (other than those in ``skip``) that slept."""
+    for _ in range(20):
+        send()
+    before = switches()
+    for _ in range(n):
+        send()
+    after = switches()
+    woken = [Woken(name, (vol - before[tid][1]) / n) for tid, (name, vol, _) in after.items()
+             if tid in before and tid not in skip and vol > before[tid][1]]
+    return sorted(woken, key=lambda w: -w.per_request)
+
+
+def _config(tmp: Path, http_port: int, grpc_port: int, broker_url: str) -> Path:
+    path = tmp / "edged.toml"
+    path.write_text(f"""
+[device]
+id = "{DEVICE}"
+profile = "generic"
+state_dir = "{tmp / 'state'}"
+runtime_dir = "{tmp / 'run'}"
+model_repository = "{tmp / 'models'}"
+[http]
+listen = "127.0.0.1:{http_port}"
+[grpc]
+listen = "127.0.0.1:{grpc_port}"
+[mqtt]
+url = "{broker_url}"
+[telemetry]
+enabled = false
+[logging]
+level = "warning"
+""")
+    return path
+
+
+class InProcessDaemon:
+    """``edged run`` on this process's main thread (its signal handlers need it); work on other threads."""
+
+    def __init__(self, cfg_path: Path, *, quick_choice: bool = False) -> None:
+        """``quick_choice``: the background engine choice measures briefly (a test's daemon)."""
+        from edged.config import load_config
+        from edged.daemon import Daemon
+
+        self.daemon = Daemon(load_config(cfg_path))
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.ready = threading.Event()
+        self.quick_choice = quick_choice
+
+    def settled(self, timeout: float) -> None:
+        """Wait until every version's engine is chosen (the chooser measures candidates after READY)."""
+        from tests.polling import wait_until
+
+        rt = self.daemon.runtime
+        assert rt is not None
+        wait_until(lambda: all(mv.choice is None or mv.choice.status()["state"] in ("chosen", "single")
+                               for mv in rt.manager.table.all()), timeout, what="the engine choice to settle")
+
+    def serve(self, work: Callable[[], None]) -> None:
+        """Serve until ``work`` (run on a thread once the daemon is READY) returns or raises."""
+        failure: list[BaseException] = []
+
+        def worker() -> None:
+            try:
+                assert self.ready.wait(120), "the in-process daemon did not become ready"
+                work()
+            except BaseException as e:
+                failure.append(e)
+            finally:
+                assert self.loop is not None
+                self.loop.call_soon_threadsafe(self.daemon.request_stop)
+
+        async def main() -> None:
+            self.loop = asyncio.get_running_loop()
+            told = self.daemon.notifier.ready
+
+            def ready(status: str | None = None) -> bool:
+                rt = self.daemon.runtime
+                if self.quick_choice and rt is not None:  # before the chooser starts, right after READY
+                    from edged.backends.benchmark import BenchmarkSettings
+
+                    rt.manager.chooser.settings = BenchmarkSettings(time_per_candidate_s=0.2, total_s=1.0,
+                                                                    rounds=3, min_rounds=1)
+                self.ready.set()
+                return told(status)
+            self.daemon.notifier.ready = ready  # type: ignore[method-assign]  # told READY, then as before
+            await self.daemon.serve()
+
+        thread = threading.Thread(target=worker, name="wakeups-client")
+        thread.start()
+        try:
+            asyncio.run(main())
+        finally:
+            thread.join(60)
+        if failure:
+            raise failure[0]
+
+
+@contextlib.contextmanager
+def daemon_with_everything(tmp: Path, *, quick_choice: bool = False
+                           ) -> Iterator[tuple[InProcessDaemon, int, int, int, Path]]:
+    """A daemon (not yet serving) with the bundled CNN on every transport, and a private broker."""
+    sys.path.insert(0, str(ROOT))
+    from tests.mqtt_helpers import Broker
+    from tests.netutil import free_port
+
+    shutil.copytree(ROOT / "models" / MODEL, tmp / "models" / MODEL)
+    broker = Broker(tmp / "broker").start()
+    try:
+        http_port, grpc_port = free_port(), free_port()
+        d = InProcessDaemon(_config(tmp, http_port, grpc_port, broker.url), quick_choice=quick_choice)
+        yield d, http_port, grpc_port, broker.port, tmp / "run" / "edged.sock"
+    finally:
+        broker.stop()
+
+
+def measure(tmp: Path, n: int, *, quick_choice: bool = False) -> dict[str, list[Woken]]:
+    """Per transport, the daemon's Python threads that slept during n lone requests."""
+    from bench.bench_mqtt import Driver, binary_request
+    from edged.client.grpc import GrpcClient
+    from edged.client.http import HttpClient
+    from edged.client.shm import ShmClient
+
+    x1 = np.random.default_rng(0).random((1, 3, 48, 192), dtype=np.float32)
+    results: dict[str, list[Woken]] = {}
+    with daemon_with_everything(tmp, quick_choice=quick_choice) as (d, http_port, grpc_port, mqtt_port, sock):
+        def work() -> None:
+            d.settled(60.0)  # the engine choice measures in the background after READY: not on our counts
+            shm = ShmClient(sock)
+            http = HttpClient(f"127.0.0.1:{http_port}")
+            grpc = GrpcClient(f"127.0.0.1:{grpc_port}")
+            driver = Driver(mqtt_port, qos=0)
+            payload, users = binary_request("image", x1)
+            topic = f"edged/{DEVICE}/infer/{MODEL}"
+            # The clients' threads: this one and paho's for the MQTT driver; every other is the daemon's.
+            skip = {tid for tid, (name, _, _) in switches().items() if "bench-driver" in name}
+            skip.add(threading.get_native_id())
+            try:
+                results["shm"] = count(lambda: shm.infer(MODEL, {"image": x1}), n, skip)
+                results["http"] = count(lambda: http.infer(MODEL, {"image": x1}), n, skip)
+                results["grpc"] = count(lambda: grpc.infer(MODEL, {"image": x1}), n, skip)
+                results["mqtt"] = count(lambda: driver.run(topic, payload, users, concurrency=1, n=1), n, skip)
+            finally:
+                shm.close()
+                http.close()
+                grpc.close()
+                driver.c.disconnect()
+                driver.c.loop_stop()
+        d.serve(work)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=500)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="edged-wakeups-") as t:
+        results = measure(Path(t), args.requests)
+    for transport, woken in results.items():
+        print(f"{transport}: " + (", ".join(f"{w.name} {w.per_request:.2f}" for w in woken) or "no thread slept"))
+
+
+if __name__ == "__main__":
+    main()

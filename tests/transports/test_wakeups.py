@@ -1,0 +1,40 @@
+"""A lone request wakes no thread of edged's but the one that reads it, on every transport (issue 41).
+
+Each wake-up costs up to ~150 us on some 2-core VMs; counting them holds on every host class where a
+timing would not. bench/wakeups.py runs the daemon in this process and reads each thread's context
+switches from /proc around 200 requests sent one at a time per transport.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bench.wakeups import Woken, measure
+
+# The thread that reads a request where it arrives: it sleeps between requests, so it wakes for each.
+READERS = {
+    "shm": ("edged-shm-pid",),  # the client connection's own thread
+    "http": ("MainThread",),  # the event loop
+    "grpc": ("MainThread", "Thread-1 (_poll_wrapper)"),  # the loop, and grpcio's completion-queue poller
+    "mqtt": ("paho-mqtt-client-",),  # paho's network thread
+}
+REQUESTS = 200
+HAND_OFF = 0.1  # a thread woken for one request in ten is on the path, not a timer
+
+
+@pytest.mark.skipif(shutil.which("mosquitto") is None, reason="mosquitto is not installed (apt-get install mosquitto)")
+def test_a_lone_request_wakes_only_the_thread_that_reads_it(tmp_path: Path) -> None:
+    results = measure(tmp_path, REQUESTS, quick_choice=True)
+    assert set(results) == set(READERS)
+    for transport, woken in results.items():
+        readers = [w for w in woken if w.name.startswith(READERS[transport])]
+        others = [w for w in woken if w not in readers and w.per_request >= HAND_OFF]
+        assert readers, f"{transport}: no reader thread slept between requests: {woken}"
+        assert not others, f"{transport}: a lone request wakes {_names(others)} besides its reader"
+
+
+def _names(woken: list[Woken]) -> str:
+    return ", ".join(f"{w.name} ({w.per_request:.2f} per request)" for w in woken)
