@@ -393,7 +393,14 @@ class TelemetrySection(_Section):
 
 
 class LimitsSection(_Section):
-    """What requests may hold together (see edged/membudget.py)."""
+    """What requests may hold together (see edged/membudget.py), and the daemon's threads and processes."""
+
+    @field_validator("engine_processes")
+    @classmethod
+    def _processes(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and not 0 <= v <= 64:
+            raise ValueError("engine_processes must be between 0 and 64, or \"auto\"")
+        return v
 
     memory_mb: float = Field(default=0, ge=0, description="memory every request in progress may hold together: "
                              "bodies in flight, decoded tensors, decoded images and audio, padding; a request that "
@@ -402,6 +409,11 @@ class LimitsSection(_Section):
     engine_threads: int = Field(default=0, ge=0, le=1024, description="each engine's CPU thread pool; 0: the "
                                 "device profile's threads, else the engine's default (a thread per physical core), "
                                 "capped at the CPUs this process may use (its affinity and cgroup CPU quota)")
+    engine_processes: int | Literal["auto"] = Field(
+        default="auto", description="CPU engines (ONNX Runtime, OpenVINO) run in this many worker processes per "
+        "model version, each with an equal share of the engine threads, so one Python interpreter's lock does "
+        "not cap the engine on a many-core CPU; 0: in the daemon's process. auto: a process per 4 usable CPUs "
+        "from 12 usable CPUs up, else 0")
     decode_threads: int = Field(default=0, ge=0, le=256, description="threads that decode and encode large "
                                 "requests off the transports' event loop; 0: half the CPUs this process may use "
                                 "(at least one). Two more are kept for control calls (model loads, file work)")

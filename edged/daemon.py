@@ -36,7 +36,7 @@ from edged.profiles import DeviceProfile, ProfileMatch, load_profiles, match_pro
 from edged.repository.store import list_versions
 from edged.systemd.health import Prober, self_test
 from edged.systemd.notify import Notifier, watchdog_interval
-from edged.threadplan import install_worker_pool, plan_threads
+from edged.threadplan import engine_processes, install_worker_pool, plan_threads
 from edged.transports.base import Transport
 
 if TYPE_CHECKING:
@@ -101,7 +101,8 @@ def build_runtime(cfg: Config, *, load: bool = True, only: str | None = None, de
     manager = ModelManager(repo, cfg.models, profile.backends, cache_dir=cache_dir,
                            threads=cfg.limits.engine_threads or profile.threads,
                            memory_budget_mb=profile.effective_memory_budget_mb(facts),
-                           select=profile.select, facts=facts, defer_choice=defer_choice)
+                           select=profile.select, facts=facts, defer_choice=defer_choice,
+                           processes=engine_processes(cfg.limits))
     if load:
         if only is not None:
             manager.load_model(only)

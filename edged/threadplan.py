@@ -26,11 +26,15 @@ class ThreadPlan:
     engine: int  # each engine's pool; 0: the engine's default (a thread per physical core)
     decode: int  # loop workers for large decodes/encodes (plus CONTROL_THREADS for control calls)
     reasons: tuple[str, ...]
+    processes: int = 0  # CPU engines in this many worker processes each, sharing ``engine`` threads (0: in-process)
 
     def describe(self) -> str:
         engine = f"{self.engine} thread(s)" if self.engine else "the engine's default (a thread per physical core)"
-        return (f"threads: {self.cpus} usable CPU(s) ({'; '.join(self.reasons)}); each engine's pool {engine}; "
-                f"{self.decode} decode worker(s) + {CONTROL_THREADS} for control calls")
+        where = "" if not self.processes else (
+            f", split over {self.processes} engine worker process(es) of "
+            f"{max(1, (self.engine or self.cpus) // self.processes)} thread(s) for CPU engines")
+        return (f"threads: {self.cpus} usable CPU(s) ({'; '.join(self.reasons)}); each engine's pool {engine}"
+                f"{where}; {self.decode} decode worker(s) + {CONTROL_THREADS} for control calls")
 
 
 
@@ -39,6 +43,19 @@ def install_worker_pool(loop: asyncio.AbstractEventLoop, limits: LimitsSection) 
     the loop's first ``to_thread``, since a replaced executor is not shut down."""
     loop.set_default_executor(ThreadPoolExecutor(max_workers=decode_threads(limits) + CONTROL_THREADS,
                                                  thread_name_prefix="edged-worker"))
+
+
+AUTO_PROCESSES_FROM = 12  # usable CPUs from which "auto" runs CPU engines in worker processes
+CPUS_PER_PROCESS = 4
+
+
+def engine_processes(limits: LimitsSection, cpus: int | None = None) -> int:
+    """Worker processes per CPU engine: the configured count, or for "auto" one per CPUS_PER_PROCESS usable
+    CPUs from AUTO_PROCESSES_FROM up (below that, one interpreter keeps up with the engine: 0)."""
+    if limits.engine_processes != "auto":
+        return int(limits.engine_processes)
+    cpus = usable_cpus() if cpus is None else cpus
+    return cpus // CPUS_PER_PROCESS if cpus >= AUTO_PROCESSES_FROM else 0
 
 
 def decode_threads(limits: LimitsSection) -> int:
@@ -57,4 +74,5 @@ def plan_threads(limits: LimitsSection, profile_threads: int) -> ThreadPlan:
         reasons.append("the profile's threads")
     else:
         engine = constrained_cpus()
-    return ThreadPlan(cpus=cpus, engine=engine, decode=decode_threads(limits), reasons=tuple(reasons))
+    return ThreadPlan(cpus=cpus, engine=engine, decode=decode_threads(limits), reasons=tuple(reasons),
+                      processes=engine_processes(limits, cpus))

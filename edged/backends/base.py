@@ -86,6 +86,9 @@ class Engine(abc.ABC):
     # otherwise take ``str()`` of each bytes object, "b'0'"): validation then refuses a non-UTF-8
     # element naming its input and index, and the engine hands its string outputs back as bytes.
     takes_text: bool = False
+    # Calls it can run at once to good effect: the scheduler runs at least this many batches together
+    # (engine worker processes: one per process; an in-process engine shares one session's threads).
+    parallel: int = 1
 
     @abc.abstractmethod
     def infer(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
@@ -93,6 +96,10 @@ class Engine(abc.ABC):
 
     def unload(self) -> None:  # noqa: B027 - optional hook
         """Release engine resources; the default relies on garbage collection."""
+
+    def process_memory_mb(self) -> float:
+        """Memory it holds in other processes (engine workers), counted against the model budget."""
+        return 0.0
 
     @property
     def restoring(self) -> bool:

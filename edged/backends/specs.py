@@ -38,6 +38,9 @@ class BackendSpec:
     open_devices: bool = False
     # True: it also builds an engine from an FP32 ONNX file at a lower precision (TensorRT).
     builds_lower_precision: bool = False
+    # Devices on which its instances may run in engine worker processes ([limits] engine_processes):
+    # CPU engines, whose throughput grows with the cores the daemon's interpreter would otherwise cap.
+    process_devices: tuple[str, ...] = ()
 
     def device_problem(self, device: str) -> str | None:
         """Why a profile line may not give this engine ``device``, or None when it may."""
@@ -87,12 +90,13 @@ SPECS: dict[str, BackendSpec] = {s.name: s for s in (
     BackendSpec(
         name="openvino", title="OpenVINO", options=OpenVinoOptions, devices=("CPU", "GPU", "NPU", "AUTO"),
         platform="openvino", formats=("openvino", "onnx"), library="openvino", distributions=("openvino",),
-        install="the 'openvino' package", implementation=_openvino, open_devices=True),
+        install="the 'openvino' package", implementation=_openvino, open_devices=True, process_devices=("CPU",)),
     BackendSpec(
         name="onnxruntime", title="ONNX Runtime", options=OnnxRuntimeOptions, devices=("CPU", "GPU"),
         platform="onnxruntime_onnx", formats=("onnx",), library="onnxruntime",
         distributions=("onnxruntime", "onnxruntime-gpu", "onnxruntime-openvino", "onnxruntime-directml"),
-        install="the 'onnxruntime' package (or 'onnxruntime-gpu' on CUDA machines)", implementation=_onnxruntime),
+        install="the 'onnxruntime' package (or 'onnxruntime-gpu' on CUDA machines)", implementation=_onnxruntime,
+        process_devices=("CPU",)),
 )}
 
 

@@ -70,11 +70,12 @@ def _output_check(mv: ModelVersion) -> OutputShapeCheck:
 class ModelManager:
     def __init__(self, repository: Path, models: ModelsSection, preferences: Sequence[BackendPreference], *,  # noqa: PLR0913  keyword-only options passed through from the daemon's config
                  cache_dir: Path | None = None, threads: int = 0, memory_budget_mb: float = 0.0,
-                 select: str = "first", facts: HardwareFacts | None = None, defer_choice: bool = False) -> None:
+                 select: str = "first", facts: HardwareFacts | None = None, defer_choice: bool = False,
+                 processes: int = 0) -> None:
         self.repository = repository
         self.models_cfg = models
         self.loader = ModelLoader(preferences, cache_dir=cache_dir, threads=threads, select=select, facts=facts,
-                                  defer_choice=defer_choice)
+                                  defer_choice=defer_choice, processes=processes)
         self.table = ModelTable()
         # Measures engines while serving and switches (edged.core.chooser); the daemon starts it once READY.
         self.chooser = EngineChooser(self.table, self.loader)
@@ -127,11 +128,12 @@ class ModelManager:
         """A loaded version gets its memory figure, statistics, scheduler and (maybe) an engine choice."""
         choice = attach(mv, self.loader) if mv.state is ModelState.READY else None
         if mv.state is ModelState.READY and mv.engine is not None:
-            mv.memory_mb = max(estimate, grown)
+            mv.memory_mb = max(estimate, grown + mv.engine.process_memory_mb())
             manifest = mv.manifest
             mv.stats = ModelStats(mv.name, mv.version, mv.candidate.backend if mv.candidate else "")
             mv.scheduler = Scheduler(mv.name, mv.version, mv.engine, max_batch_size=mv.max_batch_size,
-                                     batching=mv.batching, instances=manifest.instances.count,
+                                     batching=mv.batching,
+                                     instances=max(manifest.instances.count, mv.engine.parallel),
                                      stats=mv.stats, shapes_vary=any(-1 in s.shape for s in mv.inputs),
                                      output_check=_output_check(mv))
             if choice is not None:

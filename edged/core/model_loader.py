@@ -44,7 +44,7 @@ from edged.backends.enginecache import EngineCache, EngineCacheKey, variant_dige
 from edged.backends.factory import get_backend
 from edged.backends.options import BackendOptions, OpenVinoOptions, TensorRtOptions
 from edged.backends.selection import Candidate, candidates, unavailable_reason
-from edged.backends.specs import SPECS
+from edged.backends.specs import SPECS, spec_for
 from edged.core.model_versions import DECLARE_HINT, ModelState, ModelVersion, sample_inputs, synthesized
 from edged.core.upgrade import EngineUpgrade, SwappableEngine
 from edged.errors import EdgedError, ModelLoadError
@@ -193,14 +193,15 @@ _Attempt = tuple[_Opened | None, EngineBuildRequiredError | None, str | None]
 class ModelLoader:
     """Loads a version with the best candidate that works, remembering why others were skipped."""
 
-    def __init__(self, preferences: Sequence[BackendPreference], *, cache_dir: Path | None, threads: int = 0,
+    def __init__(self, preferences: Sequence[BackendPreference], *, cache_dir: Path | None, threads: int = 0,  # noqa: PLR0913  keyword-only settings from the daemon's config
                  select: str = "first", benchmark: BenchmarkSettings | None = None,
-                 facts: HardwareFacts | None = None, defer_choice: bool = False) -> None:
+                 facts: HardwareFacts | None = None, defer_choice: bool = False, processes: int = 0) -> None:
         if select not in SELECT_MODES:
             raise ValueError(f"select must be one of {SELECT_MODES}, not {select!r}")
         self.preferences = list(preferences)
         self.cache_dir = cache_dir
         self.threads = threads
+        self.processes = processes  # CPU engines in this many worker processes each ([limits] engine_processes)
         self.select = select
         self.facts = facts  # the daemon's probe, handed to the backends and the benchmark key
         self.benchmark_settings = benchmark or BenchmarkSettings()
@@ -407,10 +408,26 @@ class ModelLoader:
 
     def _open(self, mv: ModelVersion, cand: Candidate) -> _Opened:
         try:
-            engine = get_backend(cand.backend).load(self._request(mv, cand))
+            request = self._request(mv, cand)
+            if self._in_processes(mv, cand):
+                from edged.backends.engine_procs.pool import EngineProcesses
+
+                engine: Engine = EngineProcesses(cand.backend, request, self.processes)
+            else:
+                engine = get_backend(cand.backend).load(request)
         finally:
             self.restore_locale()
         return self._check(mv, cand, engine)
+
+    def _in_processes(self, mv: ModelVersion, cand: Candidate) -> bool:
+        """Engine worker processes for this candidate: configured, a CPU engine, and tensors the wire carries
+        (declared and numeric; BYTES and undeclared I/O stay in the daemon's process)."""
+        if self.processes <= 0 or cand.device.upper() not in spec_for(cand.backend).process_devices:
+            return False
+        m = mv.manifest
+        if m.inputs is None or m.outputs is None:
+            return False
+        return all(t.datatype != "BYTES" for t in [*m.inputs, *m.outputs])
 
     def restore_locale(self) -> None:
         """Put back the locale the process started with if an engine library left another one."""

@@ -222,6 +222,11 @@ class Scheduler:
             self._typical_bytes = (b + ((nbytes - b + 4) >> 3)) or 1
 
     @property
+    def instances(self) -> int:
+        """Batches it runs at once (the manifest's instances, or the engine's worker processes)."""
+        return self._instances
+
+    @property
     def queued(self) -> int:
         return len(self._queue)
 

@@ -51,10 +51,14 @@ class SwappableEngine(Engine):
         self.backend, self.device, self.precision = engine.backend, engine.device, engine.precision
         self.inputs, self.outputs = engine.inputs, engine.outputs
         self.takes_text = engine.takes_text  # how BYTES reach it: validation reads it through the proxy
+        self.parallel = engine.parallel
 
     @property
     def current(self) -> Engine:
         return self._current
+
+    def process_memory_mb(self) -> float:
+        return self._current.process_memory_mb()
 
     @property
     def batched(self) -> Engine | None:

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -81,15 +81,17 @@ def _tensors(items: list[dict[str, Any]]) -> list[EngineTensor]:
     return [EngineTensor(str(t["name"]), str(t["datatype"]), tuple(int(d) for d in t["shape"])) for t in items]
 
 
-class WorkerEngine(Engine):
-    """A TensorRT plan served by an engine worker under another Python (JetPack 5's system 3.8)."""
+class EngineWorkerClient(Engine):
+    """The daemon's end of one engine worker process: start, check, restart, and INFER over memfds.
 
-    backend = "tensorrt"
+    Subclasses say which program to run (``_command``) and what to send it first (``_greeting``)."""
 
-    def __init__(self, python: str, plan: Path, label: str, *, device: str = "GPU", precision: str = "fp32",
-                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
-        self.python, self.plan, self.label = python, plan, label
+    what: ClassVar[str] = "engine worker"
+    loads: ClassVar[str] = "model"  # what it loads, in messages
+
+    def __init__(self, label: str, *, device: str, precision: str, start_timeout_s: float,
+                 request_timeout_s: float) -> None:
+        self.label = label
         self.device, self.precision = device, precision
         self.start_timeout_s, self.request_timeout_s = start_timeout_s, request_timeout_s
         self._lock = threading.Lock()
@@ -105,31 +107,43 @@ class WorkerEngine(Engine):
         self.last_exit: str | None = None
         self.info: dict[str, Any] = {}
         with self._lock:
-            self._start()  # a plan that cannot load fails the load here, with the worker's reason
+            self._start()  # a model that cannot load fails the load here, with the worker's reason
         self.inputs = _tensors(self.info["inputs"])
         self.outputs = _tensors(self.info["outputs"])
+
+    def _command(self, fd: int) -> list[str]:
+        raise NotImplementedError
+
+    def _greeting(self) -> bytes | None:
+        """A first message for the worker (what to load), or None when its command line says it all."""
+        return None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
 
     # ---- process ------------------------------------------------------------------------------
     def _start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        command = self._command(theirs.fileno())
         try:
-            # -s -E: only the system site-packages (numpy, TensorRT); nothing from the daemon's environment.
-            self._proc = subprocess.Popen(
-                [self.python, "-s", "-E", str(WORKER_SCRIPT), "--fd", str(theirs.fileno()), "--plan", str(self.plan),
-                 "--wire", str(WIRE_DIR)],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, close_fds=True)
+            self._proc = subprocess.Popen(command, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                          close_fds=True)
         except OSError as e:
             ours.close()
-            raise ModelLoadError(f"{self.label}: cannot start the TensorRT engine worker {self.python}: "
-                                 f"{e.strerror}") from None
+            raise ModelLoadError(f"{self.label}: cannot start the {self.what} {command[0]}: {e.strerror}") from None
         finally:
             theirs.close()
         self._sock = ours
         try:
+            greeting = self._greeting()
+            if greeting is not None:
+                ours.send(greeting)
             kind, status, _, body = self._reply(self.start_timeout_s, "starting")
             if status:
                 _, why = p.decode_error(body)
-                raise ModelLoadError(f"{self.label}: the TensorRT engine worker cannot load the plan: {why}")
+                raise ModelLoadError(f"{self.label}: the {self.what} cannot load the {self.loads}: {why}")
             if kind != p.HELLO | p.REPLY:
                 raise ModelLoadError(f"{self.label}: the engine worker said kind {kind} instead of hello")
             self.info = json.loads(bytes(body))
@@ -144,9 +158,11 @@ class WorkerEngine(Engine):
             raise
         except (OSError, TimeoutError, ValueError, _NotDeliveredError) as e:
             self._stop()
-            raise ModelLoadError(f"{self.label}: the TensorRT engine worker failed while starting: {e}") from None
-        log.info("%s: TensorRT engine worker pid %d ready (Python %s, TensorRT %s)", self.label, self._proc.pid,
-                 self.info.get("python"), self.info.get("tensorrt"))
+            raise ModelLoadError(f"{self.label}: the {self.what} failed while starting: {e}") from None
+        self._started()
+
+    def _started(self) -> None:
+        log.info("%s: %s pid %s ready", self.label, self.what, self.pid)
 
     def _stop(self) -> None:
         if self._sock is not None:
@@ -168,10 +184,10 @@ class WorkerEngine(Engine):
         self._stop()
         self.restarts += 1
         self._not_before = time.monotonic() + self._backoff.next_delay()
-        msg = (f"{self.label}: the TensorRT engine worker (pid {pid}) {why} during this request "
+        msg = (f"{self.label}: the {self.what} (pid {pid}) {why} during this request "
                f"({self.last_exit}); it is being restarted")
         log.error("%s", msg)
-        threading.Thread(target=self._restart, name="trt-worker-restart", daemon=True).start()
+        threading.Thread(target=self._restart, name="edged-worker-restart", daemon=True).start()
         return WorkerDiedError(msg)
 
     def _restart(self) -> None:
@@ -188,7 +204,7 @@ class WorkerEngine(Engine):
         """It died between requests (nothing was in flight): replace it before this request, not after."""
         self._stop()
         self.restarts += 1
-        log.error("%s: the TensorRT engine worker died while idle (%s); restarting it", self.label, self.last_exit)
+        log.error("%s: the %s died while idle (%s); restarting it", self.label, self.what, self.last_exit)
 
     def _ensure_started(self) -> None:
         if self._closed:
@@ -300,11 +316,11 @@ class WorkerEngine(Engine):
             for o in outs:
                 dtype = p.NUMPY_DTYPES[o.dtype] if 0 < o.dtype < len(p.NUMPY_DTYPES) else None
                 if dtype is None or o.offset + o.nbytes > self._out.size:
-                    raise InternalError(f"{self.label}: the engine worker described output {o.name!r} wrongly")
+                    raise InternalError(f"{self.label}: the {self.what} described output {o.name!r} wrongly")
                 # A copy the caller owns: the segment is reused by the next request.
                 result[o.name] = self._out.view[o.offset:o.offset + o.nbytes].view(dtype).reshape(o.shape).copy()
             return result
-        raise InternalError(f"{self.label}: the engine worker's outputs kept outgrowing the output segment")
+        raise InternalError(f"{self.label}: the {self.what}'s outputs kept outgrowing the output segment")
 
     def health(self) -> dict[str, Any]:
         """Ping the worker (short timeout); what ``describe`` and status pages show."""
@@ -319,13 +335,11 @@ class WorkerEngine(Engine):
                     self.info.update(json.loads(bytes(body)) if alive else {})
                 except (OSError, TimeoutError, ValueError):
                     alive = False
-            return {"alive": alive, "pid": self._proc.pid if self._proc else None, "restarts": self.restarts,
-                    "last_exit": self.last_exit, "served": self.info.get("served"), "python": self.info.get("python"),
-                    "tensorrt": self.info.get("tensorrt")}
+            return {"alive": alive, "pid": self.pid, "restarts": self.restarts, "last_exit": self.last_exit,
+                    "served": self.info.get("served")}
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "engine_worker": {"python": self.python, "pid": self._proc.pid if self._proc
-                                                        else None, "restarts": self.restarts}}
+        return {**super().describe(), "engine_worker": {"pid": self.pid, "restarts": self.restarts}}
 
     def unload(self) -> None:
         with self._lock:
@@ -336,3 +350,33 @@ class WorkerEngine(Engine):
                     seg.close()
             self._in = self._out = None
 
+
+class WorkerEngine(EngineWorkerClient):
+    """A TensorRT plan served by an engine worker under another Python (JetPack 5's system 3.8)."""
+
+    backend = "tensorrt"
+    what = "TensorRT engine worker"
+    loads = "plan"
+
+    def __init__(self, python: str, plan: Path, label: str, *, device: str = "GPU", precision: str = "fp32",
+                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
+        self.python, self.plan = python, plan
+        super().__init__(label, device=device, precision=precision, start_timeout_s=start_timeout_s,
+                         request_timeout_s=request_timeout_s)
+
+    def _command(self, fd: int) -> list[str]:
+        # -s -E: only the system site-packages (numpy, TensorRT); nothing from the daemon's environment.
+        return [self.python, "-s", "-E", str(WORKER_SCRIPT), "--fd", str(fd), "--plan", str(self.plan),
+                "--wire", str(WIRE_DIR)]
+
+    def _started(self) -> None:
+        log.info("%s: TensorRT engine worker pid %d ready (Python %s, TensorRT %s)", self.label, self.pid,
+                 self.info.get("python"), self.info.get("tensorrt"))
+
+    def describe(self) -> dict[str, Any]:
+        return {**Engine.describe(self), "engine_worker": {"python": self.python, "pid": self.pid,
+                                                           "restarts": self.restarts}}
+
+    def health(self) -> dict[str, Any]:
+        return {**super().health(), "python": self.info.get("python"), "tensorrt": self.info.get("tensorrt")}

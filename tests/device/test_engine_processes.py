@@ -1,0 +1,177 @@
+"""CPU engines in worker processes ([limits] engine_processes, issue 41): same answers, N batches at once,
+a dead worker replaced, nothing left behind."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from edged.backends.engine_procs.pool import EngineProcesses
+from edged.config import LimitsSection, ModelsSection
+from edged.core.manager import ModelManager
+from edged.core.service import InferenceService
+from edged.profiles import BackendPreference
+from edged.protocol.types import InferRequest
+from edged.threadplan import engine_processes
+from tests.edged_process import edged_run
+from tests.polling import wait_until
+
+ORT_CPU = [BackendPreference(backend="onnxruntime", device="CPU", precisions=["fp32"])]
+MODEL = "mobilenet"
+
+
+def _reference(repo: Path, x: np.ndarray) -> np.ndarray:
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(repo / MODEL / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    return np.asarray(sess.run(None, {"image": x})[0])
+
+
+def _pool(manager: ModelManager) -> EngineProcesses:
+    mv = manager.table.find(MODEL, None)
+    assert mv is not None and mv.engine is not None
+    engine = getattr(mv.engine, "current", mv.engine)  # behind the engine-choice proxy when there is one
+    assert isinstance(engine, EngineProcesses)
+    return engine
+
+
+def test_engine_processes_answer_as_the_engine_does_and_run_batches_at_once(
+        model_repo: Callable[..., Path]) -> None:
+    repo = model_repo(MODEL)
+    manager = ModelManager(repo, ModelsSection(), ORT_CPU, threads=2, processes=2)
+    manager.load_model(MODEL)
+    try:
+        pool = _pool(manager)
+        pids = [w.pid for w in pool.workers]
+        assert len(set(pids)) == 2 and os.getpid() not in pids
+        assert all(psutil.Process(p).ppid() == os.getpid() for p in pids if p is not None)
+        assert pool.threads_per_process == 1
+        mv = manager.table.find(MODEL, None)
+        assert mv is not None and mv.scheduler is not None and mv.scheduler.instances == 2
+        assert mv.memory_mb > 0
+
+        service = InferenceService(manager)
+        rng = np.random.default_rng(7)
+        xs = [rng.random((1, 3, 48, 192), dtype=np.float32) for _ in range(16)]
+        want = [_reference(repo, x) for x in xs]
+        got: dict[int, np.ndarray] = {}
+
+        def client(k: int) -> None:
+            for i in range(k, len(xs), 4):
+                got[i] = service.infer_blocking(InferRequest(MODEL, {"image": xs[i]})).outputs["probabilities"]
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i, w in enumerate(want):
+            np.testing.assert_allclose(got[i], w, atol=1e-5)
+        # A batch of 8 straight through the pool equals the same samples one by one.
+        batch = np.concatenate(xs[:8])
+        np.testing.assert_allclose(pool.infer({"image": batch})["probabilities"], np.concatenate(want[:8]),
+                                   atol=1e-5)
+        served = [int(h["served"] or 0) for h in pool.health()]
+        assert all(s > 0 for s in served), f"every worker serves: {served}"
+    finally:
+        manager.shutdown()
+    wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                               for p in pids if p is not None), 10, what="the engine processes to end")
+
+
+def test_a_killed_engine_process_is_replaced_and_serving_goes_on(model_repo: Callable[..., Path]) -> None:
+    repo = model_repo(MODEL)
+    manager = ModelManager(repo, ModelsSection(), ORT_CPU, threads=2, processes=2)
+    manager.load_model(MODEL)
+    try:
+        pool = _pool(manager)
+        victim = pool.workers[0]
+        old = victim.pid
+        assert old is not None
+        os.kill(old, signal.SIGKILL)
+        wait_until(lambda: psutil.Process(old).status() == psutil.STATUS_ZOMBIE, 10, what="the worker to die",
+                   ignore=(psutil.NoSuchProcess,))
+        service = InferenceService(manager)
+        x = np.random.default_rng(3).random((1, 3, 48, 192), dtype=np.float32)
+        want = _reference(repo, x)
+        for _ in range(6):  # both workers get requests; the dead one is replaced before its next
+            np.testing.assert_allclose(
+                service.infer_blocking(InferRequest(MODEL, {"image": x})).outputs["probabilities"], want, atol=1e-5)
+        assert victim.restarts == 1 and victim.pid not in (None, old)
+        assert "killed by SIGKILL" in (victim.last_exit or "")
+    finally:
+        manager.shutdown()
+
+
+def test_only_cpu_engines_with_numeric_tensors_go_to_engine_processes(model_repo: Callable[..., Path]) -> None:
+    """BYTES tensors do not cross the engine wire, and a GPU engine keeps its device: both stay in-process."""
+    repo = model_repo("digits")
+    manager = ModelManager(repo, ModelsSection(), ORT_CPU, processes=2)
+    manager.load_model("digits")
+    try:
+        mv = manager.table.find("digits", None)
+        assert mv is not None and mv.candidate is not None
+        assert isinstance(getattr(mv.engine, "current", mv.engine), EngineProcesses)
+        loader, cand = manager.loader, mv.candidate
+        assert loader._in_processes(mv, cand)
+        text = mv.manifest.model_copy(update={"inputs": [
+            t.model_copy(update={"datatype": "BYTES"}) for t in mv.manifest.inputs or []]})
+        assert not loader._in_processes(dataclasses.replace(mv, entry=dataclasses.replace(mv.entry, manifest=text)),
+                                        cand)
+        assert not loader._in_processes(mv, dataclasses.replace(cand, device="GPU"))
+        loader.processes = 0
+        assert not loader._in_processes(mv, cand)
+    finally:
+        manager.shutdown()
+
+
+def test_auto_runs_engine_processes_from_twelve_cpus() -> None:
+    assert engine_processes(LimitsSection(), cpus=2) == 0
+    assert engine_processes(LimitsSection(), cpus=8) == 0
+    assert engine_processes(LimitsSection(), cpus=12) == 3
+    assert engine_processes(LimitsSection(), cpus=16) == 4
+    assert engine_processes(LimitsSection(engine_processes=2), cpus=2) == 2
+    assert engine_processes(LimitsSection(engine_processes=0), cpus=64) == 0
+    with pytest.raises(ValueError, match="between 0 and 64"):
+        LimitsSection(engine_processes=65)
+    with pytest.raises(ValueError):
+        LimitsSection.model_validate({"engine_processes": "many"})
+
+
+def test_the_daemon_serves_through_engine_processes_and_leaves_none_behind(
+        tmp_path: Path, model_repo: Callable[..., Path], write_config: Callable[..., Path]) -> None:
+    from edged.client.shm import ShmClient
+    from tests.netutil import free_port
+
+    repo = model_repo(MODEL)
+    port = free_port()
+    cfg = write_config(repo, f"""
+        [http]
+        listen = "127.0.0.1:{port}"
+        [mqtt]
+        enabled = false
+        [limits]
+        engine_processes = 2
+        engine_threads = 2
+        """)
+    sock = tmp_path / "run" / "edged.sock"
+    x = np.random.default_rng(5).random((1, 3, 48, 192), dtype=np.float32)
+    log = tmp_path / "edged.log"
+    with edged_run(cfg, log, sock.exists, timeout=60) as proc:
+        workers = wait_until(lambda: [c for c in psutil.Process(proc.pid).children()
+                                      if "edged.backends.engine_procs.worker" in " ".join(c.cmdline())], 30,
+                             what="the engine processes")
+        assert len(workers) >= 2
+        with ShmClient(sock) as c:
+            np.testing.assert_allclose(c.infer(MODEL, {"image": x})["probabilities"], _reference(repo, x),
+                                       atol=1e-5)
+        pids = [w.pid for w in workers]
+    assert "split over 2 engine worker process(es) of 1 thread(s)" in log.read_text()
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
