@@ -60,6 +60,7 @@ from edged.client.shm_prepared import AsyncPreparedInfer  # noqa: E402
 from edged.config import load_config  # noqa: E402
 from edged.daemon import Runtime, build_runtime  # noqa: E402
 from edged.protocol.types import InferRequest  # noqa: E402
+from edged.threadplan import engine_processes  # noqa: E402
 from tests.mqtt_helpers import Broker  # noqa: E402
 from tests.netutil import free_port  # noqa: E402
 
@@ -379,7 +380,7 @@ SUITE_TOKEN = "bench-suite-management-token"  # the version swap loads a model: 
 
 
 def write_config(tmp: Path, http_port: int, broker: Broker, profile: str | None, name: str, *,
-                 grpc_port: int | None = None) -> Path:
+                 grpc_port: int | None = None, processes: int | None = None) -> Path:
     cfg = tmp / name
     forced = f'profile = "{profile}"' if profile else ""
     cfg.write_text(f"""
@@ -392,6 +393,7 @@ model_repository = "{tmp / 'models'}"
 [http]
 listen = "127.0.0.1:{http_port}"
 {f'[grpc]{chr(10)}listen = "127.0.0.1:{grpc_port}"' if grpc_port else ""}
+{f'[limits]{chr(10)}engine_processes = {processes}' if processes is not None else ""}
 [control]
 token = "{SUITE_TOKEN}"
 [mqtt]
@@ -733,6 +735,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=None,
                     help="measured seconds per traffic case (default 12, quick 3)")
     ap.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 16, quick 6)")
+    ap.add_argument("--engine-processes", type=int, default=None,
+                    help="[limits] engine_processes for the daemon and the in-process service (default: auto); "
+                         "the raw engine references stay in this process")
     ap.add_argument("--json", type=Path, default=None, help="write every figure as JSON")
     ap.add_argument("--markdown", type=Path, default=None, help="write the table as Markdown")
     ap.add_argument("--peer-venv", type=Path, default=None,
@@ -749,6 +754,7 @@ def main() -> int:
     broker = Broker(tmp / "broker").start()
     procs: list[subprocess.Popen[bytes]] = []
     rt: Runtime | None = None
+    svc_rt: Runtime | None = None
     try:
         for name in ("digits", MODEL):
             shutil.copytree(ROOT / "models" / name, tmp / "models" / name)
@@ -784,19 +790,23 @@ def main() -> int:
         # 2. For the traffic, one engine on both sides whatever the machine's noise: the generic profile
         #    (ONNX Runtime, CPU, FP32 first) instead of a benchmark that may pick differently per process.
         grpc_port = free_port()
-        cfg = write_config(tmp, http_port, broker, "generic", "edged.toml", grpc_port=grpc_port)
+        cfg = write_config(tmp, http_port, broker, "generic", "edged.toml", grpc_port=grpc_port,
+                           processes=args.engine_processes)
         daemon = start_daemon(cfg, log, notify)
         procs.append(daemon.proc)
         time.sleep(settle_s)
         rss_generic = rss_mb(daemon.proc.pid)
 
         # 3. The references, in this process: the engine and service the daemon's config gives.
-        rt = build_runtime(load_config(cfg), only=MODEL)
+        ref_config = load_config(cfg)
+        ref_config.limits.engine_processes = 0  # the raw references: the engine itself, in this process
+        rt = build_runtime(ref_config, only=MODEL)
         mv = rt.service.ready_model(MODEL)
         engine = mv.engine
         assert engine is not None
         label = mv.candidate.label if mv.candidate else "?"
-        svc = rt.service
+        svc_rt = rt if not engine_processes(load_config(cfg).limits) else build_runtime(load_config(cfg), only=MODEL)
+        svc = svc_rt.service
         rng = np.random.default_rng(0)
         x1 = rng.random((1, *mv.inputs[0].shape), dtype=np.float32)
         x8 = np.repeat(x1, 8, axis=0)
@@ -1013,7 +1023,9 @@ def main() -> int:
             conn.close()
         driver.c.loop_stop()
         rt.manager.shutdown()
-        rt = None
+        if svc_rt is not rt:
+            svc_rt.manager.shutdown()
+        rt = svc_rt = None
 
         # 4. A version swap over HTTP while requests keep coming.
         swap = version_swap(tmp, cfg, url, x1)
@@ -1052,8 +1064,8 @@ def main() -> int:
             }, indent=2) + "\n")
         return 0
     finally:
-        if rt is not None:
-            rt.manager.shutdown()
+        for runtime in {id(r): r for r in (rt, svc_rt) if r is not None}.values():
+            runtime.manager.shutdown()
         for p in procs:
             stop_daemon(p)
         broker.stop()

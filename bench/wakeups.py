@@ -70,7 +70,7 @@ def count(send: Callable[[], object], n: int, skip: set[int]) -> list[Woken]:
     return sorted(woken, key=lambda w: -w.per_request)
 
 
-def _config(tmp: Path, http_port: int, grpc_port: int, broker_url: str) -> Path:
+def _config(tmp: Path, http_port: int, grpc_port: int, broker_url: str, processes: int = 0) -> Path:
     path = tmp / "edged.toml"
     path.write_text(f"""
 [device]
@@ -87,6 +87,8 @@ listen = "127.0.0.1:{grpc_port}"
 url = "{broker_url}"
 [telemetry]
 enabled = false
+[limits]
+engine_processes = {processes}
 [logging]
 level = "warning"
 """)
@@ -156,7 +158,7 @@ class InProcessDaemon:
 
 
 @contextlib.contextmanager
-def daemon_with_everything(tmp: Path, *, quick_choice: bool = False
+def daemon_with_everything(tmp: Path, *, quick_choice: bool = False, processes: int = 0
                            ) -> Iterator[tuple[InProcessDaemon, int, int, int, Path]]:
     """A daemon (not yet serving) with the bundled CNN on every transport, and a private broker."""
     sys.path.insert(0, str(ROOT))
@@ -167,13 +169,13 @@ def daemon_with_everything(tmp: Path, *, quick_choice: bool = False
     broker = Broker(tmp / "broker").start()
     try:
         http_port, grpc_port = free_port(), free_port()
-        d = InProcessDaemon(_config(tmp, http_port, grpc_port, broker.url), quick_choice=quick_choice)
+        d = InProcessDaemon(_config(tmp, http_port, grpc_port, broker.url, processes), quick_choice=quick_choice)
         yield d, http_port, grpc_port, broker.port, tmp / "run" / "edged.sock"
     finally:
         broker.stop()
 
 
-def measure(tmp: Path, n: int, *, quick_choice: bool = False) -> dict[str, list[Woken]]:
+def measure(tmp: Path, n: int, *, quick_choice: bool = False, processes: int = 0) -> dict[str, list[Woken]]:
     """Per transport, the daemon's Python threads that slept during n lone requests."""
     from bench.bench_mqtt import Driver, binary_request
     from edged.client.grpc import GrpcClient
@@ -182,7 +184,7 @@ def measure(tmp: Path, n: int, *, quick_choice: bool = False) -> dict[str, list[
 
     x1 = np.random.default_rng(0).random((1, 3, 48, 192), dtype=np.float32)
     results: dict[str, list[Woken]] = {}
-    with daemon_with_everything(tmp, quick_choice=quick_choice) as (d, http_port, grpc_port, mqtt_port, sock):
+    with daemon_with_everything(tmp, quick_choice=quick_choice, processes=processes) as (d, http_port, grpc_port, mqtt_port, sock):
         def work() -> None:
             d.settled(60.0)  # the engine choice measures in the background after READY: not on our counts
             shm = ShmClient(sock)
@@ -212,9 +214,10 @@ def measure(tmp: Path, n: int, *, quick_choice: bool = False) -> dict[str, list[
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=500)
+    ap.add_argument("--engine-processes", type=int, default=0, help="[limits] engine_processes of the daemon")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="edged-wakeups-") as t:
-        results = measure(Path(t), args.requests)
+        results = measure(Path(t), args.requests, processes=args.engine_processes)
     for transport, woken in results.items():
         print(f"{transport}: " + (", ".join(f"{w.name} {w.per_request:.2f}" for w in woken) or "no thread slept"))
 

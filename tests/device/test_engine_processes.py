@@ -74,16 +74,51 @@ def test_engine_processes_answer_as_the_engine_does_and_run_batches_at_once(
             t.join()
         for i, w in enumerate(want):
             np.testing.assert_allclose(got[i], w, atol=1e-5)
-        # A batch of 8 straight through the pool equals the same samples one by one.
+        # Batches of 8 on both workers at once (a third call, if any, runs on the daemon's own copy) equal
+        # the same samples run one by one.
         batch = np.concatenate(xs[:8])
-        np.testing.assert_allclose(pool.infer({"image": batch})["probabilities"], np.concatenate(want[:8]),
-                                   atol=1e-5)
-        served = [int(h["served"] or 0) for h in pool.health()]
-        assert all(s > 0 for s in served), f"every worker serves: {served}"
+        before = [int(h["served"] or 0) for h in pool.health()]
+        answers: list[np.ndarray] = []
+
+        def batches() -> None:
+            for _ in range(6):
+                answers.append(pool._on_worker({"image": batch}, None)["probabilities"])
+        threads = [threading.Thread(target=batches) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(answers) == 18
+        for a in answers:
+            np.testing.assert_allclose(a, np.concatenate(want[:8]), atol=1e-5)
+        served = [int(h["served"] or 0) - b for h, b in zip(pool.health(), before, strict=True)]
+        assert sum(served) == 18 and all(s > 0 for s in served), f"every worker serves: {served}"
     finally:
         manager.shutdown()
     wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                                for p in pids if p is not None), 10, what="the engine processes to end")
+
+
+def test_a_lone_request_runs_on_the_daemons_own_copy_without_a_hop(model_repo: Callable[..., Path]) -> None:
+    """One request at a time never waits for another process: no hand-off, no wake-ups (issue 41's c1 floor)."""
+    repo = model_repo(MODEL)
+    manager = ModelManager(repo, ModelsSection(), ORT_CPU, threads=2, processes=2)
+    manager.load_model(MODEL)
+    try:
+        pool = _pool(manager)
+        assert pool.local is not None
+        service = InferenceService(manager)
+        x = np.random.default_rng(4).random((1, 3, 48, 192), dtype=np.float32)
+        want = _reference(repo, x)
+        before_local = pool.local_calls
+        before = sum(int(h["served"] or 0) for h in pool.health())
+        for _ in range(20):
+            np.testing.assert_allclose(
+                service.infer_blocking(InferRequest(MODEL, {"image": x})).outputs["probabilities"], want, atol=1e-5)
+        assert pool.local_calls - before_local == 20
+        assert sum(int(h["served"] or 0) for h in pool.health()) == before
+    finally:
+        manager.shutdown()
 
 
 def test_a_killed_engine_process_is_replaced_and_serving_goes_on(model_repo: Callable[..., Path]) -> None:
@@ -98,12 +133,10 @@ def test_a_killed_engine_process_is_replaced_and_serving_goes_on(model_repo: Cal
         os.kill(old, signal.SIGKILL)
         wait_until(lambda: psutil.Process(old).status() == psutil.STATUS_ZOMBIE, 10, what="the worker to die",
                    ignore=(psutil.NoSuchProcess,))
-        service = InferenceService(manager)
         x = np.random.default_rng(3).random((1, 3, 48, 192), dtype=np.float32)
         want = _reference(repo, x)
-        for _ in range(6):  # both workers get requests; the dead one is replaced before its next
-            np.testing.assert_allclose(
-                service.infer_blocking(InferRequest(MODEL, {"image": x})).outputs["probabilities"], want, atol=1e-5)
+        for _ in range(4):  # both workers get calls; the dead one is replaced before its next
+            np.testing.assert_allclose(pool._on_worker({"image": x}, None)["probabilities"], want, atol=1e-5)
         assert victim.restarts == 1 and victim.pid not in (None, old)
         assert "killed by SIGKILL" in (victim.last_exit or "")
     finally:

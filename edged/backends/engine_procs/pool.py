@@ -8,6 +8,10 @@ hands each batch to an idle worker: inputs copied once into that worker's memfd,
 socketpair, outputs copied once out of its output memfd. The scheduler runs ``parallel`` (= N)
 batches at once, so N workers compute while the daemon's threads only move bytes.
 
+A call that finds every worker idle runs on a copy of the engine in the daemon's own process instead:
+a hand-off to another process and back is two thread wake-ups (up to ~150 us each on some VMs), which
+a lone request should not pay when nothing competes for the interpreter (the c1 floor of issue 41).
+
 A worker that dies or hangs fails only the batch it was running (typed, "being restarted") and is
 started again (:class:`~edged.backends.trt_worker.supervisor.EngineWorkerClient`); the others serve on.
 """
@@ -18,6 +22,7 @@ import json
 import logging
 import queue
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -26,6 +31,7 @@ import numpy as np
 import psutil
 
 from edged.backends.base import Engine, LoadRequest
+from edged.backends.factory import get_backend
 from edged.backends.trt_worker.supervisor import DEFAULT_REQUEST_TIMEOUT_S, EngineWorkerClient
 from edged.errors import InternalError
 
@@ -79,7 +85,8 @@ class ProcessWorker(EngineWorkerClient):
 class EngineProcesses(Engine):
     """N engine worker processes of one model variant, used as one engine that runs N calls at once."""
 
-    def __init__(self, backend: str, request: LoadRequest, processes: int) -> None:
+    def __init__(self, backend: str, request: LoadRequest, processes: int, *, local: bool = True) -> None:
+        """``local``: also load the engine in this process, for calls that find the workers all idle."""
         if processes < 1:
             raise ValueError("at least one engine process")
         threads = max(1, (request.threads or request.cpu_threads()) // processes)
@@ -112,10 +119,35 @@ class EngineProcesses(Engine):
         self._idle: queue.SimpleQueue[ProcessWorker] = queue.SimpleQueue()
         for w in workers:
             self._idle.put(w)
-        log.info("%s: %s in %d engine process(es) of %d thread(s) each (pids %s)", label, backend, processes,
-                 threads, ", ".join(str(w.pid) for w in workers))
+        self._lock = threading.Lock()
+        self._running = 0
+        self.local: Engine | None = None
+        self.local_calls = 0
+        if local:
+            try:  # every thread of the budget: it runs only while the workers are idle
+                self.local = get_backend(backend).load(request)
+            except BaseException:
+                self.unload()
+                raise
+        log.info("%s: %s in %d engine process(es) of %d thread(s) each (pids %s)%s", label, backend, processes,
+                 threads, ", ".join(str(w.pid) for w in workers),
+                 "; a lone call runs in the daemon's own copy" if local else "")
 
     def infer(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        with self._lock:
+            lone = self._running == 0 and self.local is not None
+            self._running += 1
+        try:
+            if lone:
+                assert self.local is not None
+                self.local_calls += 1
+                return self.local.infer(inputs, outputs)
+            return self._on_worker(inputs, outputs)
+        finally:
+            with self._lock:
+                self._running -= 1
+
+    def _on_worker(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None) -> dict[str, np.ndarray]:
         # The scheduler never runs more than ``parallel`` calls at once; a caller beyond that (a tool
         # calling the engine directly) waits here for a worker instead of failing.
         try:
@@ -132,7 +164,8 @@ class EngineProcesses(Engine):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "engine_processes": [
-            {"pid": w.pid, "restarts": w.restarts, "threads": self.threads_per_process} for w in self.workers]}
+            {"pid": w.pid, "restarts": w.restarts, "threads": self.threads_per_process} for w in self.workers],
+            "local_copy": self.local is not None, "local_calls": self.local_calls}
 
     def health(self) -> list[dict[str, Any]]:
         return [w.health() for w in self.workers]
@@ -140,3 +173,5 @@ class EngineProcesses(Engine):
     def unload(self) -> None:
         for w in self.workers:
             w.unload()
+        if self.local is not None:
+            self.local.unload()
