@@ -15,6 +15,7 @@ import argparse
 import json
 import mmap
 import os
+import signal
 import socket
 import stat
 import sys
@@ -203,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="an edged engine worker (started by the daemon)")
     parser.add_argument("--fd", type=int, required=True, help="the inherited SOCK_SEQPACKET socket")
     args = parser.parse_args(argv)
+    # A Ctrl-C in the daemon's terminal reaches its whole process group: the daemon drains its requests
+    # first and ends this worker by closing the socket, so the worker must not die before it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=args.fd)
     msg, fds = _recv(sock, MAX_LOAD_MESSAGE)
     for fd in fds:
