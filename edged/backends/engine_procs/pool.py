@@ -32,7 +32,7 @@ import psutil
 
 from edged.backends.base import Engine, LoadRequest
 from edged.backends.factory import get_backend
-from edged.backends.trt_worker.supervisor import DEFAULT_REQUEST_TIMEOUT_S, EngineWorkerClient
+from edged.backends.worker_client import DEFAULT_REQUEST_TIMEOUT_S, EngineWorkerClient
 from edged.errors import InternalError
 
 log = logging.getLogger(__name__)
