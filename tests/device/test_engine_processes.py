@@ -50,6 +50,8 @@ def test_engine_processes_answer_as_the_engine_does_and_run_batches_at_once(
     manager.load_model(MODEL)
     try:
         pool = _pool(manager)
+        assert not pool.workers and not pool.ready  # started when calls first overlap
+        pool.start_workers()
         pids = [w.pid for w in pool.workers]
         assert len(set(pids)) == 2 and os.getpid() not in pids
         assert all(psutil.Process(p).ppid() == os.getpid() for p in pids if p is not None)
@@ -106,7 +108,6 @@ def test_a_lone_request_runs_on_the_daemons_own_copy_without_a_hop(model_repo: C
     manager.load_model(MODEL)
     try:
         pool = _pool(manager)
-        assert pool.local is not None
         service = InferenceService(manager)
         x = np.random.default_rng(4).random((1, 3, 48, 192), dtype=np.float32)
         want = _reference(repo, x)
@@ -117,6 +118,29 @@ def test_a_lone_request_runs_on_the_daemons_own_copy_without_a_hop(model_repo: C
                 service.infer_blocking(InferRequest(MODEL, {"image": x})).outputs["probabilities"], want, atol=1e-5)
         assert pool.local_calls - before_local == 20
         assert sum(int(h["served"] or 0) for h in pool.health()) == before
+        assert not pool.workers, "lone calls never start the workers"
+        # Overlapping calls start them in the background, and later overlapping calls run there.
+        errors: list[BaseException] = []
+
+        def overlap(stop: threading.Event) -> None:
+            try:
+                while not stop.is_set():
+                    got = service.infer_blocking(InferRequest(MODEL, {"image": x})).outputs["probabilities"]
+                    np.testing.assert_allclose(got, want, atol=1e-5)
+            except BaseException as e:
+                errors.append(e)
+        stop = threading.Event()
+        threads = [threading.Thread(target=overlap, args=(stop,)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        try:
+            wait_until(lambda: pool.ready and sum(int(h["served"] or 0) for h in pool.health()) > 0, 30,
+                       what="the workers to start and serve")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        assert not errors, errors
     finally:
         manager.shutdown()
 
@@ -127,6 +151,7 @@ def test_a_killed_engine_process_is_replaced_and_serving_goes_on(model_repo: Cal
     manager.load_model(MODEL)
     try:
         pool = _pool(manager)
+        pool.start_workers()
         victim = pool.workers[0]
         old = victim.pid
         assert old is not None
@@ -197,14 +222,40 @@ def test_the_daemon_serves_through_engine_processes_and_leaves_none_behind(
     sock = tmp_path / "run" / "edged.sock"
     x = np.random.default_rng(5).random((1, 3, 48, 192), dtype=np.float32)
     log = tmp_path / "edged.log"
+    want = _reference(repo, x)
+
+    def workers(proc_pid: int) -> list[psutil.Process]:
+        return [c for c in psutil.Process(proc_pid).children()
+                if "edged.backends.engine_procs.worker" in " ".join(c.cmdline())]
+
+    def two_workers(proc_pid: int) -> list[psutil.Process] | None:
+        found = workers(proc_pid)
+        return found if len(found) >= 2 else None
     with edged_run(cfg, log, sock.exists, timeout=60) as proc:
-        workers = wait_until(lambda: [c for c in psutil.Process(proc.pid).children()
-                                      if "edged.backends.engine_procs.worker" in " ".join(c.cmdline())], 30,
-                             what="the engine processes")
-        assert len(workers) >= 2
         with ShmClient(sock) as c:
-            np.testing.assert_allclose(c.infer(MODEL, {"image": x})["probabilities"], _reference(repo, x),
-                                       atol=1e-5)
-        pids = [w.pid for w in workers]
+            np.testing.assert_allclose(c.infer(MODEL, {"image": x})["probabilities"], want, atol=1e-5)
+        assert not workers(proc.pid), "a lone request starts no engine process"
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def client() -> None:
+            try:
+                with ShmClient(sock) as c:
+                    while not stop.is_set():
+                        np.testing.assert_allclose(c.infer(MODEL, {"image": x})["probabilities"], want, atol=1e-5)
+            except BaseException as e:
+                errors.append(e)
+        threads = [threading.Thread(target=client) for _ in range(4)]
+        for t in threads:
+            t.start()
+        try:
+            started = wait_until(lambda: two_workers(proc.pid), 30, what="the engine processes")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        assert not errors, errors
+        assert started is not None
+        pids = [w.pid for w in started]
     assert "split over 2 engine worker process(es) of 1 thread(s)" in log.read_text()
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]

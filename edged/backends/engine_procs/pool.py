@@ -11,6 +11,8 @@ batches at once, so N workers compute while the daemon's threads only move bytes
 A call that finds every worker idle runs on a copy of the engine in the daemon's own process instead:
 a hand-off to another process and back is two thread wake-ups (up to ~150 us each on some VMs), which
 a lone request should not pay when nothing competes for the interpreter (the c1 floor of issue 41).
+The workers start only when calls first overlap: a version that serves one call at a time, or a
+candidate the engine choice loads to measure, never spawns them.
 
 A worker that dies or hangs fails only the batch it was running (typed, "being restarted") and is
 started again (:class:`~edged.backends.trt_worker.supervisor.EngineWorkerClient`); the others serve on.
@@ -23,6 +25,7 @@ import logging
 import queue
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -38,6 +41,8 @@ from edged.errors import InternalError
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0  # an OpenVINO compile of a large model in the worker
+RETRY_START_S = 60.0  # after workers failed to start, the daemon's copy serves alone this long
+WORKER_BASE_MB = 80.0  # a worker's RSS before its model: interpreter, numpy, ONNX Runtime (77 MB measured)
 
 
 def load_message(backend: str, request: LoadRequest, threads: int) -> bytes:
@@ -83,24 +88,50 @@ class ProcessWorker(EngineWorkerClient):
 
 
 class EngineProcesses(Engine):
-    """N engine worker processes of one model variant, used as one engine that runs N calls at once."""
+    """N engine worker processes of one model variant behind the daemon's own copy of it.
 
-    def __init__(self, backend: str, request: LoadRequest, processes: int, *, local: bool = True) -> None:
-        """``local``: also load the engine in this process, for calls that find the workers all idle."""
+    The copy serves a call that runs alone (no hop) and everything until the workers are up; the
+    workers start when calls first overlap (``start_workers``), so an engine that only ever serves
+    one call at a time, or one the engine choice loads just to measure (its calls are lone), never
+    spawns them. Until they are ready, overlapping calls share the copy as in-process instances do.
+    """
+
+    def __init__(self, backend: str, request: LoadRequest, processes: int) -> None:
         if processes < 1:
             raise ValueError("at least one engine process")
-        threads = max(1, (request.threads or request.cpu_threads()) // processes)
-        message = load_message(backend, request, threads)
-        self.backend, self.device, self.precision = backend, request.device.upper(), request.variant.precision
-        self.threads_per_process = threads
-        label = request.label
+        self.processes = processes
+        self.threads_per_process = max(1, (request.threads or request.cpu_threads()) // processes)
+        self._message = load_message(backend, request, self.threads_per_process)
+        self.label = request.label
+        try:
+            self._model_mb = request.file.stat().st_size / 1e6
+        except OSError:
+            self._model_mb = 0.0
+        # Every thread of the budget: it runs alone while the workers are idle.
+        self.local: Engine = get_backend(backend).load(request)
+        self.backend, self.device, self.precision = backend, self.local.device, self.local.precision
+        self.inputs, self.outputs = self.local.inputs, self.local.outputs
+        self.parallel = processes
+        self.workers: list[ProcessWorker] = []
+        self._idle: queue.SimpleQueue[ProcessWorker] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._running = 0
+        self._ready = False
+        self._starting = False
+        self._closed = False
+        self._retry_at = 0.0
+        self.local_calls = 0
+        self.start_error: str | None = None
 
+    # ---- workers ----------------------------------------------------------------------------
+    def start_workers(self) -> None:
+        """Start the N workers together (each loads and warms its own copy); raises the first failure."""
         def start(i: int) -> ProcessWorker:
-            return ProcessWorker(backend, message, f"{label} [engine process {i + 1}/{processes}]",
-                                 device=self.device, precision=self.precision)
-        # Started together: each loads (and warms) its own copy of the model.
-        with ThreadPoolExecutor(max_workers=processes, thread_name_prefix="edged-engine-start") as pool:
-            futures = [pool.submit(start, i) for i in range(processes)]
+            return ProcessWorker(self.backend, self._message,
+                                 f"{self.label} [engine process {i + 1}/{self.processes}]", device=self.device,
+                                 precision=self.precision)
+        with ThreadPoolExecutor(max_workers=self.processes, thread_name_prefix="edged-engine-start") as pool:
+            futures = [pool.submit(start, i) for i in range(self.processes)]
             workers: list[ProcessWorker] = []
             failure: BaseException | None = None
             for f in futures:
@@ -108,41 +139,55 @@ class EngineProcesses(Engine):
                     workers.append(f.result())
                 except BaseException as e:  # the first reason is raised once all are settled
                     failure = failure or e
-        if failure is not None:
+        with self._lock:
+            closed = self._closed
+            if failure is None and not closed:
+                self.workers = workers
+                for w in workers:
+                    self._idle.put(w)
+                self._ready = True
+        if failure is not None or closed:
             for w in workers:
                 w.unload()
-            raise failure
-        self.workers = workers
-        self.parallel = processes
-        self.inputs, self.outputs = workers[0].inputs, workers[0].outputs
-        self.precision = workers[0].precision
-        self._idle: queue.SimpleQueue[ProcessWorker] = queue.SimpleQueue()
-        for w in workers:
-            self._idle.put(w)
-        self._lock = threading.Lock()
-        self._running = 0
-        self.local: Engine | None = None
-        self.local_calls = 0
-        if local:
-            try:  # every thread of the budget: it runs only while the workers are idle
-                self.local = get_backend(backend).load(request)
-            except BaseException:
-                self.unload()
-                raise
-        log.info("%s: %s in %d engine process(es) of %d thread(s) each (pids %s)%s", label, backend, processes,
-                 threads, ", ".join(str(w.pid) for w in workers),
-                 "; a lone call runs in the daemon's own copy" if local else "")
+            if failure is not None:
+                raise failure
+            return
+        log.info("%s: %s in %d engine process(es) of %d thread(s) each (pids %s); a lone call runs in the "
+                 "daemon's own copy", self.label, self.backend, self.processes, self.threads_per_process,
+                 ", ".join(str(w.pid) for w in workers))
 
+    def _start_later(self) -> None:
+        try:
+            self.start_workers()
+        except Exception as e:  # serving goes on in the daemon's copy; tried again after a while
+            self.start_error = str(e)
+            self._retry_at = time.monotonic() + RETRY_START_S
+            log.error("%s: the engine processes did not start (%s); serving in the daemon's process, trying "
+                      "again in %.0f s", self.label, e, RETRY_START_S)
+        finally:
+            with self._lock:
+                self._starting = False
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    # ---- Engine -----------------------------------------------------------------------------
     def infer(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         with self._lock:
-            lone = self._running == 0 and self.local is not None
+            lone = self._running == 0
             self._running += 1
+            on_worker = not lone and self._ready
+            if not lone and not self._ready and not self._starting and not self._closed \
+                    and time.monotonic() >= self._retry_at:
+                self._starting = True
+                threading.Thread(target=self._start_later, name="edged-engine-start", daemon=True).start()
         try:
+            if on_worker:
+                return self._on_worker(inputs, outputs)
             if lone:
-                assert self.local is not None
                 self.local_calls += 1
-                return self.local.infer(inputs, outputs)
-            return self._on_worker(inputs, outputs)
+            return self.local.infer(inputs, outputs)
         finally:
             with self._lock:
                 self._running -= 1
@@ -160,18 +205,26 @@ class EngineProcesses(Engine):
             self._idle.put(worker)
 
     def process_memory_mb(self) -> float:
-        return sum(w.rss_mb() for w in self.workers)
+        """The workers' RSS once they run; before, what they will take (an interpreter with the engine
+        library, about WORKER_BASE_MB, plus the model's file each), so the model budget counts them."""
+        if self._ready:
+            return sum(w.rss_mb() for w in self.workers)
+        return self.processes * (WORKER_BASE_MB + self._model_mb)
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "engine_processes": [
-            {"pid": w.pid, "restarts": w.restarts, "threads": self.threads_per_process} for w in self.workers],
-            "local_copy": self.local is not None, "local_calls": self.local_calls}
+        return {**super().describe(), "engine_processes": {
+            "count": self.processes, "threads": self.threads_per_process, "ready": self._ready,
+            "start_error": self.start_error, "local_calls": self.local_calls,
+            "workers": [{"pid": w.pid, "restarts": w.restarts} for w in self.workers]}}
 
     def health(self) -> list[dict[str, Any]]:
         return [w.health() for w in self.workers]
 
     def unload(self) -> None:
-        for w in self.workers:
+        with self._lock:
+            self._closed = True
+            self._ready = False
+            workers, self.workers = self.workers, []
+        for w in workers:
             w.unload()
-        if self.local is not None:
-            self.local.unload()
+        self.local.unload()
