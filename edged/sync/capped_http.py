@@ -70,12 +70,21 @@ class RegistryHttp:
                     self._ctx.load_cert_chain(str(client_cert), str(client_key) if client_key else None)
                 except (OSError, ssl.SSLError) as e:
                     raise SyncHttpError(f"registry client certificate {client_cert}: {e}") from None
+        # Connections are per thread (http.client is not thread-safe); every thread's set is also listed
+        # here so that close() reaches them all: a kept-alive connection left in a worker thread would
+        # otherwise outlive the agent and hold a TLS registry's stop for its whole grace.
         self._local = threading.local()
+        self._sets: list[dict[Origin, http.client.HTTPConnection]] = []
+        self._sets_lock = threading.Lock()
         self.origin: Origin = (self.https, self.host, self.port)
 
     def _conn(self, origin: Origin | None = None) -> http.client.HTTPConnection:
         origin = origin or self.origin
-        conns: dict[Origin, http.client.HTTPConnection] = self._local.__dict__.setdefault("conns", {})
+        conns: dict[Origin, http.client.HTTPConnection] | None = self._local.__dict__.get("conns")
+        if conns is None:
+            conns = self._local.conns = {}
+            with self._sets_lock:
+                self._sets.append(conns)
         conn = conns.get(origin)
         if conn is None:
             https, host, port = origin
@@ -92,9 +101,14 @@ class RegistryHttp:
         return self._ctx
 
     def close(self) -> None:
-        """Close this thread's connections (to the registry and any blob server)."""
-        for conn in self._local.__dict__.pop("conns", {}).values():
-            conn.close()
+        """Close every thread's connections (to the registry and any blob server): the agent is stopping."""
+        with self._sets_lock:
+            sets, self._sets = self._sets, []
+            self._local = threading.local()  # a thread that goes on starts a new, listed set
+        for conns in sets:
+            for conn in list(conns.values()):
+                conn.close()
+            conns.clear()
 
     def _drop(self, origin: Origin | None = None) -> None:
         conn = self._local.__dict__.get("conns", {}).pop(origin or self.origin, None)

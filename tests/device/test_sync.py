@@ -813,3 +813,51 @@ def test_trial_judgement() -> None:
     before, at_switch = Sample(100, 0, lat(1, 100)), Sample(400, 0, lat(1, 400))
     assert baseline(before, at_switch, cfg) == at_switch.since(before)
     assert baseline(at_switch, at_switch, cfg) == at_switch
+
+
+class _KeepAlive(http.server.BaseHTTPRequestHandler):
+    """Answers every GET with a small JSON body on a kept-alive HTTP/1.1 connection."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        body = b"{}"
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_close_ends_the_connections_every_thread_kept_open() -> None:
+    """The agent's registry calls run on worker threads, each with its own kept-alive connection; close() at
+    stop must end them all, or one left idle holds a TLS registry's stop for its whole grace."""
+    from edged.sync.capped_http import RegistryHttp
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _KeepAlive)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        client = RegistryHttp(f"http://127.0.0.1:{srv.server_address[1]}", timeout=10)
+        socks: list[Any] = []
+
+        def call() -> None:
+            assert client.request("GET", "/api/v1/ping")[0] == 200
+            socks.append(client._conn().sock)
+        threads = [threading.Thread(target=call) for _ in range(3)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        call()  # and this thread's own
+        assert len(socks) == 4 and all(s is not None and s.fileno() >= 0 for s in socks)
+        client.close()
+        assert all(s.fileno() == -1 for s in socks), "every thread's connection is closed"
+        assert client.request("GET", "/api/v1/ping")[0] == 200  # a later call opens a new one
+        client.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
