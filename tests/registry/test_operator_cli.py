@@ -1,6 +1,6 @@
 """The operator's view tells the truth: ``edged-registry devices|device|status|telemetry|rollout status``.
 
-A real registry (SQLite and PostgreSQL) and the real CLI in a subprocess; devices speak the
+A real registry (SQLite; PostgreSQL in the slow set) and the real CLI in a subprocess; devices speak the
 real device API (enroll, facts, reports, telemetry uploads), so what the CLI prints comes
 from what devices said.
 """
@@ -31,7 +31,10 @@ ENGINE = "onnxruntime-cpu-fp32"
 _seq = itertools.count(1)
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+# What is checked here is the CLI's reading and printing of what the API answers, the same whichever
+# database stores it (tests/registry/test_registry.py and test_rollout.py hold the store on both): the
+# PostgreSQL repeat runs with the slow set (python -m pytest -m slow).
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)])
 def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     yield from registry_env(request, tmp_path_factory, "opcli")
 
