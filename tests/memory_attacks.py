@@ -100,12 +100,16 @@ class MemDaemon:
 
 @contextmanager
 def daemon(tmp: Path, memory_mb: float | None, *, grpc_max_mb: float = 64, mqtt_url: str | None = None,
-           extra: str = "") -> Iterator[MemDaemon]:
-    """``edged run`` on loopback; ``memory_mb`` None leaves [limits] out (the profile's share)."""
+           extra: str = "", settled: bool = True) -> Iterator[MemDaemon]:
+    """``edged run`` on loopback; ``memory_mb`` None leaves [limits] out (the profile's share).
+
+    ``settled`` False: serving is enough, the background engine choice may still be measuring (for a
+    test that reads no RSS figure: waiting for it is most of a start).
+    """
     repo = repository(tmp / "models")
     mqtt = f'url = "{mqtt_url}"' if mqtt_url else "enabled = false"
     for attempt in range(3):  # a port found free may be taken by another process before the daemon binds it
-        d = _start(tmp, repo, memory_mb, grpc_max_mb, f"[mqtt]\n{mqtt}\n{extra}")
+        d = _start(tmp, repo, memory_mb, grpc_max_mb, f"[mqtt]\n{mqtt}\n{extra}", settled)
         if d is not None:
             break
         assert attempt < 2, "no free ports for edged run"
@@ -115,7 +119,8 @@ def daemon(tmp: Path, memory_mb: float | None, *, grpc_max_mb: float = 64, mqtt_
         terminate(d.proc, 30)
 
 
-def _start(tmp: Path, repo: Path, memory_mb: float | None, grpc_max_mb: float, extra: str) -> MemDaemon | None:
+def _start(tmp: Path, repo: Path, memory_mb: float | None, grpc_max_mb: float, extra: str,
+           settled: bool = True) -> MemDaemon | None:
     port, gport = free_port(), free_port()
     limits = f"[limits]\nmemory_mb = {memory_mb}\n" if memory_mb is not None else ""
     cfg = tmp / "edged.toml"
@@ -142,7 +147,8 @@ def _start(tmp: Path, repo: Path, memory_mb: float | None, grpc_max_mb: float, e
     proc = start_edged(cfg, log)
     try:
         # Done choosing digits' engine too: candidates loaded to be measured would count in the RSS figures.
-        wait_ready(proc, log, lambda: http_ok(port, "/v2/models/image_size/ready") and engines_settled(port, "digits"),
+        wait_ready(proc, log, lambda: http_ok(port, "/v2/models/image_size/ready")
+                   and (engines_settled(port, "digits") if settled else http_ok(port, "/v2/models/digits/ready")),
                    timeout=120, transient=(OSError,))
     except DaemonExitedError as e:
         if "cannot listen" in e.log:
