@@ -28,11 +28,12 @@ class DaemonExitedError(AssertionError):
         self.log = log
 
 
-def start_edged(config: Path, log_path: Path, prefix: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+def start_edged(config: Path, log_path: Path, prefix: Sequence[str] = (),
+                edged: Sequence[str] = EDGED) -> subprocess.Popen[bytes]:
     """``edged run --config config`` from the repository root, stdout and stderr into ``log_path``;
-    ``prefix``: argv it runs under (e.g. prlimit)."""
+    ``prefix``: argv it runs under (e.g. prlimit); ``edged``: the command that is ``edged``."""
     with log_path.open("wb") as log:
-        return subprocess.Popen([*prefix, *EDGED, "run", "--config", str(config)], stdout=log,
+        return subprocess.Popen([*prefix, *edged, "run", "--config", str(config)], stdout=log,
                                 stderr=subprocess.STDOUT, cwd=REPO_ROOT)
 
 
@@ -85,11 +86,11 @@ def engines_settled(port: int, model: str) -> bool:
 
 
 @contextmanager
-def edged_run(config: Path, log_path: Path, ready: Callable[[], bool], *, timeout: float, interval: float = 0.1,
+def edged_run(config: Path, log_path: Path, ready: Callable[[], bool], *, timeout: float, interval: float = 0.1,  # noqa: PLR0913  wait_ready's and start_edged's, passed on
               transient: tuple[type[BaseException], ...] = (Exception,),
-              prefix: Sequence[str] = ()) -> Iterator[subprocess.Popen[bytes]]:
+              prefix: Sequence[str] = (), edged: Sequence[str] = EDGED) -> Iterator[subprocess.Popen[bytes]]:
     """The daemon started and ready (see ``wait_ready``) for the body; SIGTERM, then SIGKILL, afterwards."""
-    proc = start_edged(config, log_path, prefix)
+    proc = start_edged(config, log_path, prefix, edged)
     try:
         wait_ready(proc, log_path, ready, timeout=timeout, interval=interval, transient=transient)
         yield proc

@@ -13,6 +13,7 @@ client's requests only (no self-test, no benchmark run).
 
 from __future__ import annotations
 
+import sys
 import textwrap
 import threading
 import time
@@ -47,6 +48,18 @@ PROFILE = textwrap.dedent("""
     device = "CPU"
     precisions = ["fp32"]
     """)
+
+# ``edged`` whose background engine choice measures as it does (edged.core.chooser.BACKGROUND), only for
+# less long: this test checks when the chooser measures and what it switches to, on engines that differ
+# by ten times or more, not how long a measurement takes (bench/wakeups.py's quick_choice, out of process).
+QUICK_CHOICE_EDGED = [sys.executable, "-c", textwrap.dedent("""
+    import dataclasses, sys
+    from edged.core import chooser
+    chooser.EngineChooser.__init__.__kwdefaults__["settings"] = dataclasses.replace(
+        chooser.BACKGROUND, time_per_candidate_s=0.3, total_s=1.5)
+    from edged.cli import main
+    sys.exit(main())
+    """)]
 
 
 def make_doubler(repo: Path) -> Path:
@@ -111,7 +124,7 @@ def daemon(tmp_path: Path) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     with edged_run(cfg, tmp_path / "edged.log",
                    lambda: web().get(f"{url}/v2/health/ready", timeout=2).status_code == 200,
-                   timeout=60, interval=0.05):
+                   timeout=60, interval=0.05, edged=QUICK_CHOICE_EDGED):
         yield url
 
 
