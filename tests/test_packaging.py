@@ -86,12 +86,21 @@ ROOTS = {  # name -> packages beyond minbase
 }
 
 
+def _roots_wanted(request: pytest.FixtureRequest) -> set[str]:
+    """The roots this module's selected tests use: ``plain`` by the ``root`` fixture, ``systemd`` by the tests
+    that take ``debian_tars`` themselves (the default run has no test of the plain root: none is built there)."""
+    names = [set(getattr(item, "fixturenames", ())) for item in request.session.items if item.path == request.path]
+    return ({"plain"} if any("root" in n for n in names) else set()) | (
+        {"systemd"} if any("debian_tars" in n and "root" not in n for n in names) else set())
+
+
 @pytest.fixture(scope="module")
-def debian_tars(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The throwaway roots as tarballs, fetched from Debian's archive side by side."""
+def debian_tars(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The throwaway roots the selected tests use as tarballs, fetched from Debian's archive side by side."""
     _need_tools()
     d = tmp_path_factory.mktemp("debian")
-    wanted = dict(ROOTS) if shutil.which("systemd-nspawn") else {"plain": ROOTS["plain"]}
+    wanted = {name: pkgs for name, pkgs in ROOTS.items() if name in _roots_wanted(request)
+              and (name != "systemd" or shutil.which("systemd-nspawn"))}
     t0 = time.monotonic()
     procs = {name: subprocess.Popen(["mmdebstrap", "--quiet", "--variant=minbase", f"--include={pkgs}", SUITE,
                                      str(d / f"{name}.tar")], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
