@@ -199,14 +199,14 @@ def test_pausing_a_rollout_stops_its_soak_clock(env: Env) -> None:
         c.release(env.keys.load(), model, 1, expires_in_s=3600)
         d = Device(env, f"{model}-0")
         ro = c.release_with_rollout(env.keys.load(), model, 2, RolloutCreate(
-            model=model, release=0, target={"devices": [d.id]}, steps=[StepSpec(percent=100, soak_s=4)],
+            model=model, release=0, target={"devices": [d.id]}, steps=[StepSpec(percent=100, soak_s=3)],
             gates=Gates(min_reporting=1)), expires_in_s=3600)
         d.report(model, "committed", 2, ro.release)
         c.evaluate_rollouts()
         ready = c.rollout(ro.id)
         assert ready.rollout.step_ready_at is not None and ready.soak_left_s is not None
         c.rollout_action(ro.id, "pause")
-        time.sleep(5)  # sleep-ok: longer than the whole soak, which must not run on while paused
+        time.sleep(3.5)  # sleep-ok: longer than the whole soak, which must not run on while paused
         paused = c.rollout(ro.id)
         assert paused.soak_left_s == pytest.approx(ready.soak_left_s, abs=1.0)  # frozen while paused
         assert f"paused, {paused.soak_left_s:.0f}s of soak left" in cli(env, "rollout", "status", str(ro.id))
