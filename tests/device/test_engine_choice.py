@@ -13,7 +13,6 @@ client's requests only (no self-test, no benchmark run).
 
 from __future__ import annotations
 
-import sys
 import textwrap
 import threading
 import time
@@ -27,7 +26,7 @@ import pytest
 from edged.core.traffic import TrafficMix
 from tests import made_models
 from tests.conftest import REPO_ROOT, sha256_file
-from tests.edged_process import edged_run
+from tests.edged_process import QUICK_CHOICE_EDGED, edged_run
 from tests.http_client import web
 from tests.netutil import free_port
 
@@ -48,19 +47,6 @@ PROFILE = textwrap.dedent("""
     device = "CPU"
     precisions = ["fp32"]
     """)
-
-# ``edged`` whose background engine choice measures as it does (edged.core.chooser.BACKGROUND), only for
-# less long: this test checks when the chooser measures and what it switches to, on engines that differ
-# by ten times or more, not how long a measurement takes (bench/wakeups.py's quick_choice, out of process).
-QUICK_CHOICE_EDGED = [sys.executable, "-c", textwrap.dedent("""
-    import dataclasses, sys
-    from edged.core import chooser
-    chooser.EngineChooser.__init__.__kwdefaults__["settings"] = dataclasses.replace(
-        chooser.BACKGROUND, time_per_candidate_s=0.3, total_s=1.5)
-    from edged.cli import main
-    sys.exit(main())
-    """)]
-
 
 def make_doubler(repo: Path) -> Path:
     import openvino as ov

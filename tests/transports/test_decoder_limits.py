@@ -20,7 +20,7 @@ import orjson
 import pytest
 
 from edged.protocol import mqtt as codec
-from tests.edged_process import edged_run, engines_settled
+from tests.edged_process import QUICK_CHOICE_EDGED, edged_run, engines_settled
 from tests.http_helpers import copy_models
 from tests.mqtt_helpers import Broker, TestClient, running_broker
 from tests.netutil import free_port
@@ -86,9 +86,10 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
             level = "warning"
             """))
         log = tmp / "edged.log"
-        # Ready, and done choosing its engine: loading candidates to measure them would count as the attack's RSS.
+        # Ready, and done choosing its engine: loading candidates to measure them would count as the attack's RSS
+        # (a brief choice: how long it measures is nothing to these tests).
         with edged_run(cfg, log, lambda: engines_settled(port, "digits"), timeout=120,
-                       transient=(OSError,)) as proc:
+                       transient=(OSError,), edged=QUICK_CHOICE_EDGED) as proc:
             yield Daemon(proc, port, broker, log)
 
 

@@ -23,6 +23,7 @@ import pytest
 from edged.errors import OverloadedError, ResourceExhaustedError
 from edged.membudget import MIB, SMALL_REQUEST, MemoryBudget, charge, set_current
 from tests import memory_attacks as ma
+from tests.edged_process import QUICK_CHOICE_EDGED
 
 pytest.importorskip("grpc", reason="the grpc extra is not installed")
 pytest.importorskip("cv2", reason="the pipeline extra (opencv-python-headless) is not installed")
@@ -36,7 +37,7 @@ RETURNED = 50 * MIB
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ma.MemDaemon]:
-    with ma.daemon(tmp_path_factory.mktemp("membudget"), BUDGET_MB) as d:
+    with ma.daemon(tmp_path_factory.mktemp("membudget"), BUDGET_MB, edged=QUICK_CHOICE_EDGED) as d:
         yield d
 
 
