@@ -438,10 +438,10 @@ def _infer_digits_in(box: Container) -> dict[str, Any]:
 def test_the_unit_under_systemd_notify_watchdog_reload_and_stop(
         built: Built, debian_tars: dict[str, Path], tmp_path: Path) -> None:
     root = _systemd_root_with_package(built, debian_tars, tmp_path)
-    # A short watchdog keeps the test short; everything else is the packaged unit as is.
+    # A short watchdog and restart delay keep the test short; everything else is the packaged unit as is.
     dropin = root / "etc/systemd/system/edged.service.d"
     dropin.mkdir(parents=True, exist_ok=True)
-    (dropin / "90-test.conf").write_text("[Service]\nWatchdogSec=4\n")
+    (dropin / "90-test.conf").write_text("[Service]\nWatchdogSec=4\nRestartSec=1\n")
 
     box = _boot_with_edged_active(root, tmp_path)
     try:
