@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import http.client
 import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -19,6 +21,19 @@ import orjson
 from tests.conftest import EDGED, REPO_ROOT
 from tests.mqtt_helpers import terminate
 
+# ``edged`` whose background engine choice (edged.core.chooser) measures as it does, only for less long:
+# BACKGROUND's settings but 0.3 s a candidate and 1.5 s in all (not 1.5 s and 8 s), as bench/wakeups.py's
+# quick_choice does in-process. For tests that check when the chooser measures and what it switches to
+# between engines far apart, or that wait for it to be done, not how long a measurement takes.
+QUICK_CHOICE_EDGED = [sys.executable, "-c", textwrap.dedent("""
+    import dataclasses, sys
+    from edged.core import chooser
+    chooser.EngineChooser.__init__.__kwdefaults__["settings"] = dataclasses.replace(
+        chooser.BACKGROUND, time_per_candidate_s=0.3, total_s=1.5)
+    from edged.cli import main
+    sys.exit(main())
+    """)]
+
 
 class DaemonExitedError(AssertionError):
     """``edged run`` exited before it was ready; ``log`` is its whole log."""
@@ -28,11 +43,12 @@ class DaemonExitedError(AssertionError):
         self.log = log
 
 
-def start_edged(config: Path, log_path: Path, prefix: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+def start_edged(config: Path, log_path: Path, prefix: Sequence[str] = (),
+                edged: Sequence[str] = EDGED) -> subprocess.Popen[bytes]:
     """``edged run --config config`` from the repository root, stdout and stderr into ``log_path``;
-    ``prefix``: argv it runs under (e.g. prlimit)."""
+    ``prefix``: argv it runs under (e.g. prlimit); ``edged``: the command that is ``edged``."""
     with log_path.open("wb") as log:
-        return subprocess.Popen([*prefix, *EDGED, "run", "--config", str(config)], stdout=log,
+        return subprocess.Popen([*prefix, *edged, "run", "--config", str(config)], stdout=log,
                                 stderr=subprocess.STDOUT, cwd=REPO_ROOT)
 
 
@@ -85,11 +101,11 @@ def engines_settled(port: int, model: str) -> bool:
 
 
 @contextmanager
-def edged_run(config: Path, log_path: Path, ready: Callable[[], bool], *, timeout: float, interval: float = 0.1,
+def edged_run(config: Path, log_path: Path, ready: Callable[[], bool], *, timeout: float, interval: float = 0.1,  # noqa: PLR0913  wait_ready's and start_edged's, passed on
               transient: tuple[type[BaseException], ...] = (Exception,),
-              prefix: Sequence[str] = ()) -> Iterator[subprocess.Popen[bytes]]:
+              prefix: Sequence[str] = (), edged: Sequence[str] = EDGED) -> Iterator[subprocess.Popen[bytes]]:
     """The daemon started and ready (see ``wait_ready``) for the body; SIGTERM, then SIGKILL, afterwards."""
-    proc = start_edged(config, log_path, prefix)
+    proc = start_edged(config, log_path, prefix, edged)
     try:
         wait_ready(proc, log_path, ready, timeout=timeout, interval=interval, transient=transient)
         yield proc

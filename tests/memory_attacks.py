@@ -19,7 +19,7 @@ import threading
 import time
 import wave
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,7 +29,7 @@ import numpy as np
 import orjson
 import psutil
 
-from tests.conftest import MODELS
+from tests.conftest import EDGED, MODELS
 from tests.edged_process import DaemonExitedError, engines_settled, http_ok, start_edged, wait_ready
 from tests.mqtt_helpers import terminate
 from tests.netutil import free_port
@@ -100,12 +100,17 @@ class MemDaemon:
 
 @contextmanager
 def daemon(tmp: Path, memory_mb: float | None, *, grpc_max_mb: float = 64, mqtt_url: str | None = None,
-           extra: str = "") -> Iterator[MemDaemon]:
-    """``edged run`` on loopback; ``memory_mb`` None leaves [limits] out (the profile's share)."""
+           extra: str = "", settled: bool = True, edged: Sequence[str] = EDGED) -> Iterator[MemDaemon]:
+    """``edged run`` on loopback; ``memory_mb`` None leaves [limits] out (the profile's share).
+
+    ``settled`` False: serving is enough, the background engine choice may still be measuring (for a
+    test that reads no RSS figure: waiting for it is most of a start); ``edged``: the command that is edged
+    (tests.edged_process.QUICK_CHOICE_EDGED: that choice measures briefly).
+    """
     repo = repository(tmp / "models")
     mqtt = f'url = "{mqtt_url}"' if mqtt_url else "enabled = false"
     for attempt in range(3):  # a port found free may be taken by another process before the daemon binds it
-        d = _start(tmp, repo, memory_mb, grpc_max_mb, f"[mqtt]\n{mqtt}\n{extra}")
+        d = _start(tmp, repo, memory_mb, grpc_max_mb, f"[mqtt]\n{mqtt}\n{extra}", settled, edged)
         if d is not None:
             break
         assert attempt < 2, "no free ports for edged run"
@@ -115,7 +120,8 @@ def daemon(tmp: Path, memory_mb: float | None, *, grpc_max_mb: float = 64, mqtt_
         terminate(d.proc, 30)
 
 
-def _start(tmp: Path, repo: Path, memory_mb: float | None, grpc_max_mb: float, extra: str) -> MemDaemon | None:
+def _start(tmp: Path, repo: Path, memory_mb: float | None, grpc_max_mb: float, extra: str,
+           settled: bool = True, edged: Sequence[str] = EDGED) -> MemDaemon | None:
     port, gport = free_port(), free_port()
     limits = f"[limits]\nmemory_mb = {memory_mb}\n" if memory_mb is not None else ""
     cfg = tmp / "edged.toml"
@@ -139,10 +145,11 @@ def _start(tmp: Path, repo: Path, memory_mb: float | None, grpc_max_mb: float, e
         level = "warning"
         """) + limits + textwrap.dedent(extra))
     log = tmp / "edged.log"
-    proc = start_edged(cfg, log)
+    proc = start_edged(cfg, log, edged=edged)
     try:
         # Done choosing digits' engine too: candidates loaded to be measured would count in the RSS figures.
-        wait_ready(proc, log, lambda: http_ok(port, "/v2/models/image_size/ready") and engines_settled(port, "digits"),
+        wait_ready(proc, log, lambda: http_ok(port, "/v2/models/image_size/ready")
+                   and (engines_settled(port, "digits") if settled else http_ok(port, "/v2/models/digits/ready")),
                    timeout=120, transient=(OSError,))
     except DaemonExitedError as e:
         if "cannot listen" in e.log:

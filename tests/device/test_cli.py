@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -11,8 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from tests.conftest import EDGED
+from tests.conftest import EDGED, MODELS
 
 NO_TRANSPORTS = "[http]\nenabled = false\n[mqtt]\nenabled = false\n[shm]\nenabled = false\n"
 
@@ -21,16 +23,29 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*EDGED, *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.fixture(scope="module")
+def digits_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bundled digits model and a state folder shared by the ``edged infer`` tests: the first run measures
+    the engines and remembers its choice (state/cache/select), the others load it as a user's next run does
+    (measuring took ~3.5 s of each run; the remembering is test_models_list_remeasure_*'s subject)."""
+    tmp = tmp_path_factory.mktemp("cli-digits")
+    shutil.copytree(MODELS / "digits", tmp / "models" / "digits")
+    cfg = tmp / "edged.toml"
+    state, run, repo = tmp / "state", tmp / "run", tmp / "models"
+    cfg.write_text(f'[device]\nid = "test-device"\nstate_dir = "{state}"\nruntime_dir = "{run}"\n'
+                   f'model_repository = "{repo}"\n')
+    return cfg
+
+
 def test_version() -> None:
     r = _run("--version")
     assert r.returncode == 0 and r.stdout.startswith("edged ")
 
 
-def test_infer_classifies_held_out_digits(tmp_path: Path, model_repo: Callable[..., Path],
-                                          write_config: Callable[..., Path],
+def test_infer_classifies_held_out_digits(tmp_path: Path, digits_config: Path,
                                           digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
     x, y = digits_holdout
-    cfg = write_config(model_repo("digits"))
+    cfg = digits_config
     np.save(tmp_path / "x.npy", x[:20])
     r = _run("infer", "digits", "--input", str(tmp_path / "x.npy"), "--config", str(cfg))
     assert r.returncode == 0, r.stderr
@@ -39,11 +54,10 @@ def test_infer_classifies_held_out_digits(tmp_path: Path, model_repo: Callable[.
     assert np.mean(np.array(classes) == y[:20]) >= 0.9
 
 
-def test_infer_json_prints_exactly_the_v2_response(tmp_path: Path, model_repo: Callable[..., Path],
-                                                   write_config: Callable[..., Path],
+def test_infer_json_prints_exactly_the_v2_response(tmp_path: Path, digits_config: Path,
                                                    digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
     x, y = digits_holdout
-    cfg = write_config(model_repo("digits"))
+    cfg = digits_config
     np.save(tmp_path / "one.npy", x[3])  # a single sample: the batch dimension is added
     r = _run("infer", "digits", "--input", str(tmp_path / "one.npy"), "--json", "--config", str(cfg))
     assert r.returncode == 0, r.stderr
@@ -56,9 +70,8 @@ def test_infer_json_prints_exactly_the_v2_response(tmp_path: Path, model_repo: C
     assert int(np.argmax(out["data"])) == int(y[3])
 
 
-def test_infer_bad_input_is_a_clear_error(tmp_path: Path, model_repo: Callable[..., Path],
-                                          write_config: Callable[..., Path]) -> None:
-    cfg = write_config(model_repo("digits"))
+def test_infer_bad_input_is_a_clear_error(tmp_path: Path, digits_config: Path) -> None:
+    cfg = digits_config
     np.save(tmp_path / "bad.npy", np.zeros((2, 63), np.float32))
     r = _run("infer", "digits", "--input", str(tmp_path / "bad.npy"), "--config", str(cfg))
     assert r.returncode == 1

@@ -10,6 +10,17 @@ from edged.errors import ConfigError, ErrorCode
 from tests.conftest import EDGED
 
 
+def config_check(f: Path, capsys: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess[str]:
+    """``edged config check f`` through the CLI's entry point in this process, for the tests that check many
+    files (a process start was most of each one's time); the other config-check tests run it as a process."""
+    from edged.cli import main
+
+    capsys.readouterr()
+    rc = main(["config", "check", str(f)])
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["edged", "config", "check", str(f)], rc, out.out, out.err)
+
+
 def test_defaults_need_no_file() -> None:
     cfg = Config()
     assert cfg.http.listen == "127.0.0.1:8000"
@@ -93,23 +104,24 @@ def test_config_check_refuses_a_key_without_a_certificate(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("secret", ['[mqtt]\npassword = "hunter2"\n',
                                     '[registry]\nenrollment_token = "enroll-0123456789"\n'])
-def test_config_check_warns_on_a_world_readable_file_holding_a_secret(tmp_path: Path, secret: str) -> None:
+def test_config_check_warns_on_a_world_readable_file_holding_a_secret(tmp_path: Path, secret: str,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """Issue #20 item 11: the token or broker password in a 0644 file is every local user's."""
     f = tmp_path / "edged.toml"
     f.write_text(f'[device]\nid = "dev1"\nmodel_repository = "{tmp_path}"\n{secret}')
     f.chmod(0o644)
-    r = subprocess.run([*EDGED, "config", "check", str(f)], capture_output=True, text=True)
+    r = config_check(f, capsys)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr
     name = "[mqtt] password" if "password" in secret else "[registry] enrollment_token"
     assert f"warning: readable by every user (mode 0644) but holds {name}" in r.stderr, r.stderr
     assert "hunter2" not in r.stderr and "enroll-0123456789" not in r.stderr  # names the secret, never shows it
     f.chmod(0o640)
-    r = subprocess.run([*EDGED, "config", "check", str(f)], capture_output=True, text=True)
+    r = config_check(f, capsys)
     assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
     # no secret in it: a world-readable config is fine
     f.write_text(f'[device]\nid = "dev1"\nmodel_repository = "{tmp_path}"\n')
     f.chmod(0o644)
-    r = subprocess.run([*EDGED, "config", "check", str(f)], capture_output=True, text=True)
+    r = config_check(f, capsys)
     assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
 
 
@@ -136,12 +148,13 @@ def test_device_ids_with_control_characters_are_refused() -> None:
     ('[registry]\nenabled = false\nurl = "http://10.20.30.40:8700"\n[mqtt]\nenabled = false\n'
      'url = "mqtt://10.0.0.9"\n', []),
 ])
-def test_config_check_warns_on_cleartext_links_to_other_hosts(tmp_path: Path, links: str, warned: list[str]) -> None:
+def test_config_check_warns_on_cleartext_links_to_other_hosts(tmp_path: Path, links: str, warned: list[str],
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """Issue #36 attack 13: `config check` said OK for a registry URL of plain http:// to another host."""
     f = tmp_path / "edged.toml"
     f.write_text(f'[device]\nid = "dev1"\nmodel_repository = "{tmp_path}"\n{links}')
     f.chmod(0o600)
-    r = subprocess.run([*EDGED, "config", "check", str(f)], capture_output=True, text=True)
+    r = config_check(f, capsys)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr  # a warning, not a refusal: labs run plain links
     lines = [ln for ln in r.stderr.splitlines() if "warning:" in ln]
     assert len(lines) == len(warned), r.stderr

@@ -26,7 +26,7 @@ import pytest
 from edged.core.traffic import TrafficMix
 from tests import made_models
 from tests.conftest import REPO_ROOT, sha256_file
-from tests.edged_process import edged_run
+from tests.edged_process import QUICK_CHOICE_EDGED, edged_run
 from tests.http_client import web
 from tests.netutil import free_port
 
@@ -47,7 +47,6 @@ PROFILE = textwrap.dedent("""
     device = "CPU"
     precisions = ["fp32"]
     """)
-
 
 def make_doubler(repo: Path) -> Path:
     import openvino as ov
@@ -111,7 +110,7 @@ def daemon(tmp_path: Path) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     with edged_run(cfg, tmp_path / "edged.log",
                    lambda: web().get(f"{url}/v2/health/ready", timeout=2).status_code == 200,
-                   timeout=60, interval=0.05):
+                   timeout=60, interval=0.05, edged=QUICK_CHOICE_EDGED):
         yield url
 
 

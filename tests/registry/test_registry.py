@@ -312,6 +312,28 @@ def test_access_control(env: Env, model: str) -> None:
         assert [m.state for m in c.device(f"{model}-dev").models] == ["committed"]
 
 
+
+def test_the_audit_log_refuses_updates_and_deletes(env: Env, model: str) -> None:
+    """The audit log is append-only by the database's own triggers (migration 0008), one per dialect."""
+    from sqlalchemy import text
+
+    from edged.registry.db import make_engine
+
+    push(env, model, 1)  # its upload and push are audited rows, whatever ran before
+    engine = make_engine(env.database_url or f"sqlite:///{env.server.data_dir / 'registry.db'}")
+    try:
+        with engine.connect() as conn:
+            n = conn.execute(text("SELECT count(*) FROM audit_log")).scalar()
+            assert n
+        for sql in ("UPDATE audit_log SET actor = 'someone else'", "DELETE FROM audit_log"):
+            with pytest.raises(Exception, match="append-only"), engine.begin() as conn:
+                conn.execute(text(sql))
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM audit_log")).scalar() == n
+            assert conn.execute(text("SELECT count(*) FROM audit_log WHERE actor = 'someone else'")).scalar() == 0
+    finally:
+        engine.dispose()
+
 def test_desired_state_selectors_etag_pins_and_revocation(env: Env, model: str) -> None:
     push(env, model, 1)
     push(env, model, 2)

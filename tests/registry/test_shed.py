@@ -221,7 +221,7 @@ def test_a_busy_registry_holds_a_rollouts_admission_and_goes_on_after(registry: 
         return {d.id for d in devices if d.release(model) == release}
 
     spec = RolloutCreate(model=model, release=0, steps=[StepSpec(percent=100)],
-                         target=RolloutTarget(labels={"fleet": model}), admit_per_minute=120)
+                         target=RolloutTarget(labels={"fleet": model}), admit_per_minute=300)
     ro = registry.client.release_with_rollout(registry.keys.load(), model, 2, spec, expires_in_s=3600)
     with Busy(registry.signal):
         wait_for(lambda: (a := registry.client.rollout(ro.id).rollout.admission) is not None and a.held, 5, 0.05,
@@ -229,7 +229,7 @@ def test_a_busy_registry_holds_a_rollouts_admission_and_goes_on_after(registry: 
         admission = registry.client.rollout(ro.id).rollout.admission
         assert admission is not None and admission.reason and "behind" in admission.reason
         frozen = on(ro.release)
-        time.sleep(2.0)  # sleep-ok: two devices a second would have come in meanwhile
+        time.sleep(1.0)  # sleep-ok: five devices a second would have come in meanwhile
         assert on(ro.release) == frozen and len(frozen) < len(devices)
         assert on(r1) == {d.id for d in devices} - frozen
     wait_for(lambda: len(on(ro.release)) == len(devices), 60, 0.2, "every device let in once the registry keeps up")

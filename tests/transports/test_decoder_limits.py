@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import subprocess
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,7 +20,7 @@ import orjson
 import pytest
 
 from edged.protocol import mqtt as codec
-from tests.edged_process import edged_run, engines_settled
+from tests.edged_process import QUICK_CHOICE_EDGED, edged_run, engines_settled
 from tests.http_helpers import copy_models
 from tests.mqtt_helpers import Broker, TestClient, running_broker
 from tests.netutil import free_port
@@ -45,6 +46,15 @@ def peak_rss(pid: int) -> int:
     raise AssertionError("no VmHWM in /proc/<pid>/status")
 
 
+def reset_peak_rss(pid: int) -> None:
+    """Reset the kernel's high-water mark to the RSS now (``clear_refs`` 5), so that a peak is this test's
+    own and not one an earlier test left on the shared daemon; where the kernel refuses, the mark stays."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
 @dataclass
 class Daemon:
     proc: subprocess.Popen[bytes]
@@ -53,11 +63,19 @@ class Daemon:
     log: Path
 
 
-@pytest.fixture
-def daemon(tmp_path: Path, write_config: Callable[..., Path]) -> Iterator[Daemon]:
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One daemon for the module (starting one and waiting for its engine choice is most of the time)."""
+    tmp = tmp_path_factory.mktemp("decoder-limits")
     port = free_port()
-    with running_broker(tmp_path / "broker") as broker:
-        cfg = write_config(copy_models(tmp_path / "models", "digits"), f"""
+    with running_broker(tmp / "broker") as broker:
+        cfg = tmp / "edged.toml"
+        cfg.write_text(textwrap.dedent(f"""
+            [device]
+            id = "test-device"
+            state_dir = "{tmp / 'state'}"
+            runtime_dir = "{tmp / 'run'}"
+            model_repository = "{copy_models(tmp / 'models', 'digits')}"
             [http]
             listen = "127.0.0.1:{port}"
             [mqtt]
@@ -66,11 +84,12 @@ def daemon(tmp_path: Path, write_config: Callable[..., Path]) -> Iterator[Daemon
             enabled = false
             [logging]
             level = "warning"
-            """)
-        log = tmp_path / "edged.log"
-        # Ready, and done choosing its engine: loading candidates to measure them would count as the attack's RSS.
+            """))
+        log = tmp / "edged.log"
+        # Ready, and done choosing its engine: loading candidates to measure them would count as the attack's RSS
+        # (a brief choice: how long it measures is nothing to these tests).
         with edged_run(cfg, log, lambda: engines_settled(port, "digits"), timeout=120,
-                       transient=(OSError,)) as proc:
+                       transient=(OSError,), edged=QUICK_CHOICE_EDGED) as proc:
             yield Daemon(proc, port, broker, log)
 
 
@@ -139,6 +158,7 @@ def test_tiny_request_declaring_2_31_elements_is_400_without_memory_or_blocking(
         conn.request("POST", "/v2/models/digits/infer", body=bytes_attack(1)[0],
                      headers={"Inference-Header-Content-Length": str(bytes_attack(1)[1])})
         conn.getresponse().read()
+    reset_peak_rss(daemon.proc.pid)
     before = peak_rss(daemon.proc.pid)
 
     def attack() -> None:
@@ -165,6 +185,7 @@ def test_tiny_mqtt_payloads_declaring_huge_tensors_get_error_replies(daemon: Dae
     client = TestClient(daemon.broker.port).wait_connected()
     try:
         client.subscribe("edged/test-device/reply/attack")
+        reset_peak_rss(daemon.proc.pid)
         before = peak_rss(daemon.proc.pid)
 
         def attack() -> None:

@@ -23,6 +23,7 @@ import pytest
 from edged.errors import OverloadedError, ResourceExhaustedError
 from edged.membudget import MIB, SMALL_REQUEST, MemoryBudget, charge, set_current
 from tests import memory_attacks as ma
+from tests.edged_process import QUICK_CHOICE_EDGED
 
 pytest.importorskip("grpc", reason="the grpc extra is not installed")
 pytest.importorskip("cv2", reason="the pipeline extra (opencv-python-headless) is not installed")
@@ -36,7 +37,7 @@ RETURNED = 50 * MIB
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ma.MemDaemon]:
-    with ma.daemon(tmp_path_factory.mktemp("membudget"), BUDGET_MB) as d:
+    with ma.daemon(tmp_path_factory.mktemp("membudget"), BUDGET_MB, edged=QUICK_CHOICE_EDGED) as d:
         yield d
 
 
@@ -256,7 +257,7 @@ def test_mqtt_payload_over_the_budget_gets_an_error_reply_and_the_next_is_answer
 
     reply_to = "edged/mem-attack/reply/t"  # inside the device's own reply namespace
     with running_broker(tmp_path / "broker") as broker, \
-            ma.daemon(tmp_path / "d", 16, mqtt_url=broker.url) as d:
+            ma.daemon(tmp_path / "d", 16, mqtt_url=broker.url, settled=False) as d:  # no RSS figure read here
         client = TestClient(broker.port).wait_connected()
         try:
             client.subscribe(reply_to)
