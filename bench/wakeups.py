@@ -184,7 +184,8 @@ def measure(tmp: Path, n: int, *, quick_choice: bool = False, processes: int = 0
 
     x1 = np.random.default_rng(0).random((1, 3, 48, 192), dtype=np.float32)
     results: dict[str, list[Woken]] = {}
-    with daemon_with_everything(tmp, quick_choice=quick_choice, processes=processes) as (d, http_port, grpc_port, mqtt_port, sock):
+    with daemon_with_everything(tmp, quick_choice=quick_choice, processes=processes) as (
+            d, http_port, grpc_port, mqtt_port, sock):
         def work() -> None:
             d.settled(60.0)  # the engine choice measures in the background after READY: not on our counts
             shm = ShmClient(sock)
