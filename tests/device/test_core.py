@@ -197,6 +197,13 @@ def _add_version(repo: Path, version: int) -> None:
 def test_swap_under_load_fails_nothing(model_repo: MakeRepo, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
     x, y = digits_holdout
     repo = model_repo("digits")
+    # Both versions are the same file: every answer must be the model's own, whichever version gave it
+    # (held-out accuracy, about 0.95-0.97 over whichever samples the clients happen to send, is not exact).
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(repo / "digits" / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    expected = np.asarray(sess.run(None, {"pixels": x})[0]).argmax(axis=1)
+    assert np.mean(expected == y) > 0.9  # and the model reads digits
     svc = _service(repo)
     stop = threading.Event()
     seen: list[int] = []
@@ -213,7 +220,7 @@ def test_swap_under_load_fails_nothing(model_repo: MakeRepo, digits_holdout: tup
                 r = svc.infer(InferRequest("digits", {"pixels": x[i:i + 1]}), timeout=10)
                 asked.append((sent, r.version, time.monotonic()))
                 seen.append(r.version)
-                correct.append(int(r.outputs["probabilities"].argmax()) == int(y[i]))
+                correct.append(int(r.outputs["probabilities"].argmax()) == int(expected[i]))
             except Exception as e:  # any failure is a test failure
                 failures.append(repr(e))
 
@@ -233,7 +240,7 @@ def test_swap_under_load_fails_nothing(model_repo: MakeRepo, digits_holdout: tup
         stop.set()
         svc.manager.shutdown()
     assert failures == []
-    assert np.mean(correct) >= 0.95
+    assert correct and all(correct)
     assert 1 in seen and 2 in seen
     # once version 2 has answered, no request sent after that is answered by version 1 (judged by the
     # clock, not by the order threads appended in: on a loaded machine a thread can sit on a version-1
