@@ -31,7 +31,8 @@ from tests.wheel_cache import UnavailableError
 
 REPO = Path(__file__).resolve().parents[2]
 PY38_SOURCES = [REPO / "edged/backends/trt_worker/worker.py", REPO / "edged/backends/trt_worker/__init__.py",
-                REPO / "edged/protocol/shm_wire.py", STANDIN / "tensorrt/__init__.py"]
+                REPO / "edged/protocol/shm_wire.py", REPO / "edged/protocol/shm_worker.py",
+                STANDIN / "tensorrt/__init__.py"]
 STALL = -12345.5
 WEIGHT = np.arange(12, dtype=np.float32).reshape(4, 3) / 10
 BIAS = np.array([0.5, -1.0, 2.0], dtype=np.float32)

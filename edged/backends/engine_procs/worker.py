@@ -17,11 +17,10 @@ import mmap
 import os
 import signal
 import socket
-import stat
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,18 +28,15 @@ from edged.backends.base import Engine, LoadRequest
 from edged.backends.factory import get_backend
 from edged.backends.specs import spec_for
 from edged.protocol import shm_wire as wire
+from edged.protocol.shm_worker import RequestError, SegmentTable, receive, serve
 from edged.repository.manifest import InputShape, TensorSpec, Variant
 
+if TYPE_CHECKING:
+    from edged.protocol.shm_worker import Handler
+
 MAX_SEGMENTS = 8
+MAX_SEGMENT_BYTES = 1 << 34
 MAX_LOAD_MESSAGE = 1 << 20
-
-
-class RequestError(Exception):
-    """A request the worker refuses or cannot run; its status byte goes back to the daemon."""
-
-    def __init__(self, status: int, message: str, needed: int = 0) -> None:
-        super().__init__(message)
-        self.status, self.needed = status, needed
 
 
 def request_from_json(spec: Mapping[str, Any]) -> tuple[str, LoadRequest]:
@@ -70,14 +66,16 @@ class _Segment:
         arr: np.ndarray = np.frombuffer(self.map, dtype, count, offset).reshape(shape)
         return arr
 
+    def close(self) -> None:
+        """Nothing to do: the mapping goes with its last view (a request's inputs may still hold one)."""
+
 
 class Worker:
     """The loaded engine and the daemon's segments; requests run one at a time."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.segments: dict[int, _Segment] = {}
-        self.next_segment = 1
+        self.table = SegmentTable(wire, _Segment, max_segments=MAX_SEGMENTS, max_bytes=MAX_SEGMENT_BYTES)
         self.served = 0
 
     def describe(self) -> dict[str, Any]:
@@ -87,34 +85,10 @@ class Worker:
                 "inputs": [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in e.inputs],
                 "outputs": [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in e.outputs]}
 
-    def register(self, body: bytes, fds: list[int]) -> bytes:
-        if len(fds) != 1 or len(body) != wire.U64.size:
-            raise RequestError(wire.INVALID_ARGUMENT, "REGISTER needs one fd and one u64 size")
-        (size,) = wire.U64.unpack(body)
-        st = os.fstat(fds[0])
-        if not stat.S_ISREG(st.st_mode) or st.st_size != size or size <= 0:
-            raise RequestError(wire.INVALID_ARGUMENT, f"segment size {size} does not match the fd ({st.st_size})")
-        if len(self.segments) >= MAX_SEGMENTS:
-            raise RequestError(wire.INVALID_ARGUMENT, f"at most {MAX_SEGMENTS} segments")
-        sid = self.next_segment
-        self.next_segment += 1
-        self.segments[sid] = _Segment(fds[0], size)
-        return wire.U32.pack(sid)
-
-    def unregister(self, body: bytes) -> bytes:
-        (sid,) = wire.U32.unpack(body)
-        seg = self.segments.pop(sid, None)
-        if seg is None:
-            raise RequestError(wire.NOT_FOUND, f"no segment {sid}")
-        return b""
-
-    def _range(self, sid: int, offset: int, nbytes: int, what: str) -> _Segment:
-        seg = self.segments.get(sid)
-        if seg is None:
-            raise RequestError(wire.NOT_FOUND, f"{what}: no segment {sid}")
-        if offset > seg.size or nbytes > seg.size - offset:
-            raise RequestError(wire.INVALID_ARGUMENT, f"{what}: range {offset}+{nbytes} is outside segment {sid}")
-        return seg
+    def handlers(self) -> dict[int, Handler]:
+        return {wire.INFER: lambda body, fds: self.infer(body), wire.REGISTER: self.table.register,
+                wire.UNREGISTER: self.table.unregister,
+                wire.HELLO: lambda body, fds: (0, json.dumps(self.describe()).encode())}  # the health check
 
     def infer(self, body: bytes) -> tuple[int, bytes]:
         try:
@@ -132,9 +106,9 @@ class Worker:
             if count * dtype.itemsize != t.nbytes or t.offset % dtype.itemsize:
                 raise RequestError(wire.INVALID_ARGUMENT, f"input {t.name!r}: {t.nbytes} bytes do not hold "
                                                           f"{dtype.name}{list(t.shape)}")
-            seg = self._range(t.segment, t.offset, t.nbytes, f"input {t.name!r}")
+            seg = self.table.range(t.segment, t.offset, t.nbytes, f"input {t.name!r}")
             inputs[t.name] = seg.view(dtype, t.shape, t.offset)
-        out = self._range(desc.out_segment, desc.out_offset, desc.out_capacity, "output range")
+        out = self.table.range(desc.out_segment, desc.out_offset, desc.out_capacity, "output range")
         outputs = self.engine.infer(inputs, desc.outputs)
         placed: list[tuple[str, np.ndarray, int, int]] = []
         pos = 0
@@ -157,49 +131,6 @@ class Worker:
         return len(placed), b"".join(parts)
 
 
-def _recv(sock: socket.socket, size: int) -> tuple[bytes, list[int]]:
-    msg, fds, _, _ = socket.recv_fds(sock, size, 4)
-    return msg, list(fds)
-
-
-def _answer(sock: socket.socket, worker: Worker, msg: bytes, fds: list[int]) -> None:
-    kind, _, _, rid = wire.HEADER.unpack_from(msg, 0)
-    body = msg[wire.HEADER.size:]
-    try:
-        if kind == wire.INFER:
-            count, reply = worker.infer(body)
-        elif kind == wire.REGISTER:
-            reply, count = worker.register(body, fds), 0
-        elif kind == wire.UNREGISTER:
-            reply, count = worker.unregister(body), 0
-        elif kind == wire.HELLO:  # the daemon's health check
-            reply, count = json.dumps(worker.describe()).encode(), 0
-        else:
-            raise RequestError(wire.INVALID_ARGUMENT, f"unknown request kind {kind}")
-    except RequestError as e:
-        sock.send(wire.encode_status_error(kind, rid, e.status, str(e), e.needed))
-    except Exception as e:  # the engine's own failure: report it, keep serving
-        sock.send(wire.encode_status_error(kind, rid, wire.INTERNAL, f"{type(e).__name__}: {e}"))
-    else:
-        sock.send(wire.header(kind | wire.REPLY, rid, 0, count) + reply)
-
-
-def serve(sock: socket.socket, worker: Worker) -> None:
-    """Answer requests until the daemon closes its end."""
-    while True:
-        msg, fds = _recv(sock, wire.MAX_MESSAGE)
-        if not msg:
-            return
-        try:
-            if len(msg) < wire.HEADER.size:
-                sock.send(wire.encode_status_error(0x7F, 0, wire.INVALID_ARGUMENT, "message shorter than a header"))
-                continue
-            _answer(sock, worker, msg, fds)
-        finally:
-            for fd in fds:
-                os.close(fd)  # a mapping keeps its memory without the fd
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="an edged engine worker (started by the daemon)")
     parser.add_argument("--fd", type=int, required=True, help="the inherited SOCK_SEQPACKET socket")
@@ -208,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     # first and ends this worker by closing the socket, so the worker must not die before it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=args.fd)
-    msg, fds = _recv(sock, MAX_LOAD_MESSAGE)
+    msg, fds = receive(sock, MAX_LOAD_MESSAGE)
     for fd in fds:
         os.close(fd)
     if not msg:
@@ -220,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         sock.send(wire.encode_status_error(wire.HELLO, 0, wire.UNAVAILABLE, f"{type(e).__name__}: {e}"))
         return 3
     sock.send(wire.header(wire.HELLO | wire.REPLY, 0) + json.dumps(worker.describe()).encode())
-    serve(sock, worker)
+    serve(sock, wire, worker.handlers())
     return 0
 
 

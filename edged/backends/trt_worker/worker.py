@@ -26,25 +26,18 @@ import json
 import mmap
 import os
 import socket
-import stat
 import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from edged.protocol import shm_wire as wire
-else:
-    wire = None  # bound in main(): found through --wire, since edged itself is not importable here
+    from edged.protocol import shm_worker
+    from edged.protocol.shm_worker import RequestError
+else:  # bound in main(): found through --wire, since edged itself is not importable here
+    wire = shm_worker = RequestError = None
 
 MAX_SEGMENTS = 8
 MAX_SEGMENT_BYTES = 1 << 34
-
-
-class RequestError(Exception):
-    """A request the worker refuses or cannot run; the status byte goes back to the daemon."""
-
-    def __init__(self, status: int, message: str, needed: int = 0) -> None:
-        Exception.__init__(self, message)
-        self.status, self.needed = status, needed
 
 
 class _Cuda:
@@ -110,8 +103,8 @@ class Worker:
             is_input = self.engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT
             (self.inputs if is_input else self.outputs).append(name)
             self.dtypes[name] = np.dtype(trt.nptype(self.engine.get_tensor_dtype(name)))
-        self.segments: dict[int, _Segment] = {}
-        self.next_segment = 1
+        self.table = shm_worker.SegmentTable(wire, lambda fd, size: _Segment(fd, size, self.cuda, np),
+                                             max_segments=MAX_SEGMENTS, max_bytes=MAX_SEGMENT_BYTES)
         self.served = 0
 
     def describe(self) -> dict[str, Any]:
@@ -124,42 +117,10 @@ class Worker:
                 "inputs": [tensor(n) for n in self.inputs], "outputs": [tensor(n) for n in self.outputs]}
 
     # ---- requests ---------------------------------------------------------------------------
-    def register(self, body: bytes, fds: list[int]) -> bytes:
-        if len(fds) != 1:
-            raise RequestError(wire.INVALID_ARGUMENT, f"REGISTER needs exactly one fd, got {len(fds)}")
-        fd = fds[0]
-        try:
-            if len(body) != wire.U64.size:
-                raise RequestError(wire.INVALID_ARGUMENT, "REGISTER body is not one u64 size")
-            (size,) = wire.U64.unpack(body)
-            if len(self.segments) >= MAX_SEGMENTS:
-                raise RequestError(wire.INVALID_ARGUMENT, f"at most {MAX_SEGMENTS} segments")
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != size or not 0 < size <= MAX_SEGMENT_BYTES:
-                raise RequestError(wire.INVALID_ARGUMENT, f"segment size {size} does not match the fd ({st.st_size})")
-            seg = _Segment(fd, size, self.cuda, self.np)
-        finally:
-            os.close(fd)
-        sid = self.next_segment
-        self.next_segment += 1
-        self.segments[sid] = seg
-        return wire.U32.pack(sid)
-
-    def unregister(self, body: bytes) -> bytes:
-        (sid,) = wire.U32.unpack(body)
-        seg = self.segments.pop(sid, None)
-        if seg is None:
-            raise RequestError(wire.NOT_FOUND, f"no segment {sid}")
-        seg.close()
-        return b""
-
-    def _range(self, sid: int, offset: int, nbytes: int, what: str) -> _Segment:
-        seg = self.segments.get(sid)
-        if seg is None:
-            raise RequestError(wire.NOT_FOUND, f"{what}: no segment {sid}")
-        if offset > seg.size or nbytes > seg.size - offset:
-            raise RequestError(wire.INVALID_ARGUMENT, f"{what}: range {offset}+{nbytes} is outside segment {sid}")
-        return seg
+    def handlers(self) -> dict[int, Any]:
+        return {wire.INFER: lambda body, fds: self.infer(body), wire.REGISTER: self.table.register,
+                wire.UNREGISTER: self.table.unregister,
+                wire.HELLO: lambda body, fds: (0, json.dumps(self.describe()).encode())}  # also the health check
 
     def _bind_inputs(self, inputs: list[wire.TensorDesc]) -> None:
         """Check each input against the engine (name, dtype, size, segment range, shape) and point the
@@ -182,7 +143,7 @@ class Worker:
             if count * dtype.itemsize != t.nbytes or t.offset % dtype.itemsize:
                 raise RequestError(wire.INVALID_ARGUMENT, f"input {name!r}: {t.nbytes} bytes at offset {t.offset} do "
                                                      f"not hold a {dtype.name} tensor of shape {list(t.shape)}")
-            seg = self._range(t.segment, t.offset, t.nbytes, f"input {name!r}")
+            seg = self.table.range(t.segment, t.offset, t.nbytes, f"input {name!r}")
             if not ctx.set_input_shape(name, tuple(t.shape)):
                 raise RequestError(wire.INVALID_ARGUMENT, f"input {name!r}: the engine refuses shape {list(t.shape)}")
             ctx.set_tensor_address(name, seg.device + t.offset)
@@ -198,7 +159,7 @@ class Worker:
         unknown = [n for n in wanted if n not in self.outputs]
         if unknown:
             raise RequestError(wire.INVALID_ARGUMENT, f"unknown outputs {unknown}; the engine has {self.outputs}")
-        out = self._range(desc.out_segment, desc.out_offset, desc.out_capacity, "output range")
+        out = self.table.range(desc.out_segment, desc.out_offset, desc.out_capacity, "output range")
         placed = []
         pos = 0
         for name in self.outputs:  # every output needs an address; only the wanted ones are reported
@@ -227,60 +188,22 @@ class Worker:
         return len(parts) - 1, b"".join(parts)
 
 
-def _recv(sock: socket.socket) -> tuple[bytes, list[int]]:
-    fds: list[int] = []
-    msg, anc, _, _ = sock.recvmsg(wire.MAX_MESSAGE, socket.CMSG_SPACE(4 * 4))
-    for level, kind, data in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.extend(int.from_bytes(data[i:i + 4], sys.byteorder) for i in range(0, len(data) - 3, 4))
-    return msg, fds
-
-
 def serve(sock: socket.socket, worker: Worker) -> None:
-    """Answer requests until the daemon closes its end."""
+    """Say hello with the engine's tensors, then answer requests until the daemon closes its end."""
     sock.send(wire.header(wire.HELLO | wire.REPLY, 0) + json.dumps(worker.describe()).encode())
-    while True:
-        msg, fds = _recv(sock)
-        if not msg:
-            return
-        if len(msg) < wire.HEADER.size:
-            for fd in fds:
-                os.close(fd)
-            sock.send(wire.encode_status_error(0x7F, 0, wire.INVALID_ARGUMENT, "message shorter than a header"))
-            continue
-        kind, _, _, rid = wire.HEADER.unpack_from(msg, 0)
-        body = msg[wire.HEADER.size:]
-        try:
-            if kind == wire.REGISTER:
-                reply, count = worker.register(body, fds), 0
-                fds = []
-            elif kind == wire.INFER:
-                count, reply = worker.infer(body)
-            elif kind == wire.UNREGISTER:
-                reply, count = worker.unregister(body), 0
-            elif kind == wire.HELLO:  # also the daemon's health check
-                reply, count = json.dumps(worker.describe()).encode(), 0
-            else:
-                raise RequestError(wire.INVALID_ARGUMENT, f"unknown request kind {kind}")
-        except RequestError as e:
-            sock.send(wire.encode_status_error(kind, rid, e.status, str(e), e.needed))
-        except Exception as e:  # the engine's own failure: report it, keep serving
-            sock.send(wire.encode_status_error(kind, rid, wire.INTERNAL, f"{type(e).__name__}: {e}"))
-        else:
-            sock.send(wire.header(kind | wire.REPLY, rid, 0, count) + reply)
-        finally:
-            for fd in fds:
-                os.close(fd)
+    shm_worker.serve(sock, wire, worker.handlers())
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="edged's TensorRT engine worker (started by the daemon)")
     parser.add_argument("--fd", type=int, required=True, help="the inherited SOCK_SEQPACKET socket")
     parser.add_argument("--plan", required=True, help="the TensorRT plan file")
-    parser.add_argument("--wire", required=True, help="the folder holding shm_wire.py")
+    parser.add_argument("--wire", required=True, help="the folder holding shm_wire.py and shm_worker.py")
     args = parser.parse_args(argv)
     sys.path.insert(0, args.wire)
     globals()["wire"] = importlib.import_module("shm_wire")
+    globals()["shm_worker"] = importlib.import_module("shm_worker")
+    globals()["RequestError"] = shm_worker.RequestError  # the worker's refusal, with its status byte
     sock = socket.socket(fileno=args.fd)
     try:
         import numpy
