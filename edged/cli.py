@@ -273,7 +273,22 @@ def cmd_models_list(args: argparse.Namespace) -> int:
             print(f"  {s['name']} v{s['version']}: {s['chosen_how']}")
         for note in s.get("notes") or []:
             print(f"  {s['name']} v{s['version']}: {note}")
+        placed: Any = s.get("engine_processes")
+        if placed:
+            print(f"  {s['name']} v{s['version']}: {_processes_line(placed)}")
     return 0
+
+
+def _processes_line(p: dict[str, Any]) -> str:
+    """Where the engine runs when it has worker processes ([limits] engine_processes)."""
+    if p.get("running"):
+        pids = ", ".join(f"{w['pid']}" + (f" ({w['restarts']} restart(s))" if w["restarts"] else "")
+                         for w in p["workers"])
+        where = f"in {p['count']} engine process(es) of {p['threads']} thread(s) (pids {pids})"
+    else:
+        where = (f"{p['count']} engine process(es) of {p['threads']} thread(s) start when requests overlap"
+                 + (f" (the last start failed: {p['start_error']})" if p.get("start_error") else ""))
+    return f"{where}; {p['calls_in_daemon']} lone call(s) ran in the daemon's own copy"
 
 
 MAX_MEDIA_FILE = 256 << 20  # an image or sound for one request; checked before reading

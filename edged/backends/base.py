@@ -101,6 +101,10 @@ class Engine(abc.ABC):
         """Memory it holds in other processes (engine workers), counted against the model budget."""
         return 0.0
 
+    def processes(self) -> dict[str, Any] | None:
+        """Its worker processes, for status pages (``edged status``, ``models list``); None: in-process."""
+        return None
+
     @property
     def restoring(self) -> bool:
         """True while the engine puts itself back in a clean state after a failed run (OpenVINO):

@@ -143,6 +143,9 @@ class ModelVersion:
             out["chosen_how"] = how
         if self.upgrade is not None:
             out["upgrade"] = self.upgrade.status()
+        placed = self.engine.processes() if self.engine is not None else None
+        if placed is not None:
+            out["engine_processes"] = placed
         return out
 
 

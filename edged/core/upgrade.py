@@ -60,6 +60,9 @@ class SwappableEngine(Engine):
     def process_memory_mb(self) -> float:
         return self._current.process_memory_mb()
 
+    def processes(self) -> dict[str, Any] | None:
+        return self._current.processes()
+
     @property
     def batched(self) -> Engine | None:
         return self._batched

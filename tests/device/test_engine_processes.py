@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from edged.backends.engine_procs.pool import EngineProcesses
+from edged.cli import _processes_line
 from edged.config import LimitsSection, ModelsSection
 from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
@@ -119,6 +120,10 @@ def test_a_lone_request_runs_on_the_daemons_own_copy_without_a_hop(model_repo: C
         assert pool.local_calls - before_local == 20
         assert sum(int(h["served"] or 0) for h in pool.health()) == before
         assert not pool.workers, "lone calls never start the workers"
+        mv = manager.table.find(MODEL, None)
+        assert mv is not None
+        assert (f"2 engine process(es) of 1 thread(s) start when requests overlap; {pool.local_calls} lone call(s)"
+                in _processes_line(mv.status()["engine_processes"]))
         # Overlapping calls start them in the background, and later overlapping calls run there.
         errors: list[BaseException] = []
 
@@ -141,6 +146,8 @@ def test_a_lone_request_runs_on_the_daemons_own_copy_without_a_hop(model_repo: C
             for t in threads:
                 t.join()
         assert not errors, errors
+        line = _processes_line(mv.status()["engine_processes"])  # what `edged models list` prints
+        assert line.startswith("in 2 engine process(es) of 1 thread(s) (pids "), line
     finally:
         manager.shutdown()
 

@@ -99,7 +99,7 @@ class EngineProcesses(Engine):
     def __init__(self, backend: str, request: LoadRequest, processes: int) -> None:
         if processes < 1:
             raise ValueError("at least one engine process")
-        self.processes = processes
+        self.count = processes
         self.threads_per_process = max(1, (request.threads or request.cpu_threads()) // processes)
         self._message = load_message(backend, request, self.threads_per_process)
         self.label = request.label
@@ -128,10 +128,10 @@ class EngineProcesses(Engine):
         """Start the N workers together (each loads and warms its own copy); raises the first failure."""
         def start(i: int) -> ProcessWorker:
             return ProcessWorker(self.backend, self._message,
-                                 f"{self.label} [engine process {i + 1}/{self.processes}]", device=self.device,
+                                 f"{self.label} [engine process {i + 1}/{self.count}]", device=self.device,
                                  precision=self.precision)
-        with ThreadPoolExecutor(max_workers=self.processes, thread_name_prefix="edged-engine-start") as pool:
-            futures = [pool.submit(start, i) for i in range(self.processes)]
+        with ThreadPoolExecutor(max_workers=self.count, thread_name_prefix="edged-engine-start") as pool:
+            futures = [pool.submit(start, i) for i in range(self.count)]
             workers: list[ProcessWorker] = []
             failure: BaseException | None = None
             for f in futures:
@@ -153,7 +153,7 @@ class EngineProcesses(Engine):
                 raise failure
             return
         log.info("%s: %s in %d engine process(es) of %d thread(s) each (pids %s); a lone call runs in the "
-                 "daemon's own copy", self.label, self.backend, self.processes, self.threads_per_process,
+                 "daemon's own copy", self.label, self.backend, self.count, self.threads_per_process,
                  ", ".join(str(w.pid) for w in workers))
 
     def _start_later(self) -> None:
@@ -209,13 +209,15 @@ class EngineProcesses(Engine):
         library, about WORKER_BASE_MB, plus the model's file each), so the model budget counts them."""
         if self._ready:
             return sum(w.rss_mb() for w in self.workers)
-        return self.processes * (WORKER_BASE_MB + self._model_mb)
+        return self.count * (WORKER_BASE_MB + self._model_mb)
+
+    def processes(self) -> dict[str, Any]:
+        return {"count": self.count, "threads": self.threads_per_process, "running": self._ready,
+                "start_error": self.start_error, "calls_in_daemon": self.local_calls,
+                "workers": [{"pid": w.pid, "restarts": w.restarts, "last_exit": w.last_exit} for w in self.workers]}
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "engine_processes": {
-            "count": self.processes, "threads": self.threads_per_process, "ready": self._ready,
-            "start_error": self.start_error, "local_calls": self.local_calls,
-            "workers": [{"pid": w.pid, "restarts": w.restarts} for w in self.workers]}}
+        return {**super().describe(), "engine_processes": self.processes()}
 
     def health(self) -> list[dict[str, Any]]:
         return [w.health() for w in self.workers]
