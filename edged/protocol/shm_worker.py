@@ -8,6 +8,7 @@ compatible and imports nothing from edged: the wire format module is passed in.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import stat
@@ -20,6 +21,8 @@ if TYPE_CHECKING:  # annotations only: Python 3.8 cannot subscribe collections.a
     # A handler: (message body, file descriptors it came with) -> (count for the header, reply body). A
     # handler that keeps a descriptor takes it out of the list; the loop closes the rest.
     Handler = Callable[[bytes, list[int]], tuple[int, bytes]]
+    Infer = Callable[[bytes], tuple[int, bytes]]  # an INFER body -> (outputs, their descriptors)
+    Describe = Callable[[], dict[str, Any]]  # the worker's HELLO: protocol, pid, served, the tensors
 
 
 class RequestError(Exception):
@@ -90,6 +93,15 @@ def receive(sock: socket.socket, size: int) -> tuple[bytes, list[int]]:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.extend(int.from_bytes(data[i:i + 4], sys.byteorder) for i in range(0, len(data) - 3, 4))
     return msg, fds
+
+
+def serve_engine(sock: socket.socket, wire: Any, table: SegmentTable, infer: Infer, describe: Describe) -> None:
+    """What every engine worker does once its engine is loaded: say HELLO with ``describe()``, then answer
+    INFER, REGISTER, UNREGISTER and HELLO (the daemon's health check) until the daemon closes its end."""
+    sock.send(wire.header(wire.HELLO | wire.REPLY, 0) + json.dumps(describe()).encode())
+    serve(sock, wire, {wire.INFER: lambda body, fds: infer(body), wire.REGISTER: table.register,
+                       wire.UNREGISTER: table.unregister,
+                       wire.HELLO: lambda body, fds: (0, json.dumps(describe()).encode())})
 
 
 def serve(sock: socket.socket, wire: Any, handlers: dict[int, Handler]) -> None:

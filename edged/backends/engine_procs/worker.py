@@ -20,19 +20,17 @@ import socket
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from edged.backends.base import Engine, LoadRequest
 from edged.backends.factory import get_backend
 from edged.backends.specs import spec_for
+from edged.protocol import shm as p
 from edged.protocol import shm_wire as wire
-from edged.protocol.shm_worker import RequestError, SegmentTable, receive, serve
+from edged.protocol.shm_worker import RequestError, SegmentTable, receive, serve_engine
 from edged.repository.manifest import InputShape, TensorSpec, Variant
-
-if TYPE_CHECKING:
-    from edged.protocol.shm_worker import Handler
 
 MAX_SEGMENTS = 8
 MAX_SEGMENT_BYTES = 1 << 34
@@ -85,11 +83,6 @@ class Worker:
                 "inputs": [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in e.inputs],
                 "outputs": [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in e.outputs]}
 
-    def handlers(self) -> dict[int, Handler]:
-        return {wire.INFER: lambda body, fds: self.infer(body), wire.REGISTER: self.table.register,
-                wire.UNREGISTER: self.table.unregister,
-                wire.HELLO: lambda body, fds: (0, json.dumps(self.describe()).encode())}  # the health check
-
     def infer(self, body: bytes) -> tuple[int, bytes]:
         try:
             desc = wire.decode_infer(body)
@@ -97,9 +90,9 @@ class Worker:
             raise RequestError(wire.INVALID_ARGUMENT, str(e)) from None
         inputs: dict[str, np.ndarray] = {}
         for t in desc.inputs:
-            if not 0 < t.dtype < len(wire.NUMPY_NAMES) or t.dtype == wire.BYTES:
+            dtype = p.NUMPY_DTYPES[t.dtype] if 0 < t.dtype < len(p.NUMPY_DTYPES) and t.dtype != p.BYTES else None
+            if dtype is None:
                 raise RequestError(wire.INVALID_ARGUMENT, f"input {t.name!r}: dtype code {t.dtype} is not numeric")
-            dtype = np.dtype(wire.NUMPY_NAMES[t.dtype])
             count = 1
             for d in t.shape:
                 count *= d
@@ -113,8 +106,8 @@ class Worker:
         placed: list[tuple[str, np.ndarray, int, int]] = []
         pos = 0
         for name, arr in outputs.items():
-            code = wire.NUMPY_NAMES.index(arr.dtype.name) if arr.dtype.name in wire.NUMPY_NAMES else -1
-            if code <= 0 or code == wire.BYTES:
+            code = p.NUMPY_CODE.get(arr.dtype)
+            if code is None or code == p.BYTES:
                 raise RequestError(wire.INVALID_ARGUMENT, f"output {name!r} of {arr.dtype} cannot cross the wire")
             placed.append((name, arr, code, pos))
             pos = wire.align(pos + arr.nbytes)
@@ -150,8 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # tell the daemon why, then exit: it will not retry a model that cannot load
         sock.send(wire.encode_status_error(wire.HELLO, 0, wire.UNAVAILABLE, f"{type(e).__name__}: {e}"))
         return 3
-    sock.send(wire.header(wire.HELLO | wire.REPLY, 0) + json.dumps(worker.describe()).encode())
-    serve(sock, wire, worker.handlers())
+    serve_engine(sock, wire, worker.table, worker.infer, worker.describe)
     return 0
 
 

@@ -22,7 +22,6 @@ import argparse
 import ctypes
 import ctypes.util
 import importlib
-import json
 import mmap
 import os
 import socket
@@ -117,11 +116,6 @@ class Worker:
                 "inputs": [tensor(n) for n in self.inputs], "outputs": [tensor(n) for n in self.outputs]}
 
     # ---- requests ---------------------------------------------------------------------------
-    def handlers(self) -> dict[int, Any]:
-        return {wire.INFER: lambda body, fds: self.infer(body), wire.REGISTER: self.table.register,
-                wire.UNREGISTER: self.table.unregister,
-                wire.HELLO: lambda body, fds: (0, json.dumps(self.describe()).encode())}  # also the health check
-
     def _bind_inputs(self, inputs: list[wire.TensorDesc]) -> None:
         """Check each input against the engine (name, dtype, size, segment range, shape) and point the
         context at it."""
@@ -188,12 +182,6 @@ class Worker:
         return len(parts) - 1, b"".join(parts)
 
 
-def serve(sock: socket.socket, worker: Worker) -> None:
-    """Say hello with the engine's tensors, then answer requests until the daemon closes its end."""
-    sock.send(wire.header(wire.HELLO | wire.REPLY, 0) + json.dumps(worker.describe()).encode())
-    shm_worker.serve(sock, wire, worker.handlers())
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="edged's TensorRT engine worker (started by the daemon)")
     parser.add_argument("--fd", type=int, required=True, help="the inherited SOCK_SEQPACKET socket")
@@ -214,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # tell the daemon why, then exit: it will not retry a plan that cannot load
         sock.send(wire.encode_status_error(wire.HELLO, 0, wire.UNAVAILABLE, f"{type(e).__name__}: {e}"))
         return 3
-    serve(sock, worker)
+    shm_worker.serve_engine(sock, wire, worker.table, worker.infer, worker.describe)
     return 0
 
 
