@@ -26,6 +26,11 @@ def constrained_cpus(root: Path = Path("/")) -> int:
     return usable if usable < (os.cpu_count() or usable) else 0
 
 
+def threads_per_process(threads: int, processes: int) -> int:
+    """Each engine worker process's share of an engine's ``threads`` ([limits] engine_processes)."""
+    return max(1, threads // processes)
+
+
 def cgroup_cpu_quota(root: Path = Path("/")) -> int | None:
     """CPUs' worth of time the process's cgroup may use (rounded up), or None when unlimited or unknown."""
     for directory in _cgroup_dirs(root):

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from edged.config import LimitsSection
-from edged.cpus import cgroup_cpu_quota, constrained_cpus, usable_cpus
+from edged.cpus import cgroup_cpu_quota, constrained_cpus, threads_per_process, usable_cpus
 
 CONTROL_THREADS = 2  # model loads and file work share the loop's worker pool with the decoders
 
@@ -32,7 +32,7 @@ class ThreadPlan:
         engine = f"{self.engine} thread(s)" if self.engine else "the engine's default (a thread per physical core)"
         where = "" if not self.processes else (
             f", split over {self.processes} engine worker process(es) of "
-            f"{max(1, (self.engine or self.cpus) // self.processes)} thread(s) for CPU engines")
+            f"{threads_per_process(self.engine or self.cpus, self.processes)} thread(s) for CPU engines")
         return (f"threads: {self.cpus} usable CPU(s) ({'; '.join(self.reasons)}); each engine's pool {engine}"
                 f"{where}; {self.decode} decode worker(s) + {CONTROL_THREADS} for control calls")
 

@@ -17,6 +17,7 @@ daemon's own Python, [limits] engine_processes).
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import fcntl
 import json
@@ -111,8 +112,9 @@ class EngineWorkerClient(Engine):
         self.inputs = _tensors(self.info["inputs"])
         self.outputs = _tensors(self.info["outputs"])
 
+    @abc.abstractmethod
     def _command(self, fd: int) -> list[str]:
-        raise NotImplementedError
+        """The worker's command line; ``fd`` is its end of the socketpair, passed to it open."""
 
     def _greeting(self) -> bytes | None:
         """A first message for the worker (what to load), or None when its command line says it all."""

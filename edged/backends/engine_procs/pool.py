@@ -15,7 +15,7 @@ The workers start only when calls first overlap: a version that serves one call 
 candidate the engine choice loads to measure, never spawns them.
 
 A worker that dies or hangs fails only the batch it was running (typed, "being restarted") and is
-started again (:class:`~edged.backends.trt_worker.supervisor.EngineWorkerClient`); the others serve on.
+started again (:class:`~edged.backends.worker_client.EngineWorkerClient`); the others serve on.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import psutil
 from edged.backends.base import Engine, LoadRequest
 from edged.backends.factory import get_backend
 from edged.backends.worker_client import DEFAULT_REQUEST_TIMEOUT_S, EngineWorkerClient
+from edged.cpus import threads_per_process
 from edged.errors import InternalError
 
 log = logging.getLogger(__name__)
@@ -60,8 +61,6 @@ def load_message(backend: str, request: LoadRequest, threads: int) -> bytes:
 
 class ProcessWorker(EngineWorkerClient):
     """One engine worker process under the daemon's own Python."""
-
-    what = "engine worker"
 
     def __init__(self, backend: str, message: bytes, label: str, *, device: str, precision: str,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
@@ -100,7 +99,7 @@ class EngineProcesses(Engine):
         if processes < 1:
             raise ValueError("at least one engine process")
         self.count = processes
-        self.threads_per_process = max(1, (request.threads or request.cpu_threads()) // processes)
+        self.threads_per_process = threads_per_process(request.cpu_threads(), processes)
         self._message = load_message(backend, request, self.threads_per_process)
         self.label = request.label
         try:
@@ -125,7 +124,10 @@ class EngineProcesses(Engine):
 
     # ---- workers ----------------------------------------------------------------------------
     def start_workers(self) -> None:
-        """Start the N workers together (each loads and warms its own copy); raises the first failure."""
+        """Start the N workers together (each loads and warms its own copy); raises the first failure.
+        Nothing to do once they run."""
+        if self._ready:
+            return
         def start(i: int) -> ProcessWorker:
             return ProcessWorker(self.backend, self._message,
                                  f"{self.label} [engine process {i + 1}/{self.count}]", device=self.device,
