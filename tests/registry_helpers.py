@@ -400,10 +400,6 @@ class InProcessDevice:
     def stop(self) -> None:
         if self.agent is not None:
             asyncio.run_coroutine_threadsafe(self.agent.stop(), self.loop).result(60)
-        # The agent's registry connections live in its worker threads (RegistryHttp keeps them per thread,
-        # and the agent's close() reaches only its own): end those threads, as a daemon's exit would, so that
-        # no idle keep-alive connection is left to hold a registry's stop for its whole grace.
-        asyncio.run_coroutine_threadsafe(self.loop.shutdown_default_executor(), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         if self.manager is not None:
