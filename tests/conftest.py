@@ -55,19 +55,24 @@ def model_repo(tmp_path: Path) -> Callable[..., Path]:
     return make
 
 
+def device_config(folder: Path, repo: Path, extra: str = "", name: str = "edged.toml") -> Path:
+    """An edged.toml in ``folder`` whose state and runtime dirs live there too; extra TOML is appended."""
+    cfg = folder / name
+    cfg.write_text(textwrap.dedent(f"""
+        [device]
+        id = "test-device"
+        state_dir = "{folder / 'state'}"
+        runtime_dir = "{folder / 'run'}"
+        model_repository = "{repo}"
+        """) + textwrap.dedent(extra))
+    return cfg
+
+
 @pytest.fixture
 def write_config(tmp_path: Path) -> Callable[..., Path]:
-    """Write an edged.toml whose state and runtime dirs live in tmp_path; extra TOML is appended."""
+    """``device_config`` in tmp_path: ``write_config(repo, extra)``."""
 
     def write(repo: Path, extra: str = "", name: str = "edged.toml") -> Path:
-        cfg = tmp_path / name
-        cfg.write_text(textwrap.dedent(f"""
-            [device]
-            id = "test-device"
-            state_dir = "{tmp_path / 'state'}"
-            runtime_dir = "{tmp_path / 'run'}"
-            model_repository = "{repo}"
-            """) + textwrap.dedent(extra))
-        return cfg
+        return device_config(tmp_path, repo, extra, name)
 
     return write

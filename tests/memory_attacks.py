@@ -162,6 +162,24 @@ def _start(tmp: Path, repo: Path, memory_mb: float | None, grpc_max_mb: float, e
 
 
 # ---- measuring --------------------------------------------------------------------------------
+def peak_rss(pid: int) -> int:
+    """The kernel's high-water mark of the process's RSS (VmHWM), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc/<pid>/status")
+
+
+def reset_peak_rss(pid: int) -> bool:
+    """Reset that mark to the RSS now (``clear_refs`` 5), so that a peak is what follows; False where the
+    kernel refuses (the mark then keeps whatever came before)."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
 class RssMonitor:
     """The daemon's RSS sampled every few milliseconds, and its kernel high-water mark (VmHWM)
     reset at the start where the kernel lets us (``clear_refs`` 5), which counts even a transient peak."""
@@ -183,18 +201,8 @@ class RssMonitor:
                 return
             self._stop.wait(self.interval)
 
-    def _hwm(self) -> int:
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-        return 0
-
     def __enter__(self) -> RssMonitor:
-        try:
-            Path(f"/proc/{self.pid}/clear_refs").write_text("5")
-            self.hwm_reset = True
-        except OSError:
-            pass
+        self.hwm_reset = reset_peak_rss(self.pid)
         self._thread.start()
         return self
 
@@ -205,7 +213,7 @@ class RssMonitor:
     @property
     def peak(self) -> int:
         sampled = max(self.samples, default=0)
-        return max(sampled, self._hwm()) if self.hwm_reset else sampled
+        return max(sampled, peak_rss(self.pid)) if self.hwm_reset else sampled
 
 
 @dataclass

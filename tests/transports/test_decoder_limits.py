@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.client
 import subprocess
-import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,8 +19,10 @@ import orjson
 import pytest
 
 from edged.protocol import mqtt as codec
+from tests.conftest import device_config
 from tests.edged_process import QUICK_CHOICE_EDGED, edged_run, engines_settled
 from tests.http_helpers import copy_models
+from tests.memory_attacks import peak_rss, reset_peak_rss
 from tests.mqtt_helpers import Broker, TestClient, running_broker
 from tests.netutil import free_port
 from tests.polling import wait_until
@@ -39,22 +40,6 @@ def bytes_attack(count: int, rid: str = "") -> tuple[bytes, int]:
     return header + b"\0\0\0\0", len(header)
 
 
-def peak_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM in /proc/<pid>/status")
-
-
-def reset_peak_rss(pid: int) -> None:
-    """Reset the kernel's high-water mark to the RSS now (``clear_refs`` 5), so that a peak is this test's
-    own and not one an earlier test left on the shared daemon; where the kernel refuses, the mark stays."""
-    try:
-        Path(f"/proc/{pid}/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
 @dataclass
 class Daemon:
     proc: subprocess.Popen[bytes]
@@ -69,13 +54,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     tmp = tmp_path_factory.mktemp("decoder-limits")
     port = free_port()
     with running_broker(tmp / "broker") as broker:
-        cfg = tmp / "edged.toml"
-        cfg.write_text(textwrap.dedent(f"""
-            [device]
-            id = "test-device"
-            state_dir = "{tmp / 'state'}"
-            runtime_dir = "{tmp / 'run'}"
-            model_repository = "{copy_models(tmp / 'models', 'digits')}"
+        cfg = device_config(tmp, copy_models(tmp / "models", "digits"), f"""
             [http]
             listen = "127.0.0.1:{port}"
             [mqtt]
@@ -84,7 +63,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
             enabled = false
             [logging]
             level = "warning"
-            """))
+            """)
         log = tmp / "edged.log"
         # Ready, and done choosing its engine: loading candidates to measure them would count as the attack's RSS
         # (a brief choice: how long it measures is nothing to these tests).
