@@ -799,13 +799,14 @@ def main() -> int:
 
         # 3. The references, in this process: the engine and service the daemon's config gives.
         ref_config = load_config(cfg)
+        processes = engine_processes(ref_config.limits)
         ref_config.limits.engine_processes = 0  # the raw references: the engine itself, in this process
         rt = build_runtime(ref_config, only=MODEL)
         mv = rt.service.ready_model(MODEL)
         engine = mv.engine
         assert engine is not None
         label = mv.candidate.label if mv.candidate else "?"
-        svc_rt = rt if not engine_processes(load_config(cfg).limits) else build_runtime(load_config(cfg), only=MODEL)
+        svc_rt = build_runtime(load_config(cfg), only=MODEL) if processes else rt
         svc = svc_rt.service
         rng = np.random.default_rng(0)
         x1 = rng.random((1, *mv.inputs[0].shape), dtype=np.float32)

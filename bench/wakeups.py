@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import shutil
 import sys
 import tempfile
@@ -33,9 +34,9 @@ MODEL = "mobilenet"
 DEVICE = "wakeups"
 
 
-def switches() -> dict[int, tuple[str, int, int]]:
-    """Each live Python thread of this process: native id -> (name, voluntary, involuntary) switches."""
-    out: dict[int, tuple[str, int, int]] = {}
+def switches() -> dict[int, tuple[str, int]]:
+    """Each live Python thread of this process: native id -> (name, voluntary context switches)."""
+    out: dict[int, tuple[str, int]] = {}
     for t in threading.enumerate():
         tid = t.native_id
         if tid is None:
@@ -45,7 +46,7 @@ def switches() -> dict[int, tuple[str, int, int]]:
         except OSError:
             continue  # ended meanwhile
         fields = dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
-        out[tid] = (t.name, int(fields["voluntary_ctxt_switches"]), int(fields["nonvoluntary_ctxt_switches"]))
+        out[tid] = (t.name, int(fields["voluntary_ctxt_switches"]))
     return out
 
 
@@ -65,7 +66,7 @@ def count(send: Callable[[], object], n: int, skip: set[int]) -> list[Woken]:
     for _ in range(n):
         send()
     after = switches()
-    woken = [Woken(name, (vol - before[tid][1]) / n) for tid, (name, vol, _) in after.items()
+    woken = [Woken(name, (vol - before[tid][1]) / n) for tid, (name, vol) in after.items()
              if tid in before and tid not in skip and vol > before[tid][1]]
     return sorted(woken, key=lambda w: -w.per_request)
 
@@ -138,10 +139,10 @@ class InProcessDaemon:
             def ready(status: str | None = None) -> bool:
                 rt = self.daemon.runtime
                 if self.quick_choice and rt is not None:  # before the chooser starts, right after READY
-                    from edged.backends.benchmark import BenchmarkSettings
+                    from edged.core.chooser import BACKGROUND
+                    from tests.edged_process import QUICK_CHOICE
 
-                    rt.manager.chooser.settings = BenchmarkSettings(time_per_candidate_s=0.2, total_s=1.0,
-                                                                    rounds=3, min_rounds=1)
+                    rt.manager.chooser.settings = dataclasses.replace(BACKGROUND, **QUICK_CHOICE)
                 self.ready.set()
                 return told(status)
             self.daemon.notifier.ready = ready  # type: ignore[method-assign]  # told READY, then as before
@@ -195,7 +196,7 @@ def measure(tmp: Path, n: int, *, quick_choice: bool = False, processes: int = 0
             payload, users = binary_request("image", x1)
             topic = f"edged/{DEVICE}/infer/{MODEL}"
             # The clients' threads: this one and paho's for the MQTT driver; every other is the daemon's.
-            skip = {tid for tid, (name, _, _) in switches().items() if "bench-driver" in name}
+            skip = {tid for tid, (name, _) in switches().items() if "bench-driver" in name}
             skip.add(threading.get_native_id())
             try:
                 results["shm"] = count(lambda: shm.infer(MODEL, {"image": x1}), n, skip)

@@ -15,21 +15,23 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import orjson
 
 from tests.conftest import EDGED, REPO_ROOT
 from tests.mqtt_helpers import terminate
 
-# ``edged`` whose background engine choice (edged.core.chooser) measures as it does, only for less long:
-# BACKGROUND's settings but 0.3 s a candidate and 1.5 s in all (not 1.5 s and 8 s), as bench/wakeups.py's
-# quick_choice does in-process. For tests that check when the chooser measures and what it switches to
-# between engines far apart, or that wait for it to be done, not how long a measurement takes.
-QUICK_CHOICE_EDGED = [sys.executable, "-c", textwrap.dedent("""
+# The background engine choice (edged.core.chooser) as it measures, only for less long: BACKGROUND's settings
+# but 0.3 s a candidate and 1.5 s in all (not 1.5 s and 8 s). For tests that check when the chooser measures
+# and what it switches to between engines far apart, or that wait for it to be done, not how long a
+# measurement takes: QUICK_CHOICE_EDGED is ``edged`` with it; bench/wakeups.py sets it in-process.
+QUICK_CHOICE: dict[str, Any] = {"time_per_candidate_s": 0.3, "total_s": 1.5}
+QUICK_CHOICE_EDGED = [sys.executable, "-c", textwrap.dedent(f"""
     import dataclasses, sys
     from edged.core import chooser
     chooser.EngineChooser.__init__.__kwdefaults__["settings"] = dataclasses.replace(
-        chooser.BACKGROUND, time_per_candidate_s=0.3, total_s=1.5)
+        chooser.BACKGROUND, **{QUICK_CHOICE!r})
     from edged.cli import main
     sys.exit(main())
     """)]
