@@ -134,17 +134,21 @@ class Scheduler:
             return self.submit(req, batch).result()
         return self._run_claimed(req, batch, _nbytes(req.inputs))
 
-    def try_inline(self, req: InferRequest, batch: int, max_run_ns: int) -> InferResponse | None:
-        """Run on the caller's thread if the model is idle and its runs take at most ``max_run_ns``.
+    def try_inline(self, req: InferRequest, batch: int, max_run_ns: int | None) -> InferResponse | None:
+        """Run on the caller's thread if the model is idle and its runs take at most ``max_run_ns``
+        (None: however long; a thread that reads requests and may block for a run, not for a queue).
 
         None: the caller queues it (``submit``). For an event loop, which may block for a
         short run but must never wait for a queue or a long one, nor for an engine restoring itself.
         """
-        typical = self.typical_run_ns
-        if typical > max_run_ns or self.engine.restoring:
+        if self.engine.restoring:
             return None
         nbytes = _nbytes(req.inputs)
-        if nbytes * typical > max_run_ns * self._typical_bytes or not self._claim():
+        if max_run_ns is not None:
+            typical = self.typical_run_ns
+            if typical > max_run_ns or nbytes * typical > max_run_ns * self._typical_bytes:
+                return None
+        if not self._claim():
             return None
         return self._run_claimed(req, batch, nbytes)
 

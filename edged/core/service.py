@@ -252,9 +252,11 @@ class InferenceService:
         with _Owned(req):
             return self._dispatch(req, Scheduler.run_inline, lambda mv: self._start_pipeline(mv, req).result())
 
-    def infer_or_submit(self, req: InferRequest, max_run_ns: int) -> InferResponse | Future[InferResponse]:
+    def infer_or_submit(self, req: InferRequest, max_run_ns: int | None) -> InferResponse | Future[InferResponse]:
         """The answer at once when the model is idle and its runs are short enough to block the
-        caller (an event loop) for; otherwise the request is queued and its future returned."""
+        caller (an event loop) for (``max_run_ns`` None: any run, for a thread of its own that must
+        go on reading requests rather than wait for a queue); otherwise the request is queued and
+        its future returned."""
         def run(scheduler: Scheduler, r: InferRequest, batch: int) -> InferResponse | Future[InferResponse]:
             resp = scheduler.try_inline(r, batch, max_run_ns)
             return resp if resp is not None else scheduler.submit(r, batch)

@@ -324,6 +324,46 @@ def test_errors_are_typed_and_the_connection_survives(served: Served) -> None:
         assert c.infer("digits", {"pixels": np.zeros((2, 64), np.float32)})["probabilities"].shape == (2, 10)
 
 
+def test_a_request_that_finds_the_model_busy_does_not_stop_its_connection_reading(served: Served) -> None:
+    """A lone request (nothing else in flight, not flagged as queued) that finds the model busy is
+    queued, and its connection goes on reading: what the client sends behind it is read and answered
+    (or joins the queue and its batch) instead of waiting unread on the socket until the run is done."""
+    sched = served.service.ready_model("digits").scheduler
+    assert sched is not None
+    raw = Raw(served.socket)
+    raw.sock.settimeout(10)
+    fd, seg = create_segment(8192)
+    try:
+        kind, status, _, body = raw.call(p.REGISTER, p.U64.pack(seg.size), [fd])
+    finally:
+        os.close(fd)
+    assert (kind, status) == (p.REGISTER | p.REPLY, 0), p.decode_error(body)
+    (seg_id,) = p.U32.unpack(body)
+    x = np.random.default_rng(3).random((1, 64), dtype=np.float32) * 16
+    np.frombuffer(seg.mm, np.float32, 64)[:] = x.ravel()
+    assert sched._claim()  # another caller's inline run holds the model's one instance
+    try:
+        raw.rid += 1
+        infer_rid = raw.rid
+        raw.sock.send(p.encode_infer(infer_rid, "digits", 0, [_pixels(seg_id)], out_segment=seg_id,
+                                     out_offset=4096, out_capacity=4096))
+        kind, status, _, body = raw.call(p.METADATA, p.META_BODY.pack(0, 6) + b"digits")
+        assert (kind, status) == (p.METADATA | p.REPLY, 0)  # answered while the request waits for the model
+    finally:
+        with sched._lock:  # the other caller's run ends
+            sched._busy -= 1
+            sched._cv.notify()
+    data = raw.sock.recv(p.MAX_MESSAGE)
+    kind, status, count, rid = p.HEADER.unpack_from(data)
+    assert (kind, status, rid) == (p.INFER | p.REPLY, 0, infer_rid), p.decode_error(data[p.HEADER.size:])
+    _, (out,) = p.decode_outputs(data[p.HEADER.size:], count)
+    got = np.frombuffer(seg.mm, np.float32, 10, out.offset).reshape(1, 10)
+    np.testing.assert_allclose(got, served.reference(x), rtol=1e-5, atol=1e-6)
+    del got
+    raw.close()
+    seg.close()
+
+
 def test_output_slot_grows_on_too_small(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     from edged.client import shm_memory
 

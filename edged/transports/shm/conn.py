@@ -1,12 +1,14 @@
 """One shared-memory client connection, served by its own thread.
 
 Why a thread per client: a blocking ``recvmsg`` followed by
-``service.infer_blocking`` runs the model in the thread that read the request when
+``service.infer_or_submit`` runs the model in the thread that read the request when
 the model is idle, which is the lowest latency Python can offer (no hand-off to
-another thread, no event loop). When the client pipelines (more requests already
-waiting on the socket, or some still in flight) the thread hands each one to
-``service.submit`` instead, so they queue and batch, and their completions are
-written from the scheduler's done-callback, possibly out of order.
+another thread, no event loop). When the client pipelines (it flags the request as
+queued, or some are still in flight here) or the model is busy, the thread hands the
+request to the scheduler instead and goes back to reading, so requests queue and
+batch, and their completions are written from the scheduler's done-callback, possibly
+out of order. The thread never waits for a queued run: the requests behind it would
+stay unread on the socket, out of the batch.
 
 Everything the client owned (mapped segments) is released when its socket
 reaches EOF or reset, which is also what a ``kill -9`` of the client looks like.
@@ -384,12 +386,13 @@ class Connection:
             for s in used:
                 s.busy += 1
         try:
-            if inline:
-                resp = self.service.infer_blocking(req)
-                self._finish(rid, plan, resp, None)
+            # Inline only while the model is idle: never wait here for a queued run, or the requests
+            # behind this one stay unread on the socket and cannot join its batch.
+            done = self.service.infer_or_submit(req, None) if inline else self.service.submit(req)
+            if isinstance(done, Future):
+                done.add_done_callback(lambda f: self._done(rid, plan, f))
             else:
-                fut = self.service.submit(req)
-                fut.add_done_callback(lambda f: self._done(rid, plan, f))
+                self._finish(rid, plan, done, None)
         except EdgedError as e:
             self._finish(rid, plan, None, e)
         except Exception as e:
