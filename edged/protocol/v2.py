@@ -175,7 +175,7 @@ def _named_input(i: int, name: Any, datatype: Any, seen: Mapping[str, object]) -
     return name, datatype, where
 
 
-def decode_raw_request(inputs: Iterable[tuple[str, str, Sequence[int], bytes]], *, model: str,
+def decode_raw_request(inputs: Iterable[tuple[str, str, Sequence[int], bytes | memoryview]], *, model: str,
                        version: int | None, outputs: Sequence[str], rid: str | None) -> DecodedRequest:
     """The common binary request without a header to build: each input is (name, datatype, shape, its
     bytes), nothing has parameters, every output is returned binary. The same checks and messages as

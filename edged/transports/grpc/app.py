@@ -35,10 +35,12 @@ from edged.transports import v2_ops
 from edged.transports.authority import Authority, Peer, bearer
 from edged.transports.grpc.codec import (
     TYPED_ELEMENT_COST,
+    InferMessage,
     decode_infer,
     encode_infer,
     error_response,
     parse,
+    parse_infer,
     typed_elements,
 )
 from edged.transports.http.config import model_config
@@ -62,9 +64,11 @@ STATUS: dict[ErrorCode, Any] = {
 }
 
 Unary = Callable[[Any, Any], Awaitable[Any]]
-# An inference message is held four times at once: grpcio's buffer, its bytes, the parsed message,
-# and the raw contents taken out of that (each access to a bytes field is a new copy).
+# An inference message is held at most four times at once: grpcio's buffer, its bytes, and when it is
+# parsed whole, the parsed message and the raw contents taken out of that (each access to a bytes field
+# is a new copy). The common message is parsed without its raw contents, which stay in its bytes.
 MESSAGE_COPIES = 4
+RECEIVED_COPIES = 2  # grpcio's buffer and its bytes
 READ_TIMEOUT_S = 30.0  # a ModelInfer message must arrive whole within this once its memory is reserved
 # The largest message is held to this share of the request memory budget, so that at least this many
 # of them can be read at once while nothing else holds any.
@@ -127,8 +131,7 @@ class GrpcApp:
         # Request-streaming on our side (the wire is the same for a unary client): the message is read only
         # once the memory it may take is reserved, so concurrent large messages wait in the client's
         # socket, not in the daemon's memory.
-        methods["ModelInfer"] = grpc.stream_unary_rpc_method_handler(
-            self._admitted(self._unary("ModelInfer", pb.ModelInferRequest, self._infer, sized=True)))
+        methods["ModelInfer"] = grpc.stream_unary_rpc_method_handler(self._admitted(self._model_infer()))
         methods["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(self.model_stream_infer)
         return grpc.method_handlers_generic_handler(SERVICE, methods)
 
@@ -181,31 +184,45 @@ class GrpcApp:
                 hold.release()
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
                 raise AssertionError("unreachable: abort raises")  # pragma: no cover
-            hold.shrink(MESSAGE_COPIES * len(data))
             return await handle(data, context, hold)
         return read_then_handle
 
-    def _unary(self, name: str, cls: type[Any], fn: Callable[..., Awaitable[Any]], *,
-               sized: bool = False) -> Callable[..., Awaitable[bytes]]:
-        """``fn(message, context)``, or with ``sized`` ``fn(message, context, its size in bytes)``."""
-        async def handle(data: bytes, context: Any, hold: Reservation | None = None) -> bytes:
+    def _unary(self, name: str, cls: type[Any], fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[bytes]]:
+        """``fn(message, context)``."""
+        async def handle(data: bytes, context: Any) -> bytes:
             try:
-                if sized and hold is None:  # admitted before it is parsed
-                    hold = self._admit(data)
-                # A large message is parsed in a worker thread: the loop keeps answering everyone else.
-                msg = await asyncio.to_thread(parse, cls, data) if len(data) > v2_ops.HEAVY else parse(cls, data)
-                if hold is not None:
-                    hold.grow(TYPED_ELEMENT_COST * typed_elements(msg), "the message's typed contents")
-                reply = await (fn(msg, context, len(data)) if sized else fn(msg, context))
+                reply = await fn(parse(cls, data), context)
                 return bytes(reply.SerializeToString())
             except EdgedError as e:
                 code, text = self._status(e)
             except Exception:
                 log.exception("gRPC %s failed", name)
                 code, text = grpc.StatusCode.INTERNAL, "internal error"
+            await context.abort(code, text)
+            raise AssertionError("unreachable: abort raises")  # pragma: no cover
+        return handle
+
+    async def _received(self, data: bytes, hold: Reservation) -> InferMessage:
+        """An inference message parsed (a large one in a worker thread: the loop keeps answering everyone
+        else), its reservation set to what it holds now: its bytes, what parsing made, its typed contents."""
+        msg = await asyncio.to_thread(parse_infer, data) if len(data) > v2_ops.HEAVY else parse_infer(data)
+        hold.shrink(RECEIVED_COPIES * len(data) + msg.held_bytes)
+        hold.grow(TYPED_ELEMENT_COST * typed_elements(msg.request), "the message's typed contents")
+        return msg
+
+    def _model_infer(self) -> Callable[..., Awaitable[bytes]]:
+        async def handle(data: bytes, context: Any, hold: Reservation) -> bytes:
+            try:
+                msg = await self._received(data, hold)
+                reply = await self._infer(msg, context, len(data))
+                return bytes(reply.SerializeToString())
+            except EdgedError as e:
+                code, text = self._status(e)
+            except Exception:
+                log.exception("gRPC ModelInfer failed")
+                code, text = grpc.StatusCode.INTERNAL, "internal error"
             finally:
-                if hold is not None:
-                    hold.release()
+                hold.release()
             await context.abort(code, text)
             raise AssertionError("unreachable: abort raises")  # pragma: no cover
         return handle
@@ -324,7 +341,7 @@ class GrpcApp:
         return pb.CudaSharedMemoryUnregisterResponse()
 
     # ---- inference --------------------------------------------------------------------------
-    async def _infer(self, req: pb.ModelInferRequest, context: Any, size: int, *,
+    async def _infer(self, msg: InferMessage, context: Any, size: int, *,
                      lone: bool = True) -> pb.ModelInferResponse:
         """ModelInfer, and each ModelStreamInfer request; ``size``: the message's bytes on the wire.
 
@@ -332,9 +349,9 @@ class GrpcApp:
         client pipelines on one stream would each look alone and never be batched together."""
         shm = self._shm_view(context)
         if size > v2_ops.HEAVY:
-            decoded = await asyncio.to_thread(decode_infer, req, shm)
+            decoded = await asyncio.to_thread(decode_infer, msg.request, shm, msg.raw)
         else:
-            decoded = decode_infer(req, shm)
+            decoded = decode_infer(msg.request, shm, msg.raw)
         v2_ops.prepare_infer(decoded, shm, context.time_remaining())
         if lone and self._active <= 1:
             done = self.service.infer_or_submit(decoded.request, v2_ops.LOOP_INLINE_MAX_NS)
@@ -352,10 +369,9 @@ class GrpcApp:
         self._active += 1
         try:
             hold = self._admit(data)
-            req = (await asyncio.to_thread(parse, pb.ModelInferRequest, data) if len(data) > v2_ops.HEAVY
-                   else parse(pb.ModelInferRequest, data))
-            hold.grow(TYPED_ELEMENT_COST * typed_elements(req), "the message's typed contents")
-            answer = await self._infer(req, context, len(data), lone=False)
+            msg = await self._received(data, hold)
+            req = msg.request
+            answer = await self._infer(msg, context, len(data), lone=False)
             reply = pb.ModelStreamInferResponse(infer_response=answer)
         except EdgedError as e:
             reply = pb.ModelStreamInferResponse(error_message=self._status(e)[1], infer_response=error_response(req))

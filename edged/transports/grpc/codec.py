@@ -9,6 +9,8 @@ per output; an output written to system shared memory has an empty entry.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from google.protobuf.message import DecodeError, Message
@@ -16,6 +18,7 @@ from google.protobuf.message import DecodeError, Message
 from edged import datatypes
 from edged.errors import InvalidInputError
 from edged.protocol.grpc.gen import grpc_service_pb2 as pb
+from edged.protocol.grpc.raw_contents import split_raw_contents
 from edged.protocol.types import InferResponse
 from edged.protocol.v2 import DecodedRequest, decode_raw_request, decode_request, tensor_bytes
 from edged.transports.shm.sysshm import ShmView
@@ -62,19 +65,42 @@ def typed_elements(req: pb.ModelInferRequest) -> int:
     return total
 
 
-def decode_infer(req: pb.ModelInferRequest, shm: ShmView) -> DecodedRequest:
-    """The shared codec's request for a ModelInferRequest (every output raw unless in shared memory)."""
+@dataclass(frozen=True, slots=True)
+class InferMessage:
+    """A ModelInferRequest as received: parsed without its raw input contents, which stay views of the
+    message's bytes (edged.protocol.grpc.raw_contents), or parsed whole when it could not be split."""
+
+    request: pb.ModelInferRequest
+    raw: Sequence[bytes | memoryview]
+    held_bytes: int  # what parsing it made on top of its bytes: the parsed message and any copies
+
+
+def parse_infer(data: bytes) -> InferMessage:
+    """A ModelInferRequest from its bytes, its raw input contents left where they are."""
+    split = split_raw_contents(data)
+    if split is None:
+        req = parse(pb.ModelInferRequest, data)
+        return InferMessage(req, req.raw_input_contents, 2 * len(data))  # the message, and each access's copy
+    rest, raw = split
+    return InferMessage(parse(pb.ModelInferRequest, rest), raw, 2 * len(rest))
+
+
+def decode_infer(req: pb.ModelInferRequest, shm: ShmView,
+                 raw: Sequence[bytes | memoryview] | None = None) -> DecodedRequest:
+    """The shared codec's request for a ModelInferRequest (every output raw unless in shared memory);
+    ``raw``: its raw input contents when they were kept out of the parsed message (parse_infer)."""
     if not req.model_name:
         raise InvalidInputError("'model_name' is empty")
     version = parse_version(req.model_version) if req.model_version else None
-    n_raw = len(req.raw_input_contents)
+    raws: Sequence[bytes | memoryview] = req.raw_input_contents if raw is None else raw
+    n_raw = len(raws)
     if _plain(req, n_raw):
         # What tritonclient and perf_analyzer send: raw contents for every input and no parameters.
         return decode_raw_request(
             zip((t.name for t in req.inputs), (t.datatype for t in req.inputs), (t.shape for t in req.inputs),
-                req.raw_input_contents, strict=True),
+                raws, strict=True),
             model=req.model_name, version=version, outputs=[o.name for o in req.outputs], rid=req.id or None)
-    chunks: list[bytes] = []
+    chunks: list[bytes | memoryview] = []
     inputs: list[dict[str, Any]] = []
     for t in req.inputs:
         where = f"input {t.name!r}"
@@ -91,7 +117,7 @@ def decode_infer(req: pb.ModelInferRequest, shm: ShmView) -> DecodedRequest:
         elif "shared_memory_region" not in p:
             if len(chunks) >= n_raw:
                 raise InvalidInputError(f"{where} has no contents, raw_input_contents or shared memory parameters")
-            chunk = req.raw_input_contents[len(chunks)]
+            chunk = raws[len(chunks)]
             p["binary_data_size"] = len(chunk)
             chunks.append(chunk)
         inputs.append(entry)
