@@ -150,6 +150,10 @@ class GrpcSection(_Section):
     max_concurrent_rpcs: int = Field(default=1000, ge=1, description="RPCs (streams) being served at once, all "
                                      "connections together; beyond it RESOURCE_EXHAUSTED")
     max_streams_per_connection: int = Field(default=100, ge=1, description="HTTP/2 MAX_CONCURRENT_STREAMS")
+    stream_window_kb: int = Field(default=0, ge=0, le=16384, description="bytes of one RPC's messages grpcio takes in "
+                                  "before the daemon has read them (HTTP/2 flow-control window); a message larger "
+                                  "than it waits a round trip for more. 0: the request memory budget shared by "
+                                  "max_concurrent_rpcs, within 64..4096 KiB")
     idle_timeout_s: float = Field(default=300, gt=0, description="a connection with no RPC for this long is "
                                   "closed (GOAWAY; clients reconnect on their next call)")
     handshake_timeout_s: float = Field(default=10, gt=0, description="a new connection must finish its "

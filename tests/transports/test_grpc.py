@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import queue
+import socket
 import subprocess
 import sys
 import time
@@ -459,3 +460,48 @@ def test_overloaded_is_resource_exhausted_and_deadline_is_deadline_exceeded(tmp_
             assert c.infer("mobilenet", [one]).as_numpy("probabilities").shape == (1, 37)
         finally:
             c.close()
+
+
+def _announced_window(host: str, port: int) -> int:
+    """The SETTINGS_INITIAL_WINDOW_SIZE the server announces to a new HTTP/2 connection (RFC 9113 6.5.2):
+    how much of a stream's messages a client may send before the server has read any."""
+    with socket.create_connection((host, port), timeout=10) as s:
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))  # preface, SETTINGS
+        data = b""
+        while True:
+            while len(data) < 9:
+                chunk = s.recv(4096)
+                assert chunk, "the server closed the connection before its SETTINGS"
+                data += chunk
+            length, kind, flags = int.from_bytes(data[:3], "big"), data[3], data[4]
+            while len(data) < 9 + length:
+                data += s.recv(4096)
+            payload, data = data[9:9 + length], data[9 + length:]
+            if kind == 4 and not flags & 1:  # SETTINGS, not an ACK
+                settings = {int.from_bytes(payload[i:i + 2], "big"): int.from_bytes(payload[i + 2:i + 6], "big")
+                            for i in range(0, len(payload), 6)}
+                return settings.get(4, 65535)
+
+
+def test_the_stream_window_takes_a_typical_tensor_in_one_go(srv: Served) -> None:
+    """A message larger than the announced window waits for the daemon's window update, a round trip of
+    wake-ups per request; the window is sized from the request memory budget, so that all RPCs at
+    once buffer no more than the budget before their memory is reserved."""
+    host, _, port = srv.grpc_url.rpartition(":")
+    window = _announced_window(host, int(port))
+    assert window == srv.grpc.stream_window
+    budget = srv.service.budget.limit
+    assert window == max(64 << 10, min(4 << 20, budget // srv.cfg.grpc.max_concurrent_rpcs))
+    if budget >= 1000 * (256 << 10):
+        assert window >= 256 << 10  # mobilenet's 110 KB input with room to spare
+
+
+def test_stream_window_sizing() -> None:
+    from edged.config import GrpcSection
+    from edged.transports.grpc.server import stream_window
+
+    assert stream_window(GrpcSection(), 32 << 20) == 64 << 10  # 32 MiB over 1,000 RPCs: grpcio's own, no less
+    assert stream_window(GrpcSection(), 1 << 30) == (1 << 30) // 1000
+    assert stream_window(GrpcSection(), 64 << 30) == 4 << 20
+    assert stream_window(GrpcSection(max_concurrent_rpcs=64), 64 << 20) == 1 << 20
+    assert stream_window(GrpcSection(stream_window_kb=512), 1 << 20) == 512 << 10
