@@ -83,14 +83,14 @@ CASES: dict[str, pb.ModelInferRequest] = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_direct_path_decodes_and_refuses_as_the_shared_codec(name: str) -> None:
     req = CASES[name]
-    assert codec._plain(req, len(req.raw_input_contents))
-    assert not codec._plain(_through_shared_codec(req), len(req.raw_input_contents))
+    assert codec.plain(req, len(req.raw_input_contents))
+    assert not codec.plain(_through_shared_codec(req), len(req.raw_input_contents))
     _same(_decode(req), _decode(_through_shared_codec(req)))
 
 
 def test_the_direct_path_is_taken_only_without_parameters_or_typed_contents() -> None:
     plain = CASES["one input"]
-    assert codec._plain(plain, 1)
+    assert codec.plain(plain, 1)
     with_input_param = pb.ModelInferRequest()
     with_input_param.CopyFrom(plain)
     with_input_param.inputs[0].parameters["shared_memory_region"].string_param = "r"
@@ -103,7 +103,7 @@ def test_the_direct_path_is_taken_only_without_parameters_or_typed_contents() ->
     missing_raw.CopyFrom(plain)
     missing_raw.inputs.add(name="z", datatype="FP32", shape=[1])
     for req in (with_input_param, typed, output_param, missing_raw):
-        assert not codec._plain(req, len(req.raw_input_contents))
+        assert not codec.plain(req, len(req.raw_input_contents))
     # Typed contents still decode on the general path.
     decoded = codec.decode_infer(typed, SHM)
     assert decoded.request.inputs["x"].tolist() == [1.0]

@@ -28,6 +28,7 @@ from edged.errors import EdgedError, ErrorCode, InvalidInputError
 from edged.membudget import Reservation
 from edged.protocol.grpc.gen import grpc_service_pb2 as pb
 from edged.protocol.grpc.gen import model_config_pb2 as mc
+from edged.protocol.grpc.wire import stream_response
 from edged.protocol.types import InferResponse
 from edged.protocol.v2 import dumps, loads
 from edged.protocol.v2_models import metadata_response, statistics_response
@@ -35,14 +36,12 @@ from edged.transports import v2_ops
 from edged.transports.authority import Authority, Peer, bearer
 from edged.transports.grpc.codec import (
     TYPED_ELEMENT_COST,
-    InferMessage,
     decode_infer,
-    encode_infer,
     error_response,
     parse,
-    parse_infer,
     typed_elements,
 )
+from edged.transports.grpc.infer_messages import InferMessage, InferPlans
 from edged.transports.http.config import model_config
 from edged.transports.redact import Scrubber
 from edged.transports.shm.sysshm import ShmCaller, ShmView, SystemShmRegions
@@ -105,6 +104,8 @@ class GrpcApp:
     # is alone runs on the loop when its model is idle and quick (as over HTTP), skipping the hand-off to a
     # scheduler thread and back (two thread wake-ups, ~150 us each on some VMs).
     _active: int = field(default=0, init=False)
+    # What repeated inference messages meant, and the heads of their answers (infer_messages)
+    plans: InferPlans = field(default_factory=InferPlans, init=False)
 
     def handler(self) -> Any:
         """The generic handler grpcio serves: method name -> raw-bytes handler."""
@@ -205,17 +206,18 @@ class GrpcApp:
     async def _received(self, data: bytes, hold: Reservation) -> InferMessage:
         """An inference message parsed (a large one in a worker thread: the loop keeps answering everyone
         else), its reservation set to what it holds now: its bytes, what parsing made, its typed contents."""
-        msg = await asyncio.to_thread(parse_infer, data) if len(data) > v2_ops.HEAVY else parse_infer(data)
+        plans = self.plans
+        msg = await asyncio.to_thread(plans.parse, data) if len(data) > v2_ops.HEAVY else plans.parse(data)
         hold.shrink(RECEIVED_COPIES * len(data) + msg.held_bytes)
-        hold.grow(TYPED_ELEMENT_COST * typed_elements(msg.request), "the message's typed contents")
+        if msg.plan is None:  # a planned message has no typed contents
+            hold.grow(TYPED_ELEMENT_COST * typed_elements(msg.request), "the message's typed contents")
         return msg
 
     def _model_infer(self) -> Callable[..., Awaitable[bytes]]:
         async def handle(data: bytes, context: Any, hold: Reservation) -> bytes:
             try:
                 msg = await self._received(data, hold)
-                reply = await self._infer(msg, context, len(data))
-                return bytes(reply.SerializeToString())
+                return await self._infer(msg, context, len(data))
             except EdgedError as e:
                 code, text = self._status(e)
             except Exception:
@@ -341,17 +343,21 @@ class GrpcApp:
         return pb.CudaSharedMemoryUnregisterResponse()
 
     # ---- inference --------------------------------------------------------------------------
-    async def _infer(self, msg: InferMessage, context: Any, size: int, *,
-                     lone: bool = True) -> pb.ModelInferResponse:
-        """ModelInfer, and each ModelStreamInfer request; ``size``: the message's bytes on the wire.
+    async def _infer(self, msg: InferMessage, context: Any, size: int, *, lone: bool = True) -> bytes:
+        """ModelInfer, and each ModelStreamInfer request: the serialized ModelInferResponse; ``size``: the
+        message's bytes on the wire.
 
         A stream's requests are always queued: its reader takes one message at a time, so requests a
         client pipelines on one stream would each look alone and never be batched together."""
         shm = self._shm_view(context)
-        if size > v2_ops.HEAVY:
-            decoded = await asyncio.to_thread(decode_infer, msg.request, shm, msg.raw)
+        if msg.plan is not None:
+            decoded = msg.plan.decode(msg.raw)
         else:
-            decoded = decode_infer(msg.request, shm, msg.raw)
+            if size > v2_ops.HEAVY:
+                decoded = await asyncio.to_thread(decode_infer, msg.request, shm, msg.raw)
+            else:
+                decoded = decode_infer(msg.request, shm, msg.raw)
+            self.plans.learn(msg, decoded)
         v2_ops.prepare_infer(decoded, shm, context.time_remaining())
         if lone and self._active <= 1:
             done = self.service.infer_or_submit(decoded.request, v2_ops.LOOP_INLINE_MAX_NS)
@@ -359,29 +365,30 @@ class GrpcApp:
         else:
             resp = await asyncio.wrap_future(self.service.submit(decoded.request))
         if v2_ops.encode_is_heavy(resp, decoded):
-            return await asyncio.to_thread(encode_infer, resp, decoded, shm)
-        return encode_infer(resp, decoded, shm)
+            return await asyncio.to_thread(self.plans.answer, resp, decoded, shm)
+        return self.plans.answer(resp, decoded, shm)
 
     async def _stream_one(self, data: bytes, context: Any) -> bytes:
         """One stream request's answer, success or error; never raises (the stream goes on)."""
-        req: pb.ModelInferRequest | None = None
+        msg: InferMessage | None = None
         hold = None
         self._active += 1
         try:
             hold = self._admit(data)
             msg = await self._received(data, hold)
-            req = msg.request
-            answer = await self._infer(msg, context, len(data), lone=False)
-            reply = pb.ModelStreamInferResponse(infer_response=answer)
+            return stream_response(await self._infer(msg, context, len(data), lone=False))
         except EdgedError as e:
-            reply = pb.ModelStreamInferResponse(error_message=self._status(e)[1], infer_response=error_response(req))
+            error = self._status(e)[1]
         except Exception:
             log.exception("gRPC ModelStreamInfer request failed")
-            reply = pb.ModelStreamInferResponse(error_message="internal error", infer_response=error_response(req))
+            error = "internal error"
         finally:
             self._active -= 1
             if hold is not None:
                 hold.release()
+        # which request failed, by its model, version and id (a planned message is parsed for it now)
+        reply = pb.ModelStreamInferResponse(error_message=error,
+                                            infer_response=error_response(msg.request if msg else None))
         return bytes(reply.SerializeToString())
 
     async def model_stream_infer(self, requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:

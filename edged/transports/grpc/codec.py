@@ -10,7 +10,6 @@ per output; an output written to system shared memory has an empty entry.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from google.protobuf.message import DecodeError, Message
@@ -18,7 +17,6 @@ from google.protobuf.message import DecodeError, Message
 from edged import datatypes
 from edged.errors import InvalidInputError
 from edged.protocol.grpc.gen import grpc_service_pb2 as pb
-from edged.protocol.grpc.raw_contents import split_raw_contents
 from edged.protocol.types import InferResponse
 from edged.protocol.v2 import DecodedRequest, decode_raw_request, decode_request, tensor_bytes
 from edged.transports.shm.sysshm import ShmView
@@ -65,26 +63,6 @@ def typed_elements(req: pb.ModelInferRequest) -> int:
     return total
 
 
-@dataclass(frozen=True, slots=True)
-class InferMessage:
-    """A ModelInferRequest as received: parsed without its raw input contents, which stay views of the
-    message's bytes (edged.protocol.grpc.raw_contents), or parsed whole when it could not be split."""
-
-    request: pb.ModelInferRequest
-    raw: Sequence[bytes | memoryview]
-    held_bytes: int  # what parsing it made on top of its bytes: the parsed message and any copies
-
-
-def parse_infer(data: bytes) -> InferMessage:
-    """A ModelInferRequest from its bytes, its raw input contents left where they are."""
-    split = split_raw_contents(data)
-    if split is None:
-        req = parse(pb.ModelInferRequest, data)
-        return InferMessage(req, req.raw_input_contents, 2 * len(data))  # the message, and each access's copy
-    rest, raw = split
-    return InferMessage(parse(pb.ModelInferRequest, rest), raw, 2 * len(rest))
-
-
 def decode_infer(req: pb.ModelInferRequest, shm: ShmView,
                  raw: Sequence[bytes | memoryview] | None = None) -> DecodedRequest:
     """The shared codec's request for a ModelInferRequest (every output raw unless in shared memory);
@@ -94,7 +72,7 @@ def decode_infer(req: pb.ModelInferRequest, shm: ShmView,
     version = parse_version(req.model_version) if req.model_version else None
     raws: Sequence[bytes | memoryview] = req.raw_input_contents if raw is None else raw
     n_raw = len(raws)
-    if _plain(req, n_raw):
+    if plain(req, n_raw):
         # What tritonclient and perf_analyzer send: raw contents for every input and no parameters.
         return decode_raw_request(
             zip((t.name for t in req.inputs), (t.datatype for t in req.inputs), (t.shape for t in req.inputs),
@@ -136,7 +114,7 @@ def decode_infer(req: pb.ModelInferRequest, shm: ShmView,
     return decoded
 
 
-def _plain(req: pb.ModelInferRequest, n_raw: int) -> bool:
+def plain(req: pb.ModelInferRequest, n_raw: int) -> bool:
     """Every input in raw_input_contents, and no parameters anywhere (no shared memory, no options)."""
     return (n_raw == len(req.inputs) and not req.parameters
             and not any(t.parameters or t.HasField("contents") for t in req.inputs)

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from edged.errors import InvalidInputError
 from edged.protocol.grpc.gen import grpc_service_pb2 as pb
-from edged.protocol.grpc.raw_contents import RAW_INPUT_CONTENTS, split_raw_contents
+from edged.protocol.grpc.wire import RAW_INPUT_CONTENTS, split_raw_contents
 from edged.transports.grpc import codec
+from edged.transports.grpc.infer_messages import InferPlans
 from edged.transports.shm.sysshm import SystemShmRegions
 
 SHM = SystemShmRegions(max_region_bytes=1 << 20).view("")
@@ -103,9 +104,9 @@ def test_what_the_walk_does_not_take_is_parsed_whole(data: bytes) -> None:
         whole = pb.ModelInferRequest.FromString(data)
     except Exception:
         with pytest.raises(InvalidInputError, match="not a valid ModelInferRequest"):
-            codec.parse_infer(data)
+            InferPlans().parse(data)
     else:
-        assert codec.parse_infer(data).request == whole
+        assert InferPlans().parse(data).request == whole
 
 
 def test_field_7_of_another_wire_type_stays_for_protobuf() -> None:
@@ -122,10 +123,10 @@ def test_decoded_inputs_are_views_of_the_received_message() -> None:
     req.inputs.add(name="x", datatype="FP32", shape=x.shape)
     req.raw_input_contents.append(x.tobytes())
     data = req.SerializeToString()
-    msg = codec.parse_infer(data)
+    msg = InferPlans().parse(data)
     arr = codec.decode_infer(msg.request, SHM, msg.raw).request.inputs["x"]
     np.testing.assert_array_equal(arr, x)
     assert np.shares_memory(arr, np.frombuffer(data, np.uint8))
     assert msg.held_bytes < 200 < x.nbytes
-    whole = codec.parse_infer(data + _key(9, 3) + _key(9, 4))  # unsplittable: held twice more, as before
+    whole = InferPlans().parse(data + _key(9, 3) + _key(9, 4))  # unsplittable: held twice more, as before
     assert whole.held_bytes >= 2 * len(data)

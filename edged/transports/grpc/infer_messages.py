@@ -1,0 +1,136 @@
+"""Inference messages as received and answered: split, decoded by plan, answered without copies.
+
+A client sends the same ModelInferRequest again and again with new tensor bytes: the same model,
+names, types and shapes. Its raw input contents are taken out of the received bytes as views
+(edged.protocol.grpc.wire); what remains, a few hundred bytes, is a key to what the message meant
+the last time: a plan that builds the next request from the new views at once, without parsing
+or checking anything again. The key is those bytes exactly, with each content's length (the
+lengths are what the checks looked at), and only messages whose meaning depends on nothing else
+are planned: every input raw and of a fixed-size type, no parameters (shared memory, timeouts),
+which is what tritonclient and perf_analyzer send. The plans are bounded and start over when full.
+
+An answer whose outputs are all raw is written by hand: its head (model, version, id, the outputs'
+names, types and shapes) kept per signature, then each output's own memory.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from edged import datatypes
+from edged.protocol.grpc.gen import grpc_service_pb2 as pb
+from edged.protocol.grpc.wire import raw_output_prefix, response_head, split_raw_contents
+from edged.protocol.types import InferRequest, InferResponse
+from edged.protocol.v2 import DecodedRequest, OutputOptions
+from edged.transports.grpc.codec import encode_infer, parse, plain
+from edged.transports.shm.sysshm import ShmView
+
+PLAN_KEY_MAX = 4096  # a longer rest of a message is not planned (its bytes are the key)
+PLANS_MAX = 64
+HEADS_MAX = 64
+
+PlanKey = tuple[bytes, tuple[int, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class RawPlan:
+    """What a plain message meant: the request to build from its raw contents."""
+
+    model: str
+    version: int | None
+    rid: str | None
+    inputs: tuple[tuple[str, np.dtype[Any], tuple[int, ...]], ...]
+    outputs: tuple[str, ...]
+
+    def decode(self, raw: Sequence[bytes | memoryview]) -> DecodedRequest:
+        arrays = {name: np.frombuffer(data, dtype=dtype).reshape(shape)
+                  for (name, dtype, shape), data in zip(self.inputs, raw, strict=True)}
+        opts = {name: OutputOptions(binary=True) for name in self.outputs}
+        request = InferRequest(model=self.model, version=self.version, inputs=arrays,
+                               outputs=list(opts) if opts else None, id=self.rid, parameters={})
+        return DecodedRequest(request, opts, binary_default=True)
+
+
+class InferMessage:
+    """A ModelInferRequest as received: its raw input contents (views of its bytes when it could be split),
+    the rest parsed, or not at all when a plan knows what it means (``request`` parses it on demand)."""
+
+    __slots__ = ("_request", "held_bytes", "key", "plan", "raw", "rest")
+
+    def __init__(self, rest: bytes, raw: Sequence[bytes | memoryview], held_bytes: int, *,
+                 request: pb.ModelInferRequest | None = None, key: PlanKey | None = None,
+                 plan: RawPlan | None = None) -> None:
+        self.rest, self.raw, self.held_bytes = rest, raw, held_bytes  # held: what parsing made besides its bytes
+        self._request, self.key, self.plan = request, key, plan
+
+    @property
+    def request(self) -> pb.ModelInferRequest:
+        if self._request is None:
+            self._request = parse(pb.ModelInferRequest, self.rest)
+        return self._request
+
+
+class InferPlans:
+    """Plans by key, shared by the event loop and the threads it decodes large messages on."""
+
+    def __init__(self, max_plans: int = PLANS_MAX) -> None:
+        self.max_plans = max_plans
+        self._plans: dict[PlanKey, RawPlan] = {}
+        self._heads: dict[tuple[Any, ...], bytes] = {}
+        self._lock = threading.Lock()
+        self.hits = 0
+
+    def parse(self, data: bytes) -> InferMessage:
+        """A received message, its raw contents left where they are and the rest parsed unless planned."""
+        split = split_raw_contents(data)
+        if split is None:  # parsed whole: the message, and a copy of its contents at each access
+            req = parse(pb.ModelInferRequest, data)
+            return InferMessage(data, req.raw_input_contents, 2 * len(data), request=req)
+        rest, raw = split
+        key = (rest, tuple(len(r) for r in raw)) if len(rest) <= PLAN_KEY_MAX else None
+        plan = self._plans.get(key) if key is not None else None
+        if plan is not None:
+            self.hits += 1
+            return InferMessage(rest, raw, len(rest), key=key, plan=plan)
+        return InferMessage(rest, raw, 2 * len(rest), request=parse(pb.ModelInferRequest, rest), key=key)
+
+    def learn(self, msg: InferMessage, decoded: DecodedRequest) -> None:
+        """Keep what a message that decoded fine meant, when nothing but its own bytes decides it."""
+        req = decoded.request
+        if msg.key is None or msg.plan is not None or not plain(msg.request, len(msg.raw)):
+            return
+        if any(arr.dtype.kind in "OSU" for arr in req.inputs.values()):
+            return  # BYTES: their elements are checked against the data every time
+        plan = RawPlan(req.model, req.version, req.id,
+                       tuple((name, arr.dtype, arr.shape) for name, arr in req.inputs.items()),
+                       tuple(decoded.outputs))
+        with self._lock:
+            if len(self._plans) >= self.max_plans:
+                self._plans.clear()
+            self._plans[msg.key] = plan
+
+    def answer(self, resp: InferResponse, decoded: DecodedRequest, shm: ShmView) -> bytes:
+        """The serialized ModelInferResponse: written by hand when every output is raw and of a fixed-size
+        type (the head kept per signature, each output's memory joined once), else through protobuf."""
+        outs = resp.outputs
+        if any(o.shm for o in decoded.outputs.values()) or any(a.dtype.kind in "OSU" for a in outs.values()):
+            return bytes(encode_infer(resp, decoded, shm).SerializeToString())
+        key = (resp.model, resp.version, resp.id, *((name, a.dtype.str, a.shape) for name, a in outs.items()))
+        head = self._heads.get(key)
+        if head is None:
+            head = response_head(resp.model, str(resp.version), resp.id or "",
+                                 [(name, datatypes.from_numpy(a.dtype), a.shape) for name, a in outs.items()])
+            with self._lock:
+                if len(self._heads) >= HEADS_MAX:
+                    self._heads.clear()
+                self._heads[key] = head
+        parts: list[Any] = [head]
+        for arr in outs.values():
+            data = np.ascontiguousarray(arr)
+            parts += (raw_output_prefix(data.nbytes), data)
+        return b"".join(parts)
