@@ -38,7 +38,11 @@ class SwappableEngine(Engine):
     """
 
     def __init__(self, engine: Engine) -> None:
-        self._cv = threading.Condition()
+        # Every inference takes the lock twice: the C-level lock directly, not the Condition's Python wrapper,
+        # and the Condition is notified only while a swap waits for a replaced engine's calls to end.
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._draining = 0
         self._users: dict[int, int] = {}
         self._closed = False
         self._current = engine
@@ -72,7 +76,7 @@ class SwappableEngine(Engine):
         return self._closed
 
     def infer(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
-        with self._cv:
+        with self._lock:
             engine = self._current
             if self._batched is not None:
                 for a in inputs.values():
@@ -84,13 +88,14 @@ class SwappableEngine(Engine):
         try:
             return engine.infer(inputs, outputs)
         finally:
-            with self._cv:
+            with self._lock:
                 left = self._users[key] - 1
                 if left:
                     self._users[key] = left
                 else:
                     del self._users[key]
-                    self._cv.notify_all()
+                    if self._draining:
+                        self._cv.notify_all()
 
     def swap(self, new: Engine, timeout: float = SWAP_DRAIN_TIMEOUT_S) -> Engine | None:
         """Route every later call to ``new`` (:meth:`install` with no batched split); return the engine it
@@ -123,7 +128,12 @@ class SwappableEngine(Engine):
                 self._mirror(current)
                 keep = {id(current), id(batched)}
                 old = [e for e in before if id(e) not in keep]
-                if not self._cv.wait_for(lambda: not any(id(e) in self._users for e in old), timeout):
+                self._draining += 1
+                try:
+                    drained = self._cv.wait_for(lambda: not any(id(e) in self._users for e in old), timeout)
+                finally:
+                    self._draining -= 1
+                if not drained:
                     log.warning("engine swap: calls on a replaced engine still running after %.0fs", timeout)
         if closed:
             current.unload()
@@ -133,7 +143,7 @@ class SwappableEngine(Engine):
         return old
 
     def unload(self) -> None:
-        with self._cv:
+        with self._lock:
             self._closed = True
             engine, batched = self._current, self._batched
         engine.unload()
