@@ -328,7 +328,12 @@ class V2App:
         return self.authority.scope(peer, "use system shared memory")
 
     def _shm_view(self, req: Request) -> ShmView:
-        """The caller's regions; a TCP caller without the credential has none (references fail as unknown)."""
+        """The caller's regions; a TCP caller without the credential has none (references fail as unknown).
+
+        With no region registered by anyone, every reference fails as unknown whoever asks: the caller's
+        identity (its credential header, its peer) is not looked up on every request."""
+        if not len(self.shm):
+            return self.shm.view("")
         return self.shm.view(self.authority.known_scope(_peer(req)) or "")  # "": nobody registers there
 
     def _cudashm(self, method: str, rest: list[str]) -> Response:
