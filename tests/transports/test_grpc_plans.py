@@ -52,7 +52,7 @@ def _decode(plans: InferPlans, data: bytes) -> DecodedRequest:
 def test_a_repeated_message_is_decoded_by_plan_as_the_codec_decodes_it() -> None:
     plans = InferPlans()
     rng = np.random.default_rng(0)
-    for rid, version in (("", ""), ("r1", "3")):
+    for rid, version in (("", ""), ("", "3")):
         first = rng.random((2, 3), dtype=np.float32)
         _same(_decode(plans, _message(first, rid=rid, version=version)),
               codec.decode_infer(pb.ModelInferRequest.FromString(_message(first, rid=rid, version=version)), SHM))
@@ -74,7 +74,8 @@ def test_only_messages_that_decide_their_own_meaning_are_planned() -> None:
     text = pb.ModelInferRequest(model_name="m")
     text.inputs.add(name="s", datatype="BYTES", shape=[1])
     text.raw_input_contents.append(b"\x02\x00\x00\x00hi")  # BYTES: elements checked against the data each time
-    for data in (with_timeout.SerializeToString(), text.SerializeToString()):
+    with_id = _message(x, rid="r1")  # a request id is usually fresh per request: planning it would churn
+    for data in (with_timeout.SerializeToString(), text.SerializeToString(), with_id):
         for _ in range(2):
             _decode(plans, data)
     assert plans.hits == 0
@@ -98,11 +99,11 @@ def test_a_message_that_fails_is_not_planned_and_other_lengths_are_checked_again
 
 def test_a_planned_message_still_says_which_request_it_was() -> None:
     plans = InferPlans()
-    data = _message(np.ones((1, 2), np.float32), rid="abc", version="2")
+    data = _message(np.ones((1, 2), np.float32), version="2")
     _decode(plans, data)
     msg = plans.parse(data)
     assert msg.plan is not None
-    assert codec.error_response(msg.request) == pb.ModelInferResponse(model_name="m", model_version="2", id="abc")
+    assert codec.error_response(msg.request) == pb.ModelInferResponse(model_name="m", model_version="2")
 
 
 shapes = st.lists(st.integers(0, 200), max_size=3).filter(lambda s: int(np.prod(s)) <= 5000).map(tuple)

@@ -6,8 +6,9 @@ names, types and shapes. Its raw input contents are taken out of the received by
 the last time: a plan that builds the next request from the new views at once, without parsing
 or checking anything again. The key is those bytes exactly, with each content's length (the
 lengths are what the checks looked at), and only messages whose meaning depends on nothing else
-are planned: every input raw and of a fixed-size type, no parameters (shared memory, timeouts),
-which is what tritonclient and perf_analyzer send. The plans are bounded and start over when full.
+are planned: every input raw and of a fixed-size type, no parameters (shared memory, timeouts), no
+request id (usually fresh per request), which is what tritonclient and perf_analyzer send. The plans
+are bounded and start over when full.
 
 An answer whose outputs are all raw is written by hand: its head (model, version, id, the outputs'
 names, types and shapes) kept per signature, then each output's own memory.
@@ -102,8 +103,8 @@ class InferPlans:
     def learn(self, msg: InferMessage, decoded: DecodedRequest) -> None:
         """Keep what a message that decoded fine meant, when nothing but its own bytes decides it."""
         req = decoded.request
-        if msg.key is None or msg.plan is not None or not plain(msg.request, len(msg.raw)):
-            return
+        if msg.key is None or msg.plan is not None or req.id or not plain(msg.request, len(msg.raw)):
+            return  # an id is usually fresh per request: its plans would only churn the cache
         if any(arr.dtype.kind in "OSU" for arr in req.inputs.values()):
             return  # BYTES: their elements are checked against the data every time
         plan = RawPlan(req.model, req.version, req.id,
@@ -120,15 +121,16 @@ class InferPlans:
         outs = resp.outputs
         if any(o.shm for o in decoded.outputs.values()) or any(a.dtype.kind in "OSU" for a in outs.values()):
             return bytes(encode_infer(resp, decoded, shm).SerializeToString())
-        key = (resp.model, resp.version, resp.id, *((name, a.dtype.str, a.shape) for name, a in outs.items()))
-        head = self._heads.get(key)
+        key = (resp.model, resp.version, *((name, a.dtype.str, a.shape) for name, a in outs.items()))
+        head = None if resp.id else self._heads.get(key)  # an answer with an id has a head of its own
         if head is None:
             head = response_head(resp.model, str(resp.version), resp.id or "",
                                  [(name, datatypes.from_numpy(a.dtype), a.shape) for name, a in outs.items()])
-            with self._lock:
-                if len(self._heads) >= HEADS_MAX:
-                    self._heads.clear()
-                self._heads[key] = head
+            if not resp.id:
+                with self._lock:
+                    if len(self._heads) >= HEADS_MAX:
+                        self._heads.clear()
+                    self._heads[key] = head
         parts: list[Any] = [head]
         for arr in outs.values():
             data = np.ascontiguousarray(arr)
