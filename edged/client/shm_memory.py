@@ -48,13 +48,7 @@ class ClientSegment:
         self.base: int = self.u8.__array_interface__["data"][0]
 
     def view(self, dtype: np.dtype[Any], shape: tuple[int, ...], offset: int) -> np.ndarray:
-        # frombuffer holds a buffer export, so the mapping cannot be closed under a live view
-        # (np.ndarray(buffer=...) would not: a later close would leave it pointing at unmapped memory).
-        count = 1
-        for d in shape:
-            count *= d
-        arr: np.ndarray = np.frombuffer(self.mm, dtype, count, offset).reshape(shape)
-        return arr
+        return p.segment_view(self.mm, dtype, shape, offset)
 
     def close(self) -> None:
         """Drop our mapping; numpy views handed out keep it alive until they are gone."""

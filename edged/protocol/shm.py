@@ -68,8 +68,9 @@ element size. A bad descriptor gets an error reply; the connection stays usable.
 from __future__ import annotations
 
 import functools
+import mmap
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -169,6 +170,7 @@ __all__ = [
     "error_from_status",
     "header",
     "name_bytes",
+    "segment_view",
     "set_request_flags",
     "set_request_id",
 ]
@@ -203,6 +205,18 @@ _ERROR_TYPES: dict[ErrorCode, type[EdgedError]] = {
 
 class ProtocolError(InvalidInputError):
     """A message that does not follow this protocol."""
+
+
+def segment_view(mapping: mmap.mmap, dtype: np.dtype[Any], shape: tuple[int, ...], offset: int) -> np.ndarray:
+    """An ndarray over a mapped segment at ``offset`` (the caller has checked the range).
+
+    frombuffer holds a buffer export, so the mapping cannot be closed under a live view (np.ndarray's
+    ``buffer=`` would not: a later close would leave it pointing at unmapped memory)."""
+    count = 1
+    for d in shape:
+        count *= d
+    arr: np.ndarray = np.frombuffer(mapping, dtype, count, offset).reshape(shape)
+    return arr
 
 
 def error_from_status(status: int, message: str, needed: int = 0) -> EdgedError:

@@ -58,11 +58,7 @@ class _Segment:
         self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
     def view(self, dtype: np.dtype[Any], shape: tuple[int, ...], offset: int) -> np.ndarray:
-        count = 1
-        for d in shape:
-            count *= d
-        arr: np.ndarray = np.frombuffer(self.map, dtype, count, offset).reshape(shape)
-        return arr
+        return p.segment_view(self.map, dtype, shape, offset)
 
     def close(self) -> None:
         """Nothing to do: the mapping goes with its last view (a request's inputs may still hold one)."""

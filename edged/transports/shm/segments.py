@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from edged.errors import EdgedError, ErrorCode, InvalidInputError
+from edged.protocol import shm as p
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +56,7 @@ class Segment:
 
     def view(self, dtype: np.dtype[np.generic], shape: tuple[int, ...], offset: int) -> np.ndarray:
         """An ndarray over [offset, offset + nbytes); the caller has checked the range."""
-        # frombuffer holds a buffer export, so the mapping cannot be closed under a live view
-        # (np.ndarray(buffer=...) would not: a later close would leave it pointing at unmapped memory).
-        count = 1
-        for d in shape:
-            count *= d
-        arr: np.ndarray = np.frombuffer(self.mm, dtype, count, offset).reshape(shape)
-        return arr
+        return p.segment_view(self.mm, dtype, shape, offset)
 
     def close(self) -> bool:
         """Unmap now; False when views are still alive (then the mapping goes with the last view)."""
