@@ -55,12 +55,14 @@ def model_repo(tmp_path: Path) -> Callable[..., Path]:
     return make
 
 
-def device_config(folder: Path, repo: Path, extra: str = "", name: str = "edged.toml") -> Path:
-    """An edged.toml in ``folder`` whose state and runtime dirs live there too; extra TOML is appended."""
+def device_config(folder: Path, repo: Path, extra: str = "", name: str = "edged.toml", *,
+                  device_id: str = "test-device") -> Path:
+    """An edged.toml in ``folder`` whose state and runtime dirs live there too; extra TOML is appended
+    (its first lines still belong to ``[device]``)."""
     cfg = folder / name
     cfg.write_text(textwrap.dedent(f"""
         [device]
-        id = "test-device"
+        id = "{device_id}"
         state_dir = "{folder / 'state'}"
         runtime_dir = "{folder / 'run'}"
         model_repository = "{repo}"

@@ -29,7 +29,7 @@ import numpy as np
 import orjson
 import psutil
 
-from tests.conftest import EDGED, MODELS
+from tests.conftest import EDGED, MODELS, device_config
 from tests.edged_process import DaemonExitedError, engines_settled, http_ok, start_edged, wait_ready
 from tests.mqtt_helpers import terminate
 from tests.netutil import free_port
@@ -124,13 +124,7 @@ def _start(tmp: Path, repo: Path, memory_mb: float | None, grpc_max_mb: float, e
            settled: bool = True, edged: Sequence[str] = EDGED) -> MemDaemon | None:
     port, gport = free_port(), free_port()
     limits = f"[limits]\nmemory_mb = {memory_mb}\n" if memory_mb is not None else ""
-    cfg = tmp / "edged.toml"
-    cfg.write_text(textwrap.dedent(f"""
-        [device]
-        id = "mem-attack"
-        state_dir = "{tmp / 'state'}"
-        runtime_dir = "{tmp / 'run'}"
-        model_repository = "{repo}"
+    cfg = device_config(tmp, repo, textwrap.dedent(f"""
         [http]
         listen = "127.0.0.1:{port}"
         max_request_mb = 256
@@ -143,7 +137,7 @@ def _start(tmp: Path, repo: Path, memory_mb: float | None, grpc_max_mb: float, e
         enabled = false
         [logging]
         level = "warning"
-        """) + limits + textwrap.dedent(extra))
+        """) + limits + textwrap.dedent(extra), device_id="mem-attack")
     log = tmp / "edged.log"
     proc = start_edged(cfg, log, edged=edged)
     try:

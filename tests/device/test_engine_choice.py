@@ -25,7 +25,7 @@ import pytest
 
 from edged.core.traffic import TrafficMix
 from tests import made_models
-from tests.conftest import REPO_ROOT, sha256_file
+from tests.conftest import REPO_ROOT, device_config, sha256_file
 from tests.edged_process import QUICK_CHOICE_EDGED, edged_run
 from tests.http_client import web
 from tests.netutil import free_port
@@ -93,20 +93,14 @@ def daemon(tmp_path: Path) -> Iterator[str]:
     profiles.mkdir()
     (profiles / "test-choice.toml").write_text(PROFILE)
     port = free_port()
-    cfg = tmp_path / "edged.toml"
-    cfg.write_text(textwrap.dedent(f"""
-        [device]
-        id = "choice-test"
-        state_dir = "{tmp_path / 'state'}"
-        runtime_dir = "{tmp_path / 'run'}"
-        model_repository = "{repo}"
+    cfg = device_config(tmp_path, repo, f"""
         profiles_dir = "{profiles}"
         profile = "test-choice"
         [http]
         listen = "127.0.0.1:{port}"
         [mqtt]
         enabled = false
-        """))
+        """, device_id="choice-test")
     url = f"http://127.0.0.1:{port}"
     with edged_run(cfg, tmp_path / "edged.log",
                    lambda: web().get(f"{url}/v2/health/ready", timeout=2).status_code == 200,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -34,7 +33,7 @@ from edged.profiles import BackendPreference
 from edged.protocol.types import InferRequest
 from edged.transports.v2_ops import server_ready
 from tests import corpus
-from tests.conftest import sha256_file
+from tests.conftest import device_config, sha256_file
 from tests.edged_process import edged_run
 from tests.netutil import free_port
 
@@ -103,22 +102,16 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     (tmp / "profiles").mkdir()
     (tmp / "profiles" / "containment-cpu.toml").write_text(PROFILE)
     port = free_port()
-    cfg = tmp / "edged.toml"
-    cfg.write_text(textwrap.dedent(f"""
-        [device]
-        id = "containment-test"
+    cfg = device_config(tmp, repo, f"""
         profiles_dir = "{tmp / 'profiles'}"
         profile = "containment-cpu"
-        state_dir = "{tmp / 'state'}"
-        runtime_dir = "{tmp / 'run'}"
-        model_repository = "{repo}"
         [http]
         listen = "127.0.0.1:{port}"
         [telemetry]
         enabled = false
         [logging]
         level = "info"
-        """))
+        """, device_id="containment-test")
     log_path = tmp / "edged.log"
     names = [f"{m.name}_{e}" for m in models for e in ENGINES]
     url = f"127.0.0.1:{port}"
