@@ -77,7 +77,13 @@ def _libsystemd_sender() -> Sender | None:
         return None
 
     def send(message: str) -> bool:
-        return bool(daemon.notify(message))
+        # systemd-python raises where sd_notify(3) returns an error (the manager's socket gone or
+        # full): a notification that cannot be delivered must never stop the daemon, as in _DatagramSender.
+        try:
+            return bool(daemon.notify(message))
+        except OSError as e:
+            log.debug("sd_notify %r failed: %s", message.split("\n", 1)[0], e)
+            return False
 
     return send
 

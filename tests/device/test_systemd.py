@@ -83,6 +83,25 @@ def test_notifier_reaches_an_abstract_socket() -> None:
         sock.close()
 
 
+@pytest.mark.parametrize("backend", ["socket", "systemd-python"])
+def test_a_manager_socket_that_went_away_is_reported_not_raised(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    """The daemon stopped with ConnectionRefusedError (and a C++ abort) when the notify socket had
+    gone by its STOPPING message: systemd-python raises where sd_notify returns an error."""
+    if backend == "systemd-python":
+        pytest.importorskip("systemd.daemon", reason="systemd-python is not installed")
+    path = tmp_path / "gone.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(path))
+    monkeypatch.setenv("NOTIFY_SOCKET", str(path))
+    n = Notifier(None, prefer_libsystemd=backend == "systemd-python")
+    assert n.backend == backend
+    assert n.status("loading") is True
+    sock.close()  # the manager's end is gone (the path stays: sendto is refused)
+    assert n.stopping("bye") is False
+    assert n.watchdog() is False
+
+
 def test_notifier_outside_systemd_is_a_no_op() -> None:
     n = Notifier({})
     assert not n.enabled and n.ready() is False and n.watchdog() is False
