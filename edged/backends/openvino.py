@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,14 +26,34 @@ _core_lock = threading.Lock()
 _core: Any = None
 
 
+def _missing(why: object) -> EngineUnavailableError:
+    return EngineUnavailableError(
+        f"OpenVINO is not installed ({why}); install it with: pip install 'edged[openvino]' "
+        "(Debian package: apt install edged-openvino)")
+
+
 def _import() -> Any:
     try:
         import openvino
     except ImportError as e:
-        raise EngineUnavailableError(
-            f"OpenVINO is not installed ({e}); install it with: pip install 'edged[openvino]' "
-            "(Debian package: apt install edged-openvino)") from None
+        raise _missing(e) from None
     return openvino
+
+
+def _find() -> None:
+    """Whether OpenVINO is installed, without importing it: the import maps ~34 MB (its runtime and
+    frontends) into a daemon that may only ever list it as an alternative it has not measured yet
+    (a remembered engine choice). A broken installation shows when an engine is loaded (``_import``)."""
+    if "openvino" in sys.modules:
+        if sys.modules["openvino"] is None:  # an import that failed, or a test's stand-in for a missing one
+            raise _missing("No module named 'openvino'")
+        return
+    try:
+        found = importlib.util.find_spec("openvino") is not None
+    except (ImportError, ValueError) as e:
+        raise _missing(e) from None
+    if not found:
+        raise _missing("No module named 'openvino'")
 
 
 def _get_core() -> Any:
@@ -252,7 +274,7 @@ class OpenVinoBackend(Backend):
     name = "openvino"
 
     def check_available(self) -> None:
-        _import()
+        _find()
 
     def library_version(self) -> str:
         return str(_import().get_version())

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -99,6 +101,20 @@ def test_missing_library_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setitem(sys.modules, "openvino", None)
     with pytest.raises(EngineUnavailableError, match=r"pip install 'edged\[openvino\]'"):
         OpenVinoBackend().check_available()
+
+
+def test_availability_is_checked_without_importing_the_library() -> None:
+    """Listing OpenVINO as an alternative (a remembered engine choice) must not map its runtime into
+    the daemon: the import alone costs ~34 MB of RSS; it happens when an engine is loaded."""
+    if importlib.util.find_spec("openvino") is None:
+        pytest.skip("OpenVINO is not installed here")
+    code = (
+        "import sys; from edged.backends.openvino import OpenVinoBackend; "
+        "from edged.backends.selection import unavailable_reason; "
+        "OpenVinoBackend().check_available(); assert unavailable_reason('openvino') is None; "
+        "assert 'openvino' not in sys.modules, 'imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def _with_instances(req: LoadRequest, instances: int, threads: int = 0) -> LoadRequest:
