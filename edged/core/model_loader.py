@@ -351,7 +351,7 @@ class ModelLoader:
                 o.engine.unload()
         for t in timings:
             if t is not best:
-                self._skip_label(mv, t.candidate, _slower(t, best))
+                self._skip_label(mv, t.candidate, _slower(t, best), logging.INFO)
         self._adopt(mv, winner_opened)
         mv.benchmark = BenchmarkResult(key=key, chosen=best.candidate, timings=timings, batch_sizes=sizes,
                                        seconds=time.monotonic() - t0, complete=not pending and not failures,
@@ -375,7 +375,7 @@ class ModelLoader:
                 continue
             t = result.timing(cand.label)
             if t is not None and best is not None:
-                self._skip(mv, cand, _slower(t, best) + " (remembered from the last measurement)")
+                self._skip(mv, cand, _slower(t, best) + " (remembered from the last measurement)", logging.INFO)
             else:
                 why = failed.get(cand.label) or unavailable_reason(cand.backend, cand.options) or "not measured"
                 self._skip(mv, cand, f"{why} (remembered from the last measurement)")
@@ -493,12 +493,15 @@ class ModelLoader:
     def _adopt(self, mv: ModelVersion, opened: _Opened) -> None:
         mv.inputs, mv.outputs, mv.candidate, mv.engine = opened.inputs, opened.outputs, opened.cand, opened.engine
 
-    def _skip(self, mv: ModelVersion, cand: Candidate, why: str) -> None:
-        self._skip_label(mv, cand.label, why)
+    def _skip(self, mv: ModelVersion, cand: Candidate, why: str, level: int = logging.WARNING) -> None:
+        self._skip_label(mv, cand.label, why, level)
 
-    def _skip_label(self, mv: ModelVersion, label: str, why: str) -> None:
+    def _skip_label(self, mv: ModelVersion, label: str, why: str, level: int = logging.WARNING) -> None:
+        """Note why a candidate is not serving. A candidate that failed is a WARNING; one that lost a
+        measurement is the choice working (INFO: a device's every start would otherwise log one
+        warning per losing candidate, which hides the warnings that matter)."""
         mv.skipped.append((label, why))
-        log.warning("model=%s version=%s candidate %s skipped: %s", mv.name, mv.version, label, why)
+        log.log(level, "model=%s version=%s candidate %s skipped: %s", mv.name, mv.version, label, why)
 
     # ---- choosing while serving (edged.core.chooser) ----------------------------------------
     def choice_group(self, mv: ModelVersion) -> list[Candidate]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -128,7 +129,16 @@ def _check_choice(mv_status: Mapping[str, Any]) -> None:
     assert chosen[0]["candidate"] == label
 
 
-def test_benchmark_keeps_the_fastest_and_remembers_it(model_repo: MakeRepo, tmp_path: Path) -> None:
+def _losses_logged(caplog: pytest.LogCaptureFixture) -> set[int]:
+    """The levels at which candidates that lost a measurement were logged (and the log cleared)."""
+    levels = {r.levelno for r in caplog.records if "skipped: measured slower" in r.getMessage()}
+    caplog.clear()
+    return levels
+
+
+def test_benchmark_keeps_the_fastest_and_remembers_it(model_repo: MakeRepo, tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="edged")
     repo = model_repo("digits", "mobilenet")
     cache = tmp_path / "cache"
     mgr = _manager(repo, [ORT, OV], select="benchmark", cache_dir=cache)
@@ -145,6 +155,8 @@ def test_benchmark_keeps_the_fastest_and_remembers_it(model_repo: MakeRepo, tmp_
             losers = {k["candidate"] for k in s["skipped"]}
             assert losers == measured - {b["candidate"] for b in s["benchmark"] if b["chosen"]}
             assert all(b["batches"].keys() == {"1", "16"} for b in s["benchmark"]), "batch 1 and preferred"
+        # A candidate that lost is the choice working, not a fault: INFO, or every start warns per loser.
+        assert _losses_logged(caplog) == {logging.INFO}
         files = sorted(p.name for p in (cache / "select").iterdir())
         assert [re.sub(r"-[0-9a-f]{16}\.json$", "", f) for f in files] == ["digits-1", "mobilenet-1"]
     finally:
@@ -157,6 +169,7 @@ def test_benchmark_keeps_the_fastest_and_remembers_it(model_repo: MakeRepo, tmp_
             assert s["backend"] == before["backend"] and s["variant"] == before["variant"]
             assert all(b["source"] == "remembered" for b in s["benchmark"])
             assert all("remembered" in k["reason"] for k in s["skipped"])
+        assert _losses_logged(caplog) == {logging.INFO}
     finally:
         mgr.shutdown()
     # A changed candidate list (here: the profile no longer allows int8) is a new key: measured again.
