@@ -1166,7 +1166,8 @@ def main() -> int:
         rows = build_rows(by_key, rss=rss, engines=engines, ready=ready, logged=logged, cold=cold, swap=swap,
                           rss_after=rss_after, rss_generic=rss_generic, serving=serving, peer_note=peer_note)
         load_after = os.getloadavg()
-        print(f"\nmodel {MODEL} (input FP32 [1, 3, 48, 192] = {x1.nbytes} bytes), engine {label}, daemon {served}")
+        print(f"\nmodel {MODEL} (input FP32 [1, 3, 48, 192] = {x1.nbytes} bytes), engine {label}, daemon {served}, "
+              f"engine processes {processes or 'none (in the daemon)'}")
         print(f"{rounds} rounds x {block_s:.2f} s per case, cases alternating; value = median over rounds; "
               f"ratio = median of per-round ratios to the reference measured in the same round;\n"
               f"throughput of one-at-a-time cases (raw, c1) = samples per call / median latency, of c8 cases = "
