@@ -9,7 +9,7 @@
 #   bash bench/device/run.sh            # about 8 minutes on 16 cores
 #   SMOKE=1 bash bench/device/run.sh    # the same steps, minimal rounds: checks the script, not the host
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 2
 python=${PYTHON:-python3}
 out=${OUT:-device-out}
 site=${DEVICE_SITE:-/tmp/edged-device-site}
