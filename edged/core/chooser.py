@@ -50,6 +50,7 @@ from edged.core.model_loader import ModelLoader
 from edged.core.model_versions import ModelState, ModelTable, ModelVersion, sample_inputs, synthesized
 from edged.core.traffic import Seen, TrafficMix
 from edged.core.upgrade import SwappableEngine
+from edged.heap import review_soon
 from edged.repository.manifest import TensorSpec
 
 log = logging.getLogger(__name__)
@@ -208,6 +209,8 @@ class EngineChooser:
                 busy = self._busy()  # the traffic while it measured decides whether the next may go
                 if self._stop.is_set():
                     break
+        if done:  # engines were opened and dropped: collect what they left, freeze what stays (edged/heap.py)
+            review_soon()
         return done
 
     def _busy(self) -> bool:

@@ -27,6 +27,7 @@ from edged.core.scheduler import Scheduler
 from edged.core.stats import ModelStats
 from edged.core.traffic import TrafficMix
 from edged.errors import EdgedError, ModelNotFoundError, ResourceExhaustedError
+from edged.heap import review_soon
 from edged.pipeline.definition import load_pipeline
 from edged.repository.digests import DigestCache
 from edged.repository.store import VersionEntry, list_versions, load_version, scan_repository
@@ -301,6 +302,7 @@ class ModelManager:
             mv.engine = None
         mv.state = ModelState.UNLOADED
         log.info("model=%s version=%s unloaded", mv.name, mv.version)
+        review_soon()  # what it held since start-up is frozen from the collector (edged/heap.py)
 
     def shutdown(self, timeout: float = DRAIN_TIMEOUT_S) -> None:
         self.chooser.stop()
