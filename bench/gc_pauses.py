@@ -49,8 +49,8 @@ print(f"p50 {q(0.5):.3f}  p99 {q(0.99):.3f}  p99.9 {q(0.999):.3f}  max {lat[-1] 
 def one_mode(frozen: bool, calls: int) -> None:
     """The daemon here, the client in a child process; prints one line."""
     sys.path.insert(0, str(ROOT))
-    from edged import heap
     from bench.wakeups import daemon_with_everything
+    from edged import heap
 
     if not frozen:
         heap.HeapKeeper.start = lambda self: heap.Frozen(0, 0.0, 0.0)  # type: ignore[method-assign]
