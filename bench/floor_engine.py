@@ -40,3 +40,19 @@ def engine_run(model: Path) -> Callable[[], None]:
     def run() -> None:
         sess.run(None, feed)
     return run
+
+
+def engine_call(model: Path) -> tuple[str, Callable[[Any], list[Any]], list[str]]:
+    """The model's input name, a run on a given input array (its outputs), and the outputs' names: for a
+    floor that must decode its input from the request, as a JSON server does."""
+    import numpy as np
+
+    sess = session(model)
+    spec = sess.get_inputs()[0]
+    shape = [d if isinstance(d, int) and d > 0 else 1 for d in spec.shape]
+    sess.run(None, {spec.name: np.zeros(shape, dtype=np.float32)})  # the first run allocates
+    names = [o.name for o in sess.get_outputs()]
+
+    def run(x: Any) -> list[Any]:
+        return list(sess.run(None, {spec.name: x}))
+    return spec.name, run, names

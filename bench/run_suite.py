@@ -718,6 +718,14 @@ def build_rows(cases: dict[str, Case], *, rss: float, engines: list[str], ready:
                                      same_bytes=c["http_bin_bytes"])
             rows.append(call_by_call_row(c["http_bin_alt"], c["http_floor_eng"].label,
                                          GOAL_ABOVE_ENGINE_FLOOR_MS / 1e3, "ms"))
+        else:
+            jfl = c["http_floor_json_eng"]
+            rows.append(Row(jfl.label, traffic_value(jfl), f"raw b1 p50 {ms(raw1.p50())}", lat_ratio(jfl, raw1),
+                            f"the least a JSON server on this library does per inference (orjson in and out, "
+                            f"numpy, one engine run): {overhead(jfl, raw1) * 1e3:.3f} ms over raw b1 (the goal, "
+                            f"{goal} ms, is {'below' if overhead(jfl, raw1) * 1e3 > goal else 'above'} it)",
+                            "info"))
+            rows.append(call_by_call_row(c["http_json_alt"], jfl.label, GOAL_ABOVE_ENGINE_FLOOR_MS / 1e3, "ms"))
     mq, echo = c["mqtt"], c["echo"]
     margin = rounds(lambda m, e, r1: m.p50 - e.p50 - r1.p50, mq, echo, raw1) * 1e3
     budget = [e.p50 + r.p50 for e, r in zip(echo.blocks, raw1.blocks, strict=True)]
@@ -947,10 +955,13 @@ def main() -> int:
         prepared = shm.prepare(MODEL, {"image": x1.shape})
         prepared.inputs["image"][...] = x1  # a frame loop writes each frame there (here: the same frame)
         floor_port, floor_eng_port = free_port(), free_port()
+        floor_json_eng_port = free_port()
         floor_procs = [floor_server("bench.http_floor", floor_port),
-                       floor_server("bench.http_floor", floor_eng_port, model_file)]
+                       floor_server("bench.http_floor", floor_eng_port, model_file),
+                       floor_server("bench.http_floor", floor_json_eng_port, model_file, "json")]
         floor = HttpClient(f"127.0.0.1:{floor_port}")
         floor_eng = HttpClient(f"127.0.0.1:{floor_eng_port}")
+        floor_json_eng = HttpClient(f"127.0.0.1:{floor_json_eng_port}")
         from edged.protocol.grpc.gen.grpc_service_pb2 import ModelInferResponse
 
         grpc_reply = grpc.call("ModelInfer", infer_request(MODEL, {"image": x1}, None), ModelInferResponse)
@@ -1090,6 +1101,13 @@ def main() -> int:
                     lambda: floor.request("POST", infer_path, bin_body, bin_headers), s)),
                 Case("http_floor_eng", "bare HTTP round trip with one engine run, binary-sized", lambda s: serial(
                     lambda: floor_eng.request("POST", infer_path, bin_body, bin_headers), s)),
+                Case("http_floor_json_eng", "bare HTTP JSON round trip with one engine run (orjson, numpy)",
+                     lambda s: serial(lambda: json_reply(floor_json_eng.request("POST", infer_path, json_body,
+                                                                                json_headers)), s)),
+                Case("http_json_alt", "HTTP JSON, c1, calls alternating with the JSON engine-run floor",
+                     lambda s: alternating(
+                         lambda: json_reply(http.request("POST", infer_path, json_body, json_headers)),
+                         lambda: json_reply(floor_json_eng.request("POST", infer_path, json_body, json_headers)), s)),
                 Case("http_floor_json", "bare HTTP round trip, JSON-sized", lambda s: serial(
                     lambda: floor.request("POST", infer_path, json_body, json_headers), s)),
                 Case("http_bin8", "HTTP binary, c8 (8 connections)", lambda s: threaded(
@@ -1129,6 +1147,7 @@ def main() -> int:
         pinger.close()
         floor.close()
         floor_eng.close()
+        floor_json_eng.close()
         for gf in grpc_floors.values():
             gf.close()
         for proc in floor_procs:
