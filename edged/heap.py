@@ -30,6 +30,7 @@ SOON_S = 2.0  # after review_soon: let the rest of an unload (or of several) hap
 
 _keeper: HeapKeeper | None = None
 _keeper_lock = threading.Lock()
+_collect_lock = threading.Lock()  # explicit full collections, one at a time (this module's, the trimmer's)
 
 
 @dataclass(frozen=True)
@@ -39,14 +40,22 @@ class Frozen:
     after_ms: float  # a full collection once frozen
 
 
+def collect() -> int:
+    """A full collection, never beside another explicit one. (An automatic collection another thread is
+    in the middle of makes CPython return at once without collecting: rare, and the next review catches up.)"""
+    with _collect_lock:
+        return gc.collect()
+
+
 def freeze() -> Frozen:
     """Collect everything, then freeze what is left (start-up's objects)."""
-    t0 = time.perf_counter()
-    gc.collect()
-    t1 = time.perf_counter()
-    gc.freeze()
-    gc.collect()
-    t2 = time.perf_counter()
+    with _collect_lock:
+        t0 = time.perf_counter()
+        gc.collect()
+        t1 = time.perf_counter()
+        gc.freeze()
+        gc.collect()
+        t2 = time.perf_counter()
     return Frozen(gc.get_freeze_count(), (t1 - t0) * 1e3, (t2 - t1) * 1e3)
 
 
@@ -64,7 +73,10 @@ def review_soon() -> None:
 
 
 class HeapKeeper:
-    """Freezes start-up's objects and reviews them: after ``soon()`` and every ``interval_s``."""
+    """Freezes start-up's objects and reviews them: after ``soon()`` and every ``interval_s``.
+
+    One keeper per process: starting another retires the one before (two daemons in one process, as in
+    tests); only the current keeper's ``stop`` unfreezes."""
 
     def __init__(self, interval_s: float = REVIEW_S, soon_s: float = SOON_S) -> None:
         self.interval_s, self.soon_s = interval_s, soon_s
@@ -76,11 +88,11 @@ class HeapKeeper:
     def start(self) -> Frozen:
         """Freeze now (the caller's thread: a daemon about to say READY) and keep reviewing."""
         global _keeper
-        frozen = freeze()
         with _keeper_lock:
-            if _keeper is not None and _keeper is not self:
-                _keeper.stop()
-            _keeper = self
+            before, _keeper = _keeper, self
+        if before is not None and before is not self:
+            before.stop()  # no longer current: it stops its thread and leaves the freeze to this one
+        frozen = freeze()
         self._thread = threading.Thread(target=self._run, name="edged-heap", daemon=True)
         self._thread.start()
         return frozen
@@ -89,16 +101,19 @@ class HeapKeeper:
         self._wake.set()
 
     def stop(self) -> None:
-        """Stop reviewing and unfreeze: the process's collector works as it did before ``start``."""
+        """Stop reviewing; the current keeper also unfreezes (the collector works as before ``start``)."""
         global _keeper
         self._stop.set()
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5.0)
         with _keeper_lock:
-            if _keeper is self:
+            current = _keeper is self
+            if current:
                 _keeper = None
-        gc.unfreeze()
+        if current:
+            with _collect_lock:  # after a review still running past the join: it froze, this unfreezes
+                gc.unfreeze()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -108,7 +123,18 @@ class HeapKeeper:
             if asked and self._stop.wait(self.soon_s):
                 return
             self._wake.clear()
-            frozen = review()
+            try:
+                with _collect_lock:
+                    if self._stop.is_set():  # stop() may have unfrozen already: never freeze after it
+                        return
+                    gc.unfreeze()
+                    t0 = time.perf_counter()
+                    gc.collect()
+                    full_ms = (time.perf_counter() - t0) * 1e3
+                    gc.freeze()
+            except Exception:  # a keeper that died would leave the heap frozen for good: log, go on
+                log.exception("heap review failed")
+                continue
             self.reviews += 1
             log.debug("heap review: %d objects frozen, the full collection took %.1f ms",
-                      frozen.objects, frozen.full_ms)
+                      gc.get_freeze_count(), full_ms)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextvars
 import ctypes
 import ctypes.util
-import gc
 import logging
 import threading
 import time
@@ -29,6 +28,7 @@ from collections.abc import Iterable
 from types import TracebackType
 from typing import Any
 
+from edged import heap
 from edged.errors import OverloadedError, ResourceExhaustedError
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class _Trimmer:
             for quiet in TRIM_SETTLE_S:
                 if self._wake.is_set() or self._wake.wait(quiet):
                     break
-                gc.collect()
+                heap.collect()
                 return_freed_memory()
 
 

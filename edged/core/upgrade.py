@@ -22,6 +22,7 @@ from edged.backends.base import Engine
 from edged.backends.build import BuildState, EngineBuild
 from edged.backends.selection import Candidate
 from edged.errors import EdgedError, ModelLoadError
+from edged.heap import review_soon
 
 log = logging.getLogger(__name__)
 
@@ -246,6 +247,7 @@ class EngineUpgrade:
         self.switched_to = cand.label
         self._on_switch(cand)
         old.unload()
+        review_soon()  # the replaced engine's objects may be frozen from the collector (edged/heap.py)
         log.info("%s: switched to %s", self.label, cand.label)
         return "ready"
 
