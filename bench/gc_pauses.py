@@ -2,8 +2,8 @@
 
     .venv/bin/python -m bench.gc_pauses [--calls 15000]
 
-Runs the daemon in this process twice, in child processes of this script: with start-up's objects
-frozen (as ``edged run`` does) and with the freeze switched off. Each time it waits for the engine
+Runs the daemon twice, each time in a child process of this script (on its main thread): with
+start-up's objects frozen (as ``edged run`` does) and with the freeze switched off. Each time it waits for the engine
 choice and the review after it, then a client in a process of its own sends ``--calls`` gRPC
 ModelInfer calls one at a time (the bundled CNN, pre-serialized bytes), and the daemon's process
 notes each full (generation 2) collection and how long it took. It prints, per mode, the latency

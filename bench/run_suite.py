@@ -380,8 +380,8 @@ def settle_choice(http: HttpClient, timeout: float = CHOICE_SETTLE_S) -> str:
             f"{time.monotonic() - t0:.1f} s until it was {state}")
 
 
-def first_choices(url: str, timeout: float = CHOICE_SETTLE_S) -> float:
-    """Wait until a cold daemon's first engine choices are made and remembered (seconds waited).
+def first_choices(url: str, timeout: float = CHOICE_SETTLE_S) -> str:
+    """Wait until a cold daemon's first engine choices are made and remembered; says how long it took.
 
     The warm starts measure what a device settles into: a cold start stopped at READY=1 leaves the
     choice unmade, so each "warm" start measured its candidates again and was sampled, every engine
@@ -392,9 +392,10 @@ def first_choices(url: str, timeout: float = CHOICE_SETTLE_S) -> float:
             states = {str((c.metadata(m)["parameters"].get("choice") or {}).get("state", "none"))
                       for m in ("digits", MODEL)}
             if not states & {"pending", "measuring"}:
-                break
+                return f"first engine choices made {time.monotonic() - t0:.1f} s after the cold start's READY=1"
             time.sleep(0.25)
-    return time.monotonic() - t0
+    return (f"first engine choices NOT made within {timeout:.0f} s of the cold start's READY=1 ({sorted(states)}): "
+            "the warm starts below measure candidates again")
 
 
 def stop_daemon(proc: subprocess.Popen[bytes]) -> None:
@@ -867,7 +868,7 @@ def main() -> int:
         #    the caches (engine choice, compiled engines), then warm starts are timed; idle RSS after the last.
         auto_cfg = write_config(tmp, http_port, broker, None, "edged-auto.toml")
         cold = start_daemon(auto_cfg, log, notify)
-        chosen_s = first_choices(f"127.0.0.1:{http_port}")
+        chosen = first_choices(f"127.0.0.1:{http_port}")
         stop_daemon(cold.proc)
         ready: list[float] = []
         logged: list[float] = []
@@ -884,7 +885,7 @@ def main() -> int:
             serving = served_engines(f"127.0.0.1:{http_port}")
             stop_daemon(started.proc)
         rss = statistics.median(rss_starts)
-        print(f"first engine choices made {chosen_s:.1f} s after the cold start's READY=1", flush=True)
+        print(chosen, flush=True)
         print(f"start to READY=1: cold {cold.ready_s:.2f} s, warm {', '.join(f'{r:.2f}' for r in ready)} s; "
               f"idle RSS {', '.join(f'{r:.0f}' for r in rss_starts)} MB; serving {serving}", flush=True)
 

@@ -14,9 +14,10 @@ dest=.device
 venv_python=.venv/bin/python
 [ -x "$venv_python" ] || { echo "prepare.sh: run ./install.sh --dev first (versions are read from .venv)" >&2; exit 2; }
 
-# What the device's image lacks (its package list: numpy, onnxruntime, psutil, prometheus-client and
-# typing-extensions are there). grpcio and protobuf are there too, at versions of their own: ours travel
-# so that the generated protobuf code and the server's options match what was measured here.
+# What the device's image lacks (its package list: numpy, onnxruntime, psutil and prometheus-client are
+# there). typing-extensions, grpcio and protobuf are there too, at versions of their own: ours travel so
+# that pydantic gets the typing-extensions it needs and the generated protobuf code and the server's
+# options match what was measured here.
 packages=(pydantic pydantic-core annotated-types typing-inspection typing-extensions orjson pysimdjson
           httptools cryptography cffi pycparser paho-mqtt grpcio protobuf)
 
@@ -24,7 +25,7 @@ rm -rf "$dest/whl" "$dest/mosquitto"
 mkdir -p "$dest/whl" "$dest/mosquitto/lib"
 pins=()
 for name in "${packages[@]}"; do
-  version=$("$venv_python" -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
+  version=$("$venv_python" -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p' || true)
   [ -n "$version" ] || { echo "prepare.sh: $name is not installed in .venv" >&2; exit 2; }
   pins+=("$name==$version")
 done

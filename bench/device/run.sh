@@ -14,12 +14,21 @@ python=${PYTHON:-python3}
 out=${OUT:-device-out}
 site=${DEVICE_SITE:-/tmp/edged-device-site}
 mkdir -p "$out"
-exec > >(tee "$out/run.log") 2>&1
+exec 3>&1 4>&2 > >(tee "$out/run.log") 2>&1
+pth=""
+# shellcheck disable=SC2317  # run by the EXIT trap
+finish() {  # the .pth file comes out again (a development machine's Python keeps no trace), and tee drains
+  [ -n "$pth" ] && rm -f "$pth"
+  exec 1>&3 2>&4
+  wait
+}
+trap finish EXIT
 
 "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
   .device/whl/*.whl || { echo "run.sh: installing the carried wheels failed" >&2; exit 2; }
 purelib=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-echo "import sys; sys.path.insert(0, '$site')" > "$purelib/000-edged-device.pth"
+pth="$purelib/000-edged-device.pth"
+echo "import sys; sys.path.insert(0, '$site')" > "$pth" || { echo "run.sh: cannot write $pth" >&2; pth=""; exit 2; }
 if [ ! -x /usr/sbin/mosquitto ]; then
   ln -sf "$PWD/.device/mosquitto/mosquitto" /usr/sbin/mosquitto || { echo "run.sh: no mosquitto" >&2; exit 2; }
 fi
