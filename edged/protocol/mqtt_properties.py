@@ -15,6 +15,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from edged.errors import InvalidInputError
+from edged.protocol.protobuf import varint
 
 
 def publish_properties(*, correlation: bytes | None = None, content_type: str | None = None,
@@ -34,7 +35,7 @@ def publish_properties(*, correlation: bytes | None = None, content_type: str | 
         out += b"\x09" + _U16.pack(len(correlation)) + correlation
     for k, v in user:
         out += b"\x26" + _utf8(k) + _utf8(v)
-    return _PackedProperties(_varint(len(out)) + bytes(out))
+    return _PackedProperties(varint(len(out)) + bytes(out))
 
 
 class _PackedProperties(Properties):
@@ -62,10 +63,3 @@ def _utf8(text: str) -> bytes:
     return _U16.pack(len(raw)) + raw
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        n, digit = divmod(n, 128)
-        out.append(digit | (0x80 if n else 0))
-        if not n:
-            return bytes(out)

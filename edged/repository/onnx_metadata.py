@@ -11,46 +11,14 @@ import mmap
 from pathlib import Path
 
 from edged.errors import ManifestError
+from edged.protocol.protobuf import length_delimited_fields
 
 _METADATA_PROPS = 14  # ModelProto.metadata_props: repeated StringStringEntryProto {key = 1, value = 2}
 
 
-def _varint(buf: mmap.mmap | bytes, pos: int, end: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= end or shift > 63:
-            raise ValueError("truncated varint")
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-
-
 def _fields(buf: mmap.mmap | bytes, pos: int, end: int) -> list[tuple[int, int, int]]:
     """(field number, start, end) of the length-delimited fields between ``pos`` and ``end``."""
-    out = []
-    while pos < end:
-        key, pos = _varint(buf, pos, end)
-        field, wire = key >> 3, key & 7
-        if wire == 0:
-            _, pos = _varint(buf, pos, end)
-        elif wire == 1:
-            pos += 8
-        elif wire == 5:
-            pos += 4
-        elif wire == 2:
-            size, pos = _varint(buf, pos, end)
-            if pos + size > end:
-                raise ValueError("field runs past the end")
-            out.append((field, pos, pos + size))
-            pos += size
-        else:
-            raise ValueError(f"unsupported wire type {wire}")
-    if pos != end:
-        raise ValueError("fields run past the end")
-    return out
+    return [(number, begin, stop) for number, _, begin, stop in length_delimited_fields(buf, pos, end)]
 
 
 def read_metadata(path: Path) -> dict[str, str]:

@@ -22,6 +22,8 @@ memory joined once (protobuf would copy each tensor into the message, then into 
 
 from __future__ import annotations
 
+from edged.protocol.protobuf import LENGTH, length_delimited_fields, varint
+
 RAW_INPUT_CONTENTS = 7  # ModelInferRequest.raw_input_contents (grpc_service.proto)
 # ModelInferResponse: model_name 1, model_version 2, id 3, outputs 5, raw_output_contents 6;
 # its InferOutputTensor: name 1, datatype 2, shape 3 (packed int64); ModelStreamInferResponse.infer_response 2.
@@ -30,79 +32,31 @@ RAW_OUTPUT_CONTENTS = 6
 _OUTPUT_NAME, _OUTPUT_DATATYPE, _OUTPUT_SHAPE = 1, 2, 3
 STREAM_INFER_RESPONSE = 2
 
-_VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
-
-
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    """The varint at ``pos`` and the position after it; IndexError when cut off, ValueError when overlong."""
-    result = shift = 0
-    while True:
-        b = data[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if b < 0x80:
-            return result, pos
-        shift += 7
-        if shift >= 64:
-            raise ValueError("varint longer than 10 bytes")
-
-
 def split_raw_contents(data: bytes, field: int = RAW_INPUT_CONTENTS) -> tuple[bytes, list[memoryview]] | None:
     """The message without its length-delimited ``field`` entries, and those entries' contents as views of
     ``data`` in their order; None when the top-level fields cannot be walked (the caller parses it whole)."""
+    try:
+        fields = length_delimited_fields(data, 0, len(data))
+    except (IndexError, ValueError):
+        return None
     raws: list[memoryview] = []
     kept: list[bytes] = []
     view = memoryview(data)
-    end = len(data)
-    pos = start = 0
-    try:
-        while pos < end:
-            at = pos
-            key = data[pos]
-            pos += 1
-            if key >= 0x80:
-                key, pos = _varint(data, at)
-            kind = key & 7
-            if kind == _LENGTH:
-                size, pos = _varint(data, pos)
-                if pos + size > end:
-                    return None
-                if key >> 3 == field:
-                    kept.append(data[start:at])
-                    raws.append(view[pos:pos + size])
-                    start = pos + size
-                pos += size
-            elif kind == _VARINT:
-                _, pos = _varint(data, pos)
-            elif kind == _FIXED64:
-                pos += 8
-            elif kind == _FIXED32:
-                pos += 4
-            else:
-                return None  # groups (deprecated) or an invalid wire type
-    except (IndexError, ValueError):
-        return None
-    if pos != end:
-        return None  # a fixed-size field cut off at the end
+    start = 0
+    for number, at, begin, end in fields:
+        if number == field:
+            kept.append(data[start:at])
+            raws.append(view[begin:end])
+            start = end
     if not raws:
         return data, raws
     kept.append(data[start:])
     return b"".join(kept), raws
 
 
-def varint(n: int) -> bytes:
-    """A non-negative integer as a protobuf varint."""
-    out = bytearray()
-    while n >= 0x80:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def length_delimited(number: int, payload: bytes) -> bytes:
     """Field ``number`` holding ``payload`` (a string, bytes or an embedded message)."""
-    return varint(number << 3 | _LENGTH) + varint(len(payload)) + payload
+    return varint(number << 3 | LENGTH) + varint(len(payload)) + payload
 
 
 def response_head(model: str, version: str, rid: str, outputs: list[tuple[str, str, tuple[int, ...]]]) -> bytes:
@@ -120,7 +74,7 @@ def response_head(model: str, version: str, rid: str, outputs: list[tuple[str, s
 
 def raw_output_prefix(nbytes: int) -> bytes:
     """What precedes one raw output content of ``nbytes`` in a ModelInferResponse."""
-    return varint(RAW_OUTPUT_CONTENTS << 3 | _LENGTH) + varint(nbytes)
+    return varint(RAW_OUTPUT_CONTENTS << 3 | LENGTH) + varint(nbytes)
 
 
 def stream_response(infer_response: bytes) -> bytes:
