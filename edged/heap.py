@@ -47,9 +47,14 @@ def collect() -> int:
         return gc.collect()
 
 
-def freeze() -> Frozen:
-    """Collect everything, then freeze what is left (start-up's objects)."""
+def review(unless: threading.Event | None = None) -> Frozen | None:
+    """Unfreeze (anything frozen before), collect what is dead, freeze the rest; None (nothing done)
+    once ``unless`` is set, checked under the lock that ``HeapKeeper.stop`` unfreezes under, so that
+    nothing is frozen after it."""
     with _collect_lock:
+        if unless is not None and unless.is_set():
+            return None
+        gc.unfreeze()
         t0 = time.perf_counter()
         gc.collect()
         t1 = time.perf_counter()
@@ -57,12 +62,6 @@ def freeze() -> Frozen:
         gc.collect()
         t2 = time.perf_counter()
     return Frozen(gc.get_freeze_count(), (t1 - t0) * 1e3, (t2 - t1) * 1e3)
-
-
-def review() -> Frozen:
-    """Unfreeze, collect what died meanwhile, freeze again."""
-    gc.unfreeze()
-    return freeze()
 
 
 def review_soon() -> None:
@@ -92,7 +91,8 @@ class HeapKeeper:
             before, _keeper = _keeper, self
         if before is not None and before is not self:
             before.stop()  # no longer current: it stops its thread and leaves the freeze to this one
-        frozen = freeze()
+        frozen = review()
+        assert frozen is not None  # nothing to stop it: it was not asked to
         self._thread = threading.Thread(target=self._run, name="edged-heap", daemon=True)
         self._thread.start()
         return frozen
@@ -124,17 +124,12 @@ class HeapKeeper:
                 return
             self._wake.clear()
             try:
-                with _collect_lock:
-                    if self._stop.is_set():  # stop() may have unfrozen already: never freeze after it
-                        return
-                    gc.unfreeze()
-                    t0 = time.perf_counter()
-                    gc.collect()
-                    full_ms = (time.perf_counter() - t0) * 1e3
-                    gc.freeze()
+                frozen = review(unless=self._stop)
             except Exception:  # a keeper that died would leave the heap frozen for good: log, go on
                 log.exception("heap review failed")
                 continue
+            if frozen is None:
+                return
             self.reviews += 1
             log.debug("heap review: %d objects frozen, the full collection took %.1f ms",
-                      gc.get_freeze_count(), full_ms)
+                      frozen.objects, frozen.full_ms)

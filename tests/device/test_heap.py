@@ -5,6 +5,7 @@ after the keeper stops (the process's collector works as before)."""
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -59,7 +60,7 @@ def test_frozen_objects_are_skipped_until_a_review_collects_those_that_died(
     assert late() is None, "what serving makes after the freeze is collected as before"
     after = review()
     assert startup() is None, "a review collects what died while frozen"
-    assert after.objects > 1000, "and freezes the rest again"
+    assert after is not None and after.objects > 1000, "and freezes the rest again"
 
 
 def test_a_second_keeper_takes_over_and_only_the_current_one_unfreezes(
@@ -73,6 +74,9 @@ def test_a_second_keeper_takes_over_and_only_the_current_one_unfreezes(
     assert gc.get_freeze_count() == frozen.objects, "a keeper that is not the current one leaves the freeze"
     second.stop()
     assert gc.get_freeze_count() == 0
+    stopped = threading.Event()
+    stopped.set()
+    assert review(unless=stopped) is None and gc.get_freeze_count() == 0, "a stopped keeper's review freezes nothing"
 
 
 def test_a_review_asked_for_happens_soon(keeper: Callable[..., HeapKeeper]) -> None:
