@@ -40,11 +40,11 @@ PlanKey = tuple[bytes, tuple[int, ...]]
 
 @dataclass(frozen=True, slots=True)
 class RawPlan:
-    """What a plain message meant: the request to build from its raw contents."""
+    """What a plain message meant: the request to build from its raw contents (a message with a request
+    id is never planned, so a planned request has none)."""
 
     model: str
     version: int | None
-    rid: str | None
     inputs: tuple[tuple[str, np.dtype[Any], tuple[int, ...]], ...]
     outputs: tuple[str, ...]
 
@@ -53,7 +53,7 @@ class RawPlan:
                   for (name, dtype, shape), data in zip(self.inputs, raw, strict=True)}
         opts = {name: OutputOptions(binary=True) for name in self.outputs}
         request = InferRequest(model=self.model, version=self.version, inputs=arrays,
-                               outputs=list(opts) if opts else None, id=self.rid, parameters={})
+                               outputs=list(opts) if opts else None, parameters={})
         return DecodedRequest(request, opts, binary_default=True)
 
 
@@ -107,7 +107,7 @@ class InferPlans:
             return  # an id is usually fresh per request: its plans would only churn the cache
         if any(arr.dtype.kind in "OSU" for arr in req.inputs.values()):
             return  # BYTES: their elements are checked against the data every time
-        plan = RawPlan(req.model, req.version, req.id,
+        plan = RawPlan(req.model, req.version,
                        tuple((name, arr.dtype, arr.shape) for name, arr in req.inputs.items()),
                        tuple(decoded.outputs))
         with self._lock:
