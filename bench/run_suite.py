@@ -356,9 +356,9 @@ def start_daemon(cfg: Path, log: Path, notify_path: Path, timeout: float = 180) 
 CHOICE_SETTLE_S = 90.0
 
 
-def choice_status(http: HttpClient) -> tuple[str, int]:
-    """The daemon's engine choice for the model: its state and how many measurements it made so far."""
-    choice = http.metadata(MODEL)["parameters"].get("choice") or {}
+def choice_status(http: HttpClient, model: str = MODEL) -> tuple[str, int]:
+    """The daemon's engine choice for a model: its state and how many measurements it made so far."""
+    choice = http.metadata(model)["parameters"].get("choice") or {}
     return str(choice.get("state", "none")), int(choice.get("measurements", 0))
 
 
@@ -389,8 +389,7 @@ def first_choices(url: str, timeout: float = CHOICE_SETTLE_S) -> str:
     t0 = time.monotonic()
     with HttpClient(url) as c:
         while time.monotonic() - t0 < timeout:
-            states = {str((c.metadata(m)["parameters"].get("choice") or {}).get("state", "none"))
-                      for m in ("digits", MODEL)}
+            states = {choice_status(c, m)[0] for m in ("digits", MODEL)}
             if not states & {"pending", "measuring"}:
                 return f"first engine choices made {time.monotonic() - t0:.1f} s after the cold start's READY=1"
             time.sleep(0.25)
@@ -562,37 +561,34 @@ def traffic_value(c: Case) -> str:
 GOAL_ABOVE_ENGINE_FLOOR_MS = 0.05  # issue 41, every host: HTTP, gRPC and MQTT c1 over their engine-run floor
 
 
-def engine_floor_row(efl: Case, case: Case, raw1: Case, what: str, goal_ms: float,
-                     same_bytes: Case | None = None) -> list[Row]:
+def engine_floor_row(efl: Case, case: Case, raw1: Case, what: str, goal_ms: float) -> Row:
     """A floor server that runs the engine once per request and does nothing else: the least an inference
     can take over this server library here. Its own overhead over raw b1 against the goal says whether
-    the goal is reachable at all on this machine; the case's p50 above it is edged's own share.
-    ``same_bytes``: edged driven by the floor's own client (the same bytes out and back, nothing decoded),
-    whose p50 above the floor is the daemon's alone; held to the margin over the engine-run floor."""
+    the goal is reachable at all on this machine; the case's p50 above it is edged's own share (edged's
+    client included; the daemon's alone is the call-by-call row beside it)."""
     over = paired(efl, raw1, lambda x, y: x.p50 - y.p50) * 1e3
     above = paired(case, efl, lambda x, y: x.p50 - y.p50) * 1e3
     reach = "below" if over > goal_ms else "above"
-    rows = [Row(efl.label, traffic_value(efl), f"raw b1 p50 {ms(raw1.p50())}",
-                paired(efl, raw1, lambda x, y: x.p50 / y.p50),
-                f"nothing but the engine run behind the same library: {over:.3f} ms over raw b1 (the goal, "
-                f"{goal_ms} ms, is {reach} it); {what} is {above:+.3f} ms above it (edged's client included)",
-                "info")]
-    if same_bytes is not None:
-        daemon = paired(same_bytes, efl, lambda x, y: x.p50 - y.p50) * 1e3
-        rows.append(Row(same_bytes.label, traffic_value(same_bytes), f"{efl.label}, p50 {ms(efl.p50())}",
-                        paired(same_bytes, efl, lambda x, y: x.p50 / y.p50),
-                        f"the same client and bytes as the engine-run floor: edged's daemon {daemon:+.3f} ms above "
-                        f"it <= {GOAL_ABOVE_ENGINE_FLOOR_MS} ms", verdict(daemon <= GOAL_ABOVE_ENGINE_FLOOR_MS)))
-    return rows
+    return Row(efl.label, traffic_value(efl), f"raw b1 p50 {ms(raw1.p50())}",
+               paired(efl, raw1, lambda x, y: x.p50 / y.p50),
+               f"nothing but the engine run behind the same library: {over:.3f} ms over raw b1 (the goal, "
+               f"{goal_ms} ms, is {reach} it); {what} is {above:+.3f} ms above it (edged's client included)",
+               "info")
+
+
+def alternating_gaps(case: Case) -> list[float]:
+    """Per round of an ``alternating`` case: the median of its calls less the median of the reference's."""
+    return [b.p50 - statistics.median(b.ref_latencies) for b in case.blocks]
 
 
 def call_by_call_row(case: Case, floor: str, goal_s: float, unit: str) -> Row:
-    """edged's distance to its engine-run floor from calls alternating between the two (``alternating``):
-    per round the median of edged's calls less the median of the floor's calls in between. Blocks a
-    round apart drift by tens of microseconds on a shared VM (two quick runs of the same tree read the
-    HTTP daemon +0.028 and +0.090 ms over its floor); two calls a millisecond apart do not."""
+    """edged's distance to its engine-run floor from calls alternating between the two (``alternating``),
+    sent by the floor's own client with the floor's bytes where the transport allows (HTTP, gRPC): the
+    daemon's share alone. Blocks a round apart drift by tens of microseconds on a shared VM (two quick
+    runs of one tree read the HTTP daemon +0.028 and +0.090 ms over its floor); two calls a millisecond
+    apart do not."""
     scale, digits = (1e6, 1) if unit == "us" else (1e3, 3)
-    spread = [b.p50 - statistics.median(b.ref_latencies) for b in case.blocks]
+    spread = alternating_gaps(case)
     above = statistics.median(spread)
     edged_p50 = statistics.median(b.p50 for b in case.blocks)
     floor_p50 = statistics.median(statistics.median(b.ref_latencies) for b in case.blocks)
@@ -633,7 +629,7 @@ def build_rows(cases: dict[str, Case], *, rss: float, engines: list[str], ready:
     svc1, svc1_alt, least = c["svc1"], c["svc1_alt"], c["svc_least"]
 
     def alt_over_us(case: Case) -> float:
-        return statistics.median(b.p50 - statistics.median(b.ref_latencies) for b in case.blocks) * 1e6
+        return statistics.median(alternating_gaps(case)) * 1e6
 
     r_alt = statistics.median(b.ref_ratio for b in svc1_alt.blocks)
     rows.append(Row(svc1_alt.label, traffic_value(svc1_alt), "raw b1, the calls in between", r_alt,
@@ -715,8 +711,7 @@ def build_rows(cases: dict[str, Case], *, rss: float, engines: list[str], ready:
                         verdict(o <= goal)))
         rows.append(Row(fl.label, traffic_value(fl), "(floor)", 1.0, "the floor under the HTTP path", "info"))
         if key == "http_bin":
-            rows += engine_floor_row(c["http_floor_eng"], c[key], raw1, "HTTP binary c1", goal,
-                                     same_bytes=c["http_bin_bytes"])
+            rows.append(engine_floor_row(c["http_floor_eng"], c[key], raw1, "HTTP binary c1", goal))
             rows.append(call_by_call_row(c["http_bin_alt"], c["http_floor_eng"].label,
                                          GOAL_ABOVE_ENGINE_FLOOR_MS / 1e3, "ms"))
         else:
@@ -750,8 +745,7 @@ def build_rows(cases: dict[str, Case], *, rss: float, engines: list[str], ready:
                     f"p50 overhead {o:.3f} ms <= {GOAL_GRPC_UNARY_MS} ms "
                     f"(floor {gfl.p50() * 1e3:.3f} ms, {above:+.3f} ms above it)", verdict(o <= GOAL_GRPC_UNARY_MS)))
     rows.append(Row(gfl.label, traffic_value(gfl), "(floor)", 1.0, "the floor under the gRPC path", "info"))
-    rows += engine_floor_row(c["grpc_floor_eng"], c["grpc1"], raw1, "gRPC unary c1", GOAL_GRPC_UNARY_MS,
-                             same_bytes=c["grpc1_bytes"])
+    rows.append(engine_floor_row(c["grpc_floor_eng"], c["grpc1"], raw1, "gRPC unary c1", GOAL_GRPC_UNARY_MS))
     rows.append(call_by_call_row(c["grpc1_alt"], c["grpc_floor_eng"].label, GOAL_ABOVE_ENGINE_FLOOR_MS / 1e3, "ms"))
     for key, ref in (("grpc_s1", c["http_bin"]), ("grpc_s8", c["http_bin8"])):
         r = tput_ratio(c[key], ref)
@@ -1089,8 +1083,6 @@ def main() -> int:
                 Case("shm1_prep_alt", "shm, c1, prepared, calls alternating with the IPC floor's engine run",
                      lambda s: alternating(prepared.run, pinger.round_trip_engine, s)),
                 Case("http_bin", "HTTP binary, c1", lambda s: serial(lambda: http.infer(MODEL, {"image": x1}), s)),
-                Case("http_bin_bytes", "HTTP binary, c1, the floor's bytes (no client encoding)", lambda s: serial(
-                    lambda: ok_reply(http.request("POST", infer_path, bin_body, bin_headers)), s)),
                 Case("http_bin_alt", "HTTP binary, c1, the floor's bytes, calls alternating with its engine-run floor",
                      lambda s: alternating(lambda: ok_reply(http.request("POST", infer_path, bin_body, bin_headers)),
                                            lambda: floor_eng.request("POST", infer_path, bin_body, bin_headers), s)),
@@ -1116,8 +1108,6 @@ def main() -> int:
                 Case("grpc_s8", "gRPC streaming, c8 (8 streams)", lambda s: threaded(
                     pooled(streams8, lambda st: st.infer(MODEL, {"image": x1})), 8, s)),
                 Case("grpc1", "gRPC unary, c1", lambda s: serial(lambda: grpc.infer(MODEL, {"image": x1}), s)),
-                Case("grpc1_bytes", "gRPC unary, c1, the floor's client (answer not decoded)", lambda s: serial(
-                    grpc_bytes.unary, s)),
                 Case("grpc1_alt", "gRPC unary, c1, the floor's client, calls alternating with its engine-run floor",
                      lambda s: alternating(grpc_bytes.unary, grpc_floor_eng.unary, s)),
                 Case("grpc_floor", "bare gRPC round trip (grpcio aio echo)", lambda s: serial(grpc_floor.unary, s)),
