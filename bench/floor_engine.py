@@ -27,32 +27,33 @@ def session(model: Path, intra_threads: int = 0) -> Any:
     return ort.InferenceSession(str(model), sess_options=opts, providers=["CPUExecutionProvider"])
 
 
-def engine_run(model: Path) -> Callable[[], None]:
+def _warm(model: Path) -> tuple[Any, str, Any]:
+    """A session, its input's name and a random input of its shape, the first run (which allocates) done."""
     import numpy as np
 
     sess = session(model)
     spec = sess.get_inputs()[0]
     shape = [d if isinstance(d, int) and d > 0 else 1 for d in spec.shape]
     x = np.random.default_rng(0).random(shape, dtype=np.float32)
-    feed = {spec.name: x}
-    sess.run(None, feed)  # the first run allocates; keep it out of the measurement
+    sess.run(None, {spec.name: x})  # keep the first run's allocations out of the measurement
+    return sess, spec.name, x
+
+
+def engine_run(model: Path) -> Callable[[], None]:
+    sess, name, x = _warm(model)
+    feed = {name: x}
 
     def run() -> None:
         sess.run(None, feed)
     return run
 
 
-def engine_call(model: Path) -> tuple[str, Callable[[Any], list[Any]], list[str]]:
-    """The model's input name, a run on a given input array (its outputs), and the outputs' names: for a
-    floor that must decode its input from the request, as a JSON server does."""
-    import numpy as np
-
-    sess = session(model)
-    spec = sess.get_inputs()[0]
-    shape = [d if isinstance(d, int) and d > 0 else 1 for d in spec.shape]
-    sess.run(None, {spec.name: np.zeros(shape, dtype=np.float32)})  # the first run allocates
+def engine_call(model: Path) -> tuple[Callable[[Any], list[Any]], list[str]]:
+    """A run on a given input array (its outputs) and the outputs' names: for a floor that must decode
+    its input from the request, as a JSON server does."""
+    sess, name, _ = _warm(model)
     names = [o.name for o in sess.get_outputs()]
 
     def run(x: Any) -> list[Any]:
-        return list(sess.run(None, {spec.name: x}))
-    return spec.name, run, names
+        return list(sess.run(None, {name: x}))
+    return run, names

@@ -44,7 +44,7 @@ def _json_handler(model: Path) -> Callable[[Request], Awaitable[Response]]:
 
     from bench.floor_engine import engine_call
 
-    _, run, names = engine_call(model)
+    run, names = engine_call(model)
 
     async def handle(req: Request) -> Response:
         doc = orjson.loads(req.body)
