@@ -202,6 +202,16 @@ def measure(tmp: Path, n: int, *, quick_choice: bool = False, processes: int = 0
                 results["shm"] = count(lambda: shm.infer(MODEL, {"image": x1}), n, skip)
                 results["http"] = count(lambda: http.infer(MODEL, {"image": x1}), n, skip)
                 results["grpc"] = count(lambda: grpc.infer(MODEL, {"image": x1}), n, skip)
+                # A stream's client feeds its requests from a thread of its own: the threads that appear
+                # with the stream are the client's.
+                known = set(switches())
+                stream = grpc.stream()
+                stream.infer(MODEL, {"image": x1})
+                stream_skip = skip | (set(switches()) - known)
+                try:
+                    results["grpc stream"] = count(lambda: stream.infer(MODEL, {"image": x1}), n, stream_skip)
+                finally:
+                    stream.close()
                 results["mqtt"] = count(lambda: driver.run(topic, payload, users, concurrency=1, n=1), n, skip)
             finally:
                 shm.close()

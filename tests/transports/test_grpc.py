@@ -228,11 +228,43 @@ def test_stream_answers_each_request_once_in_order_with_errors_in_place(
     np.testing.assert_allclose(got[5][0].as_numpy("probabilities"), in_process(srv, "digits", row), rtol=1e-5)
 
 
-def test_a_lone_unary_request_runs_on_the_loop_and_concurrent_or_streamed_ones_are_queued(
-        srv: Served, triton: tg.InferenceServerClient, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+def _ping_pong_stream(triton: tg.InferenceServerClient, x: np.ndarray, ids: range) -> list[np.ndarray]:
+    """Requests on one stream, each sent once the previous one is answered."""
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    triton.start_stream(callback=lambda result, error: answers.put((result, error)))
+    got: list[np.ndarray] = []
+    try:
+        for i in ids:
+            triton.async_stream_infer("digits", [digits_request(x[i:i + 1])], request_id=str(i))
+            result, error = answers.get(timeout=60)
+            assert error is None and result.get_response().id == str(i)
+            got.append(result.as_numpy("probabilities")[0])
+    finally:
+        triton.stop_stream()
+    return got
+
+
+def _pipelined_stream(channel: grpc.Channel, model: str, name: str, x: np.ndarray) -> list[np.ndarray]:
+    """Every row of ``x`` a request on one stream, all written before any answer is read."""
+    from edged.client.grpc import infer_outputs, infer_request
+
+    bodies = [bytes(infer_request(model, {name: x[i:i + 1]}, None).SerializeToString()) for i in range(len(x))]
+    replies = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")(iter(bodies), timeout=60)
+    got = []
+    for raw in replies:
+        reply = service_pb2.ModelStreamInferResponse.FromString(raw)
+        assert not reply.error_message, reply.error_message
+        got.append(next(iter(infer_outputs(reply.infer_response).values()))[0])
+    return got
+
+
+def test_lone_requests_run_on_the_loop_and_concurrent_or_pipelined_ones_are_queued(
+        srv: Served, triton: tg.InferenceServerClient, channel: grpc.Channel,
+        digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
     """A ModelInfer alone on the server skips the hand-off to a scheduler thread and back (the model is
-    idle and quick); requests in flight together, and a stream's requests, go to the batcher; every
-    answer is the in-process one, counted once."""
+    idle and quick), and so does a stream's request when its client waits for each answer; requests in
+    flight together, and a stream's requests once its client pipelines them, go to the batcher, which
+    batches them; every answer is the in-process one, counted once."""
     x, _ = digits_holdout
     want = in_process(srv, "digits", x[:40])
     # The batcher remembers concurrent arrivals (the tests before) for a moment: serve until one runs inline.
@@ -250,21 +282,29 @@ def test_a_lone_unary_request_runs_on_the_loop_and_concurrent_or_streamed_ones_a
     serial = srv.service.statistics("digits")[0]
     assert serial["inline_count"] - before["inline_count"] == 20
 
-    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
-    triton.start_stream(callback=lambda result, error: answers.put((result, error)))
-    try:
-        for i in range(20, 40):
-            triton.async_stream_infer("digits", [digits_request(x[i:i + 1])], request_id=str(i))
-        got_all = [answers.get(timeout=60) for _ in range(20)]
-    finally:
-        triton.stop_stream()
-    for i, (result, error) in zip(range(20, 40), got_all, strict=True):
-        assert error is None and result.get_response().id == str(i)
-        np.testing.assert_allclose(result.as_numpy("probabilities")[0], want[i], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_ping_pong_stream(triton, x, range(20, 40)), want[20:40],
+                               rtol=1e-5, atol=1e-6)
+    streamed = srv.service.statistics("digits")[0]
+    assert streamed["inline_count"] - serial["inline_count"] == 20, "a ping-pong stream's requests were queued"
+
+    # A stream written ahead of its answers, on a model whose run outlasts the daemon's read of the next
+    # request (a run shorter than the hand-off of that read from grpcio's poller thread lets each request
+    # look alone, and run so, one after the other, as for a ping-pong client).
+    images = np.concatenate([mobilenet_input(seed) for seed in range(16)])
+    want_images = in_process(srv, "mobilenet", images)
+    before_images = srv.service.statistics("mobilenet")[0]
+    np.testing.assert_allclose(_pipelined_stream(channel, "mobilenet", "image", images), want_images,
+                               rtol=1e-4, atol=1e-5)
+    after_images = srv.service.statistics("mobilenet")[0]
+    # The first requests of a pipelining stream may look alone (answered before the next one is read);
+    # once one is read while an earlier one is unanswered, the rest are queued.
+    inline = after_images["inline_count"] - before_images["inline_count"]
+    runs = after_images["execution_count"] - before_images["execution_count"]
+    assert inline <= 2, f"{inline} of a pipelining stream's 16 requests ran on the loop"
+    assert runs < 16, f"16 pipelined requests took {runs} engine runs: none were batched"
     after = srv.service.statistics("digits")[0]
-    assert after["inline_count"] == serial["inline_count"], "a stream's requests ran on the loop"
     assert after["inference_stats"]["success"]["count"] == before["inference_stats"]["success"]["count"] + 40
-    assert after["in_flight"] == 0
+    assert after_images["in_flight"] == 0
 
 
 # ---- refusals: the right status, and the next request is served ----------------------------------

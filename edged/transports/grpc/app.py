@@ -345,10 +345,8 @@ class GrpcApp:
     # ---- inference --------------------------------------------------------------------------
     async def _infer(self, msg: InferMessage, context: Any, size: int, *, lone: bool = True) -> bytes:
         """ModelInfer, and each ModelStreamInfer request: the serialized ModelInferResponse; ``size``: the
-        message's bytes on the wire.
-
-        A stream's requests are always queued: its reader takes one message at a time, so requests a
-        client pipelines on one stream would each look alone and never be batched together."""
+        message's bytes on the wire; ``lone``: the request may run on the loop if nothing else is in
+        flight (a stream's request only while its stream has shown no pipelining, model_stream_infer)."""
         shm = self._shm_view(context)
         if msg.plan is not None:
             decoded = msg.plan.decode(msg.raw)
@@ -368,7 +366,7 @@ class GrpcApp:
             return await asyncio.to_thread(self.plans.answer, resp, decoded, shm)
         return self.plans.answer(resp, decoded, shm)
 
-    async def _stream_one(self, data: bytes, context: Any) -> bytes:
+    async def _stream_one(self, data: bytes, context: Any, lone: bool) -> bytes:
         """One stream request's answer, success or error; never raises (the stream goes on)."""
         msg: InferMessage | None = None
         hold = None
@@ -376,7 +374,7 @@ class GrpcApp:
         try:
             hold = self._admit(data)
             msg = await self._received(data, hold)
-            return stream_response(await self._infer(msg, context, len(data), lone=False))
+            return stream_response(await self._infer(msg, context, len(data), lone=lone))
         except EdgedError as e:
             error = self._status(e)[1]
         except Exception:
@@ -392,16 +390,28 @@ class GrpcApp:
         return bytes(reply.SerializeToString())
 
     async def model_stream_infer(self, requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+        """Each request's answer in order, up to ``stream_inflight`` computed at once.
+
+        A client that waits for each answer before it sends the next request (ping-pong) has its lone
+        requests run on the loop as unary ones do: no hand-off to a scheduler thread and back. Once a
+        request arrives while an earlier one of the stream is still unanswered, the client pipelines,
+        and the stream's requests are queued from then on, where they can be batched together (run on
+        the loop, each would hold it while the next ones wait, and never be batched)."""
         # A slot is held from reading a request until its answer is handed to grpcio, so that a slow
         # request at the head cannot let finished answers behind it pile up without bound.
         window = asyncio.Semaphore(self.stream_inflight)
         answers: asyncio.Queue[asyncio.Task[bytes] | None] = asyncio.Queue()
+        unanswered = 0
+        pipelined = False
 
         async def read() -> None:
+            nonlocal unanswered, pipelined
             try:
                 async for data in requests:
                     await window.acquire()
-                    answers.put_nowait(asyncio.create_task(self._stream_one(data, context)))
+                    pipelined = pipelined or unanswered > 0
+                    unanswered += 1
+                    answers.put_nowait(asyncio.create_task(self._stream_one(data, context, not pipelined)))
             finally:
                 answers.put_nowait(None)
 
@@ -409,6 +419,7 @@ class GrpcApp:
         try:
             while (task := await answers.get()) is not None:
                 answer = await task
+                unanswered -= 1
                 window.release()
                 yield answer
             await reader  # a broken request stream ends the RPC with its error
