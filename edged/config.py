@@ -158,6 +158,9 @@ class GrpcSection(_Section):
                                   "closed (GOAWAY; clients reconnect on their next call)")
     handshake_timeout_s: float = Field(default=10, gt=0, description="a new connection must finish its "
                                        "TLS/HTTP/2 handshake within this")
+    message_timeout_s: float = Field(default=30, gt=0, description="a ModelInfer message must arrive whole within "
+                                     "this of its RPC's start (its largest possible size is held in the request "
+                                     "memory budget meanwhile); DEADLINE_EXCEEDED")
     tls: GrpcTlsSection | None = None
 
 

@@ -82,44 +82,14 @@ class MemoryBudget:
         res.grow(nbytes, what)
         return res
 
-    def _take(self, nbytes: int, what: str, total: int) -> None:
-        """Take ``nbytes`` more for a reservation that will then hold ``total``."""
-        if nbytes <= 0:
-            return
-        # Large requests may fill the budget only up to the small requests' share: a flood of large
-        # messages leaves room for everybody else's ordinary requests (health, small tensors).
-        ceiling = self.limit if total <= SMALL_REQUEST else self.limit - self.limit // SMALL_SHARE
-        with self._lock:
-            if self.used + nbytes <= ceiling:
-                self.used += nbytes
-                self.peak = max(self.peak, self.used)
-                return
-            self.refused += 1
-            used = self.used
-        mb = nbytes / MIB
+    def _refuse(self, nbytes: int, what: str, total: int, ceiling: int, used: int) -> None:
         if total > ceiling:
             raise ResourceExhaustedError(f"{what} needs {total / MIB:.1f} MiB, more than any request may hold "
                                          f"({ceiling / MIB:.0f} MiB of the {self.limit / MIB:.0f} MiB request "
                                          f"memory budget, {self.name})")
-        raise OverloadedError(f"{what} needs {mb:.1f} MiB and the request memory budget is full "
+        raise OverloadedError(f"{what} needs {nbytes / MIB:.1f} MiB and the request memory budget is full "
                               f"({used / MIB:.0f} of {self.limit / MIB:.0f} MiB held by requests in progress); "
                               "retry later")
-
-    def _give(self, nbytes: int, *, freed: bool = True) -> None:
-        """``freed``: the bytes were allocated and are now let go (counts towards a trim); False for a worst
-        case reserved and never allocated (a shrink), which gives the allocator nothing to hand back."""
-        if nbytes <= 0:
-            return
-        with self._lock:
-            self.used -= nbytes
-            if not freed:
-                return
-            self._released_since_trim += nbytes
-            due = self._released_since_trim >= TRIM_AFTER
-            if due:
-                self._released_since_trim = 0
-        if due:
-            _TRIMMER.request()
 
 
 class _Trimmer:
@@ -158,33 +128,60 @@ _TRIMMER = _Trimmer()
 
 
 class Reservation:
-    """What one request holds; grows as its sizes become known, released once (idempotent)."""
+    """What one request holds; grows as its sizes become known, released once (idempotent).
 
-    __slots__ = ("_lock", "budget", "held")
+    Its count is kept under the budget's one lock, taken once per change: every request makes at least
+    three of them (reserve, shrink to what it holds, release), on the transports' hot paths."""
+
+    __slots__ = ("budget", "held")
 
     def __init__(self, budget: MemoryBudget) -> None:
         self.budget = budget
         self.held = 0
-        self._lock = threading.Lock()
 
     def grow(self, nbytes: int, what: str) -> None:
         """Add ``nbytes``, before allocating them; raises (holding what it held) when they do not fit."""
         nbytes = int(nbytes)
-        self.budget._take(nbytes, what, self.held + nbytes)
-        with self._lock:
-            self.held += max(0, nbytes)
+        if nbytes <= 0:
+            return
+        b = self.budget
+        with b._lock:
+            total = self.held + nbytes
+            # Large requests may fill the budget only up to the small requests' share: a flood of large
+            # messages leaves room for everybody else's ordinary requests (health, small tensors).
+            ceiling = b.limit if total <= SMALL_REQUEST else b.limit - b.limit // SMALL_SHARE
+            used = b.used
+            if used + nbytes <= ceiling:
+                b.used = used = used + nbytes
+                b.peak = max(b.peak, used)
+                self.held = total
+                return
+            b.refused += 1
+        b._refuse(nbytes, what, total, ceiling, used)
 
     def shrink(self, nbytes: int) -> None:
-        """Keep at most ``nbytes`` (a worst case reserved before a size was known, now that it is)."""
-        with self._lock:
-            extra = max(0, self.held - max(0, int(nbytes)))
-            self.held -= extra
-        self.budget._give(extra, freed=False)
+        """Keep at most ``nbytes`` (a worst case reserved before a size was known, now that it is): what is
+        given back was never allocated, so it counts nothing towards a trim."""
+        b = self.budget
+        with b._lock:
+            extra = self.held - max(0, int(nbytes))
+            if extra > 0:
+                self.held -= extra
+                b.used -= extra
 
     def release(self) -> None:
-        with self._lock:
+        b = self.budget
+        with b._lock:
             held, self.held = self.held, 0
-        self.budget._give(held)
+            if held <= 0:
+                return
+            b.used -= held
+            b._released_since_trim += held
+            due = b._released_since_trim >= TRIM_AFTER
+            if due:
+                b._released_since_trim = 0
+        if due:
+            _TRIMMER.request()
 
     def __enter__(self) -> Reservation:
         return self

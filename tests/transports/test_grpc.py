@@ -10,6 +10,7 @@ import queue
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from edged.config import parse_config
 from edged.protocol.types import InferRequest
 from tests.http_helpers import TOKEN, Segment, Served, copy_models, held_engine, in_process, served
 from tests.mqtt_helpers import make_test_ca
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 AUTH = {"authorization": f"Bearer {TOKEN}"}  # gRPC metadata keys are lower case
@@ -40,7 +42,7 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     small stream window, so the 1,000-request stream runs into it."""
     tmp = tmp_path_factory.mktemp("grpc")
     with served(copy_models(tmp / "models", "digits", "mobilenet"), tmp,
-                grpc="max_message_mb = 1\nmax_stream_inflight = 4\n",
+                grpc="max_message_mb = 1\nmax_stream_inflight = 4\nmessage_timeout_s = 3\n",
                 extra='[shm]\nsystem_shm_prefix = "grpctest_"\n') as s:
         yield s
 
@@ -321,6 +323,36 @@ def test_malformed_protobuf_is_invalid_argument(triton: tg.InferenceServerClient
         assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT, e.value
         assert "not a valid ModelInferRequest" in (e.value.details() or "")
         _ok(triton, digits_holdout[0])
+
+
+def test_a_message_that_never_arrives_is_deadline_exceeded_and_its_memory_released(
+        srv: Served, triton: tg.InferenceServerClient, channel: grpc.Channel,
+        digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    """A ModelInfer whose message never comes holds the largest message's memory only until
+    [grpc] message_timeout_s (3 s here) has passed, then ends DEADLINE_EXCEEDED; others are served meanwhile."""
+    budget = srv.service.budget
+    used = budget.used
+    gate = threading.Event()
+
+    def never() -> Iterator[bytes]:  # the RPC starts, its message never comes
+        gate.wait(60)
+        yield from ()
+
+    t0 = time.monotonic()
+    call = channel.stream_unary(INFER).future(never(), timeout=60)
+    try:
+        wait_until(lambda: budget.used > used, 10, what="the waiting message's memory to be reserved")
+        _ok(triton, digits_holdout[0])
+        with pytest.raises(grpc.RpcError) as e:
+            call.result()
+        waited = time.monotonic() - t0
+    finally:
+        gate.set()
+    assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED, e.value
+    assert "did not arrive within 3 s" in (e.value.details() or "")
+    assert 2.9 <= waited < 15, waited
+    assert budget.used == used
+    _ok(triton, digits_holdout[0])
 
 
 def test_oversized_message_is_resource_exhausted(triton: tg.InferenceServerClient, channel: grpc.Channel,

@@ -19,6 +19,7 @@ READERS = {
     "shm": ("edged-shm-pid",),  # the client connection's own thread
     "http": ("MainThread",),  # the event loop
     "grpc": ("MainThread", "(_poll_wrapper)"),  # the loop, and grpcio's completion-queue poller ("Thread-N ...")
+    "grpc stream": ("MainThread", "(_poll_wrapper)"),  # the same, for a client that waits for each answer
     "mqtt": ("paho-mqtt-client-",),  # paho's network thread
 }
 REQUESTS = 200

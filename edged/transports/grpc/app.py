@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,10 +69,57 @@ Unary = Callable[[Any, Any], Awaitable[Any]]
 # is a new copy). The common message is parsed without its raw contents, which stay in its bytes.
 MESSAGE_COPIES = 4
 RECEIVED_COPIES = 2  # grpcio's buffer and its bytes
-READ_TIMEOUT_S = 30.0  # a ModelInfer message must arrive whole within this once its memory is reserved
+READ_SWEEP_S = 1.0  # how often reads outstanding are checked against [grpc] message_timeout_s
 # The largest message is held to this share of the request memory budget, so that at least this many
 # of them can be read at once while nothing else holds any.
 CONCURRENT_LARGEST = 8
+
+
+class ReadDeadlines:
+    """Cancels the reads of ModelInfer messages that have not arrived within ``timeout_s``.
+
+    One sweep a second while reads are outstanding, instead of a timer per call: asyncio's
+    ``call_later`` and its cancellation cost ~12 us on a lone call's path (the engine run has just
+    evicted the caches they touch), two dictionary updates almost nothing. A read expires between
+    ``timeout_s`` and ``timeout_s`` + READ_SWEEP_S after it started."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._reads: dict[asyncio.Task[Any], int] = {}  # task -> the sweep count when its read started
+        self._sweeps = 0
+        self._expired: set[asyncio.Task[Any]] = set()
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    def start(self, task: asyncio.Task[Any]) -> None:
+        self._reads[task] = self._sweeps
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().call_later(READ_SWEEP_S, self._sweep)
+
+    def end(self, task: asyncio.Task[Any]) -> bool:
+        """The read is over (arrived, failed or cancelled); True if it was cancelled for its deadline."""
+        self._reads.pop(task, None)
+        if task in self._expired:
+            self._expired.discard(task)
+            return True
+        return False
+
+    def _sweep(self) -> None:
+        self._sweeps += 1
+        # A read that started after sweep k may meet sweep k + 1 at once: only n + 1 sweeps later has it
+        # waited n sweeps' time.
+        late = self._sweeps - max(1, math.ceil(self.timeout_s / READ_SWEEP_S)) - 1
+        for task, started in list(self._reads.items()):
+            if started <= late:
+                del self._reads[task]
+                self._expired.add(task)
+                task.cancel()
+        self._sweeper = (asyncio.get_running_loop().call_later(READ_SWEEP_S, self._sweep)
+                         if self._reads else None)
+
+    def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
 
 
 def _version(raw: str) -> int | None:
@@ -99,6 +147,7 @@ class GrpcApp:
     authority: Authority
     stream_inflight: int  # [grpc] max_stream_inflight
     max_receive: int = 64 << 20  # the largest message grpcio takes (its max_receive_message_length)
+    message_timeout_s: float = 30.0  # [grpc] message_timeout_s
     stopping: bool = False
     # Inference requests between arriving and being answered, over all calls and streams: a request that
     # is alone runs on the loop when its model is idle and quick (as over HTTP), skipping the hand-off to a
@@ -106,6 +155,10 @@ class GrpcApp:
     _active: int = field(default=0, init=False)
     # What repeated inference messages meant, and the heads of their answers (infer_messages)
     plans: InferPlans = field(default_factory=InferPlans, init=False)
+    reads: ReadDeadlines = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.reads = ReadDeadlines(self.message_timeout_s)
 
     def handler(self) -> Any:
         """The generic handler grpcio serves: method name -> raw-bytes handler."""
@@ -141,7 +194,7 @@ class GrpcApp:
         """Reserve the largest message grpcio may take, read the message, keep what it needs, handle it.
 
         Refused at once with RESOURCE_EXHAUSTED when even that does not fit the request memory budget
-        now; a message that does not arrive whole within READ_TIMEOUT_S is DEADLINE_EXCEEDED."""
+        now; a message that does not arrive whole within ``message_timeout_s`` is DEADLINE_EXCEEDED."""
         async def read_then_handle(requests: Any, context: Any) -> bytes:
             # Counted from the call's start, before its message is read: calls that arrive together all
             # count before any of them reaches the model, so none of them is taken for a lone one.
@@ -158,29 +211,25 @@ class GrpcApp:
             except EdgedError as e:
                 await context.abort(*self._status(e))
                 raise AssertionError("unreachable: abort raises") from None  # pragma: no cover
-            # A timer, not asyncio.wait_for (a task per call, tens of microseconds): it cancels this read.
+            # Not asyncio.wait_for (a task per call, tens of microseconds): the read deadlines cancel this read.
             task = asyncio.current_task()
-            expired: list[bool] = []
-
-            def expire() -> None:
-                expired.append(True)
-                if task is not None:
-                    task.cancel()
-            timer = asyncio.get_running_loop().call_later(READ_TIMEOUT_S, expire)
+            assert task is not None
+            reads = self.reads
+            reads.start(task)
             try:
                 data = await context.read()
             except asyncio.CancelledError:
                 hold.release()
-                if not expired:
+                if not reads.end(task):
                     raise
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    f"the request message did not arrive within {READ_TIMEOUT_S:g} s")
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request message did not arrive "
+                                    f"within {reads.timeout_s:g} s")
                 raise AssertionError("unreachable: abort raises") from None  # pragma: no cover
             except BaseException:
+                reads.end(task)
                 hold.release()
                 raise
-            finally:
-                timer.cancel()
+            reads.end(task)  # arrived: a sweep since would have cancelled the read (nothing awaits in between)
             if not isinstance(data, bytes):  # EOF: the client sent no message
                 hold.release()
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message")

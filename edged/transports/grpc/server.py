@@ -107,7 +107,7 @@ class GrpcTransport:
         self.shm = shm if shm is not None else system_shm_regions(cfg)  # shared with HTTP in the daemon
         self.app = GrpcApp(service=service, shm=self.shm, scrub=Scrubber.for_config(cfg),
                            authority=Authority(cfg.control), stream_inflight=self.cfg.max_stream_inflight,
-                           max_receive=self.max_receive)
+                           max_receive=self.max_receive, message_timeout_s=self.cfg.message_timeout_s)
         self._server: Any = None
         self._unix_path: Path | None = None
         self.address: str = self.listen  # the real address once listening (port 0 resolved)
@@ -164,6 +164,7 @@ class GrpcTransport:
         if self._server is not None:
             await self._server.stop(GRACEFUL_STOP_S)  # new RPCs refused at once; running ones may finish
             self._server = None
+        self.app.reads.close()
         remove_socket_file(self._unix_path)
         self._unix_path = None
         self.shm.close()
