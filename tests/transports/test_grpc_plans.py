@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from edged.errors import InvalidInputError
 from edged.protocol.grpc.gen import grpc_service_pb2 as pb
+from edged.protocol.grpc.wire import content_header
 from edged.protocol.types import InferRequest, InferResponse
 from edged.protocol.v2 import DecodedRequest, OutputOptions
 from edged.transports.grpc import codec
@@ -95,6 +96,29 @@ def test_a_message_that_fails_is_not_planned_and_other_lengths_are_checked_again
     assert plans.hits == 1
     with pytest.raises(InvalidInputError, match="needs 16"):  # the planned header, another length: checked
         _decode(plans, req.SerializeToString())
+
+
+def test_a_planned_layout_is_known_by_its_bytes_and_any_other_is_walked() -> None:
+    """A planned message written rest first, contents last (as clients write it) is known by its length,
+    its rest and its contents' headers; a message of the same length that differs in any of them, or lays
+    the same fields out otherwise, is walked and decoded as the codec decodes it."""
+    plans = InferPlans()
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    _decode(plans, _message(x))
+    y = x + 10
+    rest = pb.ModelInferRequest(model_name="m")
+    rest.inputs.add(name="x", datatype="FP32", shape=y.shape)
+    rest.outputs.add(name="y")
+    contents_first = content_header(y.nbytes) + y.tobytes() + rest.SerializeToString()
+    same_length_other_model = pb.ModelInferRequest.FromString(_message(y))
+    same_length_other_model.model_name = "n"
+    longer_header = _message(y)[:-(y.nbytes + 2)] + b"\x3a\x90\x00" + y.tobytes()  # 16 as a two-byte varint
+    for data in (_message(y), contents_first, same_length_other_model.SerializeToString(), longer_header):
+        want = codec.decode_infer(pb.ModelInferRequest.FromString(data), SHM)
+        got = _decode(plans, data)
+        _same(got, want)
+        assert np.shares_memory(got.request.inputs["x"], np.frombuffer(data, np.uint8))
+    assert _decode(plans, same_length_other_model.SerializeToString()).request.model == "n"
 
 
 def test_a_planned_message_still_says_which_request_it_was() -> None:

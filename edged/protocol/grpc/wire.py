@@ -54,6 +54,11 @@ def split_raw_contents(data: bytes, field: int = RAW_INPUT_CONTENTS) -> tuple[by
     return b"".join(kept), raws
 
 
+def content_header(nbytes: int, field: int = RAW_INPUT_CONTENTS) -> bytes:
+    """What precedes one raw content of ``nbytes`` in a message (its tag and length, as protobuf writes them)."""
+    return varint(field << 3 | LENGTH) + varint(nbytes)
+
+
 def length_delimited(number: int, payload: bytes) -> bytes:
     """Field ``number`` holding ``payload`` (a string, bytes or an embedded message)."""
     return varint(number << 3 | LENGTH) + varint(len(payload)) + payload
@@ -74,7 +79,7 @@ def response_head(model: str, version: str, rid: str, outputs: list[tuple[str, s
 
 def raw_output_prefix(nbytes: int) -> bytes:
     """What precedes one raw output content of ``nbytes`` in a ModelInferResponse."""
-    return varint(RAW_OUTPUT_CONTENTS << 3 | LENGTH) + varint(nbytes)
+    return content_header(nbytes, RAW_OUTPUT_CONTENTS)
 
 
 def stream_response(infer_response: bytes) -> bytes:

@@ -10,6 +10,10 @@ are planned: every input raw and of a fixed-size type, no parameters (shared mem
 request id (usually fresh per request), which is what tritonclient and perf_analyzer send. The plans
 are bounded and start over when full.
 
+A planned message laid out as clients write it (the rest first, then each raw content) is known
+again without walking its fields: by its length, the rest as its prefix and each content's header
+in its place.
+
 An answer whose outputs are all raw is written by hand: its head (model, version, id, the outputs'
 names, types and shapes) kept per signature, then each output's own memory.
 """
@@ -25,7 +29,7 @@ import numpy as np
 
 from edged import datatypes
 from edged.protocol.grpc.gen import grpc_service_pb2 as pb
-from edged.protocol.grpc.wire import raw_output_prefix, response_head, split_raw_contents
+from edged.protocol.grpc.wire import content_header, raw_output_prefix, response_head, split_raw_contents
 from edged.protocol.types import InferRequest, InferResponse
 from edged.protocol.v2 import DecodedRequest, OutputOptions
 from edged.transports.grpc.codec import encode_infer, parse, plain
@@ -57,17 +61,58 @@ class RawPlan:
         return DecodedRequest(request, opts, binary_default=True)
 
 
+@dataclass(frozen=True, slots=True)
+class _Tail:
+    """A planned message whose raw contents all follow the rest of it, in order."""
+
+    rest: bytes
+    headers: tuple[tuple[bytes, int], ...]  # each content's tag and length, and where they start
+    spans: tuple[tuple[int, int], ...]  # each content's bytes
+    key: PlanKey
+    plan: RawPlan
+
+    def match(self, data: bytes) -> InferMessage | None:
+        """The message, planned, if ``data`` (of the planned length) is laid out as this; else None."""
+        if not data.startswith(self.rest):
+            return None
+        for header, at in self.headers:
+            if not data.startswith(header, at):
+                return None
+        view = memoryview(data)
+        return InferMessage(self.rest, [view[b:e] for b, e in self.spans], len(self.rest), key=self.key,
+                            plan=self.plan)
+
+
+def _tail(msg: InferMessage, plan: RawPlan) -> _Tail | None:
+    """The layout of a message whose raw contents followed its rest, else None (its rest is its prefix, and
+    its contents' minimal headers and lengths make up the remainder of its ``tail_size`` bytes)."""
+    assert msg.key is not None
+    at = len(msg.rest)
+    headers, spans = [], []
+    for n in msg.key[1]:
+        header = content_header(n)
+        headers.append((header, at))
+        at += len(header)
+        spans.append((at, at + n))
+        at += n
+    if at != msg.tail_size:
+        return None
+    return _Tail(msg.rest, tuple(headers), tuple(spans), msg.key, plan)
+
+
 class InferMessage:
     """A ModelInferRequest as received: its raw input contents (views of its bytes when it could be split),
     the rest parsed, or not at all when a plan knows what it means (``request`` parses it on demand)."""
 
-    __slots__ = ("_request", "held_bytes", "key", "plan", "raw", "rest")
+    __slots__ = ("_request", "held_bytes", "key", "plan", "raw", "rest", "tail_size")
 
     def __init__(self, rest: bytes, raw: Sequence[bytes | memoryview], held_bytes: int, *,
                  request: pb.ModelInferRequest | None = None, key: PlanKey | None = None,
-                 plan: RawPlan | None = None) -> None:
+                 plan: RawPlan | None = None, tail_size: int = 0) -> None:
         self.rest, self.raw, self.held_bytes = rest, raw, held_bytes  # held: what parsing made besides its bytes
         self._request, self.key, self.plan = request, key, plan
+        # an unplanned message's length when its rest is its prefix (its layout may be planned too), else 0
+        self.tail_size = tail_size
 
     @property
     def request(self) -> pb.ModelInferRequest:
@@ -82,12 +127,20 @@ class InferPlans:
     def __init__(self, max_plans: int = PLANS_MAX) -> None:
         self.max_plans = max_plans
         self._plans: dict[PlanKey, RawPlan] = {}
+        self._tails: dict[int, dict[PlanKey, _Tail]] = {}  # by the message's length; each dict replaced whole
         self._heads: dict[tuple[Any, ...], bytes] = {}
         self._lock = threading.Lock()
         self.hits = 0
 
     def parse(self, data: bytes) -> InferMessage:
         """A received message, its raw contents left where they are and the rest parsed unless planned."""
+        tails = self._tails.get(len(data))
+        if tails:
+            for tail in tails.values():
+                msg = tail.match(data)
+                if msg is not None:
+                    self.hits += 1
+                    return msg
         split = split_raw_contents(data)
         if split is None:  # parsed whole: the message, and a copy of its contents at each access
             req = parse(pb.ModelInferRequest, data)
@@ -98,7 +151,8 @@ class InferPlans:
         if plan is not None:
             self.hits += 1
             return InferMessage(rest, raw, len(rest), key=key, plan=plan)
-        return InferMessage(rest, raw, 2 * len(rest), request=parse(pb.ModelInferRequest, rest), key=key)
+        return InferMessage(rest, raw, 2 * len(rest), request=parse(pb.ModelInferRequest, rest), key=key,
+                            tail_size=len(data) if key is not None and data.startswith(rest) else 0)
 
     def learn(self, msg: InferMessage, decoded: DecodedRequest) -> None:
         """Keep what a message that decoded fine meant, when nothing but its own bytes decides it."""
@@ -110,10 +164,14 @@ class InferPlans:
         plan = RawPlan(req.model, req.version,
                        tuple((name, arr.dtype, arr.shape) for name, arr in req.inputs.items()),
                        tuple(decoded.outputs))
+        tail = _tail(msg, plan)
         with self._lock:
             if len(self._plans) >= self.max_plans:
                 self._plans.clear()
+                self._tails = {}
             self._plans[msg.key] = plan
+            if tail is not None:  # replaced, never changed: parse reads them without the lock
+                self._tails[msg.tail_size] = {**self._tails.get(msg.tail_size, {}), msg.key: tail}
 
     def answer(self, resp: InferResponse, decoded: DecodedRequest, shm: ShmView) -> bytes:
         """The serialized ModelInferResponse: written by hand when every output is raw and of a fixed-size
