@@ -56,6 +56,7 @@ def main() -> None:
         driver: Driver | None = None
         payload, users = b"", []
         cfg = None
+        urls: dict[str, str] = {}
         x1 = np.random.default_rng(0).random((1, 3, 48, 192), dtype=np.float32)
         for label, tree in zip("AB", args.trees, strict=True):
             here = tmp / label
@@ -69,6 +70,7 @@ def main() -> None:
             rs.EDGED = [sys.executable, "-m", "edged"]
             started = rs.start_daemon(cfg, here / "edged.log", here / "notify.sock")
             stack.callback(rs.stop_daemon, started.proc)
+            urls[label] = f"127.0.0.1:{http_port}"
             if "shm" in wanted:
                 shm = stack.enter_context(ShmClient(here / "run" / "edged.sock"))
                 cases[f"{label} shm"] = partial(shm.infer, MODEL, {"image": x1})
@@ -98,8 +100,16 @@ def main() -> None:
         engine = rt.service.ready_model(MODEL).engine
         assert engine is not None
         cases = {"raw": lambda: engine.infer({"image": x1}), **cases}
+        # A cold daemon measures its engine candidates for tens of seconds after READY=1, and again when
+        # the warm-up moves its traffic: rounds measured meanwhile favour whichever daemon settled first.
+        for label, url in urls.items():
+            print(f"{label}: {rs.first_choices(url)}", flush=True)
         for fn in cases.values():
             rs.serial(fn, 0.3)
+        for label, url in urls.items():
+            with HttpClient(url) as c:
+                meta = c.metadata(MODEL)["parameters"]
+                print(f"{label}: {rs.settle_choice(c)}; serving {meta['backend']}/{meta['precision']}", flush=True)
         p50s: dict[str, list[float]] = {k: [] for k in cases}
         for r in range(args.rounds):
             for key in cases if r % 2 == 0 else list(cases)[::-1]:
