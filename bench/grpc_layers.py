@@ -42,6 +42,8 @@ import numpy as np
 from bench.grpc_floor import METHOD
 from bench.wakeups import MODEL, daemon_with_everything
 from edged.protocol.types import InferResponse
+from edged.protocol.v2 import DecodedRequest
+from edged.transports.v2_ops import LOOP_INLINE_MAX_NS
 
 LAYERS = ("floor", "engine", "read", "admitted", "decoded", "service", "answered", "app", "daemon")
 REFERENCE = "engine"
@@ -80,9 +82,11 @@ def client(ports: list[int], seconds: float) -> list[list[float]]:
 def _handlers(d: Any, reply: bytes) -> dict[str, tuple[str, Callable[..., Awaitable[bytes]]]]:
     """Each layer but the daemon's own: (grpcio handler kind, handler)."""
     from bench.floor_engine import engine_run
+    from edged.transports.grpc.app import GrpcApp
+    from edged.transports.grpc.codec import decode_infer
 
     rt = d.daemon.runtime
-    app = next(t for t in d.daemon.transports if t.name == "grpc").app
+    app: GrpcApp = next(t for t in d.daemon.transports if t.name == "grpc").app
     engine = rt.service.ready_model(MODEL).engine
     shm = app.shm.view("")
     feed = {"image": np.random.default_rng(0).random((1, 3, 48, 192), dtype=np.float32)}
@@ -106,35 +110,36 @@ def _handlers(d: Any, reply: bytes) -> dict[str, tuple[str, Callable[..., Awaita
         engine.infer(feed)
         return reply
 
-    async def decoded(data: bytes, context: Any, hold: Any) -> bytes:
-        try:
-            msg = await app._received(data, hold)
-            engine.infer(msg.plan.decode(msg.raw).request.inputs)
-            return reply
-        finally:
-            hold.release()
+    def after_decode(step: Callable[[DecodedRequest], Awaitable[bytes]]) -> Callable[..., Awaitable[bytes]]:
+        """edged's admission, then the message parsed and decoded by plan, then ``step``."""
+        async def handle(data: bytes, context: Any, hold: Any) -> bytes:
+            try:
+                msg = await app._received(data, hold)
+                if msg.plan is None:  # the message's first time: decoded in full, its plan kept
+                    request = decode_infer(msg.request, shm, msg.raw)
+                    app.plans.learn(msg, request)
+                    return await step(request)
+                return await step(msg.plan.decode(msg.raw))
+            finally:
+                hold.release()
+        return app._admitted(handle)
 
-    async def service(data: bytes, context: Any, hold: Any) -> bytes:
-        try:
-            msg = await app._received(data, hold)
-            rt.service.infer_or_submit(msg.plan.decode(msg.raw).request, 2_000_000)
-            return reply
-        finally:
-            hold.release()
+    async def decoded(request: DecodedRequest) -> bytes:
+        engine.infer(request.request.inputs)
+        return reply
 
-    async def answered(data: bytes, context: Any, hold: Any) -> bytes:
-        try:
-            msg = await app._received(data, hold)
-            request = msg.plan.decode(msg.raw)
-            done = rt.service.infer_or_submit(request.request, 2_000_000)
-            resp = done if isinstance(done, InferResponse) else await asyncio.wrap_future(done)
-            return bytes(app.plans.answer(resp, request, shm))
-        finally:
-            hold.release()
+    async def service(request: DecodedRequest) -> bytes:
+        rt.service.infer_or_submit(request.request, LOOP_INLINE_MAX_NS)
+        return reply
+
+    async def answered(request: DecodedRequest) -> bytes:
+        done = rt.service.infer_or_submit(request.request, LOOP_INLINE_MAX_NS)
+        resp = done if isinstance(done, InferResponse) else await asyncio.wrap_future(done)
+        return bytes(app.plans.answer(resp, request, shm))
 
     return {"floor": ("unary", floor), "engine": ("unary", on_engine), "read": ("stream", read),
-            "admitted": ("stream", app._admitted(admitted)), "decoded": ("stream", app._admitted(decoded)),
-            "service": ("stream", app._admitted(service)), "answered": ("stream", app._admitted(answered))}
+            "admitted": ("stream", app._admitted(admitted)), "decoded": ("stream", after_decode(decoded)),
+            "service": ("stream", after_decode(service)), "answered": ("stream", after_decode(answered))}
 
 
 async def _serve(layers: dict[str, tuple[str, Callable[..., Awaitable[bytes]]]], app_handler: Any,
