@@ -246,17 +246,27 @@ def _ping_pong_stream(triton: tg.InferenceServerClient, x: np.ndarray, ids: rang
     return got
 
 
-def _pipelined_stream(channel: grpc.Channel, model: str, name: str, x: np.ndarray) -> list[np.ndarray]:
-    """Every row of ``x`` a request on one stream, all written before any answer is read."""
+def _pipelined_stream(srv: Served, channel: grpc.Channel, x: np.ndarray) -> list[np.ndarray]:
+    """Every row of ``x`` a digits request on one stream, all written while the engine holds the first."""
     from edged.client.grpc import infer_outputs, infer_request
 
-    bodies = [bytes(infer_request(model, {name: x[i:i + 1]}, None).SerializeToString()) for i in range(len(x))]
-    replies = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")(iter(bodies), timeout=60)
+    bodies = [bytes(infer_request("digits", {"pixels": x[i:i + 1]}, None).SerializeToString())
+              for i in range(len(x))]
+    sent = threading.Event()
+
+    def requests() -> Iterator[bytes]:
+        yield from bodies
+        sent.set()  # grpcio's client writes each message before it asks for the next
+
+    with held_engine(srv.service, "digits") as entered:
+        replies = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")(requests(), timeout=60)
+        assert entered.wait(30), "the first request never reached the engine"
+        assert sent.wait(30), "the client did not write the stream"
     got = []
     for raw in replies:
         reply = service_pb2.ModelStreamInferResponse.FromString(raw)
         assert not reply.error_message, reply.error_message
-        got.append(next(iter(infer_outputs(reply.infer_response).values()))[0])
+        got.append(infer_outputs(reply.infer_response)["probabilities"][0])
     return got
 
 
@@ -289,24 +299,19 @@ def test_lone_requests_run_on_the_loop_and_concurrent_or_pipelined_ones_are_queu
     streamed = srv.service.statistics("digits")[0]
     assert streamed["inline_count"] - serial["inline_count"] == 20, "a ping-pong stream's requests were queued"
 
-    # A stream written ahead of its answers, on a model whose run outlasts the daemon's read of the next
-    # request (a run shorter than the hand-off of that read from grpcio's poller thread lets each request
-    # look alone, and run so, one after the other, as for a ping-pong client).
-    images = np.concatenate([mobilenet_input(seed) for seed in range(16)])
-    want_images = in_process(srv, "mobilenet", images)
-    before_images = srv.service.statistics("mobilenet")[0]
-    np.testing.assert_allclose(_pipelined_stream(channel, "mobilenet", "image", images), want_images,
-                               rtol=1e-4, atol=1e-5)
-    after_images = srv.service.statistics("mobilenet")[0]
-    # The first requests of a pipelining stream may look alone (answered before the next one is read);
-    # once one is read while an earlier one is unanswered, the rest are queued.
-    inline = after_images["inline_count"] - before_images["inline_count"]
-    runs = after_images["execution_count"] - before_images["execution_count"]
-    assert inline <= 2, f"{inline} of a pipelining stream's 16 requests ran on the loop"
-    assert runs < 16, f"16 pipelined requests took {runs} engine runs: none were batched"
+    # A stream written ahead of its answers (all of it arrives while the first request is in the engine):
+    # the first may run on the loop, every later one is read before the answer to the one before it has
+    # been written, and queued.
+    want_more = in_process(srv, "digits", x[40:80])
+    np.testing.assert_allclose(_pipelined_stream(srv, channel, x[40:80]), want_more,
+                               rtol=1e-5, atol=1e-6)
     after = srv.service.statistics("digits")[0]
-    assert after["inference_stats"]["success"]["count"] == before["inference_stats"]["success"]["count"] + 40
-    assert after_images["in_flight"] == 0
+    inline = after["inline_count"] - streamed["inline_count"]
+    runs = after["execution_count"] - streamed["execution_count"] - 1  # in_process's run
+    assert inline <= 1, f"{inline} of a pipelining stream's 40 requests ran on the loop"
+    assert runs < 40, f"40 pipelined requests took {runs} engine runs: none were batched"
+    assert after["inference_stats"]["success"]["count"] == before["inference_stats"]["success"]["count"] + 81
+    assert after["in_flight"] == 0
 
 
 # ---- refusals: the right status, and the next request is served ----------------------------------

@@ -443,9 +443,15 @@ class GrpcApp:
 
         A client that waits for each answer before it sends the next request (ping-pong) has its lone
         requests run on the loop as unary ones do: no hand-off to a scheduler thread and back. Once a
-        request arrives while an earlier one of the stream is still unanswered, the client pipelines,
-        and the stream's requests are queued from then on, where they can be batched together (run on
-        the loop, each would hold it while the next ones wait, and never be batched)."""
+        request is read before the answer to an earlier one of the stream has been sent, the client
+        pipelines, and the stream's requests are queued from then on, where they can be batched together
+        (run on the loop, each would hold it while the next ones wait, and never be batched).
+
+        "Sent" is when grpcio asks for the next answer, having written this one: its write completes
+        through the same completion queue as the reads, in order. A pipelined request was in grpcio's
+        buffer when the read for it began, before the earlier answer was computed, so its read completes
+        first; a ping-pong client sends its next request only after it has the answer, so that read
+        completes after the write. Timing decides neither (grpcio's poller thread may wait for a core)."""
         # A slot is held from reading a request until its answer is handed to grpcio, so that a slow
         # request at the head cannot let finished answers behind it pile up without bound.
         window = asyncio.Semaphore(self.stream_inflight)
@@ -468,9 +474,9 @@ class GrpcApp:
         try:
             while (task := await answers.get()) is not None:
                 answer = await task
-                unanswered -= 1
                 window.release()
                 yield answer
+                unanswered -= 1  # grpcio has written it
             await reader  # a broken request stream ends the RPC with its error
         finally:
             reader.cancel()
