@@ -5,6 +5,8 @@ memory, ModelStreamInfer), raw grpcio calls for malformed and oversized messages
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import queue
 import socket
@@ -358,6 +360,39 @@ def test_a_message_that_never_arrives_is_deadline_exceeded_and_its_memory_releas
     assert 2.9 <= waited < 15, waited
     assert budget.used == used
     _ok(triton, digits_holdout[0])
+
+
+def test_read_deadlines_cancel_only_late_reads_and_stop_sweeping_when_none_is_left() -> None:
+    """A read outstanding past its deadline is cancelled and said to be expired; one that ended in time
+    is not; with no read outstanding the sweeps stop (an idle daemon has no timer firing every second)."""
+    from edged.transports.grpc.app import READ_SWEEP_S, ReadDeadlines
+
+    async def scenario() -> tuple[bool, bool, bool, float]:
+        reads = ReadDeadlines(timeout_s=READ_SWEEP_S)
+        never = asyncio.get_running_loop().create_future()
+
+        async def stuck() -> None:
+            await never
+
+        async def prompt() -> None:
+            return None
+
+        late, quick = asyncio.create_task(stuck()), asyncio.create_task(prompt())
+        t0 = time.monotonic()
+        reads.start(late)
+        reads.start(quick)
+        await quick
+        quick_expired = reads.end(quick)
+        with contextlib.suppress(asyncio.CancelledError):
+            await late
+        waited = time.monotonic() - t0
+        late_expired = reads.end(late)  # the sweep that cancelled it found nothing else outstanding
+        return late_expired, quick_expired, reads._sweeper is None, waited
+
+    late_expired, quick_expired, stopped, waited = asyncio.run(scenario())
+    assert late_expired and not quick_expired
+    assert READ_SWEEP_S <= waited < 4 * READ_SWEEP_S, waited
+    assert stopped, "the sweeps went on with no read outstanding"
 
 
 def test_oversized_message_is_resource_exhausted(triton: tg.InferenceServerClient, channel: grpc.Channel,
