@@ -16,20 +16,16 @@ from edged.protocol.protobuf import length_delimited_fields
 _METADATA_PROPS = 14  # ModelProto.metadata_props: repeated StringStringEntryProto {key = 1, value = 2}
 
 
-def _fields(buf: mmap.mmap | bytes, pos: int, end: int) -> list[tuple[int, int, int]]:
-    """(field number, start, end) of the length-delimited fields between ``pos`` and ``end``."""
-    return [(number, begin, stop) for number, _, begin, stop in length_delimited_fields(buf, pos, end)]
-
-
 def read_metadata(path: Path) -> dict[str, str]:
     """``metadata_props`` of the ONNX model at ``path``; ManifestError when it is not a readable ONNX file."""
     try:
         with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             props: dict[str, str] = {}
-            for field, start, end in _fields(buf, 0, len(buf)):
+            for field, _, start, end in length_delimited_fields(buf, 0, len(buf)):
                 if field != _METADATA_PROPS:
                     continue
-                entry = {k: bytes(buf[s:e]).decode("utf-8") for k, s, e in _fields(buf, start, end) if k in (1, 2)}
+                entry = {k: bytes(buf[s:e]).decode("utf-8")
+                         for k, _, s, e in length_delimited_fields(buf, start, end) if k in (1, 2)}
                 props[entry.get(1, "")] = entry.get(2, "")
             return props
     except (OSError, ValueError) as exc:

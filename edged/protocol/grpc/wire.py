@@ -61,7 +61,7 @@ def content_header(nbytes: int, field: int = RAW_INPUT_CONTENTS) -> bytes:
 
 def length_delimited(number: int, payload: bytes) -> bytes:
     """Field ``number`` holding ``payload`` (a string, bytes or an embedded message)."""
-    return varint(number << 3 | LENGTH) + varint(len(payload)) + payload
+    return content_header(len(payload), number) + payload
 
 
 def response_head(model: str, version: str, rid: str, outputs: list[tuple[str, str, tuple[int, ...]]]) -> bytes:
