@@ -109,6 +109,7 @@ class _Compiled:
     def __init__(self, compiled: Any, nrequests: int) -> None:
         self.compiled = compiled
         self.ports = {p.get_any_name(): p for p in compiled.outputs}
+        self.input_ports = {p.get_any_name(): p for p in compiled.inputs}
         self.pool: queue.SimpleQueue[Any] = queue.SimpleQueue()
         for _ in range(max(1, nrequests)):
             self.pool.put(compiled.create_infer_request())
@@ -121,6 +122,31 @@ class _Compiled:
 
 
 Remake = Callable[[Any], Any]
+
+
+def _feed(req: Any, ports: Mapping[str, Any], inputs: Mapping[str, np.ndarray]) -> bool:
+    """Copy each input into the tensor the request owns, reshaped to it (a batch varies from run to run).
+
+    What OpenVINO's dispatcher does for an array, without its layers. The request keeps no
+    reference to the caller's array, whose memory (an HTTP body, a client's shared-memory
+    segment) may be released once the call returns. False, with nothing copied, when an input
+    needs the library's handling (an unknown name, another dtype, a scalar): the caller hands the
+    request to the library's own ``infer`` instead.
+    """
+    tensors = []
+    for name, arr in inputs.items():
+        port = ports.get(name)
+        if port is None or arr.ndim == 0:
+            return False
+        tensor = req.get_tensor(port)
+        if tensor.element_type.to_dtype() != arr.dtype:
+            return False
+        tensors.append((tensor, arr))
+    for tensor, arr in tensors:
+        if tuple(tensor.shape) != arr.shape:
+            tensor.shape = arr.shape
+        np.copyto(tensor.data, arr, casting="no")
+    return True
 
 
 def _refuse_strings(model: Any, request: LoadRequest) -> None:
@@ -185,7 +211,10 @@ class OpenVinoEngine(Engine):
         names = list(outputs) if outputs else self._out_names
         req = cur.take()
         try:
-            req.infer(dict(inputs))
+            if _feed(req, cur.input_ports, inputs):
+                req.infer(share_outputs=True)  # nothing to dispatch; outputs as views, copied below
+            else:
+                req.infer(dict(inputs))  # the library converts what _feed leaves to it
             ports = cur.ports
             out = {n: np.array(req.get_tensor(ports[n]).data, copy=True) for n in names}
         except Exception:

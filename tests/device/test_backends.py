@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib.util
 import os
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +51,36 @@ def test_openvino_agrees_with_onnxruntime(tmp_path: Path, digits_holdout: tuple[
     a = ort.infer({"pixels": x[:32]})["probabilities"]
     b = ov.infer({"pixels": x[:32]})["probabilities"]
     np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_openvino_copies_inputs_in_and_owned_outputs_out(digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    """The engine feeds each input into its request's own tensor: batches of any size from read-only
+    buffers (an HTTP body), no reference kept to the caller's array once it returns (its memory may be
+    a client's segment, released then), answers that a later run does not overwrite."""
+    x, _ = digits_holdout
+    ort = OnnxRuntimeBackend().load(_request("model.onnx"))
+    ov = OpenVinoBackend().load(_request("openvino/model.xml"))
+    kept = []
+    for lo, hi in ((0, 5), (5, 6), (6, 38), (38, 41)):
+        body = np.ascontiguousarray(x[lo:hi], dtype=np.float32).tobytes()
+        frame = np.frombuffer(body, dtype=np.float32).reshape(hi - lo, 64)
+        assert not frame.flags.writeable
+        got = ov.infer({"pixels": frame})["probabilities"]
+        assert got.shape == (hi - lo, 10)
+        np.testing.assert_allclose(got, ort.infer({"pixels": frame})["probabilities"], atol=1e-5)
+        kept.append((got, got.copy()))
+    for got, first in kept:  # later runs did not write into earlier answers
+        np.testing.assert_array_equal(got, first)
+
+    own = np.ascontiguousarray(x[:4], dtype=np.float32)
+    ref = weakref.ref(own)
+    ov.infer({"pixels": own})
+    del own
+    gc.collect()
+    assert ref() is None, "the engine still holds the caller's input array"
+
+    wide = x[:4].astype(np.float64)  # another dtype: the library's own conversion runs it
+    np.testing.assert_allclose(ov.infer({"pixels": wide})["probabilities"], kept[0][1][:4], atol=1e-5)
 
 
 def test_openvino_static_batch_reshape(tmp_path: Path, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
