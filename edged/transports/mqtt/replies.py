@@ -29,6 +29,7 @@ from edged.protocol.v2 import DecodedRequest, dumps, encode_response
 from edged.protocol.v2_plans import encode_answer
 from edged.transports.mqtt.backlog import Backlog
 from edged.transports.mqtt.counts import Counts
+from edged.transports.mqtt.direct import publish_now
 from edged.transports.mqtt.session import MqttSession
 from edged.transports.mqtt.stall import StallDetector
 from edged.transports.redact import Scrubber
@@ -128,6 +129,12 @@ class ReplyPublisher:
                 expiry_s=None if reply.deadline is None else max(1, math.ceil(reply.deadline - time.monotonic())),
                 user=users,
             )
+        done = publish_now(client, reply.topic, payload, props) if reply.qos == 0 else None
+        if done is True:
+            return True
+        if done is not None:  # partly written, the rest queued in paho
+            self.backlog.handed(0, done)
+            return True
         info = client.publish(reply.topic, payload, qos=reply.qos, properties=props)
         if info.rc != mqtt.MQTT_ERR_SUCCESS:
             self.dropped(reply, mqtt.error_string(info.rc))
