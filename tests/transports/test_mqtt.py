@@ -31,6 +31,7 @@ from edged.protocol import mqtt as codec
 from edged.protocol.types import InferRequest
 from edged.protocol.v2 import dumps
 from edged.telemetry.prometheus import MetricsRenderer
+from edged.transports.mqtt import replies
 from edged.transports.mqtt.bindings import BindingBuffer, Item, validate_bindings
 from edged.transports.mqtt.connection import MqttOptions
 from edged.transports.mqtt.dedup import RecentKeys
@@ -209,12 +210,20 @@ def test_repeated_binary_headers_are_decoded_by_plan(
 def test_a_lone_request_runs_on_pahos_thread_and_a_burst_is_queued(
         broker: Broker, transports: Callable[..., MqttTransport], client: TestClient, digits: Digits,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Requests one at a time are computed and answered on paho's thread (no scheduler hand-off);
-    requests already waiting together on the connection are queued for the batcher; every answer
-    is the in-process one and every request is counted once, whichever path it took."""
+    """Requests one at a time are computed and answered on paho's thread (no scheduler hand-off), their
+    QoS 0 replies written to the socket there and then; requests already waiting together on the
+    connection are queued for the batcher and their replies published through paho's queue; every
+    answer is the in-process one and every request is counted once, whichever path it took."""
     # The run-time bound is the scheduler's to judge (tests/device/test_core.py); here a loaded
     # machine's slow digits run must not queue a lone request.
     monkeypatch.setattr("edged.transports.mqtt.intake.LOOP_INLINE_MAX_NS", 10**9)
+    written: list[object] = []
+    publish_now = replies.publish_now
+
+    def spied(*args: Any) -> Any:
+        written.append(publish_now(*args))
+        return written[-1]
+    monkeypatch.setattr(replies, "publish_now", spied)
     t = transports(broker.url)
     want = digits.expected(digits.x[:40])
     time.sleep(0.15)  # sleep-ok: the scheduler forgets overlapping traffic (earlier tests') after a time
@@ -233,6 +242,7 @@ def test_a_lone_request_runs_on_pahos_thread_and_a_burst_is_queued(
         np.testing.assert_allclose(_probs(msg.payload, user_properties(msg))[0], want[i], rtol=1e-5, atol=1e-6)
     serial = digits.service.statistics("digits")[0]
     assert serial["inline_count"] - before["inline_count"] == 20
+    assert written == [True] * 20, "a lone request's reply was not written at once"
     assert serial["inference_stats"]["success"]["count"] - before["inference_stats"]["success"]["count"] == 20
 
     # Hold paho's thread at its first request (it takes this lock to read the backlog) until the other
@@ -257,6 +267,7 @@ def test_a_lone_request_runs_on_pahos_thread_and_a_burst_is_queued(
     after = digits.service.statistics("digits")[0]
     # Each saw another waiting behind it, or a queue (or overlap) on the model: none is alone.
     assert after["inline_count"] - serial["inline_count"] <= 1, "waiting requests ran on paho's thread"
+    assert written[20:].count(True) <= 1 and len(written) == 40  # the others answered from the batcher's thread
     assert after["inference_stats"]["success"]["count"] - serial["inference_stats"]["success"]["count"] == 20
     assert after["inference_stats"]["fail"]["count"] == before["inference_stats"]["fail"]["count"]
     assert after["in_flight"] == 0
