@@ -109,7 +109,7 @@ class _Compiled:
     def __init__(self, compiled: Any, nrequests: int) -> None:
         self.compiled = compiled
         self.ports = {p.get_any_name(): p for p in compiled.outputs}
-        self.input_ports = {p.get_any_name(): p for p in compiled.inputs}
+        self.feeds = {p.get_any_name(): (p, _numpy_dtype(p)) for p in compiled.inputs}
         self.pool: queue.SimpleQueue[Any] = queue.SimpleQueue()
         for _ in range(max(1, nrequests)):
             self.pool.put(compiled.create_infer_request())
@@ -124,7 +124,18 @@ class _Compiled:
 Remake = Callable[[Any], Any]
 
 
-def _feed(req: Any, ports: Mapping[str, Any], inputs: Mapping[str, np.ndarray]) -> bool:
+# Element types whose arrays are the tensor's bytes as they are (OpenVINO maps bf16 to float16: not so).
+_EXACT = {"f16": np.float16, "f32": np.float32, "f64": np.float64, "i8": np.int8, "i16": np.int16, "i32": np.int32,
+          "i64": np.int64, "u8": np.uint8, "u16": np.uint16, "u32": np.uint32, "u64": np.uint64, "boolean": np.bool_}
+
+
+def _numpy_dtype(port: Any) -> np.dtype[Any] | None:
+    """The array dtype an input port takes; None where the library's own conversion is left to run."""
+    exact = _EXACT.get(port.get_element_type().get_type_name())
+    return None if exact is None else np.dtype(exact)
+
+
+def _feed(req: Any, feeds: Mapping[str, tuple[Any, np.dtype[Any] | None]], inputs: Mapping[str, np.ndarray]) -> bool:
     """Copy each input into the tensor the request owns, reshaped to it (a batch varies from run to run).
 
     What OpenVINO's dispatcher does for an array, without its layers. The request keeps no
@@ -135,13 +146,10 @@ def _feed(req: Any, ports: Mapping[str, Any], inputs: Mapping[str, np.ndarray]) 
     """
     tensors = []
     for name, arr in inputs.items():
-        port = ports.get(name)
-        if port is None or arr.ndim == 0:
+        port, dtype = feeds.get(name, (None, None))
+        if dtype is None or arr.dtype != dtype or arr.ndim == 0:
             return False
-        tensor = req.get_tensor(port)
-        if tensor.element_type.to_dtype() != arr.dtype:
-            return False
-        tensors.append((tensor, arr))
+        tensors.append((req.get_tensor(port), arr))
     for tensor, arr in tensors:
         if tuple(tensor.shape) != arr.shape:
             tensor.shape = arr.shape
@@ -211,7 +219,7 @@ class OpenVinoEngine(Engine):
         names = list(outputs) if outputs else self._out_names
         req = cur.take()
         try:
-            if _feed(req, cur.input_ports, inputs):
+            if _feed(req, cur.feeds, inputs):
                 req.infer(share_outputs=True)  # nothing to dispatch; outputs as views, copied below
             else:
                 req.infer(dict(inputs))  # the library converts what _feed leaves to it

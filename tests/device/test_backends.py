@@ -9,13 +9,14 @@ import os
 import sys
 import weakref
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from edged.backends.base import LoadRequest
 from edged.backends.onnxruntime import OnnxRuntimeBackend
-from edged.backends.openvino import OpenVinoBackend
+from edged.backends.openvino import OpenVinoBackend, _numpy_dtype
 from edged.backends.options import BackendOptions, OnnxRuntimeOptions, OpenVinoOptions
 from edged.errors import EngineUnavailableError, ModelLoadError
 from edged.repository.manifest import parse_manifest
@@ -81,6 +82,23 @@ def test_openvino_copies_inputs_in_and_owned_outputs_out(digits_holdout: tuple[n
 
     wide = x[:4].astype(np.float64)  # another dtype: the library's own conversion runs it
     np.testing.assert_allclose(ov.infer({"pixels": wide})["probabilities"], kept[0][1][:4], atol=1e-5)
+
+
+def test_openvino_feeds_only_element_types_whose_arrays_are_the_tensor_bytes() -> None:
+    """OpenVINO maps bf16 to float16, a different layout: such inputs stay with the library's conversion."""
+    import openvino
+
+    class Port:
+        def __init__(self, element: Any) -> None:
+            self.element = element
+
+        def get_element_type(self) -> Any:
+            return self.element
+
+    assert _numpy_dtype(Port(openvino.Type.f32)) == np.float32
+    assert _numpy_dtype(Port(openvino.Type.u8)) == np.uint8
+    assert _numpy_dtype(Port(openvino.Type.bf16)) is None
+    assert _numpy_dtype(Port(openvino.Type.string)) is None
 
 
 def test_openvino_static_batch_reshape(tmp_path: Path, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
