@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from edged.errors import InvalidInputError
 from edged.protocol.grpc.gen import grpc_service_pb2 as pb
-from edged.protocol.grpc.wire import content_header
+from edged.protocol.grpc.wire import content_header, split_raw_contents
 from edged.protocol.types import InferRequest, InferResponse
 from edged.protocol.v2 import DecodedRequest, OutputOptions
-from edged.transports.grpc import codec
+from edged.transports.grpc import codec, infer_messages
 from edged.transports.grpc.infer_messages import InferPlans
 from edged.transports.shm.sysshm import SystemShmRegions
 
@@ -98,10 +98,17 @@ def test_a_message_that_fails_is_not_planned_and_other_lengths_are_checked_again
         _decode(plans, req.SerializeToString())
 
 
-def test_a_planned_layout_is_known_by_its_bytes_and_any_other_is_walked() -> None:
+def test_a_planned_layout_is_known_by_its_bytes_and_any_other_is_walked(monkeypatch: pytest.MonkeyPatch) -> None:
     """A planned message written rest first, contents last (as clients write it) is known by its length,
-    its rest and its contents' headers; a message of the same length that differs in any of them, or lays
-    the same fields out otherwise, is walked and decoded as the codec decodes it."""
+    its rest and its contents' headers, without walking its fields; a message of the same length that
+    differs in any of them, or lays the same fields out otherwise, is walked and decoded as the codec
+    decodes it."""
+    walked: list[int] = []
+
+    def walk(data: bytes) -> object:
+        walked.append(len(data))
+        return split_raw_contents(data)
+    monkeypatch.setattr(infer_messages, "split_raw_contents", walk)
     plans = InferPlans()
     x = np.arange(4, dtype=np.float32).reshape(1, 4)
     _decode(plans, _message(x))
@@ -113,10 +120,13 @@ def test_a_planned_layout_is_known_by_its_bytes_and_any_other_is_walked() -> Non
     same_length_other_model = pb.ModelInferRequest.FromString(_message(y))
     same_length_other_model.model_name = "n"
     longer_header = _message(y)[:-(y.nbytes + 2)] + b"\x3a\x90\x00" + y.tobytes()  # 16 as a two-byte varint
-    for data in (_message(y), contents_first, same_length_other_model.SerializeToString(), longer_header):
+    for data, walks in ((_message(y), 0), (contents_first, 1), (same_length_other_model.SerializeToString(), 1),
+                        (longer_header, 1)):
         want = codec.decode_infer(pb.ModelInferRequest.FromString(data), SHM)
+        walked.clear()
         got = _decode(plans, data)
         _same(got, want)
+        assert len(walked) == walks, (data, walked)
         assert np.shares_memory(got.request.inputs["x"], np.frombuffer(data, np.uint8))
     assert _decode(plans, same_length_other_model.SerializeToString()).request.model == "n"
 
