@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from edged.backends import openvino as openvino_backend
 from edged.backends.base import LoadRequest
 from edged.backends.onnxruntime import OnnxRuntimeBackend
 from edged.backends.openvino import OpenVinoBackend, _numpy_dtype
@@ -54,11 +55,19 @@ def test_openvino_agrees_with_onnxruntime(tmp_path: Path, digits_holdout: tuple[
     np.testing.assert_allclose(a, b, atol=1e-5)
 
 
-def test_openvino_copies_inputs_in_and_owned_outputs_out(digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+def test_openvino_copies_inputs_in_and_owned_outputs_out(digits_holdout: tuple[np.ndarray, np.ndarray],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine feeds each input into its request's own tensor: batches of any size from read-only
     buffers (an HTTP body), no reference kept to the caller's array once it returns (its memory may be
     a client's segment, released then), answers that a later run does not overwrite."""
     x, _ = digits_holdout
+    fed: list[bool] = []
+    feed = openvino_backend._feed
+
+    def spied(*args: Any) -> bool:
+        fed.append(feed(*args))
+        return fed[-1]
+    monkeypatch.setattr(openvino_backend, "_feed", spied)
     ort = OnnxRuntimeBackend().load(_request("model.onnx"))
     ov = OpenVinoBackend().load(_request("openvino/model.xml"))
     kept = []
@@ -82,6 +91,7 @@ def test_openvino_copies_inputs_in_and_owned_outputs_out(digits_holdout: tuple[n
 
     wide = x[:4].astype(np.float64)  # another dtype: the library's own conversion runs it
     np.testing.assert_allclose(ov.infer({"pixels": wide})["probabilities"], kept[0][1][:4], atol=1e-5)
+    assert fed == [True] * 5 + [False], fed  # the float32 runs were fed directly, the float64 one was not
 
 
 def test_openvino_feeds_only_element_types_whose_arrays_are_the_tensor_bytes() -> None:
