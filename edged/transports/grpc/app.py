@@ -218,17 +218,14 @@ class GrpcApp:
             reads.start(task)
             try:
                 data = await context.read()
-            except asyncio.CancelledError:
+            except BaseException as e:
+                expired = reads.end(task)
                 hold.release()
-                if not reads.end(task):
+                if not (expired and isinstance(e, asyncio.CancelledError)):
                     raise
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request message did not arrive "
                                     f"within {reads.timeout_s:g} s")
                 raise AssertionError("unreachable: abort raises") from None  # pragma: no cover
-            except BaseException:
-                reads.end(task)
-                hold.release()
-                raise
             reads.end(task)  # arrived: a sweep since would have cancelled the read (nothing awaits in between)
             if not isinstance(data, bytes):  # EOF: the client sent no message
                 hold.release()
