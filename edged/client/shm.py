@@ -61,6 +61,7 @@ from edged.client.shm_core import (
     fds_message,
     grow_limit,
     link_error,
+    needed_bytes,
     not_open_error,
     run,
 )
@@ -72,6 +73,7 @@ from edged.client.shm_memory import (
     encode_request,
     find_segment,
     plan_inputs,
+    read_outputs,
 )
 from edged.client.shm_prepared import AsyncPreparedInfer, PreparedInfer
 from edged.errors import EdgedError, ErrorCode, InvalidInputError, PermissionDeniedError
@@ -166,11 +168,13 @@ class ShmClient:
             raise
 
     # ---- plumbing: the one blocking round trip, and the core's operations run on it ------------
-    def _call(self, msg: bytes | bytearray, fd: int = -1) -> tuple[int, int, memoryview]:
-        """Send one request and wait for its reply (status, count, body view valid until the next call)."""
+    def _call(self, msg: bytes | bytearray, fd: int = -1, rid: int = -1) -> tuple[int, int, memoryview]:
+        """Send one request (``rid``: its id, when the caller knows it) and wait for its reply (status,
+        count, body view valid until the next call)."""
         if self._core.closed:
             raise not_open_error()
-        rid = p.HEADER.unpack_from(msg)[3]
+        if rid < 0:
+            rid = p.HEADER.unpack_from(msg)[3]
         sock = self._sock
         try:
             if fd >= 0:
@@ -313,6 +317,8 @@ class ShmClient:
         prep.orphans.clear()
 
     def _run_prepared(self, prep: PreparedInfer, copy: bool) -> dict[str, np.ndarray]:
+        # A frame loop's every call: the round trip and the answer are taken in this one frame, the
+        # message patched in place (every layer here is paid on caches the engine run has evicted).
         with self._lock:
             if prep.closed:
                 raise EdgedError("the prepared request is closed", code=ErrorCode.FAILED_PRECONDITION)
@@ -322,16 +328,17 @@ class ShmClient:
                     self._bind(prep, self._info(prep.model, prep.version).output_bytes(prep.inputs))
                     slot = prep.slot
                     assert slot is not None
-                p.set_request_id(prep.message, self._core.next_id())
-                got = self._exchange(
-                    prep.message,
-                    slot,
-                    copy,
-                    grow_limit(attempt, slot.out_cap),
-                    functools.partial(self._orphan, prep, slot),
-                )
-                if not isinstance(got, int):
-                    return got
+                rid = self._core.next_id()
+                msg = prep.message
+                p.set_request_id(msg, rid)
+                try:
+                    status, count, body = self._call(msg, -1, rid)
+                except BaseException:
+                    self._orphan(prep, slot)
+                    raise
+                if not status:
+                    return read_outputs(slot, count, body, copy)
+                got = needed_bytes(status, body, grow_limit(attempt, slot.out_cap))
                 info = self._info(prep.model, prep.version)
                 info.output_hint = max(info.output_hint, got)
                 self._bind(prep, got)  # the outputs need more room: grow the area, encode again

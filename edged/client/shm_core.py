@@ -92,6 +92,12 @@ def answer(reply: Reply, slot: Slot, copy: bool, grow_above: int) -> dict[str, n
     status, count, body = reply
     if not status:
         return read_outputs(slot, count, body, copy)
+    return needed_bytes(status, body, grow_above)
+
+
+def needed_bytes(status: int, body: memoryview | bytes, grow_above: int) -> int:
+    """An INFER's error reply: the bytes its outputs need when the slot was too small and that is more
+    than ``grow_above`` (-1: never); any other error is raised."""
     needed, message = p.decode_error(body)
     if grow_above < 0 or not needed or needed <= grow_above:
         raise p.error_from_status(status, message, needed)

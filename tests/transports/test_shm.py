@@ -278,7 +278,7 @@ def test_an_interrupted_prepared_run_leaves_nothing_registered(
         prep = c.prepare("digits", {"pixels": (1, 64)})
         prep.inputs["pixels"][:] = x[:1]
 
-        def interrupted(msg: bytes | bytearray, fd: int = -1) -> Any:
+        def interrupted(msg: bytes | bytearray, fd: int = -1, rid: int = -1) -> Any:
             c._sock.send(msg)  # the request goes out; the caller is interrupted before its answer
             raise KeyboardInterrupt
 
