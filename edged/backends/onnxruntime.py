@@ -75,8 +75,9 @@ class OnnxRuntimeEngine(Engine):
         # InferenceSession.run is thread-safe and releases the GIL during compute; a failed run
         # leaves nothing behind in the session.
         feed = dict(inputs)
-        for name in self._text_in.intersection(feed):  # string tensors take str: see Engine.takes_text
-            feed[name] = datatypes.as_text(feed[name])
+        if self._text_in:  # string tensors take str: see Engine.takes_text
+            for name in self._text_in.intersection(feed):
+                feed[name] = datatypes.as_text(feed[name])
         try:
             results = session.run(names, feed)
         except Exception as e:
@@ -84,8 +85,9 @@ class OnnxRuntimeEngine(Engine):
                 raise EngineInputError(str(e)) from None
             raise
         out = dict(zip(names, results, strict=True))
-        for name in self._text_out.intersection(out):  # ORT answers str: BYTES are bytes everywhere else
-            out[name] = datatypes.as_bytes(out[name])
+        if self._text_out:  # ORT answers str: BYTES are bytes everywhere else
+            for name in self._text_out.intersection(out):
+                out[name] = datatypes.as_bytes(out[name])
         return out
 
     def unload(self) -> None:

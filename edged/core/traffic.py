@@ -52,10 +52,13 @@ class TrafficMix:
             for a in inputs.values():
                 batch = a.shape[0] if a.ndim else 1
                 break
-            shapes = tuple(sorted((n, a.shape[1:]) for n, a in inputs.items()))
+            named = [(n, a.shape[1:]) for n, a in inputs.items()]
         else:
             batch = 1
-            shapes = tuple(sorted((n, a.shape) for n, a in inputs.items()))
+            named = [(n, a.shape) for n, a in inputs.items()]
+        if len(named) > 1:  # one input (most models) is sorted already: this runs on every inline request
+            named.sort()
+        shapes = tuple(named)
         key = (shapes, batch)
         counts = self._counts
         n = counts.get(key)

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from edged.membudget import Reservation
 
 
-@dataclass
+@dataclass(slots=True)
 class InferRequest:
     model: str
     inputs: Mapping[str, np.ndarray]
@@ -28,7 +28,7 @@ class InferRequest:
     source: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class InferResponse:
     model: str
     version: int
