@@ -50,6 +50,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from edged.client.inflight import Inflight
 from edged.client.shm_core import (
     TRIES,
     Key,
@@ -424,7 +425,7 @@ class AsyncShmClient:
         self._free: dict[Key, list[Slot]] = {}
         # what becomes of a cancelled request's memory once its late completion arrives, by request id
         self._late: dict[int, Callable[[], None]] = {}
-        self._sem: asyncio.Semaphore | None = None
+        self._inflight: Inflight | None = None
         self._info_locks: dict[Key, asyncio.Lock] = {}
 
     async def connect(self) -> AsyncShmClient:
@@ -447,7 +448,7 @@ class AsyncShmClient:
         except BaseException:
             await self.close()
             raise
-        self._sem = asyncio.Semaphore(int(self.server.get("max_inflight", 64)))
+        self._inflight = Inflight(int(self.server.get("max_inflight", 64)))
         return self
 
     async def __aenter__(self) -> AsyncShmClient:
@@ -499,25 +500,32 @@ class AsyncShmClient:
     async def _run(self, op: Op[T]) -> T:
         return await arun(op, self._call)
 
+    def _send_now(self, msg: bytes | bytearray, fd: int) -> bool:
+        """Send without waiting: False when the socket's buffer is full (then ``await _send``)."""
+        sock = self._sock
+        assert sock is not None
+        try:
+            if fd >= 0:
+                sock.sendmsg([msg], fds_message(fd))
+            else:
+                sock.send(msg)
+            return True
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as e:
+            raise link_error(e) from None
+
     async def _send(self, msg: bytes | bytearray, fd: int) -> None:
+        """Send, waiting for room in the socket's buffer as long as it is full."""
         sock, loop = self._sock, self._loop
         assert sock is not None and loop is not None
-        while True:
+        while not self._send_now(msg, fd):
+            ready: asyncio.Future[None] = loop.create_future()
+            loop.add_writer(sock.fileno(), _wake, ready)
             try:
-                if fd >= 0:
-                    sock.sendmsg([msg], fds_message(fd))
-                else:
-                    sock.send(msg)
-                return
-            except (BlockingIOError, InterruptedError):
-                ready: asyncio.Future[None] = loop.create_future()
-                loop.add_writer(sock.fileno(), _wake, ready)
-                try:
-                    await ready
-                finally:
-                    loop.remove_writer(sock.fileno())
-            except OSError as e:
-                raise link_error(e) from None
+                await ready
+            finally:
+                loop.remove_writer(sock.fileno())
 
     async def _unregister(self, seg: ClientSegment) -> None:
         await self._run(self._core.unregister(seg))
@@ -555,8 +563,11 @@ class AsyncShmClient:
         timeout: float | None = None,
     ) -> dict[str, np.ndarray]:
         """Run one request; call it concurrently (gather, tasks) to pipeline. Outputs are copies."""
-        assert self._sem is not None, "call connect() (or use 'async with') first"
-        async with self._sem:
+        inflight = self._inflight
+        assert inflight is not None, "call connect() (or use 'async with') first"
+        if not inflight.take_now():
+            await inflight.take()
+        try:
             key = (model, version or 0)
             info = await self._info(model, version)
             packed: PackedInputs = plan_inputs(self._core.segments, inputs)
@@ -587,6 +598,8 @@ class AsyncShmClient:
             finally:
                 if slot is not None and not self._core.closed:
                     self._free.setdefault(key, []).append(slot)
+        finally:
+            inflight.give()
 
     async def prepare(
         self,
@@ -600,7 +613,7 @@ class AsyncShmClient:
     ) -> AsyncPreparedInfer:
         """:meth:`ShmClient.prepare` for asyncio: ``await prepared.run()`` per request, nothing encoded,
         copied or allocated per run. Make one per concurrent loop; they are pipelined like ``infer``."""
-        assert self._sem is not None, "call connect() (or use 'async with') first"
+        assert self._inflight is not None, "call connect() (or use 'async with') first"
         info = await self._info(model, version)
         seg, arrays = await self._run(self._core.prepared_inputs(info, shapes, dtypes))
         prep = AsyncPreparedInfer(self, model, version, inputs=arrays, segment=seg, outputs=outputs, timeout=timeout)
@@ -631,10 +644,13 @@ class AsyncShmClient:
                 "this prepared request is already running: make one per concurrent loop",
                 code=ErrorCode.FAILED_PRECONDITION,
             )
-        assert self._sem is not None and self._loop is not None
+        inflight = self._inflight
+        assert inflight is not None and self._loop is not None
+        if not inflight.take_now():
+            await inflight.take()
         prep.running = True
         try:
-            async with self._sem:
+            try:
                 for attempt in range(TRIES):
                     slot = prep.slot
                     if slot is None:  # the last run was cancelled: its reply may still land in the old area
@@ -658,6 +674,8 @@ class AsyncShmClient:
                     info.output_hint = max(info.output_hint, got)
                     await self._bind(prep, got)  # the outputs need more room: grow the area, encode again
                 raise AssertionError("unreachable: the last try raises")
+            finally:
+                inflight.give()
         finally:
             prep.running = False
             if prep.closed:  # closed while this run was in flight: give its buffers back now
@@ -684,7 +702,8 @@ class AsyncShmClient:
         fut: asyncio.Future[tuple[int, int, bytes]] = self._loop.create_future()
         self._pending[rid] = fut
         try:
-            await self._send(msg, fd)
+            if not self._send_now(msg, fd):
+                await self._send(msg, fd)
         except BaseException:
             self._pending.pop(rid, None)
             raise

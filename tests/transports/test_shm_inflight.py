@@ -1,0 +1,111 @@
+"""The asyncio shm client's bound on requests in flight: the limiter alone, then against a daemon
+whose per-connection limit is far below what the caller starts at once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from edged.client.inflight import Inflight
+from edged.client.shm import AsyncShmClient
+from edged.transports.shm.conn import Limits
+from tests.transports.test_shm import _serve
+
+
+def test_places_are_taken_at_once_while_free_then_handed_over_in_order() -> None:
+    async def run() -> list[int]:
+        lim = Inflight(2)
+        assert lim.take_now() and lim.take_now() and not lim.take_now()
+        order: list[int] = []
+
+        async def waiter(k: int) -> None:
+            await lim.take()
+            order.append(k)
+
+        tasks = [asyncio.ensure_future(waiter(k)) for k in range(3)]
+        await asyncio.sleep(0)  # sleep-ok: let the three start waiting
+        assert lim.used == 2 and not order
+        assert not lim.take_now()  # others wait: no overtaking even once a place is given back
+        lim.give()
+        assert not lim.take_now()  # the place went to the first waiter, not to the pool
+        await asyncio.sleep(0)  # sleep-ok: let it run
+        assert order == [0] and lim.used == 2
+        lim.give()
+        lim.give()
+        await asyncio.gather(*tasks)
+        assert order == [0, 1, 2] and lim.used == 2
+        lim.give()
+        lim.give()
+        assert lim.used == 0
+        return order
+
+    assert asyncio.run(run()) == [0, 1, 2]
+
+
+def test_a_cancelled_waiter_holds_nothing_and_a_place_handed_to_it_goes_on() -> None:
+    async def run() -> None:
+        lim = Inflight(1)
+        assert lim.take_now()
+        first = asyncio.ensure_future(lim.take())
+        second = asyncio.ensure_future(lim.take())
+        await asyncio.sleep(0)  # sleep-ok: both wait
+        first.cancel()  # cancelled while waiting: it had no place
+        await asyncio.sleep(0)  # sleep-ok
+        assert first.cancelled() and lim.used == 1
+        lim.give()  # to the second (the first is gone)
+        await second
+        assert lim.used == 1
+        third = asyncio.ensure_future(lim.take())
+        await asyncio.sleep(0)  # sleep-ok: it waits
+        lim.give()  # handed to the third ...
+        third.cancel()  # ... which is cancelled before it runs: the place must come back
+        await asyncio.gather(third, return_exceptions=True)
+        assert third.cancelled() and lim.used == 0
+        assert lim.take_now()
+
+    asyncio.run(run())
+
+
+def test_more_calls_than_the_daemon_takes_at_once_all_succeed(
+        model_repo: Callable[..., Path], tmp_path: Path, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    """The daemon refuses a connection's request beyond its max_inflight with OVERLOADED; the client
+    learns the limit from HELLO and holds the rest back, cancelled waiters included."""
+    x, _ = digits_holdout
+    with _serve(model_repo("digits"), tmp_path, limits=Limits(max_inflight=2)) as s:
+        engine = s.service.ready_model("digits").engine
+        assert engine is not None
+        ref = engine.infer({"pixels": x[:40]})["probabilities"]
+
+        async def run() -> None:
+            async with AsyncShmClient(s.socket) as c:
+                assert c.server["max_inflight"] == 2
+                preps = [await c.prepare("digits", {"pixels": (1, 64)}) for _ in range(4)]
+
+                async def prepared(k: int) -> list[np.ndarray]:
+                    outs = []
+                    for i in range(k, 40, 4):
+                        preps[k].inputs["pixels"][:] = x[i:i + 1]
+                        outs.append((await preps[k].run(copy=True))["probabilities"][0])
+                    return outs
+
+                for _ in range(3):
+                    calls = [asyncio.ensure_future(c.infer("digits", {"pixels": x[i:i + 1]})) for i in range(40)]
+                    loops = [asyncio.ensure_future(prepared(k)) for k in range(4)]
+                    await asyncio.sleep(0)  # sleep-ok: all under way, most of them waiting for a place
+                    for task in calls[5::4]:
+                        task.cancel()
+                    done = await asyncio.gather(*calls, return_exceptions=True)
+                    for i, r in enumerate(done):
+                        if i >= 5 and (i - 5) % 4 == 0:
+                            continue  # cancelled
+                        assert not isinstance(r, BaseException), f"call {i}: {r!r}"
+                        np.testing.assert_allclose(r["probabilities"][0], ref[i], rtol=1e-5, atol=1e-6)
+                    for k, outs in enumerate(await asyncio.gather(*loops)):
+                        np.testing.assert_allclose(np.stack(outs), ref[k::4], rtol=1e-5, atol=1e-6)
+                    inflight = c._inflight
+                    assert inflight is not None and inflight.used == 0
+
+        asyncio.run(run())
