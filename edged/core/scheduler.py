@@ -59,8 +59,12 @@ class _Item:
 
 
 def _signature(req: InferRequest, batched: bool) -> tuple[object, ...]:
-    # Requests can share a batch when every input agrees on everything but the batch dimension.
-    return tuple((n, a.dtype.str, a.shape[1:] if batched else a.shape) for n, a in sorted(req.inputs.items()))
+    """Requests can share a batch when every input agrees on everything but the batch dimension.
+    (Computed for every queued request: the dtype objects themselves, and no sort of one input.)"""
+    sig = [(n, a.dtype, a.shape[1:] if batched else a.shape) for n, a in req.inputs.items()]
+    if len(sig) > 1:
+        sig.sort()  # by name: names are unique, so the dtypes are never compared
+    return tuple(sig)
 
 
 class Scheduler:

@@ -74,7 +74,7 @@ class RequestPlan:
             # BYTES in any numpy form (objects, fixed-width bytes or text): sized by their contents.
             if not (opt.binary if opt is not None else self.binary_default) or arr.dtype.kind in "OSU":
                 return None
-            key.append((name, arr.dtype.str, arr.shape))
+            key += (name, arr.dtype, arr.shape)  # the dtype itself: .str builds a string per request
         return tuple(key)
 
     def keep_reply(self, key: tuple[Any, ...], header: bytes) -> None:

@@ -129,7 +129,11 @@ def _plan_for(head: bytes, tail: bytes) -> RequestPlan:
 def test_answer_headers_are_kept_only_for_raw_fixed_size_outputs() -> None:
     plan = _plan_for(*_binary([("x", x)], parameters={"binary_data_output": True}))
     y = np.zeros((2, 5), dtype=np.float32)
-    assert plan.reply_key(InferResponse("m", 2, {"y": y})) == ("m", 2, ("y", "<f4", (2, 5)))
+    assert plan.reply_key(InferResponse("m", 2, {"y": y})) == ("m", 2, "y", np.dtype("<f4"), (2, 5))
+    # the same names, types and shapes: the same key; another type or shape: another key
+    assert plan.reply_key(InferResponse("m", 2, {"y": y.astype(np.float64)})) != plan.reply_key(
+        InferResponse("m", 2, {"y": y}))
+    assert plan.reply_key(InferResponse("m", 2, {"y": y[:1]})) != plan.reply_key(InferResponse("m", 2, {"y": y}))
     assert plan.reply_key(InferResponse("m", 3, {"y": y})) != plan.reply_key(InferResponse("m", 2, {"y": y}))
     assert plan.reply_key(InferResponse("m", 2, {"y": y}, "an-id")) is None
     assert plan.reply_key(InferResponse("m", 2, {"s": np.array([b"a"], dtype=object)})) is None

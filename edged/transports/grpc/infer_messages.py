@@ -177,11 +177,17 @@ class InferPlans:
         """The serialized ModelInferResponse: written by hand when every output is raw and of a fixed-size
         type (the head kept per signature, each output's memory joined once), else through protobuf."""
         outs = resp.outputs
-        if any(o.shm for o in decoded.outputs.values()) or any(a.dtype.kind in "OSU" for a in outs.values()):
-            return bytes(encode_infer(resp, decoded, shm).SerializeToString())
-        key = (resp.model, resp.version, *((name, a.dtype.str, a.shape) for name, a in outs.items()))
+        for o in decoded.outputs.values():  # loops, not any(): this runs on caches the engine run evicted
+            if o.shm:
+                return bytes(encode_infer(resp, decoded, shm).SerializeToString())
+        sig: list[Any] = [resp.model, resp.version]
+        for name, a in outs.items():
+            sig += (name, a.dtype, a.shape)
+        key = tuple(sig)
         head = None if resp.id else self._heads.get(key)  # an answer with an id has a head of its own
         if head is None:
+            if any(a.dtype.kind in "OSU" for a in outs.values()):  # sized by their contents: never a kept head
+                return bytes(encode_infer(resp, decoded, shm).SerializeToString())
             head = response_head(resp.model, str(resp.version), resp.id or "",
                                  [(name, datatypes.from_numpy(a.dtype), a.shape) for name, a in outs.items()])
             if not resp.id:
