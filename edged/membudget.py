@@ -76,13 +76,17 @@ class MemoryBudget:
     def unlimited(cls) -> MemoryBudget:
         return cls(1 << 62, name="(no budget)")
 
-    def reserve(self, nbytes: int, what: str) -> Reservation:
-        """Hold ``nbytes`` for one request; OverloadedError when the budget is full now."""
+    def reserve(self, nbytes: int, what: str, *args: object) -> Reservation:
+        """Hold ``nbytes`` for one request; OverloadedError when the budget is full now. ``what`` names
+        them in the error (``what % args`` when args are given: formatted only for a refusal, as every
+        request of every transport reserves)."""
         res = Reservation(self)
-        res.grow(nbytes, what)
+        res.grow(nbytes, what, *args)
         return res
 
-    def _refuse(self, nbytes: int, what: str, total: int, ceiling: int, used: int) -> None:
+    def _refuse(self, nbytes: int, what: str, args: tuple[object, ...], total: int, ceiling: int, used: int) -> None:
+        if args:
+            what = what % args
         if total > ceiling:
             raise ResourceExhaustedError(f"{what} needs {total / MIB:.1f} MiB, more than any request may hold "
                                          f"({ceiling / MIB:.0f} MiB of the {self.limit / MIB:.0f} MiB request "
@@ -139,8 +143,9 @@ class Reservation:
         self.budget = budget
         self.held = 0
 
-    def grow(self, nbytes: int, what: str) -> None:
-        """Add ``nbytes``, before allocating them; raises (holding what it held) when they do not fit."""
+    def grow(self, nbytes: int, what: str, *args: object) -> None:
+        """Add ``nbytes``, before allocating them; raises (holding what it held) when they do not fit
+        (``what % args`` names them then)."""
         nbytes = int(nbytes)
         if nbytes <= 0:
             return
@@ -157,7 +162,7 @@ class Reservation:
                 self.held = total
                 return
             b.refused += 1
-        b._refuse(nbytes, what, total, ceiling, used)
+        b._refuse(nbytes, what, args, total, ceiling, used)
 
     def shrink(self, nbytes: int) -> None:
         """Keep at most ``nbytes`` (a worst case reserved before a size was known, now that it is): what is

@@ -13,6 +13,7 @@ two trims, and the transports' socket buffers of connections being refused.
 from __future__ import annotations
 
 import contextvars
+import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -134,13 +135,18 @@ def test_reservations_refuse_at_once_and_release_once() -> None:
         b.reserve(20 * MIB, "second")
     with pytest.raises(ResourceExhaustedError, match="more than any request may hold"):
         b.reserve(60 * MIB, "too big")
+    # what is refused is named in the error, formatted only then; a name without arguments is taken as is
+    with pytest.raises(OverloadedError, match=r"^a 12345-byte body needs 20\.0 MiB"):
+        b.reserve(20 * MIB, "a %d-byte body", 12345)
+    with pytest.raises(OverloadedError, match=r"^100% of a body needs"):
+        b.reserve(20 * MIB, "100% of a body")
     small_ones = [b.reserve(SMALL_REQUEST, "small") for _ in range(4)]  # the small requests' share
     assert b.used == 40 * MIB + 4 * SMALL_REQUEST
     big.release()
     big.release()
     for r in small_ones:
         r.release()
-    assert b.used == 0 and b.refused == 2
+    assert b.used == 0 and b.refused == 4
     with b.reserve(30 * MIB, "again") as r:
         r.shrink(MIB)
         assert b.used == MIB
@@ -271,6 +277,7 @@ def test_mqtt_payload_over_the_budget_gets_an_error_reply_and_the_next_is_answer
             reply = orjson.loads(head)
             assert reply["id"] == "big" and reply["code"] == "resource_exhausted", reply
             assert "memory budget" in reply["error"], reply
+            assert re.search(r"a \d{7,}-byte MQTT request needs", reply["error"]), reply
             client.publish("edged/mem-attack/infer/digits", digits_json("small", reply_to), qos=1)
             answer = orjson.loads(client.get(timeout=20).payload)
             assert answer["id"] == "small" and "outputs" in answer, answer

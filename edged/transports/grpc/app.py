@@ -207,7 +207,7 @@ class GrpcApp:
         async def read_and_handle(requests: Any, context: Any) -> bytes:
             try:
                 hold = self.service.budget.reserve(MESSAGE_COPIES * self.max_receive, "a ModelInfer message "
-                                                   f"(up to {self.max_receive} bytes) about to be read")
+                                                   "(up to %d bytes) about to be read", self.max_receive)
             except EdgedError as e:
                 await context.abort(*self._status(e))
                 raise AssertionError("unreachable: abort raises") from None  # pragma: no cover
@@ -278,7 +278,7 @@ class GrpcApp:
     def _admit(self, data: bytes) -> Reservation:
         """Reserve what an inference message will hold: its bytes and their parsed copy (decoded tensors
         are views of that); refused at once with RESOURCE_EXHAUSTED when the request memory budget is full."""
-        return self.service.budget.reserve(MESSAGE_COPIES * len(data), f"a {len(data)}-byte ModelInfer message")
+        return self.service.budget.reserve(MESSAGE_COPIES * len(data), "a %d-byte ModelInfer message", len(data))
 
     def _status(self, e: EdgedError) -> tuple[Any, str]:
         if e.code is ErrorCode.INTERNAL:

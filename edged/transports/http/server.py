@@ -522,9 +522,9 @@ class HttpConnection(asyncio.Protocol):
             return True
         try:
             if self._hold is None:
-                self._hold = self.state.budget.reserve(grow, f"a {size}-byte request body")
+                self._hold = self.state.budget.reserve(grow, "a %d-byte request body", size)
             else:
-                self._hold.grow(grow, f"a {size}-byte request body")
+                self._hold.grow(grow, "a %d-byte request body", size)
         except EdgedError as e:
             self._release_hold()
             overloaded = e.code is ErrorCode.OVERLOADED

@@ -151,7 +151,7 @@ class RequestIntake:
             )
             return
         try:  # the payload and what is decoded from it (views, or JSON data as arrays), before decoding
-            inc.hold = self.service.budget.reserve(PAYLOAD_COPIES * size, f"a {size}-byte MQTT request")
+            inc.hold = self.service.budget.reserve(PAYLOAD_COPIES * size, "a %d-byte MQTT request", size)
         except EdgedError as e:
             if e.code is ErrorCode.OVERLOADED:
                 self.counts.count("overloaded")
