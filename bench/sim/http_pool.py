@@ -9,10 +9,11 @@ answers with httptools (already a dependency of the daemon).
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
+
+from edged.client.inflight import Inflight
 
 
 class SimHttpError(Exception):
@@ -76,33 +77,8 @@ class HttpPool:
         self.base = parts.path.rstrip("/")
         self.timeout, self.limit = timeout, limit
         self._idle: list[_Conn] = []
-        self._busy = 0
-        self._queue: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._slots = Inflight(limit)  # requests beyond the limit queue in order
         self._host_header = f"{self.host}:{self.port}".encode()
-
-    async def _acquire(self) -> None:
-        if self._busy < self.limit and not self._queue:
-            self._busy += 1
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.append(fut)
-        try:
-            await fut  # the releasing request handed its slot over (self._busy unchanged)
-        except BaseException:
-            if fut.done() and not fut.cancelled():
-                self._release()  # handed over just as we were cancelled: pass it on
-            else:
-                with contextlib.suppress(ValueError):
-                    self._queue.remove(fut)
-            raise
-
-    def _release(self) -> None:
-        while self._queue:
-            fut = self._queue.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
-        self._busy -= 1
 
     async def request(self, method: str, path: str, *, body: bytes | None = None,
                       headers: dict[str, str] | None = None) -> Answer:
@@ -113,13 +89,13 @@ class HttpPool:
             lines.append(b"Content-Type: application/json")
             lines.append(b"Content-Length: %d" % len(body))
         data = b"\r\n".join(lines) + b"\r\n\r\n" + (body or b"")
-        await self._acquire()
+        await self._slots.take()
         try:
             return await asyncio.wait_for(self._send(method, path, data), self.timeout)
         except asyncio.TimeoutError:
             raise SimHttpError(f"{method} {path}: no answer within {self.timeout:g}s") from None
         finally:
-            self._release()
+            self._slots.give()
 
     async def _send(self, method: str, path: str, data: bytes) -> Answer:
         for attempt in (0, 1):

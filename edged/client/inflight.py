@@ -37,7 +37,7 @@ class Inflight:
         self._waiters.append(fut)
         try:
             await fut
-        except asyncio.CancelledError:
+        except BaseException:  # cancelled (or interrupted) while waiting
             if fut.done() and not fut.cancelled():  # the place was ours just before the cancel
                 self.give()
             else:
