@@ -646,10 +646,10 @@ class AsyncShmClient:
             )
         inflight = self._inflight
         assert inflight is not None and self._loop is not None
-        if not inflight.take_now():
-            await inflight.take()
-        prep.running = True
+        prep.running = True  # from here a close() leaves the buffers to this run's end, waiting included
         try:
+            if not inflight.take_now():
+                await inflight.take()
             try:
                 for attempt in range(TRIES):
                     slot = prep.slot

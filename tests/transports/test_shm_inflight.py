@@ -109,3 +109,35 @@ def test_more_calls_than_the_daemon_takes_at_once_all_succeed(
                     assert inflight is not None and inflight.used == 0
 
         asyncio.run(run())
+
+
+def test_a_prepared_request_closed_while_it_waits_for_a_place_runs_then_gives_its_buffers_back(
+        model_repo: Callable[..., Path], tmp_path: Path, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    x, _ = digits_holdout
+    with _serve(model_repo("digits"), tmp_path, limits=Limits(max_inflight=1)) as s:
+        engine = s.service.ready_model("digits").engine
+        assert engine is not None
+        ref = engine.infer({"pixels": x[:2]})["probabilities"]
+
+        async def run() -> tuple[np.ndarray, np.ndarray, int, int]:
+            async with AsyncShmClient(s.socket) as c:
+                base = s.transport.clients()[0]["segments"]
+                a = await c.prepare("digits", {"pixels": (1, 64)})
+                b = await c.prepare("digits", {"pixels": (1, 64)})
+                a.inputs["pixels"][:] = x[:1]
+                b.inputs["pixels"][:] = x[1:2]
+                first = asyncio.ensure_future(a.run(copy=True))
+                second = asyncio.ensure_future(b.run(copy=True))
+                await asyncio.sleep(0)  # sleep-ok: the first is sent, the second waits for the one place
+                inflight = c._inflight
+                assert inflight is not None and inflight.used == 1 and not second.done()
+                await b.close()  # while it waits: its run goes on, its buffers go when it ends
+                out_a, out_b = await asyncio.gather(first, second)
+                await a.close()
+                return out_a["probabilities"][0], out_b["probabilities"][0], base, \
+                    s.transport.clients()[0]["segments"]
+
+        out_a, out_b, base, after = asyncio.run(run())
+        np.testing.assert_allclose(out_a, ref[0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out_b, ref[1], rtol=1e-5, atol=1e-6)
+        assert after == base, f"{after - base} segment(s) of the closed prepared requests still registered"
