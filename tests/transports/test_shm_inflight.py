@@ -53,7 +53,7 @@ def test_a_cancelled_waiter_holds_nothing_and_a_place_handed_to_it_goes_on() -> 
         second = asyncio.ensure_future(lim.take())
         await asyncio.sleep(0)  # sleep-ok: both wait
         first.cancel()  # cancelled while waiting: it had no place
-        await asyncio.sleep(0)  # sleep-ok
+        await asyncio.sleep(0)  # sleep-ok: one turn of the loop, for the cancellation to land
         assert first.cancelled() and lim.used == 1
         lim.give()  # to the second (the first is gone)
         await second
