@@ -23,6 +23,7 @@ from edged.errors import EngineUnavailableError, ModelLoadError
 from edged.repository.manifest import parse_manifest
 from tests.conftest import MODELS
 from tests.fresh import imported_by
+from tests.spying import results_of
 
 DIGITS = MODELS / "digits" / "1"
 
@@ -61,13 +62,7 @@ def test_openvino_copies_inputs_in_and_owned_outputs_out(digits_holdout: tuple[n
     buffers (an HTTP body), no reference kept to the caller's array once it returns (its memory may be
     a client's segment, released then), answers that a later run does not overwrite."""
     x, _ = digits_holdout
-    fed: list[bool] = []
-    feed = openvino_backend._feed
-
-    def spied(*args: Any) -> bool:
-        fed.append(feed(*args))
-        return fed[-1]
-    monkeypatch.setattr(openvino_backend, "_feed", spied)
+    fed = results_of(monkeypatch, openvino_backend, "_feed")
     ort = OnnxRuntimeBackend().load(_request("model.onnx"))
     ov = OpenVinoBackend().load(_request("openvino/model.xml"))
     kept = []

@@ -53,6 +53,7 @@ from tests.mqtt_helpers import (
     publish_properties,
     user_properties,
 )
+from tests.spying import results_of
 
 ORT_CPU = [BackendPreference(backend="onnxruntime", device="CPU", precisions=["fp32"])]
 REPLY = "edged/dev/reply"  # the daemon's default reply namespace ([mqtt] reply_topics) for device "dev"
@@ -217,13 +218,7 @@ def test_a_lone_request_runs_on_pahos_thread_and_a_burst_is_queued(
     # The run-time bound is the scheduler's to judge (tests/device/test_core.py); here a loaded
     # machine's slow digits run must not queue a lone request.
     monkeypatch.setattr("edged.transports.mqtt.intake.LOOP_INLINE_MAX_NS", 10**9)
-    written: list[object] = []
-    publish_now = replies.publish_now
-
-    def spied(*args: Any) -> Any:
-        written.append(publish_now(*args))
-        return written[-1]
-    monkeypatch.setattr(replies, "publish_now", spied)
+    written = results_of(monkeypatch, replies, "publish_now")
     t = transports(broker.url)
     want = digits.expected(digits.x[:40])
     time.sleep(0.15)  # sleep-ok: the scheduler forgets overlapping traffic (earlier tests') after a time
