@@ -392,7 +392,7 @@ class GrpcApp:
     async def _infer(self, msg: InferMessage, context: Any, size: int, *, lone: bool = True) -> bytes:
         """ModelInfer, and each ModelStreamInfer request: the serialized ModelInferResponse; ``size``: the
         message's bytes on the wire; ``lone``: the request may run on the loop if nothing else is in
-        flight (a stream's request only while its stream has shown no pipelining, model_stream_infer)."""
+        flight (a stream's request only when read after every earlier answer was sent, model_stream_infer)."""
         shm = self._shm_view(context)
         if msg.plan is not None:
             decoded = msg.plan.decode(msg.raw)
@@ -439,31 +439,33 @@ class GrpcApp:
         """Each request's answer in order, up to ``stream_inflight`` computed at once.
 
         A client that waits for each answer before it sends the next request (ping-pong) has its lone
-        requests run on the loop as unary ones do: no hand-off to a scheduler thread and back. Once a
-        request is read before the answer to an earlier one of the stream has been sent, the client
-        pipelines, and the stream's requests are queued from then on, where they can be batched together
-        (run on the loop, each would hold it while the next ones wait, and never be batched).
+        requests run on the loop as unary ones do: no hand-off to a scheduler thread and back. A request
+        read before the answer to an earlier one of the stream has been sent is pipelined, and queued,
+        where it can be batched with the others in flight (run on the loop, each would hold it while the
+        next ones wait, and never be batched).
 
         "Sent" is when grpcio asks for the next answer, having written this one: its write completes
         through the same completion queue as the reads, in order. A pipelined request was in grpcio's
         buffer when the read for it began, before the earlier answer was computed, so its read completes
-        first; a ping-pong client sends its next request only after it has the answer, so that read
-        completes after the write. Timing decides neither (grpcio's poller thread may wait for a core)."""
+        first, every time; a ping-pong client sends its next request only after it has the answer, so that
+        read completes after the write. The loop can still resume the reader before grpcio's writer when
+        both completions reach it together (a busy 2-core host, about one request in a hundred), so the
+        judgement is each request's own: one such inversion costs that request a hand-off, not the rest
+        of the stream."""
         # A slot is held from reading a request until its answer is handed to grpcio, so that a slow
         # request at the head cannot let finished answers behind it pile up without bound.
         window = asyncio.Semaphore(self.stream_inflight)
         answers: asyncio.Queue[asyncio.Task[bytes] | None] = asyncio.Queue()
         unanswered = 0
-        pipelined = False
 
         async def read() -> None:
-            nonlocal unanswered, pipelined
+            nonlocal unanswered
             try:
                 async for data in requests:
                     await window.acquire()
-                    pipelined = pipelined or unanswered > 0
+                    lone = unanswered == 0
                     unanswered += 1
-                    answers.put_nowait(asyncio.create_task(self._stream_one(data, context, not pipelined)))
+                    answers.put_nowait(asyncio.create_task(self._stream_one(data, context, lone)))
             finally:
                 answers.put_nowait(None)
 
