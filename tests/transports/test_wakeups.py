@@ -28,7 +28,9 @@ HAND_OFF = 0.1  # a thread woken for one request in ten is on the path, not a ti
 
 @pytest.mark.skipif(shutil.which("mosquitto") is None, reason="mosquitto is not installed (apt-get install mosquitto)")
 def test_a_lone_request_wakes_only_the_thread_that_reads_it(tmp_path: Path) -> None:
-    results = measure(tmp_path, REQUESTS, quick_choice=True)
+    # The digits MLP: its 30 us run stays inside the loop's inline limit on a host however loaded (the
+    # CNN's is handed to its worker, by design, once a busy 2-core host stretches it past 2 ms).
+    results = measure(tmp_path, REQUESTS, quick_choice=True, model="digits")
     assert set(results) == set(READERS)
     seen_reading = []
     for transport, woken in results.items():
