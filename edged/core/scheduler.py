@@ -40,9 +40,6 @@ log = logging.getLogger(__name__)
 _CONCURRENCY_MEMORY_S = 0.1
 # typical_run_ns before any lone run has been seen: longer than any caller will block for.
 _UNKNOWN_RUN_NS = 1 << 62
-# Runs in a row more than twice as slow as expected before the typical figure takes them in full: one
-# alone is the host (the thread preempted mid-run on a busy 2-core VM), not the model.
-_SLOW_RUNS_BELIEVED = 3
 
 
 def _nbytes(inputs: Mapping[str, np.ndarray]) -> int:
@@ -105,7 +102,6 @@ class Scheduler:
         # blocks. A request's run is estimated in proportion to its input bytes (dynamic shapes).
         self.typical_run_ns = _UNKNOWN_RUN_NS
         self._typical_bytes = 1
-        self._slow_runs = 0
         self._workers = [
             threading.Thread(target=self._work, name=f"edged-{name}-v{version}-{i}", daemon=True)
             for i in range(instances)
@@ -224,25 +220,13 @@ class Scheduler:
         return outputs
 
     def _note_run(self, ns: int, nbytes: int) -> None:
-        """Fold one lone request's run into the typical figures (plain stores: readers tolerate stale values).
-
-        A run more than twice as slow as its bytes predict counts as twice, until _SLOW_RUNS_BELIEVED come
-        in a row: otherwise one preempted run lifts the average past an event loop's limit, and the next
-        requests of a model that is fast pay a hand-off to a worker (a wake-up) each until it decays.
-        """
+        """Fold one lone request's run into the typical figures (plain stores: readers tolerate stale values)."""
         typical = self.typical_run_ns
         if typical == _UNKNOWN_RUN_NS:
             self.typical_run_ns, self._typical_bytes = ns, nbytes or 1
         else:  # an eighth of the way towards the new figures, in integers rounded to the nearest
-            b = self._typical_bytes
-            limit = (typical * (nbytes or 1) // b) << 1
-            if ns > limit:
-                self._slow_runs += 1
-                if self._slow_runs < _SLOW_RUNS_BELIEVED:
-                    ns = limit
-            else:
-                self._slow_runs = 0
             self.typical_run_ns = typical + ((ns - typical + 4) >> 3)
+            b = self._typical_bytes
             self._typical_bytes = (b + ((nbytes - b + 4) >> 3)) or 1
 
     @property

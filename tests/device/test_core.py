@@ -471,46 +471,6 @@ class _Gated(Engine):
         return {"y": inputs["x"] * 2}
 
 
-class _Paced(Engine):
-    """Doubles its input after ``delay_s`` (a run's length, set by the test between runs)."""
-
-    backend, device, precision = "paced", "CPU", "fp32"
-    inputs = [EngineTensor("x", "FP32", (-1, 4))]
-    outputs = [EngineTensor("y", "FP32", (-1, 4))]
-    delay_s = 0.001
-
-    def infer(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
-        time.sleep(self.delay_s)  # sleep-ok: the run's length is what the scheduler's estimate is tested on
-        return {"y": inputs["x"] * 2}
-
-
-def test_one_preempted_run_does_not_send_the_next_requests_off_the_loop() -> None:
-    """The typical run decides whether an event loop may run a request itself. One run far slower than
-    the rest (the thread preempted on a busy host) moves it no more than a run twice as long would;
-    the same slowness three times in a row is the model's, and is believed."""
-    engine = _Paced()
-    sched = Scheduler("m", 1, engine, max_batch_size=8, instances=1, stats=ModelStats("m", 1),
-                      batching=Batching(max_queue_delay_us=100))
-    x = np.arange(4, dtype=np.float32).reshape(1, 4)
-    try:
-        for _ in range(12):
-            sched.run_inline(InferRequest("m", {"x": x}), 1)
-        fast = sched.typical_run_ns
-        engine.delay_s = 0.2  # far past twice the typical run
-        sched.run_inline(InferRequest("m", {"x": x}), 1)
-        assert fast < sched.typical_run_ns <= fast + fast // 8 + 1, "one slow run counted as twice the typical"
-        limit = 3 * fast  # an event loop that may block for three typical runs
-        engine.delay_s = 0.001
-        assert isinstance(sched.try_inline(InferRequest("m", {"x": x}), 1, limit), InferResponse)
-        engine.delay_s = 0.2
-        for _ in range(3):
-            sched.run_inline(InferRequest("m", {"x": x}), 1)
-        assert sched.typical_run_ns > 200_000_000 // 8, "three slow runs in a row were not believed"
-        assert sched.try_inline(InferRequest("m", {"x": x}), 1, limit) is None
-    finally:
-        assert sched.drain(10)
-
-
 def test_a_filling_batch_leaves_when_full_not_at_the_delay() -> None:
     """A partial batch waits for the size recent traffic reached and leaves the moment it gets
     there: with a 30 s queue delay, paced requests are combined and none waits for the delay."""
