@@ -471,6 +471,41 @@ class _Gated(Engine):
         return {"y": inputs["x"] * 2}
 
 
+class _Paced(Engine):
+    """Doubles its input after ``delay_s`` (a run's length, set by the test between runs)."""
+
+    backend, device, precision = "paced", "CPU", "fp32"
+    inputs = [EngineTensor("x", "FP32", (-1, 4))]
+    outputs = [EngineTensor("y", "FP32", (-1, 4))]
+    delay_s = 0.001
+
+    def infer(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        time.sleep(self.delay_s)  # sleep-ok: the run's length is what the scheduler's estimate is tested on
+        return {"y": inputs["x"] * 2}
+
+
+def test_one_long_run_keeps_the_next_requests_off_the_loop() -> None:
+    """A model whose runs depend on the values sent, not their size (a loop count, a detector's boxes):
+    after one long run an event loop must not run the next request itself, though the bytes are the
+    same and the runs before were short. Wall time cannot tell a long run from a preempted short one,
+    and blocking the loop for the long one is the worse mistake: every run counts in full."""
+    engine = _Paced()
+    sched = Scheduler("m", 1, engine, max_batch_size=8, instances=1, stats=ModelStats("m", 1),
+                      batching=Batching(max_queue_delay_us=100))
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    try:
+        for _ in range(12):
+            sched.run_inline(InferRequest("m", {"x": x}), 1)
+        limit = 3 * sched.typical_run_ns  # an event loop that may block for three typical runs
+        assert isinstance(sched.try_inline(InferRequest("m", {"x": x}), 1, limit), InferResponse)
+        engine.delay_s = 0.2
+        sched.run_inline(InferRequest("m", {"x": x}), 1)
+        engine.delay_s = 0.001
+        assert sched.try_inline(InferRequest("m", {"x": x}), 1, limit) is None
+    finally:
+        assert sched.drain(10)
+
+
 def test_a_filling_batch_leaves_when_full_not_at_the_delay() -> None:
     """A partial batch waits for the size recent traffic reached and leaves the moment it gets
     there: with a 30 s queue delay, paced requests are combined and none waits for the delay."""
