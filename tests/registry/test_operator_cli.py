@@ -23,6 +23,7 @@ from tests.http_client import web
 from tests.polling import wait_until
 from tests.registry.conftest import Env, registry_env
 from tests.registry_helpers import make_version
+from tests.rollout_helpers import send_as_a_device
 
 LONG_REASON = ("trial failed: error rate 0.31 over 600 requests is above the 0.05 allowed; the last error was "
                "INVALID_ARGUMENT input 'pixels' expects shape [64] and got [63] from the camera pipeline at "
@@ -54,7 +55,7 @@ class Device:
     def report(self, model: str, step: str, version: int, release: int, *, reason: str | None = None,
                detail: dict[str, Any] | None = None) -> None:
         self.seq += 1
-        r = web().post(f"{self.env.url}/api/v1/device/reports", headers=self.h, json={"events": [
+        r = send_as_a_device("POST", f"{self.env.url}/api/v1/device/reports", self.h, {"events": [
             {"seq": self.seq, "model": model, "step": step, "version": version, "release": release,
              "reason": reason, "detail": detail or {}, "at": time.time()}]})
         assert r.status_code == 200, r.text
@@ -73,7 +74,7 @@ class Device:
         counts[slow] += ok // 20
         counts[fast] += ok - ok // 20
         self.tseq += 1
-        r = web().post(f"{self.env.url}{INGEST_PATH}", headers=self.h, json={"buffer_id": f"buf-{self.id}", "items": [
+        r = send_as_a_device("POST", f"{self.env.url}{INGEST_PATH}", self.h, {"buffer_id": f"buf-{self.id}", "items": [
             {"device": self.id, "seq": self.tseq, "run": "run1", "t": time.time(), "window_s": 60.0,
              "uptime_s": 100.0, "profile": "x86-64-cpu",
              "models": [{"model": model, "version": version, "backend": ENGINE, "success": ok,

@@ -23,6 +23,7 @@ from edged.registry.targets import RolloutTarget
 from tests.http_client import web
 from tests.registry.conftest import Env, registry_env
 from tests.registry_helpers import ADMIN_TOKEN, RegistryServer, make_version
+from tests.rollout_helpers import send_as_a_device
 
 _n = itertools.count(1)
 
@@ -305,7 +306,7 @@ def test_access_control(env: Env, model: str) -> None:
     assert web().get(f"{env.url}/api/v1/blobs/{v2['labels.txt']}").status_code == 401
     assert web().get(f"{env.url}/api/v1/blobs/{v2['labels.txt']}", headers=env.admin()).status_code == 200
     # and its reports land on itself only: there is no device id in the path to forge
-    r = web().post(f"{env.url}/api/v1/device/reports", headers=dev_h, json={"events": [
+    r = send_as_a_device("POST", f"{env.url}/api/v1/device/reports", dev_h, {"events": [
         {"seq": 1, "model": model, "step": "committed", "version": 1, "release": 1, "at": 0}]})
     assert r.json() == {"accepted": 1}
     with env.server.client() as c:
@@ -393,8 +394,8 @@ def test_reports_are_idempotent_and_summarised(env: Env, model: str) -> None:
     creds = [enroll(env, f"{model}-{i}") for i in range(3)]
 
     def report(cred: str, events: list[dict[str, Any]]) -> int:
-        r = web().post(f"{env.url}/api/v1/device/reports", headers={"Authorization": f"Bearer {cred}"},
-                       json={"events": events})
+        r = send_as_a_device("POST", f"{env.url}/api/v1/device/reports", {"Authorization": f"Bearer {cred}"},
+                             {"events": events})
         assert r.status_code == 200, r.text
         return int(r.json()["accepted"])
 
@@ -414,8 +415,8 @@ def test_reports_are_idempotent_and_summarised(env: Env, model: str) -> None:
         d = c.device(f"{model}-1")
         assert d.models[0].reason == "golden check failed"
         assert [e.step for e in d.events] == ["downloading", "rolled-back"]
-    bad = web().post(f"{env.url}/api/v1/device/reports", headers={"Authorization": f"Bearer {creds[0]}"},
-                     json={"events": [{**ev(9, "committed"), "step": "hacked"}]})
+    bad = send_as_a_device("POST", f"{env.url}/api/v1/device/reports", {"Authorization": f"Bearer {creds[0]}"},
+                           {"events": [{**ev(9, "committed"), "step": "hacked"}]})
     assert bad.status_code == 422
 
 

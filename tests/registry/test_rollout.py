@@ -25,7 +25,7 @@ from edged.registry.targets import Membership, Ramp, RolloutTarget, percent_cuto
 from tests.http_client import web
 from tests.registry.conftest import Env, registry_env
 from tests.registry_helpers import ADMIN_TOKEN, make_version, wait_for, write_evaluation_set
-from tests.rollout_helpers import ApiDevice
+from tests.rollout_helpers import ApiDevice, send_as_a_device
 
 _n = itertools.count(1)
 
@@ -640,7 +640,7 @@ def test_a_failed_reports_log_lines_are_bounded_stored_and_shown_escaped(env: En
         assert "logs" in r.text
     lines = ["2026-12-06T05:00:00Z WARNING edged.core: <script>alert(1)</script> did not load", "é" * 256]
     dev.report(m, "failed", f.r1, 1, "prepare failed", logs=lines)
-    r = web().post(f"{env.url}/api/v1/device/reports", headers=dev.auth, json={"events": [  # free-form detail
+    r = send_as_a_device("POST", f"{env.url}/api/v1/device/reports", dev.auth, {"events": [  # free-form detail
         {"seq": dev.seq + 1, "model": m, "step": "failed", "release": f.r1, "detail": {"logs": ["forged"]},
          "at": time.time()}]})
     assert r.status_code == 200, r.text

@@ -140,14 +140,14 @@ def test_cli_output_to_a_closed_pipe_ends_quietly_and_no_latency_is_shown_withou
     import sys
     import time
 
-    from tests.http_client import web
+    from tests.rollout_helpers import send_as_a_device
 
     f = make_fleet(env, plain(1))
     m = f.model
     ro = f.rollout(2, [StepSpec(percent=100)], Gates(min_reporting=1))
     dev = next(iter(f.devices.values()))
     # A device that committed without a single request in its trial (an older edged sent p99_ms 0.0 then).
-    r = web().post(f"{env.url}/api/v1/device/reports", headers=dev.auth, json={"events": [
+    r = send_as_a_device("POST", f"{env.url}/api/v1/device/reports", dev.auth, {"events": [
         {"seq": 1, "model": m, "step": "committed", "version": 2, "release": ro.release, "at": time.time(),
          "detail": {"requests": 0, "errors": 0, "p99_ms": 0.0}}]})
     assert r.status_code == 200, r.text
