@@ -40,10 +40,11 @@ log = logging.getLogger(__name__)
 _CONCURRENCY_MEMORY_S = 0.1
 # typical_run_ns before any lone run has been seen: longer than any caller will block for.
 _UNKNOWN_RUN_NS = 1 << 62
-# A run this long keeps an event loop from running the model's requests itself for _LONG_RUN_MEMORY_NS,
-# whatever its average: a model whose run length depends on the values sent (a loop count, a detector's
-# boxes) averages its short runs back under the loop's limit within some 40 runs, and its next long
-# request would then hold the loop (and every transport on it, and the watchdog) for as long.
+# A run this long, for a request of the usual bytes, keeps an event loop from running the model's
+# requests itself for _LONG_RUN_MEMORY_NS, whatever its average: a model whose run length depends on
+# the values sent (a loop count, a detector's boxes) averages its short runs back under the loop's
+# limit within some 40 runs, and its next long request would then hold the loop (and every transport
+# on it, and the watchdog) for as long.
 _LONG_RUN_NS = 50_000_000
 _LONG_RUN_MEMORY_NS = 600 * 10**9
 
@@ -231,7 +232,8 @@ class Scheduler:
 
     def _note_run(self, ns: int, nbytes: int) -> None:
         """Fold one lone request's run into the typical figures (plain stores: readers tolerate stale values)."""
-        if ns > _LONG_RUN_NS:
+        if ns > _LONG_RUN_NS and ns * self._typical_bytes > _LONG_RUN_NS * (nbytes or 1):
+            # long for its bytes (a request of many rows may take longer: its run is scaled as it comes)
             self._long_until_ns = time.monotonic_ns() + _LONG_RUN_MEMORY_NS
         typical = self.typical_run_ns
         if typical == _UNKNOWN_RUN_NS:

@@ -488,8 +488,9 @@ class _Paced(Engine):
 def test_one_long_run_keeps_the_next_requests_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     """A model whose runs depend on the values sent, not their size (a loop count, a detector's boxes):
     after one long run an event loop must not run the next request itself, though the bytes are the
-    same and the runs before were short. Wall time cannot tell a long run from a preempted short one,
-    and blocking the loop for the long one is the worse mistake: every run counts in full."""
+    same and the runs before were short (a long run of many rows is no such sign). Wall time cannot tell
+    a long run from a preempted short one, and blocking the loop for the long one is the worse mistake:
+    every run counts in full, and one over 50 ms is remembered for minutes."""
     engine = _Paced()
     sched = Scheduler("m", 1, engine, max_batch_size=8, instances=1, stats=ModelStats("m", 1),
                       batching=Batching(max_queue_delay_us=100))
@@ -498,6 +499,14 @@ def test_one_long_run_keeps_the_next_requests_off_the_loop(monkeypatch: pytest.M
         for _ in range(12):
             sched.run_inline(InferRequest("m", {"x": x}), 1)
         limit = 3 * sched.typical_run_ns  # an event loop that may block for three typical runs
+        assert isinstance(sched.try_inline(InferRequest("m", {"x": x}), 1, limit), InferResponse)
+        # A request of eight rows may take long: its run is expected in proportion to its bytes, and
+        # once the average is back the loop runs lone rows again.
+        engine.delay_s = 0.2
+        sched.run_inline(InferRequest("m", {"x": np.tile(x, (8, 1))}), 8)
+        engine.delay_s = 0.001
+        for _ in range(60):
+            sched.run_inline(InferRequest("m", {"x": x}), 1)
         assert isinstance(sched.try_inline(InferRequest("m", {"x": x}), 1, limit), InferResponse)
         engine.delay_s = 0.2
         sched.run_inline(InferRequest("m", {"x": x}), 1)
