@@ -40,13 +40,6 @@ log = logging.getLogger(__name__)
 _CONCURRENCY_MEMORY_S = 0.1
 # typical_run_ns before any lone run has been seen: longer than any caller will block for.
 _UNKNOWN_RUN_NS = 1 << 62
-# A run this long, for a request of the usual bytes, keeps an event loop from running the model's
-# requests itself for _LONG_RUN_MEMORY_NS, whatever its average: a model whose run length depends on
-# the values sent (a loop count, a detector's boxes) averages its short runs back under the loop's
-# limit within some 40 runs, and its next long request would then hold the loop (and every transport
-# on it, and the watchdog) for as long.
-_LONG_RUN_NS = 50_000_000
-_LONG_RUN_MEMORY_NS = 600 * 10**9
 
 
 def _nbytes(inputs: Mapping[str, np.ndarray]) -> int:
@@ -109,7 +102,6 @@ class Scheduler:
         # blocks. A request's run is estimated in proportion to its input bytes (dynamic shapes).
         self.typical_run_ns = _UNKNOWN_RUN_NS
         self._typical_bytes = 1
-        self._long_until_ns = 0  # monotonic ns until which the loop leaves this model alone (0: no long run seen)
         self._workers = [
             threading.Thread(target=self._work, name=f"edged-{name}-v{version}-{i}", daemon=True)
             for i in range(instances)
@@ -147,9 +139,8 @@ class Scheduler:
         return self._run_claimed(req, batch, _nbytes(req.inputs))
 
     def try_inline(self, req: InferRequest, batch: int, max_run_ns: int | None) -> InferResponse | None:
-        """Run on the caller's thread if the model is idle and its runs take at most ``max_run_ns`` (on
-        average, and none has taken _LONG_RUN_NS lately) (None: however long; a thread that reads
-        requests and may block for a run, not for a queue).
+        """Run on the caller's thread if the model is idle and its runs take at most ``max_run_ns``
+        (None: however long; a thread that reads requests and may block for a run, not for a queue).
 
         None: the caller queues it (``submit``). For an event loop, which may block for a
         short run but must never wait for a queue or a long one, nor for an engine restoring itself.
@@ -160,8 +151,6 @@ class Scheduler:
         if max_run_ns is not None:
             typical = self.typical_run_ns
             if typical > max_run_ns or nbytes * typical > max_run_ns * self._typical_bytes:
-                return None
-            if self._long_until_ns and time.monotonic_ns() < self._long_until_ns:
                 return None
         if not self._claim():
             return None
@@ -232,9 +221,6 @@ class Scheduler:
 
     def _note_run(self, ns: int, nbytes: int) -> None:
         """Fold one lone request's run into the typical figures (plain stores: readers tolerate stale values)."""
-        if ns > _LONG_RUN_NS and ns * self._typical_bytes > _LONG_RUN_NS * (nbytes or 1):
-            # long for its bytes (a request of many rows may take longer: its run is scaled as it comes)
-            self._long_until_ns = time.monotonic_ns() + _LONG_RUN_MEMORY_NS
         typical = self.typical_run_ns
         if typical == _UNKNOWN_RUN_NS:
             self.typical_run_ns, self._typical_bytes = ns, nbytes or 1
