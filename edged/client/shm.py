@@ -427,6 +427,7 @@ class AsyncShmClient:
         self._late: dict[int, Callable[[], None]] = {}
         self._inflight: Inflight | None = None
         self._info_locks: dict[Key, asyncio.Lock] = {}
+        self._room: asyncio.Future[None] | None = None  # set when the full socket has room again
 
     async def connect(self) -> AsyncShmClient:
         loop = asyncio.get_running_loop()
@@ -486,6 +487,10 @@ class AsyncShmClient:
         if self._sock is not None and self._loop is not None:
             with contextlib.suppress(Exception):
                 self._loop.remove_reader(self._sock.fileno())
+            with contextlib.suppress(Exception):
+                self._loop.remove_writer(self._sock.fileno())
+        if self._room is not None:
+            _wake(self._room)  # its waiters find the client closed
         pending, self._pending = self._pending, {}
         for fut in pending.values():
             if not fut.done():
@@ -501,7 +506,7 @@ class AsyncShmClient:
         return await arun(op, self._call)
 
     def _send_now(self, msg: bytes | bytearray, fd: int) -> bool:
-        """Send without waiting: False when the socket's buffer is full (then ``await _send``)."""
+        """Send without waiting: False when the socket's buffer is full (then ``await _send_when_room``)."""
         sock = self._sock
         assert sock is not None
         try:
@@ -515,17 +520,32 @@ class AsyncShmClient:
         except OSError as e:
             raise link_error(e) from None
 
-    async def _send(self, msg: bytes | bytearray, fd: int) -> None:
-        """Send, waiting for room in the socket's buffer as long as it is full."""
-        sock, loop = self._sock, self._loop
-        assert sock is not None and loop is not None
-        while not self._send_now(msg, fd):
-            ready: asyncio.Future[None] = loop.create_future()
-            loop.add_writer(sock.fileno(), _wake, ready)
-            try:
-                await ready
-            finally:
-                loop.remove_writer(sock.fileno())
+    async def _send_when_room(self, msg: bytes | bytearray, fd: int) -> None:
+        """After ``_send_now`` found the socket's buffer full: wait for room, send, again while it is full.
+
+        Every sender that found it full waits on one future: the loop keeps one writer callback per
+        socket, so a callback each would leave all but the last registered waiting for ever."""
+        while True:
+            await asyncio.shield(self._room_again())  # one waiter cancelled: the others still wait
+            if self._core.closed:
+                raise not_open_error()
+            if self._send_now(msg, fd):
+                return
+
+    def _room_again(self) -> asyncio.Future[None]:
+        """The future set when the socket can take a message again (one, shared by every waiting sender)."""
+        room = self._room
+        if room is None or room.done():
+            sock, loop = self._sock, self._loop
+            assert sock is not None and loop is not None
+            room = self._room = loop.create_future()
+            fileno = sock.fileno()
+
+            def writable() -> None:
+                loop.remove_writer(fileno)
+                _wake(room)
+            loop.add_writer(fileno, writable)
+        return room
 
     async def _unregister(self, seg: ClientSegment) -> None:
         await self._run(self._core.unregister(seg))
@@ -703,7 +723,7 @@ class AsyncShmClient:
         self._pending[rid] = fut
         try:
             if not self._send_now(msg, fd):
-                await self._send(msg, fd)
+                await self._send_when_room(msg, fd)
         except BaseException:
             self._pending.pop(rid, None)
             raise

@@ -4,14 +4,20 @@ whose per-connection limit is far below what the caller starts at once."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from edged.client.inflight import Inflight
 from edged.client.shm import AsyncShmClient
+from edged.errors import EdgedError
 from edged.transports.shm.conn import Limits
+from tests.http_helpers import held_engine
+from tests.spying import results_of
 from tests.transports.test_shm import _serve
 
 
@@ -141,3 +147,51 @@ def test_a_prepared_request_closed_while_it_waits_for_a_place_runs_then_gives_it
         np.testing.assert_allclose(out_a, ref[0], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(out_b, ref[1], rtol=1e-5, atol=1e-6)
         assert after == base, f"{after - base} segment(s) of the closed prepared requests still registered"
+
+
+def test_requests_sent_while_the_socket_is_full_wait_for_room_and_are_all_answered(
+        model_repo: Callable[..., Path], tmp_path: Path, digits_holdout: tuple[np.ndarray, np.ndarray],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon's connection thread is held in a run, so it reads nothing more; the client's socket buffer
+    (made as small as the kernel allows) fills with the requests behind it. Each waits for room and is
+    sent: every answer comes back, right; and closed meanwhile, every waiting call fails, none hangs."""
+    x, _ = digits_holdout
+    with _serve(model_repo("digits"), tmp_path) as s:
+        engine = s.service.ready_model("digits").engine
+        assert engine is not None
+        ref = engine.infer({"pixels": x[:48]})["probabilities"]
+
+        async def run() -> list[np.ndarray]:
+            async with AsyncShmClient(s.socket) as c:
+                assert c._sock is not None
+                c._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1)
+                sent = results_of(monkeypatch, c, "_send_now")
+                with held_engine(s.service, "digits") as entered:
+                    # Alone on an idle model, the first runs on the connection's thread, which then reads no more.
+                    calls = [asyncio.ensure_future(c.infer("digits", {"pixels": x[:1]}))]
+                    assert await asyncio.to_thread(entered.wait, 30), "the first request never reached the engine"
+                    calls += [asyncio.ensure_future(c.infer("digits", {"pixels": x[i:i + 1]})) for i in range(1, 48)]
+                    deadline = time.monotonic() + 30
+                    while False not in sent:  # the requests behind the held one fill the buffer
+                        assert time.monotonic() < deadline, "the socket's buffer never filled"
+                        await asyncio.sleep(0.01)
+                # Dozens of senders wait for room at once; each must be woken (the loop keeps one writer
+                # callback per socket: one each left all but the last waiting for ever).
+                answers = await asyncio.wait_for(asyncio.gather(*calls), 30)
+                # Closed while senders wait for room: each fails at once with the client's error.
+                sent.clear()
+                with held_engine(s.service, "digits") as entered:
+                    calls = [asyncio.ensure_future(c.infer("digits", {"pixels": x[:1]}))]
+                    assert await asyncio.to_thread(entered.wait, 30), "the first request never reached the engine"
+                    calls += [asyncio.ensure_future(c.infer("digits", {"pixels": x[i:i + 1]})) for i in range(1, 48)]
+                    deadline = time.monotonic() + 30
+                    while sent.count(False) < 20:  # no room comes while the thread is held: one refusal a sender
+                        assert time.monotonic() < deadline, f"{sent.count(False)} senders wait for room, not 20"
+                        await asyncio.sleep(0.01)
+                    await c.close()
+                    failed = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 30)
+                assert all(isinstance(f, EdgedError) for f in failed), failed
+                return [a["probabilities"][0] for a in answers]
+
+        answers = asyncio.run(run())
+        np.testing.assert_allclose(np.stack(answers), ref, rtol=1e-5, atol=1e-6)
