@@ -218,13 +218,19 @@ def daemon_with_everything(tmp: Path, *, quick_choice: bool = False, processes: 
         broker.stop()
 
 
-def measure(tmp: Path, n: int, *, quick_choice: bool = False, processes: int = 0, model: str = MODEL
+def measure(tmp: Path, n: int, *, quick_choice: bool = False, processes: int = 0, model: str = MODEL,
+            again: Callable[[str, list[Woken]], bool] | None = None, attempts: int = 3
             ) -> dict[str, list[Woken]]:
     """Per transport, the daemon's Python threads that slept during n lone requests of ``model``.
 
     A model whose runs are longer than an event loop may block for (v2_ops.LOOP_INLINE_MAX_NS: the
     CNN's on a loaded 2-core host) is handed to its worker thread by design: the digits MLP, a 30 us
-    run, stays far inside it however busy the host."""
+    run, stays far inside it however busy the host.
+
+    ``again(transport, woken)``: True when a count looks like a hand-off; the transport is counted
+    again, up to ``attempts`` times in all, and its fewest wake-ups are kept. A hand-off on the path
+    wakes its thread in every count; a host's noise (another tenant's burst stretching a timer's wait
+    for the GIL) does not repeat on cue."""
     from bench.bench_mqtt import Driver, binary_request
     from edged.client.grpc import GrpcClient
     from edged.client.http import HttpClient
@@ -247,10 +253,21 @@ def measure(tmp: Path, n: int, *, quick_choice: bool = False, processes: int = 0
             # The clients' threads: this one and paho's for the MQTT driver; every other is the daemon's.
             skip = {tid for tid, (name, _) in switches().items() if "bench-driver" in name}
             skip.add(threading.get_native_id())
+
+            def judged(transport: str, send: Callable[[], object], skip: set[int]) -> None:
+                kept: list[Woken] | None = None
+                for _ in range(max(1, attempts)):
+                    woken = count(send, n, skip)
+                    if kept is None or _most(woken) < _most(kept):
+                        kept = woken
+                    if again is None or not again(transport, woken):
+                        break
+                assert kept is not None
+                results[transport] = kept
             try:
-                results["shm"] = count(lambda: shm.infer(model, {name: x1}), n, skip)
-                results["http"] = count(lambda: http.infer(model, {name: x1}), n, skip)
-                results["grpc"] = count(lambda: grpc.infer(model, {name: x1}), n, skip)
+                judged("shm", lambda: shm.infer(model, {name: x1}), skip)
+                judged("http", lambda: http.infer(model, {name: x1}), skip)
+                judged("grpc", lambda: grpc.infer(model, {name: x1}), skip)
                 # A stream's client feeds its requests from a thread of its own: the threads that appear
                 # with the stream are the client's.
                 known = set(switches())
@@ -258,10 +275,10 @@ def measure(tmp: Path, n: int, *, quick_choice: bool = False, processes: int = 0
                 stream.infer(model, {name: x1})
                 stream_skip = skip | (set(switches()) - known)
                 try:
-                    results["grpc stream"] = count(lambda: stream.infer(model, {name: x1}), n, stream_skip)
+                    judged("grpc stream", lambda: stream.infer(model, {name: x1}), stream_skip)
                 finally:
                     stream.close()
-                results["mqtt"] = count(lambda: driver.run(topic, payload, users, concurrency=1, n=1), n, skip)
+                judged("mqtt", lambda: driver.run(topic, payload, users, concurrency=1, n=1), skip)
             finally:
                 shm.close()
                 http.close()
@@ -270,6 +287,11 @@ def measure(tmp: Path, n: int, *, quick_choice: bool = False, processes: int = 0
                 driver.c.loop_stop()
         d.serve(work)
     return results
+
+
+def _most(woken: list[Woken]) -> float:
+    """The wake-ups per request of all threads together: the count with fewer is the cleaner one."""
+    return sum(w.per_request for w in woken)
 
 
 def main() -> None:

@@ -30,19 +30,31 @@ HAND_OFF = 0.1  # a thread woken for one request in ten is on the path, not a ti
 def test_a_lone_request_wakes_only_the_thread_that_reads_it(tmp_path: Path) -> None:
     # The digits MLP: its 30 us run stays inside the loop's inline limit on a host however loaded (the
     # CNN's is handed to its worker, by design, once a busy 2-core host stretches it past 2 ms).
-    results = measure(tmp_path, REQUESTS, quick_choice=True, model="digits")
+    # A transport whose count shows a hand-off is counted again (up to 3 times): a hand-off on the path
+    # shows in every count (LOOP_INLINE_MAX_NS = 0: HTTP 1.5 per request, the best of 3), while a loaded CI
+    # host's burst once stretched the MQTT run's timer wake-ups of the event loop to 0.29 per request.
+    results = measure(tmp_path, REQUESTS, quick_choice=True, model="digits",
+                      again=lambda transport, woken: bool(_others(transport, woken)))
     assert set(results) == set(READERS)
     seen_reading = []
     for transport, woken in results.items():
-        readers = [w for w in woken if any(w.name.startswith(r) or w.name.endswith(r) for r in READERS[transport])]
-        others = [w for w in woken if w not in readers and w.per_request >= HAND_OFF]
+        others = _others(transport, woken)
         assert not others, f"{transport}: a lone request wakes {_names(others)} besides its reader"
-        if readers:
+        if len(_readers(transport, woken)):
             seen_reading.append(transport)
     # A reader need not sleep: the client's next request can be there before it reads again (seen on
     # shm, 1 run in 5 here, when the client woken by a reply ran on the reader's CPU first). The counts
     # are read at all when some transport's reader was seen sleeping.
     assert seen_reading, f"no reader thread slept on any transport: {results}"
+
+
+def _readers(transport: str, woken: list[Woken]) -> list[Woken]:
+    return [w for w in woken if any(w.name.startswith(r) or w.name.endswith(r) for r in READERS[transport])]
+
+
+def _others(transport: str, woken: list[Woken]) -> list[Woken]:
+    readers = _readers(transport, woken)
+    return [w for w in woken if w not in readers and w.per_request >= HAND_OFF]
 
 
 def _names(woken: list[Woken]) -> str:
