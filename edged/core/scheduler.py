@@ -40,6 +40,12 @@ log = logging.getLogger(__name__)
 _CONCURRENCY_MEMORY_S = 0.1
 # typical_run_ns before any lone run has been seen: longer than any caller will block for.
 _UNKNOWN_RUN_NS = 1 << 62
+# A lone run this long (for the typical input bytes) is a strike against running the model on an event
+# loop; a second strike within _STRIKE_MEMORY_S keeps it off the loop for that long after each strike.
+# One strike alone is forgiven: a process stalled by its host (a 30 us run once took 50 ms on a loaded
+# CI machine) looks the same, and the moving average already keeps the next requests off the loop.
+_LONG_RUN_NS = 50_000_000
+_STRIKE_MEMORY_S = 600.0
 
 
 def _nbytes(inputs: Mapping[str, np.ndarray]) -> int:
@@ -102,6 +108,11 @@ class Scheduler:
         # blocks. A request's run is estimated in proportion to its input bytes (dynamic shapes).
         self.typical_run_ns = _UNKNOWN_RUN_NS
         self._typical_bytes = 1
+        # A model whose run length depends on the values sent (a loop count, a detector's boxes) comes
+        # back under the average's limit after ~40 short runs and would block the loop again at its
+        # next long one: the last long run's time, and until when the loop keeps off (0.0: it does not).
+        self._last_long_s = float("-inf")
+        self._off_loop_until = 0.0
         self._workers = [
             threading.Thread(target=self._work, name=f"edged-{name}-v{version}-{i}", daemon=True)
             for i in range(instances)
@@ -152,6 +163,10 @@ class Scheduler:
             typical = self.typical_run_ns
             if typical > max_run_ns or nbytes * typical > max_run_ns * self._typical_bytes:
                 return None
+            if self._off_loop_until:
+                if time.monotonic() < self._off_loop_until:
+                    return None
+                self._off_loop_until = 0.0  # served its time: the average alone decides again
         if not self._claim():
             return None
         return self._run_claimed(req, batch, nbytes)
@@ -228,6 +243,20 @@ class Scheduler:
             self.typical_run_ns = typical + ((ns - typical + 4) >> 3)
             b = self._typical_bytes
             self._typical_bytes = (b + ((nbytes - b + 4) >> 3)) or 1
+        if ns > _LONG_RUN_NS and ns * self._typical_bytes > _LONG_RUN_NS * (nbytes or 1):
+            self._strike()
+
+    def _strike(self) -> None:
+        """A lone run far longer than any loop may block for, its input bytes as usual: the second
+        within the memory keeps event loops off the model (a thread of its own may still run it)."""
+        now = time.monotonic()
+        if now - self._last_long_s < _STRIKE_MEMORY_S:
+            if now >= self._off_loop_until:
+                log.info("model %r version %s: a second run over %d ms within %d min; event loops hand its "
+                         "requests to its worker for the next %d min", self.name, self.version,
+                         _LONG_RUN_NS // 1_000_000, _STRIKE_MEMORY_S // 60, _STRIKE_MEMORY_S // 60)
+            self._off_loop_until = now + _STRIKE_MEMORY_S
+        self._last_long_s = now
 
     @property
     def instances(self) -> int:

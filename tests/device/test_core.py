@@ -506,6 +506,50 @@ def test_one_long_run_keeps_the_next_requests_off_the_loop() -> None:
         assert sched.drain(10)
 
 
+def test_a_second_long_run_keeps_event_loops_off_the_model_after_its_average_recovers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The moving average forgets a long run after ~40 short ones, and a model whose runs depend on the
+    values sent would then block the loop at its next long one. One long run is forgiven (a process
+    stalled by its host looks the same); a second within the memory keeps event loops off the model
+    for the memory's length, while a thread of its own may still run it."""
+    import edged.core.scheduler as scheduler_module
+
+    # Long runs of 0.4 s against a 0.3 s bar: a stall of a loaded CI host does not reach it by chance.
+    monkeypatch.setattr(scheduler_module, "_LONG_RUN_NS", 300_000_000)
+    monkeypatch.setattr(scheduler_module, "_STRIKE_MEMORY_S", 3.0)
+    engine = _Paced()
+    sched = Scheduler("m", 1, engine, max_batch_size=8, instances=1, stats=ModelStats("m", 1),
+                      batching=Batching(max_queue_delay_us=100))
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+
+    def request() -> InferRequest:
+        return InferRequest("m", {"x": x})
+
+    def long_run_then_recover(limit: int) -> None:
+        engine.delay_s = 0.4
+        sched.run_inline(request(), 1)
+        engine.delay_s = 0.001
+        for _ in range(200):  # short runs until the average is back under the loop's limit
+            if sched.typical_run_ns <= limit // 2:
+                return
+            sched.run_inline(request(), 1)
+        raise AssertionError(f"the average did not recover: {sched.typical_run_ns} ns")
+
+    try:
+        for _ in range(12):
+            sched.run_inline(request(), 1)
+        limit = 3 * sched.typical_run_ns  # an event loop that may block for three typical runs
+        long_run_then_recover(limit)
+        assert isinstance(sched.try_inline(request(), 1, limit), InferResponse), "one long run is forgiven"
+        long_run_then_recover(limit)
+        assert sched.try_inline(request(), 1, limit) is None, "a second long run keeps the loop off"
+        assert isinstance(sched.try_inline(request(), 1, None), InferResponse), "a thread may still run it"
+        back = wait_until(lambda: sched.try_inline(request(), 1, limit), 10, what="the memory to expire")
+        assert isinstance(back, InferResponse)
+    finally:
+        assert sched.drain(10)
+
+
 def test_a_filling_batch_leaves_when_full_not_at_the_delay() -> None:
     """A partial batch waits for the size recent traffic reached and leaves the moment it gets
     there: with a 30 s queue delay, paced requests are combined and none waits for the delay."""
