@@ -110,6 +110,43 @@ def test_a_partial_write_leaves_the_rest_to_paho_in_order(link: tuple[socket.soc
     assert info.is_published() and not client._out_packet
 
 
+def test_a_packet_another_thread_queues_during_a_partial_write_goes_after_its_rest(
+        link: tuple[socket.socket, socket.socket]) -> None:
+    """A scheduler thread may publish (queue a packet) between the partial send and the rest being
+    queued: the rest must still leave first, or that packet lands inside our PUBLISH on the wire and
+    the broker drops the connection (found by review: 4 corrupt replies in 85, mosquitto "malformed
+    packet")."""
+    ours, broker = link
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    client = _client(mqtt.MQTTv5)
+    payload = bytes(range(256)) * 8192
+    props = publish_properties(correlation=b"abc")
+    _on_network_thread(client, ours)
+    want = _paho_bytes(client, payload, props)
+    theirs = b"\x30\x05\x00\x01tabc"  # another reply, queued by paho's publish() on its caller's thread
+    mid_generate = client._mid_generate
+
+    def another_thread_publishes_meanwhile() -> int:
+        t = threading.Thread(target=client._packet_queue, args=(0x30, theirs, 0, 0, mqtt.MQTTMessageInfo(0)))
+        t.start()
+        t.join()
+        return mid_generate()
+    client._mid_generate = another_thread_publishes_meanwhile  # type: ignore[method-assign]  # the window
+    info = publish_now(client, TOPIC, payload, props)
+    assert isinstance(info, mqtt.MQTTMessageInfo)
+    assert len(client._out_packet) == 2
+
+    got = bytearray()
+    broker.setblocking(False)
+    while len(got) < len(want) + len(theirs):
+        client._packet_write()
+        try:
+            got += broker.recv(1 << 20)
+        except BlockingIOError:
+            pass
+    assert bytes(got) == want + theirs
+
+
 def test_nothing_is_written_off_the_network_thread_or_behind_a_queue(
         link: tuple[socket.socket, socket.socket]) -> None:
     ours, broker = link

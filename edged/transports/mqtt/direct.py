@@ -7,8 +7,8 @@ code and properties to call ``on_publish``. On the reply path that took about 30
 ``publish()`` alone (docs/benchmarks.md, issue 41). In threaded mode only paho's thread writes to
 its socket, so when this is that thread, nothing is queued before the reply and the socket is plain
 TCP, the PUBLISH is built here (the bytes paho would send) and written at once. What the kernel
-does not take is queued in paho as a packet of its own, which paho finishes before anything queued
-after it. In every other case nothing is written and the caller publishes as before.
+does not take is queued in paho as a packet of its own, ahead of anything another thread queued
+meanwhile, so paho finishes it first. In every other case nothing is written and the caller publishes as before.
 """
 
 from __future__ import annotations
@@ -73,7 +73,10 @@ def publish_now(client: Any, topic: str, payload: bytes, properties: Any) -> Wri
     rest = (whole if whole is not None else head + payload)[sent:]
     mid = client._mid_generate()
     info = mqtt.MQTTMessageInfo(mid)
-    queued.append({"command": _PUBLISH_QOS0, "mid": mid, "qos": 0, "pos": 0, "to_process": len(rest),
-                   "packet": rest, "info": info})
+    # At the front: another thread's publish() may have queued a packet since the queue was seen empty,
+    # and a packet written before our rest would land inside our PUBLISH on the wire. Only paho's thread
+    # (this one) takes from the front, so the rest is what it writes next.
+    queued.appendleft({"command": _PUBLISH_QOS0, "mid": mid, "qos": 0, "pos": 0, "to_process": len(rest),
+                       "packet": rest, "info": info})
     client._call_socket_register_write()
     return info
