@@ -340,26 +340,32 @@ class Scheduler:
             taken = self._take()
             if taken is None:
                 return
-            batch, informs = taken
-            start_ns = time.monotonic_ns()
-            answers: list[tuple[_Item, InferResponse | EdgedError]] = []
-            try:
-                answers = self._run(batch, start_ns, informs)
-            except BaseException as e:  # never let a worker die: fail the batch instead
-                log.exception("model=%s version=%s worker error", self.name, self.version)
-                answers = [(item, InternalError(f"internal error: {type(e).__name__}"))
-                           for item in batch if not item.future.done()]
-            finally:
-                # The instance is free before anyone hears back: a caller that sends its next request as
-                # soon as it has this answer finds the model idle (and runs inline), instead of finding
-                # it busy, queueing, and keeping every later request of a serial client queued as well.
-                with self._cv:
-                    self._busy -= 1
-                    self._cv.notify_all()
-            try:
-                self._answer(answers, start_ns)
-            except BaseException:
-                log.exception("model=%s version=%s: answering a batch failed", self.name, self.version)
+            self._serve(*taken)
+            # Nothing of the batch outlives _serve: its frame held the requests' inputs, views on a
+            # client's shared memory, which a worker waiting in _take kept mapped after the client left.
+            del taken
+
+    def _serve(self, batch: list[_Item], informs: bool) -> None:
+        """Run one batch taken from the queue, give the instance back, then answer."""
+        start_ns = time.monotonic_ns()
+        answers: list[tuple[_Item, InferResponse | EdgedError]] = []
+        try:
+            answers = self._run(batch, start_ns, informs)
+        except BaseException as e:  # never let a worker die: fail the batch instead
+            log.exception("model=%s version=%s worker error", self.name, self.version)
+            answers = [(item, InternalError(f"internal error: {type(e).__name__}"))
+                       for item in batch if not item.future.done()]
+        finally:
+            # The instance is free before anyone hears back: a caller that sends its next request as
+            # soon as it has this answer finds the model idle (and runs inline), instead of finding
+            # it busy, queueing, and keeping every later request of a serial client queued as well.
+            with self._cv:
+                self._busy -= 1
+                self._cv.notify_all()
+        try:
+            self._answer(answers, start_ns)
+        except BaseException:
+            log.exception("model=%s version=%s: answering a batch failed", self.name, self.version)
 
     def _run(self, batch: list[_Item], start_ns: int,
              informs: bool = False) -> list[tuple[_Item, InferResponse | EdgedError]]:

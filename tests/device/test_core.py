@@ -550,6 +550,30 @@ def test_a_second_long_run_keeps_event_loops_off_the_model_after_its_average_rec
         assert sched.drain(10)
 
 
+def test_a_worker_waiting_for_work_holds_no_input_of_the_batch_it_ran() -> None:
+    """A request's inputs can be views on a client's shared memory: once the batch is answered the
+    worker must not keep them while it waits for the next one, or the gone client's memory stays
+    mapped (found by review: a 64 MiB memfd mapped until that model's next queued batch)."""
+    import gc
+    import weakref
+
+    engine = _Gated()
+    sched = Scheduler("m", 1, engine, max_batch_size=8, instances=1, stats=ModelStats("m", 1),
+                      batching=Batching(max_queue_delay_us=100))
+    try:
+        inputs = [np.full((1, 4), i, dtype=np.float32) for i in range(4)]
+        refs = [weakref.ref(x) for x in inputs]
+        futures = [sched.submit(InferRequest("m", {"x": x}), 1) for x in inputs]
+        engine.gate.set()
+        for f in futures:
+            f.result(10)
+        del inputs, futures, f
+        wait_until(lambda: (gc.collect(), all(r() is None for r in refs))[1], 10,
+                   what="the batch's inputs to be let go")
+    finally:
+        assert sched.drain(10)
+
+
 def test_a_filling_batch_leaves_when_full_not_at_the_delay() -> None:
     """A partial batch waits for the size recent traffic reached and leaves the moment it gets
     there: with a 30 s queue delay, paced requests are combined and none waits for the delay."""
