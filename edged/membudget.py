@@ -22,6 +22,7 @@ import contextvars
 import ctypes
 import ctypes.util
 import logging
+import mmap
 import threading
 import time
 from collections.abc import Iterable
@@ -212,16 +213,25 @@ def charge(nbytes: int, what: str) -> None:
 
 
 def owned_bytes(arrays: Iterable[Any]) -> int:
-    """Bytes of the arrays that own their memory (views of a body or a shared-memory region are not new)."""
+    """Bytes of the arrays that own their memory, or whose memory a decoder made for them (a JSON parser's
+    buffer under a memoryview). Views of a request's body (bytes) or of a shared-memory region (mmap) are
+    not new: they were reserved with the body, or are the client's."""
     seen: set[int] = set()
     total = 0
     for arr in arrays:
         root = arr
         while getattr(root, "base", None) is not None and hasattr(root.base, "nbytes") and hasattr(root.base, "flags"):
             root = root.base
-        if getattr(root, "base", None) is None and id(root) not in seen:
-            seen.add(id(root))
-            total += int(getattr(root, "nbytes", 0))
+        base = getattr(root, "base", None)
+        if base is None:
+            owner, nbytes = root, int(getattr(root, "nbytes", 0))
+        elif isinstance(base, memoryview) and not isinstance(base.obj, (bytes, bytearray, mmap.mmap)):
+            owner, nbytes = base.obj, base.nbytes  # e.g. simdjson's ArrayBuffer: the parser's new memory
+        else:
+            continue
+        if id(owner) not in seen:
+            seen.add(id(owner))
+            total += nbytes
     return total
 
 

@@ -202,3 +202,27 @@ def doubler_batch_quadratic(path: Path) -> Path:
          numpy_helper.from_array(np.array([2], np.int64), "two"),
          numpy_helper.from_array(np.array(2.0, np.float32), "two_f")])
     return _save(graph, path)
+
+
+def big_answer(path: Path) -> Path:
+    """``n`` (INT64 ``[1]``) -> ``out``, that many FP32 ones: a large answer to an 8-byte request, computed
+    in microseconds (a run short enough for an event loop, an answer too big to encode on one)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    one = numpy_helper.from_array(np.array([1.0], np.float32), "v")
+    graph = helper.make_graph(
+        [helper.make_node("ConstantOfShape", ["n"], ["out"], value=one)], "big_answer",
+        [helper.make_tensor_value_info("n", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["N"])])
+    return _save(graph, path)
+
+
+def sum_int64(path: Path) -> Path:
+    """``x`` (INT64 ``[K]``) -> ``y``, its sum: JSON of short numbers ("0,") decodes to 4x its text."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("ReduceSum", ["x"], ["y"], keepdims=0)], "sum_int64",
+        [helper.make_tensor_value_info("x", TensorProto.INT64, ["K"])],
+        [helper.make_tensor_value_info("y", TensorProto.INT64, [])])
+    return _save(graph, path)

@@ -37,5 +37,17 @@ class RecentKeys:
             seen[key] = now + self.ttl_s
             return False
 
+    def known(self, key: Hashable) -> bool:
+        """Whether ``key`` is remembered (within the TTL), without recording it: a request refused at
+        admission must not be remembered, but a repeat of one already in work is still a repeat."""
+        with self._lock:
+            until = self._seen.get(key)
+            return until is not None and until > time.monotonic()
+
+    def forget(self, key: Hashable) -> None:
+        """Forget ``key``: its request was refused after it was recorded, so a retry deserves an answer."""
+        with self._lock:
+            self._seen.pop(key, None)
+
     def __len__(self) -> int:
         return len(self._seen)

@@ -31,7 +31,7 @@ from edged.errors import (
     OverloadedError,
     ResourceExhaustedError,
 )
-from edged.membudget import Reservation
+from edged.membudget import Reservation, owned_bytes
 from edged.protocol import media
 from edged.protocol import mqtt as codec
 from edged.protocol.mqtt import Form
@@ -45,7 +45,7 @@ from edged.transports.mqtt.incoming import message_deadline, user_property
 from edged.transports.mqtt.replies import Reply, ReplyPublisher
 from edged.transports.mqtt.session import MqttSession
 from edged.transports.mqtt.stall import StallDetector
-from edged.transports.v2_ops import LOOP_INLINE_MAX_NS
+from edged.transports.v2_ops import LOOP_INLINE_MAX_NS, encode_is_heavy
 
 log = logging.getLogger("edged.transports.mqtt.transport")
 
@@ -53,6 +53,8 @@ INLINE_HEADER_BYTES = 64 * 1024  # larger JSON is decoded off paho's thread
 MAX_PENDING_DECODES = 32
 PENDING_DECODE_PAYLOADS = 4  # bytes waiting for the decode pool stay under 4 x max_payload_mb
 PAYLOAD_COPIES = 2  # a request's payload, and what is decoded from it (JSON data becomes new arrays)
+# Refusals a retry of the same request (same correlation) may get past: it is not remembered as seen.
+_RETRYABLE = frozenset({ErrorCode.OVERLOADED, ErrorCode.UNAVAILABLE})
 
 
 @dataclass
@@ -203,6 +205,8 @@ class RequestIntake:
         try:
             started = self._begin(inc, reject, inline)
         except EdgedError as e:
+            if reject is None and e.code in _RETRYABLE and inc.reply is not None:
+                self._forget(inc.topic, inc.reply)  # refused: its retry (same correlation) deserves an answer
             self.replies.error(inc.reply, e, inc.topic)
             return
         except Exception:
@@ -213,6 +217,8 @@ class RequestIntake:
             return
         decoded, reply, done = started
         if isinstance(done, InferResponse):
+            if encode_is_heavy(done, decoded) and self._answer_elsewhere(decoded, reply, done):
+                return
             self.replies.answer(decoded, reply, done)
             return
         self.backlog.started()
@@ -256,6 +262,11 @@ class RequestIntake:
             decoded = plan.decode(tail)
         else:
             decoded = self._decode_header(header, form, tail, key, model, version)
+        if form is Form.JSON and inc.hold is not None:
+            # JSON data became new arrays (up to 4x the text: "0," is an 8-byte INT64), beyond the one
+            # payload's worth reserved for them (binary data stays a view of the payload).
+            extra = owned_bytes(decoded.request.inputs.values()) - (PAYLOAD_COPIES - 1) * len(inc.payload)
+            inc.hold.grow(extra, "the request's decoded JSON tensors")
         self._set_deadline(inc, decoded)
         decoded.request.memory, inc.hold = inc.hold, None  # the service releases it when the request ends
         reply.received = inc.received
@@ -285,8 +296,9 @@ class RequestIntake:
         reply = inc.reply = Reply(topic, inc.correlation, None, form, inc.qos, inc.deadline, media=inc.media)
         if self.replies.refused(inc.topic, reply):
             return False
-        # A refused request is not remembered: its retry (same correlation) deserves an answer.
-        return not (remember and self._duplicate(inc.topic, reply))
+        # A refused request is not remembered: its retry (same correlation) deserves an answer. A repeat of
+        # one in work (or answered) is still a repeat: answering it 'overloaded' would be a second reply.
+        return not (self._duplicate(inc.topic, reply) if remember else self._repeat(inc.topic, reply))
 
     def _raise_reject(self, inc: Incoming, reject: EdgedError) -> None:
         """Raise ``reject`` for its error reply, found in a small header when properties gave none;
@@ -297,7 +309,7 @@ class RequestIntake:
             if reply is None:
                 self.replies.drop(inc.topic, f"{reject.code.value}: {reject}")
                 return
-            if self.replies.refused(inc.topic, reply):
+            if self.replies.refused(inc.topic, reply) or self._repeat(inc.topic, reply):
                 return
         if reject.code is ErrorCode.OVERLOADED:
             # Refusals must leave faster than requests arrive: QoS 0 does not wait in paho's
@@ -378,6 +390,8 @@ class RequestIntake:
             reply.received = inc.received
             future = self.service.submit(request)
         except EdgedError as e:
+            if e.code in _RETRYABLE:
+                self._forget(inc.topic, reply)
             self.replies.error(reply, e, inc.topic)
             return
         self.backlog.started()
@@ -414,6 +428,7 @@ class RequestIntake:
             self.backlog.finished()
 
     def _duplicate(self, topic: str, reply: Reply) -> bool:
+        """Whether the request was seen before; records it if not."""
         corr = reply.correlation if reply.correlation is not None else reply.request_id
         if corr is None:
             return False
@@ -421,6 +436,39 @@ class RequestIntake:
             self.counts.count("duplicates")
             return True
         return False
+
+    def _repeat(self, topic: str, reply: Reply) -> bool:
+        """Whether the request was seen before, without recording it (a request refused at admission)."""
+        corr = reply.correlation if reply.correlation is not None else reply.request_id
+        if corr is None or not self._recent.known((topic, reply.topic, corr)):
+            return False
+        self.counts.count("duplicates")
+        return True
+
+    def _forget(self, topic: str, reply: Reply) -> None:
+        corr = reply.correlation if reply.correlation is not None else reply.request_id
+        if corr is not None:
+            self._recent.forget((topic, reply.topic, corr))
+
+    def _answer_elsewhere(self, decoded: DecodedRequest, reply: Reply, resp: InferResponse) -> bool:
+        """A big answer computed on paho's thread is encoded and published from the decode pool, so paho
+        reads on meanwhile (a 4 MB JSON answer took 26-39 ms); False: the pool is gone, answer here."""
+        pool = self._pool
+        if pool is None:
+            return False
+        self.backlog.started()
+        try:
+            pool.submit(self._answer_job, decoded, reply, resp)
+        except RuntimeError:  # shut down
+            self.backlog.finished()
+            return False
+        return True
+
+    def _answer_job(self, decoded: DecodedRequest, reply: Reply, resp: InferResponse) -> None:
+        try:
+            self.replies.answer(decoded, reply, resp)
+        finally:
+            self.backlog.finished()
 
 
 def _release(inc: Incoming) -> None:
