@@ -6,7 +6,8 @@ a pipeline step grows the reservation from the sizes it reads in headers (an ima
 height, a WAV file's sample count, the padded size of a batch of clips) before decoding, and the
 reservation is released when the request ends, answered or failed. When the budget is full the
 newcomer is refused at once with ``overloaded`` (HTTP 503, gRPC RESOURCE_EXHAUSTED, an MQTT or
-shm error reply): nobody waits for memory, so one client's burst never stalls another's.
+shm error reply): nobody waits for memory, so one client's burst never stalls another's. (A gRPC
+ModelInfer, whose message is still in the client's socket, waits its turn for room: try_reserve.)
 
 A reservation that could never fit (more than any request may hold) is ``resource_exhausted``.
 Requests that hold more than SMALL_REQUEST may fill the budget only up to 7/8 of it: a flood of
@@ -67,6 +68,8 @@ class MemoryBudget:
     def __init__(self, limit_bytes: int, *, name: str = "[limits] memory_mb") -> None:
         self.limit = int(limit_bytes)
         self.name = name
+        # What requests holding more than SMALL_REQUEST may fill together: the rest is the small ones' share.
+        self.large_limit = self.limit - self.limit // SMALL_SHARE
         self._lock = threading.Lock()
         self.used = 0
         self.peak = 0
@@ -83,6 +86,20 @@ class MemoryBudget:
         request of every transport reserves)."""
         res = Reservation(self)
         res.grow(nbytes, what, *args)
+        return res
+
+    def try_reserve(self, nbytes: int) -> Reservation | None:
+        """Hold ``nbytes`` if they fit now, else None, counted as no refusal: for a caller that waits for
+        room (and calls :meth:`reserve` for its refusal if it gives up)."""
+        nbytes = max(0, int(nbytes))
+        with self._lock:
+            used = self.used + nbytes
+            if used > (self.limit if nbytes <= SMALL_REQUEST else self.large_limit):
+                return None
+            self.used = used
+            self.peak = max(self.peak, used)
+        res = Reservation(self)
+        res.held = nbytes
         return res
 
     def _refuse(self, nbytes: int, what: str, args: tuple[object, ...], total: int, ceiling: int, used: int) -> None:
@@ -155,7 +172,7 @@ class Reservation:
             total = self.held + nbytes
             # Large requests may fill the budget only up to the small requests' share: a flood of large
             # messages leaves room for everybody else's ordinary requests (health, small tensors).
-            ceiling = b.limit if total <= SMALL_REQUEST else b.limit - b.limit // SMALL_SHARE
+            ceiling = b.limit if total <= SMALL_REQUEST else b.large_limit
             used = b.used
             if used + nbytes <= ceiling:
                 b.used = used = used + nbytes

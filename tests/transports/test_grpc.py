@@ -368,7 +368,7 @@ def test_read_deadlines_cancel_only_late_reads_and_stop_sweeping_when_none_is_le
     from edged.transports.grpc.app import READ_SWEEP_S, ReadDeadlines
 
     async def scenario() -> tuple[bool, bool, bool, float]:
-        reads = ReadDeadlines(timeout_s=READ_SWEEP_S)
+        reads = ReadDeadlines(timeout_s=READ_SWEEP_S, take=lambda: None)
         never = asyncio.get_running_loop().create_future()
 
         async def stuck() -> None:
@@ -393,6 +393,172 @@ def test_read_deadlines_cancel_only_late_reads_and_stop_sweeping_when_none_is_le
     assert late_expired and not quick_expired
     assert READ_SWEEP_S <= waited < 4 * READ_SWEEP_S, waited
     assert stopped, "the sweeps went on with no read outstanding"
+
+
+@pytest.mark.parametrize("timeout_s", [0.2, 1.5])
+def test_a_read_expires_at_the_first_sweep_past_its_deadline(timeout_s: float) -> None:
+    """A fractional message_timeout_s is not rounded up to whole sweeps: the sweep that cancels a late read
+    is the first one at or past its deadline, so it expires between timeout_s and timeout_s + READ_SWEEP_S."""
+    from edged.transports.grpc.app import ReadDeadlines
+
+    async def scenario() -> tuple[list[tuple[float, bool]], bool]:
+        reads = ReadDeadlines(timeout_s, take=lambda: None)
+        never = asyncio.get_running_loop().create_future()
+
+        async def stuck() -> None:
+            await never
+
+        task = asyncio.create_task(stuck())
+        sweeps: list[tuple[float, bool]] = []  # each sweep: seconds since the read started, read cancelled
+        sweep = reads._sweep
+
+        def observed() -> None:
+            at = time.monotonic() - started
+            sweep()
+            sweeps.append((at, task in reads._expired))
+
+        reads._sweep = observed  # type: ignore[method-assign]
+        reads.start(task)
+        started = reads._reads[task]
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return sweeps, reads.end(task)
+
+    sweeps, expired = asyncio.run(scenario())
+    *before, (at, cancelled) = sweeps
+    assert expired and cancelled and at >= timeout_s, sweeps
+    assert all(t < timeout_s and not gone for t, gone in before), f"a sweep past the deadline missed it: {sweeps}"
+
+
+@contextlib.contextmanager
+def _budgeted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, grpc_lines: str) -> Iterator[Served]:
+    """gRPC on a service with a real 64 MiB request memory budget, as ``edged run`` with [limits] memory_mb =
+    64 (the test service's is otherwise unlimited)."""
+    from edged.membudget import MIB, MemoryBudget
+
+    monkeypatch.setattr(MemoryBudget, "unlimited", classmethod(lambda cls: cls(64 * MIB)))
+    with served(copy_models(tmp_path / "models", "digits"), tmp_path, grpc=grpc_lines) as s:
+        yield s
+
+
+def _digits_body(x: np.ndarray) -> bytes:
+    from edged.client.grpc import infer_request
+
+    return bytes(infer_request("digits", {"pixels": x}, None).SerializeToString())
+
+
+def _held_back(gate: threading.Event) -> Iterator[bytes]:
+    """A ModelInfer's requests: the RPC starts, and ends without a message once ``gate`` is set."""
+    gate.wait(60)
+    yield from ()
+
+
+def test_eight_of_the_largest_messages_are_read_at_once_and_further_calls_wait_their_turn(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    """Each ModelInfer reserves its largest possible message before reading it, and eight of those fit what
+    large requests may fill of the budget. A call that finds no room waits for it (its message stays in the
+    client's socket) instead of being refused; one whose client gives up leaves the queue, and room freed
+    goes to the next in line."""
+    from edged.client.grpc import infer_outputs
+
+    x, _ = digits_holdout
+    with _budgeted(tmp_path, monkeypatch, "") as s:
+        app, budget = s.grpc.app, s.service.budget
+        each = 4 * s.grpc.max_receive  # MESSAGE_COPIES x the largest message
+        gates = [threading.Event() for _ in range(9)]
+        try:
+            with grpc.insecure_channel(s.grpc_url) as ch:
+                stalled = [ch.stream_unary(INFER).future(_held_back(g), timeout=60) for g in gates[:8]]
+                wait_until(lambda: budget.used == 8 * each, 10, what="eight largest messages reserved")
+                quitter = ch.stream_unary(INFER).future(_held_back(gates[8]), timeout=60)
+                wait_until(lambda: len(app.reads._waiting) == 1, 10, what="a ninth call waiting for room")
+                waiter = ch.unary_unary(INFER).future(_digits_body(x[:1]), timeout=60)
+                wait_until(lambda: len(app.reads._waiting) == 2, 10, what="a tenth call waiting for room")
+                quitter.cancel()
+                wait_until(lambda: app._active == 9, 10, what="the ninth call to end")
+                assert not [c for c in stalled if c.done()] and not waiter.done()
+                assert budget.used == 8 * each and budget.refused == 0
+
+                gates[0].set()  # the first stalled call ends without a message: its room goes to the waiter
+                with pytest.raises(grpc.RpcError) as e:
+                    stalled[0].result(30)
+                assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT, e.value
+                reply = service_pb2.ModelInferResponse.FromString(waiter.result(30))
+                np.testing.assert_allclose(infer_outputs(reply)["probabilities"], in_process(s, "digits", x[:1]),
+                                           rtol=1e-5, atol=1e-6)
+                assert budget.used == 7 * each
+        finally:
+            for g in gates:
+                g.set()
+        wait_until(lambda: budget.used == 0 and app._active == 0, 10, what="every reservation released")
+        assert budget.refused == 0 and not app.reads._waiting
+
+
+def test_a_call_waits_for_room_up_to_message_timeout_then_is_resource_exhausted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    """While other requests leave no room for the largest message, a ModelInfer waits until message_timeout_s
+    has passed since it started and is then RESOURCE_EXHAUSTED, counted as refused once; room another
+    transport frees goes to a waiting call at the next sweep."""
+    x, _ = digits_holdout
+    with _budgeted(tmp_path, monkeypatch, "message_timeout_s = 1\n") as s:
+        app, budget = s.grpc.app, s.service.budget
+        each = 4 * s.grpc.max_receive
+        others = budget.reserve(budget.large_limit - each + 1, "other transports' requests")
+        body = _digits_body(x[:1])
+        with grpc.insecure_channel(s.grpc_url) as ch:
+            call = ch.unary_unary(INFER).future(body, timeout=60)
+            wait_until(lambda: len(app.reads._waiting) == 1, 10, what="the call waiting for room")
+            with pytest.raises(grpc.RpcError) as e:
+                call.result(30)
+            assert e.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+            assert "request memory budget is full" in (e.value.details() or ""), e.value.details()
+            assert budget.refused == 1
+
+            app.reads.timeout_s = 60  # now a wait that outlasts any test thread's delay
+            call = ch.unary_unary(INFER).future(body, timeout=60)
+            wait_until(lambda: len(app.reads._waiting) == 1, 10, what="the call waiting for room")
+            others.release()
+            assert service_pb2.ModelInferResponse.FromString(call.result(30)).outputs
+        assert budget.used == 0 and budget.refused == 1
+
+
+def test_a_stream_reads_no_request_while_its_window_is_full() -> None:
+    """[grpc] max_stream_inflight requests of a stream are taken from grpcio at most: the next one stays
+    there (outside the request memory budget, in the client's flow-control window) until a slot frees."""
+    from types import SimpleNamespace
+
+    from edged.transports.grpc.app import GrpcApp
+
+    async def scenario() -> tuple[int, list[bytes]]:
+        taken = 0
+        computing = 0
+        full, go = asyncio.Event(), asyncio.Event()
+
+        async def requests() -> Any:
+            nonlocal taken
+            for i in range(6):
+                taken += 1
+                yield b"%d" % i
+
+        async def stream_one(data: bytes, context: Any, lone: bool) -> bytes:
+            nonlocal computing
+            computing += 1
+            if computing == 2:
+                full.set()
+            await go.wait()
+            return data
+
+        app = SimpleNamespace(stream_inflight=2, _stream_one=stream_one)
+        answers = GrpcApp.model_stream_infer(app, requests(), None)  # type: ignore[arg-type]
+        first = asyncio.ensure_future(anext(answers))
+        await full.wait()  # both slots taken: the reader has gone as far as it may
+        taken_while_full = taken
+        go.set()
+        return taken_while_full, [await first] + [a async for a in answers]
+
+    taken, got = asyncio.run(scenario())
+    assert taken == 2, f"{taken} requests taken with 2 slots, both busy"
+    assert got == [b"%d" % i for i in range(6)]
 
 
 def test_oversized_message_is_resource_exhausted(triton: tg.InferenceServerClient, channel: grpc.Channel,

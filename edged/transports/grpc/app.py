@@ -16,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import grpc
@@ -69,31 +71,72 @@ Unary = Callable[[Any, Any], Awaitable[Any]]
 # is a new copy). The common message is parsed without its raw contents, which stay in its bytes.
 MESSAGE_COPIES = 4
 RECEIVED_COPIES = 2  # grpcio's buffer and its bytes
-READ_SWEEP_S = 1.0  # how often reads outstanding are checked against [grpc] message_timeout_s
-# The largest message is held to this share of the request memory budget, so that at least this many
-# of them can be read at once while nothing else holds any.
+READ_SWEEP_S = 1.0  # how often waits for room and reads are checked against [grpc] message_timeout_s
+# The largest message is held to this share of what large requests may fill of the request memory budget
+# (MemoryBudget.large_limit), so that at least this many of them can be read at once while nothing else
+# holds any.
 CONCURRENT_LARGEST = 8
 
 
 class ReadDeadlines:
-    """Cancels the reads of ModelInfer messages that have not arrived within ``timeout_s``.
+    """Bounds how long a ModelInfer call waits for room to reserve its largest message and for the message.
 
-    One sweep a second while reads are outstanding, instead of a timer per call: asyncio's
-    ``call_later`` and its cancellation cost ~12 us on a lone call's path (the engine run has just
-    evicted the caches they touch), two dictionary updates almost nothing. A read expires between
-    ``timeout_s`` and ``timeout_s`` + READ_SWEEP_S after it started."""
+    Both waits count from the call's start. One sweep a second while any call waits, instead of a timer
+    per call: asyncio's ``call_later`` and its cancellation cost ~12 us on a lone call's path (the engine
+    run has just evicted the caches they touch), a clock read and two dictionary updates almost nothing.
+    A wait expires between ``timeout_s`` and ``timeout_s`` + READ_SWEEP_S after the call's start,
+    whatever ``timeout_s``: each sweep compares the waits' start times with the clock.
 
-    def __init__(self, timeout_s: float) -> None:
+    Room is handed out first come first served: a call that finds others waiting queues behind them,
+    and freed room goes to the head of the queue when a gRPC request shrinks or releases its
+    reservation (:meth:`admit`), or at the next sweep when another transport freed it."""
+
+    def __init__(self, timeout_s: float, take: Callable[[], Reservation | None]) -> None:
         self.timeout_s = timeout_s
-        self._reads: dict[asyncio.Task[Any], int] = {}  # task -> the sweep count when its read started
-        self._sweeps = 0
+        self._take = take  # one message's reservation, or None while the request memory budget has no room
+        self._reads: dict[asyncio.Task[Any], float] = {}  # task -> when its deadline counts from (monotonic)
+        self._waiting: deque[tuple[float, asyncio.Future[Reservation | None]]] = deque()  # in arrival order
         self._expired: set[asyncio.Task[Any]] = set()
         self._sweeper: asyncio.TimerHandle | None = None
 
-    def start(self, task: asyncio.Task[Any]) -> None:
-        self._reads[task] = self._sweeps
-        if self._sweeper is None:
-            self._sweeper = asyncio.get_running_loop().call_later(READ_SWEEP_S, self._sweep)
+    def reserve(self) -> Reservation | None:
+        """One message's reservation, if there is room now and no call waits for it before this one."""
+        if self._waiting:
+            self.admit()
+            if self._waiting:
+                return None
+        return self._take()
+
+    async def room(self, since: float) -> Reservation | None:
+        """One message's reservation once room frees, in arrival order; None if ``timeout_s`` passes first
+        (counted from ``since``, time.monotonic())."""
+        fut: asyncio.Future[Reservation | None] = asyncio.get_running_loop().create_future()
+        self._waiting.append((since, fut))
+        self._sweep_later()
+        try:
+            return await fut
+        except asyncio.CancelledError:  # the call ended: room handed to it meanwhile goes to the next one
+            if fut.done() and not fut.cancelled() and (hold := fut.result()) is not None:
+                hold.release()
+                self.admit()
+            raise
+
+    def admit(self) -> None:
+        """Hand the room there is now to the calls waiting for it, in arrival order."""
+        waiting = self._waiting
+        while waiting:
+            fut = waiting[0][1]
+            if not fut.done():  # else its call ended while it waited
+                hold = self._take()
+                if hold is None:
+                    return
+                fut.set_result(hold)
+            waiting.popleft()
+
+    def start(self, task: asyncio.Task[Any], since: float | None = None) -> None:
+        """A read begins; it expires ``timeout_s`` after ``since`` (time.monotonic(); default: now)."""
+        self._reads[task] = time.monotonic() if since is None else since
+        self._sweep_later()
 
     def end(self, task: asyncio.Task[Any]) -> bool:
         """The read is over (arrived, failed or cancelled); True if it was cancelled for its deadline."""
@@ -103,18 +146,26 @@ class ReadDeadlines:
             return True
         return False
 
+    def _sweep_later(self) -> None:
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().call_later(READ_SWEEP_S, self._sweep)
+
     def _sweep(self) -> None:
-        self._sweeps += 1
-        # A read that started after sweep k may meet sweep k + 1 at once: only n + 1 sweeps later has it
-        # waited n sweeps' time.
-        late = self._sweeps - max(1, math.ceil(self.timeout_s / READ_SWEEP_S)) - 1
+        now, timeout = time.monotonic(), self.timeout_s
         for task, started in list(self._reads.items()):
-            if started <= late:
+            if now - started >= timeout:
                 del self._reads[task]
                 self._expired.add(task)
                 task.cancel()
-        self._sweeper = (asyncio.get_running_loop().call_later(READ_SWEEP_S, self._sweep)
-                         if self._reads else None)
+        self.admit()  # room another transport freed since
+        waiting = self._waiting
+        while waiting and now - waiting[0][0] >= timeout:
+            fut = waiting.popleft()[1]
+            if not fut.done():
+                fut.set_result(None)
+        self._sweeper = None
+        if self._reads or waiting:
+            self._sweep_later()
 
     def close(self) -> None:
         if self._sweeper is not None:
@@ -158,7 +209,8 @@ class GrpcApp:
     reads: ReadDeadlines = field(init=False)
 
     def __post_init__(self) -> None:
-        self.reads = ReadDeadlines(self.message_timeout_s)
+        self.reads = ReadDeadlines(self.message_timeout_s,
+                                   partial(self.service.budget.try_reserve, MESSAGE_COPIES * self.max_receive))
 
     def handler(self) -> Any:
         """The generic handler grpcio serves: method name -> raw-bytes handler."""
@@ -193,8 +245,10 @@ class GrpcApp:
                   ) -> Callable[[Any, Any], Awaitable[bytes]]:
         """Reserve the largest message grpcio may take, read the message, keep what it needs, handle it.
 
-        Refused at once with RESOURCE_EXHAUSTED when even that does not fit the request memory budget
-        now; a message that does not arrive whole within ``message_timeout_s`` is DEADLINE_EXCEEDED."""
+        When the request memory budget has no room for that now, the call waits its turn for room (the
+        message waits in the client's socket meanwhile) up to ``message_timeout_s``, then is
+        RESOURCE_EXHAUSTED; a message that does not arrive whole within ``message_timeout_s`` of the call's
+        start is DEADLINE_EXCEEDED."""
         async def read_then_handle(requests: Any, context: Any) -> bytes:
             # Counted from the call's start, before its message is read: calls that arrive together all
             # count before any of them reaches the model, so none of them is taken for a lone one.
@@ -205,22 +259,26 @@ class GrpcApp:
                 self._active -= 1
 
         async def read_and_handle(requests: Any, context: Any) -> bytes:
-            try:
-                hold = self.service.budget.reserve(MESSAGE_COPIES * self.max_receive, "a ModelInfer message "
-                                                   "(up to %d bytes) about to be read", self.max_receive)
-            except EdgedError as e:
-                await context.abort(*self._status(e))
-                raise AssertionError("unreachable: abort raises") from None  # pragma: no cover
+            reads = self.reads
+            began = None  # now, unless the call waited for room
+            hold = reads.reserve()
+            if hold is None:
+                began = time.monotonic()
+                try:
+                    hold = await self._room(began)
+                except EdgedError as e:
+                    await context.abort(*self._status(e))
+                    raise AssertionError("unreachable: abort raises") from None  # pragma: no cover
             # Not asyncio.wait_for (a task per call, tens of microseconds): the read deadlines cancel this read.
             task = asyncio.current_task()
             assert task is not None
-            reads = self.reads
-            reads.start(task)
+            reads.start(task, began)
             try:
                 data = await context.read()
             except BaseException as e:
                 expired = reads.end(task)
                 hold.release()
+                reads.admit()
                 if not (expired and isinstance(e, asyncio.CancelledError)):
                     raise
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request message did not arrive "
@@ -229,10 +287,22 @@ class GrpcApp:
             reads.end(task)  # arrived: a sweep since would have cancelled the read (nothing awaits in between)
             if not isinstance(data, bytes):  # EOF: the client sent no message
                 hold.release()
+                reads.admit()
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
                 raise AssertionError("unreachable: abort raises")  # pragma: no cover
             return await handle(data, context, hold)
         return read_then_handle
+
+    async def _room(self, since: float) -> Reservation:
+        """The largest message's reservation, once the calls before this one have theirs and room frees;
+        OverloadedError (counted as refused) if none frees within ``message_timeout_s`` of ``since``,
+        ResourceExhaustedError at once if it could never fit."""
+        budget, nbytes = self.service.budget, MESSAGE_COPIES * self.max_receive
+        if nbytes <= budget.large_limit:
+            hold = await self.reads.room(since)
+            if hold is not None:
+                return hold
+        return budget.reserve(nbytes, "a ModelInfer message (up to %d bytes) about to be read", self.max_receive)
 
     def _unary(self, name: str, cls: type[Any], fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[bytes]]:
         """``fn(message, context)``."""
@@ -257,6 +327,7 @@ class GrpcApp:
         hold.shrink(RECEIVED_COPIES * len(data) + msg.held_bytes)
         if msg.plan is None:  # a planned message has no typed contents
             hold.grow(TYPED_ELEMENT_COST * typed_elements(msg.request), "the message's typed contents")
+        self.reads.admit()  # what the worst case reserved for a ModelInfer message and it does not hold
         return msg
 
     def _model_infer(self) -> Callable[..., Awaitable[bytes]]:
@@ -271,6 +342,7 @@ class GrpcApp:
                 code, text = grpc.StatusCode.INTERNAL, "internal error"
             finally:
                 hold.release()
+                self.reads.admit()
             await context.abort(code, text)
             raise AssertionError("unreachable: abort raises")  # pragma: no cover
         return handle
@@ -430,6 +502,7 @@ class GrpcApp:
             self._active -= 1
             if hold is not None:
                 hold.release()
+                self.reads.admit()
         # which request failed, by its model, version and id (a planned message is parsed for it now)
         reply = pb.ModelStreamInferResponse(error_message=error,
                                             infer_response=error_response(msg.request if msg else None))
@@ -452,17 +525,23 @@ class GrpcApp:
         both completions reach it together (a busy 2-core host, about one request in a hundred), so the
         judgement is each request's own: one such inversion costs that request a hand-off, not the rest
         of the stream."""
-        # A slot is held from reading a request until its answer is handed to grpcio, so that a slow
-        # request at the head cannot let finished answers behind it pile up without bound.
+        # A slot is taken before a request is read and held until its answer is handed to grpcio, so that
+        # a slow request at the head cannot let finished answers behind it pile up without bound, and no
+        # request is read (held outside the request memory budget) while the window is full.
         window = asyncio.Semaphore(self.stream_inflight)
         answers: asyncio.Queue[asyncio.Task[bytes] | None] = asyncio.Queue()
         unanswered = 0
 
         async def read() -> None:
             nonlocal unanswered
+            it = aiter(requests)
             try:
-                async for data in requests:
-                    await window.acquire()
+                while True:
+                    await window.acquire()  # before the read: no request is taken beyond the window
+                    try:
+                        data = await anext(it)
+                    except StopAsyncIteration:
+                        break
                     lone = unanswered == 0
                     unanswered += 1
                     answers.put_nowait(asyncio.create_task(self._stream_one(data, context, lone)))

@@ -101,8 +101,10 @@ class GrpcTransport:
         self.max_message = int(self.cfg.max_message_mb * 1024 * 1024)
         self.max_connections = max_connections or self.cfg.max_connections
         # A message the request memory budget could never admit is refused by grpcio before it is read whole.
+        # Sized against what large requests may fill (7/8 of the budget), not the whole budget, so that eight
+        # of the largest fit at once (in a budget of 37 MiB or more: below, the 1 MiB floor lets fewer fit).
         self.max_receive = max(1 << 20, min(self.max_message,
-                                            service.budget.limit // (MESSAGE_COPIES * CONCURRENT_LARGEST)))
+                                            service.budget.large_limit // (MESSAGE_COPIES * CONCURRENT_LARGEST)))
         self.stream_window = stream_window(self.cfg, service.budget.limit)
         self.shm = shm if shm is not None else system_shm_regions(cfg)  # shared with HTTP in the daemon
         self.app = GrpcApp(service=service, shm=self.shm, scrub=Scrubber.for_config(cfg),
