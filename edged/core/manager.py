@@ -33,6 +33,7 @@ from edged.repository.digests import DigestCache
 from edged.repository.store import VersionEntry, list_versions, load_version, scan_repository
 
 if TYPE_CHECKING:
+    from edged.backends.base import Engine
     from edged.hardware.facts import HardwareFacts
     from edged.profiles import BackendPreference
 
@@ -59,6 +60,13 @@ def estimate_memory_mb(entry: VersionEntry) -> float:
         sizes.append(total)
     return 2.0 * max(sizes, default=0) / 1e6 + 4.0
 
+
+
+def _free_when_drained(scheduler: Scheduler, engine: Engine) -> None:
+    """Free a retired version's engine once the run still inside it ends (it may never: then never)."""
+    scheduler.drain(None)
+    engine.unload()
+    log.info("model=%s version=%s: its last run ended; engine freed", scheduler.name, scheduler.version)
 
 
 def _output_check(mv: ModelVersion) -> OutputShapeCheck:
@@ -295,9 +303,17 @@ class ModelManager:
     def _retire(self, mv: ModelVersion) -> None:
         """Drain in-flight work of a version no longer published, then free its engine."""
         mv.state = ModelState.UNLOADING
-        if mv.scheduler is not None and not mv.scheduler.drain(DRAIN_TIMEOUT_S):
-            log.warning("model=%s version=%s did not drain within %.0fs", mv.name, mv.version, DRAIN_TIMEOUT_S)
-        if mv.engine is not None:
+        scheduler = mv.scheduler
+        if scheduler is not None and not scheduler.drain(DRAIN_TIMEOUT_S):
+            # A run is still inside the engine: freeing it under the run could crash the process. It is
+            # freed when the run ends, by a thread that waits for that.
+            log.warning("model=%s version=%s did not drain within %.0fs; its engine is freed when its last "
+                        "run ends", mv.name, mv.version, DRAIN_TIMEOUT_S)
+            engine, mv.engine = mv.engine, None
+            if engine is not None:
+                threading.Thread(target=_free_when_drained, args=(scheduler, engine), daemon=True,
+                                 name=f"edged-retire-{mv.name}-v{mv.version}").start()
+        elif mv.engine is not None:
             mv.engine.unload()
             mv.engine = None
         mv.state = ModelState.UNLOADED
@@ -308,11 +324,10 @@ class ModelManager:
         self.chooser.stop()
         with self._lock:
             for mv in self.table.all():
-                if mv.scheduler is not None:
-                    mv.scheduler.drain(timeout)
-                if mv.engine is not None:
+                drained = mv.scheduler is None or mv.scheduler.drain(timeout)
+                if mv.engine is not None and drained:  # else a run is inside it: the process exit frees it
                     mv.engine.unload()
-                    mv.engine = None
+                mv.engine = None
                 mv.state = ModelState.UNLOADED
         self.runner.stop()
 

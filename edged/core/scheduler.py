@@ -211,7 +211,9 @@ class Scheduler:
         finally:
             with self._lock:
                 self._busy -= 1
-                if self._queue:
+                if not self._running:
+                    self._cv.notify_all()  # drain() waits for inline runs too
+                elif self._queue:
                     self._cv.notify()
         return InferResponse(self.name, self.version, outs, req.id)
 
@@ -283,6 +285,9 @@ class Scheduler:
                 self._cv.wait()
             combine = self.policy.batch_now()
             batch = self._gather(combine=combine)
+            # The instance is this batch's from now: while it fills (the lock released in the wait), an
+            # inline caller that finds the queue empty must not take it as well and run beside it.
+            self._busy += 1
             if combine and self.delay_ns and self._should_wait(batch):
                 deadline = batch[0].enqueued_ns + self.delay_ns
                 while self._running:
@@ -293,7 +298,6 @@ class Scheduler:
                     batch += self._gather(batch)
                     if not self._should_wait(batch):
                         break
-            self._busy += 1
             # What traffic reached: this batch plus whatever is still waiting behind it.
             seen = sum(i.batch for i in batch) + sum(i.batch for i in self._queue)
             self._recent_sizes.append(min(seen, self.max_batch_size or 1))
@@ -470,7 +474,8 @@ class Scheduler:
 
     # ---- shutdown ---------------------------------------------------------------------------
     def drain(self, timeout: float | None = None) -> bool:
-        """Stop taking requests, finish the queued ones, stop the workers. True when all finished."""
+        """Stop taking requests, finish the queued ones and the inline runs under way, stop the workers.
+        True when all finished: only then may the engine be freed."""
         end = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             self._running = False
@@ -479,6 +484,13 @@ class Scheduler:
         for w in self._workers:
             w.join(None if end is None else max(0.0, end - time.monotonic()))
             ok = ok and not w.is_alive()
+        with self._cv:  # a caller's thread running a request inline holds an instance too
+            while self._busy > 0:
+                remaining = None if end is None else end - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                self._cv.wait(remaining)
+            ok = ok and self._busy == 0
         if not ok:
             with self._cv:
                 leftover = list(self._queue)

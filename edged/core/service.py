@@ -211,7 +211,8 @@ class InferenceService:
         """Look up (once), validate and hand to the model's scheduler, or start the pipeline.
 
         A version swapped out between lookup and queueing refuses with ModelNotReadyError;
-        an unpinned request then goes to whatever version is current.
+        an unpinned request then goes to whatever version is current, a pinned one to its version's
+        new copy when it was reloaded in place.
         """
         table = self.manager.table
         for attempt in range(3):
@@ -227,7 +228,8 @@ class InferenceService:
             try:
                 return run(scheduler, req, batch)
             except ModelNotReadyError:
-                if req.version is not None or attempt == 2:
+                # A pinned request goes on only to a new copy of its own version (a reload in place).
+                if attempt == 2 or (req.version is not None and table.find(req.model, req.version) in (mv, None)):
                     raise
         raise AssertionError("unreachable")
 

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -572,6 +573,135 @@ def test_a_worker_waiting_for_work_holds_no_input_of_the_batch_it_ran() -> None:
                    what="the batch's inputs to be let go")
     finally:
         assert sched.drain(10)
+
+
+def test_drain_waits_for_a_run_on_a_callers_thread() -> None:
+    """An inline run holds an instance as a worker's does: drain is not done, and the engine may not be
+    freed, until it ends (found by review: a reload unloaded the engine under a claimed inline run)."""
+    engine = _Gated()
+    sched = Scheduler("m", 1, engine, max_batch_size=8, instances=1, stats=ModelStats("m", 1),
+                      batching=Batching(max_queue_delay_us=100))
+    x = np.ones((1, 4), np.float32)
+    answers: list[InferResponse] = []
+    caller = threading.Thread(target=lambda: answers.append(sched.run_inline(InferRequest("m", {"x": x}), 1)))
+    caller.start()
+    try:
+        assert engine.entered.wait(10)
+        assert not sched.drain(0.2), "drained while a run was inside the engine"
+    finally:
+        engine.gate.set()
+        caller.join(10)
+    assert sched.drain(10)
+    np.testing.assert_array_equal(answers[0].outputs["y"], x * 2)
+
+
+def test_a_reload_in_place_lets_a_run_that_claimed_the_old_copy_finish(model_repo: MakeRepo) -> None:
+    """A caller's thread (a shm connection) has claimed the old copy's instance when the version is
+    reloaded in place: the old copy is freed only after that run, which is answered."""
+    svc = _service(model_repo("digits"))
+    manager = svc.manager
+    try:
+        old = manager.table.find("digits")
+        assert old is not None
+        claimed, go = threading.Event(), threading.Event()
+        enter = old.stats.enter
+
+        def enter_and_wait() -> None:  # the first step of the run after its claim: the caller is preempted
+            enter()
+            claimed.set()
+            assert go.wait(10)
+        old.stats.enter = enter_and_wait  # type: ignore[method-assign]
+        got: list[object] = []
+
+        def call() -> None:
+            try:
+                got.append(svc.infer_blocking(InferRequest("digits", {"pixels": np.zeros((1, 64), np.float32)})))
+            except EdgedError as e:
+                got.append(e)
+        caller = threading.Thread(target=call)
+        caller.start()
+        assert claimed.wait(10)
+        reload = threading.Thread(target=manager.load_model, args=("digits",))
+        reload.start()
+        wait_until(lambda: old.state is not ModelState.READY, 10, what="the old copy to be retired")
+        go.set()
+        reload.join(30)
+        caller.join(10)
+        assert isinstance(got[0], InferResponse), f"the claimed run failed during the reload: {got[0]!r}"
+        assert old.engine is None and old.state is ModelState.UNLOADED
+    finally:
+        manager.shutdown()
+
+
+def test_a_batch_filling_on_the_only_instance_keeps_it_from_an_inline_caller() -> None:
+    """instances.count = 1: while a worker holds a batch waiting for it to fill, the queue is empty, and a
+    caller's thread must not take the instance and run beside it (found by review: two runs at once)."""
+
+    class Overlap(_Paced):
+        """Runs x[0, 0] seconds; notes the most runs at once."""
+
+        def __init__(self) -> None:
+            self.running = self.most = 0
+            self.lock = threading.Lock()
+
+        def infer(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None
+                  ) -> dict[str, np.ndarray]:
+            with self.lock:
+                self.running += 1
+                self.most = max(self.most, self.running)
+            try:
+                time.sleep(float(inputs["x"][0, 0]))  # sleep-ok: a run's length, set by the value sent
+                return {"y": inputs["x"] * 2}
+            finally:
+                with self.lock:
+                    self.running -= 1
+
+    engine = Overlap()
+    sched = Scheduler("m", 1, engine, max_batch_size=8, instances=1, stats=ModelStats("m", 1),
+                      batching=Batching(max_queue_delay_us=500_000))
+    short, long = np.full((1, 4), 0.01, np.float32), np.full((1, 4), 1.0, np.float32)
+    try:
+        with sched._cv:  # four requests that overlap: one batch of four, so batches of four are waited for
+            first = [sched.submit(InferRequest("m", {"x": short}), 1) for _ in range(4)]
+        for f in first:
+            f.result(10)
+        wait_until(lambda: time.monotonic() >= sched._concurrent_until, 5, what="the overlap to be forgotten")
+        queued = sched.submit(InferRequest("m", {"x": short}), 1)  # taken, and held up to 0.5 s for more
+        wait_until(lambda: sched.queued == 0, 5, what="the worker to take the request")
+        sched.run_inline(InferRequest("m", {"x": long}), 1)  # a 1 s run, longer than the batch's wait
+        queued.result(10)
+        assert engine.most == 1, f"{engine.most} runs at once on a model with one instance"
+    finally:
+        assert sched.drain(10)
+
+
+def test_a_pinned_request_goes_to_its_version_reloaded_in_place(model_repo: MakeRepo,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Version 1 is served throughout a reload in place: a request pinned to it that found the old copy
+    just before the swap is answered by the new copy, as an unpinned one is."""
+    import edged.core.service as service_module
+
+    svc = _service(model_repo("digits"))
+    manager = svc.manager
+    validate = service_module.validate
+    swapped = threading.Event()
+
+    def swap_then_validate(mv: Any, req: InferRequest) -> int:  # between the lookup and the queue
+        if not swapped.is_set():
+            swapped.set()
+            threading.Thread(target=manager.load_model, args=("digits",)).start()
+            wait_until(lambda: mv.scheduler is None or not mv.scheduler._running, 10, what="the old copy to drain")
+        return validate(mv, req)
+    monkeypatch.setattr(service_module, "validate", swap_then_validate)
+    try:
+        for pinned in (None, 1):
+            swapped.clear()
+            r = svc.infer(InferRequest("digits", {"pixels": np.zeros((1, 64), np.float32)}, version=pinned), 10)
+            assert r.version == 1
+            wait_until(lambda: svc.is_ready("digits", 1) and len(manager.table.versions("digits")) == 1, 10,
+                       what="the reload to finish")
+    finally:
+        manager.shutdown()
 
 
 def test_a_filling_batch_leaves_when_full_not_at_the_delay() -> None:
