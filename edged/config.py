@@ -346,7 +346,10 @@ class ShmSection(_Section):
     socket_mode: int = Field(default=0o660, description="file mode of the socket")
     max_region_mb: float = Field(default=1024, gt=0, description="shared memory one client may map")
     max_segments: int = Field(default=128, ge=1, description="segments one client may register")
-    max_inflight: int = Field(default=64, ge=1, description="requests one client may have in flight")
+    # Bounded: each client's socket send buffer is sized to hold this many unread replies
+    # (edged.transports.shm.conn.reply_room: about 2.3 KiB each), pinned in the kernel per client.
+    max_inflight: int = Field(default=64, ge=1, le=1024, description="requests one client may have in flight "
+                              "(at most 1024: each client's socket buffer holds that many unread replies)")
     system_shm_prefix: str | None = Field(
         default=None, pattern=r"^([A-Za-z0-9_][A-Za-z0-9_.\-]{0,63})?$",
         description="over TCP, system shared memory may only be registered (with the management token) for "

@@ -161,6 +161,8 @@ class ShmClient:
         self._lock = threading.RLock()
         self._core = ShmCore()
         self._slots: dict[Key, Slot] = {}
+        self._orphans: list[ClientSegment] = []  # slots of interrupted infer() calls, given back with the next slot
+        self._lost_registers: set[int] = set()  # ids of interrupted REGISTERs: their segments go back when answered
         self._prepared_segments: set[int] = set()  # ids of segments prepared requests own
         try:
             self.server: dict[str, Any] = self._run(self._core.hello())
@@ -189,8 +191,16 @@ class ShmClient:
                 _, status, count, got = p.HEADER.unpack_from(self._buf)
                 if got == rid:
                     return status, count, self._view[p.HEADER.size : n]
+                if got in self._lost_registers:  # else the stale reply of an interrupted call: dropped
+                    self._lost_registers.discard(got)
+                    if not status:
+                        sock.send(self._core.unregister_message(p.U32.unpack_from(self._buf, p.HEADER.size)[0]))
         except OSError as e:
             raise link_error(e) from None
+        except BaseException:
+            if fd >= 0:  # a REGISTER interrupted: the daemon maps the segment all the same; its reply names it
+                self._lost_registers.add(rid)
+            raise
 
     def _run(self, op: Op[T]) -> T:
         return run(op, self._call)
@@ -211,9 +221,18 @@ class ShmClient:
             in_need, out_need = max(in_need, slot.in_cap), max(out_need, slot.out_cap)
             del self._slots[key]
             self._unregister(slot.segment)
+        while self._orphans:
+            self._unregister(self._orphans.pop())
         slot = self._run(self._core.area(in_need, out_need))
         self._slots[key] = slot
         return slot
+
+    def _orphan_slot(self, key: Key) -> None:
+        """An interrupted call's slot: the daemon may still write into it, so the next call gets a fresh
+        one, and this one is unregistered then (the daemon unmaps it once its request is over)."""
+        slot = self._slots.pop(key, None)
+        if slot is not None:
+            self._orphans.append(slot.segment)
 
     def _exchange(
         self, msg: bytes | bytearray, slot: Slot, copy: bool, grow_above: int, interrupted: Callable[[], object]
@@ -259,10 +278,8 @@ class ShmClient:
                 msg = encode_request(
                     self._core.next_id(), model, version, slot, packed, outputs=outputs, timeout=timeout
                 )
-                # Interrupted or disconnected: the daemon may still write into this slot, so the next
-                # call gets a fresh one (the old segment is released with the connection).
                 got = self._exchange(
-                    msg, slot, copy, grow_limit(attempt, info.output_hint), lambda: self._slots.pop(key, None)
+                    msg, slot, copy, grow_limit(attempt, info.output_hint), functools.partial(self._orphan_slot, key)
                 )
                 if not isinstance(got, int):
                     return got
@@ -307,9 +324,8 @@ class ShmClient:
         self._core.encode_prepared(prep, slot, packed)
 
     def _give_back(self, prep: PreparedInfer) -> None:
-        """Unregister the current output area and those of interrupted runs. The daemon serves this
-        connection's messages in order and this client never pipelines, so an interrupted run is over
-        by the time it reads the next message (a segment still busy is refused, and kept)."""
+        """Unregister the current output area and those of interrupted runs (an interrupted run may
+        still be queued at the daemon: it unmaps the area once that run is over)."""
         old = [prep.slot.segment] if prep.slot is not None else []
         prep.slot = None
         for seg in old + prep.orphans:
@@ -397,6 +413,7 @@ class ShmClient:
             self._core.closed = True
             self._sock.close()
             self._slots.clear()
+            self._orphans.clear()
             self._core.drop_all()
 
     def __enter__(self) -> ShmClient:
@@ -423,8 +440,10 @@ class AsyncShmClient:
         self._buf = bytearray(p.MAX_MESSAGE)
         self._core = ShmCore()
         self._free: dict[Key, list[Slot]] = {}
-        # what becomes of a cancelled request's memory once its late completion arrives, by request id
+        # what becomes of a cancelled request's memory once its late completion arrives, by request id; each
+        # also holds the request's in-flight place until then (the daemon counts the request until it answers)
         self._late: dict[int, Callable[[], None]] = {}
+        self._chores: set[asyncio.Task[None]] = set()  # messages sent in the background, no reply awaited
         self._inflight: Inflight | None = None
         self._info_locks: dict[Key, asyncio.Lock] = {}
         self._room: asyncio.Future[None] | None = None  # set when the full socket has room again
@@ -482,6 +501,8 @@ class AsyncShmClient:
                 fut.set_result((status, count, bytes(self._buf[p.HEADER.size : n])))
             elif (late := self._late.pop(rid, None)) is not None:
                 late()
+                if self._inflight is not None:
+                    self._inflight.give()
 
     def _fail_all(self, err: EdgedError) -> None:
         if self._sock is not None and self._loop is not None:
@@ -495,12 +516,60 @@ class AsyncShmClient:
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(err)
+        late, self._late = self._late, {}
+        if self._inflight is not None:
+            for _ in late:  # no late completion comes now: their places go to the waiters, who find it closed
+                self._inflight.give()
         self._core.closed = True
 
     async def _call(self, msg: bytes | bytearray, fd: int = -1) -> tuple[int, int, bytes]:
         if self._core.closed or self._sock is None or self._loop is None:
             raise not_open_error()
-        return await self._exchange(p.HEADER.unpack_from(msg)[3], msg, fd)
+        rid = p.HEADER.unpack_from(msg)[3]
+        return await (self._exchange(rid, msg) if fd < 0 else self._register_exchange(rid, msg, fd))
+
+    async def _register_exchange(self, rid: int, msg: bytes | bytearray, fd: int) -> tuple[int, int, bytes]:
+        """A REGISTER (the one message with an fd). Once sent, the daemon maps the segment whatever
+        becomes of the caller: cut off after that, its reply (in already, or still to come) names the
+        segment, which is given back then; else each cancelled call would cost the client a segment."""
+        assert self._loop is not None
+        fut: asyncio.Future[tuple[int, int, bytes]] = self._loop.create_future()
+        self._pending[rid] = fut
+        try:
+            if not self._send_now(msg, fd):
+                await self._send_when_room(msg, fd)
+        except BaseException:
+            self._pending.pop(rid, None)
+            raise
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(self._registered_late)
+            raise
+
+    def _registered_late(self, fut: asyncio.Future[tuple[int, int, bytes]]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return  # the connection is gone, and with it the segment
+        status, _, body = fut.result()
+        if not status:
+            self._send_unanswered(self._core.unregister_message(p.U32.unpack_from(body)[0]))
+
+    def _send_unanswered(self, msg: bytes | bytearray) -> None:
+        """Send a message whose reply no one awaits (``_on_readable`` drops a reply of an unknown id),
+        in the background when the socket is full. Closed: the connection's end releases everything."""
+        if self._core.closed or self._loop is None:
+            return
+        with contextlib.suppress(EdgedError):
+            if self._send_now(msg, -1):
+                return
+            task = self._loop.create_task(self._send_when_room(msg, -1))
+            self._chores.add(task)
+            task.add_done_callback(self._chore_done)
+
+    def _chore_done(self, task: asyncio.Task[None]) -> None:
+        self._chores.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a closed client's message needs sending no more
 
     async def _run(self, op: Op[T]) -> T:
         return await arun(op, self._call)
@@ -508,7 +577,8 @@ class AsyncShmClient:
     def _send_now(self, msg: bytes | bytearray, fd: int) -> bool:
         """Send without waiting: False when the socket's buffer is full (then ``await _send_when_room``)."""
         sock = self._sock
-        assert sock is not None
+        if sock is None:  # closed while the caller waited (for a place, for room)
+            raise not_open_error()
         try:
             if fd >= 0:
                 sock.sendmsg([msg], fds_message(fd))
@@ -586,7 +656,8 @@ class AsyncShmClient:
         inflight = self._inflight
         assert inflight is not None, "call connect() (or use 'async with') first"
         if not inflight.take_now():
-            await inflight.take()
+            await self._take_place(inflight)
+        cut = False  # cut off after it was sent: the place is the late reply's to give back
         try:
             key = (model, version or 0)
             info = await self._info(model, version)
@@ -605,10 +676,12 @@ class AsyncShmClient:
                         rid, model, version, slot, packed, outputs=outputs, timeout=timeout, queue=bool(self._pending)
                     )
                     try:
-                        reply = await self._exchange(rid, msg, late=functools.partial(self._pool_slot, key, slot))
+                        reply = await self._exchange(
+                            rid, msg, late=functools.partial(self._pool_slot, key, slot)
+                        )
                     except asyncio.CancelledError:
                         if rid in self._late:  # cut off: the slot is pooled when the late completion arrives
-                            slot = None
+                            slot, cut = None, True
                         raise
                     got = answer(reply, slot, True, grow_limit(attempt, info.output_hint))
                     if not isinstance(got, int):
@@ -619,7 +692,15 @@ class AsyncShmClient:
                 if slot is not None and not self._core.closed:
                     self._free.setdefault(key, []).append(slot)
         finally:
+            if not cut:
+                inflight.give()
+
+    async def _take_place(self, inflight: Inflight) -> None:
+        """Wait for an in-flight place; closed meanwhile, the place goes on and the client's error is raised."""
+        await inflight.take()
+        if self._core.closed:
             inflight.give()
+            raise not_open_error()
 
     async def prepare(
         self,
@@ -669,7 +750,8 @@ class AsyncShmClient:
         prep.running = True  # from here a close() leaves the buffers to this run's end, waiting included
         try:
             if not inflight.take_now():
-                await inflight.take()
+                await self._take_place(inflight)
+            cut = False  # cut off after it was sent: the place is the late reply's to give back
             try:
                 for attempt in range(TRIES):
                     slot = prep.slot
@@ -682,10 +764,12 @@ class AsyncShmClient:
                     p.set_request_id(msg, rid)
                     p.set_request_flags(msg, p.FLAG_QUEUE if self._pending else 0)  # batch it with others in flight
                     try:
-                        reply = await self._exchange(rid, msg, late=functools.partial(self._spare, prep, slot))
+                        reply = await self._exchange(
+                            rid, msg, late=functools.partial(self._spare, prep, slot)
+                        )
                     except asyncio.CancelledError:
                         if rid in self._late:  # cut off: the next run gets another area
-                            prep.slot = None
+                            prep.slot, cut = None, True
                         raise
                     got = answer(reply, slot, copy, grow_limit(attempt, slot.out_cap))
                     if not isinstance(got, int):
@@ -695,7 +779,8 @@ class AsyncShmClient:
                     await self._bind(prep, got)  # the outputs need more room: grow the area, encode again
                 raise AssertionError("unreachable: the last try raises")
             finally:
-                inflight.give()
+                if not cut:
+                    inflight.give()
         finally:
             prep.running = False
             if prep.closed:  # closed while this run was in flight: give its buffers back now
@@ -706,26 +791,32 @@ class AsyncShmClient:
 
     def _spare(self, prep: AsyncPreparedInfer, slot: Slot) -> None:
         """A cut-off prepared run's area, its late completion in: a later area of that request reuses it
-        (closed meanwhile: the model's slot pool takes it, as infer() reuses or gives back its slots)."""
+        (closed meanwhile: given back, or a loop that closes and prepares again would pile them up)."""
         if prep.closed:
-            self._pool_slot((prep.model, prep.version or 0), slot)
+            self._core.segments.pop(slot.segment.id, None)
+            slot.segment.close()
+            self._send_unanswered(self._core.unregister_message(slot.segment.id))
         else:
             prep.spares.append(slot)
 
     async def _exchange(
-        self, rid: int, msg: bytes | bytearray, fd: int = -1, *, late: Callable[[], None] | None = None
+        self, rid: int, msg: bytes | bytearray, *, late: Callable[[], None] | None = None
     ) -> tuple[int, int, bytes]:
-        """Send one message and await its reply. Cancelled before the reply arrived, ``late`` is kept
-        for it (``rid in self._late``): the daemon may still read the request's inputs and write its
-        outputs, so that memory must not be used again until then. Cancelled after: nothing to do."""
+        """Send one message and await its reply. Cancelled before the reply arrived, ``late`` (an
+        INFER's) is kept for it (``rid in self._late``): the daemon may still read the request's inputs
+        and write its outputs, so that memory must not be used again until then, and it still counts
+        the request against max_inflight, so the caller's in-flight place is given back only then.
+        Cancelled after: nothing to do."""
         assert self._loop is not None
         fut: asyncio.Future[tuple[int, int, bytes]] = self._loop.create_future()
         self._pending[rid] = fut
         try:
-            if not self._send_now(msg, fd):
-                await self._send_when_room(msg, fd)
-        except BaseException:
+            if not self._send_now(msg, -1):
+                await self._send_when_room(msg, -1)
+        except BaseException as e:
             self._pending.pop(rid, None)
+            if isinstance(e, asyncio.CancelledError) and msg[0] == p.UNREGISTER:
+                self._send_unanswered(msg)  # the core has forgotten the segment: the daemon must too
             raise
         try:
             return await fut

@@ -197,6 +197,9 @@ class ShmCore:
         fd, seg = create_segment(size)
         try:
             status, _, body = yield self.message(p.REGISTER, p.U64.pack(seg.size)), fd
+        except BaseException:
+            seg.close()  # cut off: the daemon's side, if it mapped it, is the caller's to give back
+            raise
         finally:
             os.close(fd)
         if status:
@@ -207,12 +210,18 @@ class ShmCore:
         return seg
 
     def unregister(self, seg: ClientSegment) -> Op[None]:
-        """Give a segment back (a failed round trip leaves it to the connection's end)."""
+        """Give a segment back; the daemon unmaps it once no request in flight uses it (a failed round
+        trip leaves it to the connection's end)."""
         self.segments.pop(seg.id, None)
-        with contextlib.suppress(EdgedError):
-            status, _, body = yield self.message(p.UNREGISTER, p.U32.pack(seg.id)), -1
-            check(status, body)
-        seg.close()
+        try:
+            with contextlib.suppress(EdgedError):
+                status, _, body = yield self.unregister_message(seg.id), -1
+                check(status, body)
+        finally:
+            seg.close()
+
+    def unregister_message(self, seg_id: int) -> bytes:
+        return self.message(p.UNREGISTER, p.U32.pack(seg_id))
 
     def metadata(self, model: str, version: int | None) -> Op[dict[str, Any]]:
         nb = model.encode()

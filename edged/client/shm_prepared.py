@@ -46,7 +46,8 @@ class PreparedInfer(PreparedBase):
     def __init__(self, client: _Client, model: str, version: int | None, *, inputs: dict[str, np.ndarray],
                  segment: ClientSegment, outputs: list[str] | None, timeout: float | None) -> None:
         super().__init__(model, version, inputs=inputs, segment=segment, outputs=outputs, timeout=timeout)
-        # output areas of interrupted runs: given back once the daemon is surely done with them
+        # output areas of interrupted runs: given back by the next run or close() (the daemon unmaps each
+        # once its run is over)
         self.orphans: list[ClientSegment] = []
         self._client = client
 

@@ -36,8 +36,9 @@ Requests (client -> daemon) and their successful replies:
 * ``REGISTER`` (2): body ``<Q`` segment size; exactly one fd via SCM_RIGHTS: a
   memfd of exactly that size with ``F_SEAL_SHRINK`` set (so the daemon's mapping
   can never SIGBUS). Reply body ``<I`` segment id (per connection, never reused).
-* ``UNREGISTER`` (3): body ``<I`` segment id. Reply: empty body. Refused while a
-  request in flight uses the segment.
+* ``UNREGISTER`` (3): body ``<I`` segment id. Reply: empty body. A segment still used
+  by requests in flight loses its id at once and is unmapped when the last of them
+  finishes (counted against the client's limits until then).
 * ``INFER`` (4): body ``INFER  <i I I Q Q H B B``: model version (0 = the current
   one), timeout in microseconds (0 = none), output segment id, output offset,
   output capacity, model name length, number of inputs, number of requested

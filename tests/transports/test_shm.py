@@ -29,7 +29,7 @@ from edged.client.shm_memory import create_segment, plan_inputs
 from edged.config import ModelsSection, parse_config
 from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
-from edged.errors import EdgedError, ErrorCode, InvalidInputError, ModelNotFoundError
+from edged.errors import ConfigError, EdgedError, ErrorCode, InvalidInputError, ModelNotFoundError
 from edged.profiles import BackendPreference
 from edged.protocol import shm as p
 from edged.transports.shm.conn import Limits
@@ -155,6 +155,23 @@ def _pixels(seg: int, *, offset: int = 0, shape: tuple[int, ...] = (1, 64), dtyp
             nbytes: int | None = None, name: str = "pixels") -> bytes:
     n = 4 * int(np.prod(shape)) if nbytes is None else nbytes
     return p.encode_tensor(name, dtype, shape, segment=seg, offset=offset, nbytes=n)
+
+
+@contextlib.contextmanager
+def held_model(service: InferenceService, model: str = "digits") -> Iterator[None]:
+    """Another caller holds the model's one instance until the block ends: requests queue and their
+    connection goes on reading (tests.http_helpers.held_engine holds a run instead, and an inline run
+    stops its connection reading)."""
+    sched = service.ready_model(model).scheduler
+    assert sched is not None
+    # an inline caller gets the instance once the scheduler's memory of overlapping traffic has passed
+    wait_until(sched._claim, 10, 0.01, "the model's instance to be free for an inline caller")
+    try:
+        yield
+    finally:
+        with sched._lock:
+            sched._busy -= 1
+            sched._cv.notify()
 
 
 # ---- tests --------------------------------------------------------------------------------------
@@ -293,6 +310,81 @@ def test_an_interrupted_prepared_run_leaves_nothing_registered(
             assert not prep.orphans and served.transport.clients()[0]["segments"] == before + 2
         prep.close()
         assert served.transport.clients()[0]["segments"] == before
+
+
+def test_sync_calls_interrupted_while_queued_leave_nothing_registered(
+        served: Served, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    """Calls interrupted while their requests wait in the model's queue: the daemon still uses their
+    segments, yet closing the prepared request (and the next infer()) gives them back, and the daemon
+    unmaps them once those requests are over."""
+    x, _ = digits_holdout
+
+    def daemon() -> dict[str, Any]:
+        return served.transport.clients()[0]
+
+    def interrupted(msg: bytes | bytearray, fd: int = -1, rid: int = -1) -> Any:
+        c._sock.send(msg)  # the request goes out; the caller is interrupted (Ctrl-C) before its answer
+        raise KeyboardInterrupt
+
+    with ShmClient(served.socket) as c:
+        c.metadata("digits")
+        gc.collect()  # earlier tests' views: their mappings must not go during this one
+        maps0 = _maps_count()
+        prep = c.prepare("digits", {"pixels": (1, 64)})
+        c.infer("digits", {"pixels": x[:1]})  # infer()'s slot for the model
+        assert daemon()["segments"] == 3
+        with held_model(served.service):
+            c._call = interrupted  # type: ignore[method-assign]
+            with pytest.raises(KeyboardInterrupt):
+                prep.run()
+            with pytest.raises(KeyboardInterrupt):
+                c.infer("digits", {"pixels": x[:1]})
+            del c._call
+            _wait(lambda: daemon()["inflight"] == 2, "both requests to be queued at the daemon")
+            prep.close()  # its input segment and output area are still in use: given back all the same
+            assert daemon()["segments"] == 1 and daemon()["inflight"] == 2
+            del prep  # its input arrays stay readable while it lives, on the client's mapping
+        # the next infer() answers from a fresh slot and gives the interrupted one back
+        np.testing.assert_allclose(c.infer("digits", {"pixels": x[:1]})["probabilities"], served.reference(x[:1]),
+                                   rtol=1e-5, atol=1e-6)
+        assert daemon()["segments"] == len(c._core.segments) == 1
+        (slot,) = c._core.segments.values()
+        # the daemon unmapped every other segment: it maps and counts only the slot, as does the client
+        _wait(lambda: daemon()["mapped_bytes"] == slot.size and _maps_count() == maps0 + 2,
+              "the daemon to unmap the given-back segments")
+
+
+class _InterruptedWait:
+    """A client socket whose wait for a reply is interrupted (Ctrl-C) once the request has gone out."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sock, name)
+
+    def recv_into(self, buf: bytearray) -> int:
+        raise KeyboardInterrupt
+
+
+def test_a_sync_call_interrupted_while_registering_gives_the_segment_back(
+        served: Served, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    """The daemon maps the segment of a REGISTER whose caller was interrupted before the answer: the
+    client gives it back when that answer comes in, so interruptions never use up its segments."""
+    x, _ = digits_holdout
+    with ShmClient(served.socket) as c:
+        c.infer("digits", {"pixels": x[:1]})  # metadata and the model's slot: the next infer() registers nothing
+        sock = c._sock
+        for _ in range(3):
+            c._sock = _InterruptedWait(sock)  # type: ignore[assignment]
+            with pytest.raises(KeyboardInterrupt):
+                c.tensor((1, 64))
+            c._sock = sock
+        assert len(c._core.segments) == 1
+        np.testing.assert_allclose(c.infer("digits", {"pixels": x[:1]})["probabilities"], served.reference(x[:1]),
+                                   rtol=1e-5, atol=1e-6)
+        _wait(lambda: served.transport.clients()[0]["segments"] == 1, "the interrupted REGISTERs' segments to go")
+        assert c.infer("digits", {"pixels": x[:1]})["probabilities"].shape == (1, 10)  # their replies are dropped
 
 
 def test_a_prepared_request_grows_its_output_area(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -503,6 +595,78 @@ def test_per_client_limits(model_repo: Callable[..., Path], tmp_path: Path) -> N
         assert "unknown segment" in p.decode_error(body)[1]
         assert s.transport.clients()[0]["segments"] == 1
         raw.close()
+
+
+def test_a_segment_unregistered_in_use_loses_its_id_at_once_and_its_mapping_after_its_last_request(
+        model_repo: Callable[..., Path], tmp_path: Path) -> None:
+    """A client cut off while waiting for an answer gives the request's memory back while the request is
+    still queued. The id goes at once (no new request can name it); the mapping stays, counted against
+    the client's limits, until the last request using it is over, and is unmapped then."""
+    with _serve(model_repo("digits"), tmp_path, limits=Limits(max_segments=2)) as s:
+        raw = Raw(s.socket)
+
+        def daemon() -> dict[str, Any]:
+            return s.transport.clients()[0]
+
+        gc.collect()  # earlier tests' views: their mappings must not go during this one
+        maps0 = _maps_count()
+        seg = raw.register(8192)  # Raw unmaps its own side at once: only the daemon's mapping is counted
+        with held_model(s.service):
+            raw.rid += 1
+            queued = raw.rid
+            raw.sock.send(p.encode_infer(queued, "digits", 0, [_pixels(seg)], out_segment=seg, out_offset=4096,
+                                         out_capacity=4096))
+            _wait(lambda: daemon()["inflight"] == 1, "the request to be queued")
+            _, status, _, body = raw.call(p.UNREGISTER, p.U32.pack(seg))
+            assert status == 0, p.decode_error(body)
+            assert daemon()["segments"] == 0 and daemon()["mapped_bytes"] == 8192 and _maps_count() == maps0 + 1
+            status, _, body = raw.infer([_pixels(seg)], seg)
+            assert status and f"unknown segment {seg}" in p.decode_error(body)[1]
+            _, status, _, body = raw.call(p.UNREGISTER, p.U32.pack(seg))
+            assert "unknown segment" in p.decode_error(body)[1]
+            other = raw.register(8192)
+            fd, extra = create_segment(8192)  # the one in use still counts: a third is one too many
+            try:
+                _, status, _, body = raw.call(p.REGISTER, p.U64.pack(extra.size), [fd])
+            finally:
+                os.close(fd)
+                extra.close()
+            assert "too many segments" in p.decode_error(body)[1]
+        data = raw.sock.recv(p.MAX_MESSAGE)
+        _, status, _, rid = p.HEADER.unpack_from(data)
+        assert (rid, status) == (queued, 0), p.decode_error(data[p.HEADER.size:])
+        _wait(lambda: daemon()["mapped_bytes"] == 8192 and _maps_count() == maps0 + 1,
+              "the daemon to unmap the segment after its last request")
+        assert raw.register(8192) > other
+        raw.close()
+
+
+def test_a_client_that_reads_its_replies_late_within_max_inflight_stays_connected(
+        model_repo: Callable[..., Path], tmp_path: Path) -> None:
+    """Replies go out without waiting (a scheduler thread never blocks on one client), so a full socket
+    buffer reads as a client that does not read and is disconnected. Each client's buffer holds its
+    max_inflight replies: one that sends that many before it reads a single reply is served in full."""
+    n = 400  # far more replies than the kernel's default socket buffer holds (about 270)
+    with _serve(model_repo("digits"), tmp_path, limits=Limits(max_inflight=n)) as s:
+        raw = Raw(s.socket)
+        seg = raw.register(8192)
+        for _ in range(n):
+            raw.rid += 1
+            raw.sock.send(p.encode_infer(raw.rid, "digits", 0, [_pixels(seg)], out_segment=seg, out_offset=4096,
+                                         out_capacity=4096, flags=p.FLAG_QUEUE))
+        _wait(lambda: not (cs := s.transport.clients()) or cs[0]["requests"] == n,
+              "every request to be answered (or the client disconnected)")
+        replies = [raw.sock.recv(p.MAX_MESSAGE) for _ in range(n)]
+        assert [p.HEADER.unpack_from(r)[1:3] if r else "EOF" for r in replies] == [(0, 1)] * n
+        assert s.transport.clients()
+        raw.close()
+
+
+def test_max_inflight_is_bounded_in_the_config() -> None:
+    """Each client's socket buffer is sized to hold max_inflight replies, pinned in the kernel: bounded."""
+    assert parse_config("[shm]\nmax_inflight = 1024\n").shm.max_inflight == 1024
+    with pytest.raises(ConfigError, match=r"shm\.max_inflight: .*less than or equal to 1024"):
+        parse_config("[shm]\nmax_inflight = 5000\n")
 
 
 def test_many_clients_at_once(served: Served, tmp_path: Path, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:

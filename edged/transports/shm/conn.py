@@ -12,6 +12,11 @@ stay unread on the socket, out of the batch.
 
 Everything the client owned (mapped segments) is released when its socket
 reaches EOF or reset, which is also what a ``kill -9`` of the client looks like.
+
+Replies go out with ``MSG_DONTWAIT`` (a scheduler thread must never block on one client), so a
+full send buffer means the client is not reading: it is disconnected. Each accepted socket's send
+buffer is therefore sized to hold ``max_inflight`` unread replies (:func:`fit_send_buffer`), so a
+client that reads late, within its limit, is never mistaken for one that does not read.
 """
 
 from __future__ import annotations
@@ -60,6 +65,30 @@ _CTRUNC = int(socket.MSG_CTRUNC)
 
 _PLAN_CACHE = 64
 
+# What the kernel charges a socket's send buffer for one queued reply of up to 1 KiB (an INFER
+# reply is a header and a few output descriptors): the payload in a 2 KiB slab plus the skb
+# (measured with SIOCOUTQ: 768 bytes for replies up to 192 bytes, 1280 up to 704, 2304 up to 1728).
+REPLY_COST = 2304
+# Room for replies to control messages (REGISTER, METADATA, ...) besides max_inflight INFER replies.
+_CONTROL_REPLIES = 32
+
+
+def reply_room(max_inflight: int) -> int:
+    """Send-buffer bytes that hold every reply a client within ``max_inflight`` may leave unread."""
+    return (max_inflight + _CONTROL_REPLIES) * REPLY_COST
+
+
+def fit_send_buffer(sock: socket.socket, need: int) -> int:
+    """Grow ``sock``'s send buffer to at least ``need`` bytes (never shrink it); returns what it holds.
+
+    The kernel doubles what SO_SNDBUF asks for (socket(7)) and caps the request at net.core.wmem_max."""
+    have: int = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    if have < need:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, (need + 1) // 2)
+        have = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    return have
+
 
 @dataclass
 class _Plan:
@@ -104,6 +133,9 @@ class Connection:
         self.limits = limits
         self._on_closed = on_closed
         self.segments: dict[int, Segment] = {}
+        # Unregistered while requests in flight still use them: no longer named by any id, unmapped
+        # (and counted against the limits until then) when the last of those requests finishes.
+        self._retiring: list[Segment] = []
         self.mapped_bytes = 0
         self.requests = 0
         self.inflight = 0
@@ -177,10 +209,11 @@ class Connection:
         # In-flight requests still read inputs from (and write outputs to) the client's segments:
         # let them finish before unmapping. Their completions go nowhere; that is fine.
         self.wait_idle(60.0)
-        segs = list(self.segments.values())
+        segs = [*self.segments.values(), *self._retiring]
         freed = self.mapped_bytes
         self._plans.clear()
         self.segments.clear()
+        self._retiring.clear()
         self.mapped_bytes = 0
         lingering = sum(not s.close() for s in segs)
         with contextlib.suppress(OSError):
@@ -255,7 +288,7 @@ class Connection:
             raise SegmentError(f"REGISTER must carry exactly one file descriptor, got {len(fds)}")
         (size,) = p.U64.unpack_from(body)
         lim = self.limits
-        if len(self.segments) >= lim.max_segments:
+        if len(self.segments) + len(self._retiring) >= lim.max_segments:
             raise ResourceExhaustedError(f"too many segments: at most {lim.max_segments} per client")
         if size > lim.max_mapped_bytes - self.mapped_bytes:
             raise ResourceExhaustedError(
@@ -275,16 +308,20 @@ class Connection:
             raise p.ProtocolError("UNREGISTER body must be 4 bytes (the segment id)")
         (seg_id,) = p.U32.unpack_from(body)
         with self._lock:
-            seg = self.segments.get(seg_id)
+            seg = self.segments.pop(seg_id, None)
             if seg is None:
                 raise InvalidInputError(f"unknown segment {seg_id}")
-            if seg.busy:
-                raise EdgedError(f"segment {seg_id} is used by {seg.busy} request(s) in flight",
-                                 code=ErrorCode.FAILED_PRECONDITION)
-            del self.segments[seg_id]
-            self.mapped_bytes -= seg.size
             self._plans.clear()  # cached plans may name this segment
-        seg.close()
+            busy = seg.busy
+            if busy:
+                # A request cut off on the client's side may still be queued here. Refusing would leave
+                # the segment registered (and counted) until disconnect, as the client has moved on:
+                # the id goes now, so no new request can name it, and _finish unmaps it after the last.
+                self._retiring.append(seg)
+            else:
+                self.mapped_bytes -= seg.size
+        if not busy:
+            seg.close()
         self._send(p.header(p.UNREGISTER | p.REPLY, rid))
 
     def _metadata(self, rid: int, body: memoryview) -> None:
@@ -428,9 +465,25 @@ class Connection:
                 self.requests += 1
                 for s in plan.used:
                     s.busy -= 1
+                if self._retiring:  # some segment was unregistered while in use: maybe this was its last
+                    self._unmap_retired(plan)
                 if self._waiters and not self.inflight:
                     self._idle.notify_all()
         self._send(msg)
+
+    def _unmap_retired(self, plan: _Plan) -> None:
+        """Unmap the unregistered segments of ``plan`` that no request uses any more (under the lock).
+
+        The plan is out of the cache (the UNREGISTER cleared it) and nothing in flight uses it, so its
+        views go too. A view the scheduler still holds (the batch is answered from its frame) keeps
+        the mapping until it goes; the budget no longer counts it, as when a segment is let go idle."""
+        for s in plan.used:
+            if not s.busy and s in self._retiring:
+                self._retiring.remove(s)
+                self.mapped_bytes -= s.size
+                plan.views = None
+                plan.outputs.clear()
+                s.close()
 
     def _write_outputs(self, rid: int, plan: _Plan, resp: InferResponse) -> bytes:
         """Pack outputs into the client's output slot (one copy each) and build the completion."""

@@ -28,7 +28,7 @@ from edged.errors import EdgedError, ErrorCode
 from edged.fsutil import ensure_private_dir
 from edged.protocol.peercred import peer_credentials
 from edged.transports.redact import Scrubber
-from edged.transports.shm.conn import Connection, Limits
+from edged.transports.shm.conn import REPLY_COST, Connection, Limits, fit_send_buffer, reply_room
 from edged.transports.shm.segments import clean_stale_shm, fds_needed
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,8 @@ class ShmTransport:
         shm = cfg.shm
         self.limits = limits or Limits(max_segments=shm.max_segments, max_mapped_bytes=int(shm.max_region_mb * 2**20),
                                        max_inflight=shm.max_inflight)
+        # each client's send buffer holds its max_inflight unread replies (see conn.fit_send_buffer)
+        self._reply_room = reply_room(self.limits.max_inflight)
         self._listener: socket.socket | None = None
         self._inode: tuple[int, int] | None = None
         self._wake_r = self._wake_w = -1
@@ -99,6 +101,7 @@ class ShmTransport:
                              code=ErrorCode.UNAVAILABLE) from None
         st = os.stat(path)
         self._inode = (st.st_dev, st.st_ino)
+        self._check_reply_room()
         self._listener = sock
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._stopping = False
@@ -133,6 +136,17 @@ class ShmTransport:
         for c in conns:
             c.thread.join(5.0)
         log.info("shm transport stopped (%d client(s) disconnected)", len(conns))
+
+    def _check_reply_room(self) -> None:
+        """Say at start when the kernel caps a client's send buffer below its max_inflight replies:
+        a client that reads its replies late, yet within the limit, would then be disconnected."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
+            have = fit_send_buffer(probe, self._reply_room)
+        if have < self._reply_room:
+            log.warning("shm: [shm] max_inflight = %d needs %d bytes of socket send buffer per client for "
+                        "replies read late, but the kernel allows %d (net.core.wmem_max): a client with more "
+                        "than about %d replies unread is disconnected; raise net.core.wmem_max or lower "
+                        "max_inflight", self.limits.max_inflight, self._reply_room, have, have // REPLY_COST)
 
     def _remove_stale_socket(self, path: Path) -> None:
         try:
@@ -202,6 +216,7 @@ class ShmTransport:
                            scrub=self.scrub)
             self._conns[c] = None
         log.info("shm client connected: pid=%d uid=%d gid=%d (%s)", pid, uid, gid, _comm(pid))
+        fit_send_buffer(conn, self._reply_room)  # once per client, before its first reply
         c.start()
 
     def _closed(self, conn: Connection) -> None:
