@@ -110,13 +110,16 @@ class _Date:
 _DATE = _Date()
 
 
-def render_head(status: int, headers: Headers, length: int, close: bool) -> bytes:
+def render_head(status: int, headers: Headers, length: int, close: bool, keep_alive: bool = False) -> bytes:
+    """``keep_alive``: say so (an HTTP/1.0 client closes after the answer unless told otherwise)."""
     parts = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))]
     for k, v in headers:
         parts += (k, b": ", v, b"\r\n")
     parts.append(b"content-length: %d\r\ndate: %s\r\n" % (length, _DATE.get()))
     if close:
         parts.append(b"connection: close\r\n")
+    elif keep_alive:
+        parts.append(b"connection: keep-alive\r\n")
     parts.append(b"\r\n")
     return b"".join(parts)
 
@@ -128,6 +131,7 @@ def error_response(status: int, message: str) -> Response:
 # A body is held twice while it arrives in pieces and is joined into one buffer.
 BODY_COPIES = 2
 LINGER_S = 5.0  # a refused body is read and dropped for at most this long after the answer
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 @dataclass
@@ -185,6 +189,20 @@ class _State:
             if conn.transport is not None and not conn._discard:
                 conn.resume_body()
 
+    def drop(self, victim: HttpConnection, status: int = 0, why: str = "") -> None:
+        """Take ``victim`` off the books to make room: told ``status`` (0: nothing, an idle connection) and
+        closed. A socket off the books must not stay open: one whose close would wait (an answer still being
+        computed or written, a client that does not read) is aborted."""
+        if status:
+            victim._refuse(status, why)
+        transport = victim.transport
+        if transport is not None:
+            if victim.task is not None or transport.get_write_buffer_size():
+                transport.abort()
+            else:
+                transport.close()
+        self.discard(victim)
+
     def room_beyond(self, conn: HttpConnection) -> bool:
         """Server full: a client holding less than an equal share of the connections may still come in,
         within ``overflow_connections`` (descriptors the budget keeps for accept bursts), rather than
@@ -202,8 +220,7 @@ class _State:
                      key=lambda c: c.since, default=None)
         if victim is None or victim.transport is None:
             return False
-        victim._refuse(503, why)
-        self.discard(victim)
+        self.drop(victim, 503, why)
         return True
 
     def evict_for(self, conn: HttpConnection) -> bool:
@@ -227,8 +244,7 @@ class _State:
                 victim = next(iter(self.parked), None)
         if victim is None or victim.transport is None:
             return False
-        victim.transport.close()
-        self.discard(victim)
+        self.drop(victim)
         return True
 
     def cut_slowest(self, conn: HttpConnection, why: str) -> bool:
@@ -250,9 +266,7 @@ class _State:
         if victim is None:
             return False
         self.cut_off += 1
-        victim._refuse(408, f"request body arriving too slowly ({victim.body_rate(now):.0f} bytes/s) while "
-                       f"{why}")
-        self.discard(victim)
+        self.drop(victim, 408, f"request body arriving too slowly ({victim.body_rate(now):.0f} bytes/s) while {why}")
         return True
 
 
@@ -277,7 +291,10 @@ class HttpConnection(asyncio.Protocol):
         self.closing = False  # no new requests: answer what is queued, then close
         self._finish_current = False
         self._final: Response | None = None  # a protocol-level refusal to send after the queued answers
-        self.paused = False
+        self._linger = False  # the refusal's client may still be sending: read and drop it a while (_end)
+        self._discard = False  # refused (or cut off mid-request): every later byte is ignored, then it closes
+        self._echo_keep_alive = False  # an HTTP/1.0 client asked to keep the connection: tell it it is kept
+        self.paused = False  # reading paused by the server: too many requests queued here
         self._hold: Reservation | None = None  # the request memory reserved for the body being received
         self._writable = asyncio.Event()
         self._writable.set()
@@ -287,14 +304,15 @@ class HttpConnection(asyncio.Protocol):
     def _reset_message(self) -> None:
         self._url: list[bytes] = []
         self._headers: Headers = []
-        self._header_bytes = 0
+        self._header_bytes = 0  # the target and the headers parsed so far
+        self._head_raw = 0  # bytes received while this request's headers were incomplete (see data_received)
+        self._continue = False  # 100 Continue owed once the answers before this request are written
         self._body: list[bytes] = []
         self._body_size = 0
         self._allowed = 0  # body bytes the reservation covers
         self._release_hold()
         self._keep_alive = True
         self._in_message = False
-        self._discard = False  # the request was refused already; ignore the rest of it
 
     # ---- connection lifecycle ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -339,6 +357,7 @@ class HttpConnection(asyncio.Protocol):
         self._rate_base = self._body_size
         self.state.make_busy(self)
         self.transport.resume_reading()
+        self.paused = False  # reading again, whatever paused it
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.state.discard(self)
@@ -364,33 +383,40 @@ class HttpConnection(asyncio.Protocol):
 
     def check_timeouts(self, now: float) -> None:
         """Called by the server's once-a-second sweep (cheaper than a timer per request)."""
-        if self.transport is None:
+        transport = self.transport
+        if transport is None:
             return
-        if self._in_message:
-            if self._discard:
-                return
-            if now - self.since > self.limits.request_timeout_s:
+        limits = self.limits
+        if self._write_blocked and now - self._write_blocked > limits.request_timeout_s:
+            # An answer waiting for a client that does not read: the connection is held, not used
+            # (whatever else it is doing: a next request half sent, a refusal queued, a close under way).
+            transport.abort()
+        elif self._discard:
+            # Refused: it closes once its answers are out (_serve, _end). Should that close never
+            # complete (a linger, a write the kernel does not take), it is cut here.
+            if self.task is None and now - self.since > max(limits.request_timeout_s, LINGER_S):
+                transport.abort()
+        elif self._in_message:
+            if self.paused or self._continue:
+                return  # reading paused, or 100 Continue not yet sent, by the server: the wait is not the client's
+            if now - self.since > limits.request_timeout_s:
                 self._refuse(408, "request not received in time")
-            elif not self._headers_done and now - self.since > self.limits.header_timeout_s:
+            elif not self._headers_done and now - self.since > limits.header_timeout_s:
                 self._refuse(408, "request headers not received in time")
             elif self._headers_done and self not in self.state.parked and \
-                    now - self.last_body > self.limits.body_timeout_s:
-                self._refuse(408, f"request body paused for more than {self.limits.body_timeout_s:g} s")
-        elif self.task is not None and not self._writable.is_set():
-            # An answer waiting for a client that does not read: the connection is held, not used.
-            if self._write_blocked and now - self._write_blocked > self.limits.request_timeout_s:
-                self.transport.abort()
+                    now - self.last_body > limits.body_timeout_s:
+                self._refuse(408, f"request body paused for more than {limits.body_timeout_s:g} s")
         elif self.task is None and not self.queue:
             # A connection that never sent a request gets the header deadline, not the keep-alive one.
-            idle = self.limits.keep_alive_s if self.served else self.limits.header_timeout_s
+            idle = limits.keep_alive_s if self.served else limits.header_timeout_s
             if now - self.since > idle:
-                self.transport.close()
+                transport.close()
 
     def shutdown(self) -> None:
         """Graceful stop: close now when idle, else after the request in progress is answered."""
         self._finish_current = self._in_message  # a request half received still gets its answer
         self.closing = True
-        if self.task is None and not self._in_message and self.transport is not None:
+        if self.task is None and (not self._in_message or self._discard) and self.transport is not None:
             self.transport.close()
 
     def eof_received(self) -> bool | None:
@@ -408,17 +434,27 @@ class HttpConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._discard or (self.closing and not self._in_message):
             return
+        # httptools keeps a header's value to itself until it is complete: its size is judged here. A chunk
+        # that comes while the headers are incomplete and leaves them so is all header bytes (a request that
+        # begins in this one resets the count: its first chunk is bounded by the read size).
+        head = self._in_message and not self._headers_done
+        if head:
+            self._head_raw += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             # No protocol upgrades here: answer the request as plain HTTP, then close.
             self.closing = True
         except httptools.HttpParserError as e:
-            if not self._discard:
+            # Bytes after the last request (it said Connection: close) are not read, nor answered.
+            if not (self.closing and not self._in_message):
                 self._refuse(400, f"malformed HTTP request: {e}")
-        if self._in_message and self._headers_done and not self._discard and self not in self.state.busy \
-                and self not in self.state.parked:
-            self._body_pending()
+        if self._in_message and not self._discard:
+            if not self._headers_done:
+                if head and self._head_raw > self.limits.max_header_bytes:
+                    self._refuse(431, "request headers are too large", linger=True)
+            elif self not in self.state.busy and self not in self.state.parked:
+                self._body_pending()
 
     def _body_pending(self) -> None:
         """Headers in, body still to come: one more connection holding a slot while a sender takes its time.
@@ -439,20 +475,28 @@ class HttpConnection(asyncio.Protocol):
         st.make_busy(self)
 
     def on_message_begin(self) -> None:
+        if self._discard:
+            return  # refused: a request pipelined behind the refusal is not read
         self._reset_message()
         self._in_message = True
         self._headers_done = False
         self.since = time.monotonic()
 
-    def on_url(self, url: bytes) -> None:
+    def on_url(self, url: bytes) -> None:  # called for each piece of the target as it arrives
+        if self._discard:
+            return
         self._url.append(url)
         self._header_bytes += len(url)
+        if self._header_bytes > self.limits.max_header_bytes:
+            self._refuse(414, f"request target is longer than {self.limits.max_header_bytes} bytes", linger=True)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._discard:
+            return
         self._headers.append((name.lower(), value))
         self._header_bytes += len(name) + len(value) + 4
-        if self._header_bytes > self.limits.max_header_bytes and not self._discard:
-            self._refuse(431, "request headers are too large")
+        if self._header_bytes > self.limits.max_header_bytes:
+            self._refuse(431, "request headers are too large", linger=True)
 
     def on_headers_complete(self) -> None:
         self._headers_done = True
@@ -473,8 +517,13 @@ class HttpConnection(asyncio.Protocol):
                     return
             elif k == b"expect" and v.lower() == b"100-continue":
                 expect = True
+            elif k == b"connection" and self._keep_alive and self.parser.get_http_version() == "1.0":
+                self._echo_keep_alive = True  # asked for with Connection: keep-alive
         if expect and self.transport is not None:
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            if self.task is None:
+                self.transport.write(_CONTINUE)
+            else:
+                self._continue = True  # not before the answers to the requests before it (_serve)
         self.body_since = self.last_body = time.monotonic()
 
     def on_body(self, body: bytes) -> None:
@@ -545,11 +594,14 @@ class HttpConnection(asyncio.Protocol):
     def _refuse(self, status: int, message: str, extra: Headers | None = None, *, linger: bool = False) -> None:
         """Answer an error at the protocol level (after what is already queued) and close.
 
-        ``linger``: the client is still sending a body it was told may come; the rest is read and
-        dropped for up to LINGER_S after the answer, so that closing with unread data (a TCP reset)
-        does not destroy the answer before the client reads it."""
+        ``linger``: the client may still be sending (a body it was told may come, headers past the limit);
+        the rest is read and dropped for up to LINGER_S after the answer, so that closing with unread data
+        (a TCP reset) does not destroy the answer before the client reads it."""
+        if self._discard:
+            return  # refused already: that answer was the last
         self._discard = True
         self.closing = True
+        self._linger = linger
         self.state.unbusy(self)
         self._body = []
         self._release_hold()
@@ -557,19 +609,27 @@ class HttpConnection(asyncio.Protocol):
             return
         st, headers, body = error_response(status, message)
         headers = headers + (extra or [])
-        if self.task is None and linger and self.transport.can_write_eof():
-            self._write(st, headers, body, close=True)
-            self.transport.write_eof()
-            transport = self.transport
-            self.loop.call_later(LINGER_S, transport.close)
-            return
-        self.transport.pause_reading()
         if self.task is None:
             self._write(st, headers, body, close=True)
-            self.transport.close()
+            self._end()
         else:
             # Requests already queued are answered first; the refusal is the last response here.
+            self.transport.pause_reading()
             self._final = (st, headers, body)
+
+    def _end(self) -> None:
+        """Close after the last answer; a refusal that lingers shuts down its sending side first and reads
+        (and drops) what the client still sends for up to LINGER_S."""
+        transport = self.transport
+        assert transport is not None
+        self.since = time.monotonic()  # closing since: check_timeouts cuts a close that never completes
+        if self._linger and transport.can_write_eof():
+            self._linger = False
+            transport.write_eof()
+            transport.resume_reading()
+            self.loop.call_later(LINGER_S, transport.close)
+        else:
+            transport.close()
 
     # ---- serving ----------------------------------------------------------------------------
     async def _serve(self) -> None:
@@ -580,6 +640,8 @@ class HttpConnection(asyncio.Protocol):
                         and not self.closing and self not in self.state.parked:
                     self.transport.resume_reading()
                     self.paused = False
+                    if self._in_message:
+                        self._restart_clock()
                 try:
                     status, headers, body = await self.handler(req)
                 except Exception:  # the handler answers its own errors; this is a last resort
@@ -595,20 +657,38 @@ class HttpConnection(asyncio.Protocol):
                 self._write(status, headers, body, close=last, head_only=req.method == "HEAD")
                 if not self._writable.is_set():
                     await self._writable.wait()
-            if self._final is not None and self.transport is not None:
-                self._write(*self._final, close=True)
-                self._final = None
+            if self.transport is not None and (self._final is not None or self._continue):
+                self._answers_written()
         finally:
             self.task = None
-            if self.transport is not None and not self._in_message:
+            # A refused request (_discard) is never completed: the connection closes without it.
+            if self.transport is not None and (not self._in_message or self._discard):
                 if self.closing:
-                    self.transport.close()
+                    self._end()
                 else:
                     self.since = time.monotonic()
 
+    def _answers_written(self) -> None:
+        """Every queued request is answered: a refusal held back goes out now, or the 100 Continue of the
+        request in progress (its turn now)."""
+        assert self.transport is not None
+        if self._final is not None:
+            final, self._final = self._final, None
+            self._write(*final, close=True)
+        elif self._continue and self._in_message:
+            self._continue = False
+            self.transport.write(_CONTINUE)
+            self._restart_clock()
+
+    def _restart_clock(self) -> None:
+        """The request in progress waited for the server (reading paused, 100 Continue held back): it is
+        timed, and its body's rate judged, from now."""
+        self.since = self.last_body = self.body_since = time.monotonic()
+        self._rate_base = self._body_size
+
     def _write(self, status: int, headers: Headers, body: bytes, *, close: bool, head_only: bool = False) -> None:
         assert self.transport is not None
-        head = render_head(status, headers, len(body), close)
+        head = render_head(status, headers, len(body), close, self._echo_keep_alive)
         if head_only or not body:
             self.transport.write(head)
         elif len(body) <= _ONE_WRITE:
