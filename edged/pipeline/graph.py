@@ -12,7 +12,10 @@ which is the daemon's scheduler, so concurrent requests batch in the model's own
 dynamic batcher. A model step never hands a model more rows than its ``max_batch_size``:
 a larger batch (a fan-out's crops) is split into chunks of that size, submitted together
 through the model's scheduler (so they batch with other requests) and their answers joined
-in order. The request's deadline and priority go with every model call.
+in order; when one of them fails, the others are called off. The request's deadline and
+priority go with every model call. A request that ends early (cancelled, or a step failed)
+cancels its other steps and ends only once each has: a step in a worker thread cannot be
+stopped, so it is waited for, and the request's memory is released after it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import asyncio
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -220,14 +223,63 @@ class Pipeline:
         try:
             await asyncio.gather(*tasks)
         except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # Every step ends before the request does, a step in a worker thread included (_in_thread):
+            # only then is the request's memory released.
+            await _call_off(tasks)
             for fut in tensors.values():  # futures nobody will await: no "never retrieved" noise
                 if not fut.done():
                     fut.cancel()
             raise
         return {name: tensors[name].result() for name in self.outputs}
+
+
+async def _call_off(tasks: Sequence[asyncio.Future[Any]]) -> None:
+    """Cancel ``tasks`` and wait until every one has ended. A second cancellation (shutdown) while
+    waiting changes nothing: what called them off is ending already. Their errors are not the
+    caller's (it has its own): retrieved, so nothing says they were never retrieved."""
+    for task in tasks:
+        task.cancel()
+    while not all(task.done() for task in tasks):
+        try:
+            await asyncio.wait(tasks)
+        except asyncio.CancelledError:
+            continue
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()
+
+
+async def _all_calls(calls: list[Awaitable[Tensors]]) -> list[Tensors]:
+    """The answers of a model step's calls (its chunks), in order. When one fails, the others are
+    called off (dropped from the model's queue) before the failure is passed on, not left to run on
+    the model for a request that has failed."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        await _call_off(tasks)
+        raise
+
+
+async def _in_thread(func: Callable[[Tensors], Tensors], args: Tensors) -> Tensors:
+    """``func(args)`` in a worker thread (the request's context, so its steps charge its reservation).
+
+    A thread cannot be stopped. When the request ends first (its caller cancelled it, another step
+    failed), this waits for the thread to return before passing the cancellation on, so the request
+    releases its memory only once nothing of it runs: a step charging after the release would grow
+    a reservation nothing releases again, and what the step still allocates would not be counted."""
+    work = asyncio.ensure_future(asyncio.to_thread(func, args))
+    cancelled = False
+    while not work.done():
+        try:
+            await asyncio.wait({work})
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        if not work.cancelled():
+            work.exception()  # the request is cancelled: what the step ended with is nobody's answer
+        raise asyncio.CancelledError
+    return work.result()
 
 
 def _builtin_node(spec: StepSpec, folder: Path, ports: dict[str, Port], lookup: Callable[[str], type[Step]],
@@ -248,7 +300,7 @@ def _builtin_node(spec: StepSpec, folder: Path, ports: dict[str, Port], lookup: 
     fan_out = getattr(step, "fan_out", None)  # the most rows a fan-out step (crop_boxes) may emit
 
     async def run(args: Tensors, context: CallContext) -> Tensors:
-        return await asyncio.to_thread(step.run, args)
+        return await _in_thread(step.run, args)
     return run, bound, fan_out if isinstance(fan_out, int) else None
 
 
@@ -332,15 +384,15 @@ def _model_node(spec: StepSpec, ports: dict[str, Port], gateway: ModelGateway | 
             if not skippable or len(rows) != 1 or widths.shape != (next(iter(rows)),):
                 raise StepInputError(f"model step {spec.name!r}: widths {list(widths.shape)} does not match "
                                      f"its inputs' rows {sorted(rows)}", input=spec.widths or "")
-            parts = await asyncio.gather(*(models.call_model(model, version, part, context)
-                                           for part in _width_chunks(args, widths, limit)))
+            parts = await _all_calls([models.call_model(model, version, part, context)
+                                      for part in _width_chunks(args, widths, limit)])
             return _join_padded(parts)
         if limit <= 0 or len(rows) != 1 or rows.pop() <= limit:
             return await models.call_model(model, version, args, context)
         # More rows than one call may carry: chunks of max_batch_size, all submitted at once so the
         # model's scheduler runs them (and other requests' rows) as it would any queued requests.
-        parts = await asyncio.gather(*(models.call_model(model, version, part, context)
-                                       for part in _chunks(args, limit)))
+        parts = await _all_calls([models.call_model(model, version, part, context)
+                                  for part in _chunks(args, limit)])
         return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
     return run, model_out
 
@@ -362,7 +414,7 @@ def _custom_node(spec: StepSpec, folder: Path, modules: dict[str, ModuleType], r
         return _check_custom_result(spec, result, declared)
 
     async def run(args: Tensors, context: CallContext) -> Tensors:
-        return await asyncio.to_thread(call, args)
+        return await _in_thread(call, args)
     return run, declared
 
 

@@ -97,7 +97,7 @@ class DecodeImage(BuiltinStep):
             sizes[i] = img.shape[:2]
             transforms[i] = (1.0, 1.0, 0.0, 0.0)
             if self.params.resize is not None:
-                img, transforms[i] = resize_one(img, self.params.resize)
+                img, transforms[i] = resize_one(img, self.params.resize, "image")
             images.append(img)
         return {"pixels": stack(images, self.kind, "image"), "sizes": sizes, "transform": transforms}
 

@@ -16,6 +16,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from edged.datatypes import DataType, to_numpy
+from edged.membudget import charge
 from edged.pipeline.contract import ANY, PipelineDefinitionError, Port, StepInputError
 from edged.pipeline.steps._base import FLOATS, PIXELS, BuiltinStep, StepParams, opencv
 
@@ -29,7 +30,9 @@ class ResizeParams(StepParams):
     ``limit_type = "min"`` the shorter side is raised to it, with ``"max"`` the longer one lowered
     to it (DB-net text detectors). ``multiple_of`` (short_side, limit) then rounds each side to
     the nearest multiple, at least one multiple: ``int(round(int(side * ratio) / m) * m)``, as
-    PaddleOCR's detectors do (sides that are multiples of 32)."""
+    PaddleOCR's detectors do (sides that are multiples of 32). In those two modes the output size
+    follows the image: ``max_pixels`` (width x height of one output image) refuses, before resizing,
+    an image that would become larger (a 2000x20 image raised to a shorter side of 736 is 54 M pixels)."""
 
     mode: Literal["stretch", "letterbox", "short_side", "limit"] = "stretch"
     width: int | None = Field(default=None, gt=0, le=16384)
@@ -41,6 +44,7 @@ class ResizeParams(StepParams):
     interpolation: Interpolation = "linear"
     pad_value: int = Field(default=114, ge=0, le=255)
     align: Literal["center", "top_left"] = "center"
+    max_pixels: int = Field(default=40_000_000, gt=0)  # short_side, limit
 
     @model_validator(mode="after")
     def _sizes(self) -> ResizeParams:
@@ -82,8 +86,13 @@ def _multiple(side: int, m: int) -> int:
     return max(m, int(round(side / m) * m))
 
 
-def resize_one(img: np.ndarray, p: ResizeParams) -> tuple[np.ndarray, tuple[float, float, float, float]]:
-    """One HWC image resized as ``p`` says, and its transform ``(sx, sy, px, py)``."""
+def resize_one(img: np.ndarray, p: ResizeParams, source: str = "pixels"
+               ) -> tuple[np.ndarray, tuple[float, float, float, float]]:
+    """One HWC image resized as ``p`` says, and its transform ``(sx, sy, px, py)``.
+
+    Where the output size follows the image (``short_side``, ``limit``), one over ``p.max_pixels`` is a
+    StepInputError naming ``source``; what is allocated (the output, and its copy in the stacked batch)
+    is charged to the request before it is."""
     cv2 = opencv()
     flag = {"nearest": cv2.INTER_NEAREST, "linear": cv2.INTER_LINEAR, "area": cv2.INTER_AREA,
             "cubic": cv2.INTER_CUBIC, "lanczos": cv2.INTER_LANCZOS4}[p.interpolation]
@@ -109,6 +118,14 @@ def resize_one(img: np.ndarray, p: ResizeParams) -> tuple[np.ndarray, tuple[floa
         assert p.width is not None and p.height is not None
         ratio = min(p.width / w, p.height / h)
         nw, nh = max(1, round(w * ratio)), max(1, round(h * ratio))
+    if p.mode in ("short_side", "limit") and nw * nh > p.max_pixels:
+        raise StepInputError(f"input {source!r}: a {w}x{h} image resized ({p.mode}) would be {nw}x{nh}, over "
+                             f"the {p.max_pixels}-pixel limit", input=source)
+    if (nw, nh) != (w, h) or p.mode == "letterbox":
+        out_w, out_h = (p.width, p.height) if p.mode == "letterbox" else (nw, nh)
+        assert out_w is not None and out_h is not None
+        channels = img.shape[2] if img.ndim == 3 else 1
+        charge(2 * out_w * out_h * channels * img.itemsize, f"resizing a {w}x{h} image to {out_w}x{out_h}")
     out = img if (nw, nh) == (w, h) else cv2.resize(img, (nw, nh), interpolation=flag)
     if out.ndim == 2:
         out = out[:, :, None]
@@ -168,7 +185,7 @@ class Resize(BuiltinStep):
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         pixels = self.array(inputs, "pixels", ndim=4)
-        done = [resize_one(im, self.params) for im in pixels]
+        done = [resize_one(im, self.params, "pixels") for im in pixels]
         out = stack([d[0] for d in done], self.kind, "pixels")
         t = np.array([d[1] for d in done], dtype=np.float32).reshape(-1, 4)
         return {"pixels": out, "transform": compose(_transform_of(inputs, len(pixels)), t)}
