@@ -26,8 +26,10 @@ from edged.config import Config
 from edged.core.service import InferenceService
 from edged.errors import EdgedError
 from edged.hardware.facts import HardwareFacts
+from edged.protocol.fleet.messages import DesiredState
 from edged.sync.boot import prepare_boot
 from edged.sync.capped_http import RegistryHttp, StoppedError, SyncHttpError, TransferError
+from edged.sync.desired import DesiredStateError
 from edged.sync.engine_port import ServiceEngine
 from edged.sync.localfault import LocalFaultError
 from edged.sync.registry_client import DeviceClient
@@ -186,6 +188,9 @@ class SyncAgent:
             if busy is not None:  # not a failure: the registry is shedding load and said when to return
                 delay = busy * random.uniform(1.0, 1.5)
                 log.info("registry busy (%s); retry in %.1fs", e, delay)
+            elif isinstance(e, DesiredStateError):
+                delay = retry.next_delay()
+                log.error("%s; keeping the current versions, retry in %.1fs", e, delay)
             else:
                 delay = retry.next_delay()
                 log.warning("registry not reachable (%s); keeping the current versions, retry in %.1fs", e, delay)
@@ -225,7 +230,23 @@ class SyncAgent:
         c.auth.credential()
         c.outbox.flush()
         changed = c.desired.poll() is not None
-        desired = c.desired.last
+        try:
+            faults = self._apply(c.desired.last)
+        finally:
+            u.flush()  # the refusals and reverts of this poll, in one write (StateStore.save_later)
+        if u.tick() or changed:
+            self._facts_due = True
+        due = self._facts_due or time.monotonic() - self._facts_at > self.settings.facts_interval_s
+        if due and c.facts.send(u.serving()):
+            self._facts_at, self._facts_due = time.monotonic(), False
+        c.outbox.flush()
+        if faults:
+            raise LocalFaultError("; ".join(str(e) for e in faults))
+
+    def _apply(self, desired: DesiredState | None) -> list[LocalFaultError]:
+        """Act on the desired state: the reverts, then each model's release; the local faults met."""
+        assert self.client is not None and self.updater is not None
+        c, u = self.client, self.updater
         for rv in (desired.revert if desired is not None else []):
             try:
                 u.revert(rv.model, rv.releases, rv.reason)
@@ -248,11 +269,4 @@ class SyncAgent:
                 with contextlib.suppress(Exception):
                     report.failure(c, dm.model, "failed", version=dm.version, release=dm.release,
                                    reason=f"internal error: {type(e).__name__}")
-        if u.tick() or changed:
-            self._facts_due = True
-        due = self._facts_due or time.monotonic() - self._facts_at > self.settings.facts_interval_s
-        if due and c.facts.send(u.serving()):
-            self._facts_at, self._facts_due = time.monotonic(), False
-        c.outbox.flush()
-        if faults:
-            raise LocalFaultError("; ".join(str(e) for e in faults))
+        return faults

@@ -181,6 +181,9 @@ class RegistryHttp:
             dest.unlink()
             offset = 0
         if offset == size:
+            if not dest.exists():  # an empty file: nothing to fetch, but the caller verifies it like any other
+                with dest.open("wb") as f:
+                    os.fsync(f.fileno())
             return 0
         origin, resp = self._open_download(path, token, offset, etag)
         got = 0

@@ -9,6 +9,11 @@ from edged.sync.capped_http import SyncHttpError
 from edged.sync.enrollment import DeviceAuth, error_message
 
 
+class DesiredStateError(SyncHttpError):
+    """The registry's desired state is refused whole: malformed, naming a model no repository may hold, or
+    longer than :data:`~edged.protocol.fleet.messages.MAX_DESIRED` entries. Nothing of it is acted on."""
+
+
 class DesiredStatePoller:
     def __init__(self, auth: DeviceAuth, device_id: str) -> None:
         self.auth, self.device_id = auth, device_id
@@ -26,8 +31,11 @@ class DesiredStatePoller:
         try:
             desired = DesiredState.model_validate_json(data)
         except ValidationError as e:
-            raise SyncHttpError(f"desired state is malformed ({e.error_count()} problems)") from None
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])[:200]
+            raise DesiredStateError(f"desired state refused ({e.error_count()} problems; "
+                                    f"{where}: {first['msg'][:200]})") from None
         if desired.device_id != self.device_id:
-            raise SyncHttpError("desired state is for another device")
+            raise DesiredStateError("desired state is for another device")
         self.etag, self.last = hdrs.get("etag"), desired
         return desired

@@ -1,8 +1,10 @@
 """Reports to the registry: a persistent outbox (in the sync state) sent in order by its own thread.
 
 Reports are sent in order of their sequence numbers; the registry ignores numbers it has
-already seen, so resending after a lost answer or a crash is harmless. A slow or
-unreachable registry never holds up an update: the sending thread retries on its own.
+already seen, so resending after a lost answer or a crash is harmless. A report is sent only
+once its number is on disk (a number sent, then lost in a crash, would be reused for another
+report, which the registry would ignore). A slow or unreachable registry never holds up an
+update: the sending thread retries on its own.
 """
 
 from __future__ import annotations
@@ -72,9 +74,11 @@ class ReportOutbox:
         quiet: bool = False,
         quality: QualityReport | None = None,
         logs: list[str] | None = None,
+        later: bool = False,
     ) -> None:
         """Queue a report for the registry; ``quiet``: the caller logs it (one line per event); ``logs``:
-        the device's last log lines, for a failed update (edged.logring)."""
+        the device's last log lines, for a failed update (edged.logring); ``later``: saved with the poll's
+        other changes (:meth:`StateStore.save_later`), for a report the next poll would make again."""
         with self.store.lock:
             self.state.seq += 1
             ev = ReportEvent(
@@ -90,7 +94,10 @@ class ReportOutbox:
                 at=time.time(),
             )
             self.state.outbox.append(ev)
-            self.store.save(self.state)
+            if later:
+                self.store.save_later()
+            else:
+                self.store.save(self.state)
         log.log(
             logging.DEBUG if quiet else logging.INFO,
             "model=%s release=%s version=%s %s%s",
@@ -106,13 +113,15 @@ class ReportOutbox:
             self.flush()
 
     def flush(self) -> bool:
-        """Send queued reports; False when the registry could not take them now (they stay queued)."""
+        """Send queued reports (those saved: the rest wait for the save); False when the registry could not
+        take them now (they stay queued)."""
         with self._lock:
             while True:
                 if time.monotonic() < self._busy_until:
                     return False  # the registry asked us to come back later; the outbox keeps everything
                 with self.store.lock:
-                    batch = list(self.state.outbox[:REPORT_BATCH])
+                    saved = self.store.saved_seq
+                    batch = [e for e in self.state.outbox[:REPORT_BATCH] if e.seq <= saved]
                 if not batch:
                     return True
                 if not self._send(batch):

@@ -76,6 +76,12 @@ class Updater:
     # ---- start-up ---------------------------------------------------------------------------
     def recover(self) -> None:
         """After a start: serve the pinned versions, finish local steps of interrupted updates, tidy up."""
+        try:
+            self._recover()
+        finally:
+            self.flush()
+
+    def _recover(self) -> None:
         ctx = self.ctx
         with ctx.store.lock:
             models = list(self.state.models.items())
@@ -121,8 +127,10 @@ class Updater:
     def process(self, dm: DesiredModel) -> None:
         """Start, resume or ignore the release the registry wants for one model (one step at a time)."""
         ctx, model = self.ctx, dm.model
-        ms = ctx.ms(model)
-        self._adopt(model, ms)
+        self._adopt(model)
+        # No saved entry before the release passed its signed checks: a model this device never had is
+        # looked at through an unsaved one, so that no name a registry sends grows the state.
+        ms = ctx.entry(model)
         verdict = plan.decide(ms, dm.release, time.time())
         if verdict.abandon:
             assert ms.pending is not None
@@ -138,8 +146,13 @@ class Updater:
                 undo.abandon(ctx, model)
             undo.refuse(ctx, model, dm.release, dm.version, str(e), permanent=e.permanent)
             return
+        ms = ctx.ms(model)
         if p is None:
             if self._already_serving(model, ms, manifest):
+                return
+            clash = install.replaces_kept(ctx, model, ms, manifest)
+            if clash is not None:
+                undo.refuse(ctx, model, manifest.release, manifest.version, clash, permanent=True)
                 return
             pending = Pending(release=manifest.release, version=manifest.version, step="download", signed=dm.signed)
             machine.start(ctx.store, self.state, model, pending)
@@ -202,6 +215,11 @@ class Updater:
         """Stop running, or never install, releases whose rollout the registry halted or rolled back."""
         revert.run(self.ctx, model, releases, reason)
 
+    def flush(self) -> None:
+        """Write what this poll changed without saving at once (refusals, reverts of releases never had)."""
+        with self.ctx.store.lock:
+            self.ctx.store.flush(self.state)
+
     # ---- helpers ----------------------------------------------------------------------------
     def _local_fault(self, model: str, m: ReleaseManifest, e: OSError) -> None:
         """Storage failed under a step: keep the step, say why (state, registry), let the agent back off."""
@@ -224,14 +242,15 @@ class Updater:
         )
         raise localfault.LocalFaultError(f"model={model} release {m.release}: {reason}") from None
 
-    def _adopt(self, model: str, ms: ModelSync) -> None:
+    def _adopt(self, model: str) -> None:
         """A model first seen by sync but already served from the repository: that version is the current one."""
-        if ms.current is not None or ms.pending is not None:
+        ms = self.ctx.known(model)
+        if ms is not None and (ms.current is not None or ms.pending is not None):
             return
         ready = self.ctx.engine.ready_versions(model)
-        if ready:
+        if ready:  # an entry per model this device serves, whatever names the registry sends
             with self.ctx.store.lock:
-                ms.current = VersionRef(version=max(ready), release=0)
+                self.ctx.ms(model).current = VersionRef(version=max(ready), release=0)
                 self.ctx.store.save(self.state)
             self.ctx.engine.pin(model, max(ready))
 

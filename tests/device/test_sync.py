@@ -73,8 +73,8 @@ class Case:
                                          expires_in_s=expires_in_s, selector=TargetSelector(devices=[self.device_id]))
         return int(info.release)
 
-    def device(self, **overrides: Any) -> InProcessDevice:
-        token = self.world.client.enrollment_token().token
+    def device(self, token: str | None = None, **overrides: Any) -> InProcessDevice:
+        token = token or self.world.client.enrollment_token().token
         cfg = device_toml(self.tmp, self.tmp / "repo", self.world.server.url, [self.world.keys.public], token=token,
                           device_id=self.device_id, poll_s=0.1)
         (self.tmp / "repo").mkdir(exist_ok=True)
@@ -139,6 +139,23 @@ def test_update_commits_and_reports_every_step(case: Case) -> None:
         assert steps == ["downloading", "verifying", "prepared", "active-trial", "committed"]
         info = case.world.client.device(case.device_id)
         assert [(m.model, m.state, m.version) for m in info.models] == [(case.model, "committed", 2)]
+    finally:
+        dev.stop()
+
+
+def test_a_release_with_an_empty_file_installs(case: Case) -> None:
+    """A 0-byte file (an empty README, __init__.py or labels file) is made and verified like any other file,
+    not taken for a local storage fault that blocks the update for ever."""
+    dev = at_v1(case)
+    try:
+        folder = make_version(case.tmp / "pub" / case.model / "2", salt=f"{case.model}-2")
+        (folder / "EMPTY").write_bytes(b"")
+        case.world.client.push_folder(folder, case.model, 2)
+        r2 = case.release(2)
+        wait_for(lambda: committed(dev, case.model, r2), 30, 0.05, "release 2 (with an empty file) committed")
+        assert (case.tmp / "repo" / case.model / "2" / "EMPTY").read_bytes() == b""
+        case.event("committed", r2)
+        assert not [e.reason for e in case.events() if e.release == r2 and e.step == "failed"]
     finally:
         dev.stop()
 
@@ -280,6 +297,45 @@ def test_lower_release_number_is_refused(case: Case) -> None:
         dev.stop()
 
 
+def test_a_release_reusing_a_local_version_number_with_other_files_is_refused(case: Case) -> None:
+    """The device serves version 1 from a local copy; the fleet releases another version 1. Installing it would
+    replace the serving folder in place, and a rollback would then "return" to the rejected files."""
+    from edged.fsutil import sha256_file
+    from edged.sync.state import VersionRef
+
+    local = make_version(case.tmp / "repo" / case.model / "1", salt="the local copy")
+    before = {p.name: sha256_file(p) for p in local.iterdir()}
+    case.push(1)  # the registry's version 1: other files
+    r1 = case.release(1)
+    dev = case.device()
+    try:
+        ev = case.event("failed", r1)
+        assert "served from a local copy" in (ev.reason or "") and "new version number" in (ev.reason or ""), ev
+        ms = dev.state().models[case.model]
+        assert ms.pending is None and ms.current == VersionRef(version=1, release=0) and r1 in ms.rejected
+        cycles = dev.agent.cycles
+        wait_for(lambda: dev.agent.cycles >= cycles + 3, 30, 0.05, "three more polls")
+        assert [e.step for e in case.events() if e.release == r1] == ["failed"]  # refused for good
+        assert {p.name: sha256_file(p) for p in local.iterdir()} == before
+        assert sorted(p.name for p in (case.tmp / "repo" / case.model).iterdir()) == ["1"]
+        assert dev.serving(case.model) == [1]
+    finally:
+        dev.stop()
+
+
+def test_a_release_of_the_same_files_as_a_local_version_is_adopted(case: Case) -> None:
+    """The same version number with the very same files: nothing to install, that version is already serving."""
+    shutil.copytree(case.push(1), case.tmp / "repo" / case.model / "1")
+    r1 = case.release(1)
+    dev = case.device()
+    try:
+        wait_for(lambda: committed(dev, case.model, r1), 30, 0.05, "release 1 adopted")
+        assert case.event("committed", r1).detail.get("note") == "this version was already serving"
+        assert dev.serving(case.model) == [1]
+    finally:
+        dev.stop()
+
+
 class _HostileRegistry(http.server.BaseHTTPRequestHandler):
     """Answers every request with an endless stream: the device must stop reading, not buffer it."""
 
@@ -329,6 +385,24 @@ def test_oversized_response_is_refused(tmp_path: Path, world: World) -> None:
             dev.stop()
     finally:
         srv.shutdown()
+
+
+def test_an_empty_file_is_made_and_verified_without_a_request(tmp_path: Path) -> None:
+    from edged.protocol.fleet.release import FileEntry, ReleaseManifest
+    from edged.sync.capped_http import RegistryHttp, TransferError
+    from edged.sync.download import fetch_release
+
+    empty = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # sha256 of no bytes
+
+    def manifest(sha: str) -> ReleaseManifest:
+        return ReleaseManifest(model="m", version=1, release=1, issued_at=0, expires_at=1,
+                               files=[FileEntry(path="model.toml", sha256=sha, size=0)])
+
+    http_ = RegistryHttp("http://127.0.0.1:9", timeout=1)  # nothing listens: no request may be needed
+    stats = fetch_release(http_, "x", manifest(empty), tmp_path / "a", chunk=4096, should_stop=lambda: False)
+    assert (tmp_path / "a" / "model.toml").read_bytes() == b"" and (stats.files, stats.bytes) == (1, 0)
+    with pytest.raises(TransferError, match="sha256"):  # a size of 0 with another digest: refused as ever
+        fetch_release(http_, "x", manifest("0" * 64), tmp_path / "b", chunk=4096, should_stop=lambda: False)
 
 
 # ---- automatic rollback ----------------------------------------------------------------------------
@@ -589,6 +663,34 @@ def test_offline_keeps_serving_then_updates(case: Case, tmp_path: Path) -> None:
     finally:
         dev.stop()
         server.stop()
+
+
+@pytest.mark.parametrize("loss", ["deleted and re-enrolled", "corrupt"])
+def test_reports_reach_the_registry_after_the_device_lost_its_state(case: Case, loss: str) -> None:
+    """The registry ignores report numbers it already holds for the device id: a state that starts over must
+    not number its reports from 1 again. A corrupt state is moved aside and the credential kept: no operator
+    re-enrolls it, so the device alone has to get this right."""
+    dev = at_v1(case)
+    wait_for(lambda: not dev.state().outbox, 30, 0.05, "release 1's reports delivered")
+    dev.stop()
+    token = None
+    if loss == "corrupt":
+        (case.tmp / "state" / "sync" / "state.json").write_text('{"models": "not a state"}')
+    else:
+        shutil.rmtree(case.tmp / "state")  # e.g. a replaced SD card: state and credential gone
+        token = case.world.client.reenroll(case.device_id).token
+    case.push(2)
+    r2 = case.release(2)
+    dev = case.device(token)
+    try:
+        wait_for(lambda: committed(dev, case.model, r2), 30, 0.05, "release 2 committed on the device")
+        case.event("committed", r2)
+        steps = [e.step for e in case.events() if e.release == r2]
+        assert steps == ["downloading", "verifying", "prepared", "active-trial", "committed"]
+        info = case.world.client.device(case.device_id)
+        assert [(m.model, m.state, m.release) for m in info.models] == [(case.model, "committed", r2)]
+    finally:
+        dev.stop()
 
 
 def test_daemon_process_updates_end_to_end(case: Case) -> None:

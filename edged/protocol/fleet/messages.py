@@ -20,6 +20,10 @@ DEVICE_ID_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 LABEL_KEY_RE = re.compile(r"[A-Za-z0-9_.\-/]{1,63}")
 CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 MAX_SERVING = 1024  # models a device reports serving: far above any device's repository
+# Models, reverts and release numbers in a device's desired state: far above any fleet's; a device refuses a
+# longer answer whole (each entry costs it state and work).
+MAX_DESIRED = 1024
+MAX_REASON = 4096  # characters of a revert's reason a device keeps (an operator's rollout reason is at most 1000)
 # Every count a device reports fits a JSON number exactly (2^53) and every id and number the database stores:
 # larger ones are refused with a 400 instead of failing in the database.
 MAX_COUNT = 2**53
@@ -97,6 +101,8 @@ class DesiredModel(_Wire):
     release: int
     signed: SignedRelease
 
+    _model = field_validator("model")(_check_model)
+
 
 class RevertModel(_Wire):
     """Releases of a model the device must not run: a rollout of them was halted or rolled back.
@@ -107,14 +113,21 @@ class RevertModel(_Wire):
     """
 
     model: str
-    releases: list[int]
+    releases: list[int] = Field(max_length=MAX_DESIRED)
     reason: str = ""
+
+    _model = field_validator("model")(_check_model)
+
+    @field_validator("reason")
+    @classmethod
+    def _reason(cls, v: str) -> str:
+        return v[:MAX_REASON]  # informative only: cut, not refused (the device keeps it in its state)
 
 
 class DesiredState(_Wire):
     device_id: str
-    models: list[DesiredModel]
-    revert: list[RevertModel] = Field(default_factory=list)
+    models: list[DesiredModel] = Field(max_length=MAX_DESIRED)
+    revert: list[RevertModel] = Field(default_factory=list, max_length=MAX_DESIRED)
 
 
 class QualityReport(_Wire):

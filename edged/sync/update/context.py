@@ -18,6 +18,10 @@ from edged.sync.settings import SyncSettings
 from edged.sync.state import ModelSync, StateStore, SyncState
 from edged.sync.trial import Sample
 
+# Models the registry names that this device has no saved entry for, whose releases were refused: remembered
+# (for the back-off) in memory only, so that no name a registry sends grows the saved state.
+MAX_STRANGERS = 1024
+
 
 @dataclass
 class TrialClock:
@@ -49,7 +53,27 @@ class UpdateContext:
     download_reported: set[tuple[str, int]] = field(default_factory=set)  # "downloading" sent for (model, release)
     trials: dict[str, TrialClock] = field(default_factory=dict)
     unrevertable: set[tuple[str, int]] = field(default_factory=set)  # reverts found impossible, reported once
+    strangers: dict[str, ModelSync] = field(default_factory=dict)  # oldest first, see MAX_STRANGERS
 
     def ms(self, model: str) -> ModelSync:
+        """The model's saved entry, made if need be: only once a release of it passed the signed checks, or
+        the model serves here already."""
         with self.store.lock:
+            self.strangers.pop(model, None)
             return self.state.model(model)
+
+    def known(self, model: str) -> ModelSync | None:
+        """The model's saved entry, if it has one."""
+        with self.store.lock:
+            return self.state.models.get(model)
+
+    def entry(self, model: str) -> ModelSync:
+        """The saved entry, else an unsaved one (kept in memory, the newest :data:`MAX_STRANGERS`)."""
+        ms = self.known(model)
+        if ms is not None:
+            return ms
+        ms = self.strangers.pop(model, None) or ModelSync()
+        self.strangers[model] = ms
+        while len(self.strangers) > MAX_STRANGERS:
+            del self.strangers[next(iter(self.strangers))]
+        return ms

@@ -25,8 +25,9 @@ def failure(  # noqa: PLR0913  the report event's fields, as ReportOutbox.report
     detail: dict[str, Any] | None = None,
     quality: QualityReport | None = None,
     quiet: bool = False,
+    later: bool = False,
 ) -> None:
-    """Queue the report of a failed update (``quiet``: the caller logs it)."""
+    """Queue the report of a failed update (``quiet``: the caller logs it; ``later``: as ReportOutbox.report)."""
     client.outbox.report(
         model,
         step,
@@ -36,5 +37,6 @@ def failure(  # noqa: PLR0913  the report event's fields, as ReportOutbox.report
         detail=dict(detail or {}),
         quality=quality,
         quiet=quiet,
+        later=later,
         logs=client.log_tail() if client.log_tail is not None else [],
     )

@@ -8,17 +8,23 @@ from edged.sync.update.context import UpdateContext
 
 
 def run(ctx: UpdateContext, model: str, releases: list[int], reason: str) -> None:
-    ms = ctx.ms(model)
+    ms = ctx.known(model)
+    if ms is None:
+        return  # never had the model: nothing of it runs here, and the state keeps no entry per name sent
     action, release = plan.revert_action(ms, releases)
     why = f"{plan.REVERT_PREFIX}: {reason or 'rollout stopped'}"
     if action == "none" or release is None:
         return
     if action == "forget":
         with ctx.store.lock:
+            before = dict(ms.rejected)
             for r in releases:
                 ms.rejected.setdefault(r, why)
             undo.trim(ms.rejected)
-            ctx.store.save(ctx.state)
+            # Unchanged when more than KEEP_REFUSALS numbers come back at every poll: nothing to write then.
+            # Written with the poll's other changes: the registry repeats a revert at every poll.
+            if ms.rejected != before:
+                ctx.store.save_later()
         return
     if action == "abandon":
         p = ms.pending

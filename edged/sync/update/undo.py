@@ -102,8 +102,13 @@ def abandon(ctx: UpdateContext, model: str) -> None:
 def refuse(
     ctx: UpdateContext, model: str, release: int, version: int | None, reason: str, *, permanent: bool = False
 ) -> None:
-    """Refuse a release: for good (``permanent``), or until a retry later, each time twice as late."""
-    ms = ctx.ms(model)
+    """Refuse a release: for good (``permanent``), or until a retry later, each time twice as late.
+
+    A model with no saved entry gets none (the refusal is kept in memory): a release that fails its
+    checks must not grow the state. The refusal and its report are saved with the poll's other changes:
+    a crash that loses them only has the next poll refuse the release again.
+    """
+    ms = ctx.entry(model)
     ctx.download_reported.discard((model, release))  # a later attempt is a new download
     s = ctx.settings
     with ctx.store.lock:
@@ -119,8 +124,8 @@ def refuse(
                 retry_max_s=s.retry_max_s,
             )
             trim(ms.refused)
-        ctx.store.save(ctx.state)
-    report.failure(ctx.client, model, "failed", version=version, release=release, reason=reason)
+        ctx.store.save_later()
+    report.failure(ctx.client, model, "failed", version=version, release=release, reason=reason, later=True)
 
 
 def collect_garbage(ctx: UpdateContext, model: str) -> None:
