@@ -13,6 +13,7 @@ import time
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from edged.protocol.fleet.messages import MAX_INT32
 from edged.registry.access import Principal
 from edged.registry.access_tables import AuditRow
 from edged.registry.access_wire import AuditEntry, AuditPage
@@ -37,7 +38,8 @@ def record(s: Session, who: Principal, action: str, target: str, reason: str = "
 
 def recent(s: Session, limit: int = 100, offset: int = 0) -> AuditPage:
     """A page of the log, newest first (``offset`` rows skipped)."""
-    limit, offset = max(1, min(limit, MAX_PAGE)), max(0, offset)
+    # an offset past anything the database can count (the dashboard's ?from=) is simply past the end
+    limit, offset = max(1, min(limit, MAX_PAGE)), max(0, min(offset, MAX_INT32))
     rows = s.scalars(select(AuditRow).order_by(AuditRow.id.desc()).limit(limit).offset(offset)).all()
     total = s.scalar(select(func.count()).select_from(AuditRow)) or 0
     return AuditPage(

@@ -9,12 +9,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import Depends
+from fastapi import Depends, Path, Query
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from edged.errors import ErrorCode
+from edged.protocol.fleet.messages import MAX_INT32
 from edged.protocol.fleet.nudge import Nudger
 from edged.registry import desired as desired_state
 from edged.registry import service
@@ -31,6 +32,10 @@ log = logging.getLogger(__name__)
 
 bearer_scheme = HTTPBearer(auto_error=False, description="an operator token, or a device credential")
 Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)]
+# Ids, versions, release numbers and offsets in paths and queries: what the database stores (32-bit columns on
+# PostgreSQL). Beyond it is a 400 naming the parameter, never the database's overflow as a 500.
+PathNumber = Annotated[int, Path(ge=0, le=MAX_INT32)]
+QueryNumber = Annotated[int | None, Query(ge=0, le=MAX_INT32)]
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from edged.registry.db import ReleaseRow, RolloutRow, VersionRow
 from edged.registry.rollout_wire import ACTIVE_STATES, REVERT_STATES, RollbackPlan, RollbackRequest, RollbackResult
 from edged.registry.rollouts import freeze_gates
 from edged.registry.service import bump_revision, conflict, create_release, get_model, invalid, not_found
+from edged.registry.targets import Ramp
 
 PREVIOUS = "previous"
 MAX_CHAIN = 1000  # restores chains are acyclic (they point to lower numbers); this only bounds the walk
@@ -127,6 +128,8 @@ def rollback(s: Session, model: str, req: RollbackRequest, public_keys: list[str
         # a scheduled one never started: it has no member to send back, it just never starts
         ro.state = "aborted" if ro.state == "scheduled" else "rolled-back"
         ro.reason, ro.updated_at, ro.finished_at = why, now, now
+        if (ramp := Ramp.load(ro.admission)) is not None:  # as a pause, an abort or a halt: nobody else joins it
+            ro.admission = ramp.held(now).dump()
         stopped.append(ro.id)
     info = create_release(s, req.signed, public_keys)  # bumps the registry revision
     row = s.scalar(select(ReleaseRow).where(ReleaseRow.model_id == m.id, ReleaseRow.number == info.release))

@@ -30,7 +30,7 @@ from edged.protocol.fleet.messages import API_PREFIX
 from edged.protocol.fleet.telemetry import INGEST_PATH, HistCounts, SystemWindow, UploadAck, UploadBatch
 from edged.registry import service
 from edged.registry.db import DeviceRow
-from edged.registry.deps import Bearer, transaction
+from edged.registry.deps import Bearer, QueryNumber, transaction
 from edged.registry.service import RegistryError
 from edged.registry.telemetry_tables import TelemetryDeviceRow, TelemetryModelRow, TelemetrySampleRow
 
@@ -281,7 +281,7 @@ def telemetry_router(sessions: sessionmaker[Session], last_seen_resolution_s: fl
             return device_series(s, device_id, since=since, until=until, limit=limit)
 
     @router.get(f"{API_PREFIX}/models/{{model}}/telemetry", tags=["admin"], response_model=ModelSeries)
-    def model_telemetry(model: str, *, version: int | None = None, device_id: str | None = None,
+    def model_telemetry(model: str, *, version: QueryNumber = None, device_id: str | None = None,
                         since: float | None = None, until: float | None = None,
                         limit: Annotated[int, Query(ge=1, le=MAX_POINTS)] = 1000) -> ModelSeries:
         with tx() as s:
@@ -289,7 +289,7 @@ def telemetry_router(sessions: sessionmaker[Session], last_seen_resolution_s: fl
                                 limit=limit)
 
     @router.get(f"{API_PREFIX}/models/{{model}}/telemetry/summary", tags=["admin"], response_model=ModelSummary)
-    def model_telemetry_summary(model: str, *, version: int | None = None, since: float | None = None,
+    def model_telemetry_summary(model: str, *, version: QueryNumber = None, since: float | None = None,
                                 until: float | None = None, device_id: str | None = None,
                                 label: Annotated[list[str] | None, Query()] = None) -> ModelSummary:
         with tx() as s:

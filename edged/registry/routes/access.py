@@ -10,7 +10,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from edged.protocol.fleet.messages import API_PREFIX
+from edged.protocol.fleet.messages import API_PREFIX, MAX_INT32
 from edged.registry import api_tokens, audit
 from edged.registry.access import Actor
 from edged.registry.access_wire import AuditPage, TokenCreate, TokenCreated, TokenInfo
@@ -46,7 +46,8 @@ def access_router(ctx: AppContext) -> APIRouter:
 
     @router.get(f"{API_PREFIX}/audit", response_model=AuditPage)
     def audit_log(
-        limit: Annotated[int, Query(ge=1, le=audit.MAX_PAGE)] = 100, offset: Annotated[int, Query(ge=0)] = 0
+        limit: Annotated[int, Query(ge=1, le=audit.MAX_PAGE)] = 100,
+        offset: Annotated[int, Query(ge=0, le=MAX_INT32)] = 0,
     ) -> AuditPage:
         """The audit log, newest first."""
         with ctx.rtx() as s:

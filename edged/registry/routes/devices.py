@@ -13,9 +13,11 @@ import asyncio
 import logging
 from typing import Any
 
+from annotated_types import MaxLen
 from fastapi import APIRouter, Request, Response
 from sqlalchemy import bindparam, select
 
+from edged.errors import ErrorCode
 from edged.protocol.fleet.messages import (
     API_PREFIX,
     Accepted,
@@ -28,10 +30,13 @@ from edged.protocol.fleet.messages import (
 from edged.registry import service
 from edged.registry.db import DeviceRow
 from edged.registry.deps import AppContext, Bearer, device_of
+from edged.registry.service import RegistryError
 
 log = logging.getLogger(__name__)
 _STORED_FACTS = select(DeviceRow.facts, DeviceRow.serving).where(DeviceRow.id == bindparam("id"))
 _BEARER: dict[str, Any] = {"security": [{"HTTPBearer": []}]}
+# the facts a device may send at enrollment: as many as it may send later (PUT /device/facts)
+MAX_FACTS = next(m.max_length for m in DeviceFactsUpdate.model_fields["facts"].metadata if isinstance(m, MaxLen))
 
 
 def devices_router(ctx: AppContext) -> APIRouter:
@@ -39,6 +44,9 @@ def devices_router(ctx: AppContext) -> APIRouter:
 
     @router.post(f"{API_PREFIX}/enroll", response_model=EnrollResponse)
     def enroll(req: EnrollRequest) -> EnrollResponse:
+        if len(req.facts) > MAX_FACTS:  # before the token is spent or anything is stored
+            raise RegistryError(f"facts: at most {MAX_FACTS} keys ({len(req.facts)} sent)", 413,
+                                ErrorCode.INVALID_ARGUMENT)
         with ctx.tx() as s:
             out = service.enroll(s, req)
         log.info("device %s enrolled", req.device_id)

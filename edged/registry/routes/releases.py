@@ -30,7 +30,7 @@ from edged.registry import audit, service
 from edged.registry import desired as desired_state
 from edged.registry.access import Actor
 from edged.registry.blobs import SHA256_RE
-from edged.registry.deps import AppContext
+from edged.registry.deps import AppContext, PathNumber
 from edged.registry.release_states import release_states
 from edged.registry.service import RegistryError
 
@@ -120,7 +120,8 @@ def _release_routes(router: APIRouter, ctx: AppContext) -> None:
     settings = ctx.settings
 
     @router.put(f"{API_PREFIX}/models/{{model}}/versions/{{version}}", tags=["admin"], response_model=VersionInfo)
-    def push_version(model: str, version: int, req: PushVersionRequest, response: Response, who: Actor) -> VersionInfo:
+    def push_version(model: str, version: PathNumber, req: PushVersionRequest, response: Response,
+                     who: Actor) -> VersionInfo:
         with ctx.tx() as s:
             info = service.push_version(s, ctx.store, model, version, req.files)
             if info.created:
@@ -138,7 +139,7 @@ def _release_routes(router: APIRouter, ctx: AppContext) -> None:
             return service.list_models(s)
 
     @router.get(f"{API_PREFIX}/models/{{model}}/versions/{{version}}", tags=["admin"], response_model=VersionInfo)
-    def get_version(model: str, version: int) -> VersionInfo:
+    def get_version(model: str, version: PathNumber) -> VersionInfo:
         with ctx.rtx() as s:
             return service.get_version(s, model, version)
 
@@ -169,7 +170,7 @@ def _release_routes(router: APIRouter, ctx: AppContext) -> None:
 
     @router.post(f"{API_PREFIX}/models/{{model}}/releases/{{number}}/revoke", tags=["admin"],
                  response_model=ReleaseInfo)
-    def revoke(model: str, number: int, who: Actor) -> ReleaseInfo:
+    def revoke(model: str, number: PathNumber, who: Actor) -> ReleaseInfo:
         with ctx.tx() as s:
             info = service.revoke_release(s, model, number)
             audit.record(s, who, "release.revoke", f"model {model} release {number}")

@@ -9,7 +9,7 @@ from fastapi import APIRouter
 from edged.protocol.fleet.messages import API_PREFIX
 from edged.registry import audit, rollback, rollouts
 from edged.registry.access import Actor
-from edged.registry.deps import AppContext
+from edged.registry.deps import AppContext, PathNumber
 from edged.registry.evaluator import tick
 from edged.registry.rollout_wire import (
     RollbackPlan,
@@ -45,7 +45,7 @@ def rollouts_router(ctx: AppContext) -> APIRouter:
             return rollouts.list_rollouts(s, model, state)
 
     @router.get(f"{API_PREFIX}/rollouts/{{rollout_id}}", response_model=RolloutStatus)
-    def rollout_status(rollout_id: int, members: bool = False) -> RolloutStatus:
+    def rollout_status(rollout_id: PathNumber, members: bool = False) -> RolloutStatus:
         with ctx.rtx() as s:
             return rollouts.rollout_status(s, rollout_id, with_members=members)
 
@@ -78,7 +78,8 @@ def rollouts_router(ctx: AppContext) -> APIRouter:
         return {str(k): v for k, v in changes.items()}
 
     @router.post(f"{API_PREFIX}/rollouts/{{rollout_id}}/{{action}}", response_model=RolloutInfo)
-    def rollout_action(rollout_id: int, action: str, who: Actor, req: RolloutAction | None = None) -> RolloutInfo:
+    def rollout_action(rollout_id: PathNumber, action: str, who: Actor,
+                       req: RolloutAction | None = None) -> RolloutInfo:
         with ctx.tx() as s:
             info = rollouts.act(s, rollout_id, action, req.reason if req else "")
             audit.record(s, who, f"rollout.{action}", f"rollout {rollout_id}", req.reason if req else "")

@@ -34,6 +34,7 @@ from edged.protocol.fleet.release import SignedRelease
 from edged.registry import audit, rollout_preview, rollouts, step_syntax
 from edged.registry.access import BOOTSTRAP, Guard, Principal, principal
 from edged.registry.auth import is_admin
+from edged.registry.deps import PathNumber
 from edged.registry.passwords import check_password
 from edged.registry.roles import DEFAULT_OPERATOR_ROLE, ROLES, Role
 from edged.registry.rollout_wire import Gates, RolloutCreate, RolloutInfo, RolloutStatus, StepSpec
@@ -71,7 +72,8 @@ def parse_steps(text: str, min_devices: int, soak_s: float) -> list[StepSpec]:
     except (ConfigError, ValueError) as e:
         raise RegistryError(f"steps: {str(e).splitlines()[-1]}", 422, ErrorCode.INVALID_ARGUMENT) from None
     if out and "/min=" not in parts[0]:
-        out[0] = out[0].model_copy(update={"min_devices": min_devices})
+        # validated, not model_copy(update=...): the form's number is held to StepSpec's bounds like the API's
+        out[0] = StepSpec.model_validate({**out[0].model_dump(), "min_devices": min_devices})
     return out
 
 
@@ -336,7 +338,7 @@ def _page_routes(router: APIRouter, ui: _Ui) -> None:
         return await ui.page(request, "rollouts")
 
     @router.get("/rollouts/{rollout_id}")
-    async def rollout(rollout_id: int, request: Request) -> Response:
+    async def rollout(rollout_id: PathNumber, request: Request) -> Response:
         return await ui.page(request, "rollout", str(rollout_id))
 
     @router.get("/audit")
@@ -376,7 +378,7 @@ def _action_routes(router: APIRouter, ui: _Ui, on_rollout_change: Callable[[int,
         return RedirectResponse(f"{PREFIX}/rollouts/{info.id}", status_code=303, headers=ui.headers())
 
     @router.post("/rollouts/{rollout_id}/{action}")
-    async def act(rollout_id: int, action: str, request: Request) -> Response:
+    async def act(rollout_id: PathNumber, action: str, request: Request) -> Response:
         sess, form = await ui.action_form(request)
         if action not in ACTIONS:
             raise RegistryError(f"unknown action {action!r}", 404, ErrorCode.NOT_FOUND)
