@@ -3,8 +3,10 @@
 One worker process per engine instance, on a private ``socketpair`` (no path on disk, so nobody
 else can connect). Two memfd segments are registered once: inputs are copied into one (the only copy
 on the way in), the worker has its engine's outputs written into the other, and the reply names where
-they lie (the wire: :mod:`edged.protocol.shm_wire`). A worker that dies or hangs past
-``request_timeout_s`` fails only the request in flight, with a typed error; it is started again at
+they lie (the wire: :mod:`edged.protocol.shm_wire`). Each reply must echo its request's kind and id (a
+late answer to a health check that timed out is skipped) and describe outputs that lie inside the
+output segment. A worker that dies, hangs past ``request_timeout_s`` or answers off the wire fails
+only the request in flight, with a typed error; it is started again at
 once (then with back-off if it keeps dying), and the next request is served by the new one. The
 worker ends when the daemon does: EOF on its socket, and systemd stops the whole service cgroup
 (``PR_SET_PDEATHSIG`` is not used: it fires when the *thread* that started the worker ends, and
@@ -22,11 +24,13 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import mmap
 import os
 import select
 import signal
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -51,6 +55,11 @@ class _NotDeliveredError(Exception):
     """The worker's socket refused a request: the worker was gone before it was sent, so nothing ran."""
 
 
+class _BadReplyError(ValueError):
+    """The worker's reply does not follow the wire (a wrong kind, a corrupt description): it is not
+    trusted again, and what it described is never read."""
+
+
 class WorkerDiedError(InternalError):
     """The engine worker exited or hung during a request; it is being restarted."""
 
@@ -72,10 +81,14 @@ class _Segment:
         self.id = 0
 
     def close(self) -> None:
-        del self.view
+        """Unmap and close; a second call does nothing (the fd number may be another file's by then)."""
+        if self.fd < 0:
+            return
+        self.view = np.empty(0, dtype=np.uint8)  # drops the export of the map
         with contextlib.suppress(BufferError):
             self.map.close()
-        os.close(self.fd)
+        fd, self.fd, self.id = self.fd, -1, 0
+        os.close(fd)
 
 
 def _tensors(items: list[dict[str, Any]]) -> list[EngineTensor]:
@@ -88,6 +101,7 @@ class EngineWorkerClient(Engine):
     Subclasses say which program to run (``_command``) and what to send it first (``_greeting``)."""
 
     what: ClassVar[str] = "engine worker"
+    health_timeout_s: float = 2.0
     loads: ClassVar[str] = "model"  # what it loads, in messages
 
     def __init__(self, label: str, *, device: str, precision: str, start_timeout_s: float,
@@ -141,7 +155,7 @@ class EngineWorkerClient(Engine):
             greeting = self._greeting()
             if greeting is not None:
                 ours.send(greeting)
-            kind, status, _, body = self._reply(self.start_timeout_s, "starting")
+            kind, status, _, body = self._reply(self.start_timeout_s, "starting", p.HELLO, 0)
             if status:
                 _, why = p.decode_error(body)
                 raise ModelLoadError(f"{self.label}: the {self.what} cannot load the {self.loads}: {why}")
@@ -157,7 +171,7 @@ class EngineWorkerClient(Engine):
         except EdgedError:
             self._stop()
             raise
-        except (OSError, TimeoutError, ValueError, _NotDeliveredError) as e:
+        except (OSError, TimeoutError, ValueError, KeyError, TypeError, _NotDeliveredError) as e:
             self._stop()
             raise ModelLoadError(f"{self.label}: the {self.what} failed while starting: {e}") from None
         self._started()
@@ -221,19 +235,30 @@ class EngineWorkerClient(Engine):
         self._backoff.reset()
 
     # ---- messages ------------------------------------------------------------------------------
-    def _reply(self, timeout_s: float, what: str) -> tuple[int, int, int, memoryview]:
+    def _reply(self, timeout_s: float, what: str, kind: int, rid: int) -> tuple[int, int, int, memoryview]:
+        """The reply to request ``rid`` of ``kind``. A reply to an earlier request (a health check that
+        timed out, answered late) is skipped; any other reply is a worker off the wire."""
         assert self._sock is not None
-        ready, _, _ = select.select([self._sock], [], [], timeout_s)
-        if not ready:
-            raise TimeoutError(f"no answer in {timeout_s:g} s while {what}")
-        msg = self._sock.recv(p.MAX_MESSAGE)
-        if len(msg) < p.HEADER.size:
-            raise ConnectionResetError("the engine worker closed its socket")
-        kind, status, count, _ = p.HEADER.unpack_from(msg, 0)
-        return kind, status, count, memoryview(msg)[p.HEADER.size:]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ready, _, _ = select.select([self._sock], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError(f"no answer in {timeout_s:g} s while {what}")
+            msg = self._sock.recv(p.MAX_MESSAGE)
+            if len(msg) < p.HEADER.size:
+                raise ConnectionResetError("the engine worker closed its socket")
+            got_kind, status, count, got_rid = p.HEADER.unpack_from(msg, 0)
+            if got_rid < rid and got_kind & p.REPLY:
+                log.warning("%s: skipped a late reply to request %d while %s", self.label, got_rid, what)
+                continue
+            if got_rid != rid or got_kind != kind | p.REPLY:
+                raise _BadReplyError(f"the {self.what} answered request {got_rid} kind {got_kind & 0x7F} "
+                                     f"to request {rid} kind {kind} while {what}")
+            return got_kind, status, count, memoryview(msg)[p.HEADER.size:]
 
     def _call(self, message: bytes, fds: Sequence[int] = ()) -> tuple[int, memoryview]:
         assert self._sock is not None
+        kind, _, _, rid = p.HEADER.unpack_from(message, 0)
         try:
             if fds:
                 socket.send_fds(self._sock, [message], list(fds))
@@ -241,7 +266,7 @@ class EngineWorkerClient(Engine):
                 self._sock.send(message)
         except OSError as e:  # EPIPE, ECONNRESET: the worker's end is closed
             raise _NotDeliveredError(str(e)) from None
-        _, status, count, body = self._reply(self.request_timeout_s, "waiting for the engine")
+        _, status, count, body = self._reply(self.request_timeout_s, "waiting for the engine", kind, rid)
         if status:
             needed, why = p.decode_error(body)
             err = p.error_from_status(status, f"{self.label}: {why}", needed)
@@ -260,11 +285,15 @@ class EngineWorkerClient(Engine):
         return seg
 
     def _grow(self, old: _Segment | None, need: int) -> _Segment:
-        if old is not None:
-            if old.id:
+        """A registered segment of at least ``need`` bytes in place of ``old``, which is closed whatever
+        happens: the caller has already let go of it (a failed REGISTER must not leave it in use)."""
+        try:
+            if old is not None and old.id:
                 self._rid += 1
                 self._call(p.header(p.UNREGISTER, self._rid) + p.U32.pack(old.id))
-            old.close()
+        finally:
+            if old is not None:
+                old.close()
         return self._register(max(_MIN_SEGMENT, 1 << (need - 1).bit_length()))
 
     # ---- Engine ---------------------------------------------------------------------------------
@@ -278,6 +307,8 @@ class EngineWorkerClient(Engine):
                     if attempt == 2:
                         raise self._died("was gone") from None
                     self._replace_idle()  # it never saw this request: start a new one and send it again
+                except _BadReplyError as e:  # off the wire: nothing it says is trusted again
+                    raise self._died(f"answered wrongly ({e})") from None
                 except (OSError, TimeoutError) as e:  # EOF or reset while the request ran: the worker is gone
                     raise self._died("hung" if isinstance(e, TimeoutError) else "died") from None
             raise AssertionError("unreachable")
@@ -292,7 +323,10 @@ class EngineWorkerClient(Engine):
             layout.append((name, a, pos))
             pos = p.align(pos + a.nbytes)
         if self._in is None or pos > self._in.size:
-            self._in = self._grow(self._in, pos)
+            old, self._in = self._in, None
+            self._in = self._grow(old, pos)
+        if self._out is None:  # an earlier growth of it failed
+            self._out = self._register(_MIN_SEGMENT)
         seg = self._in
         descs = []
         for name, a, at in layout:
@@ -310,18 +344,28 @@ class EngineWorkerClient(Engine):
                 needed = int(e.context.get("needed_bytes", 0))
                 if not needed:
                     raise
-                self._out = self._grow(self._out, needed)
+                old, self._out = self._out, None
+                self._out = self._grow(old, needed)
                 continue
-            _, outs = p.decode_outputs(body, count)
-            result: dict[str, np.ndarray] = {}
-            for o in outs:
-                dtype = p.NUMPY_DTYPES[o.dtype] if 0 < o.dtype < len(p.NUMPY_DTYPES) else None
-                if dtype is None or o.offset + o.nbytes > self._out.size:
-                    raise InternalError(f"{self.label}: the {self.what} described output {o.name!r} wrongly")
-                # A copy the caller owns: the segment is reused by the next request.
-                result[o.name] = self._out.view[o.offset:o.offset + o.nbytes].view(dtype).reshape(o.shape).copy()
-            return result
+            return self._outputs(self._out, body, count)
         raise InternalError(f"{self.label}: the {self.what}'s outputs kept outgrowing the output segment")
+
+    def _outputs(self, seg: _Segment, body: memoryview, count: int) -> dict[str, np.ndarray]:
+        """The outputs an INFER reply describes, each checked against the segment before it is read."""
+        try:
+            _, outs = p.decode_outputs(body, count)
+        except (ValueError, IndexError, struct.error) as e:  # UnicodeDecodeError is a ValueError
+            raise _BadReplyError(f"a malformed INFER reply: {e}") from None
+        result: dict[str, np.ndarray] = {}
+        for o in outs:
+            dtype = p.NUMPY_DTYPES[o.dtype] if 0 < o.dtype < len(p.NUMPY_DTYPES) else None
+            if dtype is None or any(d < 0 for d in o.shape) or math.prod(o.shape) * dtype.itemsize != o.nbytes \
+                    or o.nbytes > seg.size or o.offset > seg.size - o.nbytes:
+                raise _BadReplyError(f"output {o.name!r} described wrongly (dtype code {o.dtype}, shape "
+                                     f"{list(o.shape)}, {o.nbytes} bytes at {o.offset})")
+            # A copy the caller owns: the segment is reused by the next request.
+            result[o.name] = seg.view[o.offset:o.offset + o.nbytes].view(dtype).reshape(o.shape).copy()
+        return result
 
     def health(self) -> dict[str, Any]:
         """Ping the worker (short timeout); what ``describe`` and status pages show."""
@@ -331,7 +375,8 @@ class EngineWorkerClient(Engine):
                 self._rid += 1
                 try:
                     self._sock.send(p.header(p.HELLO, self._rid))
-                    _, status, _, body = self._reply(2.0, "answering a health check")
+                    _, status, _, body = self._reply(self.health_timeout_s, "answering a health check", p.HELLO,
+                                                     self._rid)
                     alive = status == 0
                     self.info.update(json.loads(bytes(body)) if alive else {})
                 except (OSError, TimeoutError, ValueError):
