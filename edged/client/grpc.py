@@ -40,14 +40,19 @@ def infer_request(model: str, inputs: Mapping[str, np.ndarray], version: int | N
 
 
 def infer_outputs(resp: Any) -> dict[str, np.ndarray]:
+    """The outputs of a ModelInferResponse; one the client cannot decode raises an INTERNAL EdgedError
+    (the decoders' own errors would say ValueError, or INVALID_ARGUMENT: the caller's fault)."""
     out: dict[str, np.ndarray] = {}
-    for i, t in enumerate(resp.outputs):
-        shape = tuple(int(d) for d in t.shape)
-        raw = resp.raw_output_contents[i] if i < len(resp.raw_output_contents) else b""
-        if t.datatype == "BYTES":
-            out[t.name] = bytes_from_buffer(raw, math.prod(shape), f"output {t.name!r}").reshape(shape)
-        else:
-            out[t.name] = np.frombuffer(raw, datatypes.to_numpy(t.datatype)).reshape(shape)
+    try:
+        for i, t in enumerate(resp.outputs):
+            shape = tuple(int(d) for d in t.shape)
+            raw = resp.raw_output_contents[i] if i < len(resp.raw_output_contents) else b""
+            if t.datatype == "BYTES":
+                out[t.name] = bytes_from_buffer(raw, math.prod(shape), f"output {t.name!r}").reshape(shape)
+            else:
+                out[t.name] = np.frombuffer(raw, datatypes.to_numpy(t.datatype)).reshape(shape)
+    except (ValueError, TypeError, EdgedError) as e:
+        raise EdgedError(f"malformed inference response: {e}", code=ErrorCode.INTERNAL) from None
     return out
 
 

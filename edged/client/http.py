@@ -7,15 +7,20 @@ no copies of the tensors) and parses answers with httptools: ``http.client`` spe
 more time parsing headers than the daemon spent serving. Tensors go as Triton's
 binary extension by default; ``binary=False`` sends and asks for plain JSON.
 One persistent connection; a lock makes a client safe to share between threads,
-but one client per thread is faster.
+but one client per thread is faster. ``timeout`` bounds each request's whole answer. A kept
+connection the server closed while idle is replaced before the request goes out; when one closes
+under a request without answering, only a request that did not go out whole, or an idempotent
+one (GET...), is sent again: a POST the daemon may have acted on raises UNAVAILABLE instead.
 """
 
 from __future__ import annotations
 
 import math
+import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
@@ -32,6 +37,8 @@ _CODES = {400: ErrorCode.INVALID_ARGUMENT, 401: ErrorCode.UNAUTHENTICATED, 403: 
           404: ErrorCode.NOT_FOUND, 409: ErrorCode.FAILED_PRECONDITION,
           413: ErrorCode.INVALID_ARGUMENT, 504: ErrorCode.DEADLINE_EXCEEDED, 507: ErrorCode.RESOURCE_EXHAUSTED}
 _RECV = 1 << 18
+# Methods that may be sent again when a reused connection closes before any answer (RFC 9110 9.2.2).
+_IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS", "TRACE"})
 
 
 class HttpStatusError(EdgedError):
@@ -107,6 +114,18 @@ def _send_all(sock: socket.socket, chunks: list[bytes | memoryview]) -> None:
         sent = 0
 
 
+def _timeval(seconds: float) -> bytes:
+    return struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+
+
+def _stale(sock: socket.socket) -> bool:
+    """Whether an idle kept-alive connection has something to read: the server closed it (or sent what
+    no request asked for). Either way it must not carry the next request."""
+    poll = select.poll()
+    poll.register(sock, select.POLLIN)
+    return bool(poll.poll(0))
+
+
 class HttpClient:
     def __init__(self, url: str = "127.0.0.1:8000", *, timeout: float = 60.0, token: str | None = None) -> None:
         """``token``: the management credential ([control] token), sent with every request."""
@@ -117,6 +136,7 @@ class HttpClient:
         self._host_header = (self._addr if self._kind == "tcp" else "localhost").encode()
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        self._shortened = False  # the connection's read timeout was cut to a request's remaining time
 
     # ---- connection -------------------------------------------------------------------------
     def _connect(self) -> socket.socket:
@@ -133,16 +153,14 @@ class HttpClient:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # Kernel timeouts instead of Python's timeout mode, which polls before every send and recv.
         sock.settimeout(None)
-        tv = struct.pack("ll", int(self.timeout), int(self.timeout % 1 * 1e6))
+        tv = _timeval(self.timeout)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
         return sock
 
     def close(self) -> None:
         with self._lock:
-            if self._sock is not None:
-                self._sock.close()
-                self._sock = None
+            self._drop()
 
     def __enter__(self) -> HttpClient:
         return self
@@ -162,20 +180,23 @@ class HttpClient:
         head.append(b"\r\n")
         message: list[bytes | memoryview] = [b"".join(head), *chunks]
         with self._lock:
+            deadline = time.monotonic() + self.timeout
             for attempt in (0, 1):
-                reused = self._sock is not None
+                sent = answered = reused = False
                 try:
-                    if self._sock is None:
-                        self._sock = self._connect()
-                    sock = self._sock
+                    sock, reused = self._connection()
                     _send_all(sock, message)
+                    sent = True
                     resp = Response()
                     parser = httptools.HttpResponseParser(resp)
                     while not resp.complete:
                         data = sock.recv(_RECV)
                         if not data:
                             raise _ClosedError
+                        answered = True
                         parser.feed_data(data)
+                        if not resp.complete:  # ``timeout`` bounds the whole answer, not each read
+                            self._shorten(sock, deadline - time.monotonic())
                     resp.status = parser.get_status_code()
                     # (httptools resets its keep-alive flag once a message completes: read the header)
                     if resp.headers.get(b"connection", b"").lower() == b"close" or \
@@ -184,7 +205,9 @@ class HttpClient:
                     return resp
                 except (_ClosedError, BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as e:
                     self._drop()
-                    if attempt or not reused:  # a fresh connection that fails is a real failure
+                    # Send again only on a reused connection, and only what cannot have been acted on twice:
+                    # a request that did not go out whole, or an idempotent one that got no answer.
+                    if attempt or not reused or answered or (sent and method not in _IDEMPOTENT):
                         raise EdgedError(f"connection to edged at {self.url} failed: "
                                          f"{e or 'closed by the server'}", code=ErrorCode.UNAVAILABLE) from None
                 except httptools.HttpParserError as e:
@@ -199,9 +222,34 @@ class HttpClient:
                     self._drop()
                     raise EdgedError(f"cannot reach edged at {self.url}: {e.strerror or e}",
                                      code=ErrorCode.UNAVAILABLE) from None
+                except BaseException:
+                    # Interrupted (a signal, KeyboardInterrupt) with the request out: its answer may still
+                    # come on this connection, where the next request would read it as its own.
+                    self._drop()
+                    raise
         raise AssertionError("unreachable")
 
+    def _connection(self) -> tuple[socket.socket, bool]:  # lock held
+        """The connection for the next request, and whether it is one kept from an earlier request."""
+        if self._sock is not None and _stale(self._sock):
+            self._drop()  # closed by the server while it was idle
+        if self._sock is None:
+            self._sock = self._connect()
+            return self._sock, False
+        if self._shortened:  # the last answer cut its read timeout
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.timeout))
+            self._shortened = False
+        return self._sock, True
+
+    def _shorten(self, sock: socket.socket, left: float) -> None:  # lock held
+        """Bound the next read by what is left of the request's deadline (the next request restores it)."""
+        if left <= 0:
+            raise TimeoutError
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(max(left, 1e-3)))
+        self._shortened = True
+
     def _drop(self) -> None:  # lock held
+        self._shortened = False
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -315,5 +363,6 @@ def decode_response(data: bytes, header_length: str | None) -> dict[str, np.ndar
                 else:
                     out[o["name"]] = np.asarray(o["data"], dtype=datatypes.to_numpy(dt)).reshape(shape)
         return out
-    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, EdgedError) as e:
+        # (an EdgedError here is the decoders' InvalidInputError: the answer is wrong, not the request)
         raise EdgedError(f"malformed inference response: {e}", code=ErrorCode.INTERNAL) from None

@@ -127,22 +127,31 @@ class MqttClient:
             if waiting is not None and msg.payload and not waiting.done():
                 waiting.set_result(bytes(msg.payload))
             return
+        props = msg.properties if self.v5 else None
+        corr = getattr(props, "CorrelationData", None) if props is not None else None
+        key: object = corr.decode("utf-8", "replace") if isinstance(corr, bytes) else None
+        error: EdgedError | None = None
         try:
-            props = msg.properties if self.v5 else None
-            corr = getattr(props, "CorrelationData", None) if props is not None else None
             hlen = None
             for k, v in (getattr(props, "UserProperty", None) or []) if props is not None else []:
                 if k == codec.HEADER_LENGTH_PROPERTY:
                     hlen = int(v)
             frame = codec.parse(msg.payload, hlen)
-            key = corr.decode() if isinstance(corr, bytes) else frame.header.get("id")
-        except Exception:
-            return  # not ours or unreadable: nobody waits for it
+            if key is None:
+                key = frame.header.get("id")
+        except Exception as e:
+            if key is None:
+                return  # no correlation and no readable header: nobody to tell
+            # The reply to a request that waits, unreadable: say so now rather than time out.
+            error = EdgedError(f"malformed reply from edged: {e}", code=ErrorCode.INTERNAL)
         with self._lock:
             fut = self._pending.pop(key, None) if isinstance(key, str) else None
         if fut is not None and not fut.done():
             self.last_reply_qos = msg.qos
-            fut.set_result((frame.header, frame.tail))
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result((frame.header, frame.tail))
 
     # ---- requests --------------------------------------------------------------------------
     def infer(self, model: str, inputs: Mapping[str, np.ndarray], version: int | None = None,
@@ -276,19 +285,23 @@ def _decode_outputs(header: Any, tail: Any) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     pos = 0
     view = memoryview(tail)
-    for o in header.get("outputs", []):
-        shape = tuple(o["shape"])
-        dt = o["datatype"]
-        size = (o.get("parameters") or {}).get("binary_data_size")
-        if size is not None:
-            raw = view[pos:pos + size]
-            pos += size
-            if dt == "BYTES":
-                out[o["name"]] = bytes_from_buffer(raw, math.prod(shape), o["name"]).reshape(shape)
+    try:
+        for o in header.get("outputs", []):
+            shape = tuple(o["shape"])
+            dt = o["datatype"]
+            size = (o.get("parameters") or {}).get("binary_data_size")
+            if size is not None:
+                raw = view[pos:pos + size]
+                pos += size
+                if dt == "BYTES":
+                    out[o["name"]] = bytes_from_buffer(raw, math.prod(shape), o["name"]).reshape(shape)
+                else:
+                    out[o["name"]] = np.frombuffer(bytes(raw), dtype=datatypes.to_numpy(dt)).reshape(shape)
+            elif dt == "BYTES":
+                out[o["name"]] = np.array([s.encode() for s in o["data"]], dtype=object).reshape(shape)
             else:
-                out[o["name"]] = np.frombuffer(bytes(raw), dtype=datatypes.to_numpy(dt)).reshape(shape)
-        elif dt == "BYTES":
-            out[o["name"]] = np.array([s.encode() for s in o["data"]], dtype=object).reshape(shape)
-        else:
-            out[o["name"]] = np.asarray(o["data"], dtype=datatypes.to_numpy(dt)).reshape(shape)
+                out[o["name"]] = np.asarray(o["data"], dtype=datatypes.to_numpy(dt)).reshape(shape)
+    except (KeyError, TypeError, ValueError, AttributeError, EdgedError) as e:
+        # (an EdgedError here is the decoders' InvalidInputError: the answer is wrong, not the request)
+        raise EdgedError(f"malformed inference response: {e}", code=ErrorCode.INTERNAL) from None
     return out
