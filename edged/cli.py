@@ -11,7 +11,7 @@ from typing import Any
 
 from edged import __version__
 from edged.config import Config, load_config, parse_config
-from edged.errors import ConfigError, EdgedError, exit_status
+from edged.errors import ConfigError, EdgedError, ErrorCode, exit_status
 
 log = logging.getLogger("edged")
 
@@ -103,6 +103,9 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"{path}: cannot read: {e.strerror}", file=sys.stderr)
         return 2
+    except UnicodeDecodeError as e:
+        print(f"{path}: not UTF-8 text (byte {e.start}): not a TOML config file", file=sys.stderr)
+        return 1
     try:
         cfg = parse_config(text, source=path)
     except ConfigError as e:
@@ -192,6 +195,9 @@ def cmd_detect(args: argparse.Namespace) -> int:
     from edged.profiles import load_profiles, match_profile
 
     cfg = _config(args)
+    if not args.root.is_dir():
+        raise EdgedError(f"--root {args.root}: not a folder (a sysroot holding proc/, sys/ and etc/)",
+                         code=ErrorCode.INVALID_ARGUMENT)
     facts = probe(args.root, engines=args.root == Path("/"))
     dirs = [cfg.device.profiles_dir] if cfg.device.profiles_dir else []
     match = match_profile(facts, load_profiles(dirs))
@@ -436,6 +442,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 DEVICE_EXTRA_MODULES = frozenset({"onnxruntime", "paho", "psutil", "prometheus_client"})
 
 
+def _in_file(err: ConfigError) -> ConfigError:
+    """Each problem prefixed with the file it is in (as ``config check`` prints them), when the error knows it."""
+    file = err.context.get("file")
+    if file:
+        err.problems = [p if p.startswith(str(file)) else f"{file}: {p}" for p in err.problems]
+    return err
+
+
 def main(argv: list[str] | None = None) -> int:
     from edged.logs import setup_logging
 
@@ -464,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: edged {args.command} needs {top!r}, part of the 'device' extra, which is not installed "
               "here: pip install 'edged[device]', or use ./install.sh or the .deb", file=sys.stderr)
         return 1
+    except ConfigError as e:
+        return exit_status(_in_file(e))
     except EdgedError as e:
         return exit_status(e)
     except KeyboardInterrupt:

@@ -14,10 +14,11 @@ import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from edged import datatypes
-from edged.errors import ConfigError, format_validation_error
+from edged.errors import ConfigError, EdgedError, format_validation_error
+from edged.listen import parse_listen
 from edged.protocol.mqtt_topics import DEFAULT_REPLY_TOPICS
 
 if sys.version_info >= (3, 11):
@@ -61,6 +62,21 @@ def default_runtime_dir() -> Path:
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+def _check_listen(v: str) -> str:
+    """A listen address the HTTP and gRPC servers will accept (refused here, not at their start)."""
+    if v.startswith("unix:") and not v[5:].strip():
+        raise ValueError(f"{v!r}: the Unix socket path is empty")
+    try:
+        parse_listen(v)
+    except EdgedError:
+        raise ValueError(f"{v!r}: expected host:port (port 0-65535), [v6]:port, :port, /path or "
+                         "unix:path") from None
+    return v
+
+
+ListenAddress = Annotated[str, AfterValidator(_check_listen)]
 
 
 class VersionPolicy(_Section):
@@ -114,7 +130,7 @@ class ModelsSection(_Section):
 
 class HttpSection(_Section):
     enabled: bool = True
-    listen: str = Field(default="127.0.0.1:8000", description="host:port, or a Unix socket path")
+    listen: ListenAddress = Field(default="127.0.0.1:8000", description="host:port, or a Unix socket path")
     max_request_mb: float = Field(default=64, gt=0)
     max_connections: int = Field(default=1000, ge=1, description="open connections in all")
     max_client_connections: int = Field(default=64, ge=1, description="open connections per client: peer "
@@ -140,7 +156,7 @@ class GrpcSection(_Section):
     """The v2 gRPC listener; off unless the section is in the file (needs the ``grpc`` extra)."""
 
     enabled: bool = True
-    listen: str = Field(default="127.0.0.1:8001", description="host:port, or unix:/path (a Unix socket)")
+    listen: ListenAddress = Field(default="127.0.0.1:8001", description="host:port, or unix:/path (a Unix socket)")
     max_message_mb: float = Field(default=64, gt=0, le=2047, description="largest request or response message")
     max_stream_inflight: int = Field(default=64, ge=1, le=4096, description="requests of one ModelStreamInfer "
                                      "stream being computed or waiting for their turn to be answered (later ones "
@@ -457,6 +473,13 @@ class Config(_Section):
         return self.device.state_dir / "cache"
 
 
+def _fix_listen(listen: str, base: Path) -> str:
+    """``unix:relative.sock`` is a path like any other in the file: against the config's folder."""
+    if listen.startswith("unix:") and not Path(listen[5:]).is_absolute():
+        return f"unix:{(base / listen[5:]).resolve()}"
+    return listen
+
+
 def _resolve_paths(cfg: Config, base: Path) -> Config:
     def fix(p: Path | None) -> Path | None:
         return None if p is None else (p if p.is_absolute() else (base / p).resolve())
@@ -466,6 +489,9 @@ def _resolve_paths(cfg: Config, base: Path) -> Config:
     d.profiles_dir = fix(d.profiles_dir)
     d.model_seed = fix(d.model_seed)
     cfg.shm.socket = fix(cfg.shm.socket)
+    cfg.http.listen = _fix_listen(cfg.http.listen, base)
+    if cfg.grpc:
+        cfg.grpc.listen = _fix_listen(cfg.grpc.listen, base)
     cfg.registry.ca_file = fix(cfg.registry.ca_file)
     cfg.registry.client_cert, cfg.registry.client_key = fix(cfg.registry.client_cert), fix(cfg.registry.client_key)
     if cfg.grpc and cfg.grpc.tls:
@@ -482,12 +508,14 @@ def parse_config(text: str, *, source: Path | None = None) -> Config:
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{where}: not valid TOML: {e}", [f"(file): not valid TOML: {e}"]) from None
+        raise ConfigError(f"{where}: not valid TOML: {e}", [f"(file): not valid TOML: {e}"],
+                          **({"file": str(source)} if source else {})) from None
     try:
         cfg = Config.model_validate(raw)
     except ValidationError as e:
         problems = format_validation_error(e)
-        raise ConfigError(f"{where}: {len(problems)} problem(s): " + "; ".join(problems), problems) from None
+        raise ConfigError(f"{where}: {len(problems)} problem(s): " + "; ".join(problems), problems,
+                          **({"file": str(source)} if source else {})) from None
     cfg.source = source
     base = source.resolve().parent if source else Path.cwd()
     return _resolve_paths(cfg, base)

@@ -29,6 +29,7 @@ import logging
 import os
 import platform
 import re
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -156,11 +157,22 @@ class _Sysroot:
         return self.root / rel.lstrip("/")
 
     def read_bytes(self, rel: str, limit: int = _READ_LIMIT) -> bytes | None:
+        # Regular files only: /proc and /sys attributes are, and opening a FIFO (or a device) that a copied
+        # or hostile tree put in their place would block the probe, and the daemon's start, for ever.
         try:
-            with open(self.path(rel), "rb") as f:
+            fd = os.open(self.path(rel), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+        except (OSError, ValueError):
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            os.set_blocking(fd, True)
+            with os.fdopen(fd, "rb", closefd=False) as f:
                 return f.read(limit)
         except (OSError, ValueError):
             return None
+        finally:
+            os.close(fd)
 
     def read(self, rel: str, limit: int = _READ_LIMIT) -> str | None:
         data = self.read_bytes(rel, limit)
@@ -524,7 +536,7 @@ def _jetson_gpu(sr: _Sysroot) -> tuple[str | None, int | None]:
     max_mhz: int | None = None
     for candidate in candidates:
         line = sr.read_line(candidate)
-        if line and line.isdigit():
+        if line and line.isascii() and line.isdigit():  # str.isdigit() alone takes '²', which int() refuses
             max_mhz = round(int(line) / 1_000_000)
             break
     return "/" + node, max_mhz
