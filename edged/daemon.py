@@ -12,6 +12,7 @@ The daemon wires everything: it hands the probed facts, the profile, the config 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import signal
@@ -156,6 +157,8 @@ class Daemon:
         self.services: list[Service] = []
         self.notifier = notifier or Notifier()
         self._stop = asyncio.Event()
+        # The same request for the blocking start-up and reload work on worker threads (the self-test).
+        self._stop_token: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._wake = asyncio.Event()
         self._reload_requested = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -165,6 +168,8 @@ class Daemon:
     # ---- signals ------------------------------------------------------------------------------
     def request_stop(self) -> None:
         self._stop.set()
+        if not self._stop_token.done():
+            self._stop_token.set_result(None)
         self._wake.set()
 
     def request_reload(self) -> None:
@@ -269,7 +274,7 @@ class Daemon:
             return False
         ready = _ready(rt.service.versions())
         n.status(f"self-test of {len(ready)} model version(s) on profile {rt.profile.name}")
-        failed = await asyncio.to_thread(self_test, rt.service, ready, SELF_TEST_TIMEOUT_S)
+        failed = await asyncio.to_thread(self_test, rt.service, ready, SELF_TEST_TIMEOUT_S, self._stop_token)
         if self._stop.is_set():
             return False
         from edged.telemetry.prometheus import MetricsRenderer
@@ -291,6 +296,8 @@ class Daemon:
         log.info("edged ready in %.2fs: %d model version(s) serving, %d unavailable (%d failed the self-test), "
                  "profile %s", time.monotonic() - t0, len(_ready(all_mvs)), len(all_mvs) - len(_ready(all_mvs)),
                  len(failed), rt.profile.name)
+        if self._stop.is_set():  # SIGTERM while the transports and services started: never READY=1
+            return False
         n.ready(self.status_text())
         # Serve first, choose after: engines are measured (and re-measured as traffic changes) from now on.
         rt.manager.chooser.start()
@@ -453,13 +460,16 @@ class Daemon:
             rt = self.runtime
             if rt is not None:
                 rt.config = self.cfg
-                await asyncio.to_thread(self._reload_models, rt, new)
+                await asyncio.to_thread(self._reload_models, rt, new, self._stop_token)
         finally:
-            n.ready(self.status_text())
+            if not self._stop.is_set():  # after SIGTERM: STOPPING=1 comes next, never READY=1
+                n.ready(self.status_text())
 
     @staticmethod
-    def _reload_models(rt: Runtime, new: Config) -> None:
-        """Load what the new [models] section and the repository select; unload what they no longer do."""
+    def _reload_models(rt: Runtime, new: Config, stop: concurrent.futures.Future[None] | None = None) -> None:
+        """Load what the new [models] section and the repository select; unload what they no longer do.
+
+        ``stop`` done (SIGTERM): nothing more is loaded or self-tested, so that the stop is not held up."""
         manager = rt.manager
         manager.models_cfg = new.models
         repo = manager.repository
@@ -471,6 +481,9 @@ class Daemon:
                 log.info("model %s: unloading, disabled or gone from the repository", name, extra=log_fields(name))
                 manager.unload_model(name)
         for name in wanted_names:
+            if stop is not None and stop.done():
+                log.info("reload cut short: edged is stopping")
+                return
             wanted = new.models.policy_for(name).select(list_versions(repo / name))
             current = sorted(mv.version for mv in manager.table.versions(name))
             if wanted == current and all(mv.state is ModelState.READY for mv in manager.table.versions(name)):
@@ -482,7 +495,7 @@ class Daemon:
             except EdgedError as e:
                 log.error("model %s: reload failed: %s", name, e, extra=log_fields(name))
                 continue
-            self_test(rt.service, _ready(loaded), SELF_TEST_TIMEOUT_S)
+            self_test(rt.service, _ready(loaded), SELF_TEST_TIMEOUT_S, stop)
 
 
 def run(cfg: Config, sync_overrides: dict[str, str] | None = None) -> int:

@@ -14,6 +14,7 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -41,15 +42,20 @@ def check_response(mv: ModelVersion, resp: InferResponse) -> str | None:
     return None
 
 
-def self_test(service: InferenceService, versions: list[ModelVersion], timeout: float) -> dict[Key, str]:
+def self_test(service: InferenceService, versions: list[ModelVersion], timeout: float,
+              stop: concurrent.futures.Future[None] | None = None) -> dict[Key, str]:
     """One inference per version through the service; returns the failures (key -> reason).
 
     Blocking: run it on a worker thread. A failed version is taken out of service here
     (state UNAVAILABLE with the reason, queue drained, engine released) so the daemon
-    still starts and serves everything else.
+    still starts and serves everything else. ``stop`` done (SIGTERM) ends the self-test at
+    once: the version under test is neither passed nor failed, and the rest are not tested.
     """
     failures: dict[Key, str] = {}
     for mv in versions:
+        if stop is not None and stop.done():
+            log.info("self-test stopped: edged is stopping")
+            break
         if mv.state is not ModelState.READY or mv.pipeline is not None:
             continue  # a pipeline has no sample input; its models are tested themselves
         if mv.warmup_skipped:  # the same made-up input would be refused again; that is not a fault
@@ -59,9 +65,16 @@ def self_test(service: InferenceService, versions: list[ModelVersion], timeout: 
         why: str | None
         t0 = time.monotonic()
         try:
-            resp = service.infer(InferRequest(model=mv.name, version=mv.version, inputs=sample_inputs(mv),
-                                              id=SELF_TEST_ID, source="self-test"), timeout)
-            why = check_response(mv, resp)
+            fut = service.submit(InferRequest(model=mv.name, version=mv.version, inputs=sample_inputs(mv),
+                                              id=SELF_TEST_ID, source="self-test"))
+            if stop is not None:
+                either: list[concurrent.futures.Future[Any]] = [fut, stop]
+                concurrent.futures.wait(either, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+                if stop.done() and not fut.done():
+                    log.info("model=%s version=%s self-test stopped: edged is stopping", mv.name, mv.version,
+                             extra=log_fields(mv.name, mv.version, SELF_TEST_ID))
+                    break
+            why = check_response(mv, fut.result(0 if stop is not None else timeout))
         except concurrent.futures.TimeoutError:
             why = f"no answer within {timeout:.0f}s"
         except EdgedError as e:
