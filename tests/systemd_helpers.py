@@ -217,6 +217,27 @@ class NotifyListener:
             self._sock.close()
 
 
+NO_TRANSPORTS = "[http]\nenabled = false\n[mqtt]\nenabled = false\n[shm]\nenabled = false\n"
+
+
+def service_config(tmp_path: Path, repo: Path, extra: str = "") -> Path:
+    """An edged.toml for a daemon under a test service manager: the test profile, state and runtime
+    dirs in ``tmp_path``, ``extra`` TOML appended."""
+    profiles = write_test_profile(tmp_path)
+    cfg = tmp_path / "edged.toml"
+    cfg.write_text(f"""
+[device]
+id = "test-device"
+state_dir = "{tmp_path / 'state'}"
+runtime_dir = "{tmp_path / 'run'}"
+model_repository = "{repo}"
+profiles_dir = "{profiles}"
+profile = "test-cpu"
+{extra}
+""")
+    return cfg
+
+
 def start_edged(argv: list[str], notify: Path, *, watchdog_usec: int | None = None,
                 log: Path) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if k not in ("WATCHDOG_USEC", "WATCHDOG_PID", "JOURNAL_STREAM",

@@ -15,14 +15,13 @@ import pytest
 
 from tests.conftest import EDGED
 from tests.systemd_helpers import (
+    NO_TRANSPORTS,
     NotifyListener,
     make_spin_model,
+    service_config,
     spin_seconds_per_iteration,
     start_edged,
-    write_test_profile,
 )
-
-NO_TRANSPORTS = "[http]\nenabled = false\n[mqtt]\nenabled = false\n[shm]\nenabled = false\n"
 
 
 @pytest.fixture
@@ -30,22 +29,6 @@ def listener(tmp_path: Path) -> Iterator[NotifyListener]:
     lst = NotifyListener(tmp_path / "notify.sock")
     yield lst
     lst.close()
-
-
-def _config(tmp_path: Path, repo: Path, extra: str = NO_TRANSPORTS) -> Path:
-    profiles = write_test_profile(tmp_path)
-    cfg = tmp_path / "edged.toml"
-    cfg.write_text(f"""
-[device]
-id = "test-device"
-state_dir = "{tmp_path / 'state'}"
-runtime_dir = "{tmp_path / 'run'}"
-model_repository = "{repo}"
-profiles_dir = "{profiles}"
-profile = "test-cpu"
-{extra}
-""")
-    return cfg
 
 
 def test_sigterm_during_the_self_test_ends_it_and_stops(tmp_path: Path, listener: NotifyListener) -> None:
@@ -56,7 +39,7 @@ def test_sigterm_during_the_self_test_ends_it_and_stops(tmp_path: Path, listener
     # The warm-up input is also the self-test's: a few seconds of work on this machine, whatever its speed.
     n = max(2000, int(3.0 / spin_seconds_per_iteration(d)))
     np.savez(d / "warmup.npz", n=np.array([n], dtype=np.int64))
-    proc = start_edged([*EDGED, "run", "--config", str(_config(tmp_path, repo))], listener.path,
+    proc = start_edged([*EDGED, "run", "--config", str(service_config(tmp_path, repo, NO_TRANSPORTS))], listener.path,
                        log=tmp_path / "edged.log")
     try:
         testing = listener.wait_for("STATUS", "self-test of 1 model version(s) on profile test-cpu", timeout=180)
@@ -77,7 +60,7 @@ def test_sigterm_during_a_reload_ends_it_without_ready(tmp_path: Path, listener:
     (after the SIGTERM) before it stopped."""
     repo = tmp_path / "models"
     make_spin_model(repo)  # warm-up n = 1: READY at once
-    proc = start_edged([*EDGED, "run", "--config", str(_config(tmp_path, repo))], listener.path,
+    proc = start_edged([*EDGED, "run", "--config", str(service_config(tmp_path, repo, NO_TRANSPORTS))], listener.path,
                        log=tmp_path / "edged.log")
     try:
         ready = listener.wait_for("READY", "1", timeout=180)

@@ -33,11 +33,12 @@ from edged.systemd.notify import Notifier, watchdog_interval
 from tests.conftest import EDGED, REPO_ROOT
 from tests.netutil import free_port
 from tests.systemd_helpers import (
+    NO_TRANSPORTS,
     NotifyListener,
     make_nan_model,
     make_spin_model,
+    service_config,
     start_edged,
-    write_test_profile,
 )
 
 UNIT = REPO_ROOT / "packaging" / "systemd" / "edged.service"
@@ -247,23 +248,6 @@ def test_stderr_logging_writes_to_the_stderr_of_the_moment(monkeypatch: pytest.M
 
 # ---- edged run under a (test) service manager -------------------------------------------------
 
-def _config(tmp_path: Path, repo: Path, extra: str = "") -> Path:
-    profiles = write_test_profile(tmp_path)
-    cfg = tmp_path / "edged.toml"
-    cfg.write_text(f"""
-[device]
-id = "test-device"
-state_dir = "{tmp_path / 'state'}"
-runtime_dir = "{tmp_path / 'run'}"
-model_repository = "{repo}"
-profiles_dir = "{profiles}"
-profile = "test-cpu"
-{extra}
-""")
-    return cfg
-
-
-NO_TRANSPORTS = "[http]\nenabled = false\n[mqtt]\nenabled = false\n[shm]\nenabled = false\n"
 
 
 def _statuses(listener: NotifyListener) -> list[str]:
@@ -274,7 +258,7 @@ def test_ready_only_after_the_self_test_then_reload_and_clean_stop(
         tmp_path: Path, model_repo: Callable[..., Path], listener: NotifyListener) -> None:
     repo = model_repo("digits")
     make_nan_model(repo)  # loads and warms up, but answers NaN: only the self-test catches it
-    cfg = _config(tmp_path, repo, NO_TRANSPORTS)
+    cfg = service_config(tmp_path, repo, NO_TRANSPORTS)
     proc = start_edged([*EDGED, "run", "--config", str(cfg)], listener.path, watchdog_usec=2_000_000,
                        log=tmp_path / "edged.log")
     try:
@@ -345,7 +329,7 @@ def test_watchdog_pings_stop_while_inference_hangs_and_sigterm_finishes_in_fligh
     repo = model_repo("digits")
     make_spin_model(repo)
     port = free_port()
-    cfg = _config(tmp_path, repo, f'[http]\nlisten = "127.0.0.1:{port}"\n[mqtt]\nenabled = false\n'
+    cfg = service_config(tmp_path, repo, f'[http]\nlisten = "127.0.0.1:{port}"\n[mqtt]\nenabled = false\n'
                                   '[shm]\nenabled = false\n')
     interval = 1.0
     proc = start_edged([*EDGED, "run", "--config", str(cfg)], listener.path, watchdog_usec=int(interval * 1e6),
