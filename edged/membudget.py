@@ -31,7 +31,7 @@ from types import TracebackType
 from typing import Any
 
 from edged import heap
-from edged.errors import OverloadedError, ResourceExhaustedError
+from edged.errors import EdgedError, ErrorCode, OverloadedError, ResourceExhaustedError
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,13 @@ _M_MMAP_THRESHOLD = -3
 def default_memory_mb(profile_budget_mb: float) -> float:
     """The budget for requests when none is configured: a share of the profile's memory budget."""
     return max(DEFAULT_MIN_MB, round(profile_budget_mb * DEFAULT_SHARE, 1))
+
+
+class RequestEndedError(EdgedError):
+    """Memory charged to a request that has ended (released, or its caller cancelled it): the step
+    stops before allocating what nobody will read."""
+
+    code = ErrorCode.FAILED_PRECONDITION
 
 
 class MemoryBudget:
@@ -91,16 +98,14 @@ class MemoryBudget:
     def try_reserve(self, nbytes: int) -> Reservation | None:
         """Hold ``nbytes`` if they fit now, else None, counted as no refusal: for a caller that waits for
         room (and calls :meth:`reserve` for its refusal if it gives up)."""
-        nbytes = max(0, int(nbytes))
-        with self._lock:
-            used = self.used + nbytes
-            if used > (self.limit if nbytes <= SMALL_REQUEST else self.large_limit):
-                return None
-            self.used = used
-            self.peak = max(self.peak, used)
         res = Reservation(self)
-        res.held = nbytes
-        return res
+        return res if res.try_grow(nbytes) else None
+
+    def ceiling(self, total: int) -> int:
+        """What the budget may hold in all once a request holds ``total``: large requests may fill it only
+        up to the small requests' share, so a flood of large messages leaves room for everybody else's
+        ordinary requests (health, small tensors)."""
+        return self.limit if total <= SMALL_REQUEST else self.large_limit
 
     def _refuse(self, nbytes: int, what: str, args: tuple[object, ...], total: int, ceiling: int, used: int) -> None:
         if args:
@@ -155,32 +160,56 @@ class Reservation:
     Its count is kept under the budget's one lock, taken once per change: every request makes at least
     three of them (reserve, shrink to what it holds, release), on the transports' hot paths."""
 
-    __slots__ = ("budget", "held")
+    __slots__ = ("budget", "ended", "held")
 
     def __init__(self, budget: MemoryBudget) -> None:
         self.budget = budget
         self.held = 0
+        # Why it may not grow any more (it was released, or its request cancelled); None: it may. A step
+        # still running in a worker thread then stops at its next charge instead of allocating for
+        # nobody, and never grows a released reservation, which nothing would release again.
+        self.ended: str | None = None
+
+    def end(self, why: str) -> None:
+        """Refuse every later growth (``why`` completes "the request ...")."""
+        with self.budget._lock:
+            if self.ended is None:
+                self.ended = why
 
     def grow(self, nbytes: int, what: str, *args: object) -> None:
         """Add ``nbytes``, before allocating them; raises (holding what it held) when they do not fit
-        (``what % args`` names them then)."""
-        nbytes = int(nbytes)
-        if nbytes <= 0:
+        (``what % args`` names them then), RequestEndedError once it has ended."""
+        try:
+            fits = self.try_grow(nbytes)
+        except RequestEndedError as e:
+            raise RequestEndedError(f"{what % args if args else what}: {e}") from None
+        if fits:
             return
         b = self.budget
         with b._lock:
-            total = self.held + nbytes
-            # Large requests may fill the budget only up to the small requests' share: a flood of large
-            # messages leaves room for everybody else's ordinary requests (health, small tensors).
-            ceiling = b.limit if total <= SMALL_REQUEST else b.large_limit
-            used = b.used
-            if used + nbytes <= ceiling:
-                b.used = used = used + nbytes
-                b.peak = max(b.peak, used)
-                self.held = total
-                return
             b.refused += 1
-        b._refuse(nbytes, what, args, total, ceiling, used)
+            total = self.held + int(nbytes)
+            ceiling, used = b.ceiling(total), b.used
+        b._refuse(int(nbytes), what, args, total, ceiling, used)
+
+    def try_grow(self, nbytes: int) -> bool:
+        """Add ``nbytes`` if they fit now; False (nothing held or counted) if they do not;
+        RequestEndedError once it has ended."""
+        nbytes = int(nbytes)
+        if nbytes <= 0:
+            return True
+        b = self.budget
+        with b._lock:
+            if self.ended is not None:
+                raise RequestEndedError(f"the request {self.ended}")
+            total = self.held + nbytes
+            used = b.used + nbytes
+            if used > b.ceiling(total):
+                return False
+            b.used = used
+            b.peak = max(b.peak, used)
+            self.held = total
+            return True
 
     def shrink(self, nbytes: int) -> None:
         """Keep at most ``nbytes`` (a worst case reserved before a size was known, now that it is): what is
@@ -195,6 +224,8 @@ class Reservation:
     def release(self) -> None:
         b = self.budget
         with b._lock:
+            if self.ended is None:
+                self.ended = "has ended"
             held, self.held = self.held, 0
             if held <= 0:
                 return

@@ -28,12 +28,11 @@ from edged.core.stats import ModelStats
 from edged.errors import (
     DeadlineExceededError,
     EdgedError,
-    ErrorCode,
     InvalidInputError,
     ManifestError,
     model_not_ready,
 )
-from edged.membudget import MemoryBudget, Reservation, set_current
+from edged.membudget import MemoryBudget, set_current
 from edged.pipeline.contract import ANY, PipelineDefinitionError, Port
 from edged.pipeline.definition import PIPELINE_FILE, files_read, load_pipeline
 from edged.pipeline.graph import CallContext, ModelCaller, compile_pipeline
@@ -217,45 +216,6 @@ def load_pipeline_version(entry: VersionEntry, gateway: ServedModels, digests: D
     return mv
 
 
-class RequestEndedError(EdgedError):
-    """A step charged memory to a pipeline request that has ended (its caller cancelled it, or it was
-    released): the step stops before allocating what nobody will read."""
-
-    code = ErrorCode.FAILED_PRECONDITION
-
-
-class RequestMemory(Reservation):
-    """The reservation a pipeline request's steps charge (``membudget.charge``). Once the request is
-    cancelled or released it refuses to grow, so a step still running in a worker thread stops at its
-    next charge instead of decoding for nobody, and never grows a reservation already released (which
-    nothing would release again)."""
-
-    __slots__ = ("_ended", "_guard")
-
-    def __init__(self, budget: MemoryBudget) -> None:
-        super().__init__(budget)
-        self._guard = threading.Lock()
-        self._ended: str | None = None
-
-    def end(self, why: str) -> None:
-        """Refuse every later growth (``why`` completes "the request ...")."""
-        with self._guard:
-            if self._ended is None:
-                self._ended = why
-
-    def grow(self, nbytes: int, what: str, *args: object) -> None:
-        with self._guard:  # a check and a growth that a concurrent release cannot come between
-            if self._ended is not None and int(nbytes) > 0:
-                raise RequestEndedError(f"{what % args if args else what}: the request {self._ended}")
-            super().grow(nbytes, what, *args)
-
-    def release(self) -> None:
-        with self._guard:
-            if self._ended is None:
-                self._ended = "has ended"
-            super().release()
-
-
 # Request parameters a pipeline's model calls inherit (v2 / Triton's ``priority``; ``timeout`` is the deadline).
 INHERITED_PARAMETERS = ("priority",)
 
@@ -288,7 +248,7 @@ def start_pipeline_request(mv: ModelVersion, req: InferRequest, runner: Pipeline
                                                              if k in req.parameters}, models=models)
     stats.enter()
 
-    held = RequestMemory(budget) if budget is not None else None
+    held = budget.reserve(0, f"pipeline {mv.name!r}") if budget is not None else None
 
     async def run() -> InferResponse:
         start = time.monotonic_ns()

@@ -427,28 +427,33 @@ class RequestIntake:
         finally:
             self.backlog.finished()
 
+    @staticmethod
+    def _key(topic: str, reply: Reply) -> tuple[str, str, bytes | str] | None:
+        """What identifies a request to the duplicate filter; None: it cannot be told apart (no
+        correlation data or id), so it is never taken for a repeat."""
+        corr = reply.correlation if reply.correlation is not None else reply.request_id
+        return None if corr is None else (topic, reply.topic, corr)
+
     def _duplicate(self, topic: str, reply: Reply) -> bool:
         """Whether the request was seen before; records it if not."""
-        corr = reply.correlation if reply.correlation is not None else reply.request_id
-        if corr is None:
+        key = self._key(topic, reply)
+        if key is None or not self._recent.seen(key):
             return False
-        if self._recent.seen((topic, reply.topic, corr)):
-            self.counts.count("duplicates")
-            return True
-        return False
+        self.counts.count("duplicates")
+        return True
 
     def _repeat(self, topic: str, reply: Reply) -> bool:
         """Whether the request was seen before, without recording it (a request refused at admission)."""
-        corr = reply.correlation if reply.correlation is not None else reply.request_id
-        if corr is None or not self._recent.known((topic, reply.topic, corr)):
+        key = self._key(topic, reply)
+        if key is None or not self._recent.known(key):
             return False
         self.counts.count("duplicates")
         return True
 
     def _forget(self, topic: str, reply: Reply) -> None:
-        corr = reply.correlation if reply.correlation is not None else reply.request_id
-        if corr is not None:
-            self._recent.forget((topic, reply.topic, corr))
+        key = self._key(topic, reply)
+        if key is not None:
+            self._recent.forget(key)
 
     def _answer_elsewhere(self, decoded: DecodedRequest, reply: Reply, resp: InferResponse) -> bool:
         """A big answer computed on paho's thread is encoded and published from the decode pool, so paho

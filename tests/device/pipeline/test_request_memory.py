@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 
 from edged.core.model_versions import ModelState, ModelVersion
-from edged.core.pipelines import PipelineRunner, RequestEndedError, start_pipeline_request
+from edged.core.pipelines import PipelineRunner, start_pipeline_request
 from edged.core.stats import ModelStats
 from edged.errors import ResourceExhaustedError
-from edged.membudget import MemoryBudget, charge, set_current
+from edged.membudget import MemoryBudget, RequestEndedError, charge, set_current
 from edged.pipeline.contract import Port, Step, StepInputError
 from edged.pipeline.definition import parse_pipeline
 from edged.pipeline.graph import CallContext, Tensors, compile_pipeline
