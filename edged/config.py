@@ -66,8 +66,6 @@ class _Section(BaseModel):
 
 def _check_listen(v: str) -> str:
     """A listen address the HTTP and gRPC servers will accept (refused here, not at their start)."""
-    if v.startswith("unix:") and not v[5:].strip():
-        raise ValueError(f"{v!r}: the Unix socket path is empty")
     try:
         parse_listen(v)
     except EdgedError:
@@ -473,13 +471,6 @@ class Config(_Section):
         return self.device.state_dir / "cache"
 
 
-def _fix_listen(listen: str, base: Path) -> str:
-    """``unix:relative.sock`` is a path like any other in the file: against the config's folder."""
-    if listen.startswith("unix:") and not Path(listen[5:]).is_absolute():
-        return f"unix:{(base / listen[5:]).resolve()}"
-    return listen
-
-
 def _resolve_paths(cfg: Config, base: Path) -> Config:
     def fix(p: Path | None) -> Path | None:
         return None if p is None else (p if p.is_absolute() else (base / p).resolve())
@@ -489,9 +480,12 @@ def _resolve_paths(cfg: Config, base: Path) -> Config:
     d.profiles_dir = fix(d.profiles_dir)
     d.model_seed = fix(d.model_seed)
     cfg.shm.socket = fix(cfg.shm.socket)
-    cfg.http.listen = _fix_listen(cfg.http.listen, base)
+    def fix_listen(listen: str) -> str:  # ``unix:relative.sock`` is a path like any other in the file
+        return f"unix:{fix(Path(listen[5:]))}" if listen.startswith("unix:") else listen
+
+    cfg.http.listen = fix_listen(cfg.http.listen)
     if cfg.grpc:
-        cfg.grpc.listen = _fix_listen(cfg.grpc.listen, base)
+        cfg.grpc.listen = fix_listen(cfg.grpc.listen)
     cfg.registry.ca_file = fix(cfg.registry.ca_file)
     cfg.registry.client_cert, cfg.registry.client_key = fix(cfg.registry.client_cert), fix(cfg.registry.client_key)
     if cfg.grpc and cfg.grpc.tls:

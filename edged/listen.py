@@ -13,6 +13,8 @@ __all__ = ["parse_listen"]
 def parse_listen(listen: str) -> tuple[str, int] | Path:
     """``host:port`` / ``[v6]:port`` / ``:port`` -> (host, port); ``/path`` or ``unix:/path`` -> Path."""
     if listen.startswith("unix:"):
+        if not listen[5:].strip():
+            raise EdgedError(f"listen = {listen!r}: the Unix socket path is empty", code=ErrorCode.INVALID_ARGUMENT)
         return Path(listen[5:])
     if listen.startswith("/"):
         return Path(listen)

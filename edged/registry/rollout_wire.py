@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from edged.protocol.fleet.messages import MAX_INT32
+from edged.protocol.fleet.messages import MAX_INT32, Version
 from edged.protocol.fleet.release import SignedRelease, TargetSelector
 from edged.registry.targets import RolloutTarget
 
@@ -107,7 +107,7 @@ class Gates(_Wire):
 
 class RolloutCreate(_Wire):
     model: str = Field(max_length=128)
-    release: int | None = Field(default=None, ge=0, le=MAX_INT32, description="an existing release of the model")
+    release: Version | None = Field(default=None, description="an existing release of the model")
     signed: SignedRelease | None = Field(default=None, description="or a new signed release, created with the "
                                                                    "rollout so no device sees it ungated")
     target: RolloutTarget = Field(default_factory=RolloutTarget)
@@ -115,9 +115,9 @@ class RolloutCreate(_Wire):
     gates: Gates = Field(default_factory=Gates)
     salt: str | None = Field(default=None, max_length=64, description="stable-hash salt (default: the model name, "
                                                                       "so a model's canaries stay the same)")
-    baseline_version: int | None = Field(default=None, ge=0, le=MAX_INT32,
-                                         description="the version telemetry gates compare against "
-                                                     "(default: the release the fleet runs now)")
+    baseline_version: Version | None = Field(default=None, description="the version telemetry gates compare "
+                                                                       "against (default: the release the fleet "
+                                                                       "runs now)")
     notes: str = Field(default="", max_length=4096)
     admit_per_minute: float | None = Field(
         default=None, ge=0, le=10_000_000,

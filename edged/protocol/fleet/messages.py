@@ -20,6 +20,7 @@ DEVICE_ID_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 LABEL_KEY_RE = re.compile(r"[A-Za-z0-9_.\-/]{1,63}")
 CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 MAX_SERVING = 1024  # models a device reports serving: far above any device's repository
+MAX_FACTS = 1024  # fact keys a device sends, at enrollment and after
 # Models, reverts and release numbers in a device's desired state: far above any fleet's; a device refuses a
 # longer answer whole (each entry costs it state and work).
 MAX_DESIRED = 1024
@@ -192,7 +193,7 @@ class ReportBatch(_Wire):
 
 class DeviceFactsUpdate(_Wire):
     labels: dict[str, str] = Field(default_factory=dict, description="must be empty: a device never labels itself")
-    facts: dict[str, Any] = Field(default_factory=dict, max_length=1024)
+    facts: dict[str, Any] = Field(default_factory=dict, max_length=MAX_FACTS)
     serving: list[ServingModel] = Field(default_factory=list, max_length=MAX_SERVING)
 
     @field_validator("labels")

@@ -13,13 +13,13 @@ import asyncio
 import logging
 from typing import Any
 
-from annotated_types import MaxLen
 from fastapi import APIRouter, Request, Response
 from sqlalchemy import bindparam, select
 
 from edged.errors import ErrorCode
 from edged.protocol.fleet.messages import (
     API_PREFIX,
+    MAX_FACTS,
     Accepted,
     DesiredState,
     DeviceFactsUpdate,
@@ -35,8 +35,6 @@ from edged.registry.service import RegistryError
 log = logging.getLogger(__name__)
 _STORED_FACTS = select(DeviceRow.facts, DeviceRow.serving).where(DeviceRow.id == bindparam("id"))
 _BEARER: dict[str, Any] = {"security": [{"HTTPBearer": []}]}
-# the facts a device may send at enrollment: as many as it may send later (PUT /device/facts)
-MAX_FACTS = next(m.max_length for m in DeviceFactsUpdate.model_fields["facts"].metadata if isinstance(m, MaxLen))
 
 
 def devices_router(ctx: AppContext) -> APIRouter:
