@@ -145,9 +145,9 @@ def test_a_worker_killed_while_a_segment_grows_is_replaced_and_no_memfd_is_left(
         _check(w)
         serving = _memfds()  # its two segments (each an fd and the map's own duplicate)
         old = w.pid
-        with pytest.raises(WorkerDiedError, match="being restarted"):
+        with pytest.raises(WorkerDiedError, match="being restarted") as died:
             _check(w, n=50_000)
-        assert isinstance(WorkerDiedError("x"), InternalError)
+        assert isinstance(died.value, InternalError)
         wait_until(lambda: w.pid not in (None, old), 30, what="the worker to be restarted")
         _check(w, n=50_000)
         for k in range(3):

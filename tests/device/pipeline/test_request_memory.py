@@ -36,6 +36,8 @@ from edged.repository.store import VersionEntry
 
 cv2 = pytest.importorskip("cv2", reason="the pipeline extra (opencv-python-headless) is not installed")
 
+from tests.device.pipeline.test_steps_input import bytes_tensor, encoded  # noqa: E402  (needs cv2)
+
 MIB = 1 << 20
 
 GATED = """
@@ -130,15 +132,7 @@ def test_cancelled_request_stops_its_thread_step_and_releases_after_it(tmp_path:
 
 
 def _png(width: int, height: int) -> bytes:
-    ok, buf = cv2.imencode(".png", np.full((height, width, 3), 200, np.uint8))
-    assert ok
-    return bytes(buf)
-
-
-def _image(data: bytes) -> np.ndarray:
-    out = np.empty(1, dtype=object)
-    out[0] = data
-    return out
+    return encoded(np.full((height, width, 3), 200, np.uint8), ".png")
 
 
 # The ocr example's detector resize: the shorter side raised to 736, sides multiples of 32.
@@ -149,14 +143,15 @@ OCR_RESIZE = {"mode": "limit", "limit_side": 736, "limit_type": "min", "multiple
 def test_thin_image_upscaled_over_the_pixel_limit_is_refused_before_resizing(params: dict[str, object]) -> None:
     """A 2000x20 PNG (40,000 pixels, well under decode_image's limit) would become 73,600x736: 54 M
     pixels, 162 MB of UINT8 and four times that once normalized; a 1x60000 one 44 G pixels."""
-    pixels = builtin_step("decode_image")({"color": "BGR"}, Path(".")).run({"image": _image(_png(2000, 20))})["pixels"]
+    image = bytes_tensor(_png(2000, 20))
+    pixels = builtin_step("decode_image")({"color": "BGR"}, Path(".")).run({"image": image})["pixels"]
     resize = builtin_step("resize")(params, Path("."))
     with pytest.raises(StepInputError, match=r"2000x20 image.*73600x736.*40000000-pixel limit") as err:
         resize.run({"pixels": pixels})
     assert err.value.context["input"] == "pixels"
     decode = builtin_step("decode_image")({"color": "BGR", "resize": params}, Path("."))
     with pytest.raises(StepInputError, match=r"73600x736.*40000000-pixel limit") as err:
-        decode.run({"image": _image(_png(2000, 20))})
+        decode.run({"image": bytes_tensor(_png(2000, 20))})
     assert err.value.context["input"] == "image"
     narrower = pixels[:, :, :200]  # 200x20 becomes 7,360x736: 5.4 M pixels, under the limit
     assert resize.run({"pixels": narrower})["pixels"].shape == (1, 736, 7360, 3)
