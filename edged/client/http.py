@@ -344,13 +344,24 @@ def decode_response(data: bytes, header_length: str | None) -> dict[str, np.ndar
     try:
         hlen = int(header_length) if header_length is not None else len(data)
         header = orjson.loads(memoryview(data)[:hlen])
+    except (orjson.JSONDecodeError, ValueError) as e:
+        raise EdgedError(f"malformed inference response: {e}", code=ErrorCode.INTERNAL) from None
+    return decode_outputs(header, memoryview(data)[hlen:])
+
+
+def decode_outputs(header: Any, tail: Any) -> dict[str, np.ndarray]:
+    """The outputs a v2 response header names, binary ones read-only views of ``tail`` (the bytes after
+    the header), as every transport's answer carries them. INTERNAL when they do not add up: the answer
+    is wrong, not the request."""
+    view = memoryview(tail)
+    try:
         out: dict[str, np.ndarray] = {}
-        pos = hlen
+        pos = 0
         for o in header["outputs"]:
             dt, shape = o["datatype"], tuple(o["shape"])
             size = (o.get("parameters") or {}).get("binary_data_size")
             if size is not None:
-                chunk = memoryview(data)[pos:pos + size]
+                chunk = view[pos:pos + size]
                 pos += size
                 if dt == "BYTES":
                     out[o["name"]] = bytes_from_buffer(chunk, math.prod(shape), o["name"]).reshape(shape)
@@ -363,6 +374,6 @@ def decode_response(data: bytes, header_length: str | None) -> dict[str, np.ndar
                 else:
                     out[o["name"]] = np.asarray(o["data"], dtype=datatypes.to_numpy(dt)).reshape(shape)
         return out
-    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, EdgedError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, EdgedError) as e:
         # (an EdgedError here is the decoders' InvalidInputError: the answer is wrong, not the request)
         raise EdgedError(f"malformed inference response: {e}", code=ErrorCode.INTERNAL) from None

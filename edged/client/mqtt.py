@@ -279,29 +279,7 @@ def _raise_if_error(header: Any) -> None:
 
 
 def _decode_outputs(header: Any, tail: Any) -> dict[str, np.ndarray]:
-    from edged.protocol.v2 import bytes_from_buffer
+    from edged.client.http import decode_outputs
 
     _raise_if_error(header)
-    out: dict[str, np.ndarray] = {}
-    pos = 0
-    view = memoryview(tail)
-    try:
-        for o in header.get("outputs", []):
-            shape = tuple(o["shape"])
-            dt = o["datatype"]
-            size = (o.get("parameters") or {}).get("binary_data_size")
-            if size is not None:
-                raw = view[pos:pos + size]
-                pos += size
-                if dt == "BYTES":
-                    out[o["name"]] = bytes_from_buffer(raw, math.prod(shape), o["name"]).reshape(shape)
-                else:
-                    out[o["name"]] = np.frombuffer(bytes(raw), dtype=datatypes.to_numpy(dt)).reshape(shape)
-            elif dt == "BYTES":
-                out[o["name"]] = np.array([s.encode() for s in o["data"]], dtype=object).reshape(shape)
-            else:
-                out[o["name"]] = np.asarray(o["data"], dtype=datatypes.to_numpy(dt)).reshape(shape)
-    except (KeyError, TypeError, ValueError, AttributeError, EdgedError) as e:
-        # (an EdgedError here is the decoders' InvalidInputError: the answer is wrong, not the request)
-        raise EdgedError(f"malformed inference response: {e}", code=ErrorCode.INTERNAL) from None
-    return out
+    return decode_outputs(header, tail)
