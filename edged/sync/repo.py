@@ -90,15 +90,18 @@ class DeviceRepo:
         shutil.rmtree(self.parts_dir(staged), ignore_errors=True)
         _fsync_tree(staged)
 
-    def install(self, model: str, version: int, staged: Path, files: list[FileEntry]) -> None:
+    def install(
+        self, model: str, version: int, staged: Path, files: list[FileEntry], *, same: bool | None = None
+    ) -> None:
         """Move a sealed staging folder into the repository in one rename.
 
         An existing folder with the same content is kept (the staged copy is dropped);
-        one with different content is moved aside first.
+        one with different content is moved aside first. ``same``: whether it has the same content, when
+        the caller hashed it already (only the updater writes here, so the answer still holds).
         """
         target = self.version_dir(model, version)
         if target.exists():
-            if folder_matches(target, files):
+            if same if same is not None else folder_matches(target, files):
                 self.drop_staging(staged)
                 return
             self._to_trash(target)
