@@ -442,14 +442,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 DEVICE_EXTRA_MODULES = frozenset({"onnxruntime", "paho", "psutil", "prometheus_client"})
 
 
-def _in_file(err: ConfigError) -> ConfigError:
-    """Each problem prefixed with the file it is in (as ``config check`` prints them), when the error knows it."""
-    file = err.context.get("file")
-    if file:
-        err.problems = [p if p.startswith(str(file)) else f"{file}: {p}" for p in err.problems]
-    return err
-
-
 def main(argv: list[str] | None = None) -> int:
     from edged.logs import setup_logging
 
@@ -478,8 +470,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: edged {args.command} needs {top!r}, part of the 'device' extra, which is not installed "
               "here: pip install 'edged[device]', or use ./install.sh or the .deb", file=sys.stderr)
         return 1
-    except ConfigError as e:
-        return exit_status(_in_file(e))
     except EdgedError as e:
         return exit_status(e)
     except KeyboardInterrupt:

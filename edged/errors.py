@@ -148,13 +148,15 @@ def model_not_ready(name: str, version: int, detail: str) -> ModelNotReadyError:
 def exit_status(err: EdgedError, stream: TextIO | None = None) -> int:
     """Print an entry point's final error and return its exit status, alike in every CLI.
 
-    A config error lists each problem on its own ``config:`` line and exits 2; any other error
-    is one ``error:`` line and exits 1.
+    A config error lists each problem on its own ``config:`` line, prefixed with the file it is in when
+    the error knows it (as ``config check`` prints them), and exits 2; any other error is one ``error:``
+    line and exits 1.
     """
     out = stream or sys.stderr
     if isinstance(err, ConfigError):
+        file = str(err.context.get("file") or "")
         for problem in err.problems:
-            print(f"config: {problem}", file=out)
+            print(f"config: {problem if not file or problem.startswith(file) else f'{file}: {problem}'}", file=out)
         return 2
     print(f"error: {err}", file=out)
     return 1

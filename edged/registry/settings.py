@@ -232,4 +232,5 @@ def load_settings(path: Path | None, overrides: dict[str, Any] | None = None) ->
         return RegistrySettings.model_validate(raw)
     except ValidationError as e:
         problems = format_validation_error(e)
-        raise ConfigError(f"{path or 'registry settings'}: " + "; ".join(problems), problems) from None
+        raise ConfigError(f"{path or 'registry settings'}: " + "; ".join(problems), problems,
+                          **({"file": str(path)} if path else {})) from None

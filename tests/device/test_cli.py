@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -144,3 +145,21 @@ def test_run_serves_until_sigterm(model_repo: Callable[..., Path], write_config:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_config_problems_name_their_file_in_both_commands(tmp_path: Path) -> None:
+    """Each problem on its own ``config:`` line after the file it is in, for the daemon's and the registry's
+    command alike (exit 2), so a user with several files knows which to open."""
+    bad = tmp_path / "edged.toml"
+    bad.write_text('[device]\nid = "d"\nno_such_key = 1\n')
+    r = _run("run", "--config", str(bad))
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("config: ")]
+    assert r.returncode == 2 and lines and all(ln.startswith(f"config: {bad}: ") for ln in lines), r.stderr
+    assert any("no_such_key" in ln for ln in lines), r.stderr
+
+    reg = tmp_path / "registry.toml"
+    reg.write_text("listen = 5\n")
+    r = subprocess.run([sys.executable, "-c", "import sys; from edged.registry.cli import main; sys.exit(main())",
+                        "serve", "--config", str(reg)], capture_output=True, text=True, timeout=60)
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("config: ")]
+    assert r.returncode == 2 and lines and all(ln.startswith(f"config: {reg}: ") for ln in lines), r.stderr
