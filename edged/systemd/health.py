@@ -62,25 +62,12 @@ def self_test(service: InferenceService, versions: list[ModelVersion], timeout: 
             log.warning("model=%s version=%s self-test skipped: %s", mv.name, mv.version, mv.warmup_note,
                         extra=log_fields(mv.name, mv.version, SELF_TEST_ID))
             continue
-        why: str | None
         t0 = time.monotonic()
-        try:
-            fut = service.submit(InferRequest(model=mv.name, version=mv.version, inputs=sample_inputs(mv),
-                                              id=SELF_TEST_ID, source="self-test"))
-            if stop is not None:
-                either: list[concurrent.futures.Future[Any]] = [fut, stop]
-                concurrent.futures.wait(either, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
-                if stop.done() and not fut.done():
-                    log.info("model=%s version=%s self-test stopped: edged is stopping", mv.name, mv.version,
-                             extra=log_fields(mv.name, mv.version, SELF_TEST_ID))
-                    break
-            why = check_response(mv, fut.result(0 if stop is not None else timeout))
-        except concurrent.futures.TimeoutError:
-            why = f"no answer within {timeout:.0f}s"
-        except EdgedError as e:
-            why = str(e)
-        except (OSError, KeyError, ValueError) as e:
-            why = f"warm-up input unusable: {e}"
+        why = _one_test(service, mv, timeout, stop)
+        if why is _STOPPED:
+            log.info("model=%s version=%s self-test stopped: edged is stopping", mv.name, mv.version,
+                     extra=log_fields(mv.name, mv.version, SELF_TEST_ID))
+            break
         if why is None:
             log.info("model=%s version=%s self-test passed in %.1f ms", mv.name, mv.version,
                      (time.monotonic() - t0) * 1e3, extra=log_fields(mv.name, mv.version, SELF_TEST_ID))
@@ -90,6 +77,28 @@ def self_test(service: InferenceService, versions: list[ModelVersion], timeout: 
                   extra=log_fields(mv.name, mv.version, SELF_TEST_ID))
         take_out_of_service(mv, f"self-test failed: {why}")
     return failures
+
+
+_STOPPED = "(stopped)"  # _one_test's answer when edged began stopping first
+
+
+def _one_test(service: InferenceService, mv: ModelVersion, timeout: float,
+              stop: concurrent.futures.Future[None] | None) -> str | None:
+    """Why ``mv`` failed its one inference (None: it passed; :data:`_STOPPED`: ``stop`` came first)."""
+    try:
+        fut = service.submit(InferRequest(model=mv.name, version=mv.version, inputs=sample_inputs(mv),
+                                          id=SELF_TEST_ID, source="self-test"))
+        either: list[concurrent.futures.Future[Any]] = [fut] if stop is None else [fut, stop]
+        concurrent.futures.wait(either, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+        if stop is not None and stop.done() and not fut.done():
+            return _STOPPED
+        return check_response(mv, fut.result(0))
+    except concurrent.futures.TimeoutError:
+        return f"no answer within {timeout:.0f}s"
+    except EdgedError as e:
+        return str(e)
+    except (OSError, KeyError, ValueError) as e:
+        return f"warm-up input unusable: {e}"
 
 
 def take_out_of_service(mv: ModelVersion, reason: str) -> None:
