@@ -157,16 +157,23 @@ async def echo(req: Request) -> Response:
     return 200, [(b"content-type", b"text/plain")], b"ok " + req.path
 
 
+@contextmanager
+def held_echo(path: bytes, limits: Limits | None = None) -> Iterator[Bg]:
+    """A server answering as :func:`echo`, except that a request for ``path`` waits for ``bg.gate``."""
+    async def handler(req: Request) -> Response:
+        if req.path == path:
+            await bg.gate.wait()
+        return await echo(req)
+
+    with server(handler, limits) as bg:
+        yield bg
+
+
 # ---- a refusal after queued answers ends the connection ---------------------------------------------
 def test_a_refusal_behind_an_answer_in_progress_closes_the_connection_after_it() -> None:
     """A pipelined request refused (413) while the one before it is being answered: the answer, then the
     refusal with 'connection: close', then the server closes (it used to keep the socket for ever)."""
-    async def handler(req: Request) -> Response:
-        if req.path == b"/slow":
-            await bg.gate.wait()
-        return await echo(req)
-
-    with server(handler, Limits(max_body=1000)) as bg:
+    with held_echo(b"/slow", Limits(max_body=1000)) as bg:
         s = bg.connect()
         s.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
                   b"POST /big HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n" + b"x" * 100)
@@ -199,12 +206,7 @@ def test_a_client_that_does_not_read_is_dropped_with_a_request_half_sent() -> No
 def test_a_cut_off_slow_sender_with_an_answer_in_progress_is_closed() -> None:
     """Cut off to make room for another client's body while its earlier request is still being answered:
     the socket is closed, not left open off the server's books (and out of stop()'s reach)."""
-    async def handler(req: Request) -> Response:
-        if req.path == b"/held":
-            await bg.gate.wait()
-        return await echo(req)
-
-    with server(handler, Limits(max_busy_connections=1)) as bg:
+    with held_echo(b"/held", Limits(max_busy_connections=1)) as bg:
         a = bg.connect()
         a.sendall(b"GET /held HTTP/1.1\r\nHost: x\r\n\r\nPOST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nx")
         wait_until(lambda: len(bg.call(lambda: bg.server._state.busy)) == 1, 10, what="A's body to take the slot")
@@ -225,12 +227,7 @@ def test_a_cut_off_slow_sender_with_an_answer_in_progress_is_closed() -> None:
 def test_a_request_cut_by_the_pipelining_pause_is_not_timed_out() -> None:
     """Reading paused because requests queued up: the request whose headers the pause cut is not refused
     408 by the sweep, and is answered once reading resumes."""
-    async def handler(req: Request) -> Response:
-        if req.path == b"/1":
-            await bg.gate.wait()
-        return await echo(req)
-
-    with server(handler, Limits(max_pipelined=2)) as bg:
+    with held_echo(b"/1", Limits(max_pipelined=2)) as bg:
         s = bg.connect()
         third = b"GET /3 HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 200 + b"\r\n\r\n"
         s.sendall(b"GET /1 HTTP/1.1\r\nHost: x\r\n\r\nGET /2 HTTP/1.1\r\nHost: x\r\n\r\n" + third[:20])
@@ -249,12 +246,7 @@ def test_a_request_cut_by_the_pipelining_pause_is_not_timed_out() -> None:
 def test_100_continue_waits_for_the_answers_before_it() -> None:
     """Expect: 100-continue on a pipelined request: the interim answer comes after the final answer of the
     request before it (a client reads the first answer on the wire as the first request's)."""
-    async def handler(req: Request) -> Response:
-        if req.path == b"/slow":
-            await bg.gate.wait()
-        return await echo(req)
-
-    with server(handler) as bg:
+    with held_echo(b"/slow") as bg:
         s = bg.connect()
         s.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
                   b"POST /second HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 4\r\n\r\n")
