@@ -98,20 +98,25 @@ def scripted() -> Iterator[Callable[[Callable[[socket.socket, int, Scripted], No
         s.close()
 
 
-def test_a_post_the_server_took_is_not_sent_again(scripted: Callable[..., Scripted]) -> None:
-    """The daemon read the whole POST and closed without answering (it crashed, or stopped): the client
-    cannot know whether it acted, so it must not send it again on a fresh connection."""
+def second_taken_unanswered(answer: bytes) -> Callable[[socket.socket, int, Scripted], None]:
+    """A script: the first connection answers one request (keep-alive, so the client reuses it), reads the
+    next one whole and closes unanswered; every later connection answers each request with ``answer``."""
     def script(conn: socket.socket, n: int, srv: Scripted) -> None:
         buf = bytearray()
         if n == 0:
             srv.read(conn, buf)
-            conn.sendall(OK_EMPTY)  # keep-alive: the client reuses this connection
-            srv.read(conn, buf)  # the POST, taken, then the connection is closed unanswered
+            conn.sendall(OK_EMPTY)
+            srv.read(conn, buf)
             return
         while srv.read(conn, buf) is not None:
-            conn.sendall(OK_EMPTY)
+            conn.sendall(answer)
+    return script
 
-    srv = scripted(script)
+
+def test_a_post_the_server_took_is_not_sent_again(scripted: Callable[..., Scripted]) -> None:
+    """The daemon read the whole POST and closed without answering (it crashed, or stopped): the client
+    cannot know whether it acted, so it must not send it again on a fresh connection."""
+    srv = scripted(second_taken_unanswered(OK_EMPTY))
     with HttpClient(srv.url, timeout=10) as c:
         assert c.live()
         with pytest.raises(EdgedError) as e:
@@ -121,17 +126,7 @@ def test_a_post_the_server_took_is_not_sent_again(scripted: Callable[..., Script
 
 
 def test_a_get_on_a_connection_closed_unanswered_is_sent_again(scripted: Callable[..., Scripted]) -> None:
-    def script(conn: socket.socket, n: int, srv: Scripted) -> None:
-        buf = bytearray()
-        if n == 0:
-            srv.read(conn, buf)
-            conn.sendall(OK_EMPTY)
-            srv.read(conn, buf)
-            return
-        while srv.read(conn, buf) is not None:
-            conn.sendall(ok(b'{"name":"edged"}'))
-
-    srv = scripted(script)
+    srv = scripted(second_taken_unanswered(ok(b'{"name":"edged"}')))
     with HttpClient(srv.url, timeout=10) as c:
         assert c.live()
         assert c.server_metadata() == {"name": "edged"}
