@@ -15,7 +15,7 @@ from edged.protocol.fleet.messages import (
     ReenrollRequest,
     RegistryStatus,
 )
-from edged.registry.admin_http import AdminHttp
+from edged.registry.admin_http import AdminHttp, wire
 
 if TYPE_CHECKING:
     from edged.registry.telemetry_ingest import ModelSummary
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 class FleetApi(AdminHttp):
     def enrollment_token(self, uses: int = 1, ttl_s: float = 86400, labels: dict[str, str] | None = None
                          ) -> EnrollmentTokenResponse:
-        req = EnrollmentTokenRequest(uses=uses, ttl_s=ttl_s, labels=labels or {})
+        req = wire(EnrollmentTokenRequest, uses=uses, ttl_s=ttl_s, labels=labels or {})
         r = self._send("POST", "/enrollment-tokens", req)
         return EnrollmentTokenResponse.model_validate_json(r.content)
 
@@ -34,7 +34,7 @@ class FleetApi(AdminHttp):
 
     def reenroll(self, device_id: str, ttl_s: float = 86400) -> EnrollmentTokenResponse:
         """Revoke a device's credential and get a single-use token that enrolls that id again."""
-        r = self._send("POST", f"/devices/{device_id}/reenroll", ReenrollRequest(ttl_s=ttl_s))
+        r = self._send("POST", f"/devices/{device_id}/reenroll", wire(ReenrollRequest, ttl_s=ttl_s))
         return EnrollmentTokenResponse.model_validate_json(r.content)
 
     def devices(self, labels: dict[str, str] | None = None) -> list[DeviceInfo]:

@@ -8,22 +8,45 @@ The operator client (:mod:`edged.registry.admin_client`) is this plus one module
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
-from edged.errors import EdgedError, ErrorCode
+from edged.errors import EdgedError, ErrorCode, format_validation_error
 from edged.protocol.fleet.messages import API_PREFIX
 from edged.registry.access_wire import CLIENT_HEADER
 
 if TYPE_CHECKING:
     import httpx
 
+M = TypeVar("M", bound=BaseModel)
+# When the registry's body has no code of ours (a proxy's page, Starlette's own 404/405): the status says.
+STATUS_CODES = {400: ErrorCode.INVALID_ARGUMENT, 401: ErrorCode.UNAUTHENTICATED, 403: ErrorCode.PERMISSION_DENIED,
+                404: ErrorCode.NOT_FOUND, 409: ErrorCode.FAILED_PRECONDITION, 413: ErrorCode.INVALID_ARGUMENT,
+                422: ErrorCode.INVALID_ARGUMENT}
+
 
 class RegistryClientError(EdgedError):
     def __init__(self, message: str, status: int = 0, code: ErrorCode = ErrorCode.UNAVAILABLE) -> None:
         super().__init__(message, code=code)
         self.status = status
+
+
+def refusal_code(status: int, code: str) -> ErrorCode:
+    """The registry's own code for a refusal (it maps each error once, server-side), else the status's."""
+    try:
+        return ErrorCode(code)
+    except ValueError:
+        return STATUS_CODES.get(status, ErrorCode.UNAVAILABLE)
+
+
+def wire(model: type[M], **fields: Any) -> M:
+    """A request body built here: a value the API would refuse (a bound, a name) is refused before sending,
+    as the registry would word it (``ttl_s: ...``), as a typed error rather than pydantic's."""
+    try:
+        return model(**fields)
+    except ValidationError as e:
+        raise RegistryClientError("; ".join(format_validation_error(e)), code=ErrorCode.INVALID_ARGUMENT) from None
 
 
 class AdminHttp:
@@ -62,9 +85,8 @@ class AdminHttp:
                 msg, code = err["message"], err["code"]
             except Exception:
                 msg, code = r.text[:500], ""
-            kind = {400: ErrorCode.INVALID_ARGUMENT, 401: ErrorCode.INVALID_ARGUMENT, 404: ErrorCode.NOT_FOUND,
-                    409: ErrorCode.FAILED_PRECONDITION}.get(r.status_code, ErrorCode.UNAVAILABLE)
-            raise RegistryClientError(f"registry refused ({r.status_code} {code}): {msg}", r.status_code, kind)
+            raise RegistryClientError(f"registry refused ({r.status_code} {code}): {msg}", r.status_code,
+                                      refusal_code(r.status_code, str(code)))
         return r
 
     def _send(self, method: str, path: str, body: BaseModel) -> httpx.Response:

@@ -43,7 +43,7 @@ def create_blob_app(settings: RegistrySettings) -> Starlette:
             return _error(404, ErrorCode.NOT_FOUND, "not a lower-case hex sha256")
         why = signer.refusal(sha256, request.query_params.get("exp"), request.query_params.get("sig"), time.time())
         if why is not None:
-            return _error(403, ErrorCode.INVALID_ARGUMENT, why)
+            return _error(403, ErrorCode.PERMISSION_DENIED, why)
         path = store.path(sha256)
         if not await asyncio.to_thread(path.is_file):
             return _error(404, ErrorCode.NOT_FOUND, "blob not found")

@@ -104,7 +104,8 @@ class AppContext:
 
 
 def unauthorized() -> RegistryError:
-    return RegistryError("a valid device credential is required", 401, ErrorCode.INVALID_ARGUMENT)
+    """A missing or refused device credential: the device forgets it on a 401 (edged.sync.enrollment)."""
+    return RegistryError("a valid device credential is required", 401, ErrorCode.UNAUTHENTICATED)
 
 
 def device_of(s: Session, auth: HTTPAuthorizationCredentials | None) -> DeviceRow:

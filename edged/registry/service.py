@@ -336,7 +336,7 @@ def enroll(s: Session, req: EnrollRequest) -> EnrollResponse:
     """
     h = token_hash(req.token)
     tok = s.scalar(select(EnrollmentTokenRow).where(EnrollmentTokenRow.token_hash == h))
-    refused = RegistryError("enrollment token is invalid, used up or expired", 401, ErrorCode.INVALID_ARGUMENT)
+    refused = RegistryError("enrollment token is invalid, used up or expired", 401, ErrorCode.UNAUTHENTICATED)
     if tok is None or not same_hash(tok.token_hash, h) or tok.expires_at <= time.time():
         raise refused
     if tok.device_id is not None and tok.device_id != req.device_id:

@@ -30,7 +30,7 @@ from edged.protocol.fleet.messages import API_PREFIX
 from edged.protocol.fleet.telemetry import INGEST_PATH, HistCounts, SystemWindow, UploadAck, UploadBatch
 from edged.registry import service
 from edged.registry.db import DeviceRow
-from edged.registry.deps import Bearer, QueryNumber, transaction
+from edged.registry.deps import Bearer, QueryNumber, transaction, unauthorized
 from edged.registry.service import RegistryError
 from edged.registry.telemetry_tables import TelemetryDeviceRow, TelemetryModelRow, TelemetrySampleRow
 
@@ -259,7 +259,7 @@ def telemetry_router(sessions: sessionmaker[Session], last_seen_resolution_s: fl
         with tx() as s:
             dev = service.device_for_credential(s, credential) if credential is not None else None
             if dev is None:
-                raise RegistryError("a valid device credential is required", 401, ErrorCode.INVALID_ARGUMENT)
+                raise unauthorized()
             service.touch(dev, last_seen_resolution_s)
             return ingest(s, dev, batch)
 

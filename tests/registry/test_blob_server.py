@@ -153,7 +153,8 @@ def test_blob_server_refuses_unsigned_forged_expired_and_foreign_urls(setup: Set
     }
     for url, why in cases.items():
         r = web().get(url, headers=setup.device())
-        assert r.status_code == 403 and why in r.json()["error"]["message"], (url, r.text)
+        err = r.json()["error"]
+        assert r.status_code == 403 and err["code"] == "permission_denied" and why in err["message"], (url, r.text)
     assert web().get(f"{base}/url-signing.key?{query}").status_code == 404
     assert web().get(f"{base}/{'0' * 64}?{signer.query('0' * 64, time.time())}").status_code == 404
 

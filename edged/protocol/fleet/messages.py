@@ -34,6 +34,10 @@ MAX_LOG_LINES = 50
 MAX_LOG_LINE = 256  # characters
 MAX_LOG_BYTES = 8192  # UTF-8, all lines together
 Version = Annotated[int, Field(ge=0, le=MAX_INT32)]
+# An enrollment token is a bearer secret: it lives a bounded time (finite: _Wire refuses inf and NaN), so one
+# made carelessly (or with 1e300) cannot enroll devices for ever. A longer wait is a new token.
+MAX_ENROLL_TTL_S = 30 * 86400
+TokenTtl = Annotated[float, Field(gt=0, le=MAX_ENROLL_TTL_S)]
 
 # Every step a device reports; the order is the happy path.
 Step = Literal["downloading", "verifying", "prepared", "active-trial", "committed", "rolled-back", "failed"]
@@ -258,7 +262,7 @@ class NextRelease(_Wire):
 
 class EnrollmentTokenRequest(_Wire):
     uses: int = Field(default=1, ge=1, le=1_000_000)
-    ttl_s: float = Field(default=86400.0, gt=0)
+    ttl_s: TokenTtl = 86400.0
     labels: dict[str, str] = Field(default_factory=dict, description="given to every device enrolling with it")
 
     @field_validator("labels")
@@ -268,7 +272,7 @@ class EnrollmentTokenRequest(_Wire):
 
 
 class ReenrollRequest(_Wire):
-    ttl_s: float = Field(default=86400.0, gt=0, description="how long the device has to use the token")
+    ttl_s: TokenTtl = Field(default=86400.0, description="how long the device has to use the token (at most 30 days)")
 
 
 class EnrollmentTokenResponse(_Wire):

@@ -59,7 +59,7 @@ def _blob_routes(router: APIRouter, ctx: AppContext) -> None:
                 if not desired_state.blob_allowed(conn, ctx.decide(conn, request.headers.get("authorization")), sha256,
                                                   ctx.snapshots):
                     raise RegistryError("this file is not part of a release for this device", 403,
-                                        ErrorCode.NOT_FOUND)
+                                        ErrorCode.PERMISSION_DENIED)
             base = settings.blob_base(request.url.hostname)
             if ctx.blob_signer is not None and base is not None:
                 # The device's client keeps its Range / If-Range headers and drops its credential on the way.

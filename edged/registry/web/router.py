@@ -246,7 +246,7 @@ class _Ui:
         form = await self.form_of(request)
         if not self.same_origin(request) or not Sessions.csrf_ok(sess, form.get("csrf")):
             raise RegistryError("missing or wrong CSRF token: reload the page and try again", 403,
-                                ErrorCode.INVALID_ARGUMENT)
+                                ErrorCode.PERMISSION_DENIED)
         return sess, form
 
 
