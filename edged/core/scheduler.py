@@ -62,6 +62,9 @@ class _Item:
     signature: tuple[object, ...]
     enqueued_ns: int
     future: Future[InferResponse] = field(default_factory=Future)
+    # A blocking caller's (run_inline): when this copy is unloaded before it starts, the service takes
+    # it on to the serving copy, which counts it; this copy does not count it as failed as well.
+    handed_on: bool = False
 
 
 def _signature(req: InferRequest, batched: bool) -> tuple[object, ...]:
@@ -121,8 +124,9 @@ class Scheduler:
             w.start()
 
     # ---- submission -------------------------------------------------------------------------
-    def submit(self, req: InferRequest, batch: int) -> Future[InferResponse]:
-        item = _Item(req, batch, _signature(req, self.max_batch_size > 0), time.monotonic_ns())
+    def submit(self, req: InferRequest, batch: int, *, handed_on: bool = False) -> Future[InferResponse]:
+        """Queue ``req``; ``handed_on``: its caller takes a ModelNotReadyError on to the serving copy (run_inline)."""
+        item = _Item(req, batch, _signature(req, self.max_batch_size > 0), time.monotonic_ns(), handed_on=handed_on)
         with self._cv:
             if not self._running:
                 raise ModelNotReadyError(f"model {self.name!r} version {self.version} is unloading")
@@ -143,10 +147,12 @@ class Scheduler:
 
         Handing a request to a worker thread and back costs tens of microseconds of
         wake-ups; a blocking caller (a shm connection thread) skips that when nothing
-        is queued and an instance is free. Otherwise it queues like everyone else.
+        is queued and an instance is free. Otherwise it queues like everyone else; if this copy
+        is unloaded before the request starts (drain timed out), ModelNotReadyError sends it on
+        to the serving copy (InferenceService._dispatch), and only that copy counts it.
         """
         if not self._claim():
-            return self.submit(req, batch).result()
+            return self.submit(req, batch, handed_on=True).result()
         return self._run_claimed(req, batch, _nbytes(req.inputs))
 
     def try_inline(self, req: InferRequest, batch: int, max_run_ns: int | None) -> InferResponse | None:
@@ -496,5 +502,10 @@ class Scheduler:
                 leftover = list(self._queue)
                 self._queue.clear()
             for item in leftover:
-                self._fail(item, ModelNotReadyError(f"model {self.name!r} version {self.version} was unloaded"))
+                err = ModelNotReadyError(f"model {self.name!r} version {self.version} was unloaded")
+                if item.handed_on:  # not started here, answered elsewhere: counted there only
+                    self.stats.withdraw()
+                    item.future.set_exception(err)
+                else:
+                    self._fail(item, err)
         return ok

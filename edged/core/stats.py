@@ -164,6 +164,12 @@ class ModelStats:
             self.fail.add(total_ns)
             self.failures_by_code[code] = self.failures_by_code.get(code, 0) + 1
 
+    def withdraw(self) -> None:
+        """A queued request this copy gave up unstarted (unloaded) and its caller takes on to the copy
+        that serves now: out of the in-flight count, counted by the copy that answers it, not here too."""
+        with self._lock:
+            self._in_flight -= 1
+
     def record_internal(self, source: str, *, started: bool = True) -> None:
         """One request the daemon sent itself ended (answered or not): counted apart, by source."""
         with self._lock:

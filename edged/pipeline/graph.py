@@ -13,9 +13,11 @@ dynamic batcher. A model step never hands a model more rows than its ``max_batch
 a larger batch (a fan-out's crops) is split into chunks of that size, submitted together
 through the model's scheduler (so they batch with other requests) and their answers joined
 in order; when one of them fails, the others are called off. The request's deadline and
-priority go with every model call. A request that ends early (cancelled, or a step failed)
-cancels its other steps and ends only once each has: a step in a worker thread cannot be
-stopped, so it is waited for, and the request's memory is released after it.
+priority go with every model call, and the deadline is checked before every step starts, so a
+chain of CPU steps fails with DEADLINE_EXCEEDED too instead of answering late (a step already
+running is not interrupted). A request that ends early (cancelled, or a step failed) cancels
+its other steps and ends only once each has: a step in a worker thread cannot be stopped, so
+it is waited for, and the request's memory is released after it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from edged.datatypes import DataType, to_numpy
-from edged.errors import EdgedError, InternalError, InvalidInputError
+from edged.errors import DeadlineExceededError, EdgedError, InternalError, InvalidInputError
 from edged.pipeline import custom_import
 from edged.pipeline.contract import ANY, PipelineDefinitionError, Port, Step, StepInputError
 from edged.pipeline.definition import WIDTHS_PORT, PipelineSpec, StepSpec
@@ -174,8 +176,10 @@ class Pipeline:
     """A compiled pipeline: its ports and its steps in a checked order."""
 
     def __init__(self, spec: PipelineSpec, inputs: dict[str, Port], outputs: dict[str, Port],
-                 nodes: list[_Node], models: list[tuple[str, int | None]], *, notes: list[str] | None = None) -> None:
+                 nodes: list[_Node], models: list[tuple[str, int | None]], *, notes: list[str] | None = None,
+                 name: str = "") -> None:
         self.spec = spec
+        self.name = name  # the model name it is served under (errors name it)
         self.inputs = inputs
         self.outputs = outputs
         self.nodes = nodes  # topological order
@@ -215,6 +219,7 @@ class Pipeline:
 
         async def run_node(node: _Node) -> None:
             args = {port: await tensors[tensor] for port, tensor in node.reads.items()}
+            self._check_deadline(context, node)
             produced = await node.runner(args, context)
             for port, tensor in node.writes.items():
                 tensors[tensor].set_result(produced[port])
@@ -231,6 +236,20 @@ class Pipeline:
                     fut.cancel()
             raise
         return {name: tensors[name].result() for name in self.outputs}
+
+    def _check_deadline(self, context: CallContext, node: _Node) -> None:
+        """Refuse to start ``node`` once the request's deadline has passed (the error model calls raise).
+
+        Only model calls checked it before, so a chain of CPU steps (decode, resize, normalize,
+        postprocessing) answered long after its caller had given up. A step already running is not
+        interrupted (a worker thread cannot be stopped): the request fails before the next step."""
+        deadline = context.deadline
+        if deadline is None:
+            return
+        late_ms = (time.monotonic() - deadline) * 1e3
+        if late_ms > 0:
+            raise DeadlineExceededError(f"pipeline {self.name!r}: the request's deadline passed {late_ms:.1f} ms "
+                                        f"ago, before step {node.spec.name!r} started", step=node.spec.name)
 
 
 async def _call_off(tasks: Sequence[asyncio.Future[Any]]) -> None:
@@ -471,8 +490,11 @@ def _check_widths(step: StepSpec, ports: dict[str, Port]) -> None:
         raise PipelineDefinitionError(f"widths {step.widths!r} is {_describe(got)}, expected INT32 or INT64 [M]")
 
 def compile_pipeline(spec: PipelineSpec, folder: Path, gateway: ModelGateway | None = None, *,
-                     lookup: Callable[[str], type[Step]] | None = None) -> Pipeline:
-    """Check the wiring and bind every step; PipelineDefinitionError names the step and the tensor."""
+                     lookup: Callable[[str], type[Step]] | None = None, name: str | None = None) -> Pipeline:
+    """Check the wiring and bind every step; PipelineDefinitionError names the step and the tensor.
+
+    ``name``: what the pipeline is served as; by default its model folder's (``folder`` is the
+    version folder, ``<repository>/<name>/<version>``)."""
     if lookup is None:
         from edged.pipeline.steps import builtin_step
         lookup = builtin_step
@@ -530,7 +552,8 @@ def compile_pipeline(spec: PipelineSpec, folder: Path, gateway: ModelGateway | N
                                           tensor=out.name)
         outputs[out.name] = declared
     inputs = {t.name: _port(t.datatype, t.shape) for t in spec.inputs}
-    return Pipeline(spec, inputs, outputs, nodes, models, notes=notes)
+    return Pipeline(spec, inputs, outputs, nodes, models, notes=notes,
+                    name=folder.parent.name if name is None else name)
 
 
 __all__ = ["CallContext", "ModelCaller", "ModelGateway", "Pipeline", "StepInputError", "compile_pipeline"]
