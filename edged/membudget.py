@@ -5,7 +5,7 @@ knows first implies (an HTTP ``Content-Length``, a gRPC message's length, a payl
 a pipeline step grows the reservation from the sizes it reads in headers (an image's width and
 height, a WAV file's sample count, the padded size of a batch of clips) before decoding, and the
 reservation is released when the request ends, answered or failed. When the budget is full the
-newcomer is refused at once with ``overloaded`` (HTTP 503, gRPC RESOURCE_EXHAUSTED, an MQTT or
+newcomer is refused at once with ``overloaded`` (HTTP 503, gRPC UNAVAILABLE, an MQTT or
 shm error reply): nobody waits for memory, so one client's burst never stalls another's. (A gRPC
 ModelInfer, whose message is still in the client's socket, waits its turn for room: try_reserve.)
 

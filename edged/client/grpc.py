@@ -3,29 +3,43 @@
 Tensors always travel as ``raw_input_contents``/``raw_output_contents``. ``stream()``
 opens one ModelStreamInfer stream on which each call sends a request and waits for
 its answer (closed loop, like one perf_analyzer context in ``--streaming`` mode).
-gRPC statuses come back as EdgedErrors with the transport-neutral code.
+Errors come back as EdgedErrors with the transport-neutral code the daemon sent with them
+(``edged-code``: a gRPC status cannot tell overloaded from unavailable); an error without it,
+from another server or from grpcio itself, is mapped from its status.
 """
 
 from __future__ import annotations
 
 import math
 import queue
-from collections.abc import Iterator, Mapping
+import threading
+import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from edged import datatypes
 from edged.errors import EdgedError, ErrorCode
-from edged.protocol.grpc import require_grpc
+from edged.protocol.grpc import ERROR_CODE_KEY, require_grpc
 from edged.protocol.v2 import bytes_from_buffer, tensor_bytes
 
 _SERVICE = "/inference.GRPCInferenceService/"
 _MAX_MESSAGE = 2047 * 1024 * 1024  # the client accepts what the server is configured to send
+# By status, where the error does not carry its code (grpcio's own refusals: a message over the size limit,
+# [grpc] max_concurrent_rpcs; another server).
 _CODES = {"INVALID_ARGUMENT": ErrorCode.INVALID_ARGUMENT, "NOT_FOUND": ErrorCode.NOT_FOUND,
-          "UNAVAILABLE": ErrorCode.UNAVAILABLE, "RESOURCE_EXHAUSTED": ErrorCode.OVERLOADED,
+          "UNAVAILABLE": ErrorCode.UNAVAILABLE, "RESOURCE_EXHAUSTED": ErrorCode.RESOURCE_EXHAUSTED,
           "DEADLINE_EXCEEDED": ErrorCode.DEADLINE_EXCEEDED, "FAILED_PRECONDITION": ErrorCode.FAILED_PRECONDITION,
           "UNAUTHENTICATED": ErrorCode.UNAUTHENTICATED, "PERMISSION_DENIED": ErrorCode.PERMISSION_DENIED}
+
+
+def error_code(value: str | None, default: ErrorCode) -> ErrorCode:
+    """The ErrorCode an ``edged-code`` value names; ``default`` when there is none or it names none."""
+    try:
+        return default if value is None else ErrorCode(value)
+    except ValueError:
+        return default
 
 
 def infer_request(model: str, inputs: Mapping[str, np.ndarray], version: int | None) -> Any:
@@ -78,9 +92,11 @@ class GrpcClient:
         self.close()
 
     def _error(self, e: Any) -> EdgedError:
-        code = e.code()
-        return EdgedError(f"edged at {self.address}: {e.details() or code.name}",
-                          code=_CODES.get(code.name, ErrorCode.INTERNAL))
+        """An RpcError as an EdgedError: the code the daemon sent in the trailer, else the status's."""
+        status = e.code()
+        sent = dict(e.trailing_metadata() or ()).get(ERROR_CODE_KEY)
+        return EdgedError(f"edged at {self.address}: {e.details() or status.name}",
+                          code=error_code(sent, _CODES.get(status.name, ErrorCode.INTERNAL)))
 
     def call(self, method: str, request: Any, reply: type[Any]) -> Any:
         rpc = self._rpcs.get(method)
@@ -110,36 +126,80 @@ class GrpcClient:
         pb = self._pb
         return infer_outputs(self.call("ModelInfer", infer_request(model, inputs, version), pb.ModelInferResponse))
 
-    def stream(self) -> GrpcStream:
-        return GrpcStream(self)
+    def stream(self, timeout: float | None = None) -> GrpcStream:
+        """A ModelStreamInfer stream; ``timeout``: seconds each answer is awaited (default: this client's)."""
+        return GrpcStream(self, timeout)
 
 
 class GrpcStream:
-    """One ModelStreamInfer stream; :meth:`infer` is one request and its answer, in turn."""
+    """One ModelStreamInfer stream; :meth:`infer` is one request and its answer, in turn.
 
-    def __init__(self, client: GrpcClient) -> None:
+    ``timeout`` (default: the client's) bounds each answer awaited, as the client's timeout bounds each
+    unary call, not the stream: it may sit idle between requests for any time (a deadline on the call
+    would end a long ``perf --streaming`` run). An answer late by then is DEADLINE_EXCEEDED and cancels
+    the stream's call, which the server sees end; the stream is over, and each later request on it is
+    UNAVAILABLE at once: open a new one. One watchdog thread a stream times the answers, so a request
+    costs two clock reads, not a timer."""
+
+    def __init__(self, client: GrpcClient, timeout: float | None = None) -> None:
         pb = client._pb
         self._client = client
+        self.timeout = client.timeout if timeout is None else timeout
         self._requests: queue.Queue[Any] = queue.Queue()
         rpc = client._channel.stream_stream(_SERVICE + "ModelStreamInfer",
                                             request_serializer=pb.ModelInferRequest.SerializeToString,
                                             response_deserializer=pb.ModelStreamInferResponse.FromString)
-        self._responses: Iterator[Any] = rpc(iter(self._requests.get, None), metadata=client._metadata)
+        self._responses: Any = rpc(iter(self._requests.get, None), metadata=client._metadata)
+        self._lock = threading.Lock()
+        self._deadline: float | None = None  # when the answer awaited now is late (time.monotonic())
+        self._ended: EdgedError | None = None  # why the stream is over, once this side ended it
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch, name="edged-grpc-stream-timeout", daemon=True).start()
 
     def infer(self, model: str, inputs: Mapping[str, np.ndarray], version: int | None = None) -> dict[str, np.ndarray]:
-        self._requests.put(infer_request(model, inputs, version))
+        if self._ended is not None:
+            raise EdgedError(f"this stream to edged at {self._client.address} is over ({self._ended}): "
+                             "open a new one", code=ErrorCode.UNAVAILABLE)
+        request = infer_request(model, inputs, version)
+        self._deadline = time.monotonic() + self.timeout
+        self._requests.put(request)
         try:
             reply = next(self._responses)
         except self._client._grpc.RpcError as e:
-            raise self._client._error(e) from None
+            raise (self._ended or self._client._error(e)) from None
         except StopIteration:
             raise EdgedError(f"edged at {self._client.address} closed the stream", code=ErrorCode.UNAVAILABLE) from None
+        finally:
+            with self._lock:
+                self._deadline = None
         if reply.error_message:
-            raise EdgedError(reply.error_message, code=ErrorCode.INVALID_ARGUMENT)
+            params = reply.infer_response.parameters
+            sent = params[ERROR_CODE_KEY].string_param if ERROR_CODE_KEY in params else None
+            raise EdgedError(reply.error_message, code=error_code(sent, ErrorCode.INVALID_ARGUMENT))
         return infer_outputs(reply.infer_response)
 
-    def close(self) -> None:
+    def _watch(self) -> None:
+        """Cancel the call once an answer is late. Each deadline is set ``timeout`` after a request, never
+        before one already set, so waiting ``timeout`` while none is set (or until the one set) never
+        sleeps past one, and a request need not wake this thread."""
+        wait = self.timeout
+        while not self._closed.wait(wait):
+            with self._lock:
+                deadline = self._deadline
+                wait = self.timeout if deadline is None else deadline - time.monotonic()
+                if wait > 0:
+                    continue
+                self._end(EdgedError(f"edged at {self._client.address} did not answer within {self.timeout:g} s "
+                                     "on this stream; the stream was cancelled", code=ErrorCode.DEADLINE_EXCEEDED))
+                return
+
+    def _end(self, why: EdgedError) -> None:
+        """Over: grpcio's thread that sends the requests ends, and the call is cancelled."""
+        if self._ended is None:
+            self._ended = why
+        self._closed.set()
         self._requests.put(None)
-        cancel = getattr(self._responses, "cancel", None)
-        if cancel is not None:
-            cancel()
+        self._responses.cancel()
+
+    def close(self) -> None:
+        self._end(EdgedError("it was closed", code=ErrorCode.UNAVAILABLE))

@@ -494,11 +494,11 @@ def test_eight_of_the_largest_messages_are_read_at_once_and_further_calls_wait_t
         assert budget.refused == 0 and not app.reads._waiting
 
 
-def test_a_call_waits_for_room_up_to_message_timeout_then_is_resource_exhausted(
+def test_a_call_waits_for_room_up_to_message_timeout_then_is_overloaded(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
     """While other requests leave no room for the largest message, a ModelInfer waits until message_timeout_s
-    has passed since it started and is then RESOURCE_EXHAUSTED, counted as refused once; room another
-    transport frees goes to a waiting call at the next sweep."""
+    has passed since it started and is then overloaded (UNAVAILABLE: retry later), counted as refused once;
+    room another transport frees goes to a waiting call at the next sweep."""
     x, _ = digits_holdout
     with _budgeted(tmp_path, monkeypatch, "message_timeout_s = 1\n") as s:
         app, budget = s.grpc.app, s.service.budget
@@ -510,7 +510,8 @@ def test_a_call_waits_for_room_up_to_message_timeout_then_is_resource_exhausted(
             wait_until(lambda: len(app.reads._waiting) == 1, 10, what="the call waiting for room")
             with pytest.raises(grpc.RpcError) as e:
                 call.result(30)
-            assert e.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+            assert e.value.code() is grpc.StatusCode.UNAVAILABLE, e.value
+            assert _edged_code(e.value) == "overloaded"
             assert "request memory budget is full" in (e.value.details() or ""), e.value.details()
             assert budget.refused == 1
 
@@ -712,7 +713,18 @@ def test_busy_port_is_a_typed_error_naming_it(srv: Served, tmp_path: Path) -> No
     assert e.value.code is ErrorCode.UNAVAILABLE and taken in str(e.value)
 
 
-def test_overloaded_is_resource_exhausted_and_deadline_is_deadline_exceeded(tmp_path: Path) -> None:
+def _edged_code(e: grpc.RpcError) -> str | None:
+    """The transport-neutral code the daemon sends in an error's trailing metadata."""
+    return dict(e.trailing_metadata() or ()).get("edged-code")
+
+
+def test_overloaded_is_unavailable_with_its_code_and_deadline_is_deadline_exceeded(tmp_path: Path) -> None:
+    """A full queue is UNAVAILABLE (retry soon, as Triton answers "Exceeds maximum queue size"), not
+    RESOURCE_EXHAUSTED (too big); the trailer says ``overloaded``, and edged's client, unary or streaming,
+    raises that code."""
+    from edged.client.grpc import GrpcClient
+    from edged.errors import EdgedError, ErrorCode
+
     repo = copy_models(tmp_path / "models", "mobilenet")
     toml = repo / "mobilenet" / "1" / "model.toml"
     toml.write_text(toml.read_text().replace("[batching]\n", "[batching]\nmax_queue_size = 1\n"))
@@ -721,8 +733,10 @@ def test_overloaded_is_resource_exhausted_and_deadline_is_deadline_exceeded(tmp_
     one.set_data_from_numpy(img)
     with served(repo, tmp_path, grpc="max_message_mb = 16\n") as s:
         c = tg.InferenceServerClient(s.grpc_url)
+        edged = GrpcClient(s.grpc_url, timeout=30)
+        stream = edged.stream()
         try:
-            with held_engine(s.service, "mobilenet") as inside:
+            with held_engine(s.service, "mobilenet") as inside, grpc.insecure_channel(s.grpc_url) as ch:
                 running = s.service.submit(InferRequest("mobilenet", {"image": img}))
                 assert inside.wait(30), "the held engine never got the first request"
                 # The one queue slot is free: this request waits there past its 0.3 s deadline.
@@ -731,13 +745,62 @@ def test_overloaded_is_resource_exhausted_and_deadline_is_deadline_exceeded(tmp_
                 # The expired request still holds the slot until the worker drops it unrun.
                 with pytest.raises(InferenceServerException) as full:
                     c.infer("mobilenet", [one])
+                with pytest.raises(grpc.RpcError) as raw:
+                    ch.unary_unary(INFER)(_mobilenet_body(img), timeout=30)
+                with pytest.raises(EdgedError) as unary:
+                    edged.infer("mobilenet", {"image": img})
+                with pytest.raises(EdgedError) as streamed:
+                    stream.infer("mobilenet", {"image": img})
             running.result(30)
             assert late.value.status() == "StatusCode.DEADLINE_EXCEEDED", late.value
-            assert full.value.status() == "StatusCode.RESOURCE_EXHAUSTED", full.value
+            assert full.value.status() == "StatusCode.UNAVAILABLE", full.value
             assert "queue full" in str(full.value.message())
+            assert raw.value.code() is grpc.StatusCode.UNAVAILABLE and _edged_code(raw.value) == "overloaded"
+            assert unary.value.code is ErrorCode.OVERLOADED and "queue full" in str(unary.value), unary.value
+            assert streamed.value.code is ErrorCode.OVERLOADED and "queue full" in str(streamed.value)
             assert c.infer("mobilenet", [one]).as_numpy("probabilities").shape == (1, 37)
+            assert stream.infer("mobilenet", {"image": img})["probabilities"].shape == (1, 37)
         finally:
+            stream.close()
+            edged.close()
             c.close()
+
+
+def _mobilenet_body(x: np.ndarray) -> bytes:
+    from edged.client.grpc import infer_request
+
+    return bytes(infer_request("mobilenet", {"image": x}, None).SerializeToString())
+
+
+def test_a_message_over_what_any_request_may_hold_is_resource_exhausted_with_its_code(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Typed contents that would need more than any request may hold (48 bytes an element, 1 on the wire
+    for BOOL) are RESOURCE_EXHAUSTED with the trailer ``resource_exhausted``, unary and in a stream, and
+    edged's client raises that code (not OVERLOADED: the request is too big, retrying it will not help)."""
+    from edged.client.grpc import GrpcClient
+    from edged.errors import EdgedError, ErrorCode
+    from edged.protocol.grpc.gen import grpc_service_pb2 as pb
+
+    with _budgeted(tmp_path, monkeypatch, "") as s:
+        n = s.grpc.max_receive - 1024  # within the largest message grpcio takes
+        assert 48 * n > s.service.budget.large_limit
+        req = pb.ModelInferRequest(model_name="digits")
+        req.inputs.add(name="pixels", datatype="BOOL", shape=[1, n]).contents.bool_contents.extend([False] * n)
+        with grpc.insecure_channel(s.grpc_url) as ch:
+            with pytest.raises(grpc.RpcError) as raw:
+                ch.unary_unary(INFER)(req.SerializeToString(), timeout=30)
+            streamed = next(ch.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")(
+                iter([req.SerializeToString()]), timeout=30))
+        assert raw.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, raw.value
+        assert _edged_code(raw.value) == "resource_exhausted"
+        reply = service_pb2.ModelStreamInferResponse.FromString(streamed)
+        assert "more than any request may hold" in reply.error_message, reply.error_message
+        assert reply.infer_response.parameters["edged-code"].string_param == "resource_exhausted"
+        with GrpcClient(s.grpc_url, timeout=30) as edged:
+            with pytest.raises(EdgedError) as unary:
+                edged.call("ModelInfer", req, pb.ModelInferResponse)
+            assert unary.value.code is ErrorCode.RESOURCE_EXHAUSTED, unary.value
+        assert s.service.budget.used == 0
 
 
 def _announced_window(host: str, port: int) -> int:

@@ -10,6 +10,11 @@ from typing import Any
 
 from edged.errors import MissingDependencyError
 
+# Where the daemon puts an error's transport-neutral ErrorCode value: the trailing metadata of an error status,
+# and the ``parameters`` of a ModelStreamInfer error reply's infer_response. gRPC statuses are coarser than
+# ErrorCode (overloaded and unavailable are both UNAVAILABLE), so edged's client reads the code from here.
+ERROR_CODE_KEY = "edged-code"
+
 
 def require_grpc() -> Any:
     """The grpc module, or a typed error saying how to install it."""

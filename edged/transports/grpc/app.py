@@ -3,8 +3,9 @@
 Handlers take and return raw bytes (no grpcio (de)serializers) so that a malformed
 message is refused with INVALID_ARGUMENT like any other bad input, not grpcio's
 generic INTERNAL. Each EdgedError becomes the status its code maps to, with the
-message scrubbed of internal paths; anything unexpected is logged and answered
-INTERNAL "internal error" while the server goes on.
+message scrubbed of internal paths and the code itself in the trailing metadata
+(``edged-code``: statuses are coarser than ErrorCode); anything unexpected is logged
+and answered INTERNAL "internal error" while the server goes on.
 
 ModelStreamInfer computes up to ``[grpc] max_stream_inflight`` requests of one stream
 at once and answers strictly in request order; a request that fails gets its error
@@ -21,7 +22,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from google.protobuf import json_format
@@ -29,6 +30,7 @@ from google.protobuf import json_format
 from edged.core.service import InferenceService
 from edged.errors import EdgedError, ErrorCode, InvalidInputError
 from edged.membudget import Reservation
+from edged.protocol.grpc import ERROR_CODE_KEY
 from edged.protocol.grpc.gen import grpc_service_pb2 as pb
 from edged.protocol.grpc.gen import model_config_pb2 as mc
 from edged.protocol.grpc.wire import stream_response
@@ -52,11 +54,14 @@ from edged.transports.shm.sysshm import ShmCaller, ShmView, SystemShmRegions
 log = logging.getLogger(__name__)
 
 SERVICE = "inference.GRPCInferenceService"
+# Overloaded (a full queue, a full request memory budget: retry soon) is UNAVAILABLE, the status gRPC retry
+# policies retry and Triton answers for a full queue; RESOURCE_EXHAUSTED is kept for what no retry will fix (a
+# request larger than any may be). The trailer (ERROR_CODE_KEY) tells overloaded from unavailable.
 STATUS: dict[ErrorCode, Any] = {
     ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
     ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    ErrorCode.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorCode.OVERLOADED: grpc.StatusCode.UNAVAILABLE,
     ErrorCode.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
     ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorCode.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
@@ -173,6 +178,13 @@ class ReadDeadlines:
             self._sweeper = None
 
 
+async def abort(context: Any, code: ErrorCode, text: str) -> NoReturn:
+    """End the call with the status ``code`` maps to, ``code`` itself in the trailing metadata."""
+    await context.abort(STATUS.get(code, grpc.StatusCode.INTERNAL), text,
+                        trailing_metadata=((ERROR_CODE_KEY, code.value),))
+    raise AssertionError("unreachable: abort raises")  # pragma: no cover
+
+
 def _version(raw: str) -> int | None:
     return v2_ops.parse_version(raw) if raw else None
 
@@ -267,8 +279,7 @@ class GrpcApp:
                 try:
                     hold = await self._room(began)
                 except EdgedError as e:
-                    await context.abort(*self._status(e))
-                    raise AssertionError("unreachable: abort raises") from None  # pragma: no cover
+                    await abort(context, *self._status(e))
             # Not asyncio.wait_for (a task per call, tens of microseconds): the read deadlines cancel this read.
             task = asyncio.current_task()
             assert task is not None
@@ -281,15 +292,13 @@ class GrpcApp:
                 reads.admit()
                 if not (expired and isinstance(e, asyncio.CancelledError)):
                     raise
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request message did not arrive "
-                                    f"within {reads.timeout_s:g} s")
-                raise AssertionError("unreachable: abort raises") from None  # pragma: no cover
+                await abort(context, ErrorCode.DEADLINE_EXCEEDED,
+                            f"the request message did not arrive within {reads.timeout_s:g} s")
             reads.end(task)  # arrived: a sweep since would have cancelled the read (nothing awaits in between)
             if not isinstance(data, bytes):  # EOF: the client sent no message
                 hold.release()
                 reads.admit()
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
-                raise AssertionError("unreachable: abort raises")  # pragma: no cover
+                await abort(context, ErrorCode.INVALID_ARGUMENT, "no request message")
             return await handle(data, context, hold)
         return read_then_handle
 
@@ -314,9 +323,8 @@ class GrpcApp:
                 code, text = self._status(e)
             except Exception:
                 log.exception("gRPC %s failed", name)
-                code, text = grpc.StatusCode.INTERNAL, "internal error"
-            await context.abort(code, text)
-            raise AssertionError("unreachable: abort raises")  # pragma: no cover
+                code, text = ErrorCode.INTERNAL, "internal error"
+            await abort(context, code, text)
         return handle
 
     async def _received(self, data: bytes, hold: Reservation) -> InferMessage:
@@ -339,23 +347,23 @@ class GrpcApp:
                 code, text = self._status(e)
             except Exception:
                 log.exception("gRPC ModelInfer failed")
-                code, text = grpc.StatusCode.INTERNAL, "internal error"
+                code, text = ErrorCode.INTERNAL, "internal error"
             finally:
                 hold.release()
                 self.reads.admit()
-            await context.abort(code, text)
-            raise AssertionError("unreachable: abort raises")  # pragma: no cover
+            await abort(context, code, text)
         return handle
 
     def _admit(self, data: bytes) -> Reservation:
         """Reserve what an inference message will hold: its bytes and their parsed copy (decoded tensors
-        are views of that); refused at once with RESOURCE_EXHAUSTED when the request memory budget is full."""
+        are views of that); refused at once (overloaded) when the request memory budget is full."""
         return self.service.budget.reserve(MESSAGE_COPIES * len(data), "a %d-byte ModelInfer message", len(data))
 
-    def _status(self, e: EdgedError) -> tuple[Any, str]:
+    def _status(self, e: EdgedError) -> tuple[ErrorCode, str]:
+        """The error's code and its message as a client may see it."""
         if e.code is ErrorCode.INTERNAL:
             log.error("internal error: %s", e)
-        return STATUS.get(e.code, grpc.StatusCode.INTERNAL), self.scrub.text(str(e))
+        return e.code, self.scrub.text(str(e))
 
     def _scrubbed(self, obj: Any) -> Any:
         """Plain data with internal paths replaced, as the HTTP side sends it."""
@@ -494,18 +502,20 @@ class GrpcApp:
             msg = await self._received(data, hold)
             return stream_response(await self._infer(msg, context, len(data), lone=lone))
         except EdgedError as e:
-            error = self._status(e)[1]
+            code, error = self._status(e)
         except Exception:
             log.exception("gRPC ModelStreamInfer request failed")
-            error = "internal error"
+            code, error = ErrorCode.INTERNAL, "internal error"
         finally:
             self._active -= 1
             if hold is not None:
                 hold.release()
                 self.reads.admit()
-        # which request failed, by its model, version and id (a planned message is parsed for it now)
+        # which request failed, by its model, version and id (a planned message is parsed for it now), and
+        # its code: a stream's error reply has no status of its own
         reply = pb.ModelStreamInferResponse(error_message=error,
                                             infer_response=error_response(msg.request if msg else None))
+        reply.infer_response.parameters[ERROR_CODE_KEY].string_param = code.value
         return bytes(reply.SerializeToString())
 
     async def model_stream_infer(self, requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
