@@ -4,6 +4,7 @@ probe hardware -> match a device profile -> load the model repository -> self-te
 ready version -> start transports -> start services (fleet sync, telemetry) -> READY=1 -> serve
 (WATCHDOG=1 while an end-to-end probe passes; SIGHUP reloads the config) -> SIGTERM: STOPPING=1
 -> finish in-flight requests (bounded) -> stop services -> stop transports -> release engines -> exit 0.
+A SIGTERM while models load (at start or on SIGHUP) does not wait for the load: see ``Daemon._unless_stopped``.
 
 The daemon wires everything: it hands the probed facts, the profile, the config and one
 ``/metrics`` renderer to what it starts; nothing it starts reaches back up into it.
@@ -15,12 +16,15 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from edged.config import Config, load_config
 from edged.core.manager import ModelManager
@@ -48,6 +52,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STOP_DRAIN_S = 20.0  # in-flight requests get this long after SIGTERM; the unit's TimeoutStopSec is 30
+ABANDONED_GRACE_S = 1.0  # after the orderly stop, how long an abandoned load may take to give up by itself
+LOAD_LOCK_WAIT_S = 2.0  # on stop, how long releasing the engines waits for a load (an API's or sync's) to end
 SELF_TEST_TIMEOUT_S = 60.0
 STATUS_INTERVAL_S = 10.0
 # Config sections that only take effect at start; SIGHUP applies [models] and [logging] live.
@@ -84,11 +90,13 @@ def _serving_backends(rt: Runtime) -> list[str]:
     return sorted({mv.candidate.backend for mv in _ready(rt.service.versions()) if mv.candidate is not None})
 
 
-def build_runtime(cfg: Config, *, load: bool = True, only: str | None = None, defer_choice: bool = False) -> Runtime:
+def build_runtime(cfg: Config, *, load: bool = True, only: str | None = None, defer_choice: bool = False,
+                  stop: Callable[[], bool] | None = None) -> Runtime:
     """Probe, pick the profile, and (unless ``load`` is False) load the repository or one model.
 
     ``defer_choice``: serve on the remembered or first engine and measure after READY (the daemon);
     otherwise engines are measured while loading (``edged models list`` without a daemon, tools).
+    ``stop`` true: loads give up at their next step, now and for the manager's life (the daemon's SIGTERM).
     """
     facts = probe(Path("/"), engines=False)
     match = choose_profile(cfg, facts)
@@ -104,7 +112,7 @@ def build_runtime(cfg: Config, *, load: bool = True, only: str | None = None, de
                            threads=cfg.limits.engine_threads or profile.threads,
                            memory_budget_mb=profile.effective_memory_budget_mb(facts),
                            select=profile.select, facts=facts, defer_choice=defer_choice,
-                           processes=engine_processes(cfg.limits))
+                           processes=engine_processes(cfg.limits), stop=stop)
     if load:
         if only is not None:
             manager.load_model(only)
@@ -141,6 +149,9 @@ def _log_crash(task: asyncio.Task[None]) -> None:
                   exc_info=task.exception())
 
 
+T = TypeVar("T")
+
+
 def _in_flight(rt: Runtime) -> int:
     """Requests queued or running (stats count both, the inline fast path included)."""
     return sum(mv.stats.in_flight for mv in rt.service.versions() if mv.stats is not None)
@@ -164,6 +175,8 @@ class Daemon:
         self._tasks: list[asyncio.Task[None]] = []
         self.owner: StateOwner | None = None
         self.heap: HeapKeeper | None = None
+        # Loads SIGTERM left inside an engine call: never joined (see _unless_stopped, exit_past_abandoned).
+        self.abandoned: list[threading.Thread] = []
 
     # ---- signals ------------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -268,10 +281,15 @@ class Daemon:
             # crashes while loading would otherwise be loaded again on every start.
             from edged.sync.boot import prepare_boot
             await asyncio.to_thread(prepare_boot, self.cfg, self.sync_settings)
-        self.runtime = rt = await asyncio.to_thread(build_runtime, self.cfg, defer_choice=True)
-        log.info("%s", plan_threads(self.cfg.limits, rt.profile.threads).describe())
-        if self._stop.is_set():
+        stop = self._stop_token.done
+        loaded = await self._unless_stopped("the model load", lambda: build_runtime(self.cfg, defer_choice=True,
+                                                                                    stop=stop),
+                                            release=lambda late: late.manager.shutdown(0.0))
+        if loaded is None or self._stop.is_set():
+            self.runtime = loaded
             return False
+        self.runtime = rt = loaded
+        log.info("%s", plan_threads(self.cfg.limits, rt.profile.threads).describe())
         ready = _ready(rt.service.versions())
         n.status(f"self-test of {len(ready)} model version(s) on profile {rt.profile.name}")
         failed = await asyncio.to_thread(self_test, rt.service, ready, SELF_TEST_TIMEOUT_S, self._stop_token)
@@ -314,6 +332,63 @@ class Daemon:
                 return bool(_m.publish(topic, payload, qos=0))
         return TelemetryAgent(self.cfg, rt.service, publish=publish, profile=rt.profile.name,
                               mqtt_stats=getattr(mqtt, "stats", None), metrics=metrics)
+
+    async def _unless_stopped(self, what: str, work: Callable[[], T],
+                              release: Callable[[T], object] | None = None) -> T | None:
+        """``work`` (loading models) on a thread of its own, awaited until it ends or SIGTERM comes: None then.
+
+        A load can take minutes (an engine build, a big model's session, its warm-up) and systemd kills
+        edged TimeoutStopSec after SIGTERM, so the stop does not wait for it. The loader gives up between
+        engine calls (the stop token), but an engine's own native call cannot be interrupted: its thread is
+        a daemon thread nobody joins, ``release`` frees what it still returns, and :meth:`exit_past_abandoned`
+        ends the process without waiting for it.
+        """
+        if self._stop.is_set():
+            return None
+        loop = asyncio.get_running_loop()
+        outcome: concurrent.futures.Future[T] = concurrent.futures.Future()
+        finished = asyncio.Event()
+
+        def run() -> None:
+            try:
+                outcome.set_result(work())
+            except BaseException as e:  # handed to the awaiting coroutine, or logged when abandoned
+                outcome.set_exception(e)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon stopped without this
+                loop.call_soon_threadsafe(finished.set)
+
+        thread = threading.Thread(target=run, name="edged-load", daemon=True)
+        thread.start()
+        waits = [asyncio.create_task(finished.wait()), asyncio.create_task(self._stop.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if outcome.done():
+            return outcome.result()
+        log.info("edged stopping: %s in progress is abandoned (an engine call cannot be interrupted)", what)
+        self.abandoned.append(thread)
+        outcome.add_done_callback(lambda f: _release_late(what, f, release))
+        return None
+
+    def exit_past_abandoned(self, code: int) -> None:
+        """After the orderly stop: with a load still inside an engine call, exit now with ``code``.
+
+        A normal interpreter exit would join that load's pool threads (concurrent.futures) and run the
+        engine library's static destructors under its running call; ``os._exit`` does neither.
+        """
+        end = time.monotonic() + ABANDONED_GRACE_S  # a load between engine calls gives up at once
+        for t in self.abandoned:
+            t.join(max(0.0, end - time.monotonic()))
+        if not any(t.is_alive() for t in self.abandoned):
+            return
+        log.info("edged exits without waiting for the abandoned model load")
+        logging.shutdown()
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
 
     async def _serve_until_stopped(self) -> None:
         if self.notifier.enabled:
@@ -359,7 +434,9 @@ class Daemon:
                 log.exception("transport %s did not stop cleanly", t.name)
         self.transports.clear()
         if rt is not None and drained:
-            await asyncio.to_thread(rt.manager.shutdown, 0.0)
+            # A load this daemon abandoned holds the manager's lock inside an engine call: no use waiting.
+            wait = 0.0 if any(t.is_alive() for t in self.abandoned) else LOAD_LOCK_WAIT_S
+            await asyncio.to_thread(rt.manager.shutdown, 0.0, lock_wait_s=wait)
         self.runtime = None
         if drain:
             log.info("edged stopped")
@@ -460,7 +537,8 @@ class Daemon:
             rt = self.runtime
             if rt is not None:
                 rt.config = self.cfg
-                await asyncio.to_thread(self._reload_models, rt, new, self._stop_token)
+                await self._unless_stopped("the reload's model load",
+                                           lambda: self._reload_models(rt, new, self._stop_token))
         finally:
             if not self._stop.is_set():  # after SIGTERM: STOPPING=1 comes next, never READY=1
                 n.ready(self.status_text())
@@ -469,7 +547,8 @@ class Daemon:
     def _reload_models(rt: Runtime, new: Config, stop: concurrent.futures.Future[None] | None = None) -> None:
         """Load what the new [models] section and the repository select; unload what they no longer do.
 
-        ``stop`` done (SIGTERM): nothing more is loaded or self-tested, so that the stop is not held up."""
+        ``stop`` done (SIGTERM): nothing more is loaded or self-tested, so that the stop is not held up
+        (a load under way gives up at its next step: the manager's loader shares the token)."""
         manager = rt.manager
         manager.models_cfg = new.models
         repo = manager.repository
@@ -505,4 +584,17 @@ def run(cfg: Config, sync_overrides: dict[str, str] | None = None) -> int:
         from edged.sync.settings import SyncSettings
 
         settings = SyncSettings.from_config(cfg, sync_overrides)  # the daemon runs the boot checks with them
-    return asyncio.run(Daemon(cfg, sync_settings=settings).serve())
+    daemon = Daemon(cfg, sync_settings=settings)
+    code = asyncio.run(daemon.serve())
+    daemon.exit_past_abandoned(code)
+    return code
+
+
+def _release_late(what: str, outcome: concurrent.futures.Future[T], release: Callable[[T], object] | None) -> None:
+    """What an abandoned load returned once its engine call ended: released, or its error logged."""
+    try:
+        result = outcome.result()
+        if release is not None:
+            release(result)
+    except Exception:
+        log.debug("%s, abandoned at SIGTERM, ended with an error", what, exc_info=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -80,11 +80,12 @@ class ModelManager:
     def __init__(self, repository: Path, models: ModelsSection, preferences: Sequence[BackendPreference], *,  # noqa: PLR0913  keyword-only options passed through from the daemon's config
                  cache_dir: Path | None = None, threads: int = 0, memory_budget_mb: float = 0.0,
                  select: str = "first", facts: HardwareFacts | None = None, defer_choice: bool = False,
-                 processes: int = 0) -> None:
+                 processes: int = 0, stop: Callable[[], bool] | None = None) -> None:
+        """``stop`` true (the daemon stopping): loads in progress give up at their next step (ModelLoader)."""
         self.repository = repository
         self.models_cfg = models
         self.loader = ModelLoader(preferences, cache_dir=cache_dir, threads=threads, select=select, facts=facts,
-                                  defer_choice=defer_choice, processes=processes)
+                                  defer_choice=defer_choice, processes=processes, stop=stop)
         self.table = ModelTable()
         # Measures engines while serving and switches (edged.core.chooser); the daemon starts it once READY.
         self.chooser = EngineChooser(self.table, self.loader)
@@ -320,15 +321,24 @@ class ModelManager:
         log.info("model=%s version=%s unloaded", mv.name, mv.version)
         review_soon()  # what it held since start-up is frozen from the collector (edged/heap.py)
 
-    def shutdown(self, timeout: float = DRAIN_TIMEOUT_S) -> None:
+    def shutdown(self, timeout: float = DRAIN_TIMEOUT_S, *, lock_wait_s: float | None = None) -> None:
+        """Release every published version. ``lock_wait_s``: how long to wait for a load in progress (it
+        may be inside an engine call that runs for minutes); past it the versions are released without it,
+        and that load, once its call returns, gives up and releases its own engine (``stop``)."""
         self.chooser.stop()
-        with self._lock:
+        locked = self._lock.acquire(timeout=-1 if lock_wait_s is None else lock_wait_s)
+        if not locked:
+            log.warning("a model load is still inside its engine; releasing the versions served without waiting")
+        try:
             for mv in self.table.all():
                 drained = mv.scheduler is None or mv.scheduler.drain(timeout)
                 if mv.engine is not None and drained:  # else a run is inside it: the process exit frees it
                     mv.engine.unload()
                 mv.engine = None
                 mv.state = ModelState.UNLOADED
+        finally:
+            if locked:
+                self._lock.release()
         self.runner.stop()
 
     def statuses(self) -> list[dict[str, object]]:

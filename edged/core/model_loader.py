@@ -18,7 +18,7 @@ import json
 import locale
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,7 +47,7 @@ from edged.backends.selection import Candidate, candidates, unavailable_reason
 from edged.backends.specs import SPECS, spec_for
 from edged.core.model_versions import DECLARE_HINT, ModelState, ModelVersion, sample_inputs, synthesized
 from edged.core.upgrade import EngineUpgrade, SwappableEngine
-from edged.errors import EdgedError, ModelLoadError
+from edged.errors import EdgedError, ErrorCode, ModelLoadError
 from edged.repository.manifest import InputShape, ModelManifest, TensorSpec
 from edged.repository.store import VersionEntry
 
@@ -58,6 +58,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("edged.core.model_versions")  # the name log filters have known these lines by
 
 SELECT_MODES = ("first", "benchmark")
+
+
+class LoadStoppedError(EdgedError):
+    """The daemon is stopping: a load gives up at its next step instead of holding the stop up."""
+
+    code = ErrorCode.UNAVAILABLE
 
 
 def _io_from_engine(tensors: Sequence[EngineTensor], max_batch_size: int) -> list[TensorSpec]:
@@ -195,7 +201,9 @@ class ModelLoader:
 
     def __init__(self, preferences: Sequence[BackendPreference], *, cache_dir: Path | None, threads: int = 0,  # noqa: PLR0913  keyword-only settings from the daemon's config
                  select: str = "first", benchmark: BenchmarkSettings | None = None,
-                 facts: HardwareFacts | None = None, defer_choice: bool = False, processes: int = 0) -> None:
+                 facts: HardwareFacts | None = None, defer_choice: bool = False, processes: int = 0,
+                 stop: Callable[[], bool] | None = None) -> None:
+        """``stop`` true (SIGTERM): loads give up between engine calls (an engine's own call runs to its end)."""
         if select not in SELECT_MODES:
             raise ValueError(f"select must be one of {SELECT_MODES}, not {select!r}")
         self.preferences = list(preferences)
@@ -213,6 +221,13 @@ class ModelLoader:
         # (boot loads versions together, the chooser loads beside a reload) can interleave that and
         # leave the process in "C", where Python reads text as ASCII. Each load puts it back.
         self._locale = locale.setlocale(locale.LC_ALL)
+        self.stopping: Callable[[], bool] = stop or (lambda: False)
+
+    def _halt(self, mv: ModelVersion) -> None:
+        """Raise LoadStoppedError once the daemon is stopping (checked before and after each engine call)."""
+        if self.stopping():
+            raise LoadStoppedError(f"model {mv.name!r} version {mv.version}: load stopped, edged is stopping",
+                                   model=mv.name, version=mv.version)
 
     def load(self, entry: VersionEntry) -> ModelVersion:
         mv = ModelVersion(entry.model, entry.version, entry)
@@ -230,14 +245,14 @@ class ModelLoader:
             log.error("model=%s version=%s unavailable: %s", mv.name, mv.version, mv.reason)
             return mv
         skipped_before = len(mv.skipped)
+        log.info("model=%s version=%s loading (%d candidate engine(s))", mv.name, mv.version, len(cands))
         key = self._key(mv, cands)
-        if self.select == "benchmark" and len(cands) > 1:
-            if self.defer_choice:
-                ok = self._load_remembered(mv, cands, key, set(), []) or self._load_first(mv, cands)
-            else:
-                ok = self._load_benchmark(mv, cands, key)
-        else:
-            ok = self._load_first(mv, cands)
+        try:
+            ok = self._load_with(mv, cands, key)
+        except LoadStoppedError as e:  # every engine it opened is released already
+            mv.state, mv.reason = ModelState.UNAVAILABLE, str(e)
+            log.info("model=%s version=%s load stopped: edged is stopping", mv.name, mv.version)
+            return mv
         mv.candidates, mv.selection_key = list(cands), key
         if ok:
             mv.state = ModelState.READY
@@ -252,6 +267,13 @@ class ModelLoader:
         return mv
 
     # ---- strategies -------------------------------------------------------------------------
+    def _load_with(self, mv: ModelVersion, cands: Sequence[Candidate], key: str) -> bool:
+        if self.select == "benchmark" and len(cands) > 1:
+            if self.defer_choice:
+                return self._load_remembered(mv, cands, key, set(), []) or self._load_first(mv, cands)
+            return self._load_benchmark(mv, cands, key)
+        return self._load_first(mv, cands)
+
     def _load_first(self, mv: ModelVersion, cands: Sequence[Candidate]) -> bool:
         pending: list[tuple[Candidate, EngineBuildRequiredError]] = []
         for cand in cands:
@@ -306,7 +328,11 @@ class ModelLoader:
         for cand in cands:
             if cand.label in tried:
                 continue
-            opened, build, why = self._attempt(mv, cand)
+            try:
+                opened, build, why = self._attempt(mv, cand)
+            except LoadStoppedError:
+                _unload(loaded)
+                raise
             if opened is not None:
                 loaded.append(opened)
             elif build is not None:
@@ -330,7 +356,10 @@ class ModelLoader:
         sample = sample_inputs(mv, loaded[0].inputs)
         points = default_points({n: a[:1] for n, a in sample.items()} if batched else sample, sizes, batched)
         timings, failures = measure_points([(o.cand, o.engine) for o in loaded], points, batched=batched,
-                                           settings=self.benchmark_settings)
+                                           settings=self.benchmark_settings, stop=self.stopping)
+        if self.stopping():
+            _unload(loaded)
+            self._halt(mv)
         for label, why in failures:
             self._skip_label(mv, label, why)
         if not timings:
@@ -383,10 +412,13 @@ class ModelLoader:
     def _build_now(self, mv: ModelVersion, pending: Sequence[tuple[Candidate, EngineBuildRequiredError]]) -> bool:
         """Nothing else can serve: build the pending engines in this thread, best first."""
         for cand, p in pending:
+            self._halt(mv)
             try:
                 engine = EngineBuild(cand.label, p.builder).run()
                 self._adopt(mv, self._check(mv, cand, engine))
                 return True
+            except LoadStoppedError:
+                raise
             except EdgedError as e:
                 self._skip(mv, cand, str(e))
         return False
@@ -401,12 +433,15 @@ class ModelLoader:
             return self._open(mv, cand), None, None
         except EngineBuildRequiredError as p:
             return None, p, None
+        except LoadStoppedError:
+            raise
         except EdgedError as e:
             return None, None, str(e)
         except Exception as e:  # an engine bug must not take the daemon down
             return None, None, f"unexpected {type(e).__name__}: {e}"
 
     def _open(self, mv: ModelVersion, cand: Candidate) -> _Opened:
+        self._halt(mv)
         try:
             request = self._request(mv, cand)
             if self._in_processes(mv, cand):
@@ -436,9 +471,11 @@ class ModelLoader:
             locale.setlocale(locale.LC_ALL, self._locale)
 
     def _check(self, mv: ModelVersion, cand: Candidate, engine: Engine) -> _Opened:
-        """I/O against the manifest, then warm-up and golden check; releases the engine on failure."""
+        """I/O against the manifest, then warm-up and golden check; releases the engine on failure
+        or when the daemon stops while the engine loaded or warmed up."""
         manifest = mv.manifest
         try:
+            self._halt(mv)
             mv.auto_max_batch_size = auto_max_batch_size(manifest, engine)
             mbs = mv.max_batch_size
             if manifest.inputs is not None:
@@ -449,6 +486,7 @@ class ModelLoader:
             outputs = list(manifest.outputs) if manifest.outputs is not None else _io_from_engine(engine.outputs, mbs)
             _check_shapes(manifest.warmup.shapes, inputs)
             warm_up(mv, engine, inputs=inputs, precision=cand.precision)
+            self._halt(mv)
         except BaseException:
             engine.unload()
             raise
@@ -532,6 +570,8 @@ class ModelLoader:
         try:
             opened, build, why = self._attempt(mv, cand)
             batches = mv.auto_max_batch_size
+        except LoadStoppedError:
+            return "edged is stopping"
         finally:
             mv.auto_max_batch_size, mv.warmup_note, mv.warmup_skipped = kept
         if opened is not None:
@@ -608,6 +648,11 @@ class ModelLoader:
                                    on_switch=switched, on_failure=lambda c, why: self._skip(mv, c, why),
                                    judge=faster if judge else None)
         mv.upgrade.start()
+
+
+def _unload(opened: Sequence[_Opened]) -> None:
+    for o in opened:
+        o.engine.unload()
 
 
 def _slower(t: CandidateTiming, best: CandidateTiming) -> str:
