@@ -71,10 +71,13 @@ from edged.client.shm_memory import (
     ModelInfo,
     PackedInputs,
     Slot,
+    Template,
     encode_request,
     find_segment,
+    make_template,
     plan_inputs,
     read_outputs,
+    template_key,
 )
 from edged.client.shm_prepared import AsyncPreparedInfer, PreparedInfer
 from edged.errors import EdgedError, ErrorCode, InvalidInputError, PermissionDeniedError
@@ -132,6 +135,16 @@ def _unavailable(path: str, e: OSError) -> EdgedError:
         f"(is the daemon running, and may this user use the socket?)",
         code=ErrorCode.UNAVAILABLE,
     )
+
+
+class _Call:
+    """One async INFER's slot, and whether a late completion owns it and the in-flight place (``cut``)."""
+
+    __slots__ = ("cut", "slot")
+
+    def __init__(self) -> None:
+        self.slot: Slot | None = None
+        self.cut = False
 
 
 def _wake(fut: asyncio.Future[None]) -> None:
@@ -272,19 +285,38 @@ class ShmClient:
         with self._lock:
             key = (model, version or 0)
             info = self._info(model, version)
+            tkey = template_key(inputs, outputs, timeout)
+            slot = self._slots.get(key)
+            if slot is not None and tkey is not None and tkey in slot.templates:
+                got = self._templated(key, slot, slot.templates[tkey], inputs, copy, info.output_hint)
+                if not isinstance(got, int):
+                    return got
+                info.output_hint = got  # the output area was too small: on to a bigger slot below
             packed = plan_inputs(self._core.segments, inputs)
             for attempt in range(TRIES):
                 slot = self._slot(key, packed.staged_bytes, info.output_bytes(inputs))
+                views: list[np.ndarray] = []
                 msg = encode_request(
-                    self._core.next_id(), model, version, slot, packed, outputs=outputs, timeout=timeout
+                    self._core.next_id(), model, version, slot, packed, outputs=outputs, timeout=timeout, views=views
                 )
                 got = self._exchange(
                     msg, slot, copy, grow_limit(attempt, info.output_hint), functools.partial(self._orphan_slot, key)
                 )
                 if not isinstance(got, int):
+                    make_template(slot, tkey, packed, msg, views)
                     return got
                 info.output_hint = got  # the output area was too small: grow it and retry
             raise AssertionError("unreachable: the last try raises")
+
+    def _templated(
+        self, key: Key, slot: Slot, tpl: Template, inputs: Mapping[str, Any], copy: bool, grow_above: int
+    ) -> dict[str, np.ndarray] | int:
+        """A request sent like this before on ``slot``: its inputs copied in place, its message sent again
+        with a new id (see :class:`~edged.client.shm_memory.Template`)."""
+        for view, arr in zip(tpl.views, inputs.values(), strict=True):
+            np.copyto(view, arr, casting="no")
+        p.set_request_id(tpl.message, self._core.next_id())
+        return self._exchange(tpl.message, slot, copy, grow_above, functools.partial(self._orphan_slot, key))
 
     def prepare(
         self,
@@ -657,43 +689,75 @@ class AsyncShmClient:
         assert inflight is not None, "call connect() (or use 'async with') first"
         if not inflight.take_now():
             await self._take_place(inflight)
-        cut = False  # cut off after it was sent: the place is the late reply's to give back
+        call = _Call()
         try:
             key = (model, version or 0)
             info = await self._info(model, version)
-            packed: PackedInputs = plan_inputs(self._core.segments, inputs)
-            slot: Slot | None = await self._take_slot(key, packed.staged_bytes, info.output_bytes(inputs))
+            tkey = template_key(inputs, outputs, timeout)
+            free = self._free.get(key)
             try:
-                for attempt in range(TRIES):
-                    assert slot is not None
-                    if not slot.fits(packed.staged_bytes, info.output_bytes(inputs)):
-                        old, slot = slot, None
-                        await self._unregister(old.segment)
-                        slot = await self._take_slot(key, packed.staged_bytes, info.output_bytes(inputs))
-                    rid = self._core.next_id()
-                    # Tell the daemon to queue (batch) this request when others of ours are in flight.
-                    msg = encode_request(
-                        rid, model, version, slot, packed, outputs=outputs, timeout=timeout, queue=bool(self._pending)
-                    )
-                    try:
-                        reply = await self._exchange(
-                            rid, msg, late=functools.partial(self._pool_slot, key, slot)
-                        )
-                    except asyncio.CancelledError:
-                        if rid in self._late:  # cut off: the slot is pooled when the late completion arrives
-                            slot, cut = None, True
-                        raise
-                    got = answer(reply, slot, True, grow_limit(attempt, info.output_hint))
+                if tkey is not None and free and tkey in free[-1].templates:
+                    # A pooled slot that carried this very request before: its message goes again (Template).
+                    call.slot = slot = free.pop()
+                    tpl = slot.templates[tkey]
+                    for view, arr in zip(tpl.views, inputs.values(), strict=True):
+                        np.copyto(view, arr, casting="no")
+                    got = await self._send_infer(call, key, tpl.message, info.output_hint)
                     if not isinstance(got, int):
                         return got
-                    info.output_hint = got  # the output area was too small: grow it and retry
-                raise AssertionError("unreachable: the last try raises")
+                    info.output_hint = got  # the output area was too small: packed again below
+                return await self._packed_infer(call, info, model, version, inputs, outputs=outputs, timeout=timeout,
+                                                tkey=tkey)
             finally:
-                if slot is not None and not self._core.closed:
-                    self._free.setdefault(key, []).append(slot)
+                if call.slot is not None and not self._core.closed:
+                    self._free.setdefault(key, []).append(call.slot)
         finally:
-            if not cut:
+            if not call.cut:
                 inflight.give()
+
+    async def _packed_infer(  # noqa: PLR0913  infer()'s request, passed on whole
+        self, call: _Call, info: ModelInfo, model: str, version: int | None, inputs: Mapping[str, Any], *,
+        outputs: list[str] | None, timeout: float | None, tkey: tuple[object, ...] | None,
+    ) -> dict[str, np.ndarray]:
+        """The request packed and encoded, on ``call.slot`` or a pooled slot that fits (grown on "needs N
+        bytes"); kept as the slot's template when it may be one."""
+        key = (model, version or 0)
+        packed: PackedInputs = plan_inputs(self._core.segments, inputs)
+        for attempt in range(TRIES):
+            slot = call.slot
+            if slot is None or not slot.fits(packed.staged_bytes, info.output_bytes(inputs)):
+                call.slot = None
+                if slot is not None:
+                    await self._unregister(slot.segment)
+                call.slot = slot = await self._take_slot(key, packed.staged_bytes, info.output_bytes(inputs))
+            views: list[np.ndarray] = []
+            msg = encode_request(0, model, version, slot, packed, outputs=outputs, timeout=timeout, views=views)
+            got = await self._send_infer(call, key, msg, grow_limit(attempt, info.output_hint))
+            if not isinstance(got, int):
+                make_template(slot, tkey, packed, msg, views)
+                return got
+            info.output_hint = got  # the output area was too small: grow it and retry
+        raise AssertionError("unreachable: the last try raises")
+
+    async def _send_infer(
+        self, call: _Call, key: Key, msg: bytes | bytearray, grow_above: int
+    ) -> dict[str, np.ndarray] | int:
+        """One INFER on ``call.slot`` with a fresh id, and the queue flag when others of ours are in flight
+        (the daemon batches them); its outputs, copied, or the bytes they need. Cancelled after it was
+        sent: the slot and the in-flight place are the late completion's (``call.cut``)."""
+        slot = call.slot
+        assert slot is not None
+        rid = self._core.next_id()
+        msg = msg if isinstance(msg, bytearray) else bytearray(msg)
+        p.set_request_id(msg, rid)
+        p.set_request_flags(msg, p.FLAG_QUEUE if self._pending else 0)
+        try:
+            reply = await self._exchange(rid, msg, late=functools.partial(self._pool_slot, key, slot))
+        except asyncio.CancelledError:
+            if rid in self._late:  # the slot is pooled when the late completion arrives
+                call.slot, call.cut = None, True
+            raise
+        return answer(reply, slot, True, grow_above)
 
     async def _take_place(self, inflight: Inflight) -> None:
         """Wait for an in-flight place; closed meanwhile, the place goes on and the client's error is raised."""

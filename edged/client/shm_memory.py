@@ -29,6 +29,7 @@ PAGE = mmap.PAGESIZE
 MEMFD_NAME = "edged-shm"
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _DEFAULT_DYNAMIC_OUTPUT = 1 << 20  # guess for outputs with dynamic dims; grown on "needs N bytes"
+TEMPLATES_PER_SLOT = 16  # distinct requests (input shapes, outputs, timeout) a slot keeps encoded
 
 
 def page_round(n: int) -> int:
@@ -140,6 +141,8 @@ class Slot:
         default_factory=dict)
     # the output views for each of those (numeric outputs only), made once: returned again uncopied
     views: dict[bytes, dict[str, np.ndarray]] = field(default_factory=dict)
+    # requests this slot carried, encoded once (template_key -> Template)
+    templates: dict[tuple[object, ...], Template] = field(default_factory=dict)
 
     @classmethod
     def layout(cls, in_need: int, out_need: int) -> tuple[int, int, int]:
@@ -150,6 +153,45 @@ class Slot:
 
     def fits(self, in_need: int, out_need: int) -> bool:
         return self.in_cap >= in_need and self.out_cap >= out_need
+
+
+@dataclass
+class Template:
+    """A request a slot has carried before, kept encoded. The same input names, shapes and dtypes, the same
+    outputs and timeout make the same INFER message on the same slot but for its id (and the daemon
+    caches its decoded plan by those bytes), so the next such call copies its inputs into ``views`` and
+    sends ``message`` with a new id: no packing, no encoding, no slot lookup on the call's path."""
+
+    message: bytearray
+    views: list[np.ndarray]  # where each input, in the request's order, goes in the slot
+
+
+def template_key(
+    inputs: Mapping[str, Any], outputs: list[str] | None, timeout: float | None
+) -> tuple[object, ...] | None:
+    """The key of a request a :class:`Template` may carry, None when it may not: every input must be a
+    numpy array of a numeric dtype that owns its memory. (An array over other memory may lie in a
+    registered segment, a zero-copy input that goes by reference; that is :func:`plan_inputs`' to tell.)"""
+    key: list[object] = [timeout, outputs if outputs is None else tuple(outputs)]
+    for name, arr in inputs.items():
+        if type(arr) is not np.ndarray or arr.base is not None or arr.dtype.kind in "SUO":
+            return None
+        key += (name, arr.shape, arr.dtype)
+    return tuple(key)
+
+
+def make_template(
+    slot: Slot, key: tuple[object, ...] | None, packed: PackedInputs, message: bytes, views: list[np.ndarray]
+) -> None:
+    """Keep a sent request as ``slot``'s template for ``key`` (see :func:`template_key`), when it is one:
+    every input copied into the slot, in native byte order, none empty."""
+    if key is None or packed.refs or len(views) != len(packed.staged):
+        return
+    if any(blob is not None or arr.dtype not in p.NUMPY_CODE or not arr.nbytes for _, arr, blob in packed.staged):
+        return
+    if len(slot.templates) >= TEMPLATES_PER_SLOT:
+        slot.templates.clear()
+    slot.templates[key] = Template(bytearray(message), views)
 
 
 @dataclass
@@ -192,8 +234,10 @@ def plan_inputs(segments: Mapping[int, ClientSegment], inputs: Mapping[str, Any]
 
 def encode_request(  # noqa: PLR0913  one argument per field of the INFER message
         rid: int, model: str, version: int | None, slot: Slot, packed: PackedInputs, *,
-                   outputs: list[str] | None, timeout: float | None, queue: bool = False) -> bytes:
-    """Copy staged inputs into the slot and build the INFER message."""
+                   outputs: list[str] | None, timeout: float | None, queue: bool = False,
+                   views: list[np.ndarray] | None = None) -> bytes:
+    """Copy staged inputs into the slot and build the INFER message; ``views``: given, it collects where
+    each numeric staged input went (for :func:`make_template`)."""
     seg = slot.segment
     tensors: list[bytes] = []
     enc = p.encode_tensor
@@ -209,7 +253,10 @@ def encode_request(  # noqa: PLR0913  one argument per field of the INFER messag
             off += len(blob)
             continue
         if arr.nbytes:
-            np.copyto(seg.view(arr.dtype, arr.shape, off), arr, casting="no")
+            dst = seg.view(arr.dtype, arr.shape, off)
+            np.copyto(dst, arr, casting="no")
+            if views is not None:
+                views.append(dst)
         tensors.append(enc(name, p.NUMPY_CODE[arr.dtype], arr.shape, segment=seg.id, offset=off, nbytes=arr.nbytes))
         off += arr.nbytes
     timeout_us = 0 if timeout is None else max(1, min(int(timeout * 1e6), 2**32 - 1))

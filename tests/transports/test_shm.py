@@ -990,3 +990,102 @@ def _connects(path: Path) -> bool:
     except EdgedError:
         return False
     return True
+
+
+# ---- a request sent like one before goes from its template ------------------------------------------------
+def _count_plans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    from edged.client import shm as client_shm
+
+    planned: list[int] = []
+    real = client_shm.plan_inputs
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        planned.append(1)
+        return real(*a, **kw)
+    monkeypatch.setattr(client_shm, "plan_inputs", counted)
+    return planned
+
+
+def test_a_repeated_request_goes_from_its_template_with_each_calls_inputs(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second call of the same shapes is not packed or encoded again, yet carries its own inputs:
+    every answer is the engine's for that very input, whatever came before."""
+    planned = _count_plans(monkeypatch)
+    rng = np.random.default_rng(3)
+    xs = [rng.random((2, 64), dtype=np.float32) * 16 for _ in range(6)]
+    with ShmClient(served.socket) as c:
+        for x in xs:
+            np.testing.assert_allclose(c.infer("digits", {"pixels": x})["probabilities"], served.reference(x),
+                                       rtol=1e-5, atol=1e-6)
+        assert len(planned) == 1, planned  # only the first call was packed
+        # Another output list and another timeout are other messages: each packed once, then templated.
+        for _ in range(2):
+            got = c.infer("digits", {"pixels": xs[0]}, outputs=["probabilities"], timeout=5.0)
+            np.testing.assert_allclose(got["probabilities"], served.reference(xs[0]), rtol=1e-5, atol=1e-6)
+        assert len(planned) == 2, planned
+        assert len(c._slots[("digits", 0)].templates) == 2
+
+
+def test_a_zero_copy_or_borrowed_input_is_not_taken_for_a_template(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An input in the client's shared memory goes by reference even after a plain array of its shape was
+    templated (its bytes are not copied into the slot), and a view of another array is packed as before."""
+    rng = np.random.default_rng(4)
+    x = rng.random((2, 64), dtype=np.float32) * 16
+    with ShmClient(served.socket) as c:
+        c.infer("digits", {"pixels": x})
+        slot = c._slots[("digits", 0)]
+        (tpl,) = slot.templates.values()
+        planned = _count_plans(monkeypatch)
+        zc = c.tensor((2, 64))
+        zc[:] = rng.random((2, 64), dtype=np.float32) * 16
+        np.testing.assert_allclose(c.infer("digits", {"pixels": zc})["probabilities"], served.reference(zc),
+                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(tpl.views[0], x)  # the slot still holds the last copied input
+        big = rng.random((4, 64), dtype=np.float32) * 16
+        part = big[1:3]  # borrows big's memory
+        np.testing.assert_allclose(c.infer("digits", {"pixels": part})["probabilities"], served.reference(part),
+                                   rtol=1e-5, atol=1e-6)
+        assert len(planned) == 2, planned
+
+
+def test_a_templated_request_answered_needs_n_bytes_is_packed_and_sent_again(served: Served) -> None:
+    """An answer that does not fit the template's output area ('needs N bytes') is not an error: the
+    request is packed and encoded afresh for a slot that fits, and answered."""
+    x = np.ones((3, 64), np.float32)
+    with ShmClient(served.socket) as c:
+        c.infer("digits", {"pixels": x})
+        slot = c._slots[("digits", 0)]
+        (tpl,) = slot.templates.values()
+        # Make the template's output capacity too small for the answer (3 x 10 float32).
+        fields = list(p.INFER_BODY.unpack_from(tpl.message, p.HEADER.size))
+        fields[4] = 16
+        p.INFER_BODY.pack_into(tpl.message, p.HEADER.size, *fields)
+        out = c.infer("digits", {"pixels": x})["probabilities"]
+        np.testing.assert_allclose(out, served.reference(x), rtol=1e-5, atol=1e-6)
+        assert c._info("digits", None).output_hint >= out.nbytes
+
+
+def test_async_requests_in_flight_together_each_carry_their_own_inputs_from_templates(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight requests of one shape at once, several rounds: each pooled slot keeps its own template, and
+    every answer is the engine's for that request's input, never a neighbour's."""
+    planned = _count_plans(monkeypatch)
+    rng = np.random.default_rng(5)
+    rounds = [[rng.random((1, 64), dtype=np.float32) * 16 for _ in range(8)] for _ in range(4)]
+
+    async def go() -> list[list[np.ndarray]]:
+        async with AsyncShmClient(served.socket) as c:
+            out = []
+            for xs in rounds:
+                got = await asyncio.gather(*(c.infer("digits", {"pixels": x}) for x in xs))
+                out.append([g["probabilities"] for g in got])
+            return out
+
+    for xs, outs in zip(rounds, asyncio.run(go()), strict=True):
+        for x, o in zip(xs, outs, strict=True):
+            np.testing.assert_allclose(o, served.reference(x), rtol=1e-5, atol=1e-6)
+    assert len(planned) < 32, planned  # later rounds went from the slots' templates
