@@ -10,7 +10,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import Any
 
+import numpy as np
 import orjson
 import pytest
 
@@ -27,8 +29,9 @@ def ok(body: bytes) -> bytes:
     return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
 
 
-def read_request(conn: socket.socket, buf: bytearray) -> bytes | None:
-    """One request's head line (and its body consumed), or None when the client closed."""
+def read_request(conn: socket.socket, buf: bytearray, whole: list[bytes] | None = None) -> bytes | None:
+    """One request's head line (and its body consumed; the request whole appended to ``whole``), or None
+    when the client closed."""
     while b"\r\n\r\n" not in buf:
         data = conn.recv(65536)
         if not data:
@@ -46,6 +49,8 @@ def read_request(conn: socket.socket, buf: bytearray) -> bytes | None:
             return None
         rest += data
     buf[:] = rest[length:]
+    if whole is not None:
+        whole.append(head + b"\r\n\r\n" + rest[:length])
     return head.split(b"\r\n")[0]
 
 
@@ -222,3 +227,74 @@ def test_a_malformed_answer_is_the_servers_fault_not_the_callers(output: dict[st
     with pytest.raises(EdgedError) as e:
         decode_response(body, str(len(header)))
     assert e.value.code is ErrorCode.INTERNAL
+
+
+def _binary_answer(header: dict[str, object], tail: bytes) -> bytes:
+    h = orjson.dumps(header)
+    return (b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nInference-Header-Content-Length: %d\r\n\r\n"
+            % (len(h) + len(tail), len(h))) + h + tail
+
+
+def test_a_repeated_request_reuses_its_head_yet_each_call_sends_and_reads_its_own_tensors(
+    scripted: Callable[..., Scripted],
+) -> None:
+    """infer() keeps the head and JSON header of a request it sent, and the layout of an answer it read:
+    the next such call sends the very same head with its own tensor bytes, and reads its own answer's
+    bytes; an answer whose tail is shorter than its (known) header says is refused, typed."""
+    header = {"model_name": "m", "model_version": "1",
+              "outputs": [{"name": "y", "datatype": "FP32", "shape": [1, 4], "parameters": {"binary_data_size": 16}}]}
+    answers = [np.arange(4, dtype=np.float32).reshape(1, 4) * k for k in (1, 2, 3)]
+    seen: list[bytes] = []
+
+    def script(conn: socket.socket, n: int, srv: Scripted) -> None:
+        buf = bytearray()
+        for a in answers:
+            if read_request(conn, buf, seen) is None:
+                return
+            conn.sendall(_binary_answer(header, a.tobytes()))
+        if read_request(conn, buf, seen) is not None:
+            conn.sendall(_binary_answer(header, answers[0].tobytes()[:8]))  # the header's 16 bytes, 8 sent
+
+    srv = scripted(script)
+    xs = [np.full((1, 3), k, dtype=np.float32) for k in (7, 8, 9)]
+    with HttpClient(srv.url, timeout=10) as c:
+        for x, a in zip(xs, answers, strict=True):
+            np.testing.assert_array_equal(c.infer("m", {"x": x})["y"], a)
+        with pytest.raises(EdgedError) as e:
+            c.infer("m", {"x": xs[0]})
+    assert e.value.code is ErrorCode.INTERNAL
+    heads = {r[:-12] for r in seen}
+    assert len(heads) == 1, heads  # one head and JSON header for all four
+    assert [r[-12:] for r in seen] == [x.tobytes() for x in [*xs, xs[0]]]
+
+
+def _json_header(request: bytes) -> dict[str, Any]:
+    head, _, body = request.partition(b"\r\n\r\n")
+    (hlen,) = [int(v) for k, _, v in (ln.partition(b":") for ln in head.split(b"\r\n")[1:])
+               if k.lower() == b"inference-header-content-length"]
+    out: dict[str, Any] = orjson.loads(body[:hlen])
+    return out
+
+
+def test_requests_of_other_shapes_or_objects_are_encoded_for_what_they_are(scripted: Callable[..., Scripted]) -> None:
+    """A kept head is for its shapes, dtypes and outputs only: another shape gets its own, and BYTES inputs
+    (whose length depends on their contents) are never kept."""
+    header = {"model_name": "m", "outputs": []}
+    seen: list[bytes] = []
+
+    def script(conn: socket.socket, n: int, srv: Scripted) -> None:
+        buf = bytearray()
+        while read_request(conn, buf, seen) is not None:
+            conn.sendall(_binary_answer(header, b""))
+
+    srv = scripted(script)
+    with HttpClient(srv.url, timeout=10) as c:
+        c.infer("m", {"x": np.zeros((1, 3), np.float32)})
+        c.infer("m", {"x": np.zeros((2, 3), np.float32)})
+        c.infer("m", {"x": np.zeros((2, 3), np.float32)}, outputs=["y"])
+        c.infer("m", {"s": np.array([b"ab"], dtype=object)})
+        c.infer("m", {"s": np.array([b"abcd"], dtype=object)})
+    bodies = [_json_header(r) for r in seen]
+    assert [b["inputs"][0]["shape"] for b in bodies] == [[1, 3], [2, 3], [2, 3], [1], [1]]
+    assert [b["inputs"][0]["parameters"]["binary_data_size"] for b in bodies] == [12, 24, 24, 6, 8]
+    assert b'"outputs"' in seen[2] and b'"outputs"' not in seen[1]
