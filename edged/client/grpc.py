@@ -22,7 +22,7 @@ import numpy as np
 from edged import datatypes
 from edged.errors import EdgedError, ErrorCode
 from edged.protocol.grpc import ERROR_CODE_KEY, require_grpc
-from edged.protocol.v2 import bytes_from_buffer, tensor_bytes
+from edged.protocol.v2 import bytes_from_buffer, bytes_to_buffer, tensor_bytes
 
 _SERVICE = "/inference.GRPCInferenceService/"
 _MAX_MESSAGE = 2047 * 1024 * 1024  # the client accepts what the server is configured to send
@@ -53,6 +53,46 @@ def infer_request(model: str, inputs: Mapping[str, np.ndarray], version: int | N
     return req
 
 
+_KEPT = 32  # serialized request heads a client keeps
+_RAW_INPUT_TAG = b"\x3a"  # ModelInferRequest.raw_input_contents: field 7, length-delimited
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def infer_message(model: str, inputs: Mapping[str, np.ndarray], version: int | None,
+                  kept: dict[tuple[object, ...], bytes]) -> bytes:
+    """A ModelInferRequest serialized, as :func:`infer_request` would make it but for the order of its
+    fields (every parser takes them in any order): everything but the tensors' bytes is serialized once
+    per model, version, input names, dtypes and shapes and kept in ``kept`` (a camera loop sends that
+    over and over), then each input's ``raw_input_contents`` is appended, its bytes copied once (the
+    message way copies them three times)."""
+    key = (model, version, *((name, arr.dtype, arr.shape) for name, arr in inputs.items()))
+    head = kept.get(key)
+    if head is None:
+        from edged.protocol.grpc.gen import grpc_service_pb2 as pb
+
+        req = pb.ModelInferRequest(model_name=model, model_version="" if version is None else str(version))
+        for name, arr in inputs.items():
+            req.inputs.add(name=name, datatype=datatypes.from_numpy(arr.dtype), shape=list(arr.shape))
+        head = req.SerializeToString()
+        if len(kept) >= _KEPT:
+            kept.clear()
+        kept[key] = head
+    parts: list[bytes | memoryview] = [head]
+    for arr in inputs.values():
+        raw: bytes | memoryview = (bytes_to_buffer(arr) if arr.dtype.kind == "O"
+                                   else np.ascontiguousarray(arr).reshape(-1).data.cast("B"))
+        parts += (_RAW_INPUT_TAG + _varint(len(raw)), raw)
+    return b"".join(parts)
+
+
 def infer_outputs(resp: Any) -> dict[str, np.ndarray]:
     """The outputs of a ModelInferResponse; one the client cannot decode raises an INTERNAL EdgedError
     (the decoders' own errors would say ValueError, or INVALID_ARGUMENT: the caller's fault)."""
@@ -79,6 +119,7 @@ class GrpcClient:
         self.address, self.timeout = address, timeout
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._rpcs: dict[str, Any] = {}
+        self._heads: dict[tuple[object, ...], bytes] = {}  # infer_message()'s
         self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", _MAX_MESSAGE),
                                                                 ("grpc.max_send_message_length", _MAX_MESSAGE)])
 
@@ -99,10 +140,12 @@ class GrpcClient:
                           code=error_code(sent, _CODES.get(status.name, ErrorCode.INTERNAL)))
 
     def call(self, method: str, request: Any, reply: type[Any]) -> Any:
-        rpc = self._rpcs.get(method)
+        """One unary call; ``request`` a message, or its bytes already serialized."""
+        raw = isinstance(request, bytes)
+        rpc = self._rpcs.get(method + "#raw" if raw else method)
         if rpc is None:
-            rpc = self._rpcs[method] = self._channel.unary_unary(
-                _SERVICE + method, request_serializer=type(request).SerializeToString,
+            rpc = self._rpcs[method + "#raw" if raw else method] = self._channel.unary_unary(
+                _SERVICE + method, request_serializer=None if raw else type(request).SerializeToString,
                 response_deserializer=reply.FromString)
         try:
             return rpc(request, timeout=self.timeout, metadata=self._metadata)
@@ -124,7 +167,8 @@ class GrpcClient:
 
     def infer(self, model: str, inputs: Mapping[str, np.ndarray], version: int | None = None) -> dict[str, np.ndarray]:
         pb = self._pb
-        return infer_outputs(self.call("ModelInfer", infer_request(model, inputs, version), pb.ModelInferResponse))
+        return infer_outputs(self.call("ModelInfer", infer_message(model, inputs, version, self._heads),
+                                       pb.ModelInferResponse))
 
     def stream(self, timeout: float | None = None) -> GrpcStream:
         """A ModelStreamInfer stream; ``timeout``: seconds each answer is awaited (default: this client's)."""

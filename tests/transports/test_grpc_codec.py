@@ -124,3 +124,20 @@ def test_direct_encoding_matches_the_shared_codec() -> None:
         assert list(out.raw_output_contents) == chunks
     assert [o.datatype for o in out.outputs] == ["FP16", "UINT8", "BYTES"]
     assert out.raw_output_contents[0] == outs["y"].tobytes()
+
+
+def test_a_kept_request_head_serializes_what_the_message_would_with_each_calls_tensors() -> None:
+    """GrpcClient.infer's message: the inputs' metadata serialized once per model, version, names, dtypes and
+    shapes, the tensors' bytes appended per call; it parses into exactly the message infer_request makes."""
+    from edged.client.grpc import infer_message, infer_request
+
+    kept: dict[tuple[object, ...], bytes] = {}
+    rng = np.random.default_rng(6)
+    for version in (None, 3):
+        for _ in range(3):
+            inputs = {"image": rng.random((1, 3, 4, 5), dtype=np.float32),
+                      "ids": rng.integers(0, 1 << 40, (2, 7), dtype=np.int64)[:, ::2],  # not contiguous
+                      "words": np.array([b"", b"a" * 200, "\u00e9".encode()], dtype=object)}
+            got = pb.ModelInferRequest.FromString(infer_message("m", inputs, version, kept))
+            assert got == infer_request("m", inputs, version)
+    assert len(kept) == 2  # one head per version, whatever the contents
