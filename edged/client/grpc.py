@@ -189,9 +189,9 @@ class GrpcStream:
         pb = client._pb
         self._client = client
         self.timeout = client.timeout if timeout is None else timeout
-        self._requests: queue.Queue[Any] = queue.Queue()
-        rpc = client._channel.stream_stream(_SERVICE + "ModelStreamInfer",
-                                            request_serializer=pb.ModelInferRequest.SerializeToString,
+        self._requests: queue.Queue[bytes | None] = queue.Queue()
+        rpc = client._channel.stream_stream(_SERVICE + "ModelStreamInfer",  # requests go serialized (infer_message)
+                                            request_serializer=None,
                                             response_deserializer=pb.ModelStreamInferResponse.FromString)
         self._responses: Any = rpc(iter(self._requests.get, None), metadata=client._metadata)
         self._lock = threading.Lock()
@@ -204,7 +204,7 @@ class GrpcStream:
         if self._ended is not None:
             raise EdgedError(f"this stream to edged at {self._client.address} is over ({self._ended}): "
                              "open a new one", code=ErrorCode.UNAVAILABLE)
-        request = infer_request(model, inputs, version)
+        request = infer_message(model, inputs, version, self._client._heads)
         self._deadline = time.monotonic() + self.timeout
         self._requests.put(request)
         try:
