@@ -13,36 +13,20 @@ from __future__ import annotations
 
 import shutil
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import edged.core.manager as manager_module
-from edged.config import ModelsSection
-from edged.core.manager import ModelManager
-from edged.core.service import InferenceService
-from edged.profiles import BackendPreference
 from edged.protocol.types import InferRequest, InferResponse
 from edged.telemetry.model_metrics import ModelMetrics
 from tests.conftest import MODELS
 from tests.http_helpers import held_engine
+from tests.in_process import served
 from tests.polling import wait_until
-
-ORT_CPU = [BackendPreference(backend="onnxruntime", device="CPU", precisions=["fp32"])]
-
-
-@contextmanager
-def _served(repo: Path) -> Iterator[InferenceService]:
-    manager = ModelManager(repo, ModelsSection(), ORT_CPU)
-    manager.load_all()
-    try:
-        yield InferenceService(manager)
-    finally:
-        manager.shutdown()
 
 
 def _in_thread(call: Callable[[], InferResponse]) -> Future[InferResponse]:
@@ -65,7 +49,7 @@ def test_request_withdrawn_by_a_timed_out_drain_is_counted_once(
     shutil.copytree(MODELS / "digits", repo / "digits")
     monkeypatch.setattr(manager_module, "DRAIN_TIMEOUT_S", 0.2)  # the 30 s drain, shortened
     x = np.ones((1, 64), np.float32)
-    with _served(repo) as service:
+    with served(repo) as service:
         if new_version != 1:  # published while version 1 serves
             shutil.copytree(repo / "digits" / "1", repo / "digits" / str(new_version))
         old = service.ready_model("digits", 1)

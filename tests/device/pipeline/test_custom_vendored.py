@@ -12,22 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from edged.config import ModelsSection
-from edged.core.manager import ModelManager
-from edged.core.service import InferenceService
 from edged.errors import InternalError
-from edged.profiles import BackendPreference
 from edged.protocol.types import InferRequest
 from tests.conftest import MODELS
-
-ORT_CPU = [BackendPreference(backend="onnxruntime", device="CPU", precisions=["fp32"])]
+from tests.in_process import served
 
 PIPELINE = """
 [[inputs]]
@@ -77,15 +70,6 @@ def _version(repo: Path, name: str, files: dict[str, str], unlisted: tuple[str, 
     return folder
 
 
-@contextmanager
-def _served(repo: Path) -> Iterator[InferenceService]:
-    manager = ModelManager(repo, ModelsSection(), ORT_CPU)
-    manager.load_all()
-    try:
-        yield InferenceService(manager)
-    finally:
-        manager.shutdown()
-
 
 def test_custom_step_imports_its_listed_vendored_package(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
@@ -95,7 +79,7 @@ def test_custom_step_imports_its_listed_vendored_package(tmp_path: Path) -> None
     _version(repo, "vendored_absolute", {**FILES, "prep.py": FILES["prep.py"].replace(
         "from .vendor.minilib import double", "from minilib import double")})
     x = np.random.default_rng(3).uniform(0, 12, (3, 64)).astype(np.float32)
-    with _served(repo) as service:
+    with served(repo) as service:
         status = {s["name"]: s for s in service.manager.statuses()}
         assert status["vendored"]["state"] == "ready", status["vendored"]
         unlisted = str(status["vendored_unlisted"]["reason"])

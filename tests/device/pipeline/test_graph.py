@@ -6,24 +6,19 @@ from __future__ import annotations
 import asyncio
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from edged.config import ModelsSection
-from edged.core.manager import ModelManager
 from edged.core.service import InferenceService
 from edged.errors import ErrorCode, InternalError, InvalidInputError
 from edged.pipeline.contract import PipelineDefinitionError, StepInputError
 from edged.pipeline.definition import MAX_PIPELINE_FILE, load_pipeline, parse_pipeline
 from edged.pipeline.graph import CallContext, ModelCaller, Pipeline, compile_pipeline
-from edged.profiles import BackendPreference
 from edged.protocol.types import InferRequest
 from edged.protocol.v2_models import statistics_entry
-
-ORT_CPU = [BackendPreference(backend="onnxruntime", device="CPU", precisions=["fp32"])]
+from tests.in_process import served
 
 HEAD = """
 [[inputs]]
@@ -71,16 +66,6 @@ outputs = { probabilities = "soft" }
 """
 
 
-@contextmanager
-def _served(repo: Path) -> Iterator[InferenceService]:
-    """A real InferenceService over ``repo`` (ONNX Runtime on CPU), shut down afterwards."""
-    manager = ModelManager(repo, ModelsSection(), ORT_CPU)
-    manager.load_all()
-    try:
-        yield InferenceService(manager)
-    finally:
-        manager.shutdown()
-
 
 def _digits_repo(root: Path) -> Path:
     from tests.conftest import MODELS
@@ -90,7 +75,7 @@ def _digits_repo(root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceService]:
-    with _served(_digits_repo(tmp_path_factory.mktemp("repo"))) as svc:
+    with served(_digits_repo(tmp_path_factory.mktemp("repo"))) as svc:
         yield svc
 
 
@@ -342,7 +327,7 @@ def test_concurrent_requests_batch_in_the_models_scheduler(tmp_path: Path) -> No
 
     from tests.http_helpers import held_engine
     (tmp_path / "repo").mkdir()
-    with _served(_digits_repo(tmp_path / "repo")) as service:
+    with served(_digits_repo(tmp_path / "repo")) as service:
         pipeline = _compile(GOOD, service, tmp_path)
         mv = service.ready_model("digits")
         assert mv.stats is not None and mv.scheduler is not None
@@ -383,7 +368,7 @@ def test_example_pipelines_through_the_service_equal_the_reference(tmp_path: Pat
             shutil.copy(model_file(model), repo / model / "1" / "model.onnx")
     except UnavailableError as exc:
         pytest.skip(str(exc))
-    with _served(repo) as service:
+    with served(repo) as service:
         folder = EXAMPLES / name / "1"
         pipeline = compile_pipeline(load_pipeline(folder), folder, service.manager.gateway)
         data = jpeg(page(0))  # the steps' own test page: layout regions to find
