@@ -65,7 +65,8 @@ class Built:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
+def built(tmp_path_factory: pytest.TempPathFactory, debian_builds: dict[str, Bootstrap]) -> Built:
+    """The .debs; the Debian roots the selected tests need are bootstrapped meanwhile (``debian_builds``)."""
     _need_tools()
     out = tmp_path_factory.mktemp("dist")
     t0 = time.monotonic()
@@ -86,33 +87,64 @@ ROOTS = {  # name -> packages beyond minbase
 }
 
 
-def _roots_wanted(request: pytest.FixtureRequest) -> set[str]:
-    """The roots this module's selected tests use: ``plain`` by the ``root`` fixture, ``systemd`` by the tests
-    that take ``debian_tars`` themselves (the default run has no test of the plain root: none is built there)."""
+def _root_users(request: pytest.FixtureRequest) -> dict[str, int]:
+    """How many of this module's selected tests use each root: ``plain`` by the ``root`` fixture, ``systemd`` by
+    the tests that take ``debian_tars`` themselves (the default run has no test of the plain root: none is built
+    there)."""
     names = [set(getattr(item, "fixturenames", ())) for item in request.session.items if item.path == request.path]
-    return ({"plain"} if any("root" in n for n in names) else set()) | (
-        {"systemd"} if any("debian_tars" in n and "root" not in n for n in names) else set())
+    users = {"plain": sum("root" in n for n in names),
+             "systemd": sum("debian_tars" in n and "root" not in n for n in names)}
+    return {name: n for name, n in users.items() if n}
+
+
+@dataclass
+class Bootstrap:
+    """One root being built by mmdebstrap: a tarball, or the root itself when only one test uses it."""
+
+    proc: subprocess.Popen[bytes]
+    out: Path
+    log: Path
+    started: float
 
 
 @pytest.fixture(scope="module")
-def debian_tars(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The throwaway roots the selected tests use as tarballs, fetched from Debian's archive side by side."""
+def debian_builds(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[dict[str, Bootstrap]]:
+    """mmdebstrap for the roots the selected tests use, started with the module (it runs while the package
+    builds, about a CPU each on a 2-core machine); a root one test uses is written as a folder, with no tarball
+    to write and unpack, and handed to that test."""
     _need_tools()
     d = tmp_path_factory.mktemp("debian")
-    wanted = {name: pkgs for name, pkgs in ROOTS.items() if name in _roots_wanted(request)
+    users = _root_users(request)
+    wanted = {name: pkgs for name, pkgs in ROOTS.items() if name in users
               and (name != "systemd" or shutil.which("systemd-nspawn"))}
-    t0 = time.monotonic()
-    procs = {name: subprocess.Popen(["mmdebstrap", "--quiet", "--variant=minbase", f"--include={pkgs}", SUITE,
-                                     str(d / f"{name}.tar")], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for name, pkgs in wanted.items()}
+    builds = {}
+    for name, pkgs in wanted.items():
+        out, log = d / (name if users[name] == 1 else f"{name}.tar"), d / f"{name}.log"
+        with log.open("wb") as f:  # a file, not a pipe: nobody reads its output until a test needs the root
+            proc = subprocess.Popen(["mmdebstrap", "--quiet", "--variant=minbase", f"--include={pkgs}", SUITE,
+                                     str(out)], stdout=f, stderr=subprocess.STDOUT)
+        builds[name] = Bootstrap(proc, out, log, time.monotonic())
+    try:
+        yield builds
+    finally:
+        for b in builds.values():
+            if b.proc.poll() is None:  # the module ended (or failed) before a test waited for it
+                b.proc.terminate()
+                b.proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def debian_tars(debian_builds: dict[str, Bootstrap]) -> dict[str, Path]:
+    """The throwaway roots the selected tests use, fetched from Debian's archive side by side: tarballs, or a
+    root's folder where one test uses it (:func:`_fresh_root` takes either)."""
     tars = {}
-    for name, proc in procs.items():
-        _, err = proc.communicate(timeout=900)
-        if proc.returncode != 0:
+    for name, b in debian_builds.items():
+        if b.proc.wait(timeout=900) != 0:
             pytest.skip(f"mmdebstrap could not build a {SUITE} root (is Debian's archive reachable?): "
-                        f"{err.decode(errors='replace')[-800:]}")
-        tars[name] = d / f"{name}.tar"
-    TIMINGS["mmdebstrap"] = time.monotonic() - t0
+                        f"{b.log.read_text(errors='replace')[-800:]}")
+        tars[name] = b.out
+        TIMINGS["mmdebstrap"] = time.monotonic() - b.started
     return tars
 
 
@@ -122,9 +154,18 @@ def _unpack(tar: Path, where: Path) -> Path:
     return where
 
 
+def _fresh_root(built_root: Path, where: Path) -> Path:
+    """A root of its own at ``where``: unpacked from a tarball, or the one test's folder moved there."""
+    if built_root.suffix == ".tar":
+        return _unpack(built_root, where)
+    assert built_root.is_dir(), f"{built_root} was built for one test and another one took it"
+    built_root.rename(where)
+    return where
+
+
 @pytest.fixture
 def root(debian_tars: dict[str, Path], tmp_path: Path) -> Iterator[Path]:
-    r = _unpack(debian_tars["plain"], tmp_path / "root")
+    r = _fresh_root(debian_tars["plain"], tmp_path / "root")
     yield r
     shutil.rmtree(r, ignore_errors=True)
 
@@ -349,7 +390,7 @@ class Container:
                 r = self.run("systemctl", "is-system-running", check=False)
                 if r.stdout.strip() in ("running", "degraded"):
                     return True
-            time.sleep(0.5)
+            time.sleep(0.2)
         return False
 
     def run(self, *argv: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -383,7 +424,7 @@ class Container:
         end = time.monotonic() + timeout
         while not what():
             assert time.monotonic() < end, "timed out"
-            time.sleep(0.5)
+            time.sleep(0.2)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -400,7 +441,7 @@ def _systemd_root_with_package(built: Built, debian_tars: dict[str, Path], tmp_p
     """A Debian root with systemd and the edged package installed (offline), ready to boot."""
     if "systemd" not in debian_tars:
         pytest.skip("systemd-nspawn is not installed (Debian: systemd-container; ./install.sh --dev)")
-    root = _unpack(debian_tars["systemd"], tmp_path / "root")
+    root = _fresh_root(debian_tars["systemd"], tmp_path / "root")
     shutil.copy(built.debs["edged"], root / "root")  # /tmp is a fresh tmpfs once the container boots
     chroot(root, "apt-get", "install", "-y", f"/root/{built.debs['edged'].name}")
     (root / "root" / built.debs["edged"].name).unlink()
@@ -441,7 +482,7 @@ def test_the_unit_under_systemd_notify_watchdog_reload_and_stop(
     # A short watchdog and restart delay keep the test short; everything else is the packaged unit as is.
     dropin = root / "etc/systemd/system/edged.service.d"
     dropin.mkdir(parents=True, exist_ok=True)
-    (dropin / "90-test.conf").write_text("[Service]\nWatchdogSec=4\nRestartSec=1\n")
+    (dropin / "90-test.conf").write_text("[Service]\nWatchdogSec=4\nRestartSec=0.2\n")
 
     box = _boot_with_edged_active(root, tmp_path)
     try:

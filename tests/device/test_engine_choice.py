@@ -29,6 +29,7 @@ from tests.conftest import REPO_ROOT, device_config, sha256_file
 from tests.edged_process import QUICK_CHOICE_EDGED, edged_run
 from tests.http_client import web
 from tests.netutil import free_port
+from tests.polling import wait_until
 
 pytest.importorskip("openvino")
 pytest.importorskip("onnxruntime")
@@ -154,14 +155,14 @@ class Client:
         self._thread.join(60)
 
 
-def _wait_for(url: str, what: str, pred: Any, timeout: float = 90) -> dict[str, Any]:
+def _wait_for(url: str, what: str, pred: Any, timeout: float = 90, interval: float = 0.2) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
         meta = _meta(url)
         if pred(meta):
             return meta
         assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f}s: {meta}"
-        time.sleep(0.2)
+        time.sleep(interval)
 
 
 def test_ready_first_then_chosen_in_the_background_and_again_when_traffic_moves(daemon: str) -> None:
@@ -173,13 +174,18 @@ def test_ready_first_then_chosen_in_the_background_and_again_when_traffic_moves(
     assert first["benchmark"] is None
     client = Client(url, 16)
     try:
+        # (seen soon after it is made: every n = 16 request counted after the choice is traffic the move to
+        # n = 2048 below must outweigh before the daemon measures again)
         chosen = _wait_for(url, "background choice on the declared shape",
-                           lambda m: m["choice"]["measurements"] >= 1 and m["choice"]["state"] == "chosen")
+                           lambda m: m["choice"]["measurements"] >= 1 and m["choice"]["state"] == "chosen",
+                           interval=0.05)
         # At n = 16 the quadratic file runs in microseconds, the fixed one in about a millisecond.
         assert chosen["backend"] == "onnxruntime", chosen["benchmark"]
         assert chosen["choice"]["switches"][-1]["to"].startswith("onnxruntime/CPU/fp32 (quadratic.onnx)")
         assert set(chosen["choice"]["measured_on"]) == {"x[16]@1", "x[16]@4"}
-        time.sleep(0.5)  # sleep-ok: traffic goes on on the chosen engine (failures counted below)
+        ok = client.ok
+        # traffic goes on on the chosen engine (failures counted below): tens of requests, not hundreds
+        wait_until(lambda: client.ok >= ok + 20, 30, 0.01, "requests served on the chosen engine")
         # Traffic unlike the warm-up: now the fixed-cost file wins by far. (With pauses between requests the
         # engines are not busy most of the time: no burst, so the chooser need not wait for one to pass.)
         client.pause_s = 0.05

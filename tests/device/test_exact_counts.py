@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -115,6 +114,14 @@ class Daemon:
             self.listener.close()
 
 
+def _journaled(tmp_path: Path) -> int:
+    """Successes of digits in the last whole line of the daemon's counter journal (0 when it has none)."""
+    from edged.telemetry.counter_journal import JOURNAL_FILE, CounterJournal
+
+    line = CounterJournal(tmp_path / "state" / JOURNAL_FILE).last()
+    return sum(m.success for m in line.models if m.model == "digits") if line else 0
+
+
 def _registry_success(url: str) -> tuple[int, int]:
     """(successes the registry stored for digits v1 from this device, samples carrying them)."""
     points = _admin(url, "GET", "/api/v1/models/digits/telemetry",
@@ -136,7 +143,8 @@ def test_registry_counts_exactly_the_clients_requests_across_restart_watchdog_an
         daemon.start()
         daemon.send(40)
         wait_for(lambda: daemon.pings() >= 10, 30, 0.05, "watchdog probes")
-        time.sleep(2.0)  # sleep-ok: the kill comes more than a second after the last request
+        # the kill comes once the counter journal (written within a second) holds the 40 (the first run had 25)
+        wait_for(lambda: _journaled(tmp_path) >= 40, 30, 0.05, "the 40 requests in the counter journal")
         daemon.end(signal.SIGKILL)  # no last sample: only the counter journal has these 40
 
         daemon.start()  # replays the journal into the buffer and uploads it

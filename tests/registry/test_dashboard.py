@@ -1,8 +1,8 @@
 """The registry's dashboard in a real headless Chromium (Debian's, driven by Selenium) over a real fleet.
 
 Three ``edged run`` daemons with telemetry on and one registry process. The browser logs in,
-sees each daemon with what it serves, opens a device and waits for charts drawn from the
-daemons' own uploaded telemetry, starts a rollout of a good release from the page and
+opens a device and waits for charts drawn from the daemons' own uploaded telemetry, sees
+each daemon with what it serves on the fleet page, starts a rollout of a good release from the page and
 watches it progress live (no reload), starts one of a broken release and sees it halt with
 the failure-rate gate over its limit, then rolls the good one back and sees the fleet return
 to version 1. Screenshots of each page at desktop and phone width go to
@@ -79,17 +79,18 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                                                           "--dashboard-poll", "1s"])
     server.start()
     client = server.client()
-    pub = tmp / "pub"
-    make_version(pub / "1", salt="v1")
-    client.push_folder(make_version(pub / "2", salt="v2"), MODEL, 2)
-    client.push_folder(make_version(pub / "3", salt="v3", golden_fail=True), MODEL, 3)
-    token = client.enrollment_token(uses=N, labels=FLEET).token
     # a device that enrolled and never called again: offline on the page; its credential must not open it
+    # (enrolled first: the browser finds it offline once dashboard_online_s passed since)
     spare = client.enrollment_token(uses=1, labels={"fleet": "spare"}).token
     r = httpx.post(f"{server.url}/api/v1/enroll", json={"token": spare, "device_id": "unplugged",
                                                         "labels": {"fleet": "spare"},
                                                         "facts": {"profile": "x86-64-cpu"}}, timeout=10)
     r.raise_for_status()
+    pub = tmp / "pub"
+    make_version(pub / "1", salt="v1")
+    client.push_folder(make_version(pub / "2", salt="v2"), MODEL, 2)
+    client.push_folder(make_version(pub / "3", salt="v3", golden_fail=True), MODEL, 3)
+    token = client.enrollment_token(uses=N, labels=FLEET).token
     daemons = {}
     for i in range(N):
         dev, home = f"dev-{i}", tmp / f"dev-{i}"
@@ -100,7 +101,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                           poll_s=0.2)
         text = cfg.read_text().replace("[telemetry]\nenabled = false",
                                        "[telemetry]\nenabled = true\ninterval_s = 1.0\nupload_interval_s = 1.0")
-        cfg.write_text(text + "trial_s = 1.0\nretry_max_s = 2.0\nfacts_interval_s = 2.0\n")
+        cfg.write_text(text + "trial_s = 0.5\nretry_max_s = 2.0\nfacts_interval_s = 2.0\n")
         daemons[dev] = EdgedRun(cfg, port, home / "daemon.log")
     try:
         for d in daemons.values():
@@ -278,7 +279,10 @@ def start_rollout(p: Page, signed: str, steps: str, *, min_devices: int, soak_s:
                   min_reporting: int) -> int:
     p.open("/ui/rollouts")
     d = p.d
-    d.find_element(p.by.ID, "signed").send_keys(signed)
+    # pasted, as the page asks: typed key by key, a kilobyte of JSON takes the browser seconds
+    d.execute_script("arguments[0].value = arguments[1];"
+                     "arguments[0].dispatchEvent(new Event('input', {bubbles: true}));",
+                     d.find_element(p.by.ID, "signed"), signed)
     for name, value in (("steps", steps), ("min_devices", str(min_devices)), ("soak_s", str(soak_s)),
                         ("max_failure_pct", str(max_failure_pct)), ("min_reporting", str(min_reporting)),
                         ("target", "fleet=dash-test")):
@@ -304,45 +308,8 @@ def test_dashboard_in_chromium(world: World, browser: Any, shots: Path) -> None:
     p.d.find_element(p.by.CSS_SELECTOR, "form button[type=submit]").click()
     p.until(lambda: p.d.current_url.endswith("/ui/fleet"), "the fleet page after login")
 
-    # -- fleet: every daemon online with what it serves (reported by the daemon) and what it should
-    # (the unplugged device called once, at its enrollment: offline once that is dashboard_online_s old)
-    p.until(lambda: all("digits v1" in r["serves"] and r["state"].startswith("online")
-                        for d, r in fleet_rows(p).items() if d != "unplugged") and len(fleet_rows(p)) == N + 1
-            and fleet_rows(p)["unplugged"]["state"].startswith("offline"),
-            "three online daemons serving digits v1 and the unplugged device offline on the fleet page")
-    rows = p.read(lambda: fleet_rows(p))
-    assert rows["unplugged"]["state"].startswith("offline")
-    assert p.text("#count-devices") == str(N + 1) and p.text("#count-online") == str(N)
-    assert p.text("#count-offline") == "1"
-    assert all("onnxruntime" in rows[d]["serves"] or "digits v1" in rows[d]["serves"] for d in w.daemons)
-    p.screenshot("fleet")
-
-    # -- filters: the form narrows the table (and its live updates), the counts stay the whole fleet's
-    # (a daemon on a loaded machine may miss its online window for a moment: state filters are checked
-    # against what each listed line says, and the never-calling device must be among the offline ones)
-    def only(state: str) -> bool:
-        rows = fleet_rows(p)
-        return bool(rows) and all(r["state"].startswith(state) for r in rows.values())
-
-    filter_fleet(p, state="offline")
-    # (reads of the live region go through p.until: a poll may replace it mid-read)
-    p.until(lambda: "unplugged" in fleet_rows(p) and only("offline") and p.text("#count-devices") == str(N + 1)
-            and f"{len(fleet_rows(p))} match" in p.text("#live"), "only offline devices listed, the fleet counted")
-    polls = p.polls()
-    p.until(lambda: p.polls() > polls, "a live update of the filtered page")
-    p.until(lambda: "unplugged" in fleet_rows(p) and only("offline"), "the live update still filtered")
-    filter_fleet(p, state="online")
-    p.until(lambda: "unplugged" not in fleet_rows(p) and only("online"), "only online devices listed")
-    filter_fleet(p, label="fleet=dash-test")
-    p.until(lambda: set(fleet_rows(p)) == set(w.daemons), "the label filter keeps the three daemons")
-    filter_fleet(p, label="fleet=spare", profile="x86-64-cpu")
-    p.until(lambda: set(fleet_rows(p)) == {"unplugged"}, "label and profile filters combined")
-    filter_fleet(p, model=MODEL)
-    p.until(lambda: set(fleet_rows(p)) == set(w.daemons), "the model filter keeps the daemons serving it")
-    filter_fleet(p, label="fleet=elsewhere")
-    p.until(lambda: "No device matches" in p.text("#fleet"), "an empty match said so")
-
-    # -- a device: charts drawn from the daemon's own telemetry (requests made here, then uploaded)
+    # -- a device: charts drawn from the daemon's own telemetry (requests made here, then uploaded); this page
+    # comes first, while the unplugged device's online window runs out for the fleet page below
     x = np.random.default_rng(0).random((4, 64), dtype=np.float32)
     for d in w.daemons.values():
         for _ in range(5):
@@ -371,9 +338,51 @@ def test_dashboard_in_chromium(world: World, browser: Any, shots: Path) -> None:
             "the device's charts over one hour")
     assert p.d.find_element(p.by.NAME, "window").get_attribute("value") == "1h"
 
+    # -- filters: the form narrows the table (and its live updates), the counts stay the whole fleet's; first the
+    # filters that do not depend on who is online, while the unplugged device's online window runs out
+    filter_fleet(p, label="fleet=dash-test")
+    p.until(lambda: set(fleet_rows(p)) == set(w.daemons), "the label filter keeps the three daemons")
+    filter_fleet(p, label="fleet=spare", profile="x86-64-cpu")
+    p.until(lambda: set(fleet_rows(p)) == {"unplugged"}, "label and profile filters combined")
+    filter_fleet(p, model=MODEL)
+    p.until(lambda: set(fleet_rows(p)) == set(w.daemons), "the model filter keeps the daemons serving it")
+    filter_fleet(p, label="fleet=elsewhere")
+    p.until(lambda: "No device matches" in p.text("#fleet"), "an empty match said so")
+
+    # -- fleet: every daemon online with what it serves (reported by the daemon) and what it should
+    # (the unplugged device called once, at its enrollment: offline once that is dashboard_online_s old)
+    p.open("/ui/fleet")
+    p.until(lambda: all("digits v1" in r["serves"] and r["state"].startswith("online")
+                        for d, r in fleet_rows(p).items() if d != "unplugged") and len(fleet_rows(p)) == N + 1
+            and fleet_rows(p)["unplugged"]["state"].startswith("offline"),
+            "three online daemons serving digits v1 and the unplugged device offline on the fleet page")
+    rows = p.read(lambda: fleet_rows(p))
+    assert rows["unplugged"]["state"].startswith("offline")
+    assert p.text("#count-devices") == str(N + 1) and p.text("#count-online") == str(N)
+    assert p.text("#count-offline") == "1"
+    assert all("onnxruntime" in rows[d]["serves"] or "digits v1" in rows[d]["serves"] for d in w.daemons)
+    p.screenshot("fleet")
+
+    # -- the state filters (a daemon on a loaded machine may miss its online window for a moment: state filters
+    # are checked against what each listed line says, and the never-calling device must be among the offline ones)
+    def only(state: str) -> bool:
+        rows = fleet_rows(p)
+        return bool(rows) and all(r["state"].startswith(state) for r in rows.values())
+
+    filter_fleet(p, state="offline")
+    # (reads of the live region go through p.until: a poll may replace it mid-read)
+    p.until(lambda: "unplugged" in fleet_rows(p) and only("offline") and p.text("#count-devices") == str(N + 1)
+            and f"{len(fleet_rows(p))} match" in p.text("#live"), "only offline devices listed, the fleet counted")
+    polls = p.polls()
+    p.until(lambda: p.polls() > polls, "a live update of the filtered page")
+    p.until(lambda: "unplugged" in fleet_rows(p) and only("offline"), "the live update still filtered")
+    filter_fleet(p, state="online")
+    p.until(lambda: "unplugged" not in fleet_rows(p) and only("online"), "only online devices listed")
+
     # -- a good release: started from the page, watched step by step without a reload
-    # (each step soaks 3 s after its devices committed: the page, polled every second, sees step 1 of 2)
-    good = start_rollout(p, w.signed(2), "34, 100", min_devices=1, soak_s=3, max_failure_pct=0, min_reporting=1)
+    # (each step soaks 1.5 s after its devices committed: the page opens on step 1 of 2, its live updates, polled
+    # every second, bring step 2 of 2 and the end)
+    good = start_rollout(p, w.signed(2), "34, 100", min_devices=1, soak_s=1.5, max_failure_pct=0, min_reporting=1)
     marker = p.d.execute_script("window.__sameDocument = 1; return 1")
     steps_seen: list[str] = []
 

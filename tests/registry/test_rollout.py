@@ -281,9 +281,9 @@ def test_operator_pause_resume_abort_and_rollback(env: Env) -> None:
 def test_a_paced_step_lets_its_devices_in_over_time_and_is_ready_only_when_all_are_in(env: Env) -> None:
     f = make_fleet(env, plain(40), versions=3)
     m = f.model
-    # one device a second: two at once, the other 38 over 38 s
-    ro = f.rollout(2, [StepSpec(percent=100)], admit_per_minute=60)
-    assert ro.admit_per_minute == 60 and ro.admission is not None and not ro.admission.held
+    # two devices a second: four at once, the other 36 over 18 s
+    ro = f.rollout(2, [StepSpec(percent=100)], admit_per_minute=120)
+    assert ro.admit_per_minute == 120 and ro.admission is not None and not ro.admission.held
     deadline = time.monotonic() + 20
     while not f.on(ro.release) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -299,14 +299,14 @@ def test_a_paced_step_lets_its_devices_in_over_time_and_is_ready_only_when_all_a
         f.devices[d].report(m, "committed", ro.release, 2)
     assert f.evaluate() == {}  # every member so far committed, but the step is still letting devices in
     out = env.server.cli("rollout", "status", str(ro.id)).stdout
-    assert "admitting at 60/min" in out and "waiting" in out
+    assert "admitting at 120/min" in out and "waiting" in out
     # pausing holds admission: nobody else is let in until it resumes
     assert f.client.rollout_action(ro.id, "pause").state == "paused"
     held = f.client.rollout(ro.id)
     assert held.rollout.admission is not None and held.rollout.admission.held
     assert held.rollout.admission.reason == "rollout paused"
     frozen = f.on(ro.release)
-    time.sleep(2.5)  # sleep-ok: more than two admissions' worth of time, in which nobody may be let in
+    time.sleep(1.25)  # sleep-ok: more than two admissions' worth of time, in which nobody may be let in
     assert f.on(ro.release) == frozen
     assert f.client.rollout_action(ro.id, "abort").state == "aborted"
     # a rollout at its own, faster pace: everyone in within seconds, then ready and complete
@@ -314,7 +314,7 @@ def test_a_paced_step_lets_its_devices_in_over_time_and_is_ready_only_when_all_a
     assert ro3.admission is not None and len(f.on(ro3.release)) < 40
     deadline = time.monotonic() + 30
     while len(f.on(ro3.release)) < 40 and time.monotonic() < deadline:
-        time.sleep(0.5)
+        time.sleep(0.2)
     assert f.on(ro3.release) == set(f.devices)
     # membership is by hash: every device may be in a moment before the ramp reaches its end
     wait_for(lambda: f.client.rollout(ro3.id).rollout.admission is None, 10, 0.1, "the admission ramp ended")

@@ -72,7 +72,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         port = free_port()
         cfg = device_toml(home, repo, server.url, [keys.public], token=token, device_id=dev, http_port=port,
                           poll_s=0.2)
-        cfg.write_text(cfg.read_text() + "trial_s = 1.0\nretry_max_s = 2.0\nfacts_interval_s = 5.0\n")
+        cfg.write_text(cfg.read_text() + "trial_s = 0.5\nretry_max_s = 2.0\nfacts_interval_s = 5.0\n")
         daemons[dev] = EdgedRun(cfg, port, home / "daemon.log")
         repos[dev] = repo
     try:
