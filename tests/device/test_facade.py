@@ -11,7 +11,7 @@ from edged.repository.digests import DigestCache
 from edged.repository.store import load_version
 from tests.conftest import MODELS
 from tests.device.pipeline.test_fanout import DIGITS_PIPELINE
-from tests.device.pipeline.test_graph import _served
+from tests.in_process import served
 
 
 def _repo(root: Path) -> Path:
@@ -23,7 +23,7 @@ def _repo(root: Path) -> Path:
 
 def test_index_readiness_and_model_control(tmp_path: Path) -> None:
     repo = _repo(tmp_path / "repo")
-    with _served(repo) as service:
+    with served(repo) as service:
         assert service.ready()
         (repo / "spare" / "1").mkdir(parents=True)  # on disk, never loaded
         index = {(e["name"], e["version"]): e for e in index_response(service.repository_index(), False)}
@@ -44,7 +44,7 @@ def test_index_readiness_and_model_control(tmp_path: Path) -> None:
 
 def test_try_load_checks_a_version_without_publishing_it(tmp_path: Path) -> None:
     repo = _repo(tmp_path / "repo")
-    with _served(repo) as service:
+    with served(repo) as service:
         serving = service.find("digits")
         model = service.try_load(load_version("digits", 1, repo / "digits" / "1", DigestCache(None)))
         assert model.reason is None and model.engine is not None and "onnxruntime" in model.engine

@@ -16,7 +16,7 @@ import pytest
 
 from edged.errors import DeadlineExceededError, ErrorCode
 from edged.protocol.types import InferRequest
-from tests.device.pipeline.test_graph import _served
+from tests.in_process import served
 
 LAYOUT_STEPS = 12  # alternating CHW/HWC transposes of a 1024x1024x3 FP32 image (12 MB each)
 
@@ -54,7 +54,7 @@ def test_cpu_only_chain_fails_at_its_deadline(tmp_path: Path) -> None:
     (repo / "cpu_chain" / "1").mkdir(parents=True)
     (repo / "cpu_chain" / "1" / "pipeline.toml").write_text(CPU_CHAIN)
     image = np.random.default_rng(0).integers(0, 256, (1, 1024, 1024, 3), dtype=np.uint8)
-    with _served(repo) as service:
+    with served(repo) as service:
         mv = service.ready_model("cpu_chain")
         assert mv.pipeline is not None and not mv.pipeline.models  # CPU steps only
         late = service.submit(InferRequest(model="cpu_chain", inputs={"pixels": image},

@@ -24,7 +24,8 @@ from edged.errors import DeadlineExceededError
 from edged.protocol.types import InferRequest
 from edged.protocol.v2_models import statistics_entry
 from tests.conftest import MODELS
-from tests.device.pipeline.test_graph import HEAD, _close_json, _served
+from tests.device.pipeline.test_graph import HEAD, _close_json
+from tests.in_process import served
 
 # The digits model's top class: test_graph's input head, one model step and a top-1.
 DIGITS_PIPELINE = HEAD + """
@@ -70,7 +71,7 @@ def test_fan_out_split_over_the_classifiers_batch(tmp_path: Path) -> None:
         pytest.skip(str(exc))
     _set_max_batch(repo / "orientation", 2)
     shutil.copytree(EXAMPLES / "layout_regions", repo / "layout_regions")
-    with _served(repo) as service:
+    with served(repo) as service:
         status = {s["name"]: s for s in service.manager.statuses()}["layout_regions"]
         assert status["state"] == "ready", status
         assert any("max_batch_size is 2" in n and "crop_regions" in n and "up to 32 calls" in n
@@ -101,7 +102,7 @@ def test_request_deadline_reaches_the_model_step(tmp_path: Path) -> None:
     (repo / "top_digit" / "1").mkdir(parents=True)
     (repo / "top_digit" / "1" / "pipeline.toml").write_text(DIGITS_PIPELINE)
     x = np.ones((1, 64), np.float32)
-    with _served(repo) as service:
+    with served(repo) as service:
         mv = service.ready_model("digits")
         assert mv.scheduler is not None
         with held_engine(service, "digits") as entered:
@@ -131,7 +132,7 @@ def test_model_step_does_not_outlive_the_request_deadline(tmp_path: Path) -> Non
     (repo / "top_digit" / "1").mkdir(parents=True)
     (repo / "top_digit" / "1" / "pipeline.toml").write_text(DIGITS_PIPELINE)
     x = np.ones((1, 64), np.float32)
-    with _served(repo) as service:
+    with served(repo) as service:
         stats = service.ready_model("digits").stats
         assert stats is not None
         with held_engine(service, "digits") as entered:
@@ -186,7 +187,7 @@ def test_layout_regions_answers_a_page_of_60_regions(tmp_path: Path) -> None:
         except UnavailableError as exc:
             pytest.skip(str(exc))
         _layout_regions_copy(repo, max_per_class)
-        with _served(repo) as service:
+        with served(repo) as service:
             status = {s["name"]: s for s in service.manager.statuses()}["layout_regions"]
             assert status["state"] == "ready", status
             request = InferRequest(model="layout_regions", inputs={"image": batch})
