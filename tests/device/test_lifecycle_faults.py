@@ -129,6 +129,13 @@ def _stops_promptly(proc: subprocess.Popen[bytes], log: Path) -> None:
     print(f"SIGTERM to exit: {time.monotonic() - t0:.2f} s")
 
 
+def _sigterm_inside_the_load(proc: subprocess.Popen[bytes], log: Path) -> None:
+    """Once the slow model's load is under way and its warm-up inside the engine: SIGTERM, and a prompt exit."""
+    _log_says(proc, log, "model=slow version=1 loading")
+    _in_the_engine(proc, log, _cpu_s(proc.pid))
+    _stops_promptly(proc, log)
+
+
 def test_sigterm_while_a_model_loads_at_start_stops_at_once(tmp_path: Path, listener: NotifyListener) -> None:
     """SIGTERM while edged loaded its models at start: it waited for the whole load and warm-up (minutes for
     a big model or an engine build on a device) before STOPPING=1, and systemd's TimeoutStopSec killed it."""
@@ -138,9 +145,7 @@ def test_sigterm_while_a_model_loads_at_start_stops_at_once(tmp_path: Path, list
     proc = start_edged([*EDGED, "run", "--config", str(service_config(tmp_path, repo, NO_TRANSPORTS))], listener.path,
                        log=log)
     try:
-        _log_says(proc, log, "model=slow version=1 loading")
-        _in_the_engine(proc, log, _cpu_s(proc.pid))
-        _stops_promptly(proc, log)
+        _sigterm_inside_the_load(proc, log)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -164,9 +169,7 @@ def test_sigterm_while_a_reload_loads_a_model_stops_at_once(tmp_path: Path, list
         _slow_model(repo, "slow")
         proc.send_signal(signal.SIGHUP)
         reloading = listener.wait_for("RELOADING", "1", after=ready)
-        _log_says(proc, log, "model=slow version=1 loading")
-        _in_the_engine(proc, log, _cpu_s(proc.pid))
-        _stops_promptly(proc, log)
+        _sigterm_inside_the_load(proc, log)
     finally:
         if proc.poll() is None:
             proc.kill()
