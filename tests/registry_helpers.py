@@ -217,10 +217,15 @@ class RegistryServer:
         cert, key = self.client_cert or (None, None)
         return RegistryClient(self.url, ADMIN_TOKEN, ca_file=self.ca_file, client_cert=cert, client_key=key)
 
-    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        env = {**os.environ, "EDGED_REGISTRY_URL": self.url, "EDGED_REGISTRY_TOKEN": ADMIN_TOKEN}
+    def cli_env(self) -> dict[str, str]:
+        """What ``edged-registry`` needs to reach this registry as its operator."""
+        env = {"EDGED_REGISTRY_URL": self.url, "EDGED_REGISTRY_TOKEN": ADMIN_TOKEN}
         if self.ca_file:
             env["EDGED_REGISTRY_CA_FILE"] = str(self.ca_file)
+        return env
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, **self.cli_env()}
         r = subprocess.run([PY, "-m", "edged.registry", *args], capture_output=True, text=True, env=env,
                            cwd=REPO_ROOT, timeout=120)
         if check and r.returncode != 0:

@@ -18,7 +18,7 @@ from edged.protocol.fleet.messages import (
 from edged.registry.admin_http import AdminHttp, wire
 
 if TYPE_CHECKING:
-    from edged.registry.telemetry_ingest import ModelSummary
+    from edged.protocol.fleet.telemetry_answers import ModelSummary
 
 
 class FleetApi(AdminHttp):
@@ -59,7 +59,7 @@ class FleetApi(AdminHttp):
 
     def telemetry_summary(self, model: str, *, version: int | None = None, device_id: str | None = None,
                           since: float | None = None, labels: dict[str, str] | None = None) -> ModelSummary:
-        from edged.registry.telemetry_ingest import ModelSummary
+        from edged.protocol.fleet.telemetry_answers import ModelSummary
 
         params: list[tuple[str, str | int | float]] = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
         for key, value in (("version", version), ("device_id", device_id), ("since", since)):

@@ -21,13 +21,19 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
-from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from edged.errors import ErrorCode
 from edged.protocol.fleet.messages import API_PREFIX
 from edged.protocol.fleet.telemetry import INGEST_PATH, HistCounts, SystemWindow, UploadAck, UploadBatch
+from edged.protocol.fleet.telemetry_answers import (
+    DevicePoint,
+    DeviceTelemetry,
+    ModelPoint,
+    ModelSeries,
+    ModelSummary,
+)
 from edged.registry import service
 from edged.registry.db import DeviceRow
 from edged.registry.deps import Bearer, QueryNumber, transaction, unauthorized
@@ -37,71 +43,6 @@ from edged.registry.telemetry_tables import TelemetryDeviceRow, TelemetryModelRo
 MAX_POINTS = 10_000
 INGEST_THREADS = 4  # SQLite writes serialise anyway; PostgreSQL takes a few at once
 MAX_WAITING_UPLOADS = 512
-
-
-# ---- answers --------------------------------------------------------------------------------------
-class _Out(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class DevicePoint(_Out):
-    seq: int
-    run: str
-    t: float
-    window_s: float
-    received_at: float
-    profile: str | None
-    system: SystemWindow
-
-
-class DeviceTelemetry(_Out):
-    device_id: str
-    samples_total: int
-    dropped_total: int = Field(description="samples the device dropped before it could upload them")
-    last_received_at: float | None
-    points: list[DevicePoint]
-
-
-class ModelPoint(_Out):
-    t: float
-    device_id: str
-    version: int
-    backend: str
-    window_s: float
-    success: int
-    failures: int
-    failures_by_code: dict[str, int]
-    inferences: int
-    in_flight: int
-    p50_s: float | None
-    p99_s: float | None
-
-
-class ModelSeries(_Out):
-    model: str
-    points: list[ModelPoint]
-
-
-class ModelSummary(_Out):
-    model: str
-    version: int | None
-    since: float | None
-    until: float | None
-    devices: int
-    samples: int
-    success: int
-    failures: int
-    failures_by_code: dict[str, int]
-    error_rate: float | None
-    p50_s: float | None
-    p90_s: float | None
-    p99_s: float | None
-    device_id: str | None = None
-    span_s: float | None = Field(default=None, description="from the start of the first window to the end of the "
-                                                          "last")
-    rate_per_s: float | None = Field(default=None, description="requests per second over span_s, all devices")
-    versions: list[int] = Field(default_factory=list)
-    backends: list[str] = Field(default_factory=list)
 
 
 # ---- storage --------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import pytest
 from edged.latency_buckets import LATENCY_BUCKETS_S
 from edged.protocol.fleet.telemetry import INGEST_PATH
 from edged.registry.rollout_wire import Gates, RolloutCreate, StepSpec
+from tests.fresh import imported_by
 from tests.http_client import web
 from tests.polling import wait_until
 from tests.registry.conftest import Env, registry_env
@@ -145,6 +146,14 @@ def test_telemetry_command_prints_rates_errors_and_percentiles(env: Env) -> None
     js = json.loads(cli(env, "telemetry", model, "--version", "2", "--json"))
     assert [x["version"] for x in js] == [2] and js[0]["p99_s"] is not None
     assert "no telemetry" in cli(env, "telemetry", model, "--device", "nobody")
+
+    # The operator's command reads the answer with the contract's models, not the registry server's: FastAPI
+    # and SQLAlchemy cost about half a second of imports on every call.
+    code = (f"import contextlib, io, json, os; os.environ.update({env.server.cli_env()!r})\n"
+            "from edged.registry.cli import main\n"
+            f"with contextlib.redirect_stdout(io.StringIO()) as out: assert main(['telemetry', {model!r}, '--json']) == 0\n"
+            "assert json.loads(out.getvalue())[0]['samples'] > 0, out.getvalue()")
+    assert imported_by(code, ["fastapi", "sqlalchemy", "edged.registry.telemetry_ingest"]) == []
 
 
 def test_rolled_back_rollout_shows_members_as_they_ended_and_status_tells_the_truth(env: Env) -> None:

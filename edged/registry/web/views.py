@@ -22,13 +22,14 @@ from sqlalchemy import Text, cast, select
 from sqlalchemy.orm import Session
 
 from edged.protocol.fleet.telemetry import HistCounts
+from edged.protocol.fleet.telemetry_answers import ModelSummary
 from edged.registry import desired as desired_state
 from edged.registry import rollouts, service
 from edged.registry.db import DeviceModelRow, DeviceRow, ModelRow, ReleaseRow, RolloutRow, VersionRow
 from edged.registry.gates import NOT_MODEL_ERRORS, Side
 from edged.registry.release_states import release_states, with_rollback_reasons
 from edged.registry.rollout_wire import RolloutInfo, RolloutStatus
-from edged.registry.telemetry_ingest import ModelSummary, device_series
+from edged.registry.telemetry_ingest import device_series
 from edged.registry.telemetry_tables import TelemetryModelRow
 
 ENGINE_RECENT_S = 300.0
