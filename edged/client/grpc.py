@@ -27,11 +27,23 @@ from edged.protocol.v2 import bytes_from_buffer, bytes_to_buffer, tensor_bytes
 _SERVICE = "/inference.GRPCInferenceService/"
 _MAX_MESSAGE = 2047 * 1024 * 1024  # the client accepts what the server is configured to send
 # By status, where the error does not carry its code (grpcio's own refusals: a message over the size limit,
-# [grpc] max_concurrent_rpcs; another server).
+# [grpc] max_concurrent_rpcs (_RPC_LIMIT); another server).
 _CODES = {"INVALID_ARGUMENT": ErrorCode.INVALID_ARGUMENT, "NOT_FOUND": ErrorCode.NOT_FOUND,
           "UNAVAILABLE": ErrorCode.UNAVAILABLE, "RESOURCE_EXHAUSTED": ErrorCode.RESOURCE_EXHAUSTED,
           "DEADLINE_EXCEEDED": ErrorCode.DEADLINE_EXCEEDED, "FAILED_PRECONDITION": ErrorCode.FAILED_PRECONDITION,
           "UNAUTHENTICATED": ErrorCode.UNAUTHENTICATED, "PERMISSION_DENIED": ErrorCode.PERMISSION_DENIED}
+
+
+# grpcio's refusal of an RPC over [grpc] max_concurrent_rpcs: sent before any handler runs, so without the
+# daemon's code; a full server, which the caller should try again shortly, not a request too large.
+_RPC_LIMIT = "Concurrent RPC limit exceeded!"
+
+
+def status_code(status: str, details: str | None, sent: str | None) -> ErrorCode:
+    """The ErrorCode of a failed RPC: what the daemon sent in its trailer, else what the status means."""
+    if sent is None and status == "RESOURCE_EXHAUSTED" and details == _RPC_LIMIT:
+        return ErrorCode.OVERLOADED
+    return error_code(sent, _CODES.get(status, ErrorCode.INTERNAL))
 
 
 def error_code(value: str | None, default: ErrorCode) -> ErrorCode:
@@ -137,7 +149,7 @@ class GrpcClient:
         status = e.code()
         sent = dict(e.trailing_metadata() or ()).get(ERROR_CODE_KEY)
         return EdgedError(f"edged at {self.address}: {e.details() or status.name}",
-                          code=error_code(sent, _CODES.get(status.name, ErrorCode.INTERNAL)))
+                          code=status_code(status.name, e.details(), sent))
 
     def call(self, method: str, request: Any, reply: type[Any]) -> Any:
         """One unary call; ``request`` a message, or its bytes already serialized."""

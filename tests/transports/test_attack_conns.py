@@ -31,6 +31,8 @@ import numpy as np
 import orjson
 import pytest
 
+from edged.client.grpc import GrpcClient
+from edged.errors import EdgedError, ErrorCode
 from tests.edged_process import edged_run, http_ok
 from tests.http_helpers import copy_models
 from tests.mqtt_helpers import DIGIT
@@ -390,6 +392,11 @@ def test_grpc_rpcs_at_once_are_capped(tmp_path: Path) -> None:
                     break
                 assert time.monotonic() < deadline, "a third RPC was served beside two open streams"
                 time.sleep(0.05)
+            # edged's own client reads grpcio's refusal as "the server is full, try again", not as a request
+            # too large for it (the other RESOURCE_EXHAUSTED, which carries no code either).
+            with GrpcClient(srv.grpc_url) as client, pytest.raises(EdgedError) as refused:
+                client.metadata("digits")
+            assert refused.value.code is ErrorCode.OVERLOADED, refused.value
         finally:
             for s in stops:
                 s.set()
