@@ -454,6 +454,36 @@ def test_batch_policy_stops_batching_that_does_not_pay_and_probes_back() -> None
     assert not off.batch_now() and off.to_json()["mode"] == "off"
 
 
+def test_batch_policy_keeps_batching_through_a_stall_and_split_batches() -> None:
+    """Runs that switched batching off in a c8 load on a 2-core VM (issue 41, recorded there): eight
+    callers formed partial batches of 3 to 5 (each sample still a fifth cheaper than a single run), then
+    one batch of 4 stalled to 3x its time; later the batches split into pairs of 6 and 2."""
+    policy = BatchPolicy(enabled=True)
+    for _ in range(16):
+        policy.record(1, 1, 460_000)
+        policy.record(8, 8, 8 * 290_000)
+    for size, us in [(5, 334), (3, 395), (5, 303), (3, 413), (5, 347), (3, 437), (5, 329), (3, 440),
+                     (4, 374), (4, 370), (4, 347), (4, 1286)]:
+        policy.record(size, size, size * us * 1000)
+    assert policy.pays, policy.to_json()
+    # Then the callers split into batches of 6 and 2: the pairs cost nearly what single runs do, but most
+    # samples ride in the sixes, and per sample the whole costs 0.8x single runs. Batching stays on.
+    for _ in range(8):
+        policy.record(6, 6, 6 * 340_000)
+        policy.record(2, 2, 2 * 475_000)
+    assert policy.pays, policy.to_json()
+    # A stalled single run does not make batching look cheaper either: the decision rests on many runs.
+    off = BatchPolicy(enabled=True)
+    for _ in range(16):
+        off.record(1, 1, 400_000)
+        off.record(8, 8, 8 * 400_000)
+    assert not off.pays
+    off.record(1, 1, 5_000_000)
+    for _ in range(3):
+        off.record(8, 8, 8 * 400_000)
+    assert not off.pays, off.to_json()
+
+
 class _Gated(Engine):
     """Doubles its input; a run waits while the gate is closed, so a test can hold the worker."""
 
