@@ -151,7 +151,8 @@ def test_telemetry_command_prints_rates_errors_and_percentiles(env: Env) -> None
     # and SQLAlchemy cost about half a second of imports on every call.
     code = (f"import contextlib, io, json, os; os.environ.update({env.server.cli_env()!r})\n"
             "from edged.registry.cli import main\n"
-            f"with contextlib.redirect_stdout(io.StringIO()) as out: assert main(['telemetry', {model!r}, '--json']) == 0\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            f"    assert main(['telemetry', {model!r}, '--json']) == 0\n"
             "assert json.loads(out.getvalue())[0]['samples'] > 0, out.getvalue()")
     assert imported_by(code, ["fastapi", "sqlalchemy", "edged.registry.telemetry_ingest"]) == []
 
