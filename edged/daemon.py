@@ -42,7 +42,7 @@ from edged.profiles import DeviceProfile, ProfileMatch, load_profiles, match_pro
 from edged.repository.store import list_versions
 from edged.systemd.health import Prober, self_test
 from edged.systemd.notify import Notifier, watchdog_interval
-from edged.threadplan import engine_processes, install_worker_pool, plan_threads
+from edged.threadplan import WorkerPool, engine_processes, install_worker_pool, plan_threads
 from edged.transports.base import Transport
 
 if TYPE_CHECKING:
@@ -177,6 +177,8 @@ class Daemon:
         self.heap: HeapKeeper | None = None
         # Loads SIGTERM left inside an engine call: never joined (see _unless_stopped, exit_past_abandoned).
         self.abandoned: list[threading.Thread] = []
+        # The loop's worker pool, where loads asked for over the repository API or by fleet sync run.
+        self.pool: WorkerPool | None = None
 
     # ---- signals ------------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -251,13 +253,15 @@ class Daemon:
             if self.owner is not None:
                 self.owner.close()
                 self.owner = None
+            if self.pool is not None:  # the loop's closing shutdown of it must not wait out an engine call
+                self.pool.stop_waiting_after(ABANDONED_GRACE_S)
         return 0
 
     async def _start(self) -> bool:
         """Everything before READY=1; False when a stop was asked for on the way."""
         t0 = time.monotonic()
         n = self.notifier
-        install_worker_pool(asyncio.get_running_loop(), self.cfg.limits)
+        self.pool = install_worker_pool(asyncio.get_running_loop(), self.cfg.limits)
         # Before anything reads or writes device state (crash-loop counter, pins, status file): a
         # refused second daemon must leave the first one's state exactly as it was.
         self.owner = await asyncio.to_thread(claim_state_dir, self.cfg.device.state_dir)
@@ -375,13 +379,15 @@ class Daemon:
     def exit_past_abandoned(self, code: int) -> None:
         """After the orderly stop: with a load still inside an engine call, exit now with ``code``.
 
-        A normal interpreter exit would join that load's pool threads (concurrent.futures) and run the
-        engine library's static destructors under its running call; ``os._exit`` does neither.
+        The load is one SIGTERM abandoned at start or reload, or one asked for over the repository API or
+        by fleet sync, which runs in the loop's worker pool. A normal interpreter exit would join that
+        load's pool threads (concurrent.futures) and run the engine library's static destructors under its
+        running call; ``os._exit`` does neither.
         """
         end = time.monotonic() + ABANDONED_GRACE_S  # a load between engine calls gives up at once
         for t in self.abandoned:
             t.join(max(0.0, end - time.monotonic()))
-        if not any(t.is_alive() for t in self.abandoned):
+        if not any(t.is_alive() for t in self.abandoned) and not (self.pool is not None and self.pool.busy()):
             return
         log.info("edged exits without waiting for the abandoned model load")
         logging.shutdown()

@@ -11,13 +11,18 @@ usable CPUs plus two for control calls, so a model load never holds every decode
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from edged.config import LimitsSection
 from edged.cpus import cgroup_cpu_quota, constrained_cpus, threads_per_process, usable_cpus
 
 CONTROL_THREADS = 2  # model loads and file work share the loop's worker pool with the decoders
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -38,11 +43,59 @@ class ThreadPlan:
 
 
 
-def install_worker_pool(loop: asyncio.AbstractEventLoop, limits: LimitsSection) -> None:
+class WorkerPool(ThreadPoolExecutor):
+    """The loop's worker pool, whose shutdown can be told not to wait for a call that cannot end soon.
+
+    Model loads asked for over the repository API or by fleet sync run here, and an engine's native
+    call (a build, a warm-up) cannot be interrupted: the loop's closing shutdown of its default executor,
+    and the interpreter's exit after it, would wait for it however long it takes. Once the daemon has
+    stopped in order it bounds that wait (:meth:`stop_waiting_after`) and, when :meth:`busy` still,
+    exits without joining (``Daemon.exit_past_abandoned``)."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str) -> None:
+        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
+        self._calls = threading.Condition()
+        self._running = 0
+        self._wait_s: float | None = None
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        def counted() -> T:
+            with self._calls:
+                self._running += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with self._calls:
+                    self._running -= 1
+                    self._calls.notify_all()
+        return super().submit(counted)
+
+    def stop_waiting_after(self, seconds: float) -> None:
+        """From now on a waiting shutdown waits at most ``seconds`` for the calls still running."""
+        self._wait_s = seconds
+
+    def busy(self) -> bool:
+        """A call is still running in the pool."""
+        with self._calls:
+            return self._running > 0
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        if not wait or self._wait_s is None:
+            super().shutdown(wait, cancel_futures=cancel_futures)
+            return
+        super().shutdown(False, cancel_futures=True)  # queued calls are dropped, idle threads leave
+        end = time.monotonic() + self._wait_s
+        with self._calls:
+            while self._running and (left := end - time.monotonic()) > 0:
+                self._calls.wait(left)
+
+
+def install_worker_pool(loop: asyncio.AbstractEventLoop, limits: LimitsSection) -> WorkerPool:
     """The loop's default executor (``asyncio.to_thread``) becomes the sized worker pool; called before
     the loop's first ``to_thread``, since a replaced executor is not shut down."""
-    loop.set_default_executor(ThreadPoolExecutor(max_workers=decode_threads(limits) + CONTROL_THREADS,
-                                                 thread_name_prefix="edged-worker"))
+    pool = WorkerPool(decode_threads(limits) + CONTROL_THREADS, "edged-worker")
+    loop.set_default_executor(pool)
+    return pool
 
 
 AUTO_PROCESSES_FROM = 12  # usable CPUs from which "auto" runs CPU engines in worker processes

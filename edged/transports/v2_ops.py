@@ -8,6 +8,7 @@ plain data into its own response.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -74,6 +75,45 @@ def run_model_control(service: InferenceService, name: str, action: str) -> None
     if failed:
         why = "; ".join(f"version {mv.version}: {mv.reason}" for mv in failed)
         raise EdgedError(f"model {name!r} failed to load: {why}", code=ErrorCode.FAILED_PRECONDITION)
+
+
+class ModelControl:
+    """Loads and unloads asked for over one transport, run on the loop's worker pool and awaited there.
+
+    A load can take minutes inside an engine call no one can interrupt. When the transport stops, every
+    caller still waiting is answered UNAVAILABLE at once, so the transport's graceful stop does not wait
+    for such a load (the daemon's stop then leaves it behind: ``Daemon.exit_past_abandoned``)."""
+
+    def __init__(self) -> None:
+        self._stops: set[asyncio.Future[None]] = set()
+
+    async def run(self, service: InferenceService, name: str, action: str) -> None:
+        """:func:`run_model_control` in a worker thread, unless the transport stops first."""
+        work = asyncio.ensure_future(asyncio.to_thread(run_model_control, service, name, action))
+        stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._stops.add(stop)
+        try:
+            await asyncio.wait((work, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._stops.discard(stop)
+        if work.done():
+            work.result()
+            return
+        work.add_done_callback(_retrieved)
+        raise EdgedError(f"edged is stopping: the {action} of model {name!r} was still running and is left "
+                         "to end or give up without an answer", code=ErrorCode.UNAVAILABLE)
+
+    def stop(self) -> None:
+        """Answer every caller still waiting (the transport is stopping)."""
+        for stop in self._stops:
+            if not stop.done():
+                stop.set_result(None)
+
+
+def _retrieved(work: asyncio.Future[None]) -> None:
+    """A load nobody waits for any more: its outcome is the loader's to log."""
+    if not work.cancelled():
+        work.exception()
 
 
 def prepare_infer(decoded: DecodedRequest, shm: ShmView, deadline_s: float | None = None) -> None:

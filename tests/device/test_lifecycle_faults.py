@@ -6,6 +6,7 @@ As in test_systemd: the test binds the notify socket, passes it in NOTIFY_SOCKET
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import time
@@ -16,6 +17,7 @@ import numpy as np
 import psutil
 import pytest
 
+from edged.errors import EdgedError
 from tests.conftest import EDGED
 from tests.polling import wait_until
 from tests.systemd_helpers import (
@@ -179,3 +181,40 @@ def test_sigterm_while_a_reload_loads_a_model_stops_at_once(tmp_path: Path, list
     assert "edged stopped" in text, text
     assert "model=slow version=1 ready" not in text, text
     assert "a model load is still inside its engine; releasing the versions served without waiting" in text, text
+
+
+def test_sigterm_while_the_repository_api_loads_a_model_stops_at_once(tmp_path: Path,
+                                                                       listener: NotifyListener) -> None:
+    """SIGTERM while a load asked for over the repository API (or by fleet sync) ran: the HTTP transport's
+    graceful stop waited 10 s for that request, and the load itself ran on the event loop's worker pool,
+    which the interpreter's exit joined, waiting out the whole warm-up."""
+    import threading
+
+    from edged.client.http import HttpClient
+
+    repo = tmp_path / "models"
+    make_spin_model(repo)  # warm-up n = 1: READY at once
+    sock = tmp_path / "http.sock"
+    extra = f'[http]\nlisten = "unix:{sock}"\n[mqtt]\nenabled = false\n[shm]\nenabled = false\n'
+    log = tmp_path / "edged.log"
+    proc = start_edged([*EDGED, "run", "--config", str(service_config(tmp_path, repo, extra))], listener.path, log=log)
+    answers: list[int] = []
+    try:
+        listener.wait_for("READY", "1", timeout=180)
+        _slow_model(repo, "slow")
+
+        def load() -> None:  # the daemon's own user over its Unix socket: trusted to load
+            with contextlib.suppress(EdgedError, OSError), HttpClient(str(sock), timeout=120) as c:
+                answers.append(c.request("POST", "/v2/repository/models/slow/load", [b"{}"]).status)
+        caller = threading.Thread(target=load, daemon=True)
+        caller.start()
+        _sigterm_inside_the_load(proc, log)
+        caller.join(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "edged stopped" in text, text
+    assert "model=slow version=1 ready" not in text, text
+    assert answers == [503], f"the load's caller got {answers} (503 at once: edged is stopping)"
+    assert "edged exits without waiting for the abandoned model load" in text, text

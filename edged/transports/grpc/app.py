@@ -212,6 +212,8 @@ class GrpcApp:
     max_receive: int = 64 << 20  # the largest message grpcio takes (its max_receive_message_length)
     message_timeout_s: float = 30.0  # [grpc] message_timeout_s
     stopping: bool = False
+    # Loads and unloads in progress, answered at once when the transport stops (v2_ops.ModelControl).
+    control: v2_ops.ModelControl = field(default_factory=v2_ops.ModelControl, init=False)
     # Inference requests between arriving and being answered, over all calls and streams: a request that
     # is alone runs on the loop when its model is idle and quick (as over HTTP), skipping the hand-off to a
     # scheduler thread and back (two thread wake-ups, ~150 us each on some VMs).
@@ -415,7 +417,7 @@ class GrpcApp:
 
     async def _model_control(self, req: Any, context: Any, action: str) -> None:
         v2_ops.check_model_control(self.authority, peer_of(context), req.model_name, action, set(req.parameters))
-        await asyncio.to_thread(v2_ops.run_model_control, self.service, req.model_name, action)
+        await self.control.run(self.service, req.model_name, action)
 
     # ---- system shared memory ---------------------------------------------------------------
     def _shm_scope(self, context: Any) -> str:

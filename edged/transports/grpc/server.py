@@ -163,6 +163,7 @@ class GrpcTransport:
 
     async def stop(self) -> None:
         self.app.stopping = True
+        self.app.control.stop()
         if self._server is not None:
             await self._server.stop(GRACEFUL_STOP_S)  # new RPCs refused at once; running ones may finish
             self._server = None

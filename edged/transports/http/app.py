@@ -35,6 +35,7 @@ from edged.transports.shm.sysshm import ShmCaller, ShmView, SystemShmRegions
 from edged.transports.v2_ops import (
     HEAVY,
     LOOP_INLINE_MAX_NS,
+    ModelControl,
     check_model_control,
     encode_is_heavy,
     encode_outputs,
@@ -42,7 +43,6 @@ from edged.transports.v2_ops import (
     parse_version,
     prepare_infer,
     repository_index,
-    run_model_control,
     server_metadata,
     server_ready,
 )
@@ -105,6 +105,7 @@ class V2App:
         self.scrub = scrub
         self.metrics = metrics
         self.stopping = False
+        self.control = ModelControl()  # loads and unloads in progress, answered at once on stop
         self.plans = RequestPlans()  # binary requests that repeat their header (protocol/v2_plans.py)
 
     # ---- entry ------------------------------------------------------------------------------
@@ -309,7 +310,7 @@ class V2App:
             if not isinstance(params, dict):
                 raise InvalidInputError("'parameters' must be an object")
             check_model_control(self.authority, _peer(req), name, rest[2], set(params))
-            await asyncio.to_thread(run_model_control, self.service, name, rest[2])
+            await self.control.run(self.service, name, rest[2])
             return self._json({})
         raise HttpError(404, "not found")
 

@@ -176,6 +176,7 @@ class HttpTransport:
 
     async def stop(self) -> None:
         self.app.stopping = True
+        self.app.control.stop()
         server, self._server = self._server, None
         if server is not None:
             await server.stop(GRACEFUL_STOP_S)
