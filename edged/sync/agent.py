@@ -40,6 +40,10 @@ from edged.sync.updater import Updater
 
 log = logging.getLogger(__name__)
 STOP_WAIT_S = 30.0
+# A nudge brings the next poll forward, but never closer than this to the last poll, nor before a back-off
+# or the registry's Retry-After ends: anyone who may publish on the nudge topic can send nudges, and a
+# fleet answering each at once would poll its registry back to back.
+NUDGE_SPACING_S = 5.0
 
 
 def device_facts(facts: HardwareFacts, profile: str, serving_backends: Iterable[str] = ()) -> dict[str, Any]:
@@ -77,6 +81,7 @@ class SyncAgent:
         self._facts_at = 0.0
         self._facts_due = True  # changed since the registry last took them (it may answer 503 when busy)
         self._retry: Backoff | None = None
+        self._not_before = 0.0  # monotonic: no nudge brings a poll before this (spacing, back-off)
 
     async def start(self) -> None:
         s = self.settings
@@ -171,8 +176,8 @@ class SyncAgent:
                 await asyncio.wait_for(self._wake.wait(), max(0.0, wait))
             if self._wake.is_set() and not self._stop.is_set():
                 self._wake.clear()
-                await asyncio.sleep(random.uniform(0, min(1.0, self.settings.poll_interval_s)))
-                next_poll = time.monotonic()
+                jitter = random.uniform(0, min(1.0, self.settings.poll_interval_s))
+                next_poll = min(next_poll, max(time.monotonic() + jitter, self._not_before))
 
     async def _round(self) -> float | None:
         """One poll round; the seconds until the next one (None: stopping)."""
@@ -180,6 +185,7 @@ class SyncAgent:
         try:
             await asyncio.to_thread(self._cycle)
             retry.reset()
+            self._not_before = time.monotonic() + NUDGE_SPACING_S
             return self.settings.poll_interval_s * random.uniform(0.8, 1.2)
         except StoppedError:
             return None
@@ -203,6 +209,7 @@ class SyncAgent:
         except Exception:
             delay = retry.next_delay()
             log.exception("sync cycle failed; retry in %.1fs", delay)
+        self._not_before = time.monotonic() + max(delay, NUDGE_SPACING_S)
         return delay
 
     def _trials(self) -> None:

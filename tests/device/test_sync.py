@@ -841,6 +841,46 @@ def test_mqtt_nudge_makes_the_device_poll_at_once(tmp_path: Path, world: World) 
             server.stop()
 
 
+def test_a_flood_of_nudges_does_not_make_the_device_hammer_its_registry(tmp_path: Path, world: World) -> None:
+    """A nudge carries no authority, only timing, and anyone who may publish on the fleet's nudge topic can
+    send it: 100 nudges in 3 s made a device poll its registry back to back (one round every ~0.5 s, and
+    past any back-off); a fleet does that all at once. Nudged polls are at least NUDGE_SPACING_S apart."""
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    from edged.protocol.fleet.nudge import fleet_topic
+    from edged.sync.agent import NUDGE_SPACING_S
+    from tests.mqtt_helpers import running_broker
+
+    with running_broker(tmp_path / "mqtt") as broker:
+        case = Case("flood", "dev-flood", tmp_path, world)
+        case.push(1)
+        r1 = case.release(1)
+        token = world.client.enrollment_token().token
+        (tmp_path / "repo").mkdir()
+        cfg = device_toml(tmp_path, tmp_path / "repo", world.server.url, [world.keys.public], token=token,
+                          device_id=case.device_id, poll_s=600, mqtt_url=broker.url)
+        dev = InProcessDevice(cfg, trial_s=0.2, mqtt_nudge=True).start()
+        pub = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="flood")
+        pub.connect("127.0.0.1", broker.port)
+        pub.loop_start()
+        try:
+            wait_for(lambda: committed(dev, case.model, r1), 30, 0.05, "release 1 (first poll at start)")
+            time.sleep(0.5)  # sleep-ok: the nudge subscription is up (its SUBACK shows nowhere outside)
+            before, t0 = dev.agent.cycles, time.monotonic()
+            while time.monotonic() - t0 < 3.0:
+                pub.publish(fleet_topic("edged"), b"{}", qos=0)
+                time.sleep(0.03)  # sleep-ok: the flood's pace
+            time.sleep(1.5)  # sleep-ok: a nudge's poll starts within a second of it
+            polls, spent = dev.agent.cycles - before, time.monotonic() - t0
+            allowed = 1 + int(spent / NUDGE_SPACING_S)
+            assert 1 <= polls <= allowed, f"{polls} polls in {spent:.1f} s of nudges (at most {allowed})"
+        finally:
+            pub.loop_stop()
+            pub.disconnect()
+            dev.stop()
+
+
 def test_boot_pins_and_counts_crash_loops(tmp_path: Path, world: World) -> None:
     """Without a registry: the sync state alone decides what a start loads (and SIGHUP re-applies it)."""
     from edged.config import load_config
