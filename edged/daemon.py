@@ -442,7 +442,7 @@ class Daemon:
         if rt is not None and drained:
             # A load this daemon abandoned holds the manager's lock inside an engine call: no use waiting.
             wait = 0.0 if any(t.is_alive() for t in self.abandoned) else LOAD_LOCK_WAIT_S
-            await asyncio.to_thread(rt.manager.shutdown, 0.0, lock_wait_s=wait)
+            self.abandoned += await asyncio.to_thread(rt.manager.shutdown, 0.0, lock_wait_s=wait)
         self.runtime = None
         if drain:
             log.info("edged stopped")

@@ -165,11 +165,20 @@ class EngineChooser:
         self._thread = threading.Thread(target=self._loop, name="edged-engine-choice", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 60.0) -> threading.Thread | None:
+        """Stop measuring; the chooser's thread if it is still running after ``wait_s``.
+
+        It gives up between engine calls, but a candidate's load or warm-up is one call it cannot leave
+        (minutes for a big model's compile): the daemon's stop waits only ``wait_s`` for it."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(60)
-            self._thread = None
+        thread = self._thread
+        if thread is None:
+            return None
+        thread.join(wait_s)
+        if thread.is_alive():
+            return thread
+        self._thread = None
+        return None
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):

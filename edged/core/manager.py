@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 30.0
 LOAD_WORKERS = 4
+# A stop gives the engine choice at least this long to notice it between engine calls.
+CHOOSER_STOP_MIN_S = 0.5
 
 
 def estimate_memory_mb(entry: VersionEntry) -> float:
@@ -321,18 +323,25 @@ class ModelManager:
         log.info("model=%s version=%s unloaded", mv.name, mv.version)
         review_soon()  # what it held since start-up is frozen from the collector (edged/heap.py)
 
-    def shutdown(self, timeout: float = DRAIN_TIMEOUT_S, *, lock_wait_s: float | None = None) -> None:
+    def shutdown(self, timeout: float = DRAIN_TIMEOUT_S, *, lock_wait_s: float | None = None
+                 ) -> list[threading.Thread]:
         """Release every published version. ``lock_wait_s``: how long to wait for a load in progress (it
-        may be inside an engine call that runs for minutes); past it the versions are released without it,
-        and that load, once its call returns, gives up and releases its own engine (``stop``)."""
-        self.chooser.stop()
+        may be inside an engine call that runs for minutes), and for the engine choice's measurement;
+        past it the versions are released without it, and that load, once its call returns, gives up and
+        releases its own engine (``stop``). Returns the threads left inside an engine call (the engine
+        choice's): the caller exits without joining them (``Daemon.exit_past_abandoned``)."""
+        chooser = self.chooser.stop(60.0 if lock_wait_s is None else max(lock_wait_s, CHOOSER_STOP_MIN_S))
+        if chooser is not None:
+            log.warning("the engine choice is still inside a candidate's engine call; stopping without it")
         locked = self._lock.acquire(timeout=-1 if lock_wait_s is None else lock_wait_s)
         if not locked:
             log.warning("a model load is still inside its engine; releasing the versions served without waiting")
         try:
             for mv in self.table.all():
                 drained = mv.scheduler is None or mv.scheduler.drain(timeout)
-                if mv.engine is not None and drained:  # else a run is inside it: the process exit frees it
+                # Else a run is inside the engine (a request's, or the engine choice timing the engine
+                # serving): the process exit frees it.
+                if mv.engine is not None and drained and chooser is None:
                     mv.engine.unload()
                 mv.engine = None
                 mv.state = ModelState.UNLOADED
@@ -340,6 +349,7 @@ class ModelManager:
             if locked:
                 self._lock.release()
         self.runner.stop()
+        return [chooser] if chooser is not None else []
 
     def statuses(self) -> list[dict[str, object]]:
         out = [mv.status() for mv in self.table.all()]

@@ -348,3 +348,47 @@ def test_batch_one_and_larger_batches_get_the_engine_that_wins_each(tmp_path: Pa
     finally:
         mgr.shutdown()
 
+
+
+def test_a_stop_leaves_the_engine_choice_inside_a_candidates_warm_up(tmp_path: Path) -> None:
+    """The engine choice opens each other candidate with its warm-up, one engine call it cannot leave
+    (minutes for a big model's compile). A stop waited up to 60 s for it, past the unit's TimeoutStopSec
+    (30 s); it now waits as long as for a load (``lock_wait_s``) and leaves that thread to the exit."""
+    import shutil
+
+    import psutil
+
+    from edged.config import ModelsSection
+    from edged.core.manager import ModelManager
+    from edged.profiles import BackendPreference
+    from tests.systemd_helpers import make_spin_model, spin_seconds_per_iteration
+
+    d = make_spin_model(tmp_path / "models")  # warm-up n = 1: the first candidate loads at once
+    shutil.copy(d / "model.onnx", d / "b.onnx")  # a second candidate: the same graph in another file
+    toml = (d / "model.toml").read_text()
+    (d / "model.toml").write_text(toml + '[[variants]]\nfile = "b.onnx"\nformat = "onnx"\nprecision = "fp32"\n'
+                                  f'sha256 = "{sha256_file(d / "b.onnx")}"\n')
+    ort_cpu = BackendPreference(backend="onnxruntime", device="CPU", precisions=["fp32"])
+    mgr = ModelManager(tmp_path / "models", ModelsSection(), [ort_cpu], cache_dir=tmp_path / "c",
+                       select="benchmark", defer_choice=True)
+    mgr.load_all()
+    mv = mgr.table.find("spin")
+    assert mv is not None and mv.choice is not None, mv and mv.status()
+    # From now on a warm-up (the other candidate's, when the choice opens it) runs ~12 s.
+    n = int(12.0 / spin_seconds_per_iteration(d))
+    np.savez(d / "warmup.npz", n=np.array([n], dtype=np.int64))
+    me = psutil.Process()
+    mgr.chooser.start()
+    wait_until(lambda: mv.choice is not None and mv.choice.state == "measuring", 30, what="the engine choice")
+    cpu = sum(me.cpu_times()[:2])
+    wait_until(lambda: sum(me.cpu_times()[:2]) - cpu >= 1.0, 30, what="the candidate's warm-up inside the engine")
+    t0 = time.monotonic()
+    left = mgr.shutdown(0.0, lock_wait_s=1.0)
+    took = time.monotonic() - t0
+    try:
+        assert took < 3.0, f"the stop waited {took:.1f} s for the engine choice"
+        assert [t.name for t in left] == ["edged-engine-choice"] and left[0].is_alive()
+    finally:
+        for t in left:  # the warm-up ends; the choice sees the stop and releases its candidate
+            t.join(120)
+    assert not any(t.is_alive() for t in left)
