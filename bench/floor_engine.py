@@ -1,5 +1,6 @@
 """One engine run for the floor servers: the bundled model in ONNX Runtime, set up as edged's generic
-profile sets it up (CPU, default intra-op threads, one inter-op thread, every graph optimization).
+profile sets it up (CPU, default intra-op threads, one inter-op thread, every graph optimization, the pool's
+spin after a run cut to [limits] engine_spin_us's default).
 
 With it, a floor server answers each request after one run of the model on its own event loop, and
 does nothing else: no decoding, no validation, no queue, no statistics. That is the least any server
@@ -19,9 +20,14 @@ def session(model: Path, intra_threads: int = 0) -> Any:
     default (every core), more for an engine that shares the cores with others (bench/floor_procs.py)."""
     import onnxruntime as ort
 
+    from edged.cpus import DEFAULT_SPIN_US
+
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = intra_threads
     opts.inter_op_num_threads = 1
+    # As edged sets it: ONNX Runtime's own spin (~24 ms after every run) would keep a core busy in this
+    # process while the suite times edged in turns with it, and edged's in its turns.
+    opts.add_session_config_entry("session.intra_op.spin_duration_us", str(DEFAULT_SPIN_US))
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.log_severity_level = 3
     return ort.InferenceSession(str(model), sess_options=opts, providers=["CPUExecutionProvider"])

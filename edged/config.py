@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from edged import datatypes
+from edged.cpus import DEFAULT_SPIN_US
 from edged.errors import ConfigError, EdgedError, format_validation_error
 from edged.listen import parse_listen
 from edged.protocol.mqtt_topics import DEFAULT_REPLY_TOPICS
@@ -438,6 +439,11 @@ class LimitsSection(_Section):
         "model version, each with an equal share of the engine threads, so one Python interpreter's lock does "
         "not cap the engine on a many-core CPU; 0: in the daemon's process. auto: a process per 4 usable CPUs "
         "from 12 usable CPUs up, else 0")
+    engine_spin_us: int = Field(default=DEFAULT_SPIN_US, ge=-1, le=1_000_000, description="how long an idle "
+                                "engine's pool threads spin for more work before they sleep, in microseconds "
+                                "(ONNX Runtime); -1: the library's own (about 24 ms after every run: a 30 fps "
+                                "stream keeps most of a core busy spinning); 0: they sleep at once (every run "
+                                "wakes them)")
     decode_threads: int = Field(default=0, ge=0, le=256, description="threads that decode and encode large "
                                 "requests off the transports' event loop; 0: half the CPUs this process may use "
                                 "(at least one). Two more are kept for control calls (model loads, file work)")

@@ -12,6 +12,11 @@ import math
 import os
 from pathlib import Path
 
+# An idle engine pool's spin before it sleeps. ONNX Runtime's own spins ~24 ms after every run (a 2-vCPU VM,
+# 2026-12-08): a 30 fps camera stream kept 0.75 of a core busy for 0.6 ms runs. 2 ms keeps back-to-back
+# and batched runs as fast (their gaps are shorter) and gives that core back (0.15 busy); docs/benchmarks.md.
+DEFAULT_SPIN_US = 2000
+
 
 def usable_cpus(root: Path = Path("/")) -> int:
     """The affinity mask's size, capped by the process's cgroup CPU quota (under ``root``, for tests)."""

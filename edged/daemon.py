@@ -112,7 +112,7 @@ def build_runtime(cfg: Config, *, load: bool = True, only: str | None = None, de
                            threads=cfg.limits.engine_threads or profile.threads,
                            memory_budget_mb=profile.effective_memory_budget_mb(facts),
                            select=profile.select, facts=facts, defer_choice=defer_choice,
-                           processes=engine_processes(cfg.limits), stop=stop)
+                           processes=engine_processes(cfg.limits), stop=stop, spin_us=cfg.limits.engine_spin_us)
     if load:
         if only is not None:
             manager.load_model(only)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from edged.config import LimitsSection
-from edged.cpus import cgroup_cpu_quota, constrained_cpus, threads_per_process, usable_cpus
+from edged.cpus import DEFAULT_SPIN_US, cgroup_cpu_quota, constrained_cpus, threads_per_process, usable_cpus
 
 CONTROL_THREADS = 2  # model loads and file work share the loop's worker pool with the decoders
 T = TypeVar("T")
@@ -32,14 +32,17 @@ class ThreadPlan:
     decode: int  # loop workers for large decodes/encodes (plus CONTROL_THREADS for control calls)
     reasons: tuple[str, ...]
     processes: int = 0  # CPU engines in this many worker processes each, sharing ``engine`` threads (0: in-process)
+    spin_us: int = DEFAULT_SPIN_US  # idle engine threads spin this long before they sleep (-1: the library's own)
 
     def describe(self) -> str:
         engine = f"{self.engine} thread(s)" if self.engine else "the engine's default (a thread per physical core)"
         where = "" if not self.processes else (
             f", split over {self.processes} engine worker process(es) of "
             f"{threads_per_process(self.engine or self.cpus, self.processes)} thread(s) for CPU engines")
+        spin = "the library's own" if self.spin_us < 0 else f"{self.spin_us} us"
         return (f"threads: {self.cpus} usable CPU(s) ({'; '.join(self.reasons)}); each engine's pool {engine}"
-                f"{where}; {self.decode} decode worker(s) + {CONTROL_THREADS} for control calls")
+                f"{where}, idle after a spin of {spin}; {self.decode} decode worker(s) + {CONTROL_THREADS} "
+                "for control calls")
 
 
 
@@ -128,4 +131,4 @@ def plan_threads(limits: LimitsSection, profile_threads: int) -> ThreadPlan:
     else:
         engine = constrained_cpus()
     return ThreadPlan(cpus=cpus, engine=engine, decode=decode_threads(limits), reasons=tuple(reasons),
-                      processes=engine_processes(limits, cpus))
+                      processes=engine_processes(limits, cpus), spin_us=limits.engine_spin_us)

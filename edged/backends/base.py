@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from edged.backends.options import BackendOptions
-from edged.cpus import constrained_cpus, usable_cpus
+from edged.cpus import DEFAULT_SPIN_US, constrained_cpus, usable_cpus
 from edged.repository.manifest import InputShape, TensorSpec, Variant
 
 if TYPE_CHECKING:
@@ -45,6 +45,8 @@ class LoadRequest:
     inputs: Sequence[TensorSpec] | None = None
     shapes: Mapping[str, InputShape] = field(default_factory=dict)  # declared [warmup.shapes]: min/usual/max
     threads: int = 0
+    # How long an engine's idle pool threads spin for work before they sleep (ONNX Runtime); -1: the library's own.
+    spin_us: int = DEFAULT_SPIN_US
     instances: int = 1
     cache_dir: Path | None = None
     facts: HardwareFacts | None = None  # what the daemon probed at start; None: the backend probes once

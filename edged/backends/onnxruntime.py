@@ -31,6 +31,9 @@ def _import() -> Any:
     return onnxruntime
 
 
+_SPIN_KEY = "session.intra_op.spin_duration_us"  # ONNX Runtime 1.2x+; older versions ignore unknown keys
+
+
 def _intra_op_threads(request: LoadRequest) -> int:
     """The session's intra-op pool; 0: ONNX Runtime's default (a thread per physical core).
 
@@ -99,7 +102,12 @@ class OnnxRuntimeEngine(Engine):
         d["providers"] = self.providers
         session = self._session
         if session is not None:  # 0: ONNX Runtime's default, one thread per physical core
-            d["intra_op_threads"] = session.get_session_options().intra_op_num_threads
+            opts = session.get_session_options()
+            d["intra_op_threads"] = opts.intra_op_num_threads
+            try:
+                d["spin_us"] = int(opts.get_session_config_entry(_SPIN_KEY))
+            except RuntimeError:  # not set: the library's own
+                d["spin_us"] = -1
         return d
 
 
@@ -135,6 +143,8 @@ class OnnxRuntimeBackend(Backend):
         if threads > 0:
             opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
+        if request.spin_us >= 0:  # idle pool threads sleep after this long instead of the library's ~24 ms
+            opts.add_session_config_entry(_SPIN_KEY, str(request.spin_us))
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.log_severity_level = 3
         try:

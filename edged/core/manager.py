@@ -26,6 +26,7 @@ from edged.core.pipelines import PipelineRunner, ServedModels, load_pipeline_ver
 from edged.core.scheduler import Scheduler
 from edged.core.stats import ModelStats
 from edged.core.traffic import TrafficMix
+from edged.cpus import DEFAULT_SPIN_US
 from edged.errors import EdgedError, ModelNotFoundError, ResourceExhaustedError
 from edged.heap import review_soon
 from edged.pipeline.definition import load_pipeline
@@ -82,12 +83,12 @@ class ModelManager:
     def __init__(self, repository: Path, models: ModelsSection, preferences: Sequence[BackendPreference], *,  # noqa: PLR0913  keyword-only options passed through from the daemon's config
                  cache_dir: Path | None = None, threads: int = 0, memory_budget_mb: float = 0.0,
                  select: str = "first", facts: HardwareFacts | None = None, defer_choice: bool = False,
-                 processes: int = 0, stop: Callable[[], bool] | None = None) -> None:
+                 processes: int = 0, stop: Callable[[], bool] | None = None, spin_us: int = DEFAULT_SPIN_US) -> None:
         """``stop`` true (the daemon stopping): loads in progress give up at their next step (ModelLoader)."""
         self.repository = repository
         self.models_cfg = models
         self.loader = ModelLoader(preferences, cache_dir=cache_dir, threads=threads, select=select, facts=facts,
-                                  defer_choice=defer_choice, processes=processes, stop=stop)
+                                  defer_choice=defer_choice, processes=processes, stop=stop, spin_us=spin_us)
         self.table = ModelTable()
         # Measures engines while serving and switches (edged.core.chooser); the daemon starts it once READY.
         self.chooser = EngineChooser(self.table, self.loader)

@@ -47,6 +47,7 @@ from edged.backends.selection import Candidate, candidates, unavailable_reason
 from edged.backends.specs import SPECS, spec_for
 from edged.core.model_versions import DECLARE_HINT, ModelState, ModelVersion, sample_inputs, synthesized
 from edged.core.upgrade import EngineUpgrade, SwappableEngine
+from edged.cpus import DEFAULT_SPIN_US
 from edged.errors import EdgedError, ErrorCode, ModelLoadError
 from edged.repository.manifest import InputShape, ModelManifest, TensorSpec
 from edged.repository.store import VersionEntry
@@ -202,13 +203,14 @@ class ModelLoader:
     def __init__(self, preferences: Sequence[BackendPreference], *, cache_dir: Path | None, threads: int = 0,  # noqa: PLR0913  keyword-only settings from the daemon's config
                  select: str = "first", benchmark: BenchmarkSettings | None = None,
                  facts: HardwareFacts | None = None, defer_choice: bool = False, processes: int = 0,
-                 stop: Callable[[], bool] | None = None) -> None:
+                 stop: Callable[[], bool] | None = None, spin_us: int = DEFAULT_SPIN_US) -> None:
         """``stop`` true (SIGTERM): loads give up between engine calls (an engine's own call runs to its end)."""
         if select not in SELECT_MODES:
             raise ValueError(f"select must be one of {SELECT_MODES}, not {select!r}")
         self.preferences = list(preferences)
         self.cache_dir = cache_dir
         self.threads = threads
+        self.spin_us = spin_us  # [limits] engine_spin_us
         self.processes = processes  # CPU engines in this many worker processes each ([limits] engine_processes)
         self.select = select
         self.facts = facts  # the daemon's probe, handed to the backends and the benchmark key
@@ -502,7 +504,7 @@ class ModelLoader:
         return LoadRequest(
             model=mv.name, version=mv.version, version_dir=mv.entry.path, variant=cand.variant,
             device=cand.device, options=options, precision=cand.precision, max_batch_size=mv.max_batch_size,
-            inputs=manifest.inputs, shapes=manifest.warmup.shapes, threads=self.threads,
+            inputs=manifest.inputs, shapes=manifest.warmup.shapes, threads=self.threads, spin_us=self.spin_us,
             instances=manifest.instances.count,
             cache_dir=self._cache_dir_for(mv, cand, options), facts=self.facts,
         )

@@ -55,7 +55,8 @@ def load_message(backend: str, request: LoadRequest, threads: int) -> bytes:
         "precision": request.precision, "max_batch_size": request.max_batch_size,
         "inputs": [t.model_dump(mode="json") for t in request.inputs] if request.inputs is not None else None,
         "shapes": {k: v.model_dump(mode="json") for k, v in request.shapes.items()},
-        "threads": threads, "cache_dir": str(request.cache_dir) if request.cache_dir else None,
+        "threads": threads, "spin_us": request.spin_us,
+        "cache_dir": str(request.cache_dir) if request.cache_dir else None,
     }).encode()
 
 
