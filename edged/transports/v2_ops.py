@@ -96,10 +96,11 @@ class ModelControl:
             await asyncio.wait((work, stop), return_when=asyncio.FIRST_COMPLETED)
         finally:
             self._stops.discard(stop)
+            if not work.done():  # the transport stops, or the caller went away: nobody awaits it now
+                work.add_done_callback(_retrieved)
         if work.done():
             work.result()
             return
-        work.add_done_callback(_retrieved)
         raise EdgedError(f"edged is stopping: the {action} of model {name!r} was still running and is left "
                          "to end or give up without an answer", code=ErrorCode.UNAVAILABLE)
 
