@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -30,23 +28,6 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "mobilenet"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
 
 
 def _pairs(closers: list[Callable[[], None]], sock: Path, x1: np.ndarray, http_port: int, grpc_port: int
@@ -102,14 +83,19 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--client-tree", type=Path, default=None, help="import edged's clients from this checkout")
     args = ap.parse_args()
+    # The suite's helpers with this tree's clients, before --client-tree swaps in the other checkout's.
+    from bench.run_suite import machine, settle_choice
+    from tests.netutil import free_port
+
     if args.client_tree is not None:
         sys.path.insert(0, str(args.client_tree.resolve()))
         for name in [m for m in sys.modules if m == "edged" or m.startswith("edged.")]:
             del sys.modules[name]
     import edged
     from bench.bench_shm import daemon
+    from edged.client.http import HttpClient
 
-    http_port, grpc_port = _free_port(), _free_port()
+    http_port, grpc_port = free_port(), free_port()
     with tempfile.TemporaryDirectory(prefix="edged-client-cost-") as t:
         tmp = Path(t)
         shutil.copytree(ROOT / "models" / MODEL, tmp / "models" / MODEL)
@@ -127,7 +113,8 @@ def main() -> int:
                 for _, a, b in pairs:
                     a()
                     b()
-            time.sleep(12)  # sleep-ok: the daemon's engine choice measures after READY; let it settle
+            with HttpClient(f"127.0.0.1:{http_port}") as http:  # the engine choice measures after READY
+                settled = settle_choice(http)
             got: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name, _, _ in pairs}
             for _ in range(args.rounds):
                 for name, a, b in pairs:
@@ -136,8 +123,8 @@ def main() -> int:
                     got[name].append((la, ca, lb, cb))
             for close in closers:
                 close()
-    print(f"host: {_cpu()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; "
-          f"clients from {Path(edged.__file__).parent.parent}")
+    print(f"host: {machine()}, load average {os.getloadavg()[0]:.2f}; clients from "
+          f"{Path(edged.__file__).parent.parent}; {settled}")
     print(f"{args.rounds} rounds x {args.calls} calls a case, medians over rounds")
     for name, rows in got.items():
         med = [statistics.median(r[i] for r in rows) for i in range(4)]
