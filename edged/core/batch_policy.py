@@ -40,27 +40,19 @@ class _Recent:
     """The per-sample cost of the last ``_WINDOW`` runs of one mode (their time over their samples), and
     how many runs were ever added."""
 
-    __slots__ = ("_ns", "_runs", "_samples", "n", "value")
+    __slots__ = ("_runs", "n", "value")
 
     def __init__(self) -> None:
         self.n = 0
         self.value = 0.0
-        self._runs: deque[tuple[int, float]] = deque()
-        self._ns = 0.0
-        self._samples = 0
+        self._runs: deque[tuple[int, float]] = deque(maxlen=_WINDOW)
 
     def add(self, samples: int, ns: float) -> None:
         if self.n >= _MIN_SAMPLES:
             ns = min(ns, _STALL_CAP * self.value * samples)
-        if len(self._runs) == _WINDOW:
-            gone_samples, gone_ns = self._runs.popleft()
-            self._samples -= gone_samples
-            self._ns -= gone_ns
         self._runs.append((samples, ns))
-        self._samples += samples
-        self._ns += ns
         self.n += 1
-        self.value = self._ns / self._samples
+        self.value = sum(t for _, t in self._runs) / sum(k for k, _ in self._runs)
 
 
 class BatchPolicy:
