@@ -110,9 +110,8 @@ from edged.repository.manifest import parse_manifest
 d = Path(sys.argv[1])
 m = parse_manifest(d / "model.toml")
 v = next(v for v in m.variants if v.file == "model.onnx")
-kw = {} if sys.argv[2] == "default" else {"spin_us": int(sys.argv[2])}
 eng = OnnxRuntimeBackend().load(LoadRequest(model="mobilenet", version=1, version_dir=d, variant=v,
-                                            max_batch_size=m.max_batch_size, threads=2, **kw))
+                                            max_batch_size=m.max_batch_size, threads=2))
 x = np.zeros((1, 3, 48, 192), dtype=np.float32)
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -131,7 +130,7 @@ def test_an_idle_engine_gives_its_cores_back_soon_after_a_run(tmp_path: Path) ->
     """ONNX Runtime's pool threads spin for work after every run (about 24 ms on this project's VMs: a
     30 fps stream kept 0.75 of a core busy for 0.6 ms runs of the CNN). With [limits] engine_spin_us (2 ms
     by default) an engine idle for 200 ms after a run used at most a few milliseconds of CPU in that time."""
-    r = subprocess.run([sys.executable, "-c", _IDLE, str(MODELS / "mobilenet" / "1"), "default"],
+    r = subprocess.run([sys.executable, "-c", _IDLE, str(MODELS / "mobilenet" / "1")],
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     cpu_s, spin = r.stdout.split()

@@ -27,7 +27,6 @@ import numpy as np
 from edged.backends.base import Engine, LoadRequest
 from edged.backends.factory import get_backend
 from edged.backends.specs import spec_for
-from edged.cpus import DEFAULT_SPIN_US
 from edged.protocol import shm as p
 from edged.protocol import shm_wire as wire
 from edged.protocol.shm_worker import RequestError, SegmentTable, receive, serve_engine
@@ -50,7 +49,7 @@ def request_from_json(spec: Mapping[str, Any]) -> tuple[str, LoadRequest]:
         precision=str(spec["precision"]), max_batch_size=int(spec["max_batch_size"]),
         inputs=[TensorSpec.model_validate(t) for t in inputs] if inputs is not None else None,
         shapes={k: InputShape.model_validate(v) for k, v in spec["shapes"].items()},
-        threads=int(spec["threads"]), spin_us=int(spec.get("spin_us", DEFAULT_SPIN_US)), instances=1,
+        threads=int(spec["threads"]), spin_us=int(spec["spin_us"]), instances=1,
         cache_dir=Path(cache) if cache else None)
 
 
