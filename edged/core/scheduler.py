@@ -165,17 +165,24 @@ class Scheduler:
         if self.engine.restoring:
             return None
         nbytes = _nbytes(req.inputs)
-        if max_run_ns is not None:
-            typical = self.typical_run_ns
-            if typical > max_run_ns or nbytes * typical > max_run_ns * self._typical_bytes:
-                return None
-            if self._off_loop_until:
-                if time.monotonic() < self._off_loop_until:
-                    return None
-                self._off_loop_until = 0.0  # served its time: the average alone decides again
+        if max_run_ns is not None and not self.short_enough(nbytes, max_run_ns):
+            return None
         if not self._claim():
             return None
         return self._run_claimed(req, batch, nbytes)
+
+    def short_enough(self, nbytes: int, max_run_ns: int) -> bool:
+        """Whether a request of ``nbytes`` input bytes is expected to run within ``max_run_ns``: by the
+        moving average (a host stall lifts it over the limit for several runs) and unless two long
+        runs lately keep event loops off the model."""
+        typical = self.typical_run_ns
+        if typical > max_run_ns or nbytes * typical > max_run_ns * self._typical_bytes:
+            return False
+        if self._off_loop_until:
+            if time.monotonic() < self._off_loop_until:
+                return False
+            self._off_loop_until = 0.0  # served its time: the average alone decides again
+        return True
 
     def _claim(self) -> bool:
         """Take an instance for the caller if nothing is queued and no traffic overlapped lately."""

@@ -22,6 +22,7 @@ from edged.client.http import HttpClient, HttpStatusError
 from edged.errors import EdgedError, ErrorCode
 from edged.listen import parse_listen
 from edged.protocol.types import InferRequest
+from edged.transports.v2_ops import LOOP_INLINE_MAX_NS
 from tests.http_helpers import AUTH, Served, copy_models, held_engine, in_process, served
 
 pytestmark = pytest.mark.timeout(120)
@@ -729,13 +730,17 @@ def test_a_lone_request_runs_on_the_loop_and_pipelined_ones_are_queued(
     with served(copy_models(tmp_path / "models", "digits"), tmp_path) as s:
         want = in_process(s, "digits", x[:40])
         before = s.service.statistics("digits")[0]
-        with HttpClient(s.url) as c:
+        sched = s.service.ready_model("digits").scheduler
+        assert sched is not None
+        short_enough = 0  # requests the loop may run: a host stall (a 30 us run once took 50 ms on a
+        with HttpClient(s.url) as c:  # loaded CI machine) lifts the average over the limit for ~8 runs
             for i in range(20):
+                short_enough += sched.short_enough(x[i:i + 1].nbytes, LOOP_INLINE_MAX_NS)
                 got = c.infer("digits", {"pixels": x[i:i + 1]}, binary=bool(i % 2))["probabilities"]
                 np.testing.assert_allclose(got[0], want[i], rtol=1e-5, atol=1e-6)
         serial = s.service.statistics("digits")[0]
-        assert serial["inline_count"] - before["inline_count"] == 20
-        assert s.service.ready_model("digits").scheduler.typical_run_ns < 2_000_000  # type: ignore[union-attr]
+        assert short_enough >= 5, "the host stalled the engine through most of the requests"
+        assert serial["inline_count"] - before["inline_count"] == short_enough
 
         reqs = b""
         for i in range(20, 40):  # written at once: parsed together, so none of them is alone
