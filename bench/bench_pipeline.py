@@ -364,7 +364,7 @@ def ocr_quality(got: list[dict[str, Any]], want: list[Any]) -> tuple[int, int, i
     return len(want), same_ns, same, ious
 
 
-def ocr_daemon(tmp: Path, repo: Path, profile: str | None) -> tuple[Any, str, str]:
+def ocr_daemon(tmp: Path, repo: Path, profile: str | None, pool: str = "per_model") -> tuple[Any, str, str]:
     """``edged run`` serving the ocr example (``profile`` None: the one it picks), once ocr is ready."""
     import subprocess
 
@@ -386,6 +386,8 @@ listen = "127.0.0.1:{port}"
 enabled = false
 [telemetry]
 enabled = false
+[limits]
+engine_pool = "{pool}"
 [logging]
 level = "warning"
 """)
@@ -415,7 +417,7 @@ level = "warning"
     return proc, f"127.0.0.1:{port}", str(load_config(cfg).shm_socket) + " | " + ", ".join(engines)
 
 
-def ocr_part(tmp: Path, rounds: int, names: list[str]) -> None:
+def ocr_part(tmp: Path, rounds: int, names: list[str], pool: str = "per_model") -> None:
     """The ocr example over HTTP and shm against RapidOCR's own call: the same lines, and time per image."""
     from edged.client.shm import ShmClient
     from tests.device.pipeline.documents import documents
@@ -429,7 +431,7 @@ def ocr_part(tmp: Path, rounds: int, names: list[str]) -> None:
     reference = rapidocr()
     docs = {k: v for k, v in documents().items() if not names or k in names}
     for profile, goal in ((None, 0.5), ("generic", 0.9)):
-        proc, url, info = ocr_daemon(tmp, repo, profile)
+        proc, url, info = ocr_daemon(tmp, repo, profile, pool)
         socket_path, engines = info.split(" | ")
         shm = ShmClient(socket_path)
         label = "the engines edged chose" if profile is None else "ONNX Runtime alone (profile generic)"
@@ -530,12 +532,14 @@ def main() -> int:
     ap.add_argument("--ocr-only", action="store_true", help="only part 5 (the ocr example against RapidOCR)")
     ap.add_argument("--ocr-rounds", type=int, default=3, help="alternating rounds per document in part 5")
     ap.add_argument("--ocr-docs", default="", help="comma-separated documents for part 5 (default: all ten)")
+    ap.add_argument("--engine-pool", choices=("per_model", "shared"), default="per_model",
+                    help="the daemons' [limits] engine_pool in part 5")
     args = ap.parse_args()
     print(f"load average before: {os.getloadavg()}; {os.cpu_count()} CPUs")
     if args.ocr_only:
         tmp = Path(tempfile.mkdtemp(prefix="edged-bench-ocr-"))
         try:
-            ocr_part(tmp, args.ocr_rounds, [d for d in args.ocr_docs.split(",") if d])
+            ocr_part(tmp, args.ocr_rounds, [d for d in args.ocr_docs.split(",") if d], args.engine_pool)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         print(f"load average after: {os.getloadavg()}")
@@ -569,7 +573,7 @@ def main() -> int:
             print("4. the daemon")
             daemon_part(tmp, data, args.seconds)
             print("5. the ocr example against RapidOCR")
-            ocr_part(tmp, args.ocr_rounds, [d for d in args.ocr_docs.split(",") if d])
+            ocr_part(tmp, args.ocr_rounds, [d for d in args.ocr_docs.split(",") if d], args.engine_pool)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"load average after: {os.getloadavg()}")

@@ -30,6 +30,7 @@ from edged.config import Config, load_config
 from edged.core.manager import ModelManager
 from edged.core.model_versions import ModelState, ModelVersion
 from edged.core.service import InferenceService
+from edged.cpus import constrained_cpus
 from edged.errors import ConfigError, EdgedError
 from edged.fsutil import ensure_private_dir
 from edged.hardware.facts import HardwareFacts
@@ -108,6 +109,9 @@ def build_runtime(cfg: Config, *, load: bool = True, only: str | None = None, de
     from edged.repository.seed import serving_repository
 
     repo = serving_repository(cfg.device.model_repository, cfg.device.model_seed)
+    if load and cfg.limits.engine_pool == "shared":  # before any session: the library fixes it per process
+        from edged.backends.onnxruntime import share_one_pool
+        share_one_pool(cfg.limits.engine_threads or profile.threads or constrained_cpus())
     manager = ModelManager(repo, cfg.models, profile.backends, cache_dir=cache_dir,
                            threads=cfg.limits.engine_threads or profile.threads,
                            memory_budget_mb=profile.effective_memory_budget_mb(facts),

@@ -33,9 +33,12 @@ class ThreadPlan:
     reasons: tuple[str, ...]
     processes: int = 0  # CPU engines in this many worker processes each, sharing ``engine`` threads (0: in-process)
     spin_us: int = DEFAULT_SPIN_US  # idle engine threads spin this long before they sleep (-1: the library's own)
+    shared: bool = False  # ONNX Runtime's sessions in the daemon's process share one pool ([limits] engine_pool)
 
     def describe(self) -> str:
         engine = f"{self.engine} thread(s)" if self.engine else "the engine's default (a thread per physical core)"
+        if self.shared:
+            engine += " (ONNX Runtime in this process: one pool for every model, spinning as the library does)"
         where = "" if not self.processes else (
             f", split over {self.processes} engine worker process(es) of "
             f"{threads_per_process(self.engine or self.cpus, self.processes)} thread(s) for CPU engines")
@@ -131,4 +134,5 @@ def plan_threads(limits: LimitsSection, profile_threads: int) -> ThreadPlan:
     else:
         engine = constrained_cpus()
     return ThreadPlan(cpus=cpus, engine=engine, decode=decode_threads(limits), reasons=tuple(reasons),
-                      processes=engine_processes(limits, cpus), spin_us=limits.engine_spin_us)
+                      processes=engine_processes(limits, cpus), spin_us=limits.engine_spin_us,
+                      shared=limits.engine_pool == "shared")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -12,6 +13,8 @@ from edged import datatypes
 from edged.backends.base import Backend, Engine, EngineTensor, LoadRequest
 from edged.backends.options import OnnxRuntimeOptions
 from edged.errors import EngineInputError, EngineUnavailableError, ModelLoadError
+
+log = logging.getLogger(__name__)
 
 _PROVIDER_BY_DEVICE = {
     "CPU": ["CPUExecutionProvider"],
@@ -32,6 +35,35 @@ def _import() -> Any:
 
 
 _SPIN_KEY = "session.intra_op.spin_duration_us"  # ONNX Runtime 1.2x+; older versions ignore unknown keys
+# The threads of this process's one shared pool once share_one_pool made it (0: a thread per physical
+# core); None: every session has a pool of its own.
+_shared_pool: int | None = None
+
+
+def share_one_pool(threads: int) -> bool:
+    """Make every ONNX Runtime session created from now on in this process run on one pool of
+    ``threads`` (0: a thread per physical core) instead of a pool each.
+
+    Several models run in turn (a pipeline's steps, a detector and its classifier) then find the
+    pool's threads awake instead of waking their own while the others' spin beside them. ONNX Runtime
+    makes the choice for the whole process and for good: a session with a pool of its own is refused
+    from then on, sessions' own thread and spin settings no longer apply, and the pool spins as the
+    library does (it has no bound for it). False when ONNX Runtime is not installed.
+    """
+    global _shared_pool
+    try:
+        ort = _import()
+    except EngineUnavailableError:
+        return False
+    if _shared_pool is None:
+        ort.set_global_thread_pool_sizes(threads, 1)
+        _shared_pool = threads
+    return True
+
+
+def shared_pool_threads() -> int | None:
+    """The shared pool's size (0: the library's default), None when sessions have pools of their own."""
+    return _shared_pool
 
 
 def _intra_op_threads(request: LoadRequest) -> int:
@@ -103,7 +135,8 @@ class OnnxRuntimeEngine(Engine):
         session = self._session
         if session is not None:  # 0: ONNX Runtime's default, one thread per physical core
             opts = session.get_session_options()
-            d["intra_op_threads"] = opts.intra_op_num_threads
+            d["pool"] = "per session" if opts.use_per_session_threads else "shared by the process"
+            d["intra_op_threads"] = opts.intra_op_num_threads if opts.use_per_session_threads else _shared_pool
             try:
                 d["spin_us"] = int(opts.get_session_config_entry(_SPIN_KEY))
             except RuntimeError:  # not set: the library's own
@@ -138,13 +171,20 @@ class OnnxRuntimeBackend(Backend):
                 f"{request.label}: none of the providers {accelerated} is available in this ONNX Runtime "
                 f"(available: {sorted(available)})")
         opts = ort.SessionOptions()
-        explicit = options.intra_op_threads
-        threads = explicit if explicit is not None else _intra_op_threads(request)
-        if threads > 0:
-            opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        if request.spin_us >= 0:  # idle pool threads sleep after this long instead of the library's ~24 ms
-            opts.add_session_config_entry(_SPIN_KEY, str(request.spin_us))
+        if _shared_pool is not None:  # the process's one pool: its size and spin are set for all
+            opts.use_per_session_threads = False
+            if options.intra_op_threads is not None:
+                log.warning("%s: intra_op_threads = %d not applied: ONNX Runtime's sessions share one pool of "
+                            "%s thread(s) ([limits] engine_pool = \"shared\")", request.label,
+                            options.intra_op_threads, _shared_pool or "the library's default")
+        else:
+            explicit = options.intra_op_threads
+            threads = explicit if explicit is not None else _intra_op_threads(request)
+            if threads > 0:
+                opts.intra_op_num_threads = threads
+            opts.inter_op_num_threads = 1
+            if request.spin_us >= 0:  # idle pool threads sleep after this long instead of the library's ~24 ms
+                opts.add_session_config_entry(_SPIN_KEY, str(request.spin_us))
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.log_severity_level = 3
         try:

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edged.client.http import HttpClient
 from edged.cpus import cgroup_cpu_quota, usable_cpus
 from tests.conftest import MODELS
 from tests.edged_process import edged_run, http_ok
@@ -135,3 +136,72 @@ def test_an_idle_engine_gives_its_cores_back_soon_after_a_run(tmp_path: Path) ->
     assert r.returncode == 0, r.stderr[-3000:]
     cpu_s, spin = r.stdout.split()
     assert spin == "2000" and float(cpu_s) <= 0.008, r.stdout
+
+
+_SHARED = """
+import os, sys
+import numpy as np
+from pathlib import Path
+from edged.backends import onnxruntime as ortb
+from edged.backends.base import LoadRequest
+from edged.backends.options import OnnxRuntimeOptions
+from edged.repository.manifest import parse_manifest
+mode, models = sys.argv[1], Path(sys.argv[2])
+def threads():
+    return len(os.listdir("/proc/self/task"))
+def load(name, **kw):
+    d = models / name / "1"
+    m = parse_manifest(d / "model.toml")
+    v = next(v for v in m.variants if v.file == "model.onnx")
+    return ortb.OnnxRuntimeBackend().load(LoadRequest(model=name, version=1, version_dir=d, variant=v,
+                                                      max_batch_size=m.max_batch_size, threads=2, **kw))
+if mode == "shared":
+    assert ortb.share_one_pool(2)
+first = load("digits")
+before = threads()  # the library's own threads exist now; what each further model adds is its pool
+engines = [load("mobilenet"), load("orientation"), load("ocr_cls", options=OnnxRuntimeOptions(intra_op_threads=1))]
+added = threads() - before
+x = np.load(models / "mobilenet" / "1" / "expected.npz")
+got = engines[0].infer({"image": np.load(models / "mobilenet" / "1" / "warmup.npz")["image"]})
+np.testing.assert_allclose(got["probabilities"], x["probabilities"], rtol=1e-4, atol=1e-5)
+print(added, first.describe()["pool"], first.describe()["intra_op_threads"], first.describe()["spin_us"])
+"""
+
+
+@pytest.mark.parametrize("mode", ["per_model", "shared"])
+def test_models_share_one_engine_pool_when_told(mode: str) -> None:
+    """[limits] engine_pool = "shared": models loaded after the first add no threads (one pool for the
+    process, none spinning beside another's run), answer as before, and say so; per model, each adds its
+    pool. In a process of its own: ONNX Runtime makes the choice for the whole process and for good."""
+    r = subprocess.run([sys.executable, "-c", _SHARED, mode, str(MODELS)],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    added, pool = r.stdout.split(maxsplit=1)
+    if mode == "shared":
+        assert added == "0" and pool.strip() == "shared by the process 2 -1", r.stdout
+        assert "intra_op_threads = 1 not applied" in r.stderr, r.stderr[-2000:]
+    else:
+        assert int(added) >= 2 and pool.strip() == "per session 2 2000", r.stdout
+
+
+def test_a_daemon_told_to_share_one_pool_serves_its_models_on_it(
+        tmp_path: Path, model_repo: Callable[..., Path], write_config: Callable[..., Path],
+        digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    port = free_port()
+    cfg = write_config(model_repo("digits", "mobilenet"),
+                       f'[http]\nlisten = "127.0.0.1:{port}"\n[mqtt]\nenabled = false\n'
+                       '[limits]\nengine_pool = "shared"\nengine_threads = 2\n')
+    log = tmp_path / "edged.log"
+    x, y = digits_holdout
+    with edged_run(cfg, log, lambda: http_ok(port, "/v2/health/ready"), timeout=60):
+        with HttpClient(f"http://127.0.0.1:{port}") as c:
+            got = c.infer("digits", {"pixels": x[:50]})["probabilities"]
+            image = np.load(MODELS / "mobilenet" / "1" / "warmup.npz")["image"]
+            cnn = c.infer("mobilenet", {"image": image})["probabilities"]
+        text = log.read_text()
+    assert (got.argmax(axis=1) == y[:50]).mean() > 0.9
+    np.testing.assert_allclose(cnn, np.load(MODELS / "mobilenet" / "1" / "expected.npz")["probabilities"],
+                               rtol=1e-4, atol=1e-5)
+    assert "each engine's pool 2 thread(s) (ONNX Runtime in this process: one pool for every model" in text, \
+        text[-3000:]
+    assert " ERROR " not in text, text[-3000:]
