@@ -446,10 +446,11 @@ class LimitsSection(_Section):
                                 "wakes them)")
     engine_pool: Literal["per_model", "shared"] = Field(
         default="per_model", description="ONNX Runtime's threads in the daemon's process: per_model, a pool for "
-        "each model version (sized and spin-bounded as above); shared, one pool of engine_threads for all of them, "
-        "for devices that run several models in turn (a pipeline's steps): none waits for its own threads to "
-        "wake while the others spin, but the pool spins the library's ~24 ms after each run and "
-        "per-model threads no longer apply. Engines in worker processes keep a pool each")
+        "each model version (sized and spin-bounded as above); shared, one pool for all of them (engine_threads, "
+        "else the profile's threads, else the CPUs this process may use), for devices that run several models in "
+        "turn (a pipeline's steps): none waits for its own threads to wake while the others spin, but the pool "
+        "spins the library's ~24 ms after each run, a model's own intra_op_threads no longer applies, and "
+        "instances running at once share it. Engines in worker processes keep a pool each. Needs a restart")
     decode_threads: int = Field(default=0, ge=0, le=256, description="threads that decode and encode large "
                                 "requests off the transports' event loop; 0: half the CPUs this process may use "
                                 "(at least one). Two more are kept for control calls (model loads, file work)")

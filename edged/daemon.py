@@ -109,9 +109,7 @@ def build_runtime(cfg: Config, *, load: bool = True, only: str | None = None, de
     from edged.repository.seed import serving_repository
 
     repo = serving_repository(cfg.device.model_repository, cfg.device.model_seed)
-    if load and cfg.limits.engine_pool == "shared":  # before any session: the library fixes it per process
-        from edged.backends.onnxruntime import share_one_pool
-        share_one_pool(cfg.limits.engine_threads or profile.threads or constrained_cpus())
+    _share_engine_pool(cfg, profile)
     manager = ModelManager(repo, cfg.models, profile.backends, cache_dir=cache_dir,
                            threads=cfg.limits.engine_threads or profile.threads,
                            memory_budget_mb=profile.effective_memory_budget_mb(facts),
@@ -123,6 +121,17 @@ def build_runtime(cfg: Config, *, load: bool = True, only: str | None = None, de
         else:
             manager.load_all()
     return Runtime(cfg, facts, match, manager, InferenceService(manager, request_budget(cfg, profile, facts)))
+
+
+def _share_engine_pool(cfg: Config, profile: DeviceProfile) -> None:
+    """[limits] engine_pool, before the manager makes any session: ONNX Runtime fixes it per process."""
+    from edged.backends.onnxruntime import share_one_pool, shared_pool_threads
+
+    if cfg.limits.engine_pool == "shared":
+        share_one_pool(cfg.limits.engine_threads or profile.threads or constrained_cpus())
+    elif shared_pool_threads() is not None:
+        log.warning("[limits] engine_pool = \"per_model\" applies after a restart: this process's ONNX Runtime "
+                    "sessions already share one pool")
 
 
 def request_budget(cfg: Config, profile: DeviceProfile, facts: HardwareFacts) -> MemoryBudget:
@@ -297,7 +306,8 @@ class Daemon:
             self.runtime = loaded
             return False
         self.runtime = rt = loaded
-        log.info("%s", plan_threads(self.cfg.limits, rt.profile.threads).describe())
+        from edged.backends.onnxruntime import shared_pool_threads
+        log.info("%s", plan_threads(self.cfg.limits, rt.profile.threads, shared_pool_threads()).describe())
         ready = _ready(rt.service.versions())
         n.status(f"self-test of {len(ready)} model version(s) on profile {rt.profile.name}")
         failed = await asyncio.to_thread(self_test, rt.service, ready, SELF_TEST_TIMEOUT_S, self._stop_token)

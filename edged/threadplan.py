@@ -33,19 +33,22 @@ class ThreadPlan:
     reasons: tuple[str, ...]
     processes: int = 0  # CPU engines in this many worker processes each, sharing ``engine`` threads (0: in-process)
     spin_us: int = DEFAULT_SPIN_US  # idle engine threads spin this long before they sleep (-1: the library's own)
-    shared: bool = False  # ONNX Runtime's sessions in the daemon's process share one pool ([limits] engine_pool)
+    # ONNX Runtime's sessions in the daemon's process share one pool of this many threads (0: the library's
+    # default); None: a pool each ([limits] engine_pool, as the process really set it up)
+    shared_pool: int | None = None
 
     def describe(self) -> str:
         engine = f"{self.engine} thread(s)" if self.engine else "the engine's default (a thread per physical core)"
-        if self.shared:
-            engine += " (ONNX Runtime in this process: one pool for every model, spinning as the library does)"
         where = "" if not self.processes else (
             f", split over {self.processes} engine worker process(es) of "
             f"{threads_per_process(self.engine or self.cpus, self.processes)} thread(s) for CPU engines")
         spin = "the library's own" if self.spin_us < 0 else f"{self.spin_us} us"
+        shared = "" if self.shared_pool is None else (
+            f" (but ONNX Runtime in the daemon's process: one pool of {self.shared_pool or 'its default'} "
+            "thread(s) for every model, spinning as the library does)")
         return (f"threads: {self.cpus} usable CPU(s) ({'; '.join(self.reasons)}); each engine's pool {engine}"
-                f"{where}, idle after a spin of {spin}; {self.decode} decode worker(s) + {CONTROL_THREADS} "
-                "for control calls")
+                f"{where}, idle after a spin of {spin}{shared}; {self.decode} decode worker(s) + "
+                f"{CONTROL_THREADS} for control calls")
 
 
 
@@ -121,7 +124,7 @@ def decode_threads(limits: LimitsSection) -> int:
     return limits.decode_threads or max(1, usable_cpus() // 2)
 
 
-def plan_threads(limits: LimitsSection, profile_threads: int) -> ThreadPlan:
+def plan_threads(limits: LimitsSection, profile_threads: int, shared_pool: int | None = None) -> ThreadPlan:
     cpus = usable_cpus()
     quota = cgroup_cpu_quota()
     reasons = [f"cgroup CPU quota {quota}" if quota is not None and quota <= cpus else "affinity mask"]
@@ -135,4 +138,4 @@ def plan_threads(limits: LimitsSection, profile_threads: int) -> ThreadPlan:
         engine = constrained_cpus()
     return ThreadPlan(cpus=cpus, engine=engine, decode=decode_threads(limits), reasons=tuple(reasons),
                       processes=engine_processes(limits, cpus), spin_us=limits.engine_spin_us,
-                      shared=limits.engine_pool == "shared")
+                      shared_pool=shared_pool)

@@ -38,6 +38,7 @@ _SPIN_KEY = "session.intra_op.spin_duration_us"  # ONNX Runtime 1.2x+; older ver
 # The threads of this process's one shared pool once share_one_pool made it (0: a thread per physical
 # core); None: every session has a pool of its own.
 _shared_pool: int | None = None
+_told_unshared: set[str] = set()  # variants whose own intra_op_threads the shared pool overrides, warned once
 
 
 def share_one_pool(threads: int) -> bool:
@@ -47,23 +48,39 @@ def share_one_pool(threads: int) -> bool:
     Several models run in turn (a pipeline's steps, a detector and its classifier) then find the
     pool's threads awake instead of waking their own while the others' spin beside them. ONNX Runtime
     makes the choice for the whole process and for good: a session with a pool of its own is refused
-    from then on, sessions' own thread and spin settings no longer apply, and the pool spins as the
-    library does (it has no bound for it). False when ONNX Runtime is not installed.
+    from then on (make options with :func:`session_options`), sessions' own thread and spin settings no
+    longer apply, and the pool spins as the library does (it has no bound for it). False when ONNX
+    Runtime is not installed.
     """
     global _shared_pool
     try:
         ort = _import()
-    except EngineUnavailableError:
+    except EngineUnavailableError as e:
+        log.warning("[limits] engine_pool = \"shared\" has nothing to share: %s", e)
         return False
     if _shared_pool is None:
         ort.set_global_thread_pool_sizes(threads, 1)
         _shared_pool = threads
+        log.info("ONNX Runtime: one pool of %s thread(s) for every session in this process, spinning as the "
+                 "library does", threads or "the library's default number of")
+    elif _shared_pool != threads:
+        log.warning("ONNX Runtime: this process already shares a pool of %s thread(s); %d asked for now "
+                    "applies after a restart", _shared_pool or "the library's default number of", threads)
     return True
 
 
 def shared_pool_threads() -> int | None:
     """The shared pool's size (0: the library's default), None when sessions have pools of their own."""
     return _shared_pool
+
+
+def session_options() -> Any:
+    """Options for a new session in this process: on the shared pool when there is one (a session with
+    a pool of its own would be refused then). Raises EngineUnavailableError without ONNX Runtime."""
+    opts = _import().SessionOptions()
+    if _shared_pool is not None:
+        opts.use_per_session_threads = False
+    return opts
 
 
 def _intra_op_threads(request: LoadRequest) -> int:
@@ -170,13 +187,13 @@ class OnnxRuntimeBackend(Backend):
             raise ModelLoadError(
                 f"{request.label}: none of the providers {accelerated} is available in this ONNX Runtime "
                 f"(available: {sorted(available)})")
-        opts = ort.SessionOptions()
+        opts = session_options()
         if _shared_pool is not None:  # the process's one pool: its size and spin are set for all
-            opts.use_per_session_threads = False
-            if options.intra_op_threads is not None:
+            if options.intra_op_threads is not None and request.label not in _told_unshared:
+                _told_unshared.add(request.label)
                 log.warning("%s: intra_op_threads = %d not applied: ONNX Runtime's sessions share one pool of "
                             "%s thread(s) ([limits] engine_pool = \"shared\")", request.label,
-                            options.intra_op_threads, _shared_pool or "the library's default")
+                            options.intra_op_threads, _shared_pool or "the library's default number of")
         else:
             explicit = options.intra_op_threads
             threads = explicit if explicit is not None else _intra_op_threads(request)

@@ -296,6 +296,10 @@ class ModelLoader:
         """The selection key a measurement of these candidates is remembered under."""
         manifest = mv.manifest
         libraries = {c.backend: _library_version(c.backend) for c in cands}
+        from edged.backends.onnxruntime import shared_pool_threads
+        pool = shared_pool_threads()
+        if pool is not None and "onnxruntime" in libraries:  # measured on the shared pool: another setup
+            libraries["onnxruntime"] += f"; one pool of {pool} for the process"
         return selection_key(mv.name, mv.version, cands, libraries, threads=self.threads,
                              batch_sizes=batch_sizes_for(manifest), workload=workload_digest(mv),
                              instances=manifest.instances.count,

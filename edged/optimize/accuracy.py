@@ -64,7 +64,9 @@ class Recovery:
 def _session(model: Any) -> Any:
     import onnxruntime as ort
 
-    opts = ort.SessionOptions()
+    from edged.backends.onnxruntime import session_options
+
+    opts = session_options()
     opts.log_severity_level = 3
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep every tensor
     return ort.InferenceSession(model.SerializeToString(), sess_options=opts, providers=["CPUExecutionProvider"])

@@ -70,7 +70,9 @@ def inspect_onnx(path: Path, max_batch_size: int | None) -> ModelIO:
     """
     import onnxruntime as ort
 
-    opts = ort.SessionOptions()
+    from edged.backends.onnxruntime import session_options
+
+    opts = session_options()
     opts.log_severity_level = 3
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     try:

@@ -56,7 +56,9 @@ def model_opset(model: Any) -> int:
 def _session(path_or_bytes: Path | bytes) -> Any:
     import onnxruntime as ort
 
-    opts = ort.SessionOptions()
+    from edged.backends.onnxruntime import session_options
+
+    opts = session_options()
     opts.log_severity_level = 3
     src = str(path_or_bytes) if isinstance(path_or_bytes, Path) else path_or_bytes
     return ort.InferenceSession(src, sess_options=opts, providers=["CPUExecutionProvider"])

@@ -187,21 +187,27 @@ def test_models_share_one_engine_pool_when_told(mode: str) -> None:
 def test_a_daemon_told_to_share_one_pool_serves_its_models_on_it(
         tmp_path: Path, model_repo: Callable[..., Path], write_config: Callable[..., Path],
         digits_holdout: tuple[np.ndarray, np.ndarray]) -> None:
+    """The generic profile (ONNX Runtime on the CPU, as OpenVINO would otherwise serve both here): the
+    daemon makes the pool before its first session, says so, and serves both models on it."""
     port = free_port()
     cfg = write_config(model_repo("digits", "mobilenet"),
-                       f'[http]\nlisten = "127.0.0.1:{port}"\n[mqtt]\nenabled = false\n'
+                       f'profile = "generic"\n[http]\nlisten = "127.0.0.1:{port}"\n[mqtt]\nenabled = false\n'
                        '[limits]\nengine_pool = "shared"\nengine_threads = 2\n')
     log = tmp_path / "edged.log"
     x, y = digits_holdout
     with edged_run(cfg, log, lambda: http_ok(port, "/v2/health/ready"), timeout=60):
         with HttpClient(f"http://127.0.0.1:{port}") as c:
+            backends = {m: c.config(m)["backend"] for m in ("digits", "mobilenet")}
             got = c.infer("digits", {"pixels": x[:50]})["probabilities"]
             image = np.load(MODELS / "mobilenet" / "1" / "warmup.npz")["image"]
             cnn = c.infer("mobilenet", {"image": image})["probabilities"]
         text = log.read_text()
+    assert backends == {"digits": "onnxruntime", "mobilenet": "onnxruntime"}, backends
     assert (got.argmax(axis=1) == y[:50]).mean() > 0.9
     np.testing.assert_allclose(cnn, np.load(MODELS / "mobilenet" / "1" / "expected.npz")["probabilities"],
                                rtol=1e-4, atol=1e-5)
-    assert "each engine's pool 2 thread(s) (ONNX Runtime in this process: one pool for every model" in text, \
+    made, plan = text.find("ONNX Runtime: one pool of 2 thread(s) for every session"), text.find("threads: ")
+    assert 0 <= made < text.find("model=digits version=1 loading"), text[-3000:]  # before the first session
+    assert "(but ONNX Runtime in the daemon's process: one pool of 2 thread(s) for every model" in text[plan:], \
         text[-3000:]
     assert " ERROR " not in text, text[-3000:]
