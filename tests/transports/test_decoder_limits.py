@@ -29,7 +29,7 @@ from tests.polling import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
-HEALTH_BOUND_S = 0.050
+HEALTH_BOUND_S = 0.250  # allocating what such a request declares blocks the loop for seconds
 RSS_BOUND = 10 * 2**20
 
 
@@ -111,7 +111,7 @@ def attack_rounds(port: int, attack: Callable[[], None], what: str) -> None:
     """Run ``attack`` while probing health; up to three rounds for the latency bound.
 
     A decoder that allocates what a request declares blocks the loop for seconds in every round;
-    a 2-core machine shared with other work can delay one probe past 50 ms now and then, but not
+    a 2-core machine shared with other work can delay one probe past the bound now and then, but not
     in three rounds running. The peak RSS counts every round.
     """
     worst: list[float] = []

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from tritonclient.utils import InferenceServerException
 from edged.client.http import HttpClient
 from edged.config import parse_config
 from edged.protocol.types import InferRequest
+from edged.transports.v2_ops import LOOP_INLINE_MAX_NS
 from tests.http_helpers import TOKEN, Segment, Served, copy_models, held_engine, in_process, served
 from tests.mqtt_helpers import make_test_ca
 from tests.polling import wait_until
@@ -232,13 +233,15 @@ def test_stream_answers_each_request_once_in_order_with_errors_in_place(
     np.testing.assert_allclose(got[5][0].as_numpy("probabilities"), in_process(srv, "digits", row), rtol=1e-5)
 
 
-def _ping_pong_stream(triton: tg.InferenceServerClient, x: np.ndarray, ids: range) -> list[np.ndarray]:
+def _ping_pong_stream(triton: tg.InferenceServerClient, x: np.ndarray, ids: range,
+                      before_each: Callable[[int], None] = lambda i: None) -> list[np.ndarray]:
     """Requests on one stream, each sent once the previous one is answered."""
     answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
     triton.start_stream(callback=lambda result, error: answers.put((result, error)))
     got: list[np.ndarray] = []
     try:
         for i in ids:
+            before_each(i)
             triton.async_stream_infer("digits", [digits_request(x[i:i + 1])], request_id=str(i))
             result, error = answers.get(timeout=60)
             assert error is None and result.get_response().id == str(i)
@@ -281,9 +284,16 @@ def test_lone_requests_run_on_the_loop_and_concurrent_or_pipelined_ones_are_queu
     batches them; every answer is the in-process one, counted once."""
     x, _ = digits_holdout
     want = in_process(srv, "digits", x[:40])
+    sched = srv.service.ready_model("digits").scheduler
+    assert sched is not None
+    short_enough = [0]  # requests the loop may run: a host stall (a 30 us run once took 50 ms on a loaded
+
+    def count(i: int) -> None:  # CI machine) lifts the run-time average over the loop's limit for ~8 runs
+        short_enough[0] += sched.short_enough(x[i:i + 1].nbytes, LOOP_INLINE_MAX_NS)
+
     # The batcher remembers concurrent arrivals (the tests before) for a moment: serve until one runs inline.
     deadline = time.monotonic() + 30
-    while True:
+    while sched.short_enough(x[:1].nbytes, LOOP_INLINE_MAX_NS):
         before = srv.service.statistics("digits")[0]
         triton.infer("digits", [digits_request(x[:1])])
         if srv.service.statistics("digits")[0]["inline_count"] > before["inline_count"]:
@@ -291,15 +301,20 @@ def test_lone_requests_run_on_the_loop_and_concurrent_or_pipelined_ones_are_queu
         assert time.monotonic() < deadline, "no lone request ran inline in 30 s"
     before = srv.service.statistics("digits")[0]
     for i in range(20):
+        count(i)
         got = triton.infer("digits", [digits_request(x[i:i + 1])]).as_numpy("probabilities")
         np.testing.assert_allclose(got[0], want[i], rtol=1e-5, atol=1e-6)
     serial = srv.service.statistics("digits")[0]
-    assert serial["inline_count"] - before["inline_count"] == 20
+    assert short_enough[0] >= 5, "the host stalled the engine through most of the requests"
+    assert serial["inline_count"] - before["inline_count"] == short_enough[0]
 
-    np.testing.assert_allclose(_ping_pong_stream(triton, x, range(20, 40)), want[20:40],
+    short_enough[0] = 0
+    np.testing.assert_allclose(_ping_pong_stream(triton, x, range(20, 40), count), want[20:40],
                                rtol=1e-5, atol=1e-6)
     streamed = srv.service.statistics("digits")[0]
-    assert streamed["inline_count"] - serial["inline_count"] == 20, "a ping-pong stream's requests were queued"
+    assert short_enough[0] >= 5, "the host stalled the engine through most of the requests"
+    assert streamed["inline_count"] - serial["inline_count"] == short_enough[0], \
+        "a ping-pong stream's requests were queued"
 
     # A stream written ahead of its answers (all of it arrives while the first request is in the engine):
     # the first may run on the loop, every later one is read before the answer to the one before it has
