@@ -841,7 +841,8 @@ def test_mqtt_nudge_makes_the_device_poll_at_once(tmp_path: Path, world: World) 
             server.stop()
 
 
-def test_a_flood_of_nudges_does_not_make_the_device_hammer_its_registry(tmp_path: Path, world: World) -> None:
+def test_a_flood_of_nudges_does_not_make_the_device_hammer_its_registry(tmp_path: Path, world: World,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A nudge carries no authority, only timing, and anyone who may publish on the fleet's nudge topic can
     send it: 100 nudges in 3 s made a device poll its registry back to back (one round every ~0.5 s, and
     past any back-off); a fleet does that all at once. Nudged polls are at least NUDGE_SPACING_S apart."""
@@ -849,9 +850,19 @@ def test_a_flood_of_nudges_does_not_make_the_device_hammer_its_registry(tmp_path
     from paho.mqtt.enums import CallbackAPIVersion
 
     from edged.protocol.fleet.nudge import fleet_topic
-    from edged.sync.agent import NUDGE_SPACING_S
+    from edged.sync.agent import NUDGE_SPACING_S, SyncAgent
     from tests.mqtt_helpers import running_broker
 
+    # When each poll round starts (the one at start included): the spacing is measured on these, not on
+    # a count after a fixed sleep (a nudged poll is due up to NUDGE_SPACING_S after the last round ended).
+    starts: list[float] = []
+    one_round = SyncAgent._round
+
+    async def timed_round(self: SyncAgent) -> float | None:
+        starts.append(time.monotonic())
+        return await one_round(self)
+
+    monkeypatch.setattr(SyncAgent, "_round", timed_round)
     with running_broker(tmp_path / "mqtt") as broker:
         case = Case("flood", "dev-flood", tmp_path, world)
         case.push(1)
@@ -867,14 +878,16 @@ def test_a_flood_of_nudges_does_not_make_the_device_hammer_its_registry(tmp_path
         try:
             wait_for(lambda: committed(dev, case.model, r1), 30, 0.05, "release 1 (first poll at start)")
             time.sleep(0.5)  # sleep-ok: the nudge subscription is up (its SUBACK shows nowhere outside)
-            before, t0 = dev.agent.cycles, time.monotonic()
+            before, t0 = len(starts), time.monotonic()
             while time.monotonic() - t0 < 3.0:
                 pub.publish(fleet_topic("edged"), b"{}", qos=0)
                 time.sleep(0.03)  # sleep-ok: the flood's pace
-            time.sleep(1.5)  # sleep-ok: a nudge's poll starts within a second of it
-            polls, spent = dev.agent.cycles - before, time.monotonic() - t0
+            wait_for(lambda: len(starts) > before, 15, 0.05, "a poll after the nudges")
+            polls, spent = len(starts) - before, time.monotonic() - t0
             allowed = 1 + int(spent / NUDGE_SPACING_S)
-            assert 1 <= polls <= allowed, f"{polls} polls in {spent:.1f} s of nudges (at most {allowed})"
+            gaps = [round(b - a, 2) for a, b in itertools.pairwise(starts)]
+            assert polls <= allowed, f"{polls} polls in {spent:.1f} s of nudges (at most {allowed}), {gaps = }"
+            assert min(gaps) >= NUDGE_SPACING_S - 0.05, f"poll rounds {gaps} s apart"
         finally:
             pub.loop_stop()
             pub.disconnect()

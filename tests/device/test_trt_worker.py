@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -137,9 +136,12 @@ def test_worker_runs_under_python_3_8(worker_py: tuple[Path, bool], tmp_path: Pa
         engine.unload()
 
 
-def test_serves_through_the_daemon_and_survives_a_kill_mid_request(worker_py: tuple[Path, bool],
-                                                                   tmp_path: Path) -> None:
+def test_serves_through_the_daemon_and_survives_a_kill_mid_request(worker_py: tuple[Path, bool], tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     python, _ = worker_py
+    # The worker inherits the daemon's environment (-E drops only PYTHON*): the stall says when it has begun.
+    stalled = tmp_path / "stalled"
+    monkeypatch.setenv("EDGED_STANDIN_STALL_MARKER", str(stalled))
     rng = np.random.default_rng(7)
     with _daemon(tmp_path, python) as sock, ShmClient(sock) as client:
         x = rng.standard_normal((5, 4)).astype(np.float32)
@@ -159,7 +161,7 @@ def test_serves_through_the_daemon_and_survives_a_kill_mid_request(worker_py: tu
 
         t = threading.Thread(target=send)
         t.start()
-        time.sleep(0.5)  # sleep-ok: the request reaches the hung engine; only the worker could tell
+        wait_for(lambda: stalled.read_text() == str(first), timeout=60, what="the request to hang in the worker")
         assert t.is_alive(), "the stalled request returned before the worker was killed"
         os.kill(first, signal.SIGKILL)
         t.join(30)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import threading
 import time
 from pathlib import Path
 
@@ -95,7 +94,8 @@ def test_fan_out_split_over_the_classifiers_batch(tmp_path: Path) -> None:
 
 def test_request_deadline_reaches_the_model_step(tmp_path: Path) -> None:
     """A pipeline request whose model call waits behind a held engine past the request's deadline
-    fails with a deadline error; the same wait without a deadline is answered."""
+    fails with a deadline error; the same wait without a deadline is answered. The deadline leaves
+    the pipeline time to start its model step on a loaded machine (it refuses a step once it passed)."""
     from tests.http_helpers import held_engine
     repo = tmp_path / "repo"
     shutil.copytree(MODELS / "digits", repo / "digits")
@@ -108,16 +108,17 @@ def test_request_deadline_reaches_the_model_step(tmp_path: Path) -> None:
         with held_engine(service, "digits") as entered:
             first = service.submit(InferRequest(model="digits", inputs={"pixels": x}))
             assert entered.wait(60)
-            late = service.submit(InferRequest(model="top_digit", inputs={"x": x},
-                                               deadline=time.monotonic() + 0.3))
+            late_by = time.monotonic() + 2.0
+            late = service.submit(InferRequest(model="top_digit", inputs={"x": x}, deadline=late_by))
             patient = service.submit(InferRequest(model="top_digit", inputs={"x": x}))
             deadline = time.monotonic() + 60
             while mv.scheduler.queued < 2:  # both pipeline requests wait in the model's queue
                 assert time.monotonic() < deadline, "pipeline requests never reached the model's queue"
                 time.sleep(0.01)
-            threading.Event().wait(0.5)  # sleep-ok: past the first one's deadline, still held
+            while time.monotonic() <= late_by:  # the first one's deadline passes, the engine still held
+                time.sleep(0.01)
         first.result(60)
-        with pytest.raises(DeadlineExceededError):
+        with pytest.raises(DeadlineExceededError, match="model 'digits'"):  # the model step's, not the next step's
             late.result(60)
         assert patient.result(60).outputs["top"].shape == (1, 1)
 
@@ -125,7 +126,8 @@ def test_request_deadline_reaches_the_model_step(tmp_path: Path) -> None:
 def test_model_step_does_not_outlive_the_request_deadline(tmp_path: Path) -> None:
     """A pipeline request whose model step is still queued behind a held engine when the request's
     deadline passes fails then, while the engine is still held, not when the engine lets go; the
-    model then drops the step unstarted, as a late request of its own."""
+    model then drops the step unstarted, as a late request of its own. The deadline leaves the
+    pipeline time to start its model step on a loaded machine (it refuses a step once it passed)."""
     from tests.http_helpers import held_engine
     repo = tmp_path / "repo"
     shutil.copytree(MODELS / "digits", repo / "digits")
@@ -133,14 +135,22 @@ def test_model_step_does_not_outlive_the_request_deadline(tmp_path: Path) -> Non
     (repo / "top_digit" / "1" / "pipeline.toml").write_text(DIGITS_PIPELINE)
     x = np.ones((1, 64), np.float32)
     with served(repo) as service:
-        stats = service.ready_model("digits").stats
-        assert stats is not None
+        mv = service.ready_model("digits")
+        stats = mv.stats
+        assert stats is not None and mv.scheduler is not None
         with held_engine(service, "digits") as entered:
             first = service.submit(InferRequest(model="digits", inputs={"pixels": x}))
             assert entered.wait(60)
+            late_by = time.monotonic() + 2.0
+            late = service.submit(InferRequest(model="top_digit", inputs={"x": x}, deadline=late_by))
+            deadline = time.monotonic() + 60
+            while mv.scheduler.queued < 1:  # the pipeline's model step waits in the model's queue
+                assert time.monotonic() < deadline, "the pipeline request never reached the model's queue"
+                time.sleep(0.01)
+            while time.monotonic() <= late_by:  # its deadline passes, the engine still held
+                time.sleep(0.01)
             with pytest.raises(DeadlineExceededError, match="deadline"):
-                service.submit(InferRequest(model="top_digit", inputs={"x": x},
-                                            deadline=time.monotonic() + 0.5)).result(30)
+                late.result(30)
             assert not first.done(), "the engine was let go before the pipeline request failed"
         first.result(60)
         deadline = time.monotonic() + 60

@@ -4,7 +4,9 @@ The real bindings run on hardware; this module lets the worker's own code (proto
 segments, supervision) run for real here. A "plan" is JSON: named inputs/outputs and
 an affine layer ``y = x @ weight + bias``. ``stall_value``: when the first input
 element equals it, execution hangs (a stand-in for a stuck GPU), so tests can kill
-the worker mid-request. Python 3.8 compatible, like the worker.
+the worker mid-request; with ``EDGED_STANDIN_STALL_MARKER`` set it first writes its pid
+to that file, so a test knows the request reached the engine instead of guessing by a
+sleep. Python 3.8 compatible, like the worker.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import json
+import os
 import time
 from typing import Any
 
@@ -19,6 +22,7 @@ import numpy as np
 
 __version__ = "8.5.2-standin"
 EDGED_STANDIN_HOST_POINTERS = True  # addresses are host memory: no CUDA here
+STALL_MARKER_ENV = "EDGED_STANDIN_STALL_MARKER"  # a file the stall writes its pid to before it hangs
 
 
 class Logger:
@@ -120,6 +124,10 @@ class IExecutionContext:
         x = self._array(x_name)
         stall = self.engine.spec.get("stall_value")
         if stall is not None and x.size and float(x.flat[0]) == float(stall):
+            marker = os.environ.get(STALL_MARKER_ENV)
+            if marker:
+                with open(marker, "w") as f:
+                    f.write(str(os.getpid()))
             time.sleep(3600)  # sleep-ok: an engine that hangs, for the supervisor to kill
         np.matmul(x, self.engine.weight, out=self._array(y_name))
         self._array(y_name)[...] += self.engine.bias
