@@ -50,14 +50,21 @@ def _watch(loop: asyncio.AbstractEventLoop) -> list[dict[str, Any]]:
     return reported
 
 
+async def _a_load_under_way() -> tuple[asyncio.AbstractEventLoop, list[dict[str, Any]], _SlowFailingLoads,
+                                       ModelControl, asyncio.Future[None]]:
+    """A caller awaiting a load asked for over a transport, the load inside its engine call."""
+    loop = asyncio.get_running_loop()
+    reported = _watch(loop)
+    loads = _SlowFailingLoads()
+    control = ModelControl()
+    caller = asyncio.ensure_future(control.run(cast(InferenceService, loads), "digits", "load"))
+    await asyncio.to_thread(loads.entered.wait, 10)
+    return loop, reported, loads, control, caller
+
+
 def test_a_stop_answers_the_waiting_caller_and_the_load_fails_later_unheard() -> None:
     async def scenario() -> list[dict[str, Any]]:
-        loop = asyncio.get_running_loop()
-        reported = _watch(loop)
-        loads = _SlowFailingLoads()
-        control = ModelControl()
-        caller = asyncio.ensure_future(control.run(cast(InferenceService, loads), "digits", "load"))
-        await asyncio.to_thread(loads.entered.wait, 10)
+        loop, reported, loads, control, caller = await _a_load_under_way()
         control.stop()
         with pytest.raises(EdgedError) as err:
             await asyncio.wait_for(caller, 5)
@@ -71,12 +78,7 @@ def test_a_stop_answers_the_waiting_caller_and_the_load_fails_later_unheard() ->
 
 def test_a_caller_that_goes_away_leaves_the_load_running_and_its_error_retrieved() -> None:
     async def scenario() -> list[dict[str, Any]]:
-        loop = asyncio.get_running_loop()
-        reported = _watch(loop)
-        loads = _SlowFailingLoads()
-        control = ModelControl()
-        caller = asyncio.ensure_future(control.run(cast(InferenceService, loads), "digits", "load"))
-        await asyncio.to_thread(loads.entered.wait, 10)
+        loop, reported, loads, control, caller = await _a_load_under_way()
         caller.cancel()  # what a transport does when the client's connection drops
         with pytest.raises(asyncio.CancelledError):
             await caller
