@@ -197,12 +197,14 @@ def test_a_daemon_told_to_share_one_pool_serves_its_models_on_it(
     x, y = digits_holdout
     with edged_run(cfg, log, lambda: http_ok(port, "/v2/health/ready"), timeout=60):
         with HttpClient(f"http://127.0.0.1:{port}") as c:
-            backends = {m: c.config(m)["backend"] for m in ("digits", "mobilenet")}
+            configs = {m: c.config(m) for m in ("digits", "mobilenet")}
             got = c.infer("digits", {"pixels": x[:50]})["probabilities"]
             image = np.load(MODELS / "mobilenet" / "1" / "warmup.npz")["image"]
             cnn = c.infer("mobilenet", {"image": image})["probabilities"]
         text = log.read_text()
-    assert backends == {"digits": "onnxruntime", "mobilenet": "onnxruntime"}, backends
+    for m, conf in configs.items():  # served by ONNX Runtime, each on the process's one pool
+        pool = conf["parameters"].get("edged_engine_pool", {}).get("string_value")
+        assert (conf["backend"], pool) == ("onnxruntime", "shared by the process"), (m, conf["parameters"])
     assert (got.argmax(axis=1) == y[:50]).mean() > 0.9
     np.testing.assert_allclose(cnn, np.load(MODELS / "mobilenet" / "1" / "expected.npz")["probabilities"],
                                rtol=1e-4, atol=1e-5)

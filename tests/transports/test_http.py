@@ -103,6 +103,9 @@ def test_model_metadata_and_config(triton: th.InferenceServerClient) -> None:
     assert cfg["instance_group"][0]["kind"] == "KIND_CPU" and cfg["instance_group"][0]["count"] == 1
     assert cfg["version_policy"] == {"latest": {"num_versions": 1}}
     assert triton.get_model_config("mobilenet", "1")["input"][0]["dims"] == [3, 48, 192]
+    threads = {k: v["string_value"] for k, v in cfg["parameters"].items() if k.startswith("edged_engine_")}
+    assert threads["edged_engine_pool"] == "per session" and threads["edged_engine_spin_us"] == "2000", threads
+    assert int(threads["edged_engine_intra_op_threads"]) >= 0, threads
 
 
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])

@@ -49,6 +49,20 @@ def _tensor(spec: TensorSpec, *, output: bool) -> dict[str, Any]:
     return entry
 
 
+# What the serving engine says of its threads (edged.threadplan, [limits] engine_*): a model's runs are
+# only as fast as the pool it got, and a shared or per-model pool, its spin and worker processes are set
+# per daemon and per engine, so an operator reads here what applies to this version.
+_THREAD_FIELDS = ("pool", "intra_op_threads", "threads", "streams", "spin_us", "engine_processes")
+
+
+def _engine_threads(mv: ModelVersion) -> dict[str, dict[str, str]]:
+    engine = mv.engine
+    if engine is None:
+        return {}
+    described = engine.describe()
+    return {f"edged_engine_{k}": {"string_value": str(described[k])} for k in _THREAD_FIELDS if k in described}
+
+
 def model_config(mv: ModelVersion, policy: VersionPolicy) -> dict[str, Any]:
     """The Triton ``ModelConfig`` message as JSON for one loaded (or failed) version."""
     manifest = mv.entry.manifest
@@ -96,6 +110,7 @@ def model_config(mv: ModelVersion, policy: VersionPolicy) -> dict[str, Any]:
             "edged_device": {"string_value": device},
             "edged_precision": {"string_value": cand.precision if cand else ""},
             "edged_state": {"string_value": mv.state.value},
+            **_engine_threads(mv),
         },
         "model_warmup": [],
     }
