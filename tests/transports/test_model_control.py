@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 from typing import Any, cast
 
 import pytest
@@ -37,10 +38,11 @@ async def _orphan_errors_after(loads: _SlowFailingLoads, loop: asyncio.AbstractE
     """Let the load fail, wait for its thread and task to end, collect garbage: what asyncio reported."""
     loads.release.set()
     await asyncio.to_thread(loads.ended.wait, 10)
-    for _ in range(20):  # the worker's result reaches the loop a few callbacks later
+    current, deadline = asyncio.current_task(), time.monotonic() + 10
+    while any(t is not current and not t.done() for t in asyncio.all_tasks()):  # the load's task ends
+        assert time.monotonic() < deadline, "the load's task never ended"
         await asyncio.sleep(0.01)
-    gc.collect()
-    await asyncio.sleep(0)
+    gc.collect()  # a task nobody retrieved reports its error from its finalizer, at once
     return [r for r in reported if "never retrieved" in str(r.get("message", ""))]
 
 
