@@ -30,7 +30,6 @@ from edged.config import Config, load_config
 from edged.core.manager import ModelManager
 from edged.core.model_versions import ModelState, ModelVersion
 from edged.core.service import InferenceService
-from edged.cpus import constrained_cpus
 from edged.errors import ConfigError, EdgedError
 from edged.fsutil import ensure_private_dir
 from edged.hardware.facts import HardwareFacts
@@ -127,8 +126,8 @@ def _share_engine_pool(cfg: Config, profile: DeviceProfile) -> None:
     """[limits] engine_pool, before the manager makes any session: ONNX Runtime fixes it per process."""
     from edged.backends.onnxruntime import share_one_pool, shared_pool_threads
 
-    if cfg.limits.engine_pool == "shared":
-        share_one_pool(cfg.limits.engine_threads or profile.threads or constrained_cpus())
+    if cfg.limits.engine_pool == "shared":  # the size any engine's own pool would have had
+        share_one_pool(plan_threads(cfg.limits, profile.threads).engine)
     elif shared_pool_threads() is not None:
         log.warning("[limits] engine_pool = \"per_model\" applies after a restart: this process's ONNX Runtime "
                     "sessions already share one pool")

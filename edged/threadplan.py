@@ -51,7 +51,6 @@ class ThreadPlan:
                 f"{CONTROL_THREADS} for control calls")
 
 
-
 class WorkerPool(ThreadPoolExecutor):
     """The loop's worker pool, whose shutdown can be told not to wait for a call that cannot end soon.
 
